@@ -1,0 +1,55 @@
+"""Fine-tune a Mixtral-style MoE model with expert parallelism.
+
+    python run_finetune_ep.py                      # tiny model, embedded data, CPU or GPU
+    torchrun --nproc_per_node=2 run_finetune_ep.py --config configs/tiny.yaml --tier loop --ep-size 2
+    python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier grouped_linear --steps 20
+
+Any config key can be overridden: `--lr 1e-4`, `--train.steps 10`, `--model.num_hidden_layers 4`.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from te_mixtral.config import load_config
+from te_mixtral.errors import UserError
+from te_mixtral.parallel import shutdown, world_size_from_env
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
+    args, rest = parser.parse_known_args(argv)
+    overrides = {}
+    while rest:
+        flag = rest.pop(0)
+        if not flag.startswith("--") or len(flag) == 2:
+            raise UserError(f"expected --key value, got '{flag}'")
+        key, eq, value = flag[2:].partition("=")
+        if not eq:
+            if not rest or rest[0].startswith("--"):
+                raise UserError(f"--{key} needs a value")
+            value = rest.pop(0)
+        overrides[key] = value
+    return args, overrides
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args, overrides = parse_args(argv)
+        cfg = load_config(args.config, overrides, world_size=world_size_from_env())
+    except UserError as e:
+        print(f"te_mixtral: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from te_mixtral.train import main as train_main  # after validation: a bad flag fails fast
+
+    try:
+        return train_main(cfg)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

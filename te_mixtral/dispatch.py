@@ -1,0 +1,109 @@
+"""Token dispatch: send each routed token copy to the rank that owns its expert, and back.
+
+Shape legend: T tokens on this rank, K top-k, D model dim, E experts in the model,
+L experts local to this rank (E / EP), P = EP ranks in the EP group, R rows received.
+
+One MoE layer does
+
+    permute  : the T*K token copies, sorted by global expert (so by destination rank)
+    exchange : all_to_all_single with uneven splits; rows arrive grouped by source rank,
+               then by local expert within each source
+    regroup  : reorder the received rows by local expert, the layout every tier expects
+    ... the expert tier runs on x_RD ...
+    and the inverse of each step, then a weighted sum of each token's K expert outputs.
+
+The only host synchronisation is the split sizes all_to_all_single needs on the host; a
+single-rank group skips the exchange entirely and stays sync-free.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DispatchOutput:
+    x_RD: torch.Tensor  # rows for the local experts, sorted by local expert
+    tokens_per_expert_L: torch.Tensor  # int64, on the rows' device
+    # What `combine` needs to undo the dispatch:
+    order_TK: torch.Tensor  # token copies sorted by global expert: index into the flat T*K copies
+    weights_TK: torch.Tensor  # routing weights, float32
+    regroup_R: torch.Tensor | None  # received row order -> local-expert order (None: no exchange)
+    send_splits: list[int] | None
+    recv_splits: list[int] | None
+
+
+class TokenDispatcher(Protocol):
+    def dispatch(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> DispatchOutput: ...
+
+    def combine(self, y_RD: torch.Tensor, state: DispatchOutput) -> torch.Tensor: ...
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; its backward is the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        send_splits, recv_splits = ctx.splits
+        grad_in = grad_out.new_empty((sum(send_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+class AllToAllDispatcher:
+    """Expert-parallel dispatch over an EP group; with one rank it is a local permutation."""
+
+    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: dist.ProcessGroup | None):
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.local_experts = num_experts // ep_size
+        self.first_local_expert = ep_rank * self.local_experts
+        self.group = group
+
+    def dispatch(self, x_TD, experts_TK, weights_TK) -> DispatchOutput:
+        top_k = experts_TK.shape[1]
+        # Stable sort keeps a token's copies in token order within each expert, so every
+        # run routes rows identically (the same seed gives the same per-expert row order).
+        order_TK = torch.argsort(experts_TK.flatten(), stable=True)
+        x_sorted = x_TD[order_TK // top_k]
+        tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        if self.ep_size == 1:
+            return DispatchOutput(x_sorted, tokens_per_expert_E, order_TK, weights_TK, None, None, None)
+
+        # Each rank learns how many rows it receives for each local expert from each source.
+        recv_counts_PL = torch.empty_like(tokens_per_expert_E)
+        dist.all_to_all_single(recv_counts_PL, tokens_per_expert_E, group=self.group)
+        recv_counts_PL = recv_counts_PL.view(self.ep_size, self.local_experts)
+        send_splits = tokens_per_expert_E.view(self.ep_size, self.local_experts).sum(1).tolist()
+        recv_splits = recv_counts_PL.sum(1).tolist()
+        x_recv = _AllToAll.apply(x_sorted, send_splits, recv_splits, self.group)
+
+        local_expert_R = torch.repeat_interleave(
+            torch.arange(self.local_experts, device=x_TD.device).repeat(self.ep_size), recv_counts_PL.flatten()
+        )
+        regroup_R = torch.argsort(local_expert_R, stable=True)
+        return DispatchOutput(
+            x_recv[regroup_R], recv_counts_PL.sum(0), order_TK, weights_TK, regroup_R, send_splits, recv_splits
+        )
+
+    def combine(self, y_RD, state: DispatchOutput) -> torch.Tensor:
+        if state.regroup_R is not None:
+            y_recv = torch.empty_like(y_RD)
+            y_recv[state.regroup_R] = y_RD
+            y_RD = _AllToAll.apply(y_recv, state.recv_splits, state.send_splits, self.group)
+        num_copies, top_k = state.weights_TK.numel(), state.weights_TK.shape[1]
+        # Un-sort: row i of y_RD is token copy order_TK[i].
+        y_copies = torch.empty_like(y_RD)
+        y_copies[state.order_TK] = y_RD
+        # Weight in float32 like Hugging Face does, then sum each token's K copies.
+        weighted = y_copies.float() * state.weights_TK.reshape(num_copies, 1)
+        return weighted.view(num_copies // top_k, top_k, -1).sum(1).to(y_RD.dtype)

@@ -1,0 +1,144 @@
+"""A Mixtral decoder whose numerics equal Hugging Face `MixtralForCausalLM`.
+
+Shape legend: B samples, S sequence length, D model dim, H query heads, G key/value heads,
+Hd head dim, V vocabulary.
+
+Parameter names follow transformers v5 (`model.layers.N.mlp.experts.gate_up_proj`, ...),
+so converting a checkpoint is a rename at most; each rank holds only its own slice of the
+stacked experts (see `te_mixtral.parallel` for the layout).
+
+Initialisation is independent of the expert-parallel layout: dense weights come from one
+generator seeded by the run's seed, and each expert from its own generator seeded by
+(seed, layer, global expert index). So EP=1 and EP=2 runs start from identical weights,
+and no rank ever materialises experts it does not own.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from te_mixtral.config import ModelConfig
+from te_mixtral.dispatch import AllToAllDispatcher
+from te_mixtral.experts.base import ExpertTier
+from te_mixtral.layers import Backend, PackedSequences
+from te_mixtral.moe import MoEBlock
+from te_mixtral.parallel import Layout, is_expert_param
+
+
+def rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids_BS[..., None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # broadcast over heads
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x_BSHd, cos, sin):
+    x32 = x_BSHd.float()
+    return (x32 * cos + rotate_half(x32) * sin).to(x_BSHd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelConfig, backend: Backend):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.num_key_value_heads, m.head_dim
+        self.q_proj = backend.linear(m.hidden_size, self.heads * self.head_dim)
+        self.k_proj = backend.linear(m.hidden_size, self.kv_heads * self.head_dim)
+        self.v_proj = backend.linear(m.hidden_size, self.kv_heads * self.head_dim)
+        self.o_proj = backend.linear(self.heads * self.head_dim, m.hidden_size)
+        self.core = backend.attention(self.heads, self.kv_heads, self.head_dim)
+
+    def forward(self, x_BSD, rotary, packed: PackedSequences):
+        batch, seq, _ = x_BSD.shape
+        q = self.q_proj(x_BSD).view(batch, seq, self.heads, self.head_dim)
+        k = self.k_proj(x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
+        v = self.v_proj(x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return self.o_proj(self.core(q, k, v, packed).reshape(batch, seq, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier):
+        super().__init__()
+        self.input_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
+        self.self_attn = Attention(m, backend)
+        self.post_attention_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
+        dispatcher = AllToAllDispatcher(m.num_local_experts, layout.ep_size, layout.ep_rank, layout.ep_group)
+        self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_local_experts, m.num_experts_per_tok,
+                            dispatcher, tier, m.num_local_experts // layout.ep_size)
+
+    def forward(self, x_BSD, rotary, packed):
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rotary, packed)
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+class MixtralBody(nn.Module):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(m, backend, layout, tier) for _ in range(m.num_hidden_layers))
+        self.norm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
+        self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta)
+
+
+class MixtralForCausalLM(nn.Module):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier):
+        super().__init__()
+        self.config = m
+        self.model = MixtralBody(m, backend, layout, tier)
+        self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        if m.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids_BS, packed: PackedSequences) -> torch.Tensor:
+        """Logits [B, S, V] for a packed batch."""
+        x_BSD = self.model.embed_tokens(input_ids_BS)
+        rotary = self.model.rotary(packed.position_ids_BS)
+        for layer in self.model.layers:
+            x_BSD = layer(x_BSD, rotary, packed)
+        return self.lm_head(self.model.norm(x_BSD))
+
+
+def expert_seed(seed: int, layer_index: int, global_expert: int) -> int:
+    return (seed * 1_000_003 + layer_index) * 65_537 + global_expert + 1
+
+
+@torch.no_grad()
+def init_weights(model: MixtralForCausalLM, seed: int, layout: Layout) -> None:
+    """Normal(0, initializer_range) for matrices, ones for norms; see the module docstring."""
+    std = model.config.initializer_range
+    local_experts = model.config.num_local_experts // layout.ep_size
+    device = next(model.parameters()).device
+    dense = torch.Generator(device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if is_expert_param(name):
+            continue
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=dense)
+    for layer_index, layer in enumerate(model.model.layers):
+        for local in range(local_experts):
+            global_expert = layout.ep_rank * local_experts + local
+            gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_index, global_expert))
+            layer.mlp.experts.gate_up_proj[local].normal_(0.0, std, generator=gen)
+            layer.mlp.experts.down_proj[local].normal_(0.0, std, generator=gen)
+
+
+def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_targets_global: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy over this rank, divided by the global target count.
+
+    Summing this over ranks gives the mean loss of the global batch (see te_mixtral.parallel).
+    """
+    summed = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
+                             reduction="sum")
+    return summed / num_targets_global

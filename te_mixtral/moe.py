@@ -1,0 +1,52 @@
+"""The sparse MoE block: route, dispatch, run the expert tier, combine.
+
+Shape legend: T tokens on this rank, D model dim, F expert hidden dim, E experts in the
+model, L experts on this rank, K top-k, R rows routed to this rank.
+
+Routing is Hugging Face Mixtral's, step for step: router logits, softmax in float32,
+top-k, renormalise the k weights to sum to one. The block never looks at which tier it
+runs: the tier is any `ExpertTier` and sees only sorted rows and per-expert counts.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from te_mixtral.dispatch import TokenDispatcher
+from te_mixtral.experts.base import ExpertTier
+
+
+class StackedExperts(nn.Module):
+    """This rank's experts, stored stacked: the one parameter layout every tier reads."""
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 dispatcher: TokenDispatcher, tier: ExpertTier, num_local_experts: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.experts = StackedExperts(num_local_experts, hidden_size, intermediate_size)
+        self.dispatcher = dispatcher
+        self.tier = tier
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs_TE = F.softmax(self.gate(x_TD).float(), dim=-1)
+        weights_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        return weights_TK / weights_TK.sum(-1, keepdim=True), experts_TK
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        weights_TK, experts_TK = self.route(x_TD)
+        if torch.is_autocast_enabled(x_TD.device.type):
+            # The experts compute in the autocast dtype anyway; casting before dispatch
+            # halves the bytes the all-to-all moves.
+            x_TD = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
+        routed = self.dispatcher.dispatch(x_TD, experts_TK, weights_TK)
+        y_RD = self.tier(routed.x_RD, routed.tokens_per_expert_L, self.experts.gate_up_proj, self.experts.down_proj)
+        return self.dispatcher.combine(y_RD, routed).view_as(x_BSD)

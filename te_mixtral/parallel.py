@@ -1,0 +1,130 @@
+"""Process groups for expert parallelism, and the gradient reduction they imply.
+
+Layout. The world of W ranks is split into W / EP replicas of EP consecutive ranks:
+
+    rank = replica * EP + ep_rank            (e.g. W=4, EP=2: ranks 0,1 | 2,3)
+
+- Within a replica (the *EP group*) each rank holds E / EP experts and exchanges tokens
+  with the others by all-to-all. Dense parameters (attention, norms, router, embeddings)
+  are replicated on every rank.
+- Ranks with the same `ep_rank` in different replicas hold the same experts: they form an
+  *expert-replica group*.
+
+Every rank reads different data. The loss on each rank is its summed token loss divided by
+the number of target tokens in the whole global batch, so the global loss is the plain
+sum over ranks. The gradient of that global loss is then:
+
+- dense parameter: the sum of every rank's gradient → all-reduce SUM over the world;
+- expert parameter: the all-to-all backward has already summed the contributions of every
+  rank in the EP group, so only the replicas remain → all-reduce SUM over the expert-replica
+  group.
+
+No division anywhere: the normalisation is in the loss. (Averaging expert gradients over
+the expert-replica group alone would be off by a factor EP; that is the classic bug.)
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Layout:
+    rank: int
+    world_size: int
+    ep_size: int
+    ep_group: dist.ProcessGroup | None  # None when the world is a single process
+    expert_replica_group: dist.ProcessGroup | None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
+    """Start torch.distributed when launched by torchrun (gloo on CPU, NCCL on CUDA)."""
+    world = world_size_from_env()
+    if world == 1:
+        return Layout(0, 1, ep_size, None, None)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    ep_groups = [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
+    replica_groups = [list(range(ep_rank, world, ep_size)) for ep_rank in range(ep_size)]
+    # new_group is collective: every rank must create every group, in the same order.
+    ep_group = replica_group = None
+    for ranks in ep_groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            ep_group = group
+    for ranks in replica_groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            replica_group = group
+    return Layout(rank, world, ep_size, ep_group, replica_group)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name
+
+
+def all_reduce_gradients(model: torch.nn.Module, layout: Layout) -> None:
+    """Sum gradients as the module docstring explains."""
+    if layout.world_size == 1:
+        return
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        group = layout.expert_replica_group if is_expert_param(name) else None
+        if group is None or dist.get_world_size(group) > 1:
+            dist.all_reduce(param.grad, group=group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, layout: Layout, group=None) -> torch.Tensor:
+    if layout.world_size > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout) -> torch.Tensor:
+    """Clip by the norm of the *global* gradient.
+
+    Dense gradients are identical on every rank after the all-reduce, so they count once;
+    each rank holds a distinct shard of the experts of its replica, so their squares are
+    summed over the EP group.
+    """
+    dense_sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
+    expert_sq = torch.zeros_like(dense_sq)
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            sq = param.grad.detach().float().pow(2).sum()
+            if is_expert_param(name):
+                expert_sq += sq
+            else:
+                dense_sq += sq
+    if layout.ep_group is not None and layout.ep_size > 1:
+        dist.all_reduce(expert_sq, group=layout.ep_group)
+    total_norm = (dense_sq + expert_sq).sqrt()
+    scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(scale.to(param.grad.dtype))
+    return total_norm

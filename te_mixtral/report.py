@@ -1,0 +1,183 @@
+"""Printing a run's results for a terminal, and saving them for the next run to compare.
+
+Every run ends with one timing table, printed by rank 0, and one `results.json` in its
+output folder:
+
+    {"header":  {"date", "tier", "device", "world_size", "ep_size", "precision",
+                 "versions", "config", ...},
+     "summary": {...},            # metrics.summarize's dictionary
+     "losses":  [...],            # the global (all-rank mean) loss of every step
+     ...}                         # anything the caller adds as `extra`
+
+A later run reads the file back with `read_results` and hands its `losses` to
+`loss_check.check_losses`, so the file must be complete or absent, never half written:
+it is written to a temporary file in the same folder and renamed over the target, which
+the filesystem does in one step. A diverged run still saves its losses: NaN is written as
+Python's `NaN`, which `json` reads back (strict JSON tools such as `jq` do not).
+"""
+
+import json
+import os
+import platform
+import tempfile
+from collections.abc import Sequence
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+
+from te_mixtral.config import RunConfig, to_dict
+from te_mixtral.errors import UserError
+
+RESULTS_FILE = "results.json"
+CORE_KEYS = ("header", "summary", "losses")
+# The header keys the timing table prints, in order; the rest of the header (versions,
+# the full config) goes to results.json only.
+TABLE_HEADER_KEYS = (
+    ("tier", "tier"),
+    ("device", "device"),
+    ("world_size", "world size"),
+    ("ep_size", "EP size"),
+    ("precision", "precision"),
+)
+
+
+def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] | None = None) -> str:
+    """Plain ASCII columns: the first left-aligned (labels), the others right-aligned
+    (numbers), a dashed rule under the header if one is given."""
+    lines = [list(header)] if header else []
+    lines += [list(row) for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+
+    def render(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:])]
+        return "  ".join([first, *rest]).rstrip()
+
+    out = [render(line) for line in lines]
+    if header:
+        out.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(out)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def run_header(cfg: RunConfig, device_name: str, world_size: int) -> dict:
+    """What a result needs to be read later: when, on what, with which versions and config."""
+    return {
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "tier": cfg.tier,
+        "device": device_name,
+        "world_size": world_size,
+        "ep_size": cfg.ep_size,
+        "precision": cfg.precision,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+            "transformer_engine": _version("transformer_engine"),
+        },
+        "config": to_dict(cfg),
+    }
+
+
+def timing_table(summary: dict, header: dict) -> str:
+    """The end-of-run table: what ran where, then how fast (from `metrics.summarize`)."""
+    mfu = summary["mfu"]
+    rows = [(label, str(header[key])) for key, label in TABLE_HEADER_KEYS]
+    rows += [
+        ("median step", f"{summary['median_step_ms']:.1f} ms"),
+        ("p90 step", f"{summary['p90_step_ms']:.1f} ms"),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+        ("tokens/s/GPU", f"{summary['tokens_per_s_per_gpu']:,.0f}"),
+        ("TFLOP/s/GPU", f"{summary['tflops_per_gpu']:.1f}"),
+        ("MFU", "n/a" if mfu is None else f"{100 * mfu:.1f} %"),
+        ("peak memory", f"{summary['peak_memory_gib']:.2f} GiB"),
+        ("timed steps", str(summary["timed_steps"])),
+    ]
+    return format_table(rows, header=("metric", "value"))
+
+
+def write_results(
+    output_dir: Path, header: dict, summary: dict, losses: list[float], extra: dict | None = None
+) -> Path:
+    """Write `output_dir/results.json` atomically and return its path."""
+    extra = extra or {}
+    clash = sorted(set(extra) & set(CORE_KEYS))
+    if clash:
+        raise ValueError(f"extra results may not replace {', '.join(clash)}")
+    payload = {"header": header, "summary": summary, "losses": [float(x) for x in losses], **extra}
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / RESULTS_FILE
+    # The temporary file lives in the target folder: os.replace is only atomic within one
+    # filesystem, and /tmp often is another.
+    fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=f".{RESULTS_FILE}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it owner-only; results are meant to be shared
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def read_results(path: Path | str) -> dict:
+    """Load a results.json, or raise a one-line `UserError` saying why it is unusable."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"results file {path} does not exist") from None
+    except OSError as e:
+        raise UserError(f"cannot read results file {path}: {e.strerror}") from None
+    try:
+        results = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"results file {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(results, dict) or "losses" not in results:
+        raise UserError(f"results file {path} has no 'losses': is it a te_mixtral results.json?")
+    losses = results["losses"]
+    if not isinstance(losses, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in losses):
+        raise UserError(f"results file {path}: 'losses' must be a list of numbers")
+    return results
+
+
+def default_output_dir(tier: str, root: Path = Path("runs"), now: datetime | None = None) -> Path:
+    """Create and return a fresh folder `root/<YYYYmmdd-HHMMSS>-<tier>`.
+
+    Two runs started in the same second get `...-<tier>-2`, `-3`, and so on. The folder is
+    created here, because creating it is the only race-free way to claim a name; call this
+    on rank 0 only.
+    """
+    stem = f"{(now or datetime.now()).strftime('%Y%m%d-%H%M%S')}-{tier}"
+    root.mkdir(parents=True, exist_ok=True)
+    suffix = 1
+    while True:
+        path = root / (stem if suffix == 1 else f"{stem}-{suffix}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            suffix += 1
+
+
+def prepare_output_dir(output_dir: str | None, tier: str) -> Path:
+    """The run's output folder, created now so that an unwritable path fails before training."""
+    if output_dir is None:
+        return default_output_dir(tier)
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-")
+        probe.close()
+    except OSError as e:
+        raise UserError(f"output directory {path} is not writable: {e.strerror}") from None
+    return path

@@ -1,0 +1,177 @@
+"""The training loop: one plain function, read top to bottom.
+
+Warm-up and timed steps run the same code; `metrics.summarize` leaves the first
+`train.timing_warmup_steps` out of the statistics.
+"""
+
+import contextlib
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from te_mixtral import metrics, report
+from te_mixtral.config import RunConfig, save_config
+from te_mixtral.data import PackedData
+from te_mixtral.errors import UserError
+from te_mixtral.experts import make_tier
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.hf_model import HFMixtral
+from te_mixtral.layers import TORCH, PackedSequences, resolve_backend
+from te_mixtral.loss_check import check_losses
+from te_mixtral.model import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.parallel import Layout, all_reduce_gradients, all_reduce_sum, clip_grad_norm, init_layout
+
+
+def build_model(cfg: RunConfig, layout: Layout, device: torch.device) -> tuple[nn.Module, dict]:
+    """The model of the run's tier, initialised from the run's seed; and what it runs on."""
+    if cfg.tier == "hf":
+        with torch.device(device):
+            ours = MixtralForCausalLM(cfg.model, TORCH, layout, LoopTier())
+        init_weights(ours, cfg.train.seed, layout)
+        return HFMixtral.from_model(ours), {"backend": "transformers", "experts": "transformers eager loop"}
+    tier = make_tier(cfg.tier)
+    tier.check_available(device)
+    backend = resolve_backend(cfg.backend, device.type)
+    with torch.device(device):
+        model = MixtralForCausalLM(cfg.model, backend, layout, tier)
+    init_weights(model, cfg.train.seed, layout)
+    described = getattr(tier, "describe", lambda: {})()
+    return model, {"backend": backend.name, "experts": cfg.tier, **described}
+
+
+def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    t = cfg.train
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]  # norms: no weight decay
+    groups = [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
+
+
+def learning_rate(step: int, cfg: RunConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - 1 - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def progress_line(step: int, total: int, loss: float, lr: float, step_s: float) -> str:
+    width = 20
+    done = width * (step + 1) // total
+    bar = "#" * done + "." * (width - done)
+    return f"[{bar}] step {step + 1:>4}/{total}  loss {loss:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms"
+
+
+@dataclass
+class TrainResult:
+    exit_code: int  # 0, or 1 when the loss check failed
+    losses: list[float]
+    model: nn.Module
+
+
+def train(cfg: RunConfig) -> TrainResult:
+    """Run the configured job."""
+    # --- setup -------------------------------------------------------------------------
+    device = torch.device(cfg.resolved_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device 'cuda' was asked for but PyTorch sees no CUDA GPU")
+    if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise UserError("this GPU does not support bf16; use --dtype fp32")
+    if device.type == "cpu" and cfg.precision == "bf16":
+        raise UserError("bf16 training is for CUDA GPUs here; use --dtype fp32 on the CPU")
+    reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
+    layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(cfg.train.seed)
+
+    data = PackedData(cfg.data, cfg.train.batch_size, layout.rank, layout.world_size, cfg.train.seed)
+    if data.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
+                        f"{cfg.model.vocab_size}")
+    model, ran_on = build_model(cfg, layout, device)
+    optimizer = make_optimizer(model, cfg)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
+                else contextlib.nullcontext())
+    header = {**report.run_header(cfg, metrics.device_name(device), layout.world_size), "ran": ran_on}
+    output_dir = report.prepare_output_dir(cfg.output_dir, cfg.tier) if layout.is_main else None
+    if layout.is_main:
+        print(f"te_mixtral: tier {cfg.tier} on {header['device']} x{layout.world_size} (EP={cfg.ep_size}), "
+              f"{cfg.precision}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on rank 0, "
+              f"ran: {ran_on}", flush=True)
+
+    # --- steps -------------------------------------------------------------------------
+    timer = metrics.StepTimer(device)
+    losses, flops_per_step = [], []
+    for step in range(cfg.train.steps):
+        batch = data.batch(step)
+        step_flops = metrics.train_flops(cfg.model, batch.cu_seqlens, batch.num_tokens)
+        batch = batch.to(device)
+        packed = PackedSequences(batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+        lr = learning_rate(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        timer.start()
+        counts = torch.stack([(batch.labels != -100).sum().double(), torch.tensor(step_flops, device=device,
+                                                                                   dtype=torch.float64)])
+        all_reduce_sum(counts, layout)
+        with autocast:
+            logits = model(batch.input_ids, packed)
+        loss = causal_lm_loss(logits, batch.labels, counts[0])
+        loss.backward()
+        all_reduce_gradients(model, layout)
+        clip_grad_norm(model, cfg.train.grad_clip, layout)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        global_loss = all_reduce_sum(loss.detach().clone(), layout)
+        step_s = timer.stop()
+
+        losses.append(global_loss.item())
+        flops_per_step.append(counts[1].item())
+        if not math.isfinite(losses[-1]):
+            raise UserError(f"the loss became {losses[-1]} at step {step + 1}; stopping")
+        if layout.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
+            print(progress_line(step, cfg.train.steps, losses[-1], lr, step_s), flush=True)
+
+    # --- report ------------------------------------------------------------------------
+    summary = metrics.summarize(
+        timer.times, cfg.train.timing_warmup_steps, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
+        metrics.peak_flops(header["device"]), _max_over_ranks(metrics.peak_memory_bytes(device), layout, device),
+    )
+    exit_code = 0
+    extra = {}
+    if reference is not None:
+        check = check_losses(losses, reference, cfg.precision)
+        extra["loss_check"] = {"reference": cfg.loss_check, "passed": check.passed, "tolerance": check.tolerance,
+                               "max_rel_diff": check.max_rel_diff, "worst_step": check.worst_step}
+        exit_code = 0 if check.passed else 1
+    if layout.is_main:
+        save_config(cfg, output_dir / "config.yaml")
+        path = report.write_results(output_dir, header, summary, losses, extra)
+        print(report.timing_table(summary, header))
+        if reference is not None:
+            print(check.table())
+        print(f"results: {path}", flush=True)
+    return TrainResult(exit_code, losses, model)
+
+
+def _max_over_ranks(value: int, layout: Layout, device: torch.device) -> int:
+    if layout.world_size == 1:
+        return value
+    tensor = torch.tensor(value, device=device, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def main(cfg: RunConfig) -> int:
+    try:
+        return train(cfg).exit_code
+    except UserError as e:
+        print(f"te_mixtral: error: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,43 @@
+"""EP=2 over two gloo ranks trains exactly like one process on the same global batch."""
+
+import json
+
+import pytest
+import torch
+
+from launch import run_app
+
+STEPS = 5
+COMMON = ["--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", "4", "--seq_len", "64",
+          "--log_every", "1"]
+
+
+def train_and_save(tmp_path, name, nproc, ep):
+    out = tmp_path / name
+    proc = run_app([str(out / "weights"), *COMMON, "--ep-size", str(ep), "--output-dir", str(out)], nproc=nproc,
+                   script="tests/workers/train_and_save.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads((out / "results.json").read_text())["losses"]
+    weights = [torch.load(out / "weights" / f"rank{r}.pt") for r in range(nproc)]
+    return losses, weights
+
+
+@pytest.mark.slow
+def test_ep2_equals_ep1(tmp_path):
+    ep1_losses, (ep1,) = train_and_save(tmp_path, "ep1", nproc=1, ep=1)
+    ep2_losses, (rank0, rank1) = train_and_save(tmp_path, "ep2", nproc=2, ep=2)
+
+    assert len(ep2_losses) == STEPS
+    for a, b in zip(ep2_losses, ep1_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (ep2_losses, ep1_losses)
+    # The run must have learned something, or equal weights would prove nothing.
+    assert ep1_losses[-1] < ep1_losses[0]
+
+    for name, full in ep1.items():
+        if ".experts." in name:
+            half = full.shape[0] // 2
+            pieces = [(rank0[name], full[:half]), (rank1[name], full[half:])]
+        else:
+            pieces = [(rank0[name], full), (rank1[name], full)]
+        for got, want in pieces:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)

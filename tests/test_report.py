@@ -1,0 +1,188 @@
+"""results.json round trip and its failure modes, the printed tables, and the loss check."""
+
+import json
+import math
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from te_mixtral.config import RunConfig
+from te_mixtral.errors import UserError
+from te_mixtral.loss_check import TOLERANCES, check_losses
+from te_mixtral.report import (
+    default_output_dir,
+    format_table,
+    read_results,
+    run_header,
+    timing_table,
+    write_results,
+)
+
+SUMMARY = {
+    "timed_steps": 10,
+    "median_step_ms": 55.0,
+    "p90_step_ms": 90.0,
+    "tokens_per_s": 20000.0,
+    "tokens_per_s_per_gpu": 10000.0,
+    "tflops_per_gpu": 20.0,
+    "mfu": None,
+    "peak_memory_gib": 3.0,
+}
+LOSSES = [10.4, 9.8, 9.1, 8.7, 8.2, 7.9]
+
+
+def header() -> dict:
+    return run_header(RunConfig(device="cpu"), device_name="cpu", world_size=2)
+
+
+# --- results.json --------------------------------------------------------------------------
+
+
+def test_results_round_trip(tmp_path):
+    path = write_results(tmp_path / "run", header(), SUMMARY, LOSSES, extra={"note": "x"})
+    assert path == tmp_path / "run" / "results.json"
+    results = read_results(path)
+    assert results["losses"] == LOSSES
+    assert results["summary"] == SUMMARY
+    assert results["header"] == json.loads(json.dumps(header() | {"date": results["header"]["date"]}))
+    assert results["header"]["config"]["tier"] == "loop"
+    assert results["note"] == "x"
+
+
+def test_nan_loss_survives_round_trip(tmp_path):
+    path = write_results(tmp_path, {}, SUMMARY, [1.0, math.nan])
+    assert math.isnan(read_results(path)["losses"][1])
+
+
+def test_write_leaves_no_temporary_files(tmp_path):
+    write_results(tmp_path, {}, SUMMARY, LOSSES)
+    write_results(tmp_path, {}, SUMMARY, LOSSES[:2])  # overwrite in place
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert read_results(tmp_path / "results.json")["losses"] == LOSSES[:2]
+
+
+def test_failed_write_keeps_old_file_and_cleans_up(tmp_path):
+    write_results(tmp_path, {}, SUMMARY, LOSSES)
+    with pytest.raises(TypeError):  # not JSON-serialisable: fails midway through the dump
+        write_results(tmp_path, {}, SUMMARY, LOSSES[:1], extra={"bad": object()})
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert read_results(tmp_path / "results.json")["losses"] == LOSSES
+
+
+def test_extra_may_not_replace_core_keys(tmp_path):
+    with pytest.raises(ValueError):
+        write_results(tmp_path, {}, SUMMARY, LOSSES, extra={"losses": []})
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        ("{not json", "not valid JSON"),
+        ('{"header": {}}', "has no 'losses'"),
+        ("[1, 2]", "has no 'losses'"),
+        ('{"losses": "1.0"}', "list of numbers"),
+        ('{"losses": [1.0, "x"]}', "list of numbers"),
+    ],
+)
+def test_read_results_errors(tmp_path, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError, match=message) as err:
+        read_results(path)
+    assert "\n" not in str(err.value)
+
+
+def test_default_output_dir_is_fresh(tmp_path):
+    now = datetime(2025, 3, 4, 5, 6, 7)
+    first = default_output_dir("loop", root=tmp_path, now=now)
+    second = default_output_dir("loop", root=tmp_path, now=now)
+    third = default_output_dir("loop", root=tmp_path, now=now)
+    assert first == tmp_path / "20250304-050607-loop"
+    assert second == tmp_path / "20250304-050607-loop-2"
+    assert third == tmp_path / "20250304-050607-loop-3"
+    assert first.is_dir() and second.is_dir() and third.is_dir()
+
+
+# --- tables --------------------------------------------------------------------------------
+
+
+def test_format_table_aligns_columns():
+    text = format_table([("a", "1"), ("longer", "12345")], header=("name", "n"))
+    lines = text.splitlines()
+    assert lines[0].startswith("name  ")
+    assert set(lines[1]) <= {"-", " "}
+    assert len({len(line) for line in lines}) == 1  # right-aligned numbers end together
+    assert lines[2].endswith("    1")
+
+
+def test_timing_table_names_the_run_and_every_metric():
+    text = timing_table(SUMMARY, header())
+    for needle in ("tier", "loop", "world size", "EP size", "precision", "fp32", "55.0 ms", "90.0 ms",
+                   "20,000", "10,000", "20.0", "MFU", "n/a", "3.00 GiB", "timed steps"):
+        assert needle in text, needle
+    assert "34.5 %" in timing_table(SUMMARY | {"mfu": 0.345}, header())
+    assert text.isascii()
+
+
+# --- loss check ----------------------------------------------------------------------------
+
+
+def test_identical_losses_pass():
+    for precision in TOLERANCES:
+        result = check_losses(LOSSES, LOSSES, precision)
+        assert result.passed and result.max_rel_diff == 0.0
+
+
+def test_within_tolerance_passes():
+    assert check_losses([x * 1.01 for x in LOSSES], LOSSES, "bf16").passed
+    assert check_losses([x * (1 + 5e-5) for x in LOSSES], LOSSES, "fp32").passed
+
+
+@pytest.mark.parametrize("precision, factor", [("bf16", 1.05), ("fp32", 1 + 1e-3)])
+def test_perturbed_step_fails_and_is_named(precision, factor):
+    run = list(LOSSES)
+    run[3] *= factor
+    result = check_losses(run, LOSSES, precision)
+    assert not result.passed
+    assert result.worst_step == 3
+    assert result.max_rel_diff == pytest.approx(factor - 1)
+    row = result.table().splitlines()[2 + 3]  # header, rule, steps 0..2, then step 3
+    assert row.split()[0] == "3" and row.endswith("FAIL")
+    assert sum(line.endswith("FAIL") for line in result.table().splitlines()) == 1
+
+
+def test_nan_fails():
+    run = list(LOSSES)
+    run[2] = math.nan
+    result = check_losses(run, LOSSES, "bf16")
+    assert not result.passed and result.worst_step == 2
+    assert "non-finite loss at step 2" in result.table()
+
+
+def test_nan_in_reference_or_after_it_fails():
+    assert not check_losses(LOSSES, [math.nan] + LOSSES[1:], "bf16").passed
+    diverged = check_losses(LOSSES + [math.inf], LOSSES, "bf16")  # past the reference's end
+    assert not diverged.passed and diverged.worst_step == len(LOSSES)
+
+
+def test_shorter_reference_compares_its_steps():
+    result = check_losses(LOSSES, LOSSES[:3], "fp32")
+    assert result.passed
+    assert "3 steps" in result.table()
+
+
+def test_zero_steps_and_unknown_precision_are_errors():
+    with pytest.raises(UserError, match="nothing to compare"):
+        check_losses(LOSSES, [], "bf16")
+    with pytest.raises(UserError, match="no loss tolerance"):
+        check_losses(LOSSES, LOSSES, "fp16")
+
+
+def test_loss_check_does_not_import_torch():
+    code = "import sys, te_mixtral.loss_check; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
