@@ -62,6 +62,7 @@ EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>")
 # Part of the tokenizer cache key: change it whenever the training recipe changes, so an
 # old cached tokenizer is not mistaken for a new one.
 TOKENIZER_RECIPE = "byte-level-bpe-1"
+EVAL_SPLIT_SEED = 20240601  # fixed: the held-out samples must not move with the run's seed
 
 
 @dataclass
@@ -127,6 +128,8 @@ def _local_datasets(path: Path) -> list[datasets.Dataset]:
 
 
 def _hub_dataset(name: str, split: str) -> datasets.Dataset:
+    # Without a network the hub client retries for ~20 s before giving up;
+    # HF_HUB_OFFLINE=1 makes it fail at once.
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as e:
@@ -240,7 +243,9 @@ def _cached_tokenizer(documents: list[str], vocab_size: int) -> tokenizers.Token
             tmp.write(backend.to_str())
         os.replace(tmp.name, path)
     except OSError as e:
-        raise UserError(f"cannot write the tokenizer cache {path.parent} ({e.strerror}); set TE_MIXTRAL_CACHE") from None
+        raise UserError(
+            f"cannot write the tokenizer cache {path.parent} ({e.strerror}); set TE_MIXTRAL_CACHE"
+        ) from None
     return backend
 
 
@@ -292,6 +297,25 @@ def batch_from_windows(windows: torch.Tensor, eos_id: int) -> Batch:
     return Batch(input_ids, labels, position_ids, cu_seqlens, max_seqlen)
 
 
+def held_out_split(num_samples: int, eval_fraction: float, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training samples, held-out samples), each sorted.
+
+    The held-out samples are a fixed draw (seed EVAL_SPLIT_SEED, not the run's seed) of
+    `eval_fraction` of all samples, rounded down to whole global batches: the same samples
+    for every seed and every world size, so evaluations compare across runs. With nothing
+    held out the training samples are all of them, in their natural order, and training
+    batches are exactly those of a run without evaluation.
+    """
+    num_eval = int(eval_fraction * num_samples) // batch_size * batch_size
+    if eval_fraction > 0 and num_eval == 0:
+        raise UserError(f"data.eval_fraction {eval_fraction} of {num_samples} samples is less than one global batch "
+                        f"({batch_size}): raise it, or use more data")
+    if num_eval == 0:
+        return torch.arange(num_samples), torch.arange(0)
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED))
+    return order[num_eval:].sort().values, order[:num_eval].sort().values
+
+
 class PackedData:
     """The packed samples of a data set and this rank's share of each global step.
 
@@ -305,29 +329,40 @@ class PackedData:
         self.tokens = token_stream(self.tokenizer, documents)
         self.seq_len = cfg.seq_len
         self.num_samples = (len(self.tokens) - 1) // cfg.seq_len
-        if self.num_samples < batch_size:
+        self.train_samples, self.eval_samples = held_out_split(self.num_samples, cfg.eval_fraction, batch_size)
+        if len(self.train_samples) < batch_size:
             raise UserError(
-                f"data set '{cfg.dataset}' packs into {self.num_samples} samples of {cfg.seq_len} tokens, "
-                f"but one global batch needs {batch_size}: use more data, a shorter data.seq_len "
-                f"or a smaller train.batch_size"
+                f"data set '{cfg.dataset}' packs into {self.num_samples} samples of {cfg.seq_len} tokens "
+                f"({len(self.eval_samples)} held out), but one global batch needs {batch_size}: use more data, "
+                f"a shorter data.seq_len or a smaller train.batch_size"
             )
         self.batch_size = batch_size
         self.local_batch_size = batch_size // world_size
         self.rank = rank
         self.seed = seed
-        self.steps_per_epoch = self.num_samples // batch_size
+        self.steps_per_epoch = len(self.train_samples) // batch_size
         self._epoch, self._order = -1, None
 
     def _order_of(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.num_samples, generator=generator)
+            order = torch.randperm(len(self.train_samples), generator=generator)
+            self._epoch, self._order = epoch, self.train_samples[order]
         return self._order
+
+    def _rows(self, samples: torch.Tensor) -> Batch:
+        windows = self.tokens[samples[:, None] * self.seq_len + torch.arange(self.seq_len + 1)]
+        return batch_from_windows(windows, self.tokenizer.eos_id)
+
+    def eval_batches(self) -> list[Batch]:
+        """This rank's rows of the held-out samples, one global batch at a time, sharded like
+        training batches (so every rank of an EP group runs the same number of forwards)."""
+        first = self.rank * self.local_batch_size
+        return [self._rows(self.eval_samples[start + first : start + first + self.local_batch_size])
+                for start in range(0, len(self.eval_samples), self.batch_size)]
 
     def batch(self, step: int) -> Batch:
         """This rank's rows of global step `step` (0-based; any step, epochs repeat)."""
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         first = step_in_epoch * self.batch_size + self.rank * self.local_batch_size
-        samples = self._order_of(epoch)[first : first + self.local_batch_size]
-        windows = self.tokens[samples[:, None] * self.seq_len + torch.arange(self.seq_len + 1)]
-        return batch_from_windows(windows, self.tokenizer.eos_id)
+        return self._rows(self._order_of(epoch)[first : first + self.local_batch_size])

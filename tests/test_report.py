@@ -143,7 +143,7 @@ def test_within_tolerance_passes():
     assert check_losses([x * (1 + 5e-5) for x in LOSSES], LOSSES, "fp32").passed
 
 
-@pytest.mark.parametrize("precision, factor", [("bf16", 1.05), ("fp32", 1 + 1e-3)])
+@pytest.mark.parametrize("precision, factor", [("bf16", 1.08), ("fp32", 1 + 1e-3)])
 def test_perturbed_step_fails_and_is_named(precision, factor):
     run = list(LOSSES)
     run[3] *= factor

@@ -1,0 +1,259 @@
+"""Data: loading, the cached tokenizer, packing invariants and sharding.
+
+Packing and sharding are checked on fresh random documents each run (the seed is printed,
+so a failure can be replayed), against expectations computed here independently.
+"""
+
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from te_mixtral import data
+from te_mixtral.config import DataConfig
+from te_mixtral.data import PackedData, load_documents, load_tokenizer
+from te_mixtral.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def tokenizer_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TE_MIXTRAL_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def rng():
+    seed = random.randrange(2**32)
+    print(f"random seed {seed}")
+    return random.Random(seed)
+
+
+def random_documents(rng, count: int) -> list[str]:
+    """Short documents of made-up words: many document boundaries per sample."""
+    words = ["".join(rng.choices("abcdefghij", k=rng.randint(1, 6))) for _ in range(40)]
+    return [" ".join(rng.choices(words, k=rng.randint(1, 30))) for _ in range(count)]
+
+
+def write_jsonl(path, documents, field="text"):
+    path.write_text("".join(json.dumps({field: doc, "id": i}) + "\n" for i, doc in enumerate(documents)))
+    return path
+
+
+# --- documents --------------------------------------------------------------------------
+
+
+def test_embedded_documents_are_real_prose_and_capped_in_order():
+    documents = load_documents(DataConfig())
+    assert len(documents) > 50
+    assert sum(map(len, documents)) > 300_000
+    assert all(isinstance(doc, str) and doc.strip() for doc in documents)
+    assert load_documents(DataConfig(max_documents=7)) == documents[:7]
+
+
+def test_local_jsonl_txt_and_folder(tmp_path, rng):
+    jsonl_docs, txt_docs = random_documents(rng, 20), random_documents(rng, 15)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", jsonl_docs)
+    # Blank and whitespace-only lines must not become documents.
+    (folder / "b.txt").write_text("\n\n".join(txt_docs) + "\n   \n")
+    (folder / "notes.md").write_text("not data")
+
+    assert load_documents(DataConfig(dataset=str(folder / "a.jsonl"))) == jsonl_docs
+    assert load_documents(DataConfig(dataset=str(folder / "b.txt"))) == txt_docs
+    assert load_documents(DataConfig(dataset=str(folder))) == jsonl_docs + txt_docs
+    assert load_documents(DataConfig(dataset=str(folder), max_documents=25)) == (jsonl_docs + txt_docs)[:25]
+
+
+def test_user_errors_for_bad_data(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_documents(DataConfig(dataset=str(tmp_path / "missing.jsonl")))
+    path = write_jsonl(tmp_path / "d.jsonl", ["hello"], field="content")
+    with pytest.raises(UserError, match="no field 'text'.*content"):
+        load_documents(DataConfig(dataset=str(path)))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no"):
+        load_documents(DataConfig(dataset=str(tmp_path / "empty")))
+
+
+def test_hub_failure_is_a_user_error(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub")
+
+    monkeypatch.setattr(data.datasets, "load_dataset", offline)
+    with pytest.raises(UserError, match="could not load data set 'someone/corpus'.*embedded") as info:
+        load_documents(DataConfig(dataset="someone/corpus"))
+    assert "\n" not in str(info.value)
+
+
+# --- tokenizer --------------------------------------------------------------------------
+
+
+def test_trained_tokenizer_is_cached(tokenizer_cache, monkeypatch, rng):
+    documents = random_documents(rng, 50)
+    cfg = DataConfig(tokenizer_vocab_size=300)
+    first = load_tokenizer(cfg, documents)
+    assert len(list(tokenizer_cache.glob("tokenizer-*.json"))) == 1
+    assert first.backend.id_to_token(first.eos_id) == "<eos>"
+
+    def no_training(*args):
+        raise AssertionError("the cached tokenizer should have been loaded")
+
+    monkeypatch.setattr(data, "train_tokenizer", no_training)
+    second = load_tokenizer(cfg, documents)
+    assert second.backend.to_str() == first.backend.to_str()
+    # Other documents or another vocabulary size must not hit the same cache entry.
+    with pytest.raises(AssertionError, match="cached"):
+        load_tokenizer(DataConfig(tokenizer_vocab_size=301), documents)
+    with pytest.raises(AssertionError, match="cached"):
+        load_tokenizer(cfg, documents[:-1])
+
+
+def test_tokenizer_training_is_deterministic_across_processes(tmp_path, rng):
+    documents = random_documents(rng, 200)
+    here = data.train_tokenizer(documents, 400).to_str()
+    assert data.train_tokenizer(documents, 400).to_str() == here
+    (tmp_path / "docs.json").write_text(json.dumps(documents))
+    script = (
+        "import json, sys; from te_mixtral.data import train_tokenizer; "
+        "print(train_tokenizer(json.load(open(sys.argv[1])), 400).to_str())"
+    )
+    there = subprocess.run([sys.executable, "-c", script, str(tmp_path / "docs.json")],
+                           capture_output=True, text=True, check=True, cwd=str(Path(data.__file__).parents[1]))
+    assert there.stdout.strip() == here
+
+
+def test_tokenizer_from_file_or_folder(tmp_path, rng):
+    backend = data.train_tokenizer(random_documents(rng, 30), 300)
+    backend.add_special_tokens(["</s>"])  # listed before <eos>, so it wins
+    (tmp_path / "ckpt").mkdir()
+    backend.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    for where in (tmp_path / "ckpt", tmp_path / "ckpt" / "tokenizer.json"):
+        tokenizer = load_tokenizer(DataConfig(tokenizer=str(where)), [])
+        assert tokenizer.eos_id == backend.token_to_id("</s>")
+        assert tokenizer.vocab_size == backend.get_vocab_size()
+
+    with pytest.raises(UserError, match="does not exist"):
+        load_tokenizer(DataConfig(tokenizer=str(tmp_path / "nowhere")), [])
+    plain = data.tokenizers.Tokenizer(data.tokenizers.models.BPE())
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(UserError, match="none of the eos tokens"):
+        load_tokenizer(DataConfig(tokenizer=str(tmp_path / "plain.json")), [])
+
+
+# --- packing ----------------------------------------------------------------------------
+
+
+def check_segments(batch, eos_id):
+    """Positions, cu_seqlens and max_seqlen, each recomputed from scratch."""
+    B, S = batch.input_ids.shape
+    assert batch.input_ids.dtype == batch.labels.dtype == batch.position_ids.dtype == torch.int64
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.num_tokens == B * S
+
+    for row, positions in zip(batch.input_ids.tolist(), batch.position_ids.tolist()):
+        expected = [0]
+        for previous in row[:-1]:
+            expected.append(0 if previous == eos_id else expected[-1] + 1)
+        assert positions == expected
+
+    cu = batch.cu_seqlens.tolist()
+    assert cu[0] == 0 and cu[-1] == B * S
+    assert all(a < b for a, b in zip(cu, cu[1:]))
+    assert set(range(0, B * S, S)) <= set(cu)  # every sample edge is a segment edge
+    from_cu = [p for a, b in zip(cu, cu[1:]) for p in range(b - a)]
+    assert from_cu == batch.position_ids.flatten().tolist()
+    assert batch.max_seqlen == max(b - a for a, b in zip(cu, cu[1:]))
+
+
+def test_batch_from_windows_on_random_streams(rng):
+    eos = 3
+    for _ in range(20):
+        B, S = rng.randint(1, 4), rng.randint(2, 40)
+        windows = torch.tensor([[rng.choice([eos, 1, 2, 4, 5, 6]) for _ in range(S + 1)] for _ in range(B)])
+        batch = data.batch_from_windows(windows, eos)
+        check_segments(batch, eos)
+        assert torch.equal(batch.input_ids, windows[:, :-1])
+        expected_labels = torch.where(windows[:, :-1] == eos, -100, windows[:, 1:])
+        assert torch.equal(batch.labels, expected_labels)
+
+
+def test_packed_epoch_covers_true_windows(tmp_path, rng):
+    documents = random_documents(rng, rng.randint(80, 150))
+    seq_len, batch_size = rng.randint(8, 40), rng.randint(1, 6)
+    cfg = DataConfig(dataset=str(write_jsonl(tmp_path / "d.jsonl", documents)), seq_len=seq_len,
+                     tokenizer_vocab_size=300)
+    packed = PackedData(cfg, batch_size=batch_size, rank=0, world_size=1, seed=rng.randrange(1000))
+    eos = packed.tokenizer.eos_id
+
+    # The stream is every document, in order, each closed by one eos.
+    stream = packed.tokens.tolist()
+    assert stream[-1] == eos and stream.count(eos) == len(documents)
+    ends = [i for i, t in enumerate(stream) if t == eos]
+    pieces = [stream[a + 1 : b] for a, b in zip([-1] + ends, ends)]
+    assert [packed.tokenizer.backend.decode(piece) for piece in pieces] == documents
+
+    # Every sample is a window stream[i*S : i*S + S + 1], labels shifted by one, -100 after eos.
+    windows = packed.tokens.unfold(0, seq_len + 1, seq_len)
+    assert packed.num_samples == len(windows)
+    expected = Counter(
+        (tuple(w[:-1]), tuple(-100 if t == eos else n for t, n in zip(w[:-1], w[1:]))) for w in windows.tolist()
+    )
+    seen = Counter()
+    for step in range(packed.steps_per_epoch):
+        batch = packed.batch(step)
+        assert batch.input_ids.shape == (batch_size, seq_len)
+        check_segments(batch, eos)
+        seen.update(zip(map(tuple, batch.input_ids.tolist()), map(tuple, batch.labels.tolist())))
+    # One epoch uses distinct true samples and drops fewer than one batch of them.
+    assert seen <= expected
+    assert packed.num_samples - seen.total() < batch_size
+
+
+def test_sharding_matches_one_process_and_epochs_reshuffle(tmp_path, rng):
+    path = write_jsonl(tmp_path / "d.jsonl", random_documents(rng, 120))
+    cfg = DataConfig(dataset=str(path), seq_len=rng.randint(8, 24), tokenizer_vocab_size=300)
+    seed, batch_size = rng.randrange(1000), 4
+    single = PackedData(cfg, batch_size, rank=0, world_size=1, seed=seed)
+    assert single.steps_per_epoch >= 5
+    steps = [0, 1, single.steps_per_epoch - 1, single.steps_per_epoch, 3 * single.steps_per_epoch + 2]
+    for world in (2, 4):
+        ranks = [PackedData(cfg, batch_size, rank=r, world_size=world, seed=seed) for r in range(world)]
+        for step in steps:
+            whole, parts = single.batch(step), [rank.batch(step) for rank in ranks]
+            for name in ("input_ids", "labels", "position_ids"):
+                assert torch.equal(getattr(whole, name), torch.cat([getattr(p, name) for p in parts]))
+            offsets = torch.tensor([0] + [p.num_tokens for p in parts]).cumsum(0)
+            merged = torch.cat([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets)])
+            assert torch.equal(whole.cu_seqlens, merged.to(torch.int32))
+            assert whole.max_seqlen == max(p.max_seqlen for p in parts)
+
+    def epoch_rows(packed, epoch):
+        steps = range(epoch * packed.steps_per_epoch, (epoch + 1) * packed.steps_per_epoch)
+        return torch.cat([packed.batch(step).input_ids for step in steps])
+
+    assert not torch.equal(epoch_rows(single, 0), epoch_rows(single, 1))
+    again = PackedData(cfg, batch_size, rank=0, world_size=1, seed=seed)
+    other_seed = PackedData(cfg, batch_size, rank=0, world_size=1, seed=seed + 1000)
+    assert torch.equal(epoch_rows(again, 0), epoch_rows(single, 0))
+    assert not torch.equal(epoch_rows(other_seed, 0), epoch_rows(single, 0))
+
+
+def test_too_little_data_is_a_user_error(tmp_path):
+    cfg = DataConfig(dataset=str(write_jsonl(tmp_path / "d.jsonl", ["a b c", "d e f"])), seq_len=64,
+                     tokenizer_vocab_size=300)
+    with pytest.raises(UserError, match=r"0 samples of 64 tokens.*needs 2"):
+        PackedData(cfg, batch_size=2, rank=0, world_size=1, seed=0)
+
+
+def test_batch_moves_to_a_device():
+    batch = data.batch_from_windows(torch.tensor([[5, 0, 6, 7, 0]]), eos_id=0)
+    moved = batch.to("cpu")
+    assert torch.equal(moved.input_ids, batch.input_ids) and moved.max_seqlen == batch.max_seqlen == 2
+    assert moved.num_tokens == 4

@@ -1,0 +1,40 @@
+"""The loss check on real runs: `hf` agrees with `loop`; a deliberately wrong tier is caught."""
+
+import pytest
+
+import te_mixtral.train
+from conftest import REPO
+from launch import run_app
+from te_mixtral.config import load_config
+from te_mixtral.experts.loop import LoopTier
+
+ARGS = ["--steps", "8", "--timing_warmup_steps", "2", "--seq_len", "64"]
+
+
+@pytest.fixture(scope="module")
+def loop_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("loop")
+    proc = run_app([*ARGS, "--tier", "loop", "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out / "results.json"
+
+
+def test_hf_passes_against_loop(loop_results, tmp_path):
+    proc = run_app([*ARGS, "--tier", "hf", "--output-dir", str(tmp_path), "--loss-check", str(loop_results)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "loss check passed" in proc.stdout
+
+
+class SwappedExperts(LoopTier):
+    """Runs every expert's rows through the next expert's weights."""
+
+    def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+        return super().__call__(x_RD, tokens_per_expert_E, gate_up_E2FD.roll(1, 0), down_EDF.roll(1, 0))
+
+
+def test_wrong_tier_fails_the_check(loop_results, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(te_mixtral.train, "make_tier", lambda name: SwappedExperts())
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), {"steps": "8", "timing_warmup_steps": "2", "seq_len": "64",
+                                            "output_dir": str(tmp_path), "loss_check": str(loop_results)})
+    assert te_mixtral.train.main(cfg) == 1
+    assert "loss check FAILED" in capsys.readouterr().out
