@@ -1,0 +1,353 @@
+"""One expert FFN layer, forward + backward, timed for every expert tier this machine runs.
+
+Shape legend: R rows (token copies on this rank, sorted by local expert), D model dim,
+F expert hidden dim, E local experts.
+
+What is timed: y = SwiGLU expert FFN over R rows and E = 4 local experts at Mixtral-8x7B
+sizes (D = 4096, F = 14336), then the gradients of x and both stacked weights (one
+`torch.autograd.grad` call, so no `.grad` accumulation is timed). Columns:
+
+- each registered tier (`te_mixtral.experts.EXPERT_TIERS`) whose module exists and whose
+  `check_available` passes here; the others are listed with the reason they were skipped;
+- `grouped_mm`: `torch.nn.functional.grouped_mm` called directly with plain autograd, the
+  PyTorch-native grouped GEMM as a reference point.
+
+The `loop` column is slow at small R on purpose: at 64 rows per expert each of its GEMMs is
+tiny and the Python loop, the launches and the host sync dominate, which is what grouped
+GEMMs remove.
+
+FLOPs are counted exactly for the GEMMs: forward 2*R*D*2F (gate_up) + 2*R*F*D (down) =
+6*R*D*F, backward twice that; SwiGLU's elementwise work is not counted. Next to each time:
+the floor no version can beat, the larger of FLOPs / measured matmul peak and the weight
+bytes / measured copy bandwidth (weights read in forward, read again for dgrad, their
+gradients written: 3 * E*3*F*D*2 bytes; activations ignored, so the byte floor is a lower
+bound). At small R the weights dominate: the layer is memory-bound whatever the tier.
+
+How it is timed: bf16 parameters used directly (no autocast; the training loop's fp32
+master weights and their casts are not part of this microbenchmark), fresh random non-zero
+inputs, three warm-up steps, then the median of many steps, each between CUDA events.
+Several (x, dy) buffer sets are rotated so that the inputs of consecutive steps are not
+already in L2 (together they exceed twice the L2 size); the weights are far larger than L2.
+The matmul peak (8192^3, random bf16) and copy bandwidth are measured in the same run.
+
+Run from the repository root (or with the repository on PYTHONPATH):
+
+    python3 -m benchmarks.expert_ffn [--json results.json] [--quick]
+
+`--quick` runs small sizes (seconds on a GPU, a minute on a CPU, where host clocks replace
+CUDA events) to check that the script works, not to measure anything.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts import EXPERT_TIERS, make_tier
+from te_mixtral.metrics import peak_flops
+from te_mixtral.report import format_table
+from te_mixtral.te_support import te_version
+
+
+@dataclass
+class Sizes:
+    hidden: int  # D
+    ffn: int  # F
+    uniform_tokens: tuple[int, ...]  # tokens per expert, one case each
+    skewed_total: int  # rows of the skewed and the zero-expert cases
+    matmul_n: int  # the peak matmul is n x n x n
+    copy_bytes: int  # the bandwidth copy reads and writes this many bytes each
+
+
+FULL = Sizes(4096, 14336, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)
+QUICK = Sizes(128, 256, (16, 64), 256, 512, 2**24)
+LOCAL_EXPERTS = 4  # E
+SKEW = (0.70, 0.20, 0.09, 0.01)  # share of the rows per expert in the skewed case
+EMPTY_LAST = (1 / 3, 1 / 3, 1 / 3, 0.0)  # the case with an expert that gets no rows
+REFERENCE_COLUMNS = ("grouped_linear", "grouped_mm", "loop")  # timed first, see main()
+WARMUP_STEPS = 3
+
+
+@dataclass
+class Case:
+    name: str
+    splits: list[int]  # tokens per expert
+
+
+def split_by_fractions(total: int, fractions: tuple[float, ...]) -> list[int]:
+    """Integer split of `total` by `fractions`; rounding goes to the largest share."""
+    splits = [round(total * f) for f in fractions]
+    splits[splits.index(max(splits))] += total - sum(splits)
+    return splits
+
+
+def make_cases(sizes: Sizes) -> list[Case]:
+    percent = "/".join(f"{round(100 * f)}" for f in SKEW)
+    return [
+        *(Case(f"uniform {n}", [n] * LOCAL_EXPERTS) for n in sizes.uniform_tokens),
+        Case(f"skewed {percent}%", split_by_fractions(sizes.skewed_total, SKEW)),
+        Case("one expert empty", split_by_fractions(sizes.skewed_total, EMPTY_LAST)),
+    ]
+
+
+def gemm_flops(rows: int, sizes: Sizes) -> int:
+    forward = 2 * rows * sizes.hidden * 2 * sizes.ffn + 2 * rows * sizes.ffn * sizes.hidden
+    return 3 * forward  # backward = dgrad + wgrad = 2x forward
+
+
+# --- columns -------------------------------------------------------------------------
+
+
+def grouped_mm_ffn(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+    """The expert FFN through `torch.nn.functional.grouped_mm`, plain autograd, no host sync."""
+    offsets_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)  # end of each group
+    h_R2F = F.grouped_mm(x_RD, gate_up_E2FD.transpose(-2, -1), offs=offsets_E)
+    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(gate_RF) * up_RF, down_EDF.transpose(-2, -1), offs=offsets_E)
+
+
+def available_columns(device: torch.device) -> tuple[dict, dict]:
+    """(name -> expert FFN callable, name -> why it is skipped) for this machine."""
+    columns, skipped = {}, {}
+    for name in EXPERT_TIERS:
+        try:
+            tier = make_tier(name)
+            tier.check_available(device)
+        except ModuleNotFoundError as error:
+            skipped[name] = f"module missing ({error})"
+        except TierUnavailable as error:
+            skipped[name] = str(error)
+        except Exception as error:  # noqa: BLE001 - one broken tier must not end the run
+            skipped[name] = f"could not load: {type(error).__name__}: {error}"
+        else:
+            columns[name] = tier
+    if hasattr(F, "grouped_mm"):
+        columns["grouped_mm"] = grouped_mm_ffn
+    else:
+        skipped["grouped_mm"] = f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    return columns, skipped
+
+
+# --- timing --------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(step, device: torch.device, budget_ms: float = 400, min_reps: int = 5, max_reps: int = 100):
+    """Median time of `step()` in ms after WARMUP_STEPS untimed calls; on CUDA each step
+    is timed between events, so launch queueing on the host is not counted."""
+    for _ in range(WARMUP_STEPS):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    estimate_ms = (time.perf_counter() - start) * 1e3
+    reps = max(min_reps, min(max_reps, math.ceil(budget_ms / max(estimate_ms, 1e-3))))
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for begin, end in events:
+            begin.record()
+            step()
+            end.record()
+        synchronize(device)
+        times = [begin.elapsed_time(end) for begin, end in events]
+    else:
+        for _ in range(reps):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_peak_tflops(n: int, device: torch.device) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / (median_ms(lambda: a @ b, device) * 1e-3) / 1e12
+
+
+def copy_bandwidth_gbs(nbytes: int, device: torch.device) -> float:
+    """Device-to-device copy; bytes read plus bytes written, per second."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), device) * 1e-3) / 1e9
+
+
+# --- one cell ------------------------------------------------------------------------
+
+
+def input_sets(rows: int, sizes: Sizes, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Enough (x, dy) pairs that consecutive steps do not find their inputs in L2."""
+    set_bytes = 2 * rows * sizes.hidden * 2
+    l2_bytes = 0
+    if device.type == "cuda":
+        l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+    count = max(2, min(16, math.ceil(2 * l2_bytes / max(set_bytes, 1))))
+    return [
+        (
+            torch.randn(rows, sizes.hidden, device=device, dtype=torch.bfloat16).requires_grad_(),
+            torch.randn(rows, sizes.hidden, device=device, dtype=torch.bfloat16),
+        )
+        for _ in range(count)
+    ]
+
+
+def time_cell(ffn, case: Case, weights, sizes: Sizes, device: torch.device) -> dict:
+    gate_up_E2FD, down_EDF = weights
+    tokens_per_expert_E = torch.tensor(case.splits, dtype=torch.int64, device=device)
+    buffers = input_sets(sum(case.splits), sizes, device)
+    counter = iter(range(10**9))
+
+    def step():
+        x_RD, dy_RD = buffers[next(counter) % len(buffers)]
+        y_RD = ffn(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF)
+        torch.autograd.grad(y_RD, (x_RD, gate_up_E2FD, down_EDF), dy_RD)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+    ms = median_ms(step, device)
+    extra_gib = (torch.cuda.max_memory_allocated(device) - held) / 2**30 if device.type == "cuda" else None
+    return {"ms": ms, "extra_gib": extra_gib}
+
+
+# --- report --------------------------------------------------------------------------
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def run_header(device: torch.device, sizes: Sizes) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformer_engine": te_version() or "not installed",
+        "triton": _version("triton"),
+        "python": sys.version.split()[0],
+        "sizes": asdict(sizes),
+        "dtype": "bfloat16 parameters and activations, no autocast",
+        "datasheet_peak_bf16_tflops": (peak_flops(name) or 0) / 1e12 or None,
+    }
+
+
+def table_row(r: dict, peak: float) -> list[str]:
+    if "ms" not in r:
+        return [r["case"], str(r["rows"]), r["column"], r["error"], "", "", "", "", ""]
+    return [
+        r["case"],
+        str(r["rows"]),
+        r["column"],
+        f"{r['ms']:.3f}",
+        f"{r['tflops']:.0f}" if r["tflops"] >= 100 else f"{r['tflops']:.3g}",
+        f"{100 * r['tflops'] / peak:.0f}%",
+        f"{r['x_best_grouped']:.2f}" if r["x_best_grouped"] else "-",
+        f"{r['floor_ms']:.3f}",
+        f"{r['extra_gib']:.2f}" if r["extra_gib"] is not None else "-",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cuda" and not args.quick:
+        parser.error("the full sizes need a CUDA GPU; use --quick to smoke-test on the CPU")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    sizes = QUICK if args.quick else FULL
+    torch.manual_seed(0)
+
+    # --- ceilings, measured in this run
+    header = run_header(device, sizes)
+    peak = matmul_peak_tflops(sizes.matmul_n, device)
+    bandwidth = copy_bandwidth_gbs(sizes.copy_bytes, device)
+    columns, skipped = available_columns(device)
+    print(f"expert FFN fwd+bwd on {header['device']}: bf16 matmul {sizes.matmul_n}^3 {peak:.0f} TFLOP/s, "
+          f"copy {bandwidth:.0f} GB/s", flush=True)
+
+    # --- one weight set for every cell: bf16 parameters, as the tiers receive them under autocast
+    E, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
+    gate_up_E2FD = (torch.randn(E, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_()
+    down_EDF = (torch.randn(E, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
+    weight_bytes = 2 * (gate_up_E2FD.numel() + down_EDF.numel())
+
+    # --- every column x every case. The reference columns go first and other tiers last,
+    # so that a tier which breaks the CUDA context cannot take the reference numbers with it.
+    cases = make_cases(sizes)
+    order = [c for c in REFERENCE_COLUMNS if c in columns] + [c for c in columns if c not in REFERENCE_COLUMNS]
+    cells = {}
+    for column in order:
+        for case in cases:
+            rows = sum(case.splits)
+            flops = gemm_flops(rows, sizes)
+            r = {"case": case.name, "tokens_per_expert": case.splits, "rows": rows, "column": column,
+                 "gemm_flops": flops,
+                 "floor_ms": 1e3 * max(flops / (peak * 1e12), 3 * weight_bytes / (bandwidth * 1e9))}
+            try:
+                r.update(time_cell(columns[column], case, (gate_up_E2FD, down_EDF), sizes, device))
+                r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+            except Exception as error:  # noqa: BLE001 - record it and go on to the next cell
+                r["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            status = f"{r['ms']:.3f} ms  {r['tflops']:.4g} TFLOP/s" if "ms" in r else r["error"]
+            print(f"  {column:<15} {case.name:<18} {status}", flush=True)
+            cells[case.name, column] = r
+
+    # Per case: each time over the faster of the two grouped-GEMM columns.
+    results = []
+    for case in cases:
+        case_results = [cells[case.name, column] for column in order]
+        best = [r["ms"] for r in case_results if "ms" in r and r["column"] in ("grouped_linear", "grouped_mm")]
+        for r in case_results:
+            if "ms" in r:
+                r["x_best_grouped"] = r["ms"] / min(best) if best else None
+        results += case_results
+
+    # --- report
+    print()
+    print(f"date {header['date']}  device {header['device']}  torch {header['torch']} (CUDA {header['cuda']})  "
+          f"TE {header['transformer_engine']}  triton {header['triton']}  python {header['python']}")
+    print(f"D={D} F={F_} E={E}, bf16 parameters, no autocast.  Measured bf16 matmul peak {peak:.0f} TFLOP/s "
+          f"(datasheet {header['datasheet_peak_bf16_tflops'] or 'n/a'}), copy {bandwidth:.0f} GB/s")
+    header_row = ["case", "rows", "column", "ms", "TFLOP/s", "% peak", "x best", "floor ms", "extra GiB"]
+    print(format_table([table_row(r, peak) for r in results], header_row))
+    print("x best: time over the faster of grouped_linear and grouped_mm in that case.  "
+          "floor: max(FLOPs / peak, 3 x weight bytes / bandwidth).")
+    print("extra GiB: peak memory above what was held before the cell (activations, gradients, workspaces).")
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"header": header, "measured_peak_bf16_tflops": peak, "measured_copy_gbs": bandwidth,
+                   "skipped": skipped, "results": results}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The `grouped_linear` tier: every local expert's GEMMs in one call to Transformer Engine.
+
+Shape legend: R rows (token copies routed to this rank, sorted by local expert), D model
+dim, F expert hidden dim, E local experts; N and K are a GEMM's output and input width.
+
+The expert FFN is two grouped GEMMs with SwiGLU between:
+
+    h_R2F = x_RD @ gate_up_E2FD[e].T   for each expert e's rows   (grouped GEMM 1)
+    a_RF  = silu(h_R2F[:, :F]) * h_R2F[:, F:]                      (plain PyTorch)
+    y_RD  = a_RF @ down_EDF[e].T       for each expert e's rows   (grouped GEMM 2)
+
+Each grouped GEMM, forward and backward, is one call into TE instead of E calls from a
+Python loop: y_i = x_i w_i^T forward, dx_i = dy_i w_i and dw_i = dy_i^T x_i backward.
+
+Why an autograd Function around `general_grouped_gemm`, and not `te.GroupedLinear`
+-------------------------------------------------------------------------------------
+The expert weights are parameters of the model, stacked [E, N, K], shared by every tier so
+that a checkpoint trained with one tier loads into any other. `te.GroupedLinear` (and the
+fusible `te.ops.GroupedLinear`) create and own their weights: E parameters `weight0..`, or
+with `single_grouped_weight=True` one TE `GroupedTensor`. Running them over the model's
+tensors would mean reaching into the module: popping its `_parameters`, or assigning
+`.data`, which silently detaches the model's weights from autograd (the pitfall TE's own
+Mixtral tutorial warns about). Instead this module calls the function those modules call
+for BF16 themselves, `transformer_engine.pytorch.cpp_extensions.general_grouped_gemm`,
+which takes the weights as arguments, and owns the backward in a small autograd Function
+with the same three GEMM layouts TE's `GroupedLinear` uses (TN forward, NN dgrad, NT
+wgrad). Autograd sees ordinary tensors in and out, so the model's parameters get ordinary
+`.grad`s.
+
+The cost of this choice: `general_grouped_gemm` is exported by TE's `cpp_extensions`
+module but is not part of TE's documented API, and its signature has changed before (TE
+2.11 added `quantization_params`; releases up to 2.8 also took `workspaces`). Hence the
+version floor below, and `tests/gpu/test_grouped_linear_gpu.py` to catch the next change.
+
+What runs on the GPU: on Hopper with cuBLASLt older than 13.4, this is TE's multi-stream
+cuBLAS grouped GEMM (one cuBLAS GEMM per expert, spread over several streams), the same
+kernels `te.GroupedLinear` runs for BF16 on such a machine. Checked once on an H100 (TE
+2.20.2, cuBLASLt 13.1, 2026-11-21): over the same weights and splits, outputs and all
+gradients were bitwise equal to `te.GroupedLinear`'s, and no slower.
+
+Precision: the training loop runs the forward under `torch.autocast("cuda", bfloat16)` with
+fp32 master weights. Autocast does not reach into TE, so this tier casts x and both stacked
+weights to the autocast dtype itself, with ordinary `.to()` calls outside the Function:
+autograd then casts the bf16 weight gradients back to fp32 on the way to the parameters,
+exactly as autocast does for `F.linear`. Without autocast, everything runs in x's dtype.
+Only unquantized GEMMs (BF16, FP16, FP32) are done here; FP8 recipes belong to other tiers.
+
+Host sync: TE's grouped GEMM needs the split sizes as Python ints (given a CUDA tensor, TE
+copies it to the host itself on Hopper with cuBLASLt < 13.4), so each call does
+`tokens_per_expert_E.tolist()` once, one device-to-host sync per layer forward, and both
+GEMMs and the backward reuse that list.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from te_mixtral.errors import TierUnavailable
+from te_mixtral.te_support import TEUnavailable, require_te
+
+# `general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout=..., m_splits=...,
+# grad=..., single_output=...)` has had this signature since TE 2.11 (read in the 2.11, 2.12 and
+# 2.20.2 wheels); 2.10 has no `quantization_params`, 2.4 to 2.8 also take `workspaces`.
+# Tested on 2.20.2.
+MIN_TE_VERSION = "2.11"
+
+
+@functools.cache
+def _general_grouped_gemm():
+    require_te(MIN_TE_VERSION)
+    from transformer_engine.pytorch.cpp_extensions import general_grouped_gemm
+
+    return general_grouped_gemm
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """y_RN = x_RK @ w_ENK[e].T for each expert e's rows, forward and backward through TE."""
+
+    @staticmethod
+    def forward(ctx, x_RK: torch.Tensor, w_ENK: torch.Tensor, m_splits: list[int]):
+        ctx.save_for_backward(x_RK, w_ENK)
+        ctx.m_splits = m_splits
+        num_experts, n, _ = w_ENK.shape
+        y_RN = torch.empty(x_RK.shape[0], n, dtype=x_RK.dtype, device=x_RK.device)
+        if x_RK.shape[0] > 0:  # TE is never asked for a grouped GEMM with no rows at all
+            _general_grouped_gemm()(
+                list(w_ENK.unbind(0)),
+                list(x_RK.split(m_splits)),
+                [y_RN],
+                quantization_params=[None] * num_experts,
+                out_dtype=x_RK.dtype,
+                layout="TN",
+                m_splits=m_splits,
+                single_output=True,
+            )
+        return y_RN
+
+    @staticmethod
+    def backward(ctx, dy_RN: torch.Tensor):
+        x_RK, w_ENK = ctx.saved_tensors
+        m_splits = ctx.m_splits
+        num_experts = w_ENK.shape[0]
+        grouped_gemm = _general_grouped_gemm() if x_RK.shape[0] > 0 else None
+        dy_splits = list(dy_RN.contiguous().split(m_splits))
+        dx_RK = dw_ENK = None
+        if ctx.needs_input_grad[0]:
+            dx_RK = torch.empty_like(x_RK)
+            if grouped_gemm is not None:
+                grouped_gemm(
+                    list(w_ENK.unbind(0)),
+                    dy_splits,
+                    [dx_RK],
+                    quantization_params=[None] * num_experts,
+                    out_dtype=x_RK.dtype,
+                    layout="NN",
+                    m_splits=m_splits,
+                    grad=True,
+                    single_output=True,
+                )
+        if ctx.needs_input_grad[1]:
+            if grouped_gemm is None:
+                dw_ENK = torch.zeros_like(w_ENK)
+            else:
+                # TE writes zeros for an expert with no rows (accumulate=False), so
+                # `empty` is safe; tests/gpu checks those gradients are exactly zero.
+                dw_ENK = torch.empty_like(w_ENK)
+                grouped_gemm(
+                    list(x_RK.split(m_splits)),
+                    dy_splits,
+                    list(dw_ENK.unbind(0)),
+                    quantization_params=[None] * num_experts,
+                    out_dtype=w_ENK.dtype,
+                    layout="NT",
+                    m_splits=m_splits,
+                    grad=True,
+                )
+        return dx_RK, dw_ENK, None
+
+
+class GroupedLinearTier:
+    name = "grouped_linear"
+
+    def check_available(self, device: torch.device) -> None:
+        device = torch.device(device)
+        reason = None
+        if device.type != "cuda":
+            reason = f"the device is {device.type}"
+        elif not torch.cuda.is_available():
+            reason = f"CUDA is not available to torch {torch.__version__}"
+        else:
+            try:
+                require_te(MIN_TE_VERSION)
+            except TEUnavailable as error:
+                reason = error.reason
+        if reason is not None:
+            raise TierUnavailable(
+                f"tier '{self.name}' needs NVIDIA Transformer Engine on a CUDA GPU: {reason}"
+            )
+
+    def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+        m_splits = tokens_per_expert_E.tolist()  # the one host sync, see the module docstring
+        if len(m_splits) != gate_up_E2FD.shape[0] or sum(m_splits) != x_RD.shape[0]:
+            raise ValueError(
+                f"tokens_per_expert_E {m_splits} does not match {gate_up_E2FD.shape[0]} "
+                f"experts and {x_RD.shape[0]} rows"
+            )
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x_RD.dtype
+        x_RD = x_RD.to(dtype).contiguous()
+        # Differentiable casts, outside the Function: fp32 master weights get fp32 grads.
+        gate_up_E2FD = gate_up_E2FD.to(dtype).contiguous()
+        down_EDF = down_EDF.to(dtype).contiguous()
+        # Everything is in `dtype` now; keep autocast from recasting the SwiGLU.
+        with torch.autocast("cuda", enabled=False):
+            h_R2F = _GroupedMatmul.apply(x_RD, gate_up_E2FD, m_splits)
+            gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+            a_RF = F.silu(gate_RF) * up_RF
+            return _GroupedMatmul.apply(a_RF, down_EDF, m_splits)
