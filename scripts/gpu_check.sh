@@ -71,7 +71,12 @@ step "benchmarks/expert_ffn.py"
 python3 benchmarks/expert_ffn.py --json "$OUT_DIR/expert_ffn.json" 2>&1 | tee "$OUT_DIR/expert_ffn.log" \
     || failed+=("expert_ffn")
 
-# --- end-to-end tier runs (lead: add them here; NGPU=$NGPU, write under $OUT_DIR) -------
+# --- end-to-end tier runs --------------------------------------------------------------
+# Reduced-layer Mixtral-8x7B, one packed 8192-token sequence per GPU, EP over all GPUs;
+# `loop` first, every other tier loss-checked against it.
+step "tier runs: configs/mixtral-8x7b-2layer.yaml, EP=$NGPU"
+scripts/run_tiers.sh "$OUT_DIR/tiers" configs/mixtral-8x7b-2layer.yaml "$NGPU" "$NGPU" \
+    hf grouped_linear custom_grouped device_mxfp8 -- --batch_size "$NGPU" || failed+=("tier runs")
 
 # --- summary ---------------------------------------------------------------------------
 step "summary"

@@ -14,6 +14,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do tiers+=("$1"); shift; done
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 
+failed=()
 launch() {  # tier, then its own arguments
   local tier=$1; shift
   local cmd=(python3 run_finetune_ep.py)
@@ -21,7 +22,9 @@ launch() {  # tier, then its own arguments
   echo "== $tier: ${cmd[*]} --config $config --tier $tier --ep-size $ep --output-dir $out/$tier $* ${extra[*]}"
   "${cmd[@]}" --config "$config" --tier "$tier" --ep-size "$ep" --output-dir "$out/$tier" "$@" "${extra[@]}" \
     2>&1 | tee "$out/$tier.log"
-  echo "== $tier exit ${PIPESTATUS[0]}"
+  local code=${PIPESTATUS[0]}
+  echo "== $tier exit $code"
+  [ "$code" -eq 0 ] || failed+=("$tier")
 }
 
 launch loop
@@ -30,3 +33,5 @@ for tier in "${tiers[@]}"; do
   if [ "$tier" = hf ] && [ "$ngpu" -gt 1 ]; then echo "== hf skipped: single process only"; continue; fi
   launch "$tier" --loss-check "$out/loop/results.json"
 done
+
+if ((${#failed[@]})); then echo "== failed: ${failed[*]}"; exit 1; fi
