@@ -1,0 +1,158 @@
+"""The `device_mxfp8` tier: expert GEMMs in 8-bit floating point, split sizes on the device.
+
+Shape legend: R rows (sorted by local expert), P padded rows, D model dim, F expert hidden
+dim, E local experts.
+
+One tier, three machines, and no pretending: each mode computes something different and
+the tier says which one ran (`describe()`, for the run header and results JSON).
+
+| mode             | where                  | what is computed                                         |
+|------------------|------------------------|----------------------------------------------------------|
+| `mxfp8-te`       | Blackwell (sm_100-110) | TE `GroupedLinear`, `MXFP8BlockScaling`: MXFP8 on tensor |
+|                  | with TE                | cores. Not run on hardware here (quant/te_mxfp8.py).     |
+| `fp8-hopper`     | Hopper (sm_90)         | FP8 E4M3 on tensor cores, one scale per row and column,  |
+|                  |                        | fwd and bwd (quant/fp8_hopper.py). Not MXFP8: Hopper has |
+|                  |                        | no block-scaled FP8.                                     |
+| `mxfp8-emulated` | anywhere (CPU, CI)     | MXFP8 numerics exactly per the OCP spec, GEMMs in        |
+|                  |                        | fp32/bf16 on the dequantised values (quant/mxfp8.py).    |
+
+`mode="auto"` (what the registry's `DeviceMXFP8Tier()` gets) picks by device: the CPU
+emulates, sm_90 runs `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. Any other GPU, or a
+mode the device cannot run (say `mxfp8-te` on Hopper, or on Blackwell without TE), is a
+`TierUnavailable` with one line saying why. Nothing ever falls back to BF16, and
+emulation only runs where it was asked for or on the CPU.
+
+All modes share the frame below: pad every expert's rows to the mode's alignment on the
+device (quant/padding.py), run the expert MLP on the padded rows, drop the padding. No
+split size reaches the host in `fp8-hopper` and `mxfp8-emulated`: tests/test_mxfp8.py
+checks every op the tier issues, tests/gpu runs it under
+`torch.cuda.set_sync_debug_mode("error")`. `mxfp8-te` is sync-free only where TE takes
+its grouped-tensor path (`describe()["kernel"]` says whether it does).
+"""
+
+import torch
+
+from te_mixtral.errors import TierUnavailable, UserError
+from te_mixtral.quant import te_mxfp8
+from te_mixtral.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.quant.mxfp8 import MXFP8EmulatedGemms
+from te_mixtral.quant.padding import PaddedRows, pad_rows, padded_rows, unpad_rows
+from te_mixtral.quant.scaled_grouped import GroupedGemms, scaled_grouped_swiglu
+
+MODES = ("auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated")
+HOPPER = (9, 0)
+BLACKWELL = ((10, 0), (12, 0))  # [first, past-the-end) capabilities where TE runs MXFP8
+
+
+def _sm(capability) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def select_mode(requested: str, device_type: str, capability=None, te_reason=lambda: None) -> str:
+    """The mode that runs for `requested` on this device, or `TierUnavailable` saying why.
+
+    `capability` is the CUDA compute capability, `te_reason()` why TE's MXFP8 cannot run
+    (None if it can); both are arguments so every branch is testable without the hardware.
+    """
+    blackwell = capability is not None and BLACKWELL[0] <= tuple(capability) < BLACKWELL[1]
+    mode = requested
+    if requested == "auto":
+        if device_type == "cpu":
+            mode = "mxfp8-emulated"
+        elif capability == HOPPER:
+            mode = "fp8-hopper"
+        elif blackwell:
+            mode = "mxfp8-te"
+        else:
+            where = device_type if capability is None else f"{device_type} {_sm(capability)}"
+            raise TierUnavailable(
+                f"tier 'device_mxfp8' has no 8-bit grouped GEMM for {where}; "
+                "choose mode 'mxfp8-emulated' to emulate MXFP8 numerics instead"
+            )
+
+    reason = None
+    if device_type not in ("cpu", "cuda"):
+        reason = f"it runs on the CPU or a CUDA GPU, not {device_type}"
+    elif mode == "mxfp8-emulated":
+        pass
+    elif device_type != "cuda":
+        reason = "it needs a CUDA GPU"
+    elif mode == "fp8-hopper" and capability != HOPPER:
+        reason = f"it needs a Hopper GPU (sm_90) and this one is {_sm(capability)}"
+    elif mode == "mxfp8-te":
+        if not blackwell:
+            reason = f"MXFP8 tensor cores need a Blackwell GPU (sm_100 to sm_110), this one is {_sm(capability)}"
+        else:
+            reason = te_reason()
+    if reason is not None:
+        chosen = " (picked by mode 'auto')" if requested == "auto" else ""
+        raise TierUnavailable(f"tier 'device_mxfp8' cannot run mode '{mode}'{chosen} here: {reason}")
+    return mode
+
+
+class _GemmsMLP:
+    """The expert MLP from a set of grouped GEMMs (the two modes built in this project)."""
+
+    def __init__(self, gemms: GroupedGemms):
+        self.gemms = gemms
+        self.recipe, self.kernel = gemms.recipe, gemms.kernel
+        self.row_align, self.min_rows = gemms.row_align, gemms.min_rows
+
+    def mlp(self, x_PD, layout: PaddedRows, gate_up_E2FD, down_EDF):
+        return scaled_grouped_swiglu(x_PD, layout.offsets_E, gate_up_E2FD, down_EDF, self.gemms)
+
+
+_BACKENDS = {
+    "mxfp8-emulated": lambda: _GemmsMLP(MXFP8EmulatedGemms()),
+    "fp8-hopper": lambda: _GemmsMLP(FP8HopperGemms()),
+    "mxfp8-te": te_mxfp8.TEGroupedExperts,
+}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    return f"{torch.cuda.get_device_name(device)} ({_sm(torch.cuda.get_device_capability(device))})"
+
+
+class DeviceMXFP8Tier:
+    """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `MODES` (see above)."""
+
+    name = "device_mxfp8"
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in MODES:
+            raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.requested_mode = mode
+        self.mode: str | None = None  # the mode that runs, once a device is known
+        self._device: torch.device | None = None
+        self._backend = None
+
+    def check_available(self, device: torch.device) -> None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise TierUnavailable(
+                    f"tier 'device_mxfp8' needs CUDA, which torch {torch.__version__} cannot use here"
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        mode = select_mode(self.requested_mode, device.type, capability, te_mxfp8.unavailable_reason)
+        if mode != self.mode:
+            self._backend = _BACKENDS[mode]()
+        self.mode, self._device = mode, device
+
+    def describe(self) -> dict:
+        """What runs: {"recipe", "kernel", "device"}, for the run header and results JSON."""
+        if self._backend is None:
+            raise RuntimeError("DeviceMXFP8Tier.describe() needs check_available(device) first")
+        return {"recipe": self._backend.recipe, "kernel": self._backend.kernel, "device": _device_name(self._device)}
+
+    def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+        if x_RD.device != self._device:
+            self.check_available(x_RD.device)
+        backend = self._backend
+        layout = padded_rows(tokens_per_expert_E, x_RD.shape[0], backend.row_align, backend.min_rows)
+        y_PD = backend.mlp(pad_rows(x_RD, layout), layout, gate_up_E2FD, down_EDF)
+        return unpad_rows(y_PD, layout)

@@ -1,0 +1,89 @@
+"""A grouped linear layer, and the expert SwiGLU MLP built from two, whose GEMMs come from a
+low-precision recipe.
+
+Shape legend: P rows (padded, sorted by expert), K input features, N output features,
+G groups (= E local experts), D model dim, F expert hidden dim.
+
+A linear layer's training step is three GEMMs, and each reduces over a different dim:
+
+    fprop   y_PN   = x_PK  @ w_GNK^T    per group, over K
+    dgrad   dx_PK  = dy_PN @ w_GNK      per group, over N
+    wgrad   dw_GNK = dy_PN^T @ x_PK     per group, over the group's rows
+
+Scaled low-precision formats attach their scales along the reduction dim, so each GEMM
+quantises its own operands: x is quantised along K for fprop and along rows for wgrad, w
+along K for fprop and along N for dgrad, dy along N for dgrad and along rows for wgrad.
+That is why a recipe is a set of three GEMMs (`GroupedGemms`) rather than one quantise
+function, and why this is a custom autograd Function: autograd of a quantise-then-matmul
+graph would reuse the forward's quantised operands in backward, scaled along the wrong dim.
+
+The gradient is straight-through: backward treats the quantisation as the identity and
+returns the gradient of the unquantised product, computed with the recipe's dgrad and
+wgrad GEMMs. Forward saves x and w in their own precision and backward quantises them
+again (simple; a memory-lean version would save the quantised copies instead).
+
+The recipes: `mxfp8.MXFP8EmulatedGemms` (MXFP8 numerics on any device) and
+`fp8_hopper.FP8HopperGemms` (FP8 tensor cores on sm_90).
+"""
+
+from typing import Protocol
+
+import torch
+
+from te_mixtral.experts.loop import swiglu
+
+
+class GroupedGemms(Protocol):
+    """The three GEMMs of a grouped linear layer in one precision recipe.
+
+    `offsets_G` is int32, the running end of each group's rows (`torch.nn.functional.
+    grouped_mm`'s `offs`); every group's row count is a multiple of `row_align` and at
+    least `min_rows`.
+    """
+
+    recipe: str
+    kernel: str
+    row_align: int
+    min_rows: int
+
+    def fprop(self, x_PK: torch.Tensor, w_GNK: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+
+    def dgrad(self, dy_PN: torch.Tensor, w_GNK: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+
+    def wgrad(self, dy_PN: torch.Tensor, x_PK: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+
+
+class _ScaledGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_PK, w_GNK, offsets_G, gemms):
+        ctx.save_for_backward(x_PK, w_GNK, offsets_G)
+        ctx.gemms = gemms
+        # The recipe picks every operand's precision itself; an outer autocast must not
+        # recast them. It gets detached tensors: nothing differentiates through it, and a
+        # torch.compile'd quantiser would otherwise compile once per requires_grad flag.
+        with torch.autocast(x_PK.device.type, enabled=False):
+            return gemms.fprop(x_PK.detach(), w_GNK.detach(), offsets_G).to(x_PK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_PN):
+        x_PK, w_GNK, offsets_G = (t.detach() for t in ctx.saved_tensors)
+        dy_PN = dy_PN.contiguous()  # autograd may hand over a broadcast view
+        dx_PK = dw_GNK = None
+        with torch.autocast(dy_PN.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx_PK = ctx.gemms.dgrad(dy_PN, w_GNK, offsets_G).to(x_PK.dtype)
+            if ctx.needs_input_grad[1]:
+                dw_GNK = ctx.gemms.wgrad(dy_PN, x_PK, offsets_G).to(w_GNK.dtype)
+        return dx_PK, dw_GNK, None, None
+
+
+def scaled_grouped_linear(x_PK, w_GNK, offsets_G, gemms: GroupedGemms) -> torch.Tensor:
+    """y_PN = x_PK @ w_GNK[g]^T for each group g's rows, every GEMM in `gemms`' recipe."""
+    return _ScaledGroupedLinear.apply(x_PK, w_GNK, offsets_G, gemms)
+
+
+def scaled_grouped_swiglu(x_PD, offsets_E, gate_up_E2FD, down_EDF, gemms: GroupedGemms) -> torch.Tensor:
+    """The expert MLP of `experts/base.py` on padded rows: both projections low precision,
+    the SwiGLU between them in the activations' dtype."""
+    h_PF = swiglu(scaled_grouped_linear(x_PD, gate_up_E2FD, offsets_E, gemms))
+    return scaled_grouped_linear(h_PF, down_EDF, offsets_E, gemms)

@@ -1,0 +1,293 @@
+"""`device_mxfp8` on CUDA GPUs.
+
+Hopper (sm_90), mode `fp8-hopper`:
+- each FP8 GEMM (fprop, dgrad, wgrad) against what `torch._scaled_grouped_mm` is documented
+  to compute, evaluated in float64 by the CPU suite's stand-in on the same operands;
+- the whole tier, forward and all three gradients, against the `loop` tier in float32,
+  within FP8_ROWWISE_MLP_RTOL (tests/test_mxfp8.py says where that number comes from);
+- no host synchronisation: the tier's forward and backward run under
+  `torch.cuda.set_sync_debug_mode("error")`;
+- the Transformer Engine plumbing of the Blackwell mode, run under an FP8 recipe that
+  Hopper has (only the recipe differs on Blackwell).
+Blackwell (sm_100+), mode `mxfp8-te`: the same accuracy and sync checks (marked
+`blackwell`; not run by this project so far, no such GPU was available).
+
+Timing: `TE_MIXTRAL_BENCH=1 pytest -s -k timing tests/gpu/test_device_mxfp8_gpu.py` times
+the `fp8-hopper` tier against bf16 `grouped_mm` at Mixtral-8x7B expert shapes (see
+docs/precision.md for the numbers).
+
+Relative errors are Frobenius: ||out - ref|| / ||ref||.
+"""
+
+import os
+import statistics
+
+import pytest
+import torch
+
+from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.quant.padding import pad_rows, padded_rows, unpad_rows
+from te_mixtral.quant.te_mxfp8 import MIN_TE_VERSION, TEGroupedExperts
+from te_mixtral.te_support import te_available
+from tests.test_mxfp8 import FP8_ROWWISE_MLP_RTOL, MXFP8_MLP_RTOL, rel_err, scaled_grouped_mm_stand_in
+
+pytestmark = pytest.mark.cuda
+
+# The real kernel and the float64 stand-in on the same FP8 operands differ by the bf16
+# rounding of the output (2^-9 relative) and, rarely, a compiled quantiser rounding one
+# element into the neighbouring E4M3 value.
+SAME_OPERANDS_RTOL = 1e-2
+# TE's Float8CurrentScaling is one scale per tensor, E5M2 gradients (HYBRID format): looser
+# than rowwise. This checks the wiring (wrong weights or splits give errors near 1).
+TE_FP8_TENSOR_RTOL = 0.25
+
+D, F_HIDDEN, E = 512, 1024, 4  # every GEMM dim a multiple of 16, as the FP8 kernel needs
+NAMES = ("y", "dx", "d_gate_up", "d_down")
+SPLITS = {
+    "uneven": [1, 37, 300, 94],
+    "zero_middle": [64, 0, 0, 129],
+    "one_expert": [0, 0, 256, 0],
+}
+
+
+def _capability():
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+hopper = pytest.mark.skipif(_capability() != (9, 0), reason="needs a Hopper GPU (sm_90)")
+
+
+def make_inputs(splits, seed, param_dtype=torch.bfloat16):
+    """Fresh random inputs: x, tokens_per_expert, gate_up, down (leaves that want grads), dy."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype).requires_grad_()
+
+    rows = sum(splits)
+    return (
+        randn(rows, D),
+        torch.tensor(splits, dtype=torch.int64, device="cuda"),
+        randn(E, 2 * F_HIDDEN, D, scale=D**-0.5, dtype=param_dtype),
+        randn(E, D, F_HIDDEN, scale=F_HIDDEN**-0.5, dtype=param_dtype),
+        randn(rows, D).detach(),
+    )
+
+
+def run(tier, x, counts, gate_up, down, dy):
+    """Output and the gradients of x, gate_up and down."""
+    y = tier(x, counts, gate_up, down)
+    return (y, *torch.autograd.grad(y, (x, gate_up, down), dy))
+
+
+def reference(x, counts, gate_up, down, dy):
+    """The `loop` tier in float32 on the same values."""
+    leaves = [t.detach().float().requires_grad_() for t in (x, gate_up, down)]
+    return run(LoopTier(), leaves[0], counts, leaves[1], leaves[2], dy.float())
+
+
+def assert_close(got, ref, rtol):
+    errors = {name: rel_err(a, b) for name, a, b in zip(NAMES, got, ref)}
+    print(" ".join(f"{name}={error:.4f}" for name, error in errors.items()))
+    assert all(a.isfinite().all() for a in got)
+    assert max(errors.values()) < rtol, errors
+
+
+# --- Hopper: fp8-hopper ----------------------------------------------------------------------
+
+
+@hopper
+def test_describe_and_refusals_on_hopper():
+    tier = DeviceMXFP8Tier()
+    tier.check_available(torch.device("cuda"))
+    described = tier.describe()
+    print(described)
+    assert tier.mode == "fp8-hopper" and described["recipe"] == "fp8-rowwise"
+    assert "(sm_90)" in described["device"] and "_scaled_grouped_mm" in described["kernel"]
+    with pytest.raises(TierUnavailable, match="Blackwell") as error:
+        DeviceMXFP8Tier("mxfp8-te").check_available(torch.device("cuda"))
+    assert "\n" not in str(error.value)
+
+
+@hopper
+def test_fp8_gemms_compute_what_scaled_grouped_mm_documents():
+    counts = torch.tensor([40, 0, 300, 17], device="cuda")
+    layout = padded_rows(counts, 357, align=16, min_rows=16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x_PK = pad_rows(torch.randn(357, 256, device="cuda", generator=gen).bfloat16(), layout)
+    dy_PN = pad_rows(torch.randn(357, 384, device="cuda", generator=gen).bfloat16(), layout)
+    w_GNK = torch.randn(E, 384, 256, device="cuda", generator=gen).bfloat16()
+    real = FP8HopperGemms()
+    documented = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
+    for op, operands in (("fprop", (x_PK, w_GNK)), ("dgrad", (dy_PN, w_GNK)), ("wgrad", (dy_PN, x_PK))):
+        got = getattr(real, op)(*operands, layout.offsets_E)
+        expected = getattr(documented, op)(*operands, layout.offsets_E)
+        print(op, f"{rel_err(got, expected):.2e}")
+        assert got.shape == expected.shape and got.dtype == torch.bfloat16
+        assert rel_err(got, expected) < SAME_OPERANDS_RTOL, op
+
+
+@hopper
+@pytest.mark.parametrize("split", SPLITS)
+def test_fp8_hopper_tier_close_to_fp32(split):
+    inputs = make_inputs(SPLITS[split], seed=1)
+    assert_close(run(DeviceMXFP8Tier("fp8-hopper"), *inputs), reference(*inputs), FP8_ROWWISE_MLP_RTOL)
+
+
+@hopper
+def test_fp8_hopper_tier_under_autocast_with_fp32_master_weights():
+    x, counts, gate_up, down, dy = make_inputs(SPLITS["uneven"], seed=2, param_dtype=torch.float32)
+    with torch.autocast("cuda", torch.bfloat16):
+        got = run(DeviceMXFP8Tier(), x, counts, gate_up, down, dy)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == got[3].dtype == torch.float32
+    assert_close(got, reference(x, counts, gate_up, down, dy), FP8_ROWWISE_MLP_RTOL)
+
+
+@pytest.mark.parametrize("mode", ["fp8-hopper", "mxfp8-emulated"])
+def test_no_host_sync_in_forward_and_backward(mode):
+    tier = DeviceMXFP8Tier(mode)
+    try:
+        tier.check_available(torch.device("cuda"))
+    except TierUnavailable as error:
+        pytest.skip(str(error))
+    inputs = make_inputs(SPLITS["zero_middle"], seed=3)
+    run(tier, *inputs)  # warm-up: compilation, kernel handles, the allocator's pools
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(tier, *inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@hopper
+@pytest.mark.skipif(not te_available(MIN_TE_VERSION), reason=f"needs Transformer Engine >= {MIN_TE_VERSION}")
+def test_te_plumbing_on_hopper_with_an_fp8_recipe_hopper_has():
+    """`mxfp8-te` minus MXFP8: the same meta-device `te.GroupedLinear`, `functional_call`,
+    padded CUDA `m_splits` and `te.autocast`, with Float8CurrentScaling instead."""
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    experts = TEGroupedExperts(Float8CurrentScaling())
+    print(experts.recipe, "|", experts.kernel, "| row_align", experts.row_align)
+
+    def tier(x_RD, counts, gate_up, down):
+        layout = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)
+        return unpad_rows(experts.mlp(pad_rows(x_RD, layout), layout, gate_up, down), layout)
+
+    inputs = make_inputs(SPLITS["uneven"], seed=4)
+    assert_close(run(tier, *inputs), reference(*inputs), TE_FP8_TENSOR_RTOL)
+
+
+# --- Blackwell: mxfp8-te (not run here) -------------------------------------------------------
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("split", SPLITS)
+def test_mxfp8_te_tier_on_blackwell(split):
+    tier = DeviceMXFP8Tier()
+    tier.check_available(torch.device("cuda"))
+    print(tier.describe())
+    assert tier.mode == "mxfp8-te"
+    inputs = make_inputs(SPLITS[split], seed=5)
+    got = run(tier, *inputs)
+    assert_close(got, reference(*inputs), MXFP8_MLP_RTOL)
+    # TE and the emulation both compute MXFP8; they differ in how the block scale is
+    # rounded (quant/mxfp8.py) and in accumulation order.
+    assert_close(got, run(DeviceMXFP8Tier("mxfp8-emulated"), *inputs), MXFP8_MLP_RTOL)
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+MIXTRAL_D, MIXTRAL_F, BENCH_EXPERTS = 4096, 14336, 4
+
+
+def _median_ms(step, iters=10, warmup=3) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _fp8_gemms_only(gemms, x, gate_up, down, counts):
+    """The six FP8 GEMMs of one step on operands quantised beforehand: the floor."""
+    layout = padded_rows(counts, x.shape[0], gemms.row_align, gemms.min_rows)
+    x_PD, offs = pad_rows(x, layout), layout.offsets_E
+    rows, cols = gemms._quantize_rows, gemms._quantize_columns
+    h = torch.randn(layout.rows_P, MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(layout.rows_P, 2 * MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(layout.rows_P, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    for a, w in ((x_PD, gate_up), (h, down), (dy, down.transpose(-2, -1)), (dh, gate_up.transpose(-2, -1))):
+        (a_q, a_s), (w_q, w_s) = rows(a), rows(w)  # fprop and dgrad: 2-D x 3-D
+        calls.append((a_q, w_q.transpose(-2, -1), a_s, w_s))
+    for g, a in ((dy, h), (dh, x_PD)):  # wgrad: 2-D x 2-D
+        (g_q, g_s), (a_q, a_s) = cols(g, offs), cols(a, offs)
+        calls.append((g_q, a_q.t(), g_s, a_s))
+
+    def step():
+        for a, b, scale_a, scale_b in calls:
+            gemms._gemm(a, b, scale_a, scale_b, offs)
+
+    return step
+
+
+@hopper
+@pytest.mark.skipif(os.environ.get("TE_MIXTRAL_BENCH") != "1", reason="timing: set TE_MIXTRAL_BENCH=1")
+@pytest.mark.parametrize("tokens_per_expert", [4096, 8192])
+def test_timing_fp8_hopper_vs_bf16_grouped_mm(tokens_per_expert):
+    """Forward + backward of the expert MLP at Mixtral-8x7B shapes, 4 local experts, equal
+    splits, bf16 weights. 'bf16 grouped_mm' is the project's grouped_mm reference
+    (`custom_grouped.grouped_mm_swiglu`). The fp8 rows include padding, all quantisation
+    and the SwiGLU; 'fp8 GEMMs only' is the six FP8 GEMMs on operands quantised beforehand."""
+    torch.manual_seed(0)
+    rows = BENCH_EXPERTS * tokens_per_expert
+    x = torch.randn(rows, MIXTRAL_D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gate_up = (torch.randn(BENCH_EXPERTS, 2 * MIXTRAL_F, MIXTRAL_D, device="cuda") * MIXTRAL_D**-0.5).bfloat16()
+    down = (torch.randn(BENCH_EXPERTS, MIXTRAL_D, MIXTRAL_F, device="cuda") * MIXTRAL_F**-0.5).bfloat16()
+    gate_up.requires_grad_(), down.requires_grad_()
+    counts = torch.full((BENCH_EXPERTS,), tokens_per_expert, device="cuda", dtype=torch.int64)
+    dy = torch.randn(rows, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
+
+    def train_step(mlp):
+        def step():
+            x.grad = gate_up.grad = down.grad = None
+            mlp().backward(dy)
+        return step
+
+    def tier_step(compile_quantisers):
+        tier = DeviceMXFP8Tier("fp8-hopper")
+        tier.check_available(torch.device("cuda"))
+        tier._backend.gemms = FP8HopperGemms(compile=compile_quantisers)
+        return train_step(lambda: tier(x, counts, gate_up, down))
+
+    variants = {  # name -> a function that builds the step, so each holds memory only while timed
+        "bf16 grouped_mm": lambda: train_step(lambda: grouped_mm_swiglu(x, counts, gate_up, down)),
+        "fp8-hopper tier": lambda: tier_step(compile_quantisers=True),
+        "fp8-hopper, eager quantisers": lambda: tier_step(compile_quantisers=False),
+        "fp8 GEMMs only": lambda: _fp8_gemms_only(
+            FP8HopperGemms(), x.detach(), gate_up.detach(), down.detach(), counts
+        ),
+    }
+    flops = 18 * rows * MIXTRAL_D * MIXTRAL_F  # 3 GEMMs per projection, 2 projections of 3RDF
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {BENCH_EXPERTS} experts x "
+          f"{tokens_per_expert} tokens, D={MIXTRAL_D}, F={MIXTRAL_F}, fwd+bwd, median of 10")
+    for name, build in variants.items():
+        step = build()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms = _median_ms(step)
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        print(f"  {name:30s} {ms:8.2f} ms  {flops / ms / 1e9:7.0f} TFLOP/s  peak {peak_gib:5.1f} GiB")
+        del step
+        torch.cuda.empty_cache()
