@@ -1,5 +1,7 @@
 """The loss check on real runs: `hf` agrees with `loop`; a deliberately wrong tier is caught."""
 
+import json
+
 import pytest
 
 import te_mixtral.train
@@ -33,8 +35,19 @@ class SwappedExperts(LoopTier):
 
 
 def test_wrong_tier_fails_the_check(loop_results, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(te_mixtral.train, "make_tier", lambda name: SwappedExperts())
+    monkeypatch.setattr(te_mixtral.train, "make_tier", lambda name, cfg=None: SwappedExperts())
     cfg = load_config(str(REPO / "configs/tiny.yaml"), {"steps": "8", "timing_warmup_steps": "2", "seq_len": "64",
                                             "output_dir": str(tmp_path), "loss_check": str(loop_results)})
     assert te_mixtral.train.main(cfg) == 1
     assert "loss check FAILED" in capsys.readouterr().out
+
+
+def test_mxfp8_numerics_within_their_tolerance(loop_results, tmp_path):
+    """MXFP8-quantised expert GEMMs (emulated on the CPU) against the fp32 loop."""
+    proc = run_app([*ARGS, "--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--output-dir",
+                    str(tmp_path), "--loss-check", str(loop_results)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "loss check passed" in proc.stdout and "tolerance 8e-02" in proc.stdout
+    assert "'recipe': 'mxfp8-emulated'" in proc.stdout
+    # ... and the quantisation really happened: the losses are not the fp32 ones.
+    assert json.loads((tmp_path / "results.json").read_text())["loss_check"]["max_rel_diff"] > 1e-6

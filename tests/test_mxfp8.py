@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from te_mixtral.config import load_config
 from te_mixtral.errors import TierUnavailable, UserError
 from te_mixtral.experts import make_tier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, select_mode
@@ -246,7 +247,7 @@ def test_tier_handles_no_rows_at_all():
     gen = torch.Generator().manual_seed(6)
     x_RD, _, gate_up, down = _mlp_inputs(gen)
     x_RD = x_RD[:0].detach().requires_grad_()
-    y = DeviceMXFP8Tier()(x_RD, torch.zeros(4, dtype=torch.int64), gate_up, down)
+    y = DeviceMXFP8Tier("mxfp8-emulated")(x_RD, torch.zeros(4, dtype=torch.int64), gate_up, down)
     assert y.shape == (0, x_RD.shape[1])
     y.sum().backward()
     assert gate_up.grad.eq(0).all() and down.grad.eq(0).all()
@@ -451,13 +452,13 @@ def test_no_synchronising_op_in_forward_and_backward(gemms):
 
 
 def test_auto_mode_by_device():
-    assert select_mode("auto", "cpu") == "mxfp8-emulated"
     assert select_mode("auto", "cuda", (9, 0)) == "fp8-hopper"
     assert select_mode("auto", "cuda", (10, 0)) == "mxfp8-te"
     assert select_mode("mxfp8-emulated", "cuda", (8, 0)) == "mxfp8-emulated"
 
 
 @pytest.mark.parametrize("mode, device_type, capability, te_reason, message", [
+    ("auto", "cpu", None, None, "no 8-bit grouped GEMM for cpu; use --mxfp8_mode mxfp8-emulated"),
     ("auto", "cuda", (8, 0), None, "no 8-bit grouped GEMM for cuda sm_80"),
     ("auto", "cuda", (12, 0), None, "no 8-bit grouped GEMM for cuda sm_120"),
     ("auto", "cuda", (10, 0), "not installed", "mode 'mxfp8-te' (picked by mode 'auto') here: not installed"),
@@ -477,11 +478,15 @@ def test_tier_from_the_registry_describes_what_runs():
     assert tier.name == "device_mxfp8" and tier.requested_mode == "auto"
     with pytest.raises(RuntimeError):
         tier.describe()
+    with pytest.raises(TierUnavailable):  # auto never picks emulation
+        tier.check_available(torch.device("cpu"))
+    tier = make_tier("device_mxfp8", load_config(None, {"mxfp8_mode": "mxfp8-emulated"}))
     tier.check_available(torch.device("cpu"))
     assert tier.describe() == {
         "recipe": "mxfp8-emulated",
         "kernel": "torch.nn.functional.grouped_mm on MXFP8-dequantised operands",
         "device": "cpu",
+        "precision": "mxfp8",
     }
     with pytest.raises(TierUnavailable):
         DeviceMXFP8Tier("fp8-hopper").check_available("cpu")

@@ -19,6 +19,8 @@ _TIERS = {
 EXPERT_TIERS = tuple(_TIERS)
 
 
-def make_tier(name: str) -> ExpertTier:
+def make_tier(name: str, cfg=None) -> ExpertTier:
+    """The tier called `name`; a tier with options reads them from the run config `cfg`."""
     module_name, class_name = _TIERS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)()
+    tier_class = getattr(importlib.import_module(module_name), class_name)
+    return tier_class.from_config(cfg) if cfg is not None and hasattr(tier_class, "from_config") else tier_class()

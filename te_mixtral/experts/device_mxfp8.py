@@ -16,11 +16,11 @@ the tier says which one ran (`describe()`, for the run header and results JSON).
 | `mxfp8-emulated` | anywhere (CPU, CI)     | MXFP8 numerics exactly per the OCP spec, GEMMs in        |
 |                  |                        | fp32/bf16 on the dequantised values (quant/mxfp8.py).    |
 
-`mode="auto"` (what the registry's `DeviceMXFP8Tier()` gets) picks by device: the CPU
-emulates, sm_90 runs `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. Any other GPU, or a
-mode the device cannot run (say `mxfp8-te` on Hopper, or on Blackwell without TE), is a
+`mode="auto"` (the config's `mxfp8_mode` default) picks the hardware path: sm_90 runs
+`fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. The CPU, any other GPU, or a mode the
+device cannot run (say `mxfp8-te` on Hopper, or on Blackwell without TE), is a
 `TierUnavailable` with one line saying why. Nothing ever falls back to BF16, and
-emulation only runs where it was asked for or on the CPU.
+emulation runs only where it was asked for by name (`--mxfp8_mode mxfp8-emulated`).
 
 All modes share the frame below: pad every expert's rows to the mode's alignment on the
 device (quant/padding.py), run the expert MLP on the padded rows, drop the padding. No
@@ -57,9 +57,7 @@ def select_mode(requested: str, device_type: str, capability=None, te_reason=lam
     blackwell = capability is not None and BLACKWELL[0] <= tuple(capability) < BLACKWELL[1]
     mode = requested
     if requested == "auto":
-        if device_type == "cpu":
-            mode = "mxfp8-emulated"
-        elif capability == HOPPER:
+        if capability == HOPPER:
             mode = "fp8-hopper"
         elif blackwell:
             mode = "mxfp8-te"
@@ -67,7 +65,7 @@ def select_mode(requested: str, device_type: str, capability=None, te_reason=lam
             where = device_type if capability is None else f"{device_type} {_sm(capability)}"
             raise TierUnavailable(
                 f"tier 'device_mxfp8' has no 8-bit grouped GEMM for {where}; "
-                "choose mode 'mxfp8-emulated' to emulate MXFP8 numerics instead"
+                "use --mxfp8_mode mxfp8-emulated to emulate MXFP8 numerics instead"
             )
 
     reason = None
@@ -128,6 +126,10 @@ class DeviceMXFP8Tier:
         self._device: torch.device | None = None
         self._backend = None
 
+    @classmethod
+    def from_config(cls, cfg) -> "DeviceMXFP8Tier":
+        return cls(cfg.mxfp8_mode)
+
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)
         if device.type == "cuda":
@@ -147,7 +149,8 @@ class DeviceMXFP8Tier:
         """What runs: {"recipe", "kernel", "device"}, for the run header and results JSON."""
         if self._backend is None:
             raise RuntimeError("DeviceMXFP8Tier.describe() needs check_available(device) first")
-        return {"recipe": self._backend.recipe, "kernel": self._backend.kernel, "device": _device_name(self._device)}
+        return {"recipe": self._backend.recipe, "kernel": self._backend.kernel, "device": _device_name(self._device),
+                "precision": "fp8" if self.mode == "fp8-hopper" else "mxfp8"}
 
     def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
         if x_RD.device != self._device:
