@@ -5,13 +5,23 @@
     python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier grouped_linear --steps 20
 
 Any config key can be overridden: `--lr 1e-4`, `--train.steps 10`, `--model.num_hidden_layers 4`.
+
+Fine-tune a Hugging Face checkpoint, evaluate, export, and survive a crash (docs/checkpoints.md):
+
+    torchrun --nproc_per_node=2 run_finetune_ep.py --ep-size 2 --model PATH_OR_HUB_ID \
+        --eval-fraction 0.05 --eval-every 10 --checkpoint-dir ckpt --checkpoint-every 10 \
+        --save-hf finetuned --generate "The meaning of"
+    ... the same command with --resume continues from the latest checkpoint in ckpt.
+
+--model's config.json replaces the config's `model` section; its tokenizer.json is used
+when data.tokenizer is unset.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from te_mixtral.config import load_config
+from te_mixtral.config import is_switch, load_config
 from te_mixtral.errors import UserError
 from te_mixtral.parallel import shutdown, world_size_from_env
 
@@ -29,10 +39,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
             raise UserError(f"expected --key value, got '{flag}'")
         key, eq, value = flag[2:].partition("=")
         if not eq:
-            if not rest or rest[0].startswith("--"):
+            if (not rest or rest[0].startswith("--")) and is_switch(key):
+                value = "true"  # `--resume` alone switches it on
+            elif not rest or rest[0].startswith("--"):
                 raise UserError(f"--{key} needs a value")
-            value = rest.pop(0)
-        overrides[key] = value
+            else:
+                value = rest.pop(0)
+        # `--model` names a checkpoint; `model` alone is the config section.
+        overrides["model_path" if key == "model" else key] = value
     return args, overrides
 
 

@@ -1,6 +1,8 @@
-"""Hugging Face Mixtral checkpoints in te_mixtral's parameter layout.
+"""Hugging Face Mixtral checkpoints in and out of te_mixtral's parameter layout.
 
-Two expert layouts exist on disk, and both load:
+In: `--model PATH_OR_HUB_ID` names a local checkpoint folder or a hub id (downloaded to the
+hub cache). Its config.json replaces the YAML `model` section, and its tokenizer.json is
+used when `data.tokenizer` is unset. Two expert layouts exist on disk, and both load:
 - per expert (the published Mixtral checkpoints, and what transformers still writes):
   `model.layers.N.block_sparse_moe.experts.E.w1.weight` (gate, [F, D]), `w3` (up, [F, D]),
   `w2` (down, [D, F]), router `block_sparse_moe.gate.weight`;
@@ -10,16 +12,29 @@ Our names are the stacked ones, so the dense weights load by name.
 
 Each rank streams from the safetensors files only the tensors it keeps: the dense weights
 and its own experts (a slice of a stacked tensor is read as a slice), never the whole model.
+safetensors memory-maps the files, so what a rank touches is what it reads.
+
+Out: `save_hf_checkpoint` writes the per-expert layout above (what transformers'
+`save_pretrained` writes and every Mixtral tool reads), one safetensors file per decoder
+layer plus one for the embeddings and head, with the sharded index. The experts of a layer
+are gathered to rank 0 one expert at a time and written before the next layer is gathered,
+so rank 0 holds at most its own shard plus one layer's experts, never the model twice. The
+folder is written under a temporary name and renamed when complete.
 """
 
+import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from te_mixtral.config import ModelConfig
+from te_mixtral.checkpoint import fsync_path, publish_folder, require_free_space, require_writable
+from te_mixtral.config import ModelConfig, RunConfig, validate, validate_model
 from te_mixtral.errors import UserError
 from te_mixtral.parallel import Layout
 
@@ -55,6 +70,40 @@ def hf_config(m: ModelConfig):
     )
 
 
+def resolve_model_path(name: str) -> Path:
+    """The local folder of a checkpoint: `name` itself, or a hub id downloaded to the hub cache
+    (configs, tokenizer and safetensors only; every rank may call this, the hub client locks
+    its cache, and a cached snapshot returns at once)."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(("/", ".", "~")):
+        if not path.exists():
+            raise UserError(f"checkpoint folder {path} does not exist")
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a Hugging Face checkpoint folder (it has no config.json)")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "
+                        f"({first_line}); offline, pass a local checkpoint folder") from None
+
+
+def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunConfig:
+    """`cfg` with the checkpoint's model config, and its tokenizer when `data.tokenizer` is
+    unset, validated again (the checkpoint's model must still fit the EP layout)."""
+    tokenizer = cfg.data.tokenizer
+    if tokenizer is None and (model_dir / "tokenizer.json").is_file():
+        tokenizer = str(model_dir)
+    adopted = dataclasses.replace(cfg, model=model_config_from_hf(model_dir),
+                                  data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+    validate(adopted, world_size)
+    validate_model(adopted)
+    return adopted
+
+
 def _safetensors_files(checkpoint_dir: Path) -> list[Path]:
     index = checkpoint_dir / "model.safetensors.index.json"
     if index.exists():
@@ -66,14 +115,16 @@ def _safetensors_files(checkpoint_dir: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: Layout) -> None:
-    """Copy a Hugging Face Mixtral checkpoint into `model`, this rank's experts only."""
+def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: Layout) -> int:
+    """Copy a Hugging Face Mixtral checkpoint into `model`, this rank's experts only; return
+    the number of bytes of tensor data read."""
     checkpoint_dir = Path(checkpoint_dir)
     params = dict(model.named_parameters())
     num_local = model.config.num_local_experts // layout.ep_size
     first = layout.ep_rank * num_local
     ffn = model.config.intermediate_size
     loaded = set()
+    bytes_read = 0
     for file in _safetensors_files(checkpoint_dir):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
@@ -86,19 +137,24 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
                     target = {"w1": (f"{prefix}.mlp.experts.gate_up_proj", slice(0, ffn)),
                               "w3": (f"{prefix}.mlp.experts.gate_up_proj", slice(ffn, 2 * ffn)),
                               "w2": (f"{prefix}.mlp.experts.down_proj", slice(None))}[part]
-                    params[target[0]][local, target[1]].copy_(f.get_tensor(key))
+                    tensor = f.get_tensor(key)
+                    params[target[0]][local, target[1]].copy_(tensor)
+                    bytes_read += tensor.nbytes
                     loaded.add((target[0], local, part))
                     continue
                 name = key.replace(".block_sparse_moe.", ".mlp.")
                 if name not in params:
                     raise UserError(f"{file.name}: tensor '{key}' has no place in a Mixtral model")
                 if ".experts." in name:  # stacked: read only this rank's slice
-                    params[name].copy_(f.get_slice(key)[first:first + num_local])
+                    tensor = f.get_slice(key)[first:first + num_local]
                     loaded.update((name, i, "stacked") for i in range(num_local))
                 else:
-                    params[name].copy_(f.get_tensor(key))
+                    tensor = f.get_tensor(key)
                     loaded.add(name)
+                params[name].copy_(tensor)
+                bytes_read += tensor.nbytes
     _check_complete(params, loaded, num_local, model.config.tie_word_embeddings)
+    return bytes_read
 
 
 def _check_complete(params, loaded, num_local, tied) -> None:
@@ -111,3 +167,167 @@ def _check_complete(params, loaded, num_local, tied) -> None:
             complete = name in loaded or (tied and name == "lm_head.weight")
         if not complete:
             raise UserError(f"the checkpoint has no weights for '{name}'")
+
+
+# --- out --------------------------------------------------------------------------------
+
+
+def _gather_experts(stacked_L: torch.Tensor, layout: Layout, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Every expert of one stacked parameter, on rank 0's CPU in global order; None elsewhere.
+
+    One gather per local expert index: rank r sends its expert `i`, which is global expert
+    r * L + i, so the transient buffer is EP experts, not the layer's whole tensor.
+    """
+    num_local = stacked_L.shape[0]
+    experts = [None] * (num_local * layout.ep_size)
+    for local in range(num_local):
+        piece = stacked_L[local].detach().contiguous()
+        if layout.ep_size == 1:
+            pieces = [piece]
+        else:
+            pieces = [torch.empty_like(piece) for _ in range(layout.ep_size)] if layout.is_main else None
+            dist.gather(piece, pieces, dst=0, group=layout.ep_group)
+        if layout.is_main:
+            for ep_rank, tensor in enumerate(pieces):
+                # A copy even when nothing changes: views of one parameter share memory,
+                # which safetensors refuses to save.
+                experts[ep_rank * num_local + local] = tensor.to("cpu", dtype, copy=True)
+    return experts if layout.is_main else None
+
+
+class _ShardWriter:
+    """Writes numbered safetensors files and the index that maps each tensor to its file."""
+
+    def __init__(self, folder: Path, num_files: int):
+        self.folder, self.num_files = folder, num_files
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+        self.written = 0
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.written += 1
+        name = f"model-{self.written:05d}-of-{self.num_files:05d}.safetensors"
+        save_file(tensors, self.folder / name, metadata={"format": "pt"})
+        (self.folder / name).chmod(0o644)  # safetensors makes it owner-only; checkpoints are meant to be shared
+        fsync_path(self.folder / name)
+        self.weight_map.update(dict.fromkeys(tensors, name))
+        self.total_bytes += sum(t.nbytes for t in tensors.values())
+
+    def write_index(self) -> None:
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _hf_config_json(m: ModelConfig, dtype: torch.dtype, tokenizer, model_source: Path | None) -> str:
+    """The source checkpoint's config.json when there is one (it keeps fields we do not model,
+    such as the special token ids), else one made from our config; the dtype is the export's."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if model_source is not None:
+        raw = json.loads((model_source / "config.json").read_text())
+        raw.update(dtype=dtype_name)
+        raw.pop("torch_dtype", None)
+        return json.dumps(raw, indent=2)
+    cfg = hf_config(m)
+    cfg.architectures = ["MixtralForCausalLM"]
+    cfg.dtype = dtype_name
+    cfg.eos_token_id = tokenizer.eos_id
+    cfg.bos_token_id = tokenizer.backend.token_to_id("<s>")
+    return cfg.to_json_string()
+
+
+def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None:
+    """tokenizer.json, and the tokenizer_config.json that lets `AutoTokenizer` read it: the
+    one beside the tokenizer's source file when there is one, else a minimal one."""
+    (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
+    companions = ("tokenizer_config.json", "special_tokens_map.json")
+    tokenizer_source = Path(tokenizer_path).expanduser() if tokenizer_path else None
+    if tokenizer_source is not None and tokenizer_source.is_file():
+        tokenizer_source = tokenizer_source.parent
+    if tokenizer_source is not None and (tokenizer_source / "tokenizer_config.json").is_file():
+        for name in companions:
+            if (tokenizer_source / name).is_file():
+                shutil.copyfile(tokenizer_source / name, folder / name)
+        return
+    eos = tokenizer.backend.id_to_token(tokenizer.eos_id)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, indent=2))
+
+
+@torch.no_grad()
+def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layout, dtype: torch.dtype, tokenizer,
+                       model_source: Path | None = None, tokenizer_path: str | None = None) -> Path | None:
+    """Write `model` to `out_dir` as a Hugging Face Mixtral checkpoint (see the module
+    docstring); return the folder on rank 0, None elsewhere.
+
+    Every rank of the first replica's EP group must call this (they send their experts);
+    the other replicas hold copies of the same weights and return at once. `tokenizer` is a
+    `te_mixtral.data.Tokenizer`; `model_source` is the checkpoint folder the weights came
+    from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
+    carried over.
+    """
+    if layout.rank >= layout.ep_size:
+        return None
+    m = model.config
+    # The `hf` tier wraps transformers' model, whose v5 in-memory names are ours under `hf.`.
+    params = {name.removeprefix("hf."): p for name, p in model.named_parameters()}
+    out_dir = Path(out_dir).expanduser()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    writer = None
+    if layout.is_main:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while exporting
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise UserError(f"cannot create {tmp} for the Hugging Face export: {e.strerror}") from None
+        writer = _ShardWriter(tmp, m.num_hidden_layers + 1)
+
+    def cpu(tensor):
+        return tensor.detach().to("cpu", dtype).contiguous()
+
+    try:
+        if writer:
+            # named_parameters lists a tied head once, under the embedding: HF re-ties it on load.
+            writer.write({name: cpu(params[name]) for name in ("model.embed_tokens.weight", "model.norm.weight",
+                                                               "lm_head.weight") if name in params})
+        for index in range(m.num_hidden_layers):
+            prefix = f"model.layers.{index}"
+            gate_up = _gather_experts(params[f"{prefix}.mlp.experts.gate_up_proj"], layout, dtype)
+            down = _gather_experts(params[f"{prefix}.mlp.experts.down_proj"], layout, dtype)
+            if not writer:
+                continue
+            tensors = {name.replace(".mlp.", ".block_sparse_moe."): cpu(p) for name, p in params.items()
+                       if name.startswith(prefix + ".") and ".experts." not in name}
+            ffn = m.intermediate_size
+            for expert in range(len(gate_up)):
+                stem = f"{prefix}.block_sparse_moe.experts.{expert}"
+                # Halves of one tensor share memory, which safetensors refuses: copy them, and
+                # drop the whole so that a layer's experts are held once, not twice.
+                gate_up_2FD, gate_up[expert] = gate_up[expert], None
+                tensors[f"{stem}.w1.weight"] = gate_up_2FD[:ffn].clone()
+                tensors[f"{stem}.w3.weight"] = gate_up_2FD[ffn:].clone()
+                tensors[f"{stem}.w2.weight"] = down[expert]
+            writer.write(tensors)
+        if writer:
+            writer.write_index()
+            (tmp / "config.json").write_text(_hf_config_json(m, dtype, tokenizer, model_source))
+            if model_source is not None and (model_source / "generation_config.json").is_file():
+                shutil.copyfile(model_source / "generation_config.json", tmp / "generation_config.json")
+            _write_tokenizer(tmp, tokenizer, tokenizer_path)
+            for path in tmp.iterdir():
+                fsync_path(path)
+            publish_folder(tmp, out_dir)
+    except OSError as e:
+        raise UserError(f"cannot write the Hugging Face export {out_dir}: {e.strerror}") from None
+    return out_dir if writer else None
+
+
+def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layout, dtype: torch.dtype) -> None:
+    """On rank 0, before training: refuse an export folder that cannot be created or hold
+    the model (all experts, in the export dtype)."""
+    if not layout.is_main:
+        return
+    parent = Path(out_dir).expanduser().absolute().parent
+    require_writable(parent, "save_hf's parent folder")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = sum(p.numel() * (layout.ep_size if ".experts." in name else 1) for name, p in model.named_parameters())
+    require_free_space(parent, numel * itemsize, "the Hugging Face export")

@@ -181,3 +181,11 @@ def prepare_output_dir(output_dir: str | None, tier: str) -> Path:
     except OSError as e:
         raise UserError(f"output directory {path} is not writable: {e.strerror}") from None
     return path
+
+
+def phases_table(phases_ms: dict, step_ms: float) -> str:
+    """Each phase's time beside the measured step (see te_mixtral/phases.py for the caveats)."""
+    rows = [(name, f"{ms:.1f}", f"{100 * ms / step_ms:.0f} %") for name, ms in phases_ms.items()]
+    rows.append(("sum of phases", f"{sum(phases_ms.values()):.1f}", f"{100 * sum(phases_ms.values()) / step_ms:.0f} %"))
+    rows.append(("median step", f"{step_ms:.1f}", "100 %"))
+    return format_table(rows, header=("phase (fwd+bwd)", "ms", "of step"))

@@ -1,45 +1,65 @@
 """The training loop: one plain function, read top to bottom.
 
 Warm-up and timed steps run the same code; `metrics.summarize` leaves the first
-`train.timing_warmup_steps` out of the statistics.
+`train.timing_warmup_steps` out of the statistics (of this process: a resumed run warms up
+again). Evaluation, checkpoints and exports run between steps, outside the timed part.
 """
 
 import contextlib
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from te_mixtral import metrics, report
+from te_mixtral.checkpoint import Checkpointer, TrainState, require_writable
 from te_mixtral.config import RunConfig, save_config
 from te_mixtral.data import PackedData
 from te_mixtral.errors import UserError
+from te_mixtral.evaluate import evaluate, evaluations_table
 from te_mixtral.experts import make_tier
 from te_mixtral.experts.loop import LoopTier
+from te_mixtral.generate import generate_text
+from te_mixtral.hf_checkpoint import (adopt_checkpoint, check_export_space, load_hf_weights, resolve_model_path,
+                                      save_hf_checkpoint)
 from te_mixtral.hf_model import HFMixtral
 from te_mixtral.layers import TORCH, PackedSequences, resolve_backend
 from te_mixtral.loss_check import check_losses
 from te_mixtral.model import MixtralForCausalLM, causal_lm_loss, init_weights
-from te_mixtral.parallel import Layout, all_reduce_gradients, all_reduce_sum, clip_grad_norm, init_layout
+from te_mixtral.phases import profile_phases
+from te_mixtral.parallel import (Layout, all_reduce_gradients, all_reduce_sum, clip_grad_norm, init_layout,
+                                 world_size_from_env)
 
 
-def build_model(cfg: RunConfig, layout: Layout, device: torch.device) -> tuple[nn.Module, dict]:
-    """The model of the run's tier, initialised from the run's seed; and what it runs on."""
+def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
+                model_dir: Path | None = None) -> tuple[nn.Module, dict]:
+    """The model of the run's tier, with the weights of `model_dir` (an HF checkpoint) or
+    initialised from the run's seed; and what it runs on."""
     if cfg.tier == "hf":
         with torch.device(device):
             ours = MixtralForCausalLM(cfg.model, TORCH, layout, LoopTier())
-        init_weights(ours, cfg.train.seed, layout)
+        initialise(ours, cfg, layout, model_dir)
         return HFMixtral.from_model(ours), {"backend": "transformers", "experts": "transformers eager loop"}
-    tier = make_tier(cfg.tier)
+    tier = make_tier(cfg.tier, cfg)
     tier.check_available(device)
     backend = resolve_backend(cfg.backend, device.type)
     with torch.device(device):
         model = MixtralForCausalLM(cfg.model, backend, layout, tier)
-    init_weights(model, cfg.train.seed, layout)
+    initialise(model, cfg, layout, model_dir)
     described = getattr(tier, "describe", lambda: {})()
     return model, {"backend": backend.name, "experts": cfg.tier, **described}
+
+
+def initialise(model: MixtralForCausalLM, cfg: RunConfig, layout: Layout, model_dir: Path | None) -> None:
+    if cfg.resume:
+        return  # the training checkpoint overwrites every weight
+    if model_dir is not None:
+        load_hf_weights(model, model_dir, layout)
+    else:
+        init_weights(model, cfg.train.seed, layout)
 
 
 def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -58,6 +78,11 @@ def learning_rate(step: int, cfg: RunConfig) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - 1 - t.warmup_steps)
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def due(step: int, every: int, total: int) -> bool:
+    """Whether something done every `every` steps (0: never) and at the end is due after `step`."""
+    return step == total or (every > 0 and step % every == 0)
 
 
 def progress_line(step: int, total: int, loss: float, lr: float, step_s: float) -> str:
@@ -85,6 +110,12 @@ def train(cfg: RunConfig) -> TrainResult:
     if device.type == "cpu" and cfg.precision == "bf16":
         raise UserError("bf16 training is for CUDA GPUs here; use --dtype fp32 on the CPU")
     reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
+    # Local checks before the first collective, so that every rank fails alike and at once.
+    if cfg.checkpoint_dir:
+        require_writable(Path(cfg.checkpoint_dir).expanduser(), "checkpoint directory")
+    model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
+    if model_dir is not None:
+        cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
     layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -94,12 +125,23 @@ def train(cfg: RunConfig) -> TrainResult:
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
-    model, ran_on = build_model(cfg, layout, device)
+    eval_batches = data.eval_batches()
+    model, ran_on = build_model(cfg, layout, device, model_dir)
     optimizer = make_optimizer(model, cfg)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
+    export_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    checkpointer = Checkpointer(cfg, layout, device) if cfg.checkpoint_dir else None
+    state = checkpointer.load_latest(model, optimizer, cfg) if cfg.resume else TrainState()
+    if checkpointer:
+        checkpointer.check_free_space(model)
+    if cfg.save_hf:
+        check_export_space(model, cfg.save_hf, layout, export_dtype)
     header = {**report.run_header(cfg, metrics.device_name(device), layout.world_size), "ran": ran_on}
     output_dir = report.prepare_output_dir(cfg.output_dir, cfg.tier) if layout.is_main else None
+    if layout.is_main and model_dir is not None:
+        print(f"te_mixtral: weights and model config from {model_dir} (its config.json replaces the config's "
+              f"model section)", flush=True)
     if layout.is_main:
         print(f"te_mixtral: tier {cfg.tier} on {header['device']} x{layout.world_size} (EP={cfg.ep_size}), "
               f"{cfg.precision}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on rank 0, "
@@ -107,8 +149,8 @@ def train(cfg: RunConfig) -> TrainResult:
 
     # --- steps -------------------------------------------------------------------------
     timer = metrics.StepTimer(device)
-    losses, flops_per_step = [], []
-    for step in range(cfg.train.steps):
+    flops_per_step = []
+    for step in range(state.step, cfg.train.steps):
         batch = data.batch(step)
         step_flops = metrics.train_flops(cfg.model, batch.cu_seqlens, batch.num_tokens)
         batch = batch.to(device)
@@ -132,22 +174,50 @@ def train(cfg: RunConfig) -> TrainResult:
         global_loss = all_reduce_sum(loss.detach().clone(), layout)
         step_s = timer.stop()
 
-        losses.append(global_loss.item())
+        state.step = step + 1
+        state.losses.append(global_loss.item())
         flops_per_step.append(counts[1].item())
-        if not math.isfinite(losses[-1]):
-            raise UserError(f"the loss became {losses[-1]} at step {step + 1}; stopping")
-        if layout.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
-            print(progress_line(step, cfg.train.steps, losses[-1], lr, step_s), flush=True)
+        if not math.isfinite(state.losses[-1]):
+            raise UserError(f"the loss became {state.losses[-1]} at step {step + 1}; stopping")
+        if layout.is_main and due(state.step, cfg.train.log_every, cfg.train.steps):
+            print(progress_line(step, cfg.train.steps, state.losses[-1], lr, step_s), flush=True)
+
+        # --- between steps: evaluate, checkpoint, export (not timed) ---------------------
+        if eval_batches and due(state.step, cfg.train.eval_every, cfg.train.steps):
+            evaluation = evaluate(model, eval_batches, state.step, layout, device, autocast)
+            state.evals.append(asdict(evaluation))
+            if layout.is_main:
+                print(evaluation.line(cfg.train.steps), flush=True)
+        if checkpointer and due(state.step, cfg.checkpoint_every, cfg.train.steps):
+            checkpointer.save(state, model, optimizer, cfg)
+        if cfg.save_hf and due(state.step, cfg.save_every, cfg.train.steps):
+            save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir, cfg.data.tokenizer)
 
     # --- report ------------------------------------------------------------------------
+    generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device, autocast)
+                 if cfg.generate is not None else None)
+    losses = state.losses
+    timing_warmup = min(cfg.train.timing_warmup_steps, len(timer.times) - 1)  # a resumed run has fewer steps
     summary = metrics.summarize(
-        timer.times, cfg.train.timing_warmup_steps, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
+        timer.times, timing_warmup, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
         metrics.peak_flops(header["device"]), _max_over_ranks(metrics.peak_memory_bytes(device), layout, device),
     )
     exit_code = 0
-    extra = {}
+    extra = {"evals": state.evals} if state.evals else {}
+    if cfg.profile_phases:  # last: it steps the optimizer while timing it
+
+        def forward_backward():
+            with autocast:
+                logits = model(batch.input_ids, packed)
+            causal_lm_loss(logits, batch.labels, counts[0]).backward()
+
+        extra["phases_ms"] = profile_phases(model, optimizer, forward_backward, batch, packed, counts[0], autocast,
+                                            layout, cfg)
+    if generated is not None:
+        extra["generate"] = generated
     if reference is not None:
-        check = check_losses(losses, reference, cfg.precision)
+        # An 8-bit tier is held to its own tolerance, whatever the rest of the model runs in.
+        check = check_losses(losses, reference, ran_on.get("precision", cfg.precision))
         extra["loss_check"] = {"reference": cfg.loss_check, "passed": check.passed, "tolerance": check.tolerance,
                                "max_rel_diff": check.max_rel_diff, "worst_step": check.worst_step}
         exit_code = 0 if check.passed else 1
@@ -155,6 +225,12 @@ def train(cfg: RunConfig) -> TrainResult:
         save_config(cfg, output_dir / "config.yaml")
         path = report.write_results(output_dir, header, summary, losses, extra)
         print(report.timing_table(summary, header))
+        if state.evals:
+            print(evaluations_table(state.evals))
+        if generated is not None:
+            print(f"generate: {generated['prompt']!r} -> {generated['text']!r}")
+        if cfg.profile_phases:
+            print(report.phases_table(extra["phases_ms"], summary["median_step_ms"]))
         if reference is not None:
             print(check.table())
         print(f"results: {path}", flush=True)
@@ -169,9 +245,22 @@ def _max_over_ranks(value: int, layout: Layout, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def _lost_a_peer(e: RuntimeError) -> bool:
+    # gloo reports a dead or hung peer as a plain RuntimeError naming itself; NCCL and the
+    # store raise torch.distributed.DistError subclasses.
+    return isinstance(e, torch.distributed.DistError) or "gloo" in str(e)
+
+
 def main(cfg: RunConfig) -> int:
     try:
         return train(cfg).exit_code
     except UserError as e:
         print(f"te_mixtral: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as e:
+        if not _lost_a_peer(e):
+            raise
+        reason = (str(e).strip().splitlines() or ["no detail"])[0]
+        print(f"te_mixtral: error: a collective failed, another rank probably died or hung (see its log); "
+              f"resume from the last checkpoint with --resume ({reason[:200]})", file=sys.stderr, flush=True)
+        return 3

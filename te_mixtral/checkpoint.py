@@ -1,0 +1,344 @@
+"""Training checkpoints: stop a run (or lose it) and continue it exactly where it was.
+
+What a checkpoint holds
+-----------------------
+Everything the next step depends on, and nothing that can be recomputed:
+
+- each rank's model shard (dense weights and its own experts) and optimizer state (AdamW's
+  moments and step counts), with its RNG states (CPU, and CUDA when it runs there);
+- the number of completed steps. That is also the data position and the learning rate:
+  `PackedData.batch(step)` and `train.learning_rate(step)` are pure functions of the step,
+  so a resumed run reads exactly the batches the lost one would have read;
+- the losses and evaluations so far, so that a resumed run's results.json tells the whole
+  story, and the run's config, so that resuming into a different model is refused.
+
+Layout on disk::
+
+    checkpoint_dir/
+      latest              "step-000040": the newest complete checkpoint; always written last
+      step-000040/
+        meta.json         step, world and EP size, config, losses, evaluations, and the
+                          size and SHA-256 of every rank file
+        rank00000.pt      one per rank: {"model", "optimizer", "rng"} (torch.save)
+        rank00001.pt
+
+Atomicity
+---------
+A checkpoint is written into `step-000040.tmp/`: every rank writes and fsyncs its own file,
+rank 0 collects their sizes and hashes, writes meta.json, fsyncs, renames the folder to
+`step-000040`, and only then replaces `latest` (a temporary file, fsync, rename, each
+followed by an fsync of the folder so the rename itself is on disk). A run killed at any
+instant, or a disk that fills up, leaves `latest` naming the previous complete checkpoint;
+a `.tmp` folder is never read, and the next save removes it. On resume each rank checks its
+file's size and SHA-256 against meta.json before loading it, so a truncated or corrupted
+file is refused with a message instead of being half loaded.
+
+Pitfalls: every rank writes into one folder that rank 0 then renames, so `checkpoint_dir`
+must be one filesystem that all ranks see (a local disk on one node, a shared filesystem
+across nodes). Data-parallel replicas write identical shards; that costs disk space, not
+correctness, and keeps every rank's file self-contained.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from te_mixtral.config import RunConfig, to_dict
+from te_mixtral.errors import UserError
+from te_mixtral.parallel import Layout
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+META = "meta.json"
+_STEP_FOLDER = re.compile(r"step-(\d{6,})")
+# Keys that may differ between a run and its resumption without a note.
+_RESUME_KEYS = ("resume", "checkpoint_dir", "output_dir", "loss_check", "save_hf", "save_every", "generate", "generate_tokens",
+                "checkpoint_every", "checkpoint_keep", "dist_timeout_s")
+
+
+def step_folder(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+# --- files that are whole or absent -----------------------------------------------------
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a folder's list of names (what makes a rename durable), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step: readers see the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it owner-only
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary folder to its final name.
+
+    A folder cannot replace a non-empty folder in one rename, so an existing `final` is first
+    moved aside to `final.old` and deleted after: a crash between the two renames leaves the
+    previous contents under `final.old`, never a mixture.
+    """
+    fsync_path(tmp)
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    fsync_path(final.parent)
+
+
+def require_writable(path: Path, what: str) -> None:
+    """Create `path` and a file in it now, so that a bad path fails before training, not after."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
+    except OSError as e:
+        raise UserError(f"{what} {path} is not writable: {e.strerror}") from None
+
+
+def require_free_space(path: Path, needed_bytes: int, what: str) -> None:
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise UserError(f"not enough free space in {path} for {what}: needs about {needed_bytes / 2**30:.2f} GiB, "
+                        f"{free / 2**30:.2f} GiB free")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- collectives ------------------------------------------------------------------------
+
+
+def _barrier(layout: Layout) -> None:
+    if layout.world_size > 1:
+        dist.barrier()
+
+
+def _any_rank(flag: bool, layout: Layout, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank; every rank must call it."""
+    if layout.world_size == 1:
+        return flag
+    tensor = torch.tensor(int(flag), device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def _gather_to_main(obj, layout: Layout) -> list | None:
+    if layout.world_size == 1:
+        return [obj]
+    gathered = [None] * layout.world_size if layout.is_main else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+# --- RNG --------------------------------------------------------------------------------
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+# --- the checkpointer -------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """Where a run is: completed steps, and what it has measured so far."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)  # evaluate.Evaluation dictionaries
+
+
+class Checkpointer:
+    """Saves and loads the training checkpoints of `cfg.checkpoint_dir` (see the module
+    docstring). Every method is called by every rank at the same point of the run."""
+
+    def __init__(self, cfg: RunConfig, layout: Layout, device: torch.device):
+        self.dir = Path(cfg.checkpoint_dir).expanduser()
+        self.keep = cfg.checkpoint_keep
+        self.layout = layout
+        self.device = device
+        require_writable(self.dir, "checkpoint directory")
+
+    def check_free_space(self, model: torch.nn.Module) -> None:
+        """Refuse to start when one checkpoint (weights and AdamW's two moments, all ranks)
+        cannot fit, rather than fail at the first save."""
+        local = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+        total = torch.tensor(local, dtype=torch.int64, device=self.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(total)
+        require_free_space(self.dir, int(total.item()), "a training checkpoint")
+
+    def save(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             cfg: RunConfig) -> Path:
+        name = step_folder(state.step)
+        tmp = self.dir / f"{name}.tmp"
+        if self.layout.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left behind by a run that died while saving
+            tmp.mkdir()
+        _barrier(self.layout)
+        path = tmp / rank_file(self.layout.rank)
+        blob = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(self.device)}
+        try:
+            with open(path, "wb") as f:
+                torch.save(blob, f)
+                f.flush()
+                os.fsync(f.fileno())
+            entry = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+        except OSError as e:
+            raise UserError(f"cannot write checkpoint file {path}: {e.strerror}; "
+                            f"the previous checkpoint (if any) is intact") from None
+        entries = _gather_to_main(entry, self.layout)
+        if self.layout.is_main:
+            meta = {
+                "format": FORMAT_VERSION,
+                "date": datetime.now().isoformat(timespec="seconds"),
+                "world_size": self.layout.world_size,
+                "ep_size": self.layout.ep_size,
+                **asdict(state),
+                "config": to_dict(cfg),
+                "files": {rank_file(rank): e for rank, e in enumerate(entries)},
+            }
+            try:
+                write_text_atomic(tmp / META, json.dumps(meta, indent=1))
+                publish_folder(tmp, self.dir / name)
+                write_text_atomic(self.dir / LATEST, name + "\n")
+                self._prune(name)
+            except OSError as e:
+                raise UserError(f"cannot finish checkpoint {self.dir / name}: {e.strerror}; "
+                                f"the previous checkpoint (if any) is intact") from None
+        _barrier(self.layout)  # every rank returns once the checkpoint is committed
+        return self.dir / name
+
+    def _prune(self, latest: str) -> None:
+        """Keep the newest `keep` checkpoints up to `latest`; delete the rest, and leftovers of
+        interrupted saves. A checkpoint *newer* than `latest` belongs to a run that died before
+        it could point `latest` at it, a future this run has replaced."""
+        latest_step = int(_STEP_FOLDER.fullmatch(latest)[1])
+        folders = [p for p in self.dir.iterdir() if p.name.startswith("step-")]
+        complete = {int(m[1]): p for p in folders if (m := _STEP_FOLDER.fullmatch(p.name))}
+        kept = {complete[step] for step in sorted(s for s in complete if s <= latest_step)[-self.keep:]}
+        for path in folders:
+            if path not in kept:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig) -> TrainState:
+        """Restore this rank's shard, optimizer and RNG from the checkpoint `latest` names."""
+        pointer = self.dir / LATEST
+        try:
+            name = pointer.read_text().strip()
+        except FileNotFoundError:
+            raise UserError(f"no checkpoint to resume from in {self.dir} (no '{LATEST}' file)") from None
+        if not _STEP_FOLDER.fullmatch(name):
+            raise UserError(f"{pointer} is corrupt: it names '{name[:40]}', not a step-NNNNNN folder")
+        folder = self.dir / name
+        try:
+            meta = json.loads((folder / META).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"checkpoint {folder} is unreadable or corrupt ({META}: {e}); "
+                            f"delete it and point {pointer} at an older one") from None
+        self._check_compatible(meta, cfg, folder)
+
+        path = folder / rank_file(self.layout.rank)
+        problem = _verify(path, meta["files"].get(path.name))
+        # A rank with a bad file must not leave the others waiting in the next collective.
+        if _any_rank(problem is not None, self.layout, self.device):
+            raise UserError(problem or f"checkpoint {folder} failed verification on another rank (see its error)")
+        blob = torch.load(path, map_location=self.device, weights_only=True)
+        model.load_state_dict(blob["model"])
+        optimizer.load_state_dict(blob["optimizer"])
+        _set_rng_state(blob["rng"], self.device)
+        if self.layout.is_main:
+            print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
+            for note in _changed_settings(meta["config"], to_dict(cfg)):
+                print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
+        return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]))
+
+    def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
+        if meta.get("format") != FORMAT_VERSION:
+            raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
+        if (meta["world_size"], meta["ep_size"]) != (self.layout.world_size, self.layout.ep_size):
+            raise UserError(f"checkpoint {folder} was written by {meta['world_size']} ranks with EP={meta['ep_size']}; "
+                            f"resume it with the same world size and ep_size, not {self.layout.world_size} and "
+                            f"{self.layout.ep_size}")
+        if meta["config"]["model"] != to_dict(cfg)["model"]:
+            raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
+                            f"resume with the config it was written with ({folder / META})")
+        if meta["step"] >= cfg.train.steps:
+            raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
+                            f"nothing left to do (raise --steps to train further)")
+
+
+def _verify(path: Path, entry: dict | None) -> str | None:
+    """Why the file at `path` must not be loaded, or None when it matches its manifest entry."""
+    if entry is None:
+        return f"checkpoint file {path} is not listed in its {META}"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"checkpoint file {path} is missing"
+    if size != entry["bytes"]:
+        return f"checkpoint file {path} is truncated or corrupt ({size} bytes, {entry['bytes']} written)"
+    if sha256_of(path) != entry["sha256"]:
+        return f"checkpoint file {path} is corrupt (its SHA-256 differs from the one recorded when it was written)"
+    return None
+
+
+def _changed_settings(saved: dict, now: dict) -> list[str]:
+    """'train.steps 6 -> 8' for each setting that differs (the model is checked separately)."""
+    notes = []
+    for key, value in now.items():
+        if isinstance(value, dict):
+            notes += [f"{key}.{k} {saved.get(key, {}).get(k)!r} -> {v!r}" for k, v in value.items()
+                      if saved.get(key, {}).get(k) != v]
+        elif key not in _RESUME_KEYS and saved.get(key) != value:
+            notes.append(f"{key} {saved.get(key)!r} -> {value!r}")
+    return notes

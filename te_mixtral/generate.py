@@ -1,0 +1,58 @@
+"""Greedy generation from the fine-tuned model: a quick look at what it learned.
+
+Deliberately the simplest thing that is right: every new token runs a full forward over the
+whole sequence so far (no KV cache), through the very forward training uses. That costs
+O(n^2) work for n tokens, which is nothing for the few dozen tokens of a smoke test, and it
+needs no second code path in the model. Greedy means the most likely next token every
+time, as transformers' `generate(do_sample=False)` picks it, so on the same weights the two
+give the same tokens.
+
+With expert parallelism every rank must run every forward, since each holds only some of
+the experts: every rank runs the same loop on the same prompt. The token is chosen on rank
+0 and broadcast, so all ranks stay in step even if their logits differed in the last bit.
+"""
+
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+
+from te_mixtral.data import Tokenizer
+from te_mixtral.errors import UserError
+from te_mixtral.layers import PackedSequences
+from te_mixtral.parallel import Layout
+
+
+@torch.no_grad()
+def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
+                    layout: Layout, device: torch.device, autocast: AbstractContextManager,
+                    max_positions: int) -> list[int]:
+    """The ids of up to `max_new_tokens` tokens that follow `prompt_ids`; stops after eos."""
+    ids = list(prompt_ids)
+    new = []
+    while len(new) < max_new_tokens and len(ids) < max_positions:
+        length = len(ids)
+        packed = PackedSequences(torch.arange(length, device=device)[None],
+                                 torch.tensor([0, length], dtype=torch.int32, device=device), length)
+        with autocast:
+            logits_1SV = model(torch.tensor([ids], device=device), packed)
+        next_id = logits_1SV[0, -1].argmax()
+        if layout.world_size > 1:
+            dist.broadcast(next_id, src=0)
+        ids.append(int(next_id))
+        new.append(ids[-1])
+        if ids[-1] == eos_id:
+            break
+    return new
+
+
+def generate_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, layout: Layout,
+                  device: torch.device, autocast: AbstractContextManager) -> dict:
+    """Encode `prompt` (with the tokenizer's own special tokens, as transformers does),
+    continue it greedily, and return prompt, token ids and decoded text."""
+    prompt_ids = tokenizer.backend.encode(prompt).ids
+    if not prompt_ids:
+        raise UserError("the generate prompt encodes to no tokens; give some text")
+    tokens = greedy_generate(model, prompt_ids, max_new_tokens, tokenizer.eos_id, layout, device, autocast,
+                             model.config.max_position_embeddings)
+    return {"prompt": prompt, "prompt_ids": prompt_ids, "tokens": tokens, "text": tokenizer.backend.decode(tokens)}

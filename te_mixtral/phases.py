@@ -1,0 +1,121 @@
+"""Where a training step's time goes, phase by phase.
+
+After the run (`--profile_phases true`), each phase of a step is timed on its own, forward
+and backward, on the very inputs it received in the last step:
+
+    attention  input norm + attention block (projections, RoPE, fused attention), all layers
+    router     post-attention norm output -> logits -> softmax -> top-k weights
+    dispatch   permute the token copies, all-to-all them to their experts' ranks
+    experts    the expert tier on its sorted rows
+    combine    all-to-all back, un-permute, weighted sum of each token's k outputs
+    head       final norm + LM head + cross-entropy
+    optimizer  gradient all-reduce + clipping + AdamW step
+
+Pitfalls. A phase run alone loses the overlap of its launches with its neighbours', and the
+allocator sees a different pattern, so the phases need not add up to the step time: the
+table shows the step's median beside their sum. The optimizer is stepped for real while it
+is timed, so this runs after everything else that reads the weights.
+"""
+
+import statistics
+import time
+
+import torch
+
+from te_mixtral.model import causal_lm_loss
+from te_mixtral.parallel import all_reduce_gradients, clip_grad_norm
+
+
+class _Timer:
+    """Median wall time of a callable, the device drained before every clock read."""
+
+    def __init__(self, device: torch.device, repeats: int = 5, warmup: int = 2):
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def ms(self, fn) -> float:
+        times = []
+        for i in range(self.warmup + self.repeats):
+            self._sync()
+            start = time.perf_counter()
+            fn()
+            self._sync()
+            if i >= self.warmup:
+                times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
+def _forward_backward(fn, *inputs):
+    """A closure running fn on fresh leaves of `inputs`, then its backward on a random gradient."""
+    grad = {}
+
+    def run():
+        out = fn(*[_leaf(t) for t in inputs])
+        if "out" not in grad:
+            grad["out"] = torch.randn_like(out)
+        out.backward(grad["out"])
+
+    return run
+
+
+def _capture_inputs(model, step_fn):
+    """Run one step, keeping each layer's attention and MoE inputs."""
+    captured = {}
+    hooks = []
+    for index, layer in enumerate(model.model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            hooks.append(getattr(layer, name).register_forward_pre_hook(
+                lambda module, args, key=(index, name): captured.__setitem__(key, args[0].detach())))
+    hooks.append(model.model.norm.register_forward_pre_hook(
+        lambda module, args: captured.__setitem__("final", args[0].detach())))
+    step_fn()
+    for hook in hooks:
+        hook.remove()
+    return captured
+
+
+def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autocast, layout, cfg) -> dict:
+    """Per-phase milliseconds (summed over layers) of one step; see the module docstring."""
+    device = next(model.parameters()).device
+    timer = _Timer(device)
+    captured = _capture_inputs(model, step_fn)
+    rotary = model.model.rotary(packed.position_ids_BS)
+    totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head", "optimizer"), 0.0)
+    with autocast:
+        for index, layer in enumerate(model.model.layers):
+            attn_in, moe_in = captured[(index, "input_layernorm")], captured[(index, "post_attention_layernorm")]
+            totals["attention"] += timer.ms(_forward_backward(
+                lambda x: layer.self_attn(layer.input_layernorm(x), rotary, packed), attn_in))
+            mlp = layer.mlp
+            x_TD = layer.post_attention_layernorm(moe_in).reshape(-1, moe_in.shape[-1]).detach()
+            totals["router"] += timer.ms(_forward_backward(lambda x: mlp.route(x)[0], x_TD))
+            weights_TK, experts_TK = mlp.route(x_TD)
+            x_TD = x_TD.to(torch.get_autocast_dtype(device.type)) if torch.is_autocast_enabled(device.type) else x_TD
+            totals["dispatch"] += timer.ms(_forward_backward(
+                lambda x: mlp.dispatcher.dispatch(x, experts_TK, weights_TK.detach()).x_RD, x_TD))
+            routed = mlp.dispatcher.dispatch(x_TD, experts_TK, weights_TK.detach())
+            experts = mlp.experts
+            totals["experts"] += timer.ms(_forward_backward(
+                lambda x: mlp.tier(x, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj),
+                routed.x_RD))
+            y_RD = mlp.tier(routed.x_RD, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj)
+            totals["combine"] += timer.ms(_forward_backward(lambda y: mlp.dispatcher.combine(y, routed), y_RD))
+        totals["head"] = timer.ms(_forward_backward(
+            lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
+            captured["final"]))
+
+    def optimizer_step():
+        all_reduce_gradients(model, layout)
+        clip_grad_norm(model, cfg.train.grad_clip, layout)
+        optimizer.step()
+
+    totals["optimizer"] = timer.ms(optimizer_step)
+    optimizer.zero_grad(set_to_none=True)
+    return totals

@@ -1,0 +1,166 @@
+"""Training checkpoints in one process: round trip, atomicity, corruption, pruning, refusals."""
+
+import dataclasses
+import errno
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import te_mixtral.checkpoint as checkpoint
+from te_mixtral.checkpoint import LATEST, Checkpointer, TrainState
+from te_mixtral.config import load_config
+from te_mixtral.errors import UserError
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.layers import TORCH
+from te_mixtral.model import MixtralForCausalLM, init_weights
+from te_mixtral.parallel import Layout
+from te_mixtral.train import make_optimizer
+
+SINGLE = Layout(0, 1, 1, None, None)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def setup(tmp_path):
+    cfg = load_config(None, {"checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "64", "hidden_size": "16",
+                             "intermediate_size": "24", "num_hidden_layers": "1", "num_attention_heads": "2",
+                             "num_key_value_heads": "1", "head_dim": "8", "num_local_experts": "2",
+                             "tokenizer_vocab_size": "64", "steps": "10", "checkpoint_keep": "2"})
+
+    def fresh(seed=0):
+        model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, LoopTier())
+        init_weights(model, seed, SINGLE)
+        optimizer = make_optimizer(model, cfg)
+        for p in model.parameters():  # one step, so the optimizer has state worth saving
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return model, optimizer
+
+    return cfg, fresh, Checkpointer(cfg, SINGLE, CPU)
+
+
+def save(ckpt, cfg, model, optimizer, step):
+    return ckpt.save(TrainState(step, [float(s) for s in range(step)], [{"step": step, "loss": 1.0}]),
+                     model, optimizer, cfg)
+
+
+def test_round_trip_restores_weights_optimizer_rng_and_history(setup):
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh(seed=1)
+    torch.manual_seed(7)
+    save(ckpt, cfg, model, optimizer, 3)
+    expected_draw = torch.rand(3)
+
+    other, other_optimizer = fresh(seed=2)
+    state = ckpt.load_latest(other, other_optimizer, dataclasses.replace(cfg, resume=True))
+    assert (state.step, state.losses, state.evals) == (3, [0.0, 1.0, 2.0], [{"step": 3, "loss": 1.0}])
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert str(optimizer.state_dict()) == str(other_optimizer.state_dict())
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+def test_a_save_that_dies_half_way_leaves_the_previous_checkpoint(setup, monkeypatch):
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    save(ckpt, cfg, model, optimizer, 2)
+
+    def disk_full(obj, f):  # write part of the file, then fail like a full disk
+        f.write(b"PK\x03\x04 half a zip file")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(UserError, match="No space left on device; the previous checkpoint"):
+        save(ckpt, cfg, model, optimizer, 4)
+    monkeypatch.undo()
+    assert (ckpt.dir / LATEST).read_text().strip() == "step-000002"
+    assert (ckpt.dir / "step-000004.tmp").exists() and not (ckpt.dir / "step-000004").exists()
+    assert ckpt.load_latest(*fresh(), cfg).step == 2
+
+    save(ckpt, cfg, model, optimizer, 4)  # the next save clears the leftover
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000002", "step-000004"]
+
+
+def test_old_checkpoints_are_pruned_and_abandoned_futures_dropped(setup):
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    for step in (1, 2, 3, 4):
+        save(ckpt, cfg, model, optimizer, step)
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000003", "step-000004"]
+    # Resumed from step 3 (as if step 4 was written but `latest` not yet pointed at it), the
+    # run saves step 4 again over the stale folder.
+    (ckpt.dir / LATEST).write_text("step-000003\n")
+    save(ckpt, cfg, model, optimizer, 4)
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000003", "step-000004"]
+    # A folder newer than `latest` (written by a run that died before it could point `latest`
+    # at it) is never resumed from: the next save drops it.
+    (ckpt.dir / LATEST).write_text("step-000003\n")
+    ckpt.keep = 1
+    save(ckpt, cfg, model, optimizer, 3)
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000003"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "truncated or corrupt"),
+    ("flip", "SHA-256 differs"),
+    ("delete", "is missing"),
+    ("meta", "unreadable or corrupt"),
+    ("latest", "not a step-NNNNNN folder"),
+])
+def test_a_damaged_checkpoint_is_refused(setup, damage, message):
+    cfg, fresh, ckpt = setup
+    folder = save(ckpt, cfg, *fresh(), 2)
+    shard = folder / "rank00000.pt"
+    if damage == "truncate":
+        os.truncate(shard, shard.stat().st_size // 2)
+    elif damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "delete":
+        shard.unlink()
+    elif damage == "meta":
+        (folder / "meta.json").write_text('{"step": 2, "form')
+    else:
+        (ckpt.dir / LATEST).write_text("\x00garbage")
+    with pytest.raises(UserError, match=message):
+        ckpt.load_latest(*fresh(), cfg)
+
+
+def test_resume_refuses_what_cannot_continue(setup, tmp_path):
+    cfg, fresh, ckpt = setup
+    with pytest.raises(UserError, match="no checkpoint to resume from"):
+        ckpt.load_latest(*fresh(), cfg)
+    save(ckpt, cfg, *fresh(), 10)
+    with pytest.raises(UserError, match="nothing left to do"):
+        ckpt.load_latest(*fresh(), cfg)
+    bigger = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=32))
+    with pytest.raises(UserError, match="different model"):
+        ckpt.load_latest(*fresh(), bigger)
+    two_ranks = Checkpointer(cfg, Layout(0, 2, 2, None, None), CPU)
+    with pytest.raises(UserError, match="same world size and ep_size"):
+        two_ranks.load_latest(*fresh(), cfg)
+
+
+def test_meta_records_sizes_and_hashes(setup):
+    cfg, fresh, ckpt = setup
+    folder = save(ckpt, cfg, *fresh(), 1)
+    meta = json.loads((folder / "meta.json").read_text())
+    entry = meta["files"]["rank00000.pt"]
+    assert entry["bytes"] == (folder / "rank00000.pt").stat().st_size
+    assert entry["sha256"] == checkpoint.sha256_of(folder / "rank00000.pt")
+    assert meta["world_size"] == 1 and meta["config"]["model"]["hidden_size"] == 16
+
+
+def test_space_and_writability_are_checked_up_front(setup, tmp_path, monkeypatch):
+    cfg, fresh, ckpt = setup
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="is not writable"):
+        checkpoint.require_writable(blocker / "ckpt", "checkpoint directory")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(UserError, match="not enough free space .* a training checkpoint"):
+        ckpt.check_free_space(fresh()[0])

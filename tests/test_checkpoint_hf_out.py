@@ -1,0 +1,99 @@
+"""HF checkpoints out, end to end: fine-tune an HF checkpoint with EP=2 (`--model`), evaluate
+on held-out data, export (`--save-hf`), generate; then check every result against
+transformers running the exported checkpoint."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+from launch import run_app
+from te_mixtral.config import DataConfig
+from te_mixtral.data import PackedData, load_documents, load_tokenizer
+from te_mixtral.model import causal_lm_loss
+
+SEQ_LEN, BATCH, STEPS, SEED = 64, 4, 4, 1234
+PROMPT = "The meaning of"
+
+
+def hf_loss(model, batches) -> float:
+    """The training loss normalisation over several batches: summed token loss / targets."""
+    summed, targets = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            # Without a cache, position ids that restart at 0 make transformers mask each document.
+            logits = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits
+            summed += causal_lm_loss(logits, b.labels, torch.ones(())).item()
+            targets += int((b.labels != -100).sum())
+    return summed / targets
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny random HF Mixtral with a tokenizer.json, fine-tuned by the app (one launch)."""
+    root = tmp_path_factory.mktemp("hf_out")
+    source = root / "source"
+    tokenizer = load_tokenizer(DataConfig(), load_documents(DataConfig()))  # the session's cached BPE
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=1024, eos_token_id=tokenizer.eos_id,
+                        bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    MixtralForCausalLM(cfg).save_pretrained(source)
+    tokenizer.backend.save(str(source / "tokenizer.json"))
+
+    out = root / "run"
+    proc = run_app([str(root / "ours.pt"), "--model", str(source), "--ep-size", "2", "--steps", str(STEPS),
+                    "--timing_warmup_steps", "1", "--batch_size", str(BATCH), "--seq_len", str(SEQ_LEN),
+                    "--log_every", "1", "--eval-fraction", "0.05", "--eval-every", "2", "--save-hf", str(out / "hf"),
+                    "--save-every", "2", "--generate", PROMPT, "--generate-tokens", "8", "--output-dir", str(out)],
+                   nproc=2, script="tests/workers/train_then_logits.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    data = PackedData(DataConfig(tokenizer=str(source), seq_len=SEQ_LEN, eval_fraction=0.05), BATCH, 0, 1, SEED)
+    return source, out / "hf", results, torch.load(root / "ours.pt"), data, proc.stdout
+
+
+@pytest.mark.slow
+def test_training_starts_from_the_checkpoint(run):
+    source, _, results, _, data, stdout = run
+    assert f"weights and model config from {source}" in stdout
+    hf = MixtralForCausalLM.from_pretrained(source, dtype=torch.float32)
+    assert abs(results["losses"][0] - hf_loss(hf, [data.batch(0)])) < 1e-5 * results["losses"][0]
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_our_logits(run):
+    _, exported, _, ours, _, _ = run
+    assert not list(exported.parent.glob("*.tmp")), "a temporary export folder was left behind"
+    hf = AutoModelForCausalLM.from_pretrained(exported)
+    assert hf.dtype == torch.float32
+    with torch.no_grad():
+        logits = hf(input_ids=ours["ids"], position_ids=torch.arange(16).expand(2, 16)).logits
+    torch.testing.assert_close(logits, ours["logits"], rtol=1e-4, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert tokenizer.eos_token == "<eos>" and tokenizer(PROMPT).input_ids
+
+
+@pytest.mark.slow
+def test_generation_matches_transformers_greedy(run):
+    _, exported, results, _, _, stdout = run
+    generated = results["generate"]
+    assert f"generate: {PROMPT!r} -> " in stdout and len(generated["tokens"]) > 0
+    hf = AutoModelForCausalLM.from_pretrained(exported)
+    eos = hf.config.eos_token_id
+    out = hf.generate(torch.tensor([generated["prompt_ids"]]), max_new_tokens=8, do_sample=False,
+                      eos_token_id=eos, pad_token_id=eos)
+    assert out[0, len(generated["prompt_ids"]):].tolist() == generated["tokens"]
+
+
+@pytest.mark.slow
+def test_eval_loss_is_the_held_out_loss_of_the_final_model(run):
+    _, exported, results, _, data, _ = run
+    assert [e["step"] for e in results["evals"]] == [2, 4]
+    final = results["evals"][-1]
+    assert final["targets"] == sum(int((b.labels != -100).sum()) for b in data.eval_batches())
+    hf = AutoModelForCausalLM.from_pretrained(exported)
+    assert abs(final["loss"] - hf_loss(hf, data.eval_batches())) < 1e-5 * final["loss"]
+    assert abs(final["perplexity"] - torch.tensor(final["loss"]).exp().item()) < 1e-3 * final["perplexity"]

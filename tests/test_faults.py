@@ -1,0 +1,106 @@
+"""Faults: a rank killed mid-run stops the whole job quickly and leaves a checkpoint that
+resumes; a directory that cannot be written is refused before training, on every rank."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from launch import run_app
+from te_mixtral.errors import UserError
+from te_mixtral.hf_checkpoint import check_export_space
+from te_mixtral.parallel import Layout
+
+DIST_TIMEOUT_S = 30
+SMALL = ["--timing_warmup_steps", "1", "--batch_size", "4", "--seq_len", "64", "--ep-size", "2"]
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the processes torchrun started, found through /proc (Linux)."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            parent = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or one that just ended
+        rank = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+        if parent == launcher_pid and rank:
+            ranks[int(rank[0])] = int(proc.name)
+    return ranks
+
+
+def latest_step(ckpt: Path) -> int:
+    try:
+        return int((ckpt / "latest").read_text().strip().removeprefix("step-"))
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    args = [*SMALL, "--steps", "1000", "--checkpoint-every", "1", "--checkpoint-dir", str(ckpt),
+            "--dist-timeout-s", str(DIST_TIMEOUT_S), "--log_every", "1000", "--output-dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), *args],
+                                    cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 240
+            while latest_step(ckpt) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert latest_step(ckpt) >= 2, (tmp_path / "stderr").read_text()[-3000:]
+            # No cleanup, no exception, no message from the victim: like the OOM killer. With a
+            # checkpoint every step, the kill often lands in the middle of a save.
+            os.kill(worker_pids(launcher.pid)[1], signal.SIGKILL)
+            killed = time.monotonic()
+            launcher.wait(timeout=DIST_TIMEOUT_S + 30)
+            stopped_after = time.monotonic() - killed
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    errors = (tmp_path / "stderr").read_text()
+    assert launcher.returncode != 0
+    assert stopped_after < DIST_TIMEOUT_S, f"the job took {stopped_after:.0f} s to stop"
+    assert "Signal 9 (SIGKILL)" in errors  # torchrun names the rank that died, and how
+    assert not (out / "results.json").exists()
+
+    # The checkpoint `latest` names is whole: it verifies, loads and trains on.
+    done = latest_step(ckpt)
+    proc = run_app([*SMALL, "--steps", str(done + 2), "--checkpoint-dir", str(ckpt), "--resume",
+                    "--log_every", "1", "--output-dir", str(out)], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"(step {done} of {done + 2})" in proc.stdout
+    assert f"train.steps 1000 -> {done + 2}" in proc.stdout  # the changed schedule is pointed out
+    assert latest_step(ckpt) == done + 2
+    assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
+
+
+@pytest.mark.slow
+def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")  # running as root, permissions would not stop us; this does
+    proc = run_app([*SMALL, "--steps", "4", "--checkpoint-dir", str(blocker / "ckpt"), "--output-dir",
+                    str(tmp_path / "out")], nproc=2, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
+    assert proc.returncode != 0
+    assert len(lines) == 2, proc.stderr[-3000:]  # one per rank
+    assert all(f"checkpoint directory {blocker / 'ckpt'} is not writable" in line for line in lines)
+    assert "step" not in proc.stdout  # no training step ran
+
+
+def test_an_unwritable_export_folder_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(UserError, match="is not writable"):
+        check_export_space(model, blocker / "hf", Layout(0, 1, 1, None, None), torch.float32)

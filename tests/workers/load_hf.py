@@ -1,0 +1,66 @@
+"""torchrun worker: load HF checkpoints into this rank's shard; report logits and memory.
+
+Usage: [torchrun ...] tests/workers/load_hf.py OUT_DIR CHECKPOINT_DIR...
+
+For each checkpoint folder every rank builds the model with EP = world size, loads it with
+`load_hf_weights` while measuring how far its resident memory grows (the kernel's peak RSS,
+reset just before loading), then runs one forward on fixed token ids (every rank must: the
+experts are sharded). Writes OUT_DIR/rank{r}.json, and OUT_DIR/logits.pt from rank 0.
+"""
+
+import ctypes
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.hf_checkpoint import load_hf_weights, model_config_from_hf
+from te_mixtral.layers import TORCH, PackedSequences
+from te_mixtral.model import MixtralForCausalLM
+from te_mixtral.parallel import init_layout, shutdown, world_size_from_env
+
+
+def status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> bool:
+    # Hand memory freed by the previous checkpoint's model back to the OS first, or reusing
+    # it would hide part of this load from the RSS.
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := current RSS
+        return True
+    except OSError:
+        return False
+
+
+out_dir = Path(sys.argv[1])
+layout = init_layout(world_size_from_env(), "cpu", 120)
+report, logits = {}, {}
+for checkpoint in sys.argv[2:]:
+    m = model_config_from_hf(checkpoint)
+    model = MixtralForCausalLM(m, TORCH, layout, LoopTier())
+    measured = reset_peak_rss()
+    before_kib = status_kib("VmRSS")
+    bytes_read = load_hf_weights(model, checkpoint, layout)
+    growth = (status_kib("VmHWM") - before_kib) * 1024 if measured else None
+    ids = torch.arange(2 * 16).view(2, 16) * 7 % m.vocab_size
+    packed = PackedSequences(torch.arange(16).expand(2, 16), torch.tensor([0, 16, 32], dtype=torch.int32), 16)
+    with torch.no_grad():
+        logits[checkpoint] = {"ids": ids, "logits": model(ids, packed)}
+    report[checkpoint] = {"peak_rss_growth": growth, "bytes_read": bytes_read,
+                          "shard_bytes": sum(p.nbytes for p in model.parameters())}
+    del model
+out_dir.mkdir(parents=True, exist_ok=True)
+(out_dir / f"rank{layout.rank}.json").write_text(json.dumps(report))
+if layout.is_main:
+    torch.save(logits, out_dir / "logits.pt")
+shutdown()

@@ -1,0 +1,31 @@
+"""torchrun worker: train like run_finetune_ep.py, then run the trained (sharded) model once.
+
+Usage: torchrun ... tests/workers/train_then_logits.py OUT.pt [run_finetune_ep.py arguments]
+
+After training every rank runs one forward on fixed token ids (the experts are sharded, so
+all must); rank 0 saves {"ids", "logits"} to OUT.pt for comparison with the HF export.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from run_finetune_ep import parse_args
+from te_mixtral.config import load_config
+from te_mixtral.layers import PackedSequences
+from te_mixtral.parallel import shutdown, world_size_from_env
+from te_mixtral.train import train
+
+out = Path(sys.argv[1])
+args, overrides = parse_args(sys.argv[2:])
+cfg = load_config(args.config, overrides, world_size=world_size_from_env())
+result = train(cfg)
+ids = torch.arange(2 * 16).view(2, 16) * 7 % 101
+packed = PackedSequences(torch.arange(16).expand(2, 16), torch.tensor([0, 16, 32], dtype=torch.int32), 16)
+with torch.no_grad():
+    logits = result.model(ids, packed)
+if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    torch.save({"ids": ids, "logits": logits}, out)
+shutdown()
+sys.exit(result.exit_code)
