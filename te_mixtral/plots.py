@@ -1,0 +1,67 @@
+"""The two pictures of a results page: step time per tier, and the loss curves overlaid.
+
+matplotlib is imported inside each function, so the training code never pays for it and a
+machine without it can still train (`pip install matplotlib` to draw). Figures are built
+on `matplotlib.figure.Figure` directly rather than through `pyplot`: pyplot keeps global
+state (a current figure, a backend picked at first use, which on a machine with a display
+may be an interactive one); a bare `Figure` always renders with Agg to a file and leaves
+nothing behind.
+
+The PNGs are written without the "Software" metadata entry, so re-drawing the same numbers
+with the same matplotlib gives the same bytes and a regenerated page shows no spurious
+diff.
+"""
+
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+PNG_METADATA = {"Software": None}
+
+
+def _figure(width: float = 7.0, height: float = 4.0):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=120, layout="constrained")
+    return fig, fig.subplots()
+
+
+def step_time_png(labels: Sequence[str], median_ms: Sequence[float], p90_ms: Sequence[float], path: Path,
+                  title: str) -> Path:
+    """One bar per run: its median step time, a whisker up to its p90, the median under the bar's name."""
+    fig, ax = _figure(max(5.0, 1.3 * len(labels) + 2.0))
+    positions = list(range(len(labels)))
+    upper = [max(0.0, p90 - median) for median, p90 in zip(median_ms, p90_ms)]
+    ax.bar(positions, median_ms, yerr=[[0.0] * len(upper), upper], capsize=4, color="#4c72b0",
+           error_kw={"ecolor": "#555555", "elinewidth": 1})
+    # The value goes in the tick label, not on the bar: there it collides with the whisker,
+    # and a fast tier's short bar has no room for it.
+    ticks = [f"{textwrap.fill(label, 16)}\n{median:.1f} ms" for label, median in zip(labels, median_ms)]
+    ax.set_xticks(positions, ticks, fontsize=8)
+    ax.set_ylabel("step time (ms): median, whisker to p90")
+    ax.set_ylim(0, max(p90_ms) * 1.15 if p90_ms else 1)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path, metadata=PNG_METADATA)
+    return path
+
+
+def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: str) -> Path:
+    """Every run's per-step loss on one set of axes; steps count from 1 as the training log does."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _figure()
+    markers = "os^vDP*X"
+    for index, (label, losses) in enumerate(curves):
+        steps = range(1, len(losses) + 1)
+        ax.plot(steps, losses, label=label, marker=markers[index % len(markers)], markersize=3, linewidth=1.2,
+                alpha=0.85)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (global mean)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8)
+    fig.savefig(path, metadata=PNG_METADATA)
+    return path

@@ -1,0 +1,502 @@
+"""Results pages: runs' results.json files in, a dated markdown page with two plots out.
+
+    python -m te_mixtral.results_page RUN [RUN ...] [--out docs/results] [--title TEXT]
+                                      [--notes FILE] [--suffix TEXT] [--no-plots]
+
+A RUN is a run's output folder (what `run_finetune_ep.py --output-dir` wrote: results.json
+and config.yaml), a results.json file, or a folder whose sub-folders are runs (what
+`scripts/run_tiers.sh OUT_DIR ...` leaves: OUT_DIR/loop, OUT_DIR/hf, ...).
+
+One page per GPU and world size. Step times only compare on the same hardware and the same
+number of processes, so runs are grouped by (device name, world size) and each group gets
+its own page, `OUT/<date>-<gpu>-x<world>[-<suffix>].md`, with `<stem>-step-time.png` and
+`<stem>-loss.png` beside it. `<date>` is the day of the group's newest run; `<gpu>` is the
+device name in lower case without the vendor ("NVIDIA H200" -> h200). A page is
+overwritten when regenerated: pages are meant to live in git.
+
+What a page compares, and what it refuses to. A row's speedup over `hf` (or `loop`) is
+that baseline's median step time over the row's, and it is computed only against a
+baseline run of the *same workload*: the same model, data, batch, steps and precision (the
+config minus the keys that do not change the timed work, `NOT_WORKLOAD`). A baseline with
+the row's EP size is preferred. When a page holds several workloads they are lettered A,
+B, ..., a warning lists what differs, and a row with no same-workload baseline shows "-"
+rather than a misleading ratio. Missing `hf` or `loop` runs are said so, not hidden.
+
+Loss checks are shown as recorded by the run (verdict, max relative difference, tolerance);
+when `te_mixtral/loss_check.py` now sets a different tolerance for that precision, a note
+says what the verdict would be today, without hiding the recorded one.
+
+Every page names how each run was made: a command line rebuilt from the run's saved config
+(`te_mixtral/reproduce.py`) and the full config itself; and the command that made the page.
+Runs made with `--profile_phases true` add a "Where the time goes" table. `--title` and
+`--notes FILE` (a hand-written section, e.g. where a result goes against expectations) apply
+to every page one command writes: give runs of different GPUs separate commands to word
+them differently.
+"""
+
+import argparse
+import importlib.util
+import math
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from te_mixtral.config import TIER_NAMES
+from te_mixtral.errors import UserError
+from te_mixtral.loss_check import TOLERANCES
+from te_mixtral.report import RESULTS_FILE, read_results
+from te_mixtral.reproduce import flatten, reproduce_command
+
+SUMMARY_KEYS = ("median_step_ms", "p90_step_ms", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_memory_gib")
+HEADER_KEYS = ("date", "tier", "device", "world_size", "ep_size", "precision", "config")
+BASELINES = ("hf", "loop")
+# Config keys that do not change what a timed step computes: where output goes, what it is
+# checked against, what happens between steps (evaluation, checkpoints, exports) or after.
+# Everything else (model, data, batch, steps, seed, backend, ...) is the workload.
+# A tier's own options (mxfp8_mode) are not the workload either: they are what a row compares.
+NOT_WORKLOAD = frozenset({
+    "tier", "ep_size", "mxfp8_mode", "output_dir", "loss_check", "dist_timeout_s", "train.log_every",
+    "train.eval_every", "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "save_hf", "save_every", "generate",
+    "generate_tokens", "profile_phases",
+})
+DASH = "-"
+
+
+def letter(index: int) -> str:
+    """Workload names: A, B, ..., Z, then 27, 28, ..."""
+    return chr(ord("A") + index) if index < 26 else str(index + 1)
+
+
+# --- reading runs ------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    source: str  # the path as the user gave it (shown on the page)
+    results: dict
+    label: str = ""  # the row's name on the page, unique within it
+    workload: str = "A"
+
+    @property
+    def header(self) -> dict:
+        return self.results["header"]
+
+    @property
+    def summary(self) -> dict:
+        return self.results["summary"]
+
+    @property
+    def tier(self) -> str:
+        return self.header["tier"]
+
+    @property
+    def ep_size(self) -> int:
+        return self.header["ep_size"]
+
+    @property
+    def world_size(self) -> int:
+        return self.header["world_size"]
+
+    @property
+    def date(self) -> datetime:
+        return datetime.fromisoformat(self.header["date"])
+
+
+def _load_run(path: Path, source: str) -> Run:
+    results = read_results(path)
+    header, summary = results.get("header"), results.get("summary")
+    if not isinstance(header, dict) or not isinstance(summary, dict):
+        raise UserError(f"{path} has no 'header' and 'summary': was it written by run_finetune_ep.py?")
+    missing = [k for k in HEADER_KEYS if k not in header] + [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)}: written by an older te_mixtral?")
+    try:
+        datetime.fromisoformat(header["date"])
+    except (TypeError, ValueError):
+        raise UserError(f"{path}: header date {header['date']!r} is not an ISO date") from None
+    return Run(source, results)
+
+
+def find_runs(paths: list[str]) -> list[Run]:
+    """Every run named by `paths` (run folders, results.json files, or folders of runs)."""
+    runs = []
+    for text in paths:
+        path = Path(text)
+        if path.is_file():
+            runs.append(_load_run(path, text))
+        elif (path / RESULTS_FILE).is_file():
+            runs.append(_load_run(path / RESULTS_FILE, text))
+        elif path.is_dir():
+            children = sorted(p for p in path.iterdir() if (p / RESULTS_FILE).is_file())
+            if not children:
+                raise UserError(f"{path} holds no {RESULTS_FILE}, and no sub-folder does")
+            runs += [_load_run(child / RESULTS_FILE, str(child)) for child in children]
+        else:
+            raise UserError(f"{path} does not exist")
+    return runs
+
+
+def group_runs(runs: list[Run]) -> dict[tuple[str, int], list[Run]]:
+    """Runs by (device, world size), each group sorted in tier order, then EP size, then date."""
+    order = {name: i for i, name in enumerate(TIER_NAMES)}
+    groups: dict[tuple[str, int], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.header["device"], run.world_size), []).append(run)
+    for members in groups.values():
+        members.sort(key=lambda r: (order.get(r.tier, len(order)), r.tier, r.ep_size, r.date))
+    return groups
+
+
+# --- the arithmetic ------------------------------------------------------------------------
+
+
+def workload(run: Run) -> dict:
+    """What the timed steps compute: the config without `NOT_WORKLOAD`, plus the precision."""
+    flat = {k: v for k, v in flatten(run.header["config"]).items() if k not in NOT_WORKLOAD}
+    return {**flat, "precision": run.header["precision"]}
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """`key: a -> b` for every key whose value differs (or exists on one side only)."""
+    keys = list(a) + [k for k in b if k not in a]
+    return [f"{k}: {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}" for k in keys if a.get(k) != b.get(k)]
+
+
+def assign_workloads(runs: list[Run]) -> list[dict]:
+    """Letter each run's workload A, B, ... in page order; return the distinct workloads."""
+    seen: list[dict] = []
+    for run in runs:
+        w = workload(run)
+        if w not in seen:
+            seen.append(w)
+        run.workload = letter(seen.index(w))
+    return seen
+
+
+def assign_labels(runs: list[Run]) -> None:
+    """A row's label: the tier, plus EP size, workload and time only where the tier's runs differ in them."""
+    for run in runs:
+        peers = [r for r in runs if r.tier == run.tier]
+        label = run.tier
+        if len({r.ep_size for r in peers}) > 1:
+            label += f" EP{run.ep_size}"
+        if len({r.workload for r in peers}) > 1:
+            label += f" [{run.workload}]"
+        if sum(r.ep_size == run.ep_size and r.workload == run.workload for r in peers) > 1:
+            label += f" {run.date:%m-%d %H:%M:%S}"
+        run.label = label
+    labels = [r.label for r in runs]
+    for index, run in enumerate(runs):
+        if labels.count(run.label) > 1:  # started in the same second: number them
+            run.label += f" #{labels[:index].count(labels[index]) + 1}"
+
+
+def baseline_for(run: Run, tier: str, runs: list[Run]) -> Run | None:
+    """The `tier` run this row is compared with: same workload; same EP size if any; newest."""
+    candidates = [r for r in runs if r.tier == tier and r.workload == run.workload]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda r: (r.ep_size != run.ep_size, -r.date.timestamp()))
+
+
+def speedup(run: Run, baseline: Run | None) -> float | None:
+    """How many times faster `run`'s median step is than `baseline`'s."""
+    if baseline is None:
+        return None
+    return baseline.summary["median_step_ms"] / run.summary["median_step_ms"]
+
+
+@dataclass
+class Verdict:
+    """A run's recorded loss check, and how today's tolerance for its precision judges it."""
+
+    cell: str  # the table cell
+    failed: bool  # as recorded
+    passes_today: bool | None  # None: no check, or today's tolerance is the recorded one
+    note: str | None  # said under the table when today's tolerance differs
+
+
+def loss_verdict(run: Run) -> Verdict:
+    check = run.results.get("loss_check")
+    if check is None:
+        return Verdict("reference" if run.tier == "loop" else "not checked", False, None, None)
+    tolerance, max_rel, step = check["tolerance"], check["max_rel_diff"], check["worst_step"]
+    finite = max_rel is not None and math.isfinite(max_rel)
+    if check["passed"]:
+        cell = f"passed: {max_rel:.2e} <= {tolerance:.0e}"
+    elif finite:
+        cell = f"**FAILED**: {max_rel:.2e} > {tolerance:.0e} (step {step})"
+    else:
+        cell = f"**FAILED**: non-finite loss at step {step}"
+    # An 8-bit tier records the precision its experts ran in under `ran`; train.py checks it
+    # at that precision's tolerance, so today's tolerance is looked up the same way.
+    precision = run.header.get("ran", {}).get("precision", run.header["precision"])
+    current = TOLERANCES.get(precision)
+    if current is None or math.isclose(current, tolerance) or not finite:
+        return Verdict(cell, not check["passed"], None, None)
+    passes_today = max_rel <= current
+    note = (f"`{run.label}`: the loss check ran at tolerance {tolerance:.0e}; `te_mixtral/loss_check.py` now "
+            f"sets {current:.0e} for {precision}, at which its max rel diff {max_rel:.2e} "
+            f"{'passes' if passes_today else 'fails'}.")
+    return Verdict(cell, not check["passed"], passes_today, note)
+
+
+# --- the page ------------------------------------------------------------------------------
+
+
+def page_command(argv: list[str]) -> str:
+    return " ".join(["python", "-m", "te_mixtral.results_page", *map(shlex.quote, argv)])
+
+
+def slug(text: str) -> str:
+    text = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return re.sub(r"^nvidia-", "", text) or "device"
+
+
+def page_stem(runs: list[Run], suffix: str | None) -> str:
+    newest = max(r.date for r in runs)
+    stem = f"{newest:%Y-%m-%d}-{slug(runs[0].header['device'])}-x{runs[0].world_size}"
+    return f"{stem}-{slug(suffix)}" if suffix else stem
+
+
+def describe_workload(workload_: dict) -> str:
+    """One line a person reads; the full config is further down the page."""
+    w = {k: workload_.get(k, "?") for k in (
+        "model.num_hidden_layers", "model.hidden_size", "model.intermediate_size", "model.num_local_experts",
+        "model.num_experts_per_tok", "model.vocab_size", "train.batch_size", "data.seq_len", "train.steps",
+        "train.timing_warmup_steps", "precision", "data.dataset")}
+    return (f"{w['model.num_hidden_layers']} layers, hidden {w['model.hidden_size']}, expert FFN "
+            f"{w['model.intermediate_size']}, {w['model.num_local_experts']} experts top-"
+            f"{w['model.num_experts_per_tok']}, vocab {w['model.vocab_size']}; batch {w['train.batch_size']} x "
+            f"seq {w['data.seq_len']} tokens per step, {w['train.steps']} steps of which the first "
+            f"{w['train.timing_warmup_steps']} are left out of the timing; {w['precision']}; data "
+            f"`{w['data.dataset']}`")
+
+
+def _versions(run: Run) -> str:
+    return ", ".join(f"{k} {v}" for k, v in run.header.get("versions", {}).items() if v) or "not recorded"
+
+
+def _table(header: list[str], rows: list[list[str]], text_columns: tuple[int, ...] = (0,)) -> str:
+    """A markdown table; numbers right-aligned, the `text_columns` left-aligned."""
+    text_columns = {i % len(header) for i in text_columns}
+    aligns = ["---" if i in text_columns else "---:" for i in range(len(header))]
+    lines = [header, aligns, *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+@dataclass
+class Page:
+    stem: str  # the file name without .md; the PNGs are <stem>-step-time.png and <stem>-loss.png
+    markdown: str
+    runs: list[Run]
+
+
+def tier_rows(runs: list[Run]) -> tuple[list[list[str]], list[str]]:
+    """The tier table's rows, and the notes its cells point to."""
+    rows, notes = [], []
+    for run in runs:
+        s = run.summary
+        cells = [f"`{run.label}`" + (f" ({run.header['ran']['recipe']})" if "recipe" in run.header.get("ran", {})
+                                     else ""),
+                 f"{run.world_size} / {run.ep_size}", f"{s['median_step_ms']:.1f}", f"{s['p90_step_ms']:.1f}"]
+        for tier in BASELINES:
+            base = baseline_for(run, tier, runs)
+            ratio = speedup(run, base)
+            cell = DASH if ratio is None else f"{ratio:.2f}x"
+            if base is not None and base.ep_size != run.ep_size:
+                cell += f" (vs EP{base.ep_size})"
+            cells.append(cell)
+        mfu = s["mfu"]
+        tflops = s["tflops_per_gpu"]
+        cells += [f"{s['tokens_per_s_per_gpu']:,.0f}", f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
+                  "n/a" if mfu is None else f"{100 * mfu:.1f} %", f"{s['peak_memory_gib']:.2f}"]
+        verdict = loss_verdict(run)
+        cells.append(verdict.cell)
+        if verdict.note:
+            notes.append(verdict.note)
+        rows.append(cells)
+    return rows, notes
+
+
+def warnings_for(runs: list[Run], workloads: list[dict]) -> list[str]:
+    warnings = []
+    for tier in BASELINES:
+        if not any(r.tier == tier for r in runs):
+            warnings.append(f"No `{tier}` run in this set: the `vs {tier}` column is empty.")
+    for index, w in enumerate(workloads[1:], start=1):
+        warnings.append(f"Mismatched configs: workload {letter(index)} differs from A in "
+                        + "; ".join(f"`{d}`" for d in differences(workloads[0], w))
+                        + ". Speedups compare runs of the same workload only.")
+    if len({_versions(r) for r in runs}) > 1:
+        warnings.append("The runs used different software versions (listed per run below).")
+    unchecked = [f"`{r.label}`" for r in runs if r.tier != "loop" and "loss_check" not in r.results]
+    if unchecked:
+        warnings.append(f"Not loss-checked against `loop`: {', '.join(unchecked)}.")
+    for run in runs:
+        verdict = loss_verdict(run)
+        if verdict.failed and verdict.passes_today:
+            warnings.append(f"`{run.label}` failed its loss check at the tolerance it ran with, and passes at "
+                            f"today's (see the note under the table).")
+        elif verdict.failed or verdict.passes_today is False:
+            warnings.append(f"`{run.label}` fails its loss check: its speed is not a result until that is "
+                            f"explained.")
+    return warnings
+
+
+def phases_section(runs: list[Run]) -> list[str]:
+    """Runs made with `--profile_phases true`: each phase's time (te_mixtral/phases.py), one column per run."""
+    profiled = [r for r in runs if isinstance(r.results.get("phases_ms"), dict)]
+    if not profiled:
+        return []
+    names = list(dict.fromkeys(name for r in profiled for name in r.results["phases_ms"]))
+
+    def cell(run: Run, ms: float | None) -> str:
+        return DASH if ms is None else f"{ms:.1f} ({100 * ms / run.summary['median_step_ms']:.0f} %)"
+
+    rows = [[name] + [cell(r, r.results["phases_ms"].get(name)) for r in profiled] for name in names]
+    rows.append(["sum of phases"] + [cell(r, sum(r.results["phases_ms"].values())) for r in profiled])
+    rows.append(["median step"] + [f"{r.summary['median_step_ms']:.1f}" for r in profiled])
+    header = ["phase, fwd+bwd: ms (share of the median step)"] + [f"`{r.label}`" for r in profiled]
+    return ["## Where the time goes", "",
+            "Each phase of a step timed on its own after training, summed over layers (`te_mixtral/phases.py`). "
+            "A phase run alone loses its overlap with its neighbours, so the phases need not add up to the step.",
+            "", _table(header, rows), ""]
+
+
+def run_section(run: Run) -> list[str]:
+    """How one run was made: when, on what, the command, the full config."""
+    ran = ", ".join(f"{k} {v}" for k, v in run.header.get("ran", {}).items())
+    out = [f"### `{run.label}` (`{run.source}`)", "",
+           f"- date {run.date.isoformat()}, {run.header['precision']}, EP {run.ep_size}, workload {run.workload}; "
+           f"ran: {ran or 'not recorded'}",
+           f"- versions: {_versions(run)}", ""]
+    command = reproduce_command(run.header["config"], run.world_size)
+    if command:
+        out += ["```bash", command, "```", ""]
+    return out + ["<details><summary>config</summary>", "", "```yaml",
+                  yaml.safe_dump(run.header["config"], sort_keys=False).rstrip(), "```", "", "</details>", ""]
+
+
+def build_page(runs: list[Run], title: str | None, notes: str | None, command: str, suffix: str | None = None,
+               plots: bool = True) -> Page:
+    """The markdown of one page (one device and world size); `runs` are one `group_runs` group."""
+    workloads = assign_workloads(runs)
+    assign_labels(runs)
+    stem = page_stem(runs, suffix)
+    device, world = runs[0].header["device"], runs[0].world_size
+    dates = sorted(r.date for r in runs)
+    versions = {_versions(r) for r in runs}
+    out = [f"# {title or f'te_mixtral expert tiers on {device} x {world}'}", ""]
+    where = (f"- **GPU**: {device} x {world} (world size {world}, one process per GPU)" if device != "cpu" else
+             f"- **Device**: cpu, {world} process{'es' if world > 1 else ''}")
+    out += [where,
+            f"- **Date**: {dates[-1]:%Y-%m-%d} (runs from {dates[0].isoformat()} to {dates[-1].isoformat()})",
+            f"- **Versions**: {versions.pop() if len(versions) == 1 else 'differ between runs, see below'}"]
+    if len(workloads) == 1:
+        out.append(f"- **Workload**: {describe_workload(workloads[0])}")
+    else:
+        out += [f"- **Workload {letter(i)}**: {describe_workload(w)}" for i, w in enumerate(workloads)]
+    out += [f"- **This page**: `{command}`", ""]
+
+    warnings = warnings_for(runs, workloads)
+    if warnings:
+        out += ["> **Check before reading**", ">"] + [f"> - {w}" for w in warnings] + [""]
+
+    header = ["tier", "world / EP", "median step (ms)", "p90 step (ms)", "vs hf", "vs loop", "tokens/s/GPU",
+              "TFLOP/s/GPU", "MFU", "peak memory (GiB)", "loss check (max rel diff vs tolerance)"]
+    rows, footnotes = tier_rows(runs)
+    out += ["## Tiers", "", _table(header, rows, text_columns=(0, -1)), ""]
+    out += [f"- {note}" for note in footnotes] + ([""] if footnotes else [])
+    out += ["How to read it: `vs hf` and `vs loop` are the baseline's median step time divided by this row's "
+            "(same device, same world size, same workload; above 1 is faster). Step times leave out the "
+            "warm-up steps; tokens/s and TFLOP/s are per GPU, TFLOP/s counts model FLOPs only (no "
+            "recomputation, no all-to-all), and MFU divides them by the GPU's dense BF16 peak "
+            "(`te_mixtral/metrics.py`). Peak memory is the most the caching allocator handed to tensors on "
+            "any rank. The loss check compares every step's loss with the `loop` run's "
+            "(`te_mixtral/loss_check.py`).", ""]
+    if plots:
+        out += [f"![Median step time per tier]({stem}-step-time.png)", "",
+                f"![Training loss per step, all tiers]({stem}-loss.png)", ""]
+    out += phases_section(runs)
+    if notes:
+        first = notes.lstrip().splitlines()[0] if notes.strip() else ""
+        out += ([] if first.startswith("## ") else ["## Notes", ""]) + [notes.strip(), ""]
+
+    out += ["## Runs", "", "Each command rebuilds the run's config from a file in `configs/` plus overrides; the "
+            "full config it ran with follows it.", ""]
+    for run in runs:
+        out += run_section(run)
+    return Page(stem, "\n".join(out), runs)
+
+
+def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
+    """Write the page's markdown and, with `plots`, its two PNGs; return the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / f"{page.stem}.md"
+    md.write_text(page.markdown)
+    written = [md]
+    if plots:
+        from te_mixtral import plots as draw
+
+        runs = page.runs
+        where = f"{runs[0].header['device']} x {runs[0].world_size}"
+        written.append(draw.step_time_png([r.label for r in runs], [r.summary["median_step_ms"] for r in runs],
+                                          [r.summary["p90_step_ms"] for r in runs],
+                                          out_dir / f"{page.stem}-step-time.png", f"Step time per tier, {where}"))
+        written.append(draw.loss_png([(r.label, r.results["losses"]) for r in runs],
+                                     out_dir / f"{page.stem}-loss.png", f"Training loss per step, {where}"))
+    return written
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m te_mixtral.results_page",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folder, results.json, or folder of runs")
+    parser.add_argument("--out", default="docs/results", help="folder for the pages (default: docs/results)")
+    parser.add_argument("--title", help="page title (default: 'te_mixtral expert tiers on <GPU> x <world>')")
+    parser.add_argument("--notes", help="markdown file included as the page's explanation section")
+    parser.add_argument("--suffix", help="appended to the page name: <date>-<gpu>-x<world>-<suffix>.md")
+    parser.add_argument("--no-plots", action="store_true", help="write the markdown only (no matplotlib needed)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        notes = None
+        if args.notes:
+            try:
+                notes = Path(args.notes).read_text()
+            except OSError as e:
+                raise UserError(f"cannot read notes file {args.notes}: {e.strerror}") from None
+        plots = not args.no_plots
+        if plots and importlib.util.find_spec("matplotlib") is None:
+            raise UserError("the plots need matplotlib: pip install matplotlib (or pass --no-plots)")
+        groups = group_runs(find_runs(args.runs))
+        pages = [build_page(runs, args.title, notes, page_command(argv), args.suffix, plots)
+                 for runs in groups.values()]
+        stems = [p.stem for p in pages]
+        if len(set(stems)) < len(stems):  # e.g. "NVIDIA H200" and "nvidia h200" slug alike
+            raise UserError(f"two groups would write the same page ({', '.join(stems)}); pass runs separately")
+        for page in pages:
+            for path in write_page(page, Path(args.out), plots):
+                print(f"wrote {path}")
+    except UserError as e:
+        print(f"te_mixtral: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The results page from synthetic runs: its arithmetic, what it flags, its commands, its files."""
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from run_finetune_ep import parse_args as parse_app_args
+from te_mixtral.config import load_config, to_dict
+from te_mixtral.report import run_header, write_results
+from te_mixtral.reproduce import reproduce_command
+from te_mixtral.results_page import build_page, find_runs, group_runs, main, speedup, write_page
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def make_run(root, name, tier, median_ms, *, device="NVIDIA H200", world=1, ep=1, date="2026-11-21T10:00:00",
+             overrides=None, loss_check=None, losses=(10.0, 9.0, 8.5, 8.0), p90_ms=None, mfu=0.25, ran=None):
+    """Write a run folder `root/name` as run_finetune_ep.py would, with made-up numbers."""
+    cfg = load_config(TINY, {"tier": tier, "ep_size": str(ep), "output_dir": str(root / name), **(overrides or {})},
+                      world_size=world)
+    header = {**run_header(cfg, device, world), "date": date, "precision": "bf16",
+              "ran": {"experts": tier, **(ran or {})}}
+    summary = {"timed_steps": 3, "median_step_ms": median_ms, "p90_step_ms": p90_ms or 1.2 * median_ms,
+               "tokens_per_s": 1000 * world, "tokens_per_s_per_gpu": 1000.4, "tflops_per_gpu": 12.34, "mfu": mfu,
+               "peak_memory_gib": 3.456}
+    extra = {"loss_check": loss_check} if loss_check else None
+    write_results(root / name, header, summary, list(losses), extra)
+    return root / name
+
+
+def page_for(paths, title=None, notes=None):
+    groups = group_runs(find_runs([str(p) for p in paths]))
+    assert len(groups) == 1
+    return build_page(next(iter(groups.values())), title, notes, "python -m te_mixtral.results_page ...")
+
+
+def table_row(markdown: str, label: str) -> list[str]:
+    """The cells of the tier-table row whose first cell is `label`."""
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].startswith(f"`{label}`"):
+            return cells
+    raise AssertionError(f"no row {label!r} in:\n{markdown}")
+
+
+def checked(max_rel, tolerance=5e-2, passed=None, step=2):
+    return {"reference": "loop/results.json", "passed": max_rel <= tolerance if passed is None else passed,
+            "tolerance": tolerance, "max_rel_diff": max_rel, "worst_step": step}
+
+
+# --- arithmetic -----------------------------------------------------------------------------
+
+
+def test_speedups_and_table_values(tmp_path):
+    runs = [make_run(tmp_path, "hf", "hf", 200.0, loss_check=checked(0.0)), make_run(tmp_path, "loop", "loop", 100.0),
+            make_run(tmp_path, "cg", "custom_grouped", 50.0, p90_ms=60.0, loss_check=checked(1.234e-3))]
+    page = page_for(runs)
+    assert table_row(page.markdown, "custom_grouped") == [
+        "`custom_grouped`", "1 / 1", "50.0", "60.0", "4.00x", "2.00x", "1,000", "12.3", "25.0 %", "3.46",
+        "passed: 1.23e-03 <= 5e-02"]
+    assert table_row(page.markdown, "hf")[4:6] == ["1.00x", "0.50x"]
+    assert table_row(page.markdown, "loop")[4:6] == ["2.00x", "1.00x"]
+    assert table_row(page.markdown, "loop")[-1] == "reference"
+    hf, loop, cg = page.runs  # sorted in tier order
+    assert (hf.tier, loop.tier, cg.tier) == ("hf", "loop", "custom_grouped")
+    assert speedup(cg, hf) == pytest.approx(4.0) and speedup(cg, None) is None
+    assert "Check before reading" not in page.markdown
+
+
+def test_unchecked_tiers_are_said(tmp_path):
+    page = page_for([make_run(tmp_path, "loop", "loop", 100.0), make_run(tmp_path, "gl", "grouped_linear", 90.0)])
+    assert table_row(page.markdown, "grouped_linear")[-1] == "not checked"
+    assert "Not loss-checked against `loop`: `grouped_linear`." in page.markdown
+
+
+def test_unknown_mfu_reads_na(tmp_path):
+    page = page_for([make_run(tmp_path, "loop", "loop", 100.0, mfu=None)])
+    assert table_row(page.markdown, "loop")[8] == "n/a"
+
+
+@pytest.mark.parametrize("present", [["loop", "custom_grouped"], ["custom_grouped"], ["hf", "custom_grouped"]])
+def test_missing_baselines_are_dashes_and_said(tmp_path, present):
+    paths = [make_run(tmp_path, tier, tier, 100.0 if tier != "custom_grouped" else 40.0) for tier in present]
+    page = page_for(paths)
+    row = table_row(page.markdown, "custom_grouped")
+    for column, tier in ((4, "hf"), (5, "loop")):
+        if tier in present:
+            assert row[column] == "2.50x"
+        else:
+            assert row[column] == "-"
+            assert f"No `{tier}` run in this set" in page.markdown
+
+
+def test_mismatched_configs_are_flagged_and_not_compared(tmp_path):
+    paths = [make_run(tmp_path, "loop", "loop", 100.0, overrides={"seq_len": "64"}),
+             make_run(tmp_path, "loop32", "loop", 60.0, overrides={"seq_len": "32"}),
+             make_run(tmp_path, "cg32", "custom_grouped", 30.0, overrides={"seq_len": "32"}),
+             make_run(tmp_path, "cgfp", "custom_grouped", 20.0, overrides={"seq_len": "32", "lr": "1e-3"})]
+    page = page_for(paths)
+    md = page.markdown
+    assert "Mismatched configs: workload B differs from A in `data.seq_len: 64 -> 32`" in md
+    assert "workload C differs from A in `data.seq_len: 64 -> 32`; `train.lr: 0.003 -> 0.001`" in md
+    # Each custom_grouped run is compared with the loop run of its own workload, or with none.
+    labels = [r.label for r in page.runs]
+    assert labels == ["loop [A]", "loop [B]", "custom_grouped [B]", "custom_grouped [C]"]
+    assert table_row(md, "custom_grouped [B]")[5] == "2.00x"
+    assert table_row(md, "custom_grouped [C]")[5] == "-"
+    assert table_row(md, "loop [A]")[5] == "1.00x"
+
+
+def test_output_and_logging_keys_are_not_workload(tmp_path):
+    paths = [make_run(tmp_path, "loop", "loop", 100.0, overrides={"log_every": "1"}),
+             make_run(tmp_path, "cg", "custom_grouped", 50.0, overrides={"loss_check": "x/results.json"})]
+    page = page_for(paths)
+    assert "Mismatched" not in page.markdown
+    assert table_row(page.markdown, "custom_grouped")[5] == "2.00x"
+
+
+def test_same_tier_twice_gets_told_apart_and_ep_matched(tmp_path):
+    paths = [make_run(tmp_path, "loop1", "loop", 100.0, world=2, ep=1), make_run(tmp_path, "loop2", "loop", 80.0,
+                                                                                 world=2, ep=2),
+             make_run(tmp_path, "cg2", "custom_grouped", 40.0, world=2, ep=2)]
+    page = page_for(paths)
+    assert [r.label for r in page.runs] == ["loop EP1", "loop EP2", "custom_grouped"]
+    assert table_row(page.markdown, "custom_grouped")[1] == "2 / 2"
+    assert table_row(page.markdown, "custom_grouped")[5] == "2.00x"  # against the EP2 loop, not the EP1 one
+
+
+def test_repeated_runs_are_told_apart_by_time_and_the_newest_is_the_baseline(tmp_path):
+    paths = [make_run(tmp_path, "loop-a", "loop", 100.0, date="2026-11-21T10:00:00"),
+             make_run(tmp_path, "loop-b", "loop", 80.0, date="2026-11-21T11:00:00"),
+             make_run(tmp_path, "cg", "custom_grouped", 40.0)]
+    page = page_for(paths)
+    assert [r.label for r in page.runs] == ["loop 11-21 10:00:00", "loop 11-21 11:00:00", "custom_grouped"]
+    assert table_row(page.markdown, "custom_grouped")[5] == "2.00x"
+
+
+def test_phase_profiles_get_their_own_table(tmp_path):
+    loop = make_run(tmp_path, "loop", "loop", 100.0)
+    cg = make_run(tmp_path, "cg", "custom_grouped", 50.0, overrides={"profile_phases": "true"})
+    results = json.loads((cg / "results.json").read_text())
+    results["phases_ms"] = {"attention": 20.0, "experts": 25.0}
+    (cg / "results.json").write_text(json.dumps(results))
+    md = page_for([loop, cg]).markdown
+    assert "Mismatched" not in md  # profiling runs after training: not part of the workload
+    assert "| phase, fwd+bwd: ms (share of the median step) | `custom_grouped` |" in md
+    assert "| experts | 25.0 (50 %) |" in md and "| sum of phases | 45.0 (90 %) |" in md
+
+
+# --- loss checks ---------------------------------------------------------------------------
+
+
+def test_loss_check_verdicts(tmp_path):
+    paths = [make_run(tmp_path, "loop", "loop", 100.0),
+             make_run(tmp_path, "gl", "grouped_linear", 50.0, loss_check=checked(0.2, step=7)),
+             make_run(tmp_path, "cg", "custom_grouped", 50.0, loss_check=checked(math.nan, passed=False, step=3)),
+             make_run(tmp_path, "hf", "hf", 150.0, loss_check=checked(3.16e-2, tolerance=2e-2))]
+    md = page_for(paths).markdown
+    assert table_row(md, "grouped_linear")[-1] == "**FAILED**: 2.00e-01 > 5e-02 (step 7)"
+    assert table_row(md, "custom_grouped")[-1] == "**FAILED**: non-finite loss at step 3"
+    assert table_row(md, "hf")[-1] == "**FAILED**: 3.16e-02 > 2e-02 (step 2)"
+    # A check recorded at another tolerance than today's is re-judged in a note, not rewritten.
+    assert "ran at tolerance 2e-02" in md and "sets 5e-02 for bf16, at which its max rel diff 3.16e-02 passes" in md
+    assert "`hf` failed its loss check at the tolerance it ran with, and passes at today's" in md
+    assert "`grouped_linear` fails its loss check" in md and "`custom_grouped` fails its loss check" in md
+
+
+def test_an_8bit_tier_is_judged_at_its_own_precision(tmp_path):
+    paths = [make_run(tmp_path, "loop", "loop", 100.0),
+             make_run(tmp_path, "mx", "device_mxfp8", 90.0, loss_check=checked(6e-2, tolerance=8e-2),
+                      ran={"precision": "mxfp8", "recipe": "mxfp8-emulated"},
+                      overrides={"mxfp8_mode": "mxfp8-emulated"})]
+    md = page_for(paths).markdown
+    row = table_row(md, "device_mxfp8")
+    assert row[0] == "`device_mxfp8` (mxfp8-emulated)"
+    assert row[5] == "1.11x"  # the tier's mode is what the row compares, not another workload
+    assert row[-1] == "passed: 6.00e-02 <= 8e-02"
+    assert "now sets" not in md and "loss check:" not in md and "its loss check" not in md
+
+
+# --- grouping, commands, files -------------------------------------------------------------
+
+
+def test_runs_group_by_device_and_world_size(tmp_path):
+    paths = [make_run(tmp_path, "a", "loop", 100.0, device="NVIDIA H200", date="2026-11-20T23:00:00"),
+             make_run(tmp_path, "b", "custom_grouped", 50.0, device="NVIDIA H200", date="2026-11-21T01:00:00"),
+             make_run(tmp_path, "c", "loop", 90.0, device="NVIDIA H100 80GB HBM3", world=2, ep=2)]
+    assert main([str(p) for p in paths] + ["--out", str(tmp_path / "out"), "--no-plots", "--suffix", "EP test"]) == 0
+    pages = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert pages == ["2026-11-21-h100-80gb-hbm3-x2-ep-test.md", "2026-11-21-h200-x1-ep-test.md"]
+    h200 = (tmp_path / "out" / "2026-11-21-h200-x1-ep-test.md").read_text()
+    assert "runs from 2026-11-20T23:00:00 to 2026-11-21T01:00:00" in h200
+    assert "H100" not in h200
+
+
+def test_reproduce_command_loads_back_to_the_same_config():
+    overrides = {"seq_len": "32", "lr": "1e-3", "min_lr": "1e-05", "steps": "7", "generate": "--dash first",
+                 "dataset": "my data.txt", "eval_fraction": "0.1", "loss_check": "ref dir/results.json",
+                 "tie_word_embeddings": "true"}
+    cfg = load_config(TINY, {"tier": "custom_grouped", "ep_size": "2", **overrides}, world_size=2)
+    command = reproduce_command(to_dict(cfg), world_size=2)
+    words = shlex.split(command)
+    assert words[:8] == ["torchrun", "--standalone", "--nproc_per_node=2", "run_finetune_ep.py", "--config",
+                         "configs/tiny.yaml", "--tier", "custom_grouped"]
+    args, app_overrides = parse_app_args(words[4:])
+    assert to_dict(load_config(str(REPO / args.config), app_overrides, world_size=2)) == to_dict(cfg)
+
+
+def test_reproduce_command_picks_the_nearest_config_file():
+    cfg = load_config(str(REPO / "configs" / "mixtral-8x7b-2layer.yaml"), {"tier": "loop", "output_dir": "/o/loop"})
+    assert reproduce_command(to_dict(cfg), world_size=1) == (
+        "python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier loop --ep-size 1 "
+        "--output-dir /o/loop")
+
+
+def test_page_names_how_everything_was_made(tmp_path):
+    notes = tmp_path / "notes.md"
+    notes.write_text("The loop beats hf here because hf's experts index the stacked weight.\n")
+    paths = [make_run(tmp_path, "loop", "loop", 100.0), make_run(tmp_path, "hf", "hf", 150.0)]
+    assert main([str(tmp_path), "--out", str(tmp_path / "out"), "--title", "Tiers on H200", "--notes",
+                 str(notes), "--no-plots"]) == 0
+    md = (tmp_path / "out" / "2026-11-21-h200-x1.md").read_text()
+    assert md.startswith("# Tiers on H200\n")
+    assert "- **GPU**: NVIDIA H200 x 1" in md and "- **Date**: 2026-11-21" in md
+    assert "- **Versions**: python 3." in md
+    assert f"- **This page**: `python -m te_mixtral.results_page {tmp_path} --out {tmp_path / 'out'}" in md
+    assert "## Notes\n\nThe loop beats hf here" in md
+    assert f"### `hf` (`{paths[1]}`)" in md
+    assert "python run_finetune_ep.py --config configs/tiny.yaml --tier hf --ep-size 1" in md
+    assert "```yaml\nmodel:\n  vocab_size: 2048" in md
+
+
+def test_command_line_writes_page_and_pngs(tmp_path):
+    make_run(tmp_path, "loop", "loop", 100.0)
+    make_run(tmp_path, "cg", "custom_grouped", 45.0, losses=(10.0, 9.1, 8.4, 8.1), loss_check=checked(1e-2))
+    out = tmp_path / "docs"
+    proc = subprocess.run([sys.executable, "-m", "te_mixtral.results_page", str(tmp_path / "loop"),
+                           str(tmp_path / "cg" / "results.json"), "--out", str(out)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    stem = "2026-11-21-h200-x1"
+    for name in (f"{stem}-step-time.png", f"{stem}-loss.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 1000, name
+        assert f"]({name})" in (out / f"{stem}.md").read_text()
+    assert f"wrote {out / stem}.md" in proc.stdout
+
+
+def test_write_page_is_repeatable(tmp_path):
+    make_run(tmp_path, "loop", "loop", 100.0)
+    first = write_page(page_for([tmp_path / "loop"]), tmp_path / "a")
+    second = write_page(page_for([tmp_path / "loop"]), tmp_path / "b")
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in second]
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("nowhere", None, "does not exist"),
+    ("", None, "holds no results.json"),
+    ("bad.json", "{", "is not valid JSON"),
+    ("old.json", '{"losses": [1.0]}', "has no 'header'"),
+])
+def test_unusable_inputs_are_one_line_errors(tmp_path, capsys, name, text, message):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    assert main([str(tmp_path / name), "--out", str(tmp_path / "out"), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("te_mixtral: error: ") and message in err and err.count("\n") == 1
