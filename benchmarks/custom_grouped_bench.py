@@ -21,6 +21,7 @@ the winners and prints them as JSON (to copy into grouped_swiglu.CONFIGS).
 import argparse
 import datetime
 import json
+import multiprocessing
 import os
 import time
 
@@ -35,40 +36,50 @@ from te_mixtral.kernels import grouped_swiglu as gs
 OPS = ("gate_up", "down", "down_dgrad", "down_wgrad", "gate_up_dgrad", "gate_up_wgrad")
 FLOP_UNITS = {"gate_up": 4, "down": 2, "down_dgrad": 2, "down_wgrad": 2,
               "gate_up_dgrad": 4, "gate_up_wgrad": 4}  # times R·D·F
+DEVICE = "cuda"
 # TE GroupedLinear fwd+bwd TFLOP/s on an H100, 8x7B shapes, 4 experts (issue #4).
 TE_H100 = {64: 86, 256: 290, 1024: 500, 4096: 572, 8192: 578}
 
 
-def cfg(bm, bn, bk, w, s, progs=1):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s,
-                PROGS_PER_SM=progs)
+def cfg(bm, bn, bk, w, s, progs=1, flatten=False, group=8, parts=4):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s,
+                PROGS_PER_SM=progs, FLATTEN=flatten, EPI_PARTS=parts)
 
 
-# Candidates by T; a GEMM's own list wins over the shared one.
+# Candidates by regime; a GEMM's own list wins over its kind's. PROGS_PER_SM=2 keeps two
+# programs on an SM where registers (<= 255 x 128 threads each) and shared memory
+# (<= 113 KB each) allow, so one program's epilogue overlaps the other's main loop;
+# GROUP_M=16 halves how often a large-T rows-GEMM streams the weights from DRAM.
+PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 CANDIDATES = {
     "small": {
-        "rows": [cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 128, 4, 4),
-                 cfg(64, 64, 64, 4, 4, progs=2), cfg(64, 256, 64, 8, 3)],
-        "wgrad": [cfg(128, 128, 64, 4, 3), cfg(128, 256, 64, 8, 3), cfg(64, 256, 64, 4, 3),
-                  cfg(128, 128, 64, 8, 2, progs=2)],
+        "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2)],
+        "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
+        "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(64, 256, 64, 4, 2, progs=2)],
     },
     "medium": {
-        "rows": [cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4), cfg(128, 256, 64, 8, 3),
-                 cfg(128, 64, 64, 4, 5)],
-        "gate_up": [cfg(128, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4), cfg(128, 64, 64, 4, 5),
-                    cfg(64, 64, 64, 4, 6)],
-        "wgrad": [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 4, 4)],
+        "rows": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
+                 cfg(128, 128, 64, 8, 3, progs=2)],
+        "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
+                    cfg(128, 128, 64, 8, 4, parts=2)],
+        "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(64, 256, 64, 4, 2, progs=2)],
     },
     "large": {
-        "rows": [cfg(128, 256, 64, 8, 3), cfg(128, 256, 64, 8, 4), cfg(128, 128, 64, 8, 4),
-                 cfg(256, 128, 64, 8, 3)],
-        "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 3), cfg(128, 64, 64, 4, 4),
-                    cfg(256, 64, 64, 8, 3)],
-        "wgrad": [cfg(128, 256, 64, 8, 3), cfg(128, 256, 64, 8, 4), cfg(128, 128, 64, 8, 4),
-                  cfg(256, 128, 64, 8, 3)],
+        "rows": [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), PINGPONG,
+                 cfg(128, 256, 64, 8, 3, group=16), cfg(256, 128, 64, 8, 3, group=16)],
+        "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
+                    cfg(128, 128, 64, 8, 4, group=16), cfg(128, 128, 64, 8, 4, parts=2)],
+        "down_dgrad": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
+                       cfg(128, 128, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, group=16)],
+        "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(128, 256, 64, 8, 3, group=16)],
     },
 }
-SWEEP_T = {64: "small", 256: "medium", 1024: "medium", 8192: "large"}
+SWEEP_T = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
+
+
+def candidates(regime, op):
+    kind = "wgrad" if op.endswith("wgrad") else "rows"
+    return CANDIDATES[regime].get(op, CANDIDATES[regime][kind])
 
 
 def log(out, line=""):
@@ -84,12 +95,12 @@ def bench(fn, rep=100):
 
 def make_inputs(T, E, D, F, dtype=torch.bfloat16, requires_grad=False):
     R = T * E
-    gen = torch.Generator(device="cuda").manual_seed(T + E)
-    x = torch.randn(R, D, device="cuda", generator=gen).to(dtype)
-    w1 = (torch.randn(E, 2 * F, D, device="cuda", generator=gen) * D**-0.5).to(dtype)
-    w2 = (torch.randn(E, D, F, device="cuda", generator=gen) * F**-0.5).to(dtype)
-    dy = torch.randn(R, D, device="cuda", generator=gen).to(dtype)
-    counts = torch.full((E,), T, device="cuda", dtype=torch.int64)
+    gen = torch.Generator(device=DEVICE).manual_seed(T + E)
+    x = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
+    w1 = (torch.randn(E, 2 * F, D, device=DEVICE, generator=gen) * D**-0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, device=DEVICE, generator=gen) * F**-0.5).to(dtype)
+    dy = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
+    counts = torch.full((E,), T, device=DEVICE, dtype=torch.int64)
     if requires_grad:
         for t in (x, w1, w2):
             t.requires_grad_()
@@ -100,9 +111,9 @@ def op_runner(op, T, E, D, F, c, write_act=True):
     """A zero-argument launcher of one of the six GEMMs with config c, on fresh data."""
     x, counts, w1, w2, dy = make_inputs(T, E, D, F)
     R = T * E
-    h = torch.randn(R, 2 * F, device="cuda", dtype=x.dtype)
-    act = torch.randn(R, F, device="cuda", dtype=x.dtype)
-    y = torch.empty(R, D, device="cuda", dtype=x.dtype)
+    h = torch.randn(R, 2 * F, device=DEVICE, dtype=x.dtype)
+    act = torch.randn(R, F, device=DEVICE, dtype=x.dtype)
+    y = torch.empty(R, D, device=DEVICE, dtype=x.dtype)
     tma = True
     return {
         "gate_up": lambda: gg.rows_gemm(x, w1, counts, act, n=F, b_kcontig=True, cfg=c,
@@ -121,28 +132,56 @@ def op_runner(op, T, E, D, F, c, write_act=True):
     }[op]
 
 
+def _compile(job):
+    """In a worker process: compile one (GEMM, config) by running it on tiny inputs whose
+    integer arguments specialise exactly like the real shapes' (multiples of 16 and 64),
+    so the real run finds the kernel in Triton's on-disk cache."""
+    op, c = job
+    try:
+        op_runner(op, 64, 4, 256, 512, c)()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return f"{op} {c}: {type(e).__name__}: {str(e)[:150]}"
+
+
+def precompile(jobs, out):
+    """Triton compiles on one CPU core per kernel; a pool of processes uses them all."""
+    t0 = time.time()
+    unique = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
+    with multiprocessing.get_context("spawn").Pool(min(12, os.cpu_count() or 1)) as pool:
+        for err in pool.imap_unordered(_compile, unique):
+            if err:
+                log(out, "  does not build/run: " + err)
+    log(out, f"precompiled {len(unique)} kernels in {time.time() - t0:.0f} s")
+
+
 def sweep(E, D, F, out, budget_s):
     """Best config per GEMM per swept T: {T: {op: cfg}}."""
+    precompile([(op, c) for regime in SWEEP_T.values() for op in OPS
+                for c in candidates(regime, op)], out)
     t0, best = time.time(), {}
     for T, regime in SWEEP_T.items():
         best[T] = {}
         for op in OPS:
-            kind = "wgrad" if op.endswith("wgrad") else "rows"
-            cands = CANDIDATES[regime].get(op, CANDIDATES[regime][kind])
             results = []
-            for c in cands:
+            for c in candidates(regime, op):
                 if time.time() - t0 > budget_s:
                     break
                 try:
-                    ms = bench(op_runner(op, T, E, D, F, c), rep=50)
+                    run = op_runner(op, T, E, D, F, c)
+                    k = run()
+                    ms = bench(run, rep=50)
                 except Exception as e:  # a config the compiler or the SM cannot hold
                     log(out, f"  T={T} {op} {c} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 tflops = FLOP_UNITS[op] * T * E * D * F / ms / 1e9
                 results.append((ms, c))
-                log(out, f"  T={T:5d} {op:14s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  {c}")
+                res = (f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
+                       f"smem {getattr(getattr(k, 'metadata', None), 'shared', 0) // 1024} KB")
+                log(out, f"  T={T:5d} {op:14s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  {res}  {c}")
                 torch.cuda.empty_cache()
-            # Out of budget or nothing compiled: the shipped table's choice.
+            # Out of budget or nothing ran: the shipped table's choice.
             best[T][op] = (min(results, key=lambda r: r[0])[1] if results
                            else gs.CONFIGS[gs.regime(T * E, E)][op])
     log(out, f"sweep took {time.time() - t0:.0f} s")
@@ -166,6 +205,73 @@ def peak_memory(run):
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def ceilings(out):
+    """The measured bf16 matmul rate (TFLOP/s) and device copy bandwidth (GB/s)."""
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    peak = 2 * 8192**3 / bench(lambda: a @ b) / 1e9
+    src = torch.randn(2**28, device=DEVICE)  # 1 GiB
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e6  # read + write
+    log(out, f"measured: bf16 matmul 8192^3 {peak:.0f} TFLOP/s; device copy {bw:.0f} GB/s")
+    return peak, bw
+
+
+def breakdown(best, E, out):
+    """Each GEMM alone (8x7B), and down_dgrad without re-creating act: the measured cost
+    of recomputing h (= gate_up) and of recomputing act (= the difference)."""
+    D, F = 4096, 14336
+    log(out, "per GEMM, 8x7B, ms / TFLOP/s:")
+    for T in (64, 1024, 8192):
+        c_all = nearest(best, T) if best else gs.CONFIGS[gs.regime(T * E, E)]
+        row = []
+        for op in OPS:
+            ms = bench(op_runner(op, T, E, D, F, c_all[op]))
+            row.append(f"{op} {ms:.3f}/{FLOP_UNITS[op] * T * E * D * F / ms / 1e9:.0f}")
+            torch.cuda.empty_cache()
+        no_act = bench(op_runner("down_dgrad", T, E, D, F, c_all["down_dgrad"], write_act=False))
+        log(out, f"  T={T:5d} " + "  ".join(row) + f"  | down_dgrad without act {no_act:.3f}")
+        torch.cuda.empty_cache()
+
+
+def table(shapes, best, E, peak, bw, out):
+    """fwd+bwd of the whole op against grouped_mm, one row per (model, T)."""
+    log(out, f"{'model':6s} {'T':>5s} {'ours ms':>8s} {'TFLOP/s':>7s} {'gmm ms':>8s} "
+             f"{'TFLOP/s':>7s} {'x gmm':>5s} {'x TE*':>5s} {'%peak':>5s} {'floor':>7s} "
+             f"{'GiB ours':>8s} {'GiB gmm':>7s} {'vs gmm':>8s}")
+    for model, T, D, F in shapes:
+        R = T * E
+        flops = 18 * R * D * F
+        weight_bytes = 3 * E * F * D * 2  # read by forward, by the dgrads; grads written
+        floor_ms = max(flops / (peak * 1e9), 3 * weight_bytes / (bw * 1e6))
+        configs = None
+        if best:
+            chosen = nearest(best, T)
+            configs = {regime: chosen for regime in gs.CONFIGS}
+        x, counts, w1, w2, dy = make_inputs(T, E, D, F, requires_grad=True)
+        ours = fwd_bwd(lambda *a: gs.grouped_swiglu(*a, configs=configs), x, counts, w1, w2, dy)
+        gmm = fwd_bwd(grouped_mm_swiglu, x, counts, w1, w2, dy)
+        # Sanity at the real shapes: both are bf16 approximations of one function.
+        got = (gs.grouped_swiglu(x, counts, w1, w2, configs=configs).detach(), *ours())
+        want = (grouped_mm_swiglu(x, counts, w1, w2).detach(), *gmm())
+        differ = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                     for a, b in zip(got, want))
+        del got, want
+        ms_ours, ms_gmm = bench(ours, rep=400), bench(gmm, rep=400)
+        mem_ours, mem_gmm = peak_memory(ours), peak_memory(gmm)
+        tf_ours, tf_gmm = flops / ms_ours / 1e9, flops / ms_gmm / 1e9
+        te = f"{tf_ours / TE_H100[T]:5.2f}" if model == "8x7B" and T in TE_H100 else "    -"
+        log(out, f"{model:6s} {T:5d} {ms_ours:8.3f} {tf_ours:7.0f} {ms_gmm:8.3f} {tf_gmm:7.0f} "
+                 f"{ms_gmm / ms_ours:5.2f} {te} {100 * tf_ours / peak:5.0f} {floor_ms:7.3f} "
+                 f"{mem_ours:8.2f} {mem_gmm:7.2f} {differ:8.1e}")
+        del x, counts, w1, w2, dy
+        torch.cuda.empty_cache()
+    log(out, "x TE*: against TE GroupedLinear's TFLOP/s measured on an H100 (issue #4), "
+             "not in this run; floor: max(FLOPs / matmul peak, 3 weight passes / copy bw); "
+             "GiB: peak memory of one fwd+bwd above its inputs; vs gmm: largest relative "
+             "difference of y and the three grads from grouped_mm's")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true")
@@ -178,73 +284,21 @@ def main():
         os.makedirs(args.out, exist_ok=True)
     E, out = args.experts, args.out
 
-    # --- the machine and its two ceilings ---
     log(out, f"# custom_grouped vs grouped_mm, {datetime.date.today()}, "
-             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192**3 / bench(lambda: a @ b) / 1e9
-    src = torch.randn(2**28, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9  # GB/s, read + write
-    log(out, f"measured: bf16 matmul 8192^3 {peak:.0f} TFLOP/s; device copy {bw:.0f} GB/s")
-    del a, b, src, dst
-
-    # --- per-GEMM sweep (8x7B shapes) ---
-    D, F = 4096, 14336
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"triton {triton.__version__}, {E} local experts")
+    peak, bw = ceilings(out)
     best = None
     if args.sweep:
-        best = sweep(E, D, F, out, args.sweep_budget)
+        best = sweep(E, 4096, 14336, out, args.sweep_budget)
         if out:
             with open(os.path.join(out, "configs.json"), "w") as f:
                 json.dump(best, f, indent=1)
         log(out, "best configs: " + json.dumps(best))
-
-    # --- the table: fwd+bwd of the whole op ---
-    log(out, "")
-    log(out, f"{'model':7s} {'T':>5s} {'ours ms':>8s} {'TFLOP/s':>7s} {'gmm ms':>8s} "
-             f"{'TFLOP/s':>7s} {'vs gmm':>6s} {'vs TE*':>6s} {'%peak':>5s} {'floor ms':>8s} "
-             f"{'GiB ours':>8s} {'GiB gmm':>7s}")
+    breakdown(best, E, out)
     shapes = [("8x7B", int(t), 4096, 14336) for t in args.tokens.split(",")]
     shapes += [("8x22B", 64, 6144, 16384), ("8x22B", 1024, 6144, 16384)]
-    for model, T, D, F in shapes:
-        R = T * E
-        flops = 18 * R * D * F
-        weights = 3 * E * F * D * 2
-        floor = max(flops / (peak * 1e12), 3 * weights / (bw * 1e9)) * 1e3
-        configs = None
-        if best:
-            chosen = nearest(best, T)
-            configs = {"small": chosen, "large": chosen}
-        x, counts, w1, w2, dy = make_inputs(T, E, D, F, requires_grad=True)
-        ours = fwd_bwd(lambda *a: gs.grouped_swiglu(*a, configs=configs), x, counts, w1, w2, dy)
-        gmm = fwd_bwd(grouped_mm_swiglu, x, counts, w1, w2, dy)
-        ms_ours, ms_gmm = bench(ours), bench(gmm)
-        mem_ours, mem_gmm = peak_memory(ours), peak_memory(gmm)
-        tf_ours, tf_gmm = flops / ms_ours / 1e9, flops / ms_gmm / 1e9
-        te = f"{tf_ours / TE_H100[T]:6.2f}" if model == "8x7B" and T in TE_H100 else "     -"
-        log(out, f"{model:7s} {T:5d} {ms_ours:8.3f} {tf_ours:7.0f} {ms_gmm:8.3f} {tf_gmm:7.0f} "
-                 f"{ms_gmm / ms_ours:6.2f} {te} {100 * tf_ours / peak:5.0f} {floor:8.3f} "
-                 f"{mem_ours:8.2f} {mem_gmm:7.2f}")
-        del x, counts, w1, w2, dy
-        torch.cuda.empty_cache()
-    log(out, "* vs TE: TE GroupedLinear TFLOP/s measured on an H100 (issue #4), not in this run")
-
-    # --- per-GEMM breakdown and the save-vs-recompute measurements (8x7B) ---
-    D, F = 4096, 14336
-    log(out, "")
-    log(out, "per GEMM (ms / TFLOP/s), 8x7B; 'act write' = down_dgrad with minus without "
-             "re-creating act")
-    for T in (64, 1024, 8192):
-        c_all = nearest(best, T) if best else gs.CONFIGS[gs.regime(T * E, E)]
-        row = []
-        for op in OPS:
-            ms = bench(op_runner(op, T, E, D, F, c_all[op]))
-            row.append(f"{op} {ms:.3f}/{FLOP_UNITS[op] * T * E * D * F / ms / 1e9:.0f}")
-            torch.cuda.empty_cache()
-        no_act = bench(op_runner("down_dgrad", T, E, D, F, c_all["down_dgrad"], write_act=False))
-        log(out, f"T={T:5d} " + "  ".join(row) + f"  | down_dgrad without act {no_act:.3f}")
-        torch.cuda.empty_cache()
+    table(shapes, best, E, peak, bw, out)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,17 @@ launch() {  # tier, then its own arguments
   [ "$code" -eq 0 ] || failed+=("$tier")
 }
 
-launch loop
+# Every te_mixtral tier also times its phases (te_mixtral/phases.py); `hf` is transformers'
+# own model, which that profile does not cover.
+launch loop --profile_phases true
 for tier in "${tiers[@]}"; do
   [ "$tier" = loop ] && continue
-  if [ "$tier" = hf ] && [ "$ngpu" -gt 1 ]; then echo "== hf skipped: single process only"; continue; fi
-  launch "$tier" --loss-check "$out/loop/results.json"
+  if [ "$tier" = hf ]; then
+    if [ "$ngpu" -gt 1 ]; then echo "== hf skipped: single process only"; continue; fi
+    launch hf --loss-check "$out/loop/results.json"
+  else
+    launch "$tier" --loss-check "$out/loop/results.json" --profile_phases true
+  fi
 done
 
 if ((${#failed[@]})); then echo "== failed: ${failed[*]}"; exit 1; fi

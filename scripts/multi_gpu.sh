@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The multi-GPU runs on one host with NGPU GPUs (2 or 4): the NCCL tests, then the tier
+# runs at every EP layout that fits: EP=2 on two GPUs, and with four, EP=4 and EP=2 x DP=2.
+# Transformer Engine must already be importable (see scripts/gpu_check.sh).
+#
+#   scripts/multi_gpu.sh OUT_DIR NGPU [TIER...]      (default tiers: grouped_linear custom_grouped)
+set -uo pipefail
+out=${1:?usage: scripts/multi_gpu.sh OUT_DIR NGPU [TIER...]} ngpu=${2:?NGPU}
+shift 2
+tiers=("$@")
+[ ${#tiers[@]} -eq 0 ] && tiers=(grouped_linear custom_grouped)
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+failed=()
+
+echo "=== pytest -m multigpu"
+python3 -m pytest -m multigpu tests/gpu -q -rfEs 2>&1 | tee "$out/pytest_multigpu.log" || failed+=(pytest)
+
+config=configs/mixtral-8x7b-2layer.yaml
+echo "=== EP=2 on 2 GPUs"
+CUDA_VISIBLE_DEVICES=0,1 scripts/run_tiers.sh "$out/ep2" "$config" 2 2 "${tiers[@]}" -- --batch_size 2 \
+  || failed+=(ep2)
+if [ "$ngpu" -ge 4 ]; then
+  echo "=== EP=4 on 4 GPUs"
+  scripts/run_tiers.sh "$out/ep4" "$config" 4 4 "${tiers[@]}" -- --batch_size 4 || failed+=(ep4)
+  echo "=== EP=2 x DP=2 on 4 GPUs"
+  scripts/run_tiers.sh "$out/ep2dp2" "$config" 4 2 "${tiers[@]}" -- --batch_size 4 || failed+=(ep2dp2)
+fi
+if ((${#failed[@]})); then echo "FAILED: ${failed[*]}"; exit 1; fi
+echo "all multi-GPU steps passed"

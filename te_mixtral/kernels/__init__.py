@@ -1,0 +1,1 @@
+"""Hand-written GPU kernels (Triton) used by the faster expert tiers."""

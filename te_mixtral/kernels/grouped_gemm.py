@@ -1,0 +1,387 @@
+"""Triton kernels for grouped (per-expert) GEMMs whose split sizes stay on the device.
+
+Shape legend: R rows (sorted by local expert), E local experts; inside a kernel M, N, K
+are that GEMM's own dims and BM/BN/BK its tile.
+
+Two kernels cover the six GEMMs of the expert FFN's forward and backward
+(`grouped_swiglu.py` composes them):
+
+* `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, K] is split
+  by rows; B_e is one expert's slice of a stacked weight, stored either K-contiguous
+  ([E, N, K], an `x @ W.T`) or N-contiguous ([E, K, N], an `x @ W`). Its epilogue can fuse
+  SwiGLU: `EPI_SWIGLU` computes gate and up tiles side by side (two accumulators sharing
+  the A tile), stores both pre-activations and silu(gate) * up; `EPI_SWIGLU_BWD` turns the
+  product tile d(act) into d(gate), d(up) using the saved pre-activations, and re-creates
+  act on the way for the down projection's weight gradient.
+* `_wgrad_gemm`: dW_e = G[rows of e]^T @ X[rows of e], a K loop over a row range whose
+  length is data (it can be 0: the tile is then written as zeros, never left stale).
+
+No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
+fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
+other with the same R. Every
+program loads `tokens_per_expert_E` itself, builds per-expert row and tile offsets with
+a cumsum in registers, and walks the tiles t = pid, pid + P, ... up to a total that it
+computed on the device. A tile finds its expert by counting how many tile-ranges end at
+or before it: a [BLOCK_E] vector compare-and-sum, no search loop.
+
+Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-built
+tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
+last expert and the K tail need no masks. A rows-tile may run into the next expert's rows;
+those rows produce garbage output rows that the masked store drops. Without TMA (odd
+shapes, and the CPU interpreter) plain pointer loads clamp rows into range for the same
+effect and mask columns and the K tail. `_wgrad_gemm` is the exception: there the rows
+are the reduction dim, so rows past the expert's end must be zeros, not garbage; full BK
+blocks stream unmasked and the one partial block at the end is zeroed.
+"""
+
+import ctypes
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Constexpr globals so the kernels can branch on them at compile time.
+EPI_PLAIN = tl.constexpr(0)
+EPI_SWIGLU = tl.constexpr(1)
+EPI_SWIGLU_BWD = tl.constexpr(2)
+
+
+# --- device-side schedule -------------------------------------------------------------
+
+
+@triton.jit
+def _pick(vec, idx, e):
+    """vec[e] for a register vector: a masked sum, since registers cannot be indexed."""
+    return tl.sum(tl.where(idx == e, vec, 0), 0)
+
+
+@triton.jit
+def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    """Tile `local` of an m_tiles x n_tiles grid, walked GROUP_M rows at a time so that
+    concurrently running programs share A rows-tiles and B column-tiles in L2."""
+    per_group = GROUP_M * n_tiles
+    first_m = (local // per_group) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (local % per_group) % group_rows
+    pid_n = (local % per_group) // group_rows
+    return pid_m, pid_n
+
+
+# --- row-grouped GEMM with optional SwiGLU epilogues ----------------------------------
+
+
+@triton.jit
+def _rows_gemm(
+    a_src, b_src, counts_ptr, out_ptr, h_ptr,
+    R, N, K, E, b_rows_per_expert,
+    EPILOGUE: tl.constexpr, B_KCONTIG: tl.constexpr, WRITE_ACT: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, FLATTEN: tl.constexpr,
+    EPI_PARTS: tl.constexpr,
+):
+    """out[rows of e, :N] = epilogue(A[rows of e, :K] @ B_e), for all experts.
+
+    B_e is rows [e * b_rows_per_expert, ...) of the 2-D weight view: [N, K] rows when
+    B_KCONTIG, [K, N] rows otherwise. EPI_SWIGLU reads a second B tile N rows below the
+    first (gate rows [0, N), up rows [N, 2N)), stores both to h [R, 2N] and act to out.
+    EPI_SWIGLU_BWD reads h, overwrites it in place with its gradient and, with WRITE_ACT,
+    stores the recomputed act to out. SwiGLU epilogues run in EPI_PARTS column blocks.
+    """
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    idx = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+    row_ends = tl.cumsum(counts, 0)
+    tiles = tl.cdiv(counts, BLOCK_M) * n_tiles
+    tile_ends = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    rk = tl.arange(0, BLOCK_K)
+
+    # FLATTEN lets the compiler software-pipeline across tiles too, so the next tile's
+    # loads overlap this tile's epilogue (at the cost of shared memory).
+    for t in tl.range(pid, total, tl.num_programs(0), flatten=FLATTEN):
+        e = tl.sum((tile_ends <= t).to(tl.int32), 0)
+        count = _pick(counts, idx, e)
+        row_start = _pick(row_ends, idx, e) - count
+        local = t - (_pick(tile_ends, idx, e) - _pick(tiles, idx, e))
+        pid_m, pid_n = _swizzle(local, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
+        m0 = row_start + pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        b_row0 = e * b_rows_per_expert
+
+        # Rows past this expert's count and columns past N are never stored.
+        rm = tl.arange(0, BLOCK_M)
+        row_ok = (pid_m * BLOCK_M + rm < count)[:, None]
+        h_tile = h_ptr + m0.to(tl.int64) * (2 * N)  # h rows are [gate | up]
+        out_tile = out_ptr + m0.to(tl.int64) * N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if EPILOGUE == EPI_SWIGLU:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if not USE_TMA:
+            # Rows past R are clamped into range (their results are dropped by the store's
+            # mask); columns past N are masked. Clamping the contiguous dim instead would
+            # hide its contiguity from the compiler and cost the vectorised async copies.
+            ra = tl.minimum(tl.arange(0, BLOCK_M), R - 1 - m0)
+            rn = n0 + tl.arange(0, BLOCK_N)
+            a_ptrs = a_src + m0.to(tl.int64) * K + (ra[:, None] * K + rk[None, :])
+            b_cols_ok = (rn < N)[None, :]
+            if B_KCONTIG:
+                b_ptrs = b_src + b_row0.to(tl.int64) * K + (rk[:, None] + rn[None, :] * K)
+                b_step = BLOCK_K
+                up_skip = N * K  # one expert's gate block; < 2**31 for any real expert
+            else:
+                b_ptrs = b_src + b_row0.to(tl.int64) * N + (rk[:, None] * N + rn[None, :])
+                b_step = BLOCK_K * N
+                up_skip = 0  # unused: SwiGLU's gate_up is always K-contiguous
+
+        for k0 in range(0, K, BLOCK_K):
+            if USE_TMA:
+                a = a_src.load([m0, k0])
+                if B_KCONTIG:
+                    b = tl.trans(b_src.load([b_row0 + n0, k0]))
+                else:
+                    b = b_src.load([b_row0 + k0, n0])
+            else:
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs, mask=b_cols_ok, other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
+                    b = tl.load(b_ptrs, mask=b_cols_ok & ((k0 + rk)[:, None] < K), other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            if EPILOGUE == EPI_SWIGLU:
+                if USE_TMA:
+                    b_up = tl.trans(b_src.load([b_row0 + N + n0, k0]))
+                elif EVEN_K:
+                    b_up = tl.load(b_ptrs + up_skip, mask=b_cols_ok, other=0.0)
+                else:
+                    b_up = tl.load(b_ptrs + up_skip, mask=b_cols_ok & ((k0 + rk)[:, None] < K),
+                                   other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+            if not USE_TMA:
+                a_ptrs += BLOCK_K
+                b_ptrs += b_step
+
+        # --- epilogue: a 64-bit base per tile and 32-bit offsets inside it ([BM, BN]
+        # tensors of int64 offsets would take two registers per element) ---
+        if EPILOGUE == EPI_PLAIN:
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_tile + rm[:, None] * N + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols < N)[None, :])
+        else:
+            # SwiGLU epilogues walk the tile in EPI_PARTS column blocks: with whole-tile
+            # fp32 temporaries the compiler spilled ~1 KB per thread; with blocks of at
+            # most 32 accumulator registers per thread, nothing.
+            W: tl.constexpr = BLOCK_N // EPI_PARTS
+            for part in tl.static_range(EPI_PARTS):
+                cols = n0 + part * W + tl.arange(0, W)
+                mask = row_ok & (cols < N)[None, :]
+                gate_ptrs = h_tile + rm[:, None] * (2 * N) + cols[None, :]
+                act_ptrs = out_tile + rm[:, None] * N + cols[None, :]
+                acc_part = _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+                if EPILOGUE == EPI_SWIGLU:
+                    g = acc_part
+                    u = _column_part(acc_up, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+                    tl.store(gate_ptrs, g.to(h_ptr.dtype.element_ty), mask=mask)
+                    tl.store(gate_ptrs + N, u.to(h_ptr.dtype.element_ty), mask=mask)
+                    act = g * tl.sigmoid(g) * u
+                    tl.store(act_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask)
+                else:
+                    _swiglu_bwd_store(acc_part, gate_ptrs, act_ptrs, mask, N, WRITE_ACT)
+
+
+@triton.jit
+def _column_part(t, part: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Column block `part` of PARTS (1, 2 or 4) of t [BLOCK_M, BLOCK_N]. Triton cannot
+    slice a register tile, so the columns are split in halves (twice for 4)."""
+    if PARTS > 1:
+        lo, hi = tl.split(t.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+        t = lo if part < PARTS // 2 else hi
+        if PARTS == 4:
+            lo, hi = tl.split(t.reshape(BLOCK_M, 2, BLOCK_N // 4).permute(0, 2, 1))
+            t = lo if part % 2 == 0 else hi
+    return t
+
+
+@triton.jit
+def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constexpr):
+    """Overwrite gate, up (at gate_ptrs, gate_ptrs + N) with their gradients given d(act);
+    with WRITE_ACT also store act itself, which the down weight gradient needs.
+
+    act = silu(g) * u, and silu'(g) = s * (1 + g * (1 - s)) with s = sigmoid(g).
+    """
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    silu = g * s
+    tl.store(gate_ptrs + N, (d_act * silu).to(gate_ptrs.dtype.element_ty), mask=mask)
+    if WRITE_ACT:
+        tl.store(act_ptrs, (silu * u).to(act_ptrs.dtype.element_ty), mask=mask)
+    d_gate = d_act * u * (s * (1.0 + g * (1.0 - s)))
+    tl.store(gate_ptrs, d_gate.to(gate_ptrs.dtype.element_ty), mask=mask)
+
+
+# --- weight-gradient GEMM: a K loop over one expert's rows ----------------------------
+
+
+@triton.jit
+def _wgrad_gemm(
+    g_src, x_src, counts_ptr, out_ptr,
+    M, N, E,
+    USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums."""
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_expert = m_tiles * n_tiles
+    idx = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+    row_ends = tl.cumsum(counts, 0)
+    rk = tl.arange(0, BLOCK_K)
+
+    for t in range(pid, E * per_expert, tl.num_programs(0)):
+        e = t // per_expert
+        pid_m, pid_n = _swizzle(t % per_expert, m_tiles, n_tiles, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        count = _pick(counts, idx, e)
+        r0 = _pick(row_ends, idx, e) - count
+        n_full = count // BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+
+        if USE_TMA:
+            for i in range(n_full):
+                g = g_src.load([r0 + i * BLOCK_K, m0])
+                x = x_src.load([r0 + i * BLOCK_K, n0])
+                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+            if count % BLOCK_K != 0:
+                # The last block reaches into the next expert's rows: zero them.
+                r_tail = r0 + n_full * BLOCK_K
+                keep = (rk < count - n_full * BLOCK_K)[:, None]
+                g = tl.where(keep, g_src.load([r_tail, m0]), 0.0)
+                x = tl.where(keep, x_src.load([r_tail, n0]), 0.0)
+                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+        else:
+            rm = m0 + tl.arange(0, BLOCK_M)
+            rn = n0 + tl.arange(0, BLOCK_N)
+            g_ptrs = g_src + r0.to(tl.int64) * M + (rk[:, None] * M + rm[None, :])
+            x_ptrs = x_src + r0.to(tl.int64) * N + (rk[:, None] * N + rn[None, :])
+            for k0 in range(0, count, BLOCK_K):
+                keep = (k0 + rk < count)[:, None]
+                g = tl.load(g_ptrs, mask=keep & (rm < M)[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=keep & (rn < N)[None, :], other=0.0)
+                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+                g_ptrs += BLOCK_K * M
+                x_ptrs += BLOCK_K * N
+
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        out_e = out_ptr + e.to(tl.int64) * M * N
+        tl.store(out_e + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+# --- launchers ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _max_programs(device: torch.device) -> int:
+    # The interpreter runs programs one after another: a few exercise the persistent loop.
+    return _sm_count(device.index or 0) if device.type == "cuda" else 3
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _ensure_cuda_context(device: torch.device) -> None:
+    """Make the device's primary context current on this thread.
+
+    Autograd runs the backward on a thread of its own, and the CUDA runtime binds a
+    context to a thread only at that thread's first runtime call. Triton encodes host-side
+    TMA descriptors through the driver before its launcher binds one, so a backward whose
+    first CUDA work is ours failed on an H100 with 'Failed to create tensor map descriptor:
+    invalid device context'. This does what Triton's launcher does for the launch itself.
+    """
+    if device.type != "cuda":
+        return
+    lib, ctx = _libcuda(), ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        return
+    dev = ctypes.c_int()
+    lib.cuDeviceGet(ctypes.byref(dev), device.index or 0)
+    lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    lib.cuCtxSetCurrent(ctx)
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: three tf32 products recover ~fp32 accuracy at tensor-core speed.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def rows_gemm(a_RK, w, counts_E, out, *, n, b_kcontig, cfg, use_tma,
+              epilogue=EPI_PLAIN, h=None):
+    """Launch `_rows_gemm`. w is the stacked weight [E, n (2n for EPI_SWIGLU), K] when
+    b_kcontig, else [E, K, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
+    Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
+    _ensure_cuda_context(a_RK.device)
+    R, K = a_RK.shape
+    E = w.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    w2d = w.reshape(E * w.shape[1], w.shape[2])
+    if use_tma:
+        a_src = _descriptor(a_RK, [bm, bk])
+        b_src = _descriptor(w2d, [bn, bk] if b_kcontig else [bk, bn])
+    else:
+        a_src, b_src = a_RK, w2d
+    # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
+    tile_bound = (R // bm + min(E, R)) * triton.cdiv(n, bn)
+    grid = (max(1, min(_max_programs(a_RK.device) * cfg.get("PROGS_PER_SM", 1), tile_bound)),)
+    return _rows_gemm[grid](
+        a_src, b_src, counts_E, h if out is None else out, a_RK if h is None else h,
+        R, n, K, E, w.shape[1],
+        EPILOGUE=epilogue, B_KCONTIG=b_kcontig, WRITE_ACT=out is not None,
+        USE_TMA=use_tma, EVEN_K=K % bk == 0, DOT_PREC=_dot_prec(a_RK.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        BLOCK_E=triton.next_power_of_2(E), FLATTEN=cfg.get("FLATTEN", False),
+        EPI_PARTS=cfg.get("EPI_PARTS", 4),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def wgrad_gemm(g_RM, x_RN, counts_E, out_EMN, *, cfg, use_tma):
+    """Launch `_wgrad_gemm`: out_EMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
+    _ensure_cuda_context(g_RM.device)
+    E, M, N = out_EMN.shape
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if use_tma:
+        g_src, x_src = _descriptor(g_RM, [bk, bm]), _descriptor(x_RN, [bk, bn])
+    else:
+        g_src, x_src = g_RM, x_RN
+    tiles = E * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (max(1, min(_max_programs(g_RM.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
+    return _wgrad_gemm[grid](
+        g_src, x_src, counts_E, out_EMN, M, N, E,
+        USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        BLOCK_E=triton.next_power_of_2(E),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

@@ -1,0 +1,184 @@
+"""The expert FFN as one autograd op: grouped gate_up GEMM -> SwiGLU -> grouped down GEMM.
+
+Shape legend: R rows (sorted by local expert), D model dim, F expert hidden dim,
+E local experts.
+
+    h_R2F  = x_RD @ gate_up_E2FD[e].T            (per expert e, its rows only)
+    act_RF = silu(h_R2F[:, :F]) * h_R2F[:, F:]
+    y_RD   = act_RF @ down_EDF[e].T
+
+Six grouped GEMMs run in all (kernels in `grouped_gemm.py`):
+
+    forward   1. h, act = swiglu(x @ gate_up.T)    SwiGLU fused into the epilogue
+              2. y = act @ down.T
+    backward  3. dh = swiglu'(dy @ down, h)       SwiGLU gradient fused into this dgrad's
+                                                  epilogue; it also re-creates act
+              4. d_down    = dy^T @ act           per expert, K = that expert's rows
+              5. dx        = dh @ gate_up
+              6. d_gate_up = dh^T @ x
+
+What is kept for the backward, and why. Forward saves x and the pre-activations h (bf16,
+2F per row) and frees act as soon as GEMM 2 has read it. The backward's SwiGLU-gradient
+epilogue needs gate and up anyway; from them act is recomputed elementwise at the cost
+of writing R x F values once more, and dh overwrites h in place (the tile that reads a
+gate/up pair is the only one that writes it). The alternatives, measured on an H100
+with Mixtral-8x7B shapes, 4 experts (docs/kernels.md):
+  * keep only x and recompute h: saves R x 2F x 2 bytes (1.88 GB at 4 x 8192 rows) but
+    re-runs GEMM 1: 12.0 of the op's 53.8 ms at 8192 rows per expert (22%), 0.34 of
+    1.67 ms at 64 (20%). Not worth it: with h saved, the op's peak memory is already a
+    quarter below grouped_mm's path (4.4 vs 5.9 GiB at 8192 rows per expert).
+  * also keep act: spares GEMM 3's epilogue one R x F write, measured at most 1.4 ms
+    (2.6%) at 8192 rows per expert, for R x F x 2 more bytes held (0.94 GB). Memory wins.
+Because dh reuses h's memory, calling backward twice through one forward raises.
+
+Precision. Operands are multiplied in the activation dtype with fp32 accumulation; the
+SwiGLU math runs in fp32 in registers. When the weights are fp32 masters and x is bf16
+(torch.autocast), the weights are cast to bf16 once per forward and that copy is kept
+for the backward: one extra read of 4 and write of 2 bytes per weight, and 2 bytes per
+weight of memory until the backward. Weight gradients are written straight from the fp32
+accumulators in the parameters' dtype. fp32 inputs use `tf32x3` dots (about fp32 error).
+
+No host synchronisation: split sizes are read only by the kernels (see grouped_gemm.py),
+the grid and every allocation depend on shapes alone, so the op runs under
+`torch.cuda.set_sync_debug_mode("error")` and inside CUDA graphs.
+
+On a machine without a GPU, set TRITON_INTERPRET=1 before triton is first imported and
+call `grouped_swiglu` on CPU tensors: Triton's interpreter runs the same kernels (exact
+in fp32, not meaningful in bf16).
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from te_mixtral.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm, wgrad_gemm
+
+# Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
+# on an H100 (docs/kernels.md has the numbers). The regime comes from the mean rows per
+# expert, R / E, which the host knows from shapes alone; the split stays on the device.
+# PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
+# GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
+# EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
+# accumulators from spilling; 2 is cheaper for small tiles).
+def _cfg(bm, bn, bk, warps, stages, progs=1, group=8, parts=4):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps,
+                num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts)
+
+
+_PINGPONG = _cfg(128, 128, 64, 4, 3, progs=2)
+CONFIGS = {
+    "small": {  # <= 128 rows per expert: weight-bandwidth bound, one M tile per expert
+        "gate_up": _cfg(64, 64, 128, 4, 4, parts=2),
+        "down": _cfg(64, 64, 128, 4, 4),
+        "down_dgrad": _cfg(64, 64, 64, 4, 4, progs=2, parts=2),
+        "down_wgrad": _cfg(64, 256, 64, 4, 2, progs=2),
+        "gate_up_dgrad": _cfg(64, 128, 64, 4, 4),
+        "gate_up_wgrad": _PINGPONG,
+    },
+    "medium": {  # <= 512 rows per expert
+        "gate_up": _cfg(128, 128, 64, 8, 4),
+        "down": _cfg(128, 128, 64, 8, 3, progs=2),
+        "down_dgrad": _cfg(128, 128, 64, 8, 4),
+        "down_wgrad": _PINGPONG,
+        "gate_up_dgrad": _cfg(128, 256, 64, 8, 3),
+        "gate_up_wgrad": _PINGPONG,
+    },
+    "large": {
+        "gate_up": _cfg(128, 128, 64, 8, 4, group=16),
+        "down": _cfg(128, 256, 64, 8, 3, group=16),
+        "down_dgrad": _cfg(128, 128, 64, 8, 4),
+        "down_wgrad": _cfg(128, 256, 64, 8, 3),
+        "gate_up_dgrad": _cfg(128, 256, 64, 8, 3),
+        "gate_up_wgrad": _cfg(128, 256, 64, 8, 3, group=16),
+    },
+}
+
+
+def regime(rows: int, experts: int) -> str:
+    per_expert = rows / max(experts, 1)
+    return "small" if per_expert <= 128 else "medium" if per_expert <= 512 else "large"
+
+
+# fp32 inputs (no autocast): a correctness path, not a tuned one. tf32x3 dots split every
+# operand in three, so tiles that suit bf16 spill; this one does not.
+_FP32 = _cfg(64, 64, 32, 4, 3)
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """The copy engine exists from Hopper (sm_90) on and needs 16-byte aligned base
+    addresses and row strides."""
+    return all(
+        t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+        and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
+        for t in tensors
+    )
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, counts_E, gate_up_E2FD, down_EDF, configs, use_tma):
+        R, D = x_RD.shape
+        E, F = down_EDF.shape[0], down_EDF.shape[2]
+        dtype = x_RD.dtype
+        w1_E2FD = gate_up_E2FD.to(dtype).contiguous()
+        w2_EDF = down_EDF.to(dtype).contiguous()
+        x_RD = x_RD.contiguous()
+        h_R2F = x_RD.new_empty(R, 2 * F)
+        act_RF = x_RD.new_empty(R, F)
+        y_RD = x_RD.new_empty(R, D)
+        cfgs = configs[regime(R, E)]
+        if dtype == torch.float32:
+            cfgs = dict.fromkeys(cfgs, _FP32)
+        if use_tma is None:
+            use_tma = _tma_ok(x_RD, h_R2F, w1_E2FD, w2_EDF)
+        if R > 0:
+            rows_gemm(x_RD, w1_E2FD, counts_E, act_RF, n=F, b_kcontig=True,
+                      cfg=cfgs["gate_up"], use_tma=use_tma, epilogue=EPI_SWIGLU, h=h_R2F)
+            rows_gemm(act_RF, w2_EDF, counts_E, y_RD, n=D, b_kcontig=True,
+                      cfg=cfgs["down"], use_tma=use_tma)
+        ctx.save_for_backward(x_RD, counts_E, h_R2F, w1_E2FD, w2_EDF)
+        ctx.cfgs, ctx.use_tma, ctx.h_consumed = cfgs, use_tma, False
+        ctx.w_dtypes = (gate_up_E2FD.dtype, down_EDF.dtype)
+        return y_RD
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_RD):
+        if ctx.h_consumed:
+            raise RuntimeError(
+                "custom_grouped: backward ran twice through one forward; the saved "
+                "pre-activations were overwritten by the first (retain_graph is unsupported)"
+            )
+        ctx.h_consumed = True
+        x_RD, counts_E, h_R2F, w1_E2FD, w2_EDF = ctx.saved_tensors
+        cfgs, use_tma = ctx.cfgs, ctx.use_tma
+        R, D = x_RD.shape
+        F = w2_EDF.shape[2]
+        dy_RD = dy_RD.to(x_RD.dtype).contiguous()
+        d_w1 = torch.empty(w1_E2FD.shape, dtype=ctx.w_dtypes[0], device=x_RD.device)
+        d_w2 = torch.empty(w2_EDF.shape, dtype=ctx.w_dtypes[1], device=x_RD.device)
+        dx_RD = torch.empty_like(x_RD)
+        if R == 0:
+            return dx_RD, None, d_w1.zero_(), d_w2.zero_(), None, None
+
+        # 3: dh overwrites h; act comes back for 4, then is freed.
+        act_RF = x_RD.new_empty(R, F)
+        rows_gemm(dy_RD, w2_EDF, counts_E, act_RF, n=F, b_kcontig=False,
+                  cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F)
+        dh_R2F = h_R2F
+        wgrad_gemm(dy_RD, act_RF, counts_E, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma)
+        del act_RF
+        rows_gemm(dh_R2F, w1_E2FD, counts_E, dx_RD, n=D, b_kcontig=False,
+                  cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
+        wgrad_gemm(dh_R2F, x_RD, counts_E, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma)
+        return dx_RD, None, d_w1, d_w2, None, None
+
+
+def grouped_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF, *, configs=None,
+                   use_tma=None):
+    """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
+
+    `configs` overrides the tile table (the benchmark's sweep uses it); `use_tma` forces
+    the descriptor path on or off (default: on where the tensors allow it).
+    """
+    return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF,
+                                configs or CONFIGS, use_tma)

@@ -1,0 +1,183 @@
+"""The `custom_grouped` tier on the CPU: its grouped_mm path, and its Triton kernels run by
+Triton's interpreter, both against a float64 loop over experts.
+
+Forward and all three gradients are compared by relative Frobenius error
+||out - ref|| / ||ref||. FP32_REL_TOL: fp32 arithmetic lands near 1e-7; a wrong index, a
+missed tile or an unwritten row lands far above.
+
+The interpreter must be switched on (TRITON_INTERPRET=1) before triton is first imported,
+so `test_triton_kernels_in_interpreter` reruns this file's `interpreter` tests in a fresh
+pytest process with the variable set; run directly they are skipped. The interpreter is
+exact in fp32 and meaningless in bf16, so those tests use fp32 and small odd shapes.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from te_mixtral.experts import make_tier
+
+FP32_REL_TOL = 1e-5
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+
+SPLITS = {
+    "uneven": [3, 11, 1, 7],
+    "zero_first": [0, 9, 4, 2],
+    "zero_middle": [6, 0, 0, 5],
+    "one_expert": [0, 0, 13, 0],
+}
+
+
+def reference_f64(x_RD, splits, gate_up_E2FD, down_EDF, dy_RD):
+    """y and (dx, d_gate_up, d_down) in float64, one expert at a time, by plain autograd."""
+    leaves = [t.detach().double().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
+    x, gate_up, down = leaves
+    outputs = []
+    for e, x_ND in enumerate(x.split(splits)):
+        gate_NF, up_NF = (x_ND @ gate_up[e].T).chunk(2, dim=-1)
+        outputs.append((F.silu(gate_NF) * up_NF) @ down[e].T)
+    y = torch.cat(outputs)
+    return (y.detach(), *torch.autograd.grad(y, leaves, dy_RD.double()))
+
+
+def make_inputs(splits, D, F_, seed):
+    """Fresh random (never zero) fp32 inputs: x, tokens_per_expert, gate_up, down, dy."""
+    g = torch.Generator().manual_seed(seed)
+    E, R = len(splits), sum(splits)
+    return (
+        torch.randn(R, D, generator=g),
+        torch.tensor(splits, dtype=torch.int64),
+        torch.randn(E, 2 * F_, D, generator=g) * D**-0.5,
+        torch.randn(E, D, F_, generator=g) * F_**-0.5,
+        torch.randn(R, D, generator=g),
+    )
+
+
+def run(fn, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF, dy_RD):
+    leaves = [t.detach().clone().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
+    y = fn(leaves[0], tokens_per_expert_E, leaves[1], leaves[2])
+    return (y, *torch.autograd.grad(y, leaves, dy_RD))
+
+
+def assert_matches(got, ref, splits, tol, what):
+    for name, out, r in zip(("y", "dx", "d_gate_up", "d_down"), got, ref):
+        assert out.shape == r.shape, f"{what} {name}: shape {tuple(out.shape)}"
+        err = ((out.double() - r).norm() / r.norm().clamp_min(1e-300)).item()
+        assert err <= tol, f"{what} {name}: error {err:.2e}"
+    for e, n in enumerate(splits):
+        if n == 0:  # an expert with no rows gets exactly zero gradient, nothing stale
+            assert torch.equal(got[2][e], torch.zeros_like(got[2][e])), f"{what} expert {e}"
+            assert torch.equal(got[3][e], torch.zeros_like(got[3][e])), f"{what} expert {e}"
+
+
+# --- the tier on the CPU: the grouped_mm path ---------------------------------------
+
+
+def test_registered_and_available_on_cpu():
+    tier = make_tier("custom_grouped")
+    assert tier.name == "custom_grouped"
+    tier.check_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", SPLITS)
+@pytest.mark.parametrize("D,F_", [(16, 24), (20, 12)], ids=["aligned", "odd"])
+def test_cpu_path_matches_float64(case, D, F_):
+    splits = SPLITS[case]
+    inputs = make_inputs(splits, D, F_, seed=list(SPLITS).index(case))
+    got = run(make_tier("custom_grouped"), *inputs)
+    assert_matches(got, reference_f64(inputs[0], splits, *inputs[2:]), splits, FP32_REL_TOL,
+                   f"{case} D={D} F={F_}")
+
+
+def test_cpu_path_no_rows_and_expanded_gradient():
+    tier = make_tier("custom_grouped")
+    x, counts, gate_up, down, _ = make_inputs([0, 0, 0], 16, 8, seed=5)
+    y, dx, d_gate_up, d_down = run(tier, x, counts, gate_up, down, torch.empty(0, 16))
+    assert y.shape == (0, 16) and dx.shape == (0, 16)
+    assert torch.equal(d_gate_up, torch.zeros_like(d_gate_up))
+    # y.sum() hands backward a stride-0 gradient, which grouped_mm alone rejects.
+    x, counts, gate_up, down, _ = make_inputs([4, 0, 3], 16, 8, seed=6)
+    gate_up.requires_grad_()
+    tier(x, counts, gate_up, down).sum().backward()
+    assert gate_up.grad.shape == gate_up.shape
+
+
+def test_cpu_path_bf16_activations_keep_weight_grad_dtype():
+    x, counts, gate_up, down, dy = make_inputs([5, 0, 7], 16, 8, seed=9)
+    y, dx, d_gate_up, d_down = run(make_tier("custom_grouped"), x.bfloat16(), counts, gate_up,
+                                   down, dy.bfloat16())
+    assert y.dtype == dx.dtype == torch.bfloat16
+    assert d_gate_up.dtype == d_down.dtype == torch.float32
+
+
+# --- the Triton kernels, run by the interpreter in a fresh process ------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
+def test_triton_kernels_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "test_interpreter"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+# Tiles far smaller than the shapes, so every case spans several row and column tiles,
+# several swizzle groups and several tiles per program of the persistent loop.
+TINY = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2)
+
+INTERPRETER_CASES = {
+    # name: (splits, D, F, tile table or None for the shipped one, TMA descriptors)
+    "uneven_k_tail": ([21, 0, 0, 34, 1], 20, 36, TINY, False),
+    "uneven_tma": ([21, 0, 0, 34, 1], 20, 36, TINY, True),
+    "one_expert_tma": ([0, 0, 70, 0], 24, 20, TINY, True),
+    "64_experts": ([2, 0, 1, 1] * 16, 16, 16, TINY, False),
+    "single_row": ([1], 8, 8, TINY, True),
+    "two_epilogue_parts": ([9, 30, 0], 16, 32, dict(TINY, EPI_PARTS=2), True),
+    "shipped_tiles": ([33, 0, 17], 40, 24, None, False),
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", INTERPRETER_CASES)
+def test_interpreter_kernels_match_float64(case):
+    from te_mixtral.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
+
+    splits, D, F_, tiles, use_tma = INTERPRETER_CASES[case]
+    configs = CONFIGS if tiles is None else {regime: {op: tiles for op in CONFIGS["large"]}
+                                              for regime in CONFIGS}
+    inputs = make_inputs(splits, D, F_, seed=len(case))
+
+    def op(*args):
+        return grouped_swiglu(*args, configs=configs, use_tma=use_tma)
+
+    got = run(op, *inputs)
+    assert_matches(got, reference_f64(inputs[0], splits, *inputs[2:]), splits, FP32_REL_TOL,
+                   case)
+
+
+@interpreter_only
+def test_interpreter_no_rows_and_backward_twice():
+    from te_mixtral.kernels.grouped_swiglu import grouped_swiglu
+
+    x, counts, gate_up, down, _ = make_inputs([0, 0], 16, 16, seed=1)
+    y, dx, d_gate_up, d_down = run(grouped_swiglu, x, counts, gate_up, down, torch.empty(0, 16))
+    assert y.shape == (0, 16) and torch.equal(d_down, torch.zeros_like(d_down))
+
+    # The backward overwrites the saved pre-activations with their gradient: a second
+    # backward through the same forward must fail loudly, not return wrong numbers.
+    x, counts, gate_up, down, dy = make_inputs([3, 2], 16, 16, seed=2)
+    gate_up.requires_grad_()
+    y = grouped_swiglu(x, counts, gate_up, down)
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.backward(dy)
