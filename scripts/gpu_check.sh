@@ -2,9 +2,11 @@
 # Everything that needs a GPU, in one go, on a fresh GPU machine:
 #   versions -> Transformer Engine import -> CUDA tests -> expert FFN benchmark -> (end-to-end runs)
 #
-# Usage, from anywhere:  scripts/gpu_check.sh OUT_DIR [NGPU]
+# Usage, from anywhere:  scripts/gpu_check.sh OUT_DIR [NGPU] [STEPS]
 #   OUT_DIR  logs and JSON results are written here (created if missing)
 #   NGPU     GPUs the end-to-end runs may use (default 1); fewer present is an error
+#   STEPS    which of "tests bench tiers" to run (default: all three), e.g. to split the
+#            work over two calls of a machine with a per-call time limit
 #
 # Transformer Engine must already be importable: installing it is the caller's business
 # (pip, an NGC container, or a machine-specific `source ...` before this script).
@@ -13,6 +15,7 @@ set -uo pipefail
 
 OUT_DIR=${1:?usage: scripts/gpu_check.sh OUT_DIR [NGPU]}
 NGPU=${2:-1}
+STEPS=${3:-tests bench tiers}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
@@ -62,21 +65,29 @@ make_tier("grouped_linear").check_available(torch.device("cuda"))
 print("tier grouped_linear: available")
 EOF
 
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
+
 # --- CUDA tests ------------------------------------------------------------------------
+if wanted tests; then
 step "pytest -m cuda tests/gpu"
 python3 -m pytest -m cuda tests/gpu -q -rfEs 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || failed+=("pytest")
+fi
 
 # --- expert FFN benchmark --------------------------------------------------------------
+if wanted bench; then
 step "benchmarks/expert_ffn.py"
 python3 benchmarks/expert_ffn.py --json "$OUT_DIR/expert_ffn.json" 2>&1 | tee "$OUT_DIR/expert_ffn.log" \
     || failed+=("expert_ffn")
+fi
 
 # --- end-to-end tier runs --------------------------------------------------------------
 # Reduced-layer Mixtral-8x7B, one packed 8192-token sequence per GPU, EP over all GPUs;
 # `loop` first, every other tier loss-checked against it.
+if wanted tiers; then
 step "tier runs: configs/mixtral-8x7b-2layer.yaml, EP=$NGPU"
 scripts/run_tiers.sh "$OUT_DIR/tiers" configs/mixtral-8x7b-2layer.yaml "$NGPU" "$NGPU" \
     hf grouped_linear custom_grouped device_mxfp8 -- --batch_size "$NGPU" || failed+=("tier runs")
+fi
 
 # --- summary ---------------------------------------------------------------------------
 step "summary"
