@@ -18,14 +18,15 @@ echo "=== pytest -m multigpu"
 python3 -m pytest -m multigpu tests/gpu -q -rfEs 2>&1 | tee "$out/pytest_multigpu.log" || failed+=(pytest)
 
 config=configs/mixtral-8x7b-2layer.yaml
+steps=(--steps 12 --timing_warmup_steps 4)
 echo "=== EP=2 on 2 GPUs"
-CUDA_VISIBLE_DEVICES=0,1 scripts/run_tiers.sh "$out/ep2" "$config" 2 2 "${tiers[@]}" -- --batch_size 2 \
+CUDA_VISIBLE_DEVICES=0,1 scripts/run_tiers.sh "$out/ep2" "$config" 2 2 "${tiers[@]}" -- --batch_size 2 "${steps[@]}" \
   || failed+=(ep2)
 if [ "$ngpu" -ge 4 ]; then
   echo "=== EP=4 on 4 GPUs"
-  scripts/run_tiers.sh "$out/ep4" "$config" 4 4 "${tiers[@]}" -- --batch_size 4 || failed+=(ep4)
+  scripts/run_tiers.sh "$out/ep4" "$config" 4 4 "${tiers[@]}" -- --batch_size 4 "${steps[@]}" || failed+=(ep4)
   echo "=== EP=2 x DP=2 on 4 GPUs"
-  scripts/run_tiers.sh "$out/ep2dp2" "$config" 4 2 "${tiers[@]}" -- --batch_size 4 || failed+=(ep2dp2)
+  scripts/run_tiers.sh "$out/ep2dp2" "$config" 4 2 "${tiers[@]}" -- --batch_size 4 "${steps[@]}" || failed+=(ep2dp2)
 fi
 if ((${#failed[@]})); then echo "FAILED: ${failed[*]}"; exit 1; fi
 echo "all multi-GPU steps passed"

