@@ -1,16 +1,23 @@
-"""Does a run train like its reference? Step-by-step loss comparison with named tolerances.
+"""Does a run train like its reference? Per-step loss comparison with named tolerances.
 
 Two runs with the same seed, data and config should produce the same loss curve whatever
 the expert tier, expert-parallel size or kernel, up to rounding. A faster tier is checked by
-training it and the `loop` tier (the reference that stays forever) and comparing losses
-step by step:
+training it and the `loop` tier (the reference that stays forever) on the same batches and
+comparing the losses, with relative differences
 
     rel_diff[step] = |loss[step] - reference[step]| / max(|reference[step]|, TINY)
 
-The check passes when every compared step is finite and within the precision's tolerance.
-Losses, not weights, are compared because a bug anywhere (routing, a missing gradient, a
-wrong all-to-all split) shows up in the loss within a few steps, and one number per step is
-something a person can read in a table.
+Three criteria, because rounding and bugs leave different marks:
+- the first step: the forward pass alone, before any update has amplified anything. It
+  must agree to the precision's rounding.
+- every step: rounding differences change the weights after the first update, and in a
+  run from random initialisation those differences grow chaotically (measured on an H100,
+  2026-11-21, reduced-layer Mixtral-8x7B in bf16: four correct tiers differed from `loop`
+  by 4 to 8.5 % at single late steps, in both directions). So the per-step bound is loose
+  in low precision: it catches a run that blows up or stops learning.
+- the mean loss over the compared steps: chaos moves single steps both ways and averages
+  out, a bug (a missing gradient, a wrong routing weight) shifts the whole curve one way.
+  Measured as above: the correct tiers' mean losses were within 1.9 % of `loop`'s.
 
 Only the first min(len(losses), len(reference)) steps are compared, so a long reference
 serves shorter runs and the reverse; comparing zero steps is an error, not a pass. Any NaN or
@@ -21,30 +28,31 @@ This module does not import torch: it runs on a laptop against two results.json 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from te_mixtral.errors import UserError
 from te_mixtral.report import format_table
 
-# Relative tolerance on the loss of every step, by the precision the run computes in.
+@dataclass(frozen=True)
+class Tolerance:
+    first_step: float  # the forward pass, before any update
+    per_step: float  # any single step
+    mean: float  # the mean loss over the compared steps
+
+
 TOLERANCES = {
     # Same math, different summation order (a grouped GEMM versus a loop, an all-to-all
     # reordering rows): ~1e-7 per operation, grown by tens of optimizer steps. Bugs show up
     # at 1e-2 and above, so 1e-4 has room for rounding and none for a bug.
-    "fp32": 1e-4,
-    # 8 significant bits (7 stored): every rounding can move a value by up to 2^-8 (0.4 %),
-    # kernels round at different points, and the differences compound through Adam's updates.
-    # Measured: `hf` against `loop`, reduced-layer Mixtral-8x7B, 20 steps from random init on
-    # one H200 (2026-11-21) differed by up to 3.2e-2 (early steps, where the loss falls from
-    # 11 to 6 and small differences grow fastest). A routing or gradient bug moves the loss
-    # by tens of percent.
-    "bf16": 5e-2,
+    "fp32": Tolerance(first_step=1e-5, per_step=1e-4, mean=1e-4),
+    # 8 significant bits: every rounding can move a value by 2^-9 (0.2 %). First steps
+    # measured within 3e-4 of `loop` (H100, H200); later steps as the module docstring says.
+    "bf16": Tolerance(first_step=2e-3, per_step=1e-1, mean=3e-2),
     # E4M3 keeps 4 significant bits (2^-4 = 6 % per rounding, averaged down over a dot
-    # product), and the scales differ by recipe (per-tensor delayed or current scaling,
-    # per-32-element blocks for MXFP8), so two runs quantise the same tensor differently on
-    # top of everything bf16 already does.
-    "fp8": 8e-2,
-    "mxfp8": 8e-2,
+    # product), and the scales differ by recipe (per-row on Hopper, per-32-element blocks
+    # for MXFP8) on top of everything bf16 already does.
+    "fp8": Tolerance(first_step=1e-2, per_step=1.5e-1, mean=5e-2),
+    "mxfp8": Tolerance(first_step=1e-2, per_step=1.5e-1, mean=5e-2),
 }
 
 # Guards the division for a reference loss of zero; real losses are far above it.
@@ -56,27 +64,39 @@ class LossCheck:
     """The verdict, and the numbers behind it. Steps count from 0 (index into `losses`)."""
 
     passed: bool
-    tolerance: float
-    max_rel_diff: float  # NaN when a non-finite loss made the difference meaningless
+    tolerance: Tolerance
+    max_rel_diff: float  # NaN when a non-finite loss made the differences meaningless
     worst_step: int  # the first non-finite step if there is one, else the largest difference
+    first_step_diff: float
+    mean_diff: float  # relative difference of the mean losses
     losses: list[float]
     reference: list[float]
 
+    def summary(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        if math.isnan(self.max_rel_diff):
+            return f"loss check {verdict}: non-finite loss at step {self.worst_step}"
+        t = self.tolerance
+        return (f"loss check {verdict}: {len(self.losses)} steps; first step {self.first_step_diff:.1e} "
+                f"(<= {t.first_step:.0e}), max step {self.max_rel_diff:.1e} at step {self.worst_step} "
+                f"(<= {t.per_step:.0e}), mean {self.mean_diff:.1e} (<= {t.mean:.0e})")
+
     def table(self) -> str:
-        """Every compared step, then a verdict line."""
+        """Every compared step, then the verdict line."""
         rows = []
         for step, (loss, ref) in enumerate(zip(self.losses, self.reference)):
             rel = _rel_diff(loss, ref)
-            ok = "ok" if rel <= self.tolerance else "FAIL"  # NaN compares False: FAIL
+            limit = self.tolerance.first_step if step == 0 else self.tolerance.per_step
+            ok = "ok" if rel <= limit else "FAIL"  # NaN compares False: FAIL
             rows.append((str(step), f"{loss:.6f}", f"{ref:.6f}", f"{rel:.2e}", ok))
-        verdict = "passed" if self.passed else "FAILED"
-        if math.isnan(self.max_rel_diff):
-            worst = f"non-finite loss at step {self.worst_step}"
-        else:
-            worst = f"max rel diff {self.max_rel_diff:.2e} at step {self.worst_step}"
-        summary = f"loss check {verdict}: {len(rows)} steps, {worst}, tolerance {self.tolerance:.0e}"
         table = format_table(rows, header=("step", "loss", "reference", "rel diff", "ok"))
-        return f"{table}\n{summary}"
+        return f"{table}\n{self.summary()}"
+
+    def record(self) -> dict:
+        """The JSON form results.json keeps."""
+        return {"passed": self.passed, "max_rel_diff": self.max_rel_diff, "worst_step": self.worst_step,
+                "first_step_diff": self.first_step_diff, "mean_diff": self.mean_diff,
+                "tolerance": asdict(self.tolerance)}
 
 
 def _rel_diff(loss: float, ref: float) -> float:
@@ -84,7 +104,7 @@ def _rel_diff(loss: float, ref: float) -> float:
 
 
 def check_losses(losses: list[float], reference: list[float], precision: str) -> LossCheck:
-    """Compare `losses` with `reference` step by step at `precision`'s tolerance."""
+    """Compare `losses` with `reference` at `precision`'s tolerances."""
     if precision not in TOLERANCES:
         raise UserError(f"no loss tolerance for precision '{precision}' (known: {', '.join(TOLERANCES)})")
     steps = min(len(losses), len(reference))
@@ -98,8 +118,10 @@ def check_losses(losses: list[float], reference: list[float], precision: str) ->
     non_finite = [i for i in range(steps) if not (math.isfinite(compared[i]) and math.isfinite(ref[i]))]
     non_finite += [i for i in range(steps, len(losses)) if not math.isfinite(losses[i])]
     if non_finite:
-        return LossCheck(False, tolerance, math.nan, non_finite[0], compared, ref)
+        return LossCheck(False, tolerance, math.nan, non_finite[0], math.nan, math.nan, compared, ref)
 
     diffs = [_rel_diff(a, b) for a, b in zip(compared, ref)]
     worst = max(range(steps), key=diffs.__getitem__)
-    return LossCheck(diffs[worst] <= tolerance, tolerance, diffs[worst], worst, compared, ref)
+    mean_diff = _rel_diff(math.fsum(compared), math.fsum(ref))
+    passed = diffs[0] <= tolerance.first_step and diffs[worst] <= tolerance.per_step and mean_diff <= tolerance.mean
+    return LossCheck(passed, tolerance, diffs[worst], worst, diffs[0], mean_diff, compared, ref)

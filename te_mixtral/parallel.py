@@ -109,22 +109,18 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout) -> t
 
     Dense gradients are identical on every rank after the all-reduce, so they count once;
     each rank holds a distinct shard of the experts of its replica, so their squares are
-    summed over the EP group.
+    summed over the EP group. The norms and the scaling use PyTorch's multi-tensor kernels:
+    one pass over the gradients each, no temporaries of their size.
     """
-    dense_sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
-    expert_sq = torch.zeros_like(dense_sq)
+    dense, experts = [], []
     for name, param in model.named_parameters():
         if param.grad is not None:
-            sq = param.grad.detach().float().pow(2).sum()
-            if is_expert_param(name):
-                expert_sq += sq
-            else:
-                dense_sq += sq
+            (experts if is_expert_param(name) else dense).append(param.grad)
+    device = next(model.parameters()).device
+    squares = torch.stack([torch.nn.utils.get_total_norm(grads).to(device, torch.float32) ** 2 if grads
+                           else torch.zeros((), device=device) for grads in (dense, experts)])
     if layout.ep_group is not None and layout.ep_size > 1:
-        dist.all_reduce(expert_sq, group=layout.ep_group)
-    total_norm = (dense_sq + expert_sq).sqrt()
-    scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.mul_(scale.to(param.grad.dtype))
+        dist.all_reduce(squares[1:], group=layout.ep_group)
+    total_norm = squares.sum().sqrt()
+    torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total_norm)
     return total_norm

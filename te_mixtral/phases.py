@@ -52,11 +52,16 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point())
 
 
-def _forward_backward(fn, *inputs):
-    """A closure running fn on fresh leaves of `inputs`, then its backward on a random gradient."""
+def _forward_backward(model, fn, *inputs):
+    """A closure running fn on fresh leaves of `inputs`, then its backward on a random gradient.
+
+    Gradients are dropped first: in a step each weight's gradient is written once, not
+    added to an existing one, and the extra read would inflate weight-heavy phases.
+    """
     grad = {}
 
     def run():
+        model.zero_grad(set_to_none=True)
         out = fn(*[_leaf(t) for t in inputs])
         if "out" not in grad:
             grad["out"] = torch.randn_like(out)
@@ -86,36 +91,37 @@ def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autoca
     device = next(model.parameters()).device
     timer = _Timer(device)
     captured = _capture_inputs(model, step_fn)
-    rotary = model.model.rotary(packed.position_ids_BS)
-    totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head", "optimizer"), 0.0)
-    with autocast:
-        for index, layer in enumerate(model.model.layers):
-            attn_in, moe_in = captured[(index, "input_layernorm")], captured[(index, "post_attention_layernorm")]
-            totals["attention"] += timer.ms(_forward_backward(
-                lambda x: layer.self_attn(layer.input_layernorm(x), rotary, packed), attn_in))
-            mlp = layer.mlp
-            x_TD = layer.post_attention_layernorm(moe_in).reshape(-1, moe_in.shape[-1]).detach()
-            totals["router"] += timer.ms(_forward_backward(lambda x: mlp.route(x)[0], x_TD))
-            weights_TK, experts_TK = mlp.route(x_TD)
-            x_TD = x_TD.to(torch.get_autocast_dtype(device.type)) if torch.is_autocast_enabled(device.type) else x_TD
-            totals["dispatch"] += timer.ms(_forward_backward(
-                lambda x: mlp.dispatcher.dispatch(x, experts_TK, weights_TK.detach()).x_RD, x_TD))
-            routed = mlp.dispatcher.dispatch(x_TD, experts_TK, weights_TK.detach())
-            experts = mlp.experts
-            totals["experts"] += timer.ms(_forward_backward(
-                lambda x: mlp.tier(x, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj),
-                routed.x_RD))
-            y_RD = mlp.tier(routed.x_RD, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj)
-            totals["combine"] += timer.ms(_forward_backward(lambda y: mlp.dispatcher.combine(y, routed), y_RD))
-        totals["head"] = timer.ms(_forward_backward(
-            lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
-            captured["final"]))
 
     def optimizer_step():
         all_reduce_gradients(model, layout)
         clip_grad_norm(model, cfg.train.grad_clip, layout)
         optimizer.step()
 
-    totals["optimizer"] = timer.ms(optimizer_step)
+    optimizer_ms = timer.ms(optimizer_step)  # first, while the step's gradients are there
+    rotary = model.model.rotary(packed.position_ids_BS)
+    totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head", "optimizer"), 0.0)
+    with autocast:
+        for index, layer in enumerate(model.model.layers):
+            attn_in, moe_in = captured[(index, "input_layernorm")], captured[(index, "post_attention_layernorm")]
+            totals["attention"] += timer.ms(_forward_backward(model,
+                lambda x: layer.self_attn(layer.input_layernorm(x), rotary, packed), attn_in))
+            mlp = layer.mlp
+            x_TD = layer.post_attention_layernorm(moe_in).reshape(-1, moe_in.shape[-1]).detach()
+            totals["router"] += timer.ms(_forward_backward(model, lambda x: mlp.route(x)[0], x_TD))
+            weights_TK, experts_TK = mlp.route(x_TD)
+            x_TD = x_TD.to(torch.get_autocast_dtype(device.type)) if torch.is_autocast_enabled(device.type) else x_TD
+            totals["dispatch"] += timer.ms(_forward_backward(model,
+                lambda x: mlp.dispatcher.dispatch(x, experts_TK, weights_TK.detach()).x_RD, x_TD))
+            routed = mlp.dispatcher.dispatch(x_TD, experts_TK, weights_TK.detach())
+            experts = mlp.experts
+            totals["experts"] += timer.ms(_forward_backward(model,
+                lambda x: mlp.tier(x, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj),
+                routed.x_RD))
+            y_RD = mlp.tier(routed.x_RD, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj)
+            totals["combine"] += timer.ms(_forward_backward(model, lambda y: mlp.dispatcher.combine(y, routed), y_RD))
+        totals["head"] = timer.ms(_forward_backward(model,
+            lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
+            captured["final"]))
+    totals["optimizer"] = optimizer_ms
     optimizer.zero_grad(set_to_none=True)
     return totals

@@ -22,9 +22,9 @@ the row's EP size is preferred. When a page holds several workloads they are let
 B, ..., a warning lists what differs, and a row with no same-workload baseline shows "-"
 rather than a misleading ratio. Missing `hf` or `loop` runs are said so, not hidden.
 
-Loss checks are shown as recorded by the run (verdict, max relative difference, tolerance);
-when `te_mixtral/loss_check.py` now sets a different tolerance for that precision, a note
-says what the verdict would be today, without hiding the recorded one.
+Loss checks are recomputed for the page: each run's losses against the same-workload `loop`
+run on it, by today's `te_mixtral/loss_check.py` (first step, largest step, mean). Where the
+run's own recorded verdict differs, a note under the table says so.
 
 Every page names how each run was made: a command line rebuilt from the run's saved config
 (`te_mixtral/reproduce.py`) and the full config itself; and the command that made the page.
@@ -48,7 +48,7 @@ import yaml
 
 from te_mixtral.config import TIER_NAMES
 from te_mixtral.errors import UserError
-from te_mixtral.loss_check import TOLERANCES
+from te_mixtral.loss_check import check_losses
 from te_mixtral.report import RESULTS_FILE, read_results
 from te_mixtral.reproduce import flatten, reproduce_command
 
@@ -213,37 +213,40 @@ def speedup(run: Run, baseline: Run | None) -> float | None:
 
 @dataclass
 class Verdict:
-    """A run's recorded loss check, and how today's tolerance for its precision judges it."""
+    """A run's loss check against the page's `loop` run, by today's `loss_check.py`."""
 
     cell: str  # the table cell
-    failed: bool  # as recorded
-    passes_today: bool | None  # None: no check, or today's tolerance is the recorded one
-    note: str | None  # said under the table when today's tolerance differs
+    failed: bool
+    note: str | None  # said under the table when the run's own recorded verdict differs
 
 
-def loss_verdict(run: Run) -> Verdict:
-    check = run.results.get("loss_check")
-    if check is None:
-        return Verdict("reference" if run.tier == "loop" else "not checked", False, None, None)
-    tolerance, max_rel, step = check["tolerance"], check["max_rel_diff"], check["worst_step"]
-    finite = max_rel is not None and math.isfinite(max_rel)
-    if check["passed"]:
-        cell = f"passed: {max_rel:.2e} <= {tolerance:.0e}"
-    elif finite:
-        cell = f"**FAILED**: {max_rel:.2e} > {tolerance:.0e} (step {step})"
-    else:
-        cell = f"**FAILED**: non-finite loss at step {step}"
+def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
+    """Re-check the run's losses against the same-workload `loop` run on this page.
+
+    Re-checking (rather than quoting what the run recorded) judges every row by the same,
+    current criteria, also runs made before a tolerance changed.
+    """
+    if run.tier == "loop":
+        return Verdict("reference", False, None)
+    reference = baseline_for(run, "loop", runs)
+    if reference is None:
+        return Verdict("not checked: no `loop` run of this workload", False, None)
     # An 8-bit tier records the precision its experts ran in under `ran`; train.py checks it
-    # at that precision's tolerance, so today's tolerance is looked up the same way.
+    # at that precision's tolerance, and so does the page.
     precision = run.header.get("ran", {}).get("precision", run.header["precision"])
-    current = TOLERANCES.get(precision)
-    if current is None or math.isclose(current, tolerance) or not finite:
-        return Verdict(cell, not check["passed"], None, None)
-    passes_today = max_rel <= current
-    note = (f"`{run.label}`: the loss check ran at tolerance {tolerance:.0e}; `te_mixtral/loss_check.py` now "
-            f"sets {current:.0e} for {precision}, at which its max rel diff {max_rel:.2e} "
-            f"{'passes' if passes_today else 'fails'}.")
-    return Verdict(cell, not check["passed"], passes_today, note)
+    check = check_losses(run.results["losses"], reference.results["losses"], precision)
+    if math.isnan(check.max_rel_diff):
+        cell = f"**FAILED**: non-finite loss at step {check.worst_step}"
+    else:
+        cell = (f"{'passed' if check.passed else '**FAILED**'}: first {check.first_step_diff:.1e}, "
+                f"max {check.max_rel_diff:.1e} (step {check.worst_step}), mean {check.mean_diff:.1e}")
+    recorded = run.results.get("loss_check")
+    note = None
+    if recorded is not None and recorded["passed"] != check.passed:
+        note = (f"`{run.label}`: the run's own check recorded {'passed' if recorded['passed'] else 'FAILED'} "
+                f"(at the tolerances of its day); today's `te_mixtral/loss_check.py` says "
+                f"{'passed' if check.passed else 'FAILED'}.")
+    return Verdict(cell, not check.passed, note)
 
 
 # --- the page ------------------------------------------------------------------------------
@@ -316,7 +319,7 @@ def tier_rows(runs: list[Run]) -> tuple[list[list[str]], list[str]]:
         tflops = s["tflops_per_gpu"]
         cells += [f"{s['tokens_per_s_per_gpu']:,.0f}", f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
                   "n/a" if mfu is None else f"{100 * mfu:.1f} %", f"{s['peak_memory_gib']:.2f}"]
-        verdict = loss_verdict(run)
+        verdict = loss_verdict(run, runs)
         cells.append(verdict.cell)
         if verdict.note:
             notes.append(verdict.note)
@@ -335,15 +338,8 @@ def warnings_for(runs: list[Run], workloads: list[dict]) -> list[str]:
                         + ". Speedups compare runs of the same workload only.")
     if len({_versions(r) for r in runs}) > 1:
         warnings.append("The runs used different software versions (listed per run below).")
-    unchecked = [f"`{r.label}`" for r in runs if r.tier != "loop" and "loss_check" not in r.results]
-    if unchecked:
-        warnings.append(f"Not loss-checked against `loop`: {', '.join(unchecked)}.")
     for run in runs:
-        verdict = loss_verdict(run)
-        if verdict.failed and verdict.passes_today:
-            warnings.append(f"`{run.label}` failed its loss check at the tolerance it ran with, and passes at "
-                            f"today's (see the note under the table).")
-        elif verdict.failed or verdict.passes_today is False:
+        if loss_verdict(run, runs).failed:
             warnings.append(f"`{run.label}` fails its loss check: its speed is not a result until that is "
                             f"explained.")
     return warnings
@@ -409,7 +405,7 @@ def build_page(runs: list[Run], title: str | None, notes: str | None, command: s
         out += ["> **Check before reading**", ">"] + [f"> - {w}" for w in warnings] + [""]
 
     header = ["tier", "world / EP", "median step (ms)", "p90 step (ms)", "vs hf", "vs loop", "tokens/s/GPU",
-              "TFLOP/s/GPU", "MFU", "peak memory (GiB)", "loss check (max rel diff vs tolerance)"]
+              "TFLOP/s/GPU", "MFU", "peak memory (GiB)", "loss check vs `loop` (rel diff: first step, max step, mean)"]
     rows, footnotes = tier_rows(runs)
     out += ["## Tiers", "", _table(header, rows, text_columns=(0, -1)), ""]
     out += [f"- {note}" for note in footnotes] + ([""] if footnotes else [])

@@ -218,8 +218,7 @@ def train(cfg: RunConfig) -> TrainResult:
     if reference is not None:
         # An 8-bit tier is held to its own tolerance, whatever the rest of the model runs in.
         check = check_losses(losses, reference, ran_on.get("precision", cfg.precision))
-        extra["loss_check"] = {"reference": cfg.loss_check, "passed": check.passed, "tolerance": check.tolerance,
-                               "max_rel_diff": check.max_rel_diff, "worst_step": check.worst_step}
+        extra["loss_check"] = {"reference": cfg.loss_check, **check.record()}
         exit_code = 0 if check.passed else 1
     if layout.is_main:
         save_config(cfg, output_dir / "config.yaml")

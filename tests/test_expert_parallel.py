@@ -40,4 +40,7 @@ def test_ep2_equals_ep1(tmp_path):
         else:
             pieces = [(rank0[name], full), (rank1[name], full)]
         for got, want in pieces:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+            # atol: 1/300 of one Adam step at lr 3e-3. Rarely seen embedding rows have gradients
+            # in Adam's eps regime, where the rounding of a two-rank sum moves the update a little
+            # (measured 1.5e-6); a missing or mis-scaled gradient moves weights by whole steps.
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
