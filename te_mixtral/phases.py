@@ -11,6 +11,9 @@ and backward, on the very inputs it received in the last step:
     head       final norm + LM head + cross-entropy
     optimizer  gradient all-reduce + clipping + AdamW step
 
+With several ranks each phase reports its slowest rank: routing is rarely balanced, and the
+rank with the most rows holds the others up at the next all-to-all.
+
 Pitfalls. A phase run alone loses the overlap of its launches with its neighbours', and the
 allocator sees a different pattern, so the phases need not add up to the step time: the
 table shows the step's median beside their sum. The optimizer is stepped for real while it
@@ -124,4 +127,8 @@ def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autoca
             captured["final"]))
     totals["optimizer"] = optimizer_ms
     optimizer.zero_grad(set_to_none=True)
+    if layout.world_size > 1:  # the slowest rank bounds the step (routing is rarely balanced)
+        slowest = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        totals = dict(zip(totals, slowest.tolist()))
     return totals
