@@ -1,4 +1,4 @@
-"""EP=2 over two gloo ranks trains exactly like one process on the same global batch."""
+"""Expert parallelism over gloo ranks trains exactly like one process on the same global batch."""
 
 import json
 
@@ -44,3 +44,18 @@ def test_ep2_equals_ep1(tmp_path):
             # in Adam's eps regime, where the rounding of a two-rank sum moves the update a little
             # (measured 1.5e-6); a missing or mis-scaled gradient moves weights by whole steps.
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
+def test_four_ranks_equal_one(tmp_path, ep):
+    """World 4 in both layouts the 8-GPU runs use: EP=2 x DP=2 (replicas of the experts) and EP=4."""
+    ep1_losses, (ep1,) = train_and_save(tmp_path, "ep1", nproc=1, ep=1)
+    losses, shards = train_and_save(tmp_path, f"w4ep{ep}", nproc=4, ep=ep)
+    for a, b in zip(losses, ep1_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (losses, ep1_losses)
+    for rank, shard in enumerate(shards):
+        ep_rank = rank % ep
+        for name, full in ep1.items():
+            want = full.chunk(ep)[ep_rank] if ".experts." in name else full
+            torch.testing.assert_close(shard[name], want, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")

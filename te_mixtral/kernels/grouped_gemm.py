@@ -71,7 +71,7 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 # --- row-grouped GEMM with optional SwiGLU epilogues ----------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
     a_src, b_src, counts_ptr, out_ptr, h_ptr,
     R, N, K, E, b_rows_per_expert,
