@@ -253,7 +253,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
     _check(0 <= t.timing_warmup_steps < t.steps,
            f"train.timing_warmup_steps ({t.timing_warmup_steps}) must be below train.steps ({t.steps})")
-    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 <= train.min_lr <= train.lr and lr > 0")
+    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 <= train.min_lr <= train.lr and lr > 0")
     _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
     _check(world_size % cfg.ep_size == 0,

@@ -1,6 +1,5 @@
 """Shared test setup: markers skip GPU tests on machines without the hardware."""
 
-import os
 import sys
 from pathlib import Path
 

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from expert_reference import reference_f64
 from te_mixtral.experts import make_tier
 
 FP32_REL_TOL = 1e-5
@@ -31,18 +31,6 @@ SPLITS = {
     "zero_middle": [6, 0, 0, 5],
     "one_expert": [0, 0, 13, 0],
 }
-
-
-def reference_f64(x_RD, splits, gate_up_E2FD, down_EDF, dy_RD):
-    """y and (dx, d_gate_up, d_down) in float64, one expert at a time, by plain autograd."""
-    leaves = [t.detach().double().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
-    x, gate_up, down = leaves
-    outputs = []
-    for e, x_ND in enumerate(x.split(splits)):
-        gate_NF, up_NF = (x_ND @ gate_up[e].T).chunk(2, dim=-1)
-        outputs.append((F.silu(gate_NF) * up_NF) @ down[e].T)
-    y = torch.cat(outputs)
-    return (y.detach(), *torch.autograd.grad(y, leaves, dy_RD.double()))
 
 
 def make_inputs(splits, D, F_, seed):

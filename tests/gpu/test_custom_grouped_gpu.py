@@ -15,8 +15,8 @@ fail to write reads as NaN, and NaN never passes.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from expert_reference import GPU_SPLITS, reference_f64
 from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
 
 pytestmark = [
@@ -30,13 +30,7 @@ FP32_REL_TOL = 1e-4  # fp32 inputs run tf32x3 dots: about fp32 error
 NAMES = ("y", "dx", "d_gate_up", "d_down")
 
 D, F_, E = 256, 384, 4  # small, every dim a multiple of 16 like real models
-SPLITS = {
-    "uneven": [1, 37, 300, 94],
-    "zero_first": [0, 200, 5, 3],
-    "zero_middle": [64, 0, 0, 129],
-    "zero_last": [50, 77, 13, 0],
-    "one_expert": [0, 0, 256, 0],
-}
+SPLITS = GPU_SPLITS
 
 
 def make_inputs(splits, D, F_, seed, dtype=torch.bfloat16, param_dtype=None):
@@ -51,17 +45,6 @@ def make_inputs(splits, D, F_, seed, dtype=torch.bfloat16, param_dtype=None):
     return (randn(R, D), torch.tensor(splits, dtype=torch.int64, device="cuda"),
             randn(E, 2 * F_, D, scale=D**-0.5, dt=pd), randn(E, D, F_, scale=F_**-0.5, dt=pd),
             randn(R, D))
-
-
-def reference_f64(x_RD, splits, gate_up_E2FD, down_EDF, dy_RD):
-    leaves = [t.detach().double().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
-    x, gate_up, down = leaves
-    outputs = []
-    for e, x_ND in enumerate(x.split(splits)):
-        gate_NF, up_NF = (x_ND @ gate_up[e].T).chunk(2, dim=-1)
-        outputs.append((F.silu(gate_NF) * up_NF) @ down[e].T)
-    y = torch.cat(outputs)
-    return (y.detach(), *torch.autograd.grad(y, leaves, dy_RD.double()))
 
 
 def poison_free_memory():

@@ -17,6 +17,7 @@ fails to write reads as NaN, and NaN never passes.
 import pytest
 import torch
 
+from expert_reference import GPU_SPLITS, reference_f64
 from te_mixtral.experts.grouped_linear import MIN_TE_VERSION, GroupedLinearTier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.te_support import te_available
@@ -36,13 +37,7 @@ LOOP_ERROR_FLOOR = 1e-3
 D, F, E = 256, 384, 4  # small, but every GEMM dimension a multiple of 16 like real models
 NAMES = ("y", "dx", "d_gate_up", "d_down")
 
-SPLITS = {
-    "uneven": [1, 37, 300, 94],
-    "zero_first": [0, 200, 5, 3],
-    "zero_middle": [64, 0, 0, 129],
-    "zero_last": [50, 77, 13, 0],
-    "one_expert": [0, 0, 256, 0],
-}
+SPLITS = GPU_SPLITS
 
 
 def make_inputs(splits, seed, param_dtype=torch.bfloat16):
@@ -60,18 +55,6 @@ def make_inputs(splits, seed, param_dtype=torch.bfloat16):
         randn(E, D, F, scale=F**-0.5, dtype=param_dtype),
         randn(rows, D),
     )
-
-
-def reference_f64(x_RD, splits, gate_up_E2FD, down_EDF, dy_RD):
-    """Forward and gradients in float64, one expert at a time, by plain autograd."""
-    leaves = [t.detach().double().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
-    x, gate_up, down = leaves
-    outputs = []
-    for e, x_ND in enumerate(x.split(splits)):
-        gate_NF, up_NF = (x_ND @ gate_up[e].T).chunk(2, dim=-1)
-        outputs.append((torch.nn.functional.silu(gate_NF) * up_NF) @ down[e].T)
-    y = torch.cat(outputs)
-    return (y.detach(), *torch.autograd.grad(y, leaves, dy_RD.double()))
 
 
 def poison_free_memory():
