@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The multi-GPU runs on one host with NGPU GPUs (2 or 4): the NCCL tests, then the tier
-# runs at every EP layout that fits: EP=2 on two GPUs, and with four, EP=4 and EP=2 x DP=2.
+# The multi-GPU runs on one host with NGPU GPUs (2, 4 or 8): the NCCL tests, then the tier
+# runs at every EP layout that fits: EP=2 on two GPUs; with four, EP=4 and EP=2 x DP=2; with
+# eight, also EP=8 and EP=2 x DP=4.
 # Transformer Engine must already be importable (see scripts/gpu_check.sh).
 #
 #   scripts/multi_gpu.sh OUT_DIR NGPU [TIER...]      (default tiers: grouped_linear custom_grouped)
@@ -27,6 +28,12 @@ if [ "$ngpu" -ge 4 ]; then
   scripts/run_tiers.sh "$out/ep4" "$config" 4 4 "${tiers[@]}" -- --batch_size 4 "${steps[@]}" || failed+=(ep4)
   echo "=== EP=2 x DP=2 on 4 GPUs"
   scripts/run_tiers.sh "$out/ep2dp2" "$config" 4 2 "${tiers[@]}" -- --batch_size 4 "${steps[@]}" || failed+=(ep2dp2)
+fi
+if [ "$ngpu" -ge 8 ]; then
+  echo "=== EP=8 on 8 GPUs"
+  scripts/run_tiers.sh "$out/ep8" "$config" 8 8 "${tiers[@]}" -- --batch_size 8 "${steps[@]}" || failed+=(ep8)
+  echo "=== EP=2 x DP=4 on 8 GPUs (the TE tutorial's layout)"
+  scripts/run_tiers.sh "$out/ep2dp4" "$config" 8 2 "${tiers[@]}" -- --batch_size 8 "${steps[@]}" || failed+=(ep2dp4)
 fi
 if ((${#failed[@]})); then echo "FAILED: ${failed[*]}"; exit 1; fi
 echo "all multi-GPU steps passed"

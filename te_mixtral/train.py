@@ -29,9 +29,9 @@ from te_mixtral.hf_model import HFMixtral
 from te_mixtral.layers import TORCH, PackedSequences, resolve_backend
 from te_mixtral.loss_check import check_losses
 from te_mixtral.model import MixtralForCausalLM, causal_lm_loss, init_weights
-from te_mixtral.phases import profile_phases
 from te_mixtral.parallel import (Layout, all_reduce_gradients, all_reduce_sum, clip_grad_norm, init_layout,
                                  world_size_from_env)
+from te_mixtral.phases import profile_phases
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -160,12 +160,13 @@ def train(cfg: RunConfig) -> TrainResult:
             group["lr"] = lr
 
         timer.start()
-        counts = torch.stack([(batch.labels != -100).sum().double(), torch.tensor(step_flops, device=device,
-                                                                                   dtype=torch.float64)])
-        all_reduce_sum(counts, layout)
+        # One all-reduce for both global totals: target tokens (the loss divides by them) and FLOPs.
+        totals = torch.stack([(batch.labels != -100).sum().double(),
+                              torch.tensor(step_flops, device=device, dtype=torch.float64)])
+        all_reduce_sum(totals, layout)
         with autocast:
             logits = model(batch.input_ids, packed)
-        loss = causal_lm_loss(logits, batch.labels, counts[0])
+        loss = causal_lm_loss(logits, batch.labels, totals[0])
         loss.backward()
         all_reduce_gradients(model, layout)
         clip_grad_norm(model, cfg.train.grad_clip, layout)
@@ -176,7 +177,7 @@ def train(cfg: RunConfig) -> TrainResult:
 
         state.step = step + 1
         state.losses.append(global_loss.item())
-        flops_per_step.append(counts[1].item())
+        flops_per_step.append(totals[1].item())
         if not math.isfinite(state.losses[-1]):
             raise UserError(f"the loss became {state.losses[-1]} at step {step + 1}; stopping")
         if layout.is_main and due(state.step, cfg.train.log_every, cfg.train.steps):
@@ -209,9 +210,9 @@ def train(cfg: RunConfig) -> TrainResult:
         def forward_backward():
             with autocast:
                 logits = model(batch.input_ids, packed)
-            causal_lm_loss(logits, batch.labels, counts[0]).backward()
+            causal_lm_loss(logits, batch.labels, totals[0]).backward()
 
-        extra["phases_ms"] = profile_phases(model, optimizer, forward_backward, batch, packed, counts[0], autocast,
+        extra["phases_ms"] = profile_phases(model, optimizer, forward_backward, batch, packed, totals[0], autocast,
                                             layout, cfg)
     if generated is not None:
         extra["generate"] = generated

@@ -6,6 +6,7 @@ After training every rank runs one forward on fixed token ids (the experts are s
 all must); rank 0 saves {"ids", "logits"} to OUT.pt for comparison with the HF export.
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -21,11 +22,15 @@ out = Path(sys.argv[1])
 args, overrides = parse_args(sys.argv[2:])
 cfg = load_config(args.config, overrides, world_size=world_size_from_env())
 result = train(cfg)
-ids = torch.arange(2 * 16).view(2, 16) * 7 % 101
-packed = PackedSequences(torch.arange(16).expand(2, 16), torch.tensor([0, 16, 32], dtype=torch.int32), 16)
-with torch.no_grad():
+device = next(result.model.parameters()).device
+ids = (torch.arange(2 * 16).view(2, 16) * 7 % 101).to(device)
+packed = PackedSequences(torch.arange(16, device=device).expand(2, 16),
+                         torch.tensor([0, 16, 32], dtype=torch.int32, device=device), 16)
+autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
+            else contextlib.nullcontext())
+with torch.no_grad(), autocast:
     logits = result.model(ids, packed)
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-    torch.save({"ids": ids, "logits": logits}, out)
+    torch.save({"ids": ids.cpu(), "logits": logits.float().cpu()}, out)
 shutdown()
 sys.exit(result.exit_code)
