@@ -40,7 +40,7 @@ def step_time_png(labels: Sequence[str], median_ms: Sequence[float], p90_ms: Seq
     ax.set_xticks(positions, ticks, fontsize=8)
     ax.set_ylabel("step time (ms): median, whisker to p90")
     ax.set_ylim(0, max(p90_ms) * 1.15 if p90_ms else 1)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     fig.savefig(path, metadata=PNG_METADATA)
     return path
@@ -59,7 +59,7 @@ def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: s
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (global mean)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=8)

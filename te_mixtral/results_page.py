@@ -441,12 +441,17 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
         from te_mixtral import plots as draw
 
         runs = page.runs
+        # A figure travels without its page: it names the GPU, date, versions and where the
+        # runs' commands are.
         where = f"{runs[0].header['device']} x {runs[0].world_size}"
+        made = (f"{max(r.date for r in runs):%Y-%m-%d}, {_versions(runs[-1])}\n"
+                f"runs and their commands: {page.stem}.md (python -m te_mixtral.results_page)")
         written.append(draw.step_time_png([r.label for r in runs], [r.summary["median_step_ms"] for r in runs],
                                           [r.summary["p90_step_ms"] for r in runs],
-                                          out_dir / f"{page.stem}-step-time.png", f"Step time per tier, {where}"))
+                                          out_dir / f"{page.stem}-step-time.png",
+                                          f"Step time per tier, {where}\n{made}"))
         written.append(draw.loss_png([(r.label, r.results["losses"]) for r in runs],
-                                     out_dir / f"{page.stem}-loss.png", f"Training loss per step, {where}"))
+                                     out_dir / f"{page.stem}-loss.png", f"Training loss per step, {where}\n{made}"))
     return written
 
 
