@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts.loop import swiglu
 
 
 class CustomGroupedTier:
@@ -69,9 +70,7 @@ def grouped_mm_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
         w2_EDF = F.pad(w2_EDF, (0, pad_f, 0, pad_d))
         x_RD = F.pad(x_RD, (0, pad_d))
 
-    h_R2F = F.grouped_mm(x_RD, w1_E2FD.transpose(-2, -1), offs=offs_E)
-    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-    act_RF = F.silu(gate_RF) * up_RF
+    act_RF = swiglu(F.grouped_mm(x_RD, w1_E2FD.transpose(-2, -1), offs=offs_E))
     y_RD = F.grouped_mm(act_RF, w2_EDF.transpose(-2, -1), offs=offs_E)
     return _ContiguousGrad.apply(y_RD[:, :D] if pad_d else y_RD)
 

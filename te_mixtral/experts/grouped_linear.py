@@ -54,9 +54,9 @@ GEMMs and the backward reuse that list.
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts.loop import swiglu
 from te_mixtral.te_support import TEUnavailable, require_te
 
 # `general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout=..., m_splits=...,
@@ -172,7 +172,5 @@ class GroupedLinearTier:
         down_EDF = down_EDF.to(dtype).contiguous()
         # Everything is in `dtype` now; keep autocast from recasting the SwiGLU.
         with torch.autocast("cuda", enabled=False):
-            h_R2F = _GroupedMatmul.apply(x_RD, gate_up_E2FD, m_splits)
-            gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-            a_RF = F.silu(gate_RF) * up_RF
+            a_RF = swiglu(_GroupedMatmul.apply(x_RD, gate_up_E2FD, m_splits))
             return _GroupedMatmul.apply(a_RF, down_EDF, m_splits)
