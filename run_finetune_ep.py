@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from te_mixtral.config import is_switch, load_config
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, report_error
 from te_mixtral.parallel import shutdown, world_size_from_env
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
@@ -55,8 +55,7 @@ def main(argv: list[str]) -> int:
         args, overrides = parse_args(argv)
         cfg = load_config(args.config, overrides, world_size=world_size_from_env())
     except UserError as e:
-        print(f"te_mixtral: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(e)
     from te_mixtral.train import main as train_main  # after validation: a bad flag fails fast
 
     try:

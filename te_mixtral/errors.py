@@ -1,10 +1,26 @@
-"""Errors a user can act on.
+"""Errors a user can act on, and how they are reported.
 
 Anything raised as a `UserError` is printed by the entry point as one line
 (`te_mixtral: error: ...`) on every rank, followed by a non-zero exit and no traceback.
 Every rank runs the same checks on the same inputs before the first collective, so every
 rank fails the same way and no rank is left waiting in a collective.
 """
+
+import os
+import sys
+import time
+
+# torchrun stops every rank as soon as one exits non-zero. The others check the same input
+# and fail the same way moments later; this long lets each of them say so itself.
+PEER_GRACE_S = 3.0
+
+
+def report_error(error: Exception) -> int:
+    """Print `error` as the one-line message and return the exit code (2)."""
+    print(f"te_mixtral: error: {error}", file=sys.stderr, flush=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(PEER_GRACE_S)
+    return 2
 
 
 class UserError(Exception):

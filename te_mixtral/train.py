@@ -18,7 +18,7 @@ from te_mixtral import metrics, report
 from te_mixtral.checkpoint import Checkpointer, TrainState, require_writable
 from te_mixtral.config import RunConfig, save_config
 from te_mixtral.data import PackedData
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, report_error
 from te_mixtral.evaluate import evaluate, evaluations_table
 from te_mixtral.experts import make_tier
 from te_mixtral.experts.loop import LoopTier
@@ -255,8 +255,7 @@ def main(cfg: RunConfig) -> int:
     try:
         return train(cfg).exit_code
     except UserError as e:
-        print(f"te_mixtral: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(e)
     except RuntimeError as e:
         if not _lost_a_peer(e):
             raise
