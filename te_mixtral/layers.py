@@ -55,6 +55,7 @@ class RMSNorm(nn.Module):
 
 
 class TorchAttention(nn.Module):
+    # Same constructor as TEAttention so the model builds either; SDPA needs none of it.
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
 

@@ -98,9 +98,10 @@ def all_reduce_gradients(model: torch.nn.Module, layout: Layout) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
-def all_reduce_sum(tensor: torch.Tensor, layout: Layout, group=None) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Sum `tensor` over the world in place (a no-op in a single process)."""
     if layout.world_size > 1:
-        dist.all_reduce(tensor, group=group)
+        dist.all_reduce(tensor)
     return tensor
 
 
