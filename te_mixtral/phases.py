@@ -12,7 +12,8 @@ and backward, on the very inputs it received in the last step:
     optimizer  gradient all-reduce + clipping + AdamW step
 
 With several ranks each phase reports its slowest rank: routing is rarely balanced, and the
-rank with the most rows holds the others up at the next all-to-all.
+rank with the most rows holds the others up at the next all-to-all. How unbalanced it was
+is reported too: the rows each rank's experts received in the profiled step, all layers.
 
 Pitfalls. A phase run alone loses the overlap of its launches with its neighbours', and the
 allocator sees a different pattern, so the phases need not add up to the step time: the
@@ -89,8 +90,9 @@ def _capture_inputs(model, step_fn):
     return captured
 
 
-def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autocast, layout, cfg) -> dict:
-    """Per-phase milliseconds (summed over layers) of one step; see the module docstring."""
+def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autocast, layout, cfg
+                   ) -> tuple[dict, list[int]]:
+    """Per-phase milliseconds (summed over layers) of one step, and each rank's expert rows."""
     device = next(model.parameters()).device
     timer = _Timer(device)
     captured = _capture_inputs(model, step_fn)
@@ -103,6 +105,7 @@ def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autoca
     optimizer_ms = timer.ms(optimizer_step)  # first, while the step's gradients are there
     rotary = model.model.rotary(packed.position_ids_BS)
     totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head", "optimizer"), 0.0)
+    expert_rows = 0
     with autocast:
         for index, layer in enumerate(model.model.layers):
             attn_in, moe_in = captured[(index, "input_layernorm")], captured[(index, "post_attention_layernorm")]
@@ -117,6 +120,7 @@ def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autoca
                 lambda x: mlp.dispatcher.dispatch(x, experts_TK, weights_TK.detach()).x_RD, x_TD))
             routed = mlp.dispatcher.dispatch(x_TD, experts_TK, weights_TK.detach())
             experts = mlp.experts
+            expert_rows += routed.x_RD.shape[0]
             totals["experts"] += timer.ms(_forward_backward(model,
                 lambda x: mlp.tier(x, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj),
                 routed.x_RD))
@@ -127,8 +131,12 @@ def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autoca
             captured["final"]))
     totals["optimizer"] = optimizer_ms
     optimizer.zero_grad(set_to_none=True)
+    rows_per_rank = [expert_rows]
     if layout.world_size > 1:  # the slowest rank bounds the step (routing is rarely balanced)
         slowest = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
         totals = dict(zip(totals, slowest.tolist()))
-    return totals
+        gathered = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
+        torch.distributed.all_gather_into_tensor(gathered, torch.tensor([expert_rows], device=device))
+        rows_per_rank = gathered.tolist()
+    return totals, rows_per_rank

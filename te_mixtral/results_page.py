@@ -358,11 +358,22 @@ def phases_section(runs: list[Run]) -> list[str]:
     rows = [[name] + [cell(r, r.results["phases_ms"].get(name)) for r in profiled] for name in names]
     rows.append(["sum of phases"] + [cell(r, sum(r.results["phases_ms"].values())) for r in profiled])
     rows.append(["median step"] + [f"{r.summary['median_step_ms']:.1f}" for r in profiled])
+    explain = ("Each phase of a step timed on its own after training, summed over layers (`te_mixtral/phases.py`). "
+               "A phase run alone loses its overlap with its neighbours, so the phases need not add up to the step.")
+    if any(len(r.results.get("expert_rows_per_rank", [])) > 1 for r in profiled):
+        rows.append(["expert rows: busiest rank / mean"]
+                    + [_imbalance(r.results.get("expert_rows_per_rank")) for r in profiled])
+        explain += (" With several ranks each phase is its slowest rank's; the last row says how unevenly the "
+                    "router spread that step's rows (summed over layers) over the ranks' experts.")
     header = ["phase, fwd+bwd: ms (share of the median step)"] + [f"`{r.label}`" for r in profiled]
-    return ["## Where the time goes", "",
-            "Each phase of a step timed on its own after training, summed over layers (`te_mixtral/phases.py`). "
-            "A phase run alone loses its overlap with its neighbours, so the phases need not add up to the step.",
-            "", _table(header, rows), ""]
+    return ["## Where the time goes", "", explain, "", _table(header, rows), ""]
+
+
+def _imbalance(rows_per_rank: list[int] | None) -> str:
+    if not rows_per_rank or len(rows_per_rank) < 2:
+        return DASH
+    busiest = max(rows_per_rank)
+    return f"{busiest * len(rows_per_rank) / sum(rows_per_rank):.2f}x ({busiest:,} rows)"
 
 
 def run_section(run: Run) -> list[str]:

@@ -212,8 +212,8 @@ def train(cfg: RunConfig) -> TrainResult:
                 logits = model(batch.input_ids, packed)
             causal_lm_loss(logits, batch.labels, totals[0]).backward()
 
-        extra["phases_ms"] = profile_phases(model, optimizer, forward_backward, batch, packed, totals[0], autocast,
-                                            layout, cfg)
+        extra["phases_ms"], extra["expert_rows_per_rank"] = profile_phases(
+            model, optimizer, forward_backward, batch, packed, totals[0], autocast, layout, cfg)
     if generated is not None:
         extra["generate"] = generated
     if reference is not None:

@@ -14,3 +14,12 @@ def test_phase_profile_is_reported(tmp_path):
     phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
     assert set(phases) == PHASES and all(ms > 0 for ms in phases.values())
     assert "sum of phases" in proc.stdout
+
+
+def test_expert_rows_per_rank_cover_every_token_copy(tmp_path):
+    proc = run_app(["--ep-size", "2", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
+                    "--seq_len", "64", "--profile_phases", "true", "--output-dir", str(tmp_path)], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["expert_rows_per_rank"]
+    # Every token's top-2 copies land on exactly one rank, in each of the tiny model's 2 layers.
+    assert len(rows) == 2 and sum(rows) == 4 * 64 * 2 * 2

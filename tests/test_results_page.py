@@ -151,6 +151,11 @@ def test_phase_profiles_get_their_own_table(tmp_path):
     assert "Mismatched" not in md  # profiling runs after training: not part of the workload
     assert "| phase, fwd+bwd: ms (share of the median step) | `custom_grouped` |" in md
     assert "| experts | 25.0 (50 %) |" in md and "| sum of phases | 45.0 (90 %) |" in md
+    assert "busiest rank" not in md  # one rank: nothing to balance
+
+    results["expert_rows_per_rank"] = [300, 100, 200, 200]
+    (cg / "results.json").write_text(json.dumps(results))
+    assert "| expert rows: busiest rank / mean | 1.50x (300 rows) |" in page_for([loop, cg]).markdown
 
 
 # --- loss checks ---------------------------------------------------------------------------
