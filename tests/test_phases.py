@@ -4,7 +4,7 @@ import json
 
 from launch import run_app
 
-PHASES = {"attention", "router", "dispatch", "experts", "combine", "head", "optimizer"}
+PHASES = {"attention", "router", "dispatch", "experts", "combine", "head", "clip", "optimizer"}
 
 
 def test_phase_profile_is_reported(tmp_path):
@@ -20,6 +20,8 @@ def test_expert_rows_per_rank_cover_every_token_copy(tmp_path):
     proc = run_app(["--ep-size", "2", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
                     "--seq_len", "64", "--profile_phases", "true", "--output-dir", str(tmp_path)], nproc=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads((tmp_path / "results.json").read_text())["expert_rows_per_rank"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["phases_ms"]) == PHASES | {"all-reduce"}
+    rows = results["expert_rows_per_rank"]
     # Every token's top-2 copies land on exactly one rank, in each of the tiny model's 2 layers.
     assert len(rows) == 2 and sum(rows) == 4 * 64 * 2 * 2
