@@ -363,10 +363,21 @@ def phases_section(runs: list[Run]) -> list[str]:
     if any(len(r.results.get("expert_rows_per_rank", [])) > 1 for r in profiled):
         rows.append(["expert rows: busiest rank / mean"]
                     + [_imbalance(r.results.get("expert_rows_per_rank")) for r in profiled])
-        explain += (" With several ranks each phase is its slowest rank's; the last row says how unevenly the "
-                    "router spread that step's rows (summed over layers) over the ranks' experts.")
+        rows.append(["experts: ms per 1,000 rows of the busiest rank"]
+                    + [_per_busiest_rows(r.results["phases_ms"].get("experts"), r.results.get("expert_rows_per_rank"))
+                       for r in profiled])
+        explain += (" With several ranks each phase is its slowest rank's, and the last two rows say how unevenly "
+                    "the router spread that step's rows (summed over layers) over the ranks' experts, and what the "
+                    "experts cost per row of the rank that got the most: tiers compare on that row, since "
+                    "routing, and so the balance, drifts apart between runs as their bf16 rounding differs.")
     header = ["phase, fwd+bwd: ms (share of the median step)"] + [f"`{r.label}`" for r in profiled]
     return ["## Where the time goes", "", explain, "", _table(header, rows), ""]
+
+
+def _per_busiest_rows(experts_ms: float | None, rows_per_rank: list[int] | None) -> str:
+    if experts_ms is None or not rows_per_rank:
+        return DASH
+    return f"{1000 * experts_ms / max(rows_per_rank):.2f}"
 
 
 def _imbalance(rows_per_rank: list[int] | None) -> str:

@@ -155,7 +155,9 @@ def test_phase_profiles_get_their_own_table(tmp_path):
 
     results["expert_rows_per_rank"] = [300, 100, 200, 200]
     (cg / "results.json").write_text(json.dumps(results))
-    assert "| expert rows: busiest rank / mean | 1.50x (300 rows) |" in page_for([loop, cg]).markdown
+    md = page_for([loop, cg]).markdown
+    assert "| expert rows: busiest rank / mean | 1.50x (300 rows) |" in md
+    assert "| experts: ms per 1,000 rows of the busiest rank | 83.33 |" in md  # 25 ms / 300 rows
 
 
 # --- loss checks ---------------------------------------------------------------------------
