@@ -14,7 +14,8 @@ from run_finetune_ep import parse_args as parse_app_args
 from te_mixtral.config import load_config, to_dict
 from te_mixtral.report import run_header, write_results
 from te_mixtral.reproduce import reproduce_command
-from te_mixtral.results_page import build_page, find_runs, group_runs, main, speedup, write_page
+from te_mixtral.results_page import build_page, main, speedup, write_page
+from te_mixtral.runs import find_runs, group_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = str(REPO / "configs" / "tiny.yaml")
