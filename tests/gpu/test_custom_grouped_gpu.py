@@ -16,7 +16,7 @@ fail to write reads as NaN, and NaN never passes.
 import pytest
 import torch
 
-from expert_reference import GPU_SPLITS, reference_f64
+from expert_reference import GPU_SPLITS, random_expert_inputs, reference_f64, rel_err, run_tier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
 
 pytestmark = [
@@ -31,41 +31,6 @@ NAMES = ("y", "dx", "d_gate_up", "d_down")
 
 D, F_, E = 256, 384, 4  # small, every dim a multiple of 16 like real models
 SPLITS = GPU_SPLITS
-
-
-def make_inputs(splits, D, F_, seed, dtype=torch.bfloat16, param_dtype=None):
-    """Fresh random (never zero) inputs: x, tokens_per_expert, gate_up, down, dy."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape, scale=1.0, dt=dtype):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dt)
-
-    E, R = len(splits), sum(splits)
-    pd = param_dtype or dtype
-    return (randn(R, D), torch.tensor(splits, dtype=torch.int64, device="cuda"),
-            randn(E, 2 * F_, D, scale=D**-0.5, dt=pd), randn(E, D, F_, scale=F_**-0.5, dt=pd),
-            randn(R, D))
-
-
-def poison_free_memory():
-    # Freed blocks come back from the caching allocator: fill some with NaN and free them
-    # so `torch.empty` outputs start as NaN. Blocks up to 1 MiB live in their own pool.
-    blocks = [torch.full((2**26,), float("nan"), device="cuda")]
-    blocks += [torch.full((2**17,), float("nan"), device="cuda") for _ in range(64)]
-    del blocks
-    torch.cuda.synchronize()
-
-
-def run(fn, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF, dy_RD, autocast=False):
-    leaves = [t.detach().clone().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
-    poison_free_memory()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        y = fn(leaves[0], tokens_per_expert_E, leaves[1], leaves[2])
-    return (y, *torch.autograd.grad(y, leaves, dy_RD))
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def check(got, ref, splits, what, gmm=None, tol=BF16_REL_TOL):
@@ -93,11 +58,11 @@ def test_available_here():
 @pytest.mark.parametrize("case", SPLITS)
 def test_bf16_at_least_as_accurate_as_grouped_mm(case):
     splits = SPLITS[case]
-    inputs = make_inputs(splits, D, F_, seed=list(SPLITS).index(case))
+    inputs = random_expert_inputs(splits, D, F_, seed=list(SPLITS).index(case))
     ref = reference_f64(inputs[0], splits, *inputs[2:])
-    got = run(CustomGroupedTier(), *inputs)
+    got = run_tier(CustomGroupedTier(), *inputs)
     assert got[0].dtype == torch.bfloat16
-    check(got, ref, splits, case, gmm=run(grouped_mm_swiglu, *inputs))
+    check(got, ref, splits, case, gmm=run_tier(grouped_mm_swiglu, *inputs))
 
 
 @pytest.mark.parametrize("model,D_,Fh,splits", [
@@ -105,10 +70,10 @@ def test_bf16_at_least_as_accurate_as_grouped_mm(case):
     ("8x22B", 6144, 16384, [17, 0, 40]),
 ])
 def test_model_shapes_at_small_token_counts(model, D_, Fh, splits):
-    inputs = make_inputs(splits, D_, Fh, seed=1)
+    inputs = random_expert_inputs(splits, D_, Fh, seed=1)
     ref = reference_f64(inputs[0], splits, *inputs[2:])
-    got = run(CustomGroupedTier(), *inputs)
-    check(got, ref, splits, model, gmm=run(grouped_mm_swiglu, *inputs))
+    got = run_tier(CustomGroupedTier(), *inputs)
+    check(got, ref, splits, model, gmm=run_tier(grouped_mm_swiglu, *inputs))
 
 
 @pytest.mark.parametrize("case,splits,D_,Fh", [
@@ -118,15 +83,15 @@ def test_model_shapes_at_small_token_counts(model, D_, Fh, splits):
     ("unaligned_dims_no_tma", [7, 0, 50, 3], 100, 150),
 ])
 def test_edge_shapes(case, splits, D_, Fh):
-    inputs = make_inputs(splits, D_, Fh, seed=3)
-    check(run(CustomGroupedTier(), *inputs), reference_f64(inputs[0], splits, *inputs[2:]),
+    inputs = random_expert_inputs(splits, D_, Fh, seed=3)
+    check(run_tier(CustomGroupedTier(), *inputs), reference_f64(inputs[0], splits, *inputs[2:]),
           splits, case)
 
 
 def test_fp32_inputs():
     splits = SPLITS["zero_middle"]
-    inputs = make_inputs(splits, D, F_, seed=4, dtype=torch.float32)
-    got = run(CustomGroupedTier(), *inputs)
+    inputs = random_expert_inputs(splits, D, F_, seed=4, dtype=torch.float32)
+    got = run_tier(CustomGroupedTier(), *inputs)
     check(got, reference_f64(inputs[0], splits, *inputs[2:]), splits, "fp32", tol=FP32_REL_TOL)
 
 
@@ -134,32 +99,32 @@ def test_fp32_master_weights_under_autocast():
     # The training setup: fp32 parameters, bf16 autocast. The op casts the weights inside
     # and writes weight gradients in fp32 straight from its fp32 accumulators.
     splits = SPLITS["zero_middle"]
-    x, counts, gate_up, down, dy = make_inputs(splits, D, F_, seed=11, dtype=torch.float32)
+    x, counts, gate_up, down, dy = random_expert_inputs(splits, D, F_, seed=11, dtype=torch.float32)
     ref = reference_f64(x, splits, gate_up, down, dy)
-    got = run(CustomGroupedTier(), x, counts, gate_up, down, dy.bfloat16(), autocast=True)
+    got = run_tier(CustomGroupedTier(), x, counts, gate_up, down, dy.bfloat16(), autocast=True)
     assert got[0].dtype == torch.bfloat16
     assert got[1].dtype == got[2].dtype == got[3].dtype == torch.float32
-    gmm = run(grouped_mm_swiglu, x.bfloat16(), counts, gate_up, down, dy.bfloat16())
+    gmm = run_tier(grouped_mm_swiglu, x.bfloat16(), counts, gate_up, down, dy.bfloat16())
     check(got, ref, splits, "autocast", gmm=gmm)
 
 
 def test_same_inputs_same_bits():
     # No atomics, a fixed reduction order: a result that moves between runs is a race.
-    inputs = make_inputs(SPLITS["uneven"], D, F_, seed=7)
-    first, second = run(CustomGroupedTier(), *inputs), run(CustomGroupedTier(), *inputs)
+    inputs = random_expert_inputs(SPLITS["uneven"], D, F_, seed=7)
+    first, second = run_tier(CustomGroupedTier(), *inputs), run_tier(CustomGroupedTier(), *inputs)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
 
 
 def test_no_rows_at_all():
-    y, dx, d_gate_up, d_down = run(CustomGroupedTier(), *make_inputs([0] * E, D, F_, seed=3))
+    y, dx, d_gate_up, d_down = run_tier(CustomGroupedTier(), *random_expert_inputs([0] * E, D, F_, seed=3))
     assert y.shape == (0, D) and dx.shape == (0, D)
     assert torch.equal(d_gate_up, torch.zeros_like(d_gate_up))
     assert torch.equal(d_down, torch.zeros_like(d_down))
 
 
 def test_backward_twice_raises():
-    x, counts, gate_up, down, dy = make_inputs([5, 3], D, F_, seed=2)
+    x, counts, gate_up, down, dy = random_expert_inputs([5, 3], D, F_, seed=2)
     gate_up.requires_grad_()
     y = CustomGroupedTier()(x, counts, gate_up, down)
     y.backward(dy, retain_graph=True)
@@ -169,7 +134,7 @@ def test_backward_twice_raises():
 
 def test_no_host_synchronisation():
     tier = CustomGroupedTier()
-    x, counts, gate_up, down, dy = make_inputs(SPLITS["zero_middle"], D, F_, seed=5)
+    x, counts, gate_up, down, dy = random_expert_inputs(SPLITS["zero_middle"], D, F_, seed=5)
     leaves = [t.requires_grad_() for t in (x, gate_up, down)]
     torch.autograd.grad(tier(x, counts, gate_up, down), leaves, dy)  # compile outside
     torch.cuda.synchronize()
@@ -185,7 +150,7 @@ def test_cuda_graph_replays_at_new_splits():
     fresh data: each replay must match float64, and equal the eager op bit for bit."""
     tier = CustomGroupedTier()
     first, *later = [[40, 0, 100, 116], [0, 0, 256, 0], [1, 85, 85, 85], [128, 128, 0, 0]]
-    x, counts, gate_up, down, dy = make_inputs(first, D, F_, seed=8)
+    x, counts, gate_up, down, dy = random_expert_inputs(first, D, F_, seed=8)
     leaves = [t.requires_grad_() for t in (x, gate_up, down)]
 
     side = torch.cuda.Stream()
@@ -200,13 +165,13 @@ def test_cuda_graph_replays_at_new_splits():
         grads = torch.autograd.grad(y, leaves, dy)
 
     for seed, splits in enumerate(later):
-        fresh = make_inputs(splits, D, F_, seed=100 + seed)
+        fresh = random_expert_inputs(splits, D, F_, seed=100 + seed)
         with torch.no_grad():
             for static, new in zip((x, counts, gate_up, down, dy), fresh):
                 static.copy_(new)
         graph.replay()
         replayed = [t.clone() for t in (y, *grads)]
         check(replayed, reference_f64(fresh[0], splits, *fresh[2:]), splits, f"replay {splits}")
-        eager = run(tier, *fresh)
+        eager = run_tier(tier, *fresh)
         for name, a, b in zip(NAMES, replayed, eager):
             assert torch.equal(a, b), f"replay {splits} {name} differs from eager"

@@ -25,6 +25,7 @@ import statistics
 import pytest
 import torch
 
+from expert_reference import random_expert_inputs
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
@@ -62,20 +63,9 @@ hopper = pytest.mark.skipif(_capability() != (9, 0), reason="needs a Hopper GPU 
 
 
 def make_inputs(splits, seed, param_dtype=torch.bfloat16):
-    """Fresh random inputs: x, tokens_per_expert, gate_up, down (leaves that want grads), dy."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype).requires_grad_()
-
-    rows = sum(splits)
-    return (
-        randn(rows, D),
-        torch.tensor(splits, dtype=torch.int64, device="cuda"),
-        randn(E, 2 * F_HIDDEN, D, scale=D**-0.5, dtype=param_dtype),
-        randn(E, D, F_HIDDEN, scale=F_HIDDEN**-0.5, dtype=param_dtype),
-        randn(rows, D).detach(),
-    )
+    """The shared random inputs, with x, gate_up and down as leaves that want gradients."""
+    x, counts, gate_up, down, dy = random_expert_inputs(splits, D, F_HIDDEN, seed, param_dtype=param_dtype)
+    return x.requires_grad_(), counts, gate_up.requires_grad_(), down.requires_grad_(), dy
 
 
 def run(tier, x, counts, gate_up, down, dy):

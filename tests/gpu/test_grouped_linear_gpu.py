@@ -2,7 +2,7 @@
 gradients, in bf16 on a CUDA GPU with Transformer Engine.
 
 Both tiers are measured against a float64 reference computed from the same bf16 values
-(written out below, independent of either tier), by relative Frobenius error
+(`tests/expert_reference.py`, independent of either tier), by relative Frobenius error
 ||out - ref|| / ||ref||. Two bars, both named:
 
 - BF16_REL_TOL: bf16 operands with fp32 accumulation land between 1e-3 and 1e-2; a wrong
@@ -17,7 +17,7 @@ fails to write reads as NaN, and NaN never passes.
 import pytest
 import torch
 
-from expert_reference import GPU_SPLITS, reference_f64
+from expert_reference import GPU_SPLITS, random_expert_inputs, reference_f64, rel_err, run_tier
 from te_mixtral.experts.grouped_linear import MIN_TE_VERSION, GroupedLinearTier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.te_support import te_available
@@ -40,48 +40,6 @@ NAMES = ("y", "dx", "d_gate_up", "d_down")
 SPLITS = GPU_SPLITS
 
 
-def make_inputs(splits, seed, param_dtype=torch.bfloat16):
-    """Fresh random (never zero) inputs: x, tokens_per_expert, gate_up, down, dy."""
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, device="cuda", generator=generator) * scale).to(dtype)
-
-    rows = sum(splits)
-    return (
-        randn(rows, D),
-        torch.tensor(splits, dtype=torch.int64, device="cuda"),
-        randn(E, 2 * F, D, scale=D**-0.5, dtype=param_dtype),
-        randn(E, D, F, scale=F**-0.5, dtype=param_dtype),
-        randn(rows, D),
-    )
-
-
-def poison_free_memory():
-    # The caching allocator hands freed blocks back out: fill some with NaN and free them,
-    # so the tier's `torch.empty` outputs start as NaN rather than stale valid numbers. It
-    # keeps blocks of up to 1 MiB in a separate pool, hence the small ones too.
-    nan = float("nan")
-    blocks = [torch.full((2**26,), nan, device="cuda")]  # 256 MiB
-    blocks += [torch.full((2**17,), nan, device="cuda") for _ in range(64)]  # 512 KiB each
-    del blocks
-    torch.cuda.synchronize()
-
-
-def run(tier, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF, dy_RD, autocast=False):
-    leaves = [t.detach().clone().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
-    x, gate_up, down = leaves
-    poison_free_memory()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        y = tier(x, tokens_per_expert_E, gate_up, down)
-    grads = torch.autograd.grad(y, leaves, dy_RD)
-    return (y, *grads)
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def test_available_here():
     GroupedLinearTier().check_available(torch.device("cuda"))
 
@@ -89,11 +47,11 @@ def test_available_here():
 @pytest.mark.parametrize("case", SPLITS)
 def test_matches_loop_in_bf16(case):
     splits = SPLITS[case]
-    inputs = make_inputs(splits, seed=list(SPLITS).index(case))
+    inputs = random_expert_inputs(splits, D, F, seed=list(SPLITS).index(case))
     x, _, gate_up, down, dy = inputs
     ref = reference_f64(x, splits, gate_up, down, dy)
-    loop = run(LoopTier(), *inputs)
-    grouped = run(GroupedLinearTier(), *inputs)
+    loop = run_tier(LoopTier(), *inputs)
+    grouped = run_tier(GroupedLinearTier(), *inputs)
 
     assert grouped[0].dtype == torch.bfloat16 and grouped[0].shape == (sum(splits), D)
     for name, out, loop_out, r in zip(NAMES, grouped, loop, ref):
@@ -118,15 +76,15 @@ def test_matches_loop_in_bf16(case):
 
 def test_same_inputs_same_bits():
     # A result that moves between identical runs means a race, not rounding.
-    inputs = make_inputs(SPLITS["uneven"], seed=7)
-    first, second = run(GroupedLinearTier(), *inputs), run(GroupedLinearTier(), *inputs)
+    inputs = random_expert_inputs(SPLITS["uneven"], D, F, seed=7)
+    first, second = run_tier(GroupedLinearTier(), *inputs), run_tier(GroupedLinearTier(), *inputs)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
 
 
 def test_no_rows_at_all():
-    inputs = make_inputs([0] * E, seed=3)
-    y, dx, d_gate_up, d_down = run(GroupedLinearTier(), *inputs)
+    inputs = random_expert_inputs([0] * E, D, F, seed=3)
+    y, dx, d_gate_up, d_down = run_tier(GroupedLinearTier(), *inputs)
     assert y.shape == (0, D) and dx.shape == (0, D)
     assert torch.equal(d_gate_up, torch.zeros_like(d_gate_up))
     assert torch.equal(d_down, torch.zeros_like(d_down))
@@ -136,11 +94,11 @@ def test_fp32_master_weights_under_autocast():
     # The training setup: fp32 parameters, forward under bf16 autocast. Weight gradients
     # must come back in fp32 (autograd undoes the tier's casts), as accurate as the loop's.
     splits = SPLITS["zero_middle"]
-    inputs = make_inputs(splits, seed=11, param_dtype=torch.float32)
+    inputs = random_expert_inputs(splits, D, F, seed=11, param_dtype=torch.float32)
     x, _, gate_up, down, dy = inputs
     ref = reference_f64(x, splits, gate_up, down, dy)
-    loop = run(LoopTier(), *inputs, autocast=True)
-    grouped = run(GroupedLinearTier(), *inputs, autocast=True)
+    loop = run_tier(LoopTier(), *inputs, autocast=True)
+    grouped = run_tier(GroupedLinearTier(), *inputs, autocast=True)
 
     assert grouped[0].dtype == torch.bfloat16
     assert grouped[2].dtype == torch.float32 and grouped[3].dtype == torch.float32
