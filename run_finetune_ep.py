@@ -1,4 +1,4 @@
-"""Fine-tune a Mixtral-style MoE model with expert parallelism.
+r"""Fine-tune a Mixtral-style MoE model with expert parallelism.
 
     python run_finetune_ep.py                      # tiny model, embedded data, CPU or GPU
     torchrun --nproc_per_node=2 run_finetune_ep.py --config configs/tiny.yaml --tier loop --ep-size 2
@@ -17,52 +17,9 @@ Fine-tune a Hugging Face checkpoint, evaluate, export, and survive a crash (docs
 when data.tokenizer is unset.
 """
 
-import argparse
 import sys
-from pathlib import Path
 
-from te_mixtral.config import is_switch, load_config
-from te_mixtral.errors import UserError, report_error
-from te_mixtral.parallel import shutdown, world_size_from_env
-
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
-
-
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
-    args, rest = parser.parse_known_args(argv)
-    overrides = {}
-    while rest:
-        flag = rest.pop(0)
-        if not flag.startswith("--") or len(flag) == 2:
-            raise UserError(f"expected --key value, got '{flag}'")
-        key, eq, value = flag[2:].partition("=")
-        if not eq:
-            if (not rest or rest[0].startswith("--")) and is_switch(key):
-                value = "true"  # `--resume` alone switches it on
-            elif not rest or rest[0].startswith("--"):
-                raise UserError(f"--{key} needs a value")
-            else:
-                value = rest.pop(0)
-        # `--model` names a checkpoint; `model` alone is the config section.
-        overrides["model_path" if key == "model" else key] = value
-    return args, overrides
-
-
-def main(argv: list[str]) -> int:
-    try:
-        args, overrides = parse_args(argv)
-        cfg = load_config(args.config, overrides, world_size=world_size_from_env())
-    except UserError as e:
-        return report_error(e)
-    from te_mixtral.train import main as train_main  # after validation: a bad flag fails fast
-
-    try:
-        return train_main(cfg)
-    finally:
-        shutdown()
-
+from te_mixtral.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

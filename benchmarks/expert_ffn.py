@@ -30,7 +30,7 @@ Several (x, dy) buffer sets are rotated so that the inputs of consecutive steps 
 already in L2 (together they exceed twice the L2 size); the weights are far larger than L2.
 The matmul peak (8192^3, random bf16) and copy bandwidth are measured in the same run.
 
-Run from the repository root (or with the repository on PYTHONPATH):
+Run from the repository root, with te_mixtral installed (`pip install -e .`):
 
     python3 -m benchmarks.expert_ffn [--json results.json] [--quick]
 
@@ -53,9 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from te_mixtral.errors import TierUnavailable
-from te_mixtral.experts import EXPERT_TIERS, make_tier
-from te_mixtral.metrics import peak_flops
-from te_mixtral.report import format_table
+from te_mixtral.experts.registry import EXPERT_TIERS, make_tier
+from te_mixtral.measure.metrics import peak_flops
+from te_mixtral.measure.report import format_table
 from te_mixtral.te_support import te_version
 
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from te_mixtral.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 
 K, N, G = 4096, 2 * 14336, 2
 ROW_COUNTS = (16384, 32768, 49152, 65536, 73728, 81920, 98304, 90112, 114688)

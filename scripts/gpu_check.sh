@@ -20,7 +20,6 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$REPO"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 failed=()  # names of the steps that failed; `|| failed+=(...)` runs in this shell, pipes or not
@@ -55,7 +54,7 @@ step "Transformer Engine import"
 python3 - <<'EOF' || failed+=("te-import")
 import torch
 
-from te_mixtral.experts import make_tier
+from te_mixtral.experts.registry import make_tier
 from te_mixtral.experts.grouped_linear import MIN_TE_VERSION
 from te_mixtral.te_support import require_te
 

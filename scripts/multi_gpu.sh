@@ -11,7 +11,7 @@ shift 2
 tiers=("$@")
 [ ${#tiers[@]} -eq 0 ] && tiers=(grouped_linear custom_grouped)
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 failed=()
 

@@ -27,7 +27,7 @@ launch() {  # tier, then its own arguments
   [ "$code" -eq 0 ] || failed+=("$tier")
 }
 
-# Every te_mixtral tier also times its phases (te_mixtral/phases.py); `hf` is transformers'
+# Every te_mixtral tier also times its phases (te_mixtral/measure/phases.py); `hf` is transformers'
 # own model, which that profile does not cover.
 launch loop --profile_phases true
 for tier in "${tiers[@]}"; do

@@ -96,7 +96,7 @@ class RunConfig:
     # device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on Hopper),
     # or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics on any device).
     mxfp8_mode: str = "auto"
-    # After training, time each phase of a step on its own (te_mixtral/phases.py).
+    # After training, time each phase of a step on its own (te_mixtral/measure/phases.py).
     profile_phases: bool = False
     # A Hugging Face Mixtral checkpoint to fine-tune (local folder or hub id): its config.json
     # replaces the `model` section, and its tokenizer.json is used when data.tokenizer is unset.

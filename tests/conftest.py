@@ -1,13 +1,11 @@
 """Shared test setup: markers skip GPU tests on machines without the hardware."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,6 @@ def run_app(args: list[str], nproc: int = 1, timeout: float = 300, script: str =
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(launcher + [str(REPO / script), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import te_mixtral.checkpoint as checkpoint
-from te_mixtral.checkpoint import LATEST, Checkpointer, TrainState
+import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.config import load_config
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.layers import TORCH
-from te_mixtral.model import MixtralForCausalLM, init_weights
-from te_mixtral.parallel import Layout
-from te_mixtral.train import make_optimizer
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
+from te_mixtral.training.checkpoint import LATEST, Checkpointer, TrainState
+from te_mixtral.training.loop import make_optimizer
 
 SINGLE = Layout(0, 1, 1, None, None)
 CPU = torch.device("cpu")

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
+from launch import run_app
 from safetensors.torch import save_file
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from launch import run_app
 from te_mixtral.errors import UserError
-from te_mixtral.hf_checkpoint import resolve_model_path
+from te_mixtral.training.hf_checkpoint import resolve_model_path
 
 # Experts are ~98% of this model (2 layers x 8 experts x 3 x 128 x 2048 fp32 = 50 MB), so a
 # rank that holds half the experts should need about half the memory to load.

@@ -6,12 +6,17 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
-
 from launch import run_app
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
+
 from te_mixtral.config import DataConfig
-from te_mixtral.data import PackedData, load_documents, load_tokenizer
-from te_mixtral.model import causal_lm_loss
+from te_mixtral.data.packing import PackedData, load_documents, load_tokenizer
+from te_mixtral.model.mixtral import causal_lm_loss
 
 SEQ_LEN, BATCH, STEPS, SEED = 64, 4, 4, 1234
 PROMPT = "The meaning of"

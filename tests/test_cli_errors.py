@@ -1,7 +1,6 @@
 """Bad input: one clear line, a non-zero exit, on every rank, no traceback, no hang."""
 
 import pytest
-
 from launch import run_app
 
 

@@ -17,9 +17,9 @@ import sys
 
 import pytest
 import torch
-
 from expert_reference import reference_f64
-from te_mixtral.experts import make_tier
+
+from te_mixtral.experts.registry import make_tier
 
 FP32_REL_TOL = 1e-5
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -138,7 +138,7 @@ INTERPRETER_CASES = {
 @interpreter_only
 @pytest.mark.parametrize("case", INTERPRETER_CASES)
 def test_interpreter_kernels_match_float64(case):
-    from te_mixtral.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
+    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
 
     splits, D, F_, tiles, use_tma = INTERPRETER_CASES[case]
     configs = CONFIGS if tiles is None else {regime: {op: tiles for op in CONFIGS["large"]}
@@ -155,7 +155,7 @@ def test_interpreter_kernels_match_float64(case):
 
 @interpreter_only
 def test_interpreter_no_rows_and_backward_twice():
-    from te_mixtral.kernels.grouped_swiglu import grouped_swiglu
+    from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
     x, counts, gate_up, down, _ = make_inputs([0, 0], 16, 16, seed=1)
     y, dx, d_gate_up, d_down = run(grouped_swiglu, x, counts, gate_up, down, torch.empty(0, 16))

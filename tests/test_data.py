@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from te_mixtral import data
 from te_mixtral.config import DataConfig
-from te_mixtral.data import PackedData, load_documents, load_tokenizer
+from te_mixtral.data import packing as data
+from te_mixtral.data.packing import PackedData, load_documents, load_tokenizer
 from te_mixtral.errors import UserError
 
 
@@ -121,7 +121,7 @@ def test_tokenizer_training_is_deterministic_across_processes(tmp_path, rng):
     assert data.train_tokenizer(documents, 400).to_str() == here
     (tmp_path / "docs.json").write_text(json.dumps(documents))
     script = (
-        "import json, sys; from te_mixtral.data import train_tokenizer; "
+        "import json, sys; from te_mixtral.data.packing import train_tokenizer; "
         "print(train_tokenizer(json.load(open(sys.argv[1])), 400).to_str())"
     )
     there = subprocess.run([sys.executable, "-c", script, str(tmp_path / "docs.json")],

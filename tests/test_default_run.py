@@ -3,7 +3,6 @@
 import json
 
 import yaml
-
 from launch import run_app
 
 

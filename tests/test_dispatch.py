@@ -1,7 +1,6 @@
 """Token dispatch over two gloo ranks: empty experts and a rank that receives nothing."""
 
 import pytest
-
 from launch import run_app
 
 

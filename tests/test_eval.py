@@ -10,14 +10,15 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from te_mixtral.config import DataConfig
-from te_mixtral.data import PackedData, held_out_split
+from te_mixtral.data.packing import PackedData, held_out_split
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.generate import greedy_generate
-from te_mixtral.hf_checkpoint import load_hf_weights, model_config_from_hf
-from te_mixtral.layers import TORCH
-from te_mixtral.model import MixtralForCausalLM as Ours
-from te_mixtral.parallel import Layout
+from te_mixtral.model.hf_config import model_config_from_hf
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
+from te_mixtral.training.generate import greedy_generate
+from te_mixtral.training.hf_checkpoint import load_hf_weights
 
 SINGLE = Layout(0, 1, 1, None, None)
 

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-
 from launch import run_app
 
 STEPS = 5

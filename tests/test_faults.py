@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
 from launch import run_app
+
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
-from te_mixtral.hf_checkpoint import check_export_space
-from te_mixtral.parallel import Layout
+from te_mixtral.training.hf_checkpoint import check_export_space
 
 DIST_TIMEOUT_S = 30
 SMALL = ["--timing_warmup_steps", "1", "--batch_size", "4", "--seq_len", "64", "--ep-size", "2"]
@@ -49,7 +49,7 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     args = [*SMALL, "--steps", "1000", "--checkpoint-every", "1", "--checkpoint-dir", str(ckpt),
             "--dist-timeout-s", str(DIST_TIMEOUT_S), "--log_every", "1000", "--output-dir", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
         launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                      "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), *args],

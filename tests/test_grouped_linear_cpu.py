@@ -6,9 +6,15 @@ import pytest
 import torch
 
 from te_mixtral.errors import TierUnavailable, UserError
-from te_mixtral.experts import make_tier
 from te_mixtral.experts.grouped_linear import MIN_TE_VERSION
-from te_mixtral.te_support import TEUnavailable, _release, require_te, te_available, te_version
+from te_mixtral.experts.registry import make_tier
+from te_mixtral.te_support import (
+    TEUnavailable,
+    _release,
+    require_te,
+    te_available,
+    te_version,
+)
 
 PREFIX = "tier 'grouped_linear' needs NVIDIA Transformer Engine on a CUDA GPU: "
 

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-
-import te_mixtral.train
 from conftest import REPO
 from launch import run_app
+
+import te_mixtral.training.loop
 from te_mixtral.config import load_config
 from te_mixtral.experts.loop import LoopTier
 
@@ -35,10 +35,10 @@ class SwappedExperts(LoopTier):
 
 
 def test_wrong_tier_fails_the_check(loop_results, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(te_mixtral.train, "make_tier", lambda name, cfg=None: SwappedExperts())
+    monkeypatch.setattr(te_mixtral.training.loop, "make_tier", lambda name, cfg=None: SwappedExperts())
     cfg = load_config(str(REPO / "configs/tiny.yaml"), {"steps": "8", "timing_warmup_steps": "2", "seq_len": "64",
                                             "output_dir": str(tmp_path), "loss_check": str(loop_results)})
-    assert te_mixtral.train.main(cfg) == 1
+    assert te_mixtral.training.loop.main(cfg) == 1
     assert "loss check FAILED" in capsys.readouterr().out
 
 

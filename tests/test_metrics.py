@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from te_mixtral.config import ModelConfig
-from te_mixtral.metrics import (
+from te_mixtral.measure.metrics import (
     StepTimer,
     active_params_per_token,
     peak_flops,

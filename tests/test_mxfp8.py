@@ -15,15 +15,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_mixtral.config import load_config
 from te_mixtral.errors import TierUnavailable, UserError
-from te_mixtral.experts import make_tier
+from te_mixtral.experts.base import swiglu
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, select_mode
-from te_mixtral.experts.loop import LoopTier, swiglu
-from te_mixtral.quant import mxfp8
-from te_mixtral.quant.fp8_hopper import FP8HopperGemms, quantize_columns_per_group, quantize_rowwise
-from te_mixtral.quant.mxfp8 import MXFP8EmulatedGemms, e8m0_to_float, fake_quantize, quantize
-from te_mixtral.quant.padding import pad_rows, padded_rows, unpad_rows
-from te_mixtral.quant.scaled_grouped import scaled_grouped_linear, scaled_grouped_swiglu
-from te_mixtral.quant.te_mxfp8 import MXFP8_ROW_ALIGN
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.experts.quant import mxfp8
+from te_mixtral.experts.quant.fp8_hopper import (
+    FP8HopperGemms,
+    quantize_columns_per_group,
+    quantize_rowwise,
+)
+from te_mixtral.experts.quant.mxfp8 import (
+    MXFP8EmulatedGemms,
+    e8m0_to_float,
+    fake_quantize,
+    quantize,
+)
+from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
+from te_mixtral.experts.quant.scaled_grouped import (
+    scaled_grouped_linear,
+    scaled_grouped_swiglu,
+)
+from te_mixtral.experts.quant.te_mxfp8 import MXFP8_ROW_ALIGN
+from te_mixtral.experts.registry import make_tier
 
 # Relative Frobenius error of a whole MLP (outputs and gradients) against unquantised fp32:
 # one E4M3 rounding is ~3% rms on Gaussian data, a GEMM of two quantised operands ~4%, the

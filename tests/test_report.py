@@ -11,8 +11,8 @@ import pytest
 
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
-from te_mixtral.loss_check import TOLERANCES, check_losses
-from te_mixtral.report import (
+from te_mixtral.measure.loss_check import TOLERANCES, check_losses
+from te_mixtral.measure.report import (
     default_output_dir,
     format_table,
     read_results,
@@ -202,5 +202,5 @@ def test_zero_steps_and_unknown_precision_are_errors():
 
 
 def test_loss_check_does_not_import_torch():
-    code = "import sys, te_mixtral.loss_check; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, te_mixtral.measure.loss_check; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

@@ -2,20 +2,19 @@
 
 import json
 import math
-import os
 import shlex
 import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
-from run_finetune_ep import parse_args as parse_app_args
+
+from te_mixtral.cli import parse_args as parse_app_args
 from te_mixtral.config import load_config, to_dict
-from te_mixtral.report import run_header, write_results
-from te_mixtral.reproduce import reproduce_command
-from te_mixtral.results_page import build_page, main, speedup, write_page
-from te_mixtral.runs import find_runs, group_runs
+from te_mixtral.measure.report import run_header, write_results
+from te_mixtral.results.pages import build_page, main, speedup, write_page
+from te_mixtral.results.reproduce import reproduce_command
+from te_mixtral.results.runs import find_runs, group_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -39,7 +38,7 @@ def make_run(root, name, tier, median_ms, *, device="NVIDIA H200", world=1, ep=1
 def page_for(paths, title=None, notes=None):
     groups = group_runs(find_runs([str(p) for p in paths]))
     assert len(groups) == 1
-    return build_page(next(iter(groups.values())), title, notes, "python -m te_mixtral.results_page ...")
+    return build_page(next(iter(groups.values())), title, notes, "python -m te_mixtral.results.pages ...")
 
 
 def table_row(markdown: str, label: str) -> list[str]:
@@ -243,7 +242,7 @@ def test_page_names_how_everything_was_made(tmp_path):
     assert md.startswith("# Tiers on H200\n")
     assert "- **GPU**: NVIDIA H200 x 1" in md and "- **Date**: 2026-11-21" in md
     assert "- **Versions**: python 3." in md
-    assert f"- **This page**: `python -m te_mixtral.results_page {tmp_path} --out {tmp_path / 'out'}" in md
+    assert f"- **This page**: `python -m te_mixtral.results.pages {tmp_path} --out {tmp_path / 'out'}" in md
     assert "## Notes\n\nThe loop beats hf here" in md
     assert f"### `hf` (`{paths[1]}`)" in md
     assert "python run_finetune_ep.py --config configs/tiny.yaml --tier hf --ep-size 1" in md
@@ -254,9 +253,8 @@ def test_command_line_writes_page_and_pngs(tmp_path):
     make_run(tmp_path, "loop", "loop", 100.0)
     make_run(tmp_path, "cg", "custom_grouped", 45.0, losses=(10.0, 9.1, 8.4, 8.1), loss_check=checked(1e-2))
     out = tmp_path / "docs"
-    proc = subprocess.run([sys.executable, "-m", "te_mixtral.results_page", str(tmp_path / "loop"),
-                           str(tmp_path / "cg" / "results.json"), "--out", str(out)], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "te_mixtral.results.pages", str(tmp_path / "loop"),
+                           str(tmp_path / "cg" / "results.json"), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     stem = "2026-11-21-h200-x1"
     for name in (f"{stem}-step-time.png", f"{stem}-loss.png"):

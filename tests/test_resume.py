@@ -5,7 +5,6 @@ import json
 import shutil
 
 import pytest
-
 from launch import run_app
 
 N = 3

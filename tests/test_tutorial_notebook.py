@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 NOTEBOOK = REPO / "docs" / "tutorial.ipynb"
@@ -45,7 +44,7 @@ def test_notebook_is_clean_json():
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path):
     # TMPDIR: the notebook's runs land in this test's folder, which pytest cleans up.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(NOTEBOOK)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

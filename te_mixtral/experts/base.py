@@ -19,6 +19,13 @@ device. Experts with zero rows, and R == 0, are valid inputs.
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
+
+
+def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
+    """The activation every tier applies between its two GEMMs: silu(gate) * up."""
+    gate_RF, up_RF = gate_up_RF2.chunk(2, dim=-1)
+    return F.silu(gate_RF) * up_RF
 
 
 class ExpertTier(Protocol):

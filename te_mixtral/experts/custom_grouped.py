@@ -3,7 +3,7 @@
 Shape legend: R rows (sorted by local expert), D model dim, F expert hidden dim,
 E local experts.
 
-On CUDA it runs `te_mixtral.kernels.grouped_swiglu`: Triton kernels that schedule their
+On CUDA it runs `te_mixtral.experts.kernels.grouped_swiglu`: Triton kernels that schedule their
 tiles from `tokens_per_expert_E` on the device, fuse SwiGLU into the GEMM epilogues and
 never synchronise with the host (read that module's docstring for the design). Without
 CUDA it runs the same function through `torch.nn.functional.grouped_mm`, so CPU runs and
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from te_mixtral.errors import TierUnavailable
-from te_mixtral.experts.loop import swiglu
+from te_mixtral.experts.base import swiglu
 
 
 class CustomGroupedTier:
@@ -38,7 +38,7 @@ class CustomGroupedTier:
     def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
         if not x_RD.is_cuda:
             return grouped_mm_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF)
-        from te_mixtral.kernels.grouped_swiglu import grouped_swiglu
+        from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))

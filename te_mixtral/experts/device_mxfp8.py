@@ -33,11 +33,16 @@ its grouped-tensor path (`describe()["kernel"]` says whether it does).
 import torch
 
 from te_mixtral.errors import TierUnavailable, UserError
-from te_mixtral.quant import te_mxfp8
-from te_mixtral.quant.fp8_hopper import FP8HopperGemms
-from te_mixtral.quant.mxfp8 import MXFP8EmulatedGemms
-from te_mixtral.quant.padding import PaddedRows, pad_rows, padded_rows, unpad_rows
-from te_mixtral.quant.scaled_grouped import GroupedGemms, scaled_grouped_swiglu
+from te_mixtral.experts.quant import te_mxfp8
+from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant.mxfp8 import MXFP8EmulatedGemms
+from te_mixtral.experts.quant.padding import (
+    PaddedRows,
+    pad_rows,
+    padded_rows,
+    unpad_rows,
+)
+from te_mixtral.experts.quant.scaled_grouped import GroupedGemms, scaled_grouped_swiglu
 
 MODES = ("auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated")
 HOPPER = (9, 0)

@@ -56,7 +56,7 @@ import functools
 import torch
 
 from te_mixtral.errors import TierUnavailable
-from te_mixtral.experts.loop import swiglu
+from te_mixtral.experts.base import swiglu
 from te_mixtral.te_support import TEUnavailable, require_te
 
 # `general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout=..., m_splits=...,

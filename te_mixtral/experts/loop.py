@@ -17,10 +17,7 @@ slice, which is exactly the cost the grouped tiers remove.
 import torch
 import torch.nn.functional as F
 
-
-def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
-    gate_RF, up_RF = gate_up_RF2.chunk(2, dim=-1)
-    return F.silu(gate_RF) * up_RF
+from te_mixtral.experts.base import swiglu
 
 
 class LoopTier:

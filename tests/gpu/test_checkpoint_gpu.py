@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from launch import run_app
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.cuda
 

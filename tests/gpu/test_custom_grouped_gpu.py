@@ -15,8 +15,14 @@ fail to write reads as NaN, and NaN never passes.
 
 import pytest
 import torch
+from expert_reference import (
+    GPU_SPLITS,
+    random_expert_inputs,
+    reference_f64,
+    rel_err,
+    run_tier,
+)
 
-from expert_reference import GPU_SPLITS, random_expert_inputs, reference_f64, rel_err, run_tier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
 
 pytestmark = [

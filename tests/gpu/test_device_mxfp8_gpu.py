@@ -24,17 +24,22 @@ import statistics
 
 import pytest
 import torch
-
 from expert_reference import random_expert_inputs
+
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.quant.fp8_hopper import FP8HopperGemms
-from te_mixtral.quant.padding import pad_rows, padded_rows, unpad_rows
-from te_mixtral.quant.te_mxfp8 import MIN_TE_VERSION, TEGroupedExperts
+from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
+from te_mixtral.experts.quant.te_mxfp8 import MIN_TE_VERSION, TEGroupedExperts
 from te_mixtral.te_support import te_available
-from tests.test_mxfp8 import FP8_ROWWISE_MLP_RTOL, MXFP8_MLP_RTOL, rel_err, scaled_grouped_mm_stand_in
+from tests.test_mxfp8 import (
+    FP8_ROWWISE_MLP_RTOL,
+    MXFP8_MLP_RTOL,
+    rel_err,
+    scaled_grouped_mm_stand_in,
+)
 
 pytestmark = pytest.mark.cuda
 

@@ -16,8 +16,14 @@ fails to write reads as NaN, and NaN never passes.
 
 import pytest
 import torch
+from expert_reference import (
+    GPU_SPLITS,
+    random_expert_inputs,
+    reference_f64,
+    rel_err,
+    run_tier,
+)
 
-from expert_reference import GPU_SPLITS, random_expert_inputs, reference_f64, rel_err, run_tier
 from te_mixtral.experts.grouped_linear import MIN_TE_VERSION, GroupedLinearTier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.te_support import te_available

@@ -4,16 +4,17 @@ import json
 
 import pytest
 import torch
+from launch import run_app
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from launch import run_app
-from te_mixtral.data import batch_from_windows
+from te_mixtral.data.packing import batch_from_windows
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.hf_checkpoint import load_hf_weights, model_config_from_hf
-from te_mixtral.layers import TE, TORCH, PackedSequences
-from te_mixtral.model import MixtralForCausalLM as Ours
-from te_mixtral.parallel import Layout
+from te_mixtral.model.hf_config import model_config_from_hf
+from te_mixtral.model.layers import TE, TORCH, PackedSequences
+from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
 from te_mixtral.te_support import te_available
+from te_mixtral.training.hf_checkpoint import load_hf_weights
 
 pytestmark = pytest.mark.cuda
 SINGLE = Layout(0, 1, 1, None, None)

@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 from launch import run_app
 
 pytestmark = pytest.mark.cuda

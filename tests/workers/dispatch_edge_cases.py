@@ -8,8 +8,8 @@ Exits non-zero on any mismatch.
 import torch
 import torch.distributed as dist
 
-from te_mixtral.dispatch import AllToAllDispatcher
-from te_mixtral.parallel import init_layout, shutdown
+from te_mixtral.distributed.dispatch import AllToAllDispatcher
+from te_mixtral.distributed.layout import init_layout, shutdown
 
 EXPERTS, TOP_K, TOKENS, HIDDEN = 4, 2, 6, 5
 

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from te_mixtral.distributed.layout import init_layout, shutdown, world_size_from_env
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.hf_checkpoint import load_hf_weights, model_config_from_hf
-from te_mixtral.layers import TORCH, PackedSequences
-from te_mixtral.model import MixtralForCausalLM
-from te_mixtral.parallel import init_layout, shutdown, world_size_from_env
+from te_mixtral.model.hf_config import model_config_from_hf
+from te_mixtral.model.layers import TORCH, PackedSequences
+from te_mixtral.model.mixtral import MixtralForCausalLM
+from te_mixtral.training.hf_checkpoint import load_hf_weights
 
 
 def status_kib(field: str) -> int:

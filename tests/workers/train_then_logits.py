@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from run_finetune_ep import parse_args
+from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
-from te_mixtral.layers import PackedSequences
-from te_mixtral.parallel import shutdown, world_size_from_env
-from te_mixtral.train import train
+from te_mixtral.distributed.layout import shutdown, world_size_from_env
+from te_mixtral.model.layers import PackedSequences
+from te_mixtral.training.loop import train
 
 out = Path(sys.argv[1])
 args, overrides = parse_args(sys.argv[2:])

@@ -17,10 +17,10 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
-from te_mixtral.data import Tokenizer
+from te_mixtral.data.packing import Tokenizer
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
-from te_mixtral.layers import PackedSequences
-from te_mixtral.parallel import Layout
+from te_mixtral.model.layers import PackedSequences
 
 
 @torch.no_grad()

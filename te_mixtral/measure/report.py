@@ -184,7 +184,7 @@ def prepare_output_dir(output_dir: str | None, tier: str) -> Path:
 
 
 def phases_table(phases_ms: dict, step_ms: float) -> str:
-    """Each phase's time beside the measured step (see te_mixtral/phases.py for the caveats)."""
+    """Each phase's time beside the measured step (see te_mixtral/measure/phases.py for the caveats)."""
     rows = [(name, f"{ms:.1f}", f"{100 * ms / step_ms:.0f} %") for name, ms in phases_ms.items()]
     rows.append(("sum of phases", f"{sum(phases_ms.values()):.1f}", f"{100 * sum(phases_ms.values()) / step_ms:.0f} %"))
     rows.append(("median step", f"{step_ms:.1f}", "100 %"))

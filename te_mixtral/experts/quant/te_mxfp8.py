@@ -30,8 +30,8 @@ where it does not, TE copies `m_splits` to the host itself, and `kernel` says so
 import torch
 from torch.func import functional_call
 
-from te_mixtral.experts.loop import swiglu
-from te_mixtral.quant.padding import PaddedRows
+from te_mixtral.experts.base import swiglu
+from te_mixtral.experts.quant.padding import PaddedRows
 
 # The release this was written against; its GroupedLinear has `use_grouped_tensor`, the
 # device-side m_splits path. Older releases were not checked.
@@ -82,13 +82,17 @@ class TEGroupedExperts:
 
     @property
     def row_align(self) -> int:
-        from transformer_engine.pytorch.quantization import get_align_size_for_quantization
+        from transformer_engine.pytorch.quantization import (
+            get_align_size_for_quantization,
+        )
 
         return get_align_size_for_quantization(self.te_recipe)
 
     @property
     def kernel(self) -> str:
-        from transformer_engine.pytorch.module.grouped_linear import is_module_grouped_tensor_path_supported
+        from transformer_engine.pytorch.module.grouped_linear import (
+            is_module_grouped_tensor_path_supported,
+        )
 
         name = f"te.GroupedLinear under {type(self.te_recipe).__name__} (TE {_te_version()})"
         # bf16: the activation dtype of CUDA training runs (torch.autocast).

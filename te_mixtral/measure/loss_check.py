@@ -31,7 +31,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from te_mixtral.errors import UserError
-from te_mixtral.report import format_table
+from te_mixtral.measure.report import format_table
+
 
 @dataclass(frozen=True)
 class Tolerance:

@@ -26,7 +26,7 @@ from pathlib import Path
 from te_mixtral.config import SECTIONS, load_config, to_dict
 from te_mixtral.errors import UserError
 
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def flatten(config: dict) -> dict:

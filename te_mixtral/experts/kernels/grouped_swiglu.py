@@ -50,7 +50,13 @@ in fp32, not meaningful in bf16).
 import torch
 from torch.autograd.function import once_differentiable
 
-from te_mixtral.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm, wgrad_gemm
+from te_mixtral.experts.kernels.grouped_gemm import (
+    EPI_SWIGLU,
+    EPI_SWIGLU_BWD,
+    rows_gemm,
+    wgrad_gemm,
+)
+
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
 # on an H100 (docs/kernels.md has the numbers). The regime comes from the mean rows per

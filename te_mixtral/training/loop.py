@@ -14,24 +14,35 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from te_mixtral import metrics, report
-from te_mixtral.checkpoint import Checkpointer, TrainState, require_writable
 from te_mixtral.config import RunConfig, save_config
-from te_mixtral.data import PackedData
+from te_mixtral.data.packing import PackedData
+from te_mixtral.distributed.layout import (
+    Layout,
+    all_reduce_gradients,
+    all_reduce_sum,
+    clip_grad_norm,
+    init_layout,
+    world_size_from_env,
+)
 from te_mixtral.errors import UserError, report_error
-from te_mixtral.evaluate import evaluate, evaluations_table
-from te_mixtral.experts import make_tier
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.generate import generate_text
-from te_mixtral.hf_checkpoint import (adopt_checkpoint, check_export_space, load_hf_weights, resolve_model_path,
-                                      save_hf_checkpoint)
-from te_mixtral.hf_model import HFMixtral
-from te_mixtral.layers import TORCH, PackedSequences, resolve_backend
-from te_mixtral.loss_check import check_losses
-from te_mixtral.model import MixtralForCausalLM, causal_lm_loss, init_weights
-from te_mixtral.parallel import (Layout, all_reduce_gradients, all_reduce_sum, clip_grad_norm, init_layout,
-                                 world_size_from_env)
-from te_mixtral.phases import profile_phases
+from te_mixtral.experts.registry import make_tier
+from te_mixtral.measure import metrics, report
+from te_mixtral.measure.loss_check import check_losses
+from te_mixtral.measure.phases import profile_phases
+from te_mixtral.model.hf_model import HFMixtral
+from te_mixtral.model.layers import TORCH, PackedSequences, resolve_backend
+from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.training.checkpoint import Checkpointer, TrainState, require_writable
+from te_mixtral.training.evaluate import evaluate, evaluations_table
+from te_mixtral.training.generate import generate_text
+from te_mixtral.training.hf_checkpoint import (
+    adopt_checkpoint,
+    check_export_space,
+    load_hf_weights,
+    resolve_model_path,
+    save_hf_checkpoint,
+)
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,

@@ -6,7 +6,7 @@ training batches. Training batches are drawn from the other samples only.
 
 What is measured is the training loss itself, on other tokens: the token cross-entropy
 summed over every rank's held-out targets, divided by the global number of targets (see
-`te_mixtral.parallel` for why the normalisation is global). Perplexity is exp(loss): the
+`te_mixtral.distributed.layout` for why the normalisation is global). Perplexity is exp(loss): the
 number of equally likely next tokens the model is as unsure as. Both are global over ranks
 and come out identical on every rank, so any rank may report them; rank 0 does.
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from te_mixtral.data import Batch
-from te_mixtral.layers import PackedSequences
-from te_mixtral.model import causal_lm_loss
-from te_mixtral.parallel import Layout, all_reduce_sum
-from te_mixtral.report import format_table
+from te_mixtral.data.packing import Batch
+from te_mixtral.distributed.layout import Layout, all_reduce_sum
+from te_mixtral.measure.report import format_table
+from te_mixtral.model.layers import PackedSequences
+from te_mixtral.model.mixtral import causal_lm_loss
 
 
 @dataclass

@@ -5,7 +5,7 @@ Hd head dim, V vocabulary.
 
 Parameter names follow transformers v5 (`model.layers.N.mlp.experts.gate_up_proj`, ...),
 so converting a checkpoint is a rename at most; each rank holds only its own slice of the
-stacked experts (see `te_mixtral.parallel` for the layout).
+stacked experts (see `te_mixtral.distributed.layout` for the layout).
 
 Initialisation is independent of the expert-parallel layout: dense weights come from one
 generator seeded by the run's seed, and each expert from its own generator seeded by
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from te_mixtral.config import ModelConfig
-from te_mixtral.dispatch import AllToAllDispatcher
+from te_mixtral.distributed.dispatch import AllToAllDispatcher
+from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.experts.base import ExpertTier
-from te_mixtral.layers import Backend, PackedSequences
-from te_mixtral.moe import MoEBlock
-from te_mixtral.parallel import Layout, is_expert_param
+from te_mixtral.model.layers import Backend, PackedSequences
+from te_mixtral.model.moe import MoEBlock
 
 
 def rotate_half(x):
@@ -137,7 +137,7 @@ def init_weights(model: MixtralForCausalLM, seed: int, layout: Layout) -> None:
 def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_targets_global: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy over this rank, divided by the global target count.
 
-    Summing this over ranks gives the mean loss of the global batch (see te_mixtral.parallel).
+    Summing this over ranks gives the mean loss of the global batch (see te_mixtral.distributed.layout).
     """
     summed = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
                              reduction="sum")

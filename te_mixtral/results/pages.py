@@ -1,10 +1,10 @@
 """Results pages: runs' results.json files in, a dated markdown page with two plots out.
 
-    python -m te_mixtral.results_page RUN [RUN ...] [--out docs/results] [--title TEXT]
+    python -m te_mixtral.results.pages RUN [RUN ...] [--out docs/results] [--title TEXT]
                                       [--notes FILE] [--suffix TEXT] [--no-plots]
 
 A RUN is a run's output folder, its results.json, or a folder of runs such as
-`scripts/run_tiers.sh` leaves (`te_mixtral/runs.py` reads and checks them).
+`scripts/run_tiers.sh` leaves (`te_mixtral/results/runs.py` reads and checks them).
 
 One page per GPU and world size. Step times only compare on the same hardware and the same
 number of processes, so runs are grouped by (device name, world size) and each group gets
@@ -22,11 +22,11 @@ B, ..., a warning lists what differs, and a row with no same-workload baseline s
 rather than a misleading ratio. Missing `hf` or `loop` runs are said so, not hidden.
 
 Loss checks are recomputed for the page: each run's losses against the same-workload `loop`
-run on it, by today's `te_mixtral/loss_check.py` (first step, largest step, mean). Where the
+run on it, by today's `te_mixtral/measure/loss_check.py` (first step, largest step, mean). Where the
 run's own recorded verdict differs, a note under the table says so.
 
 Every page names how each run was made: a command line rebuilt from the run's saved config
-(`te_mixtral/reproduce.py`) and the full config itself; and the command that made the page.
+(`te_mixtral/results/reproduce.py`) and the full config itself; and the command that made the page.
 Runs made with `--profile_phases true` add a "Where the time goes" table. `--title` and
 `--notes FILE` (a hand-written section, e.g. where a result goes against expectations) apply
 to every page one command writes: give runs of different GPUs separate commands to word
@@ -45,9 +45,9 @@ from pathlib import Path
 import yaml
 
 from te_mixtral.errors import UserError
-from te_mixtral.loss_check import check_losses
-from te_mixtral.reproduce import flatten, reproduce_command
-from te_mixtral.runs import Run, find_runs, group_runs
+from te_mixtral.measure.loss_check import check_losses
+from te_mixtral.results.reproduce import flatten, reproduce_command
+from te_mixtral.results.runs import Run, find_runs, group_runs
 
 BASELINES = ("hf", "loop")
 # Config keys that do not change what a timed step computes: where output goes, what it is
@@ -159,7 +159,7 @@ def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
     note = None
     if recorded is not None and recorded["passed"] != check.passed:
         note = (f"`{run.label}`: the run's own check recorded {'passed' if recorded['passed'] else 'FAILED'} "
-                f"(at the tolerances of its day); today's `te_mixtral/loss_check.py` says "
+                f"(at the tolerances of its day); today's `te_mixtral/measure/loss_check.py` says "
                 f"{'passed' if check.passed else 'FAILED'}.")
     return Verdict(cell, not check.passed, note)
 
@@ -168,7 +168,7 @@ def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
 
 
 def page_command(argv: list[str]) -> str:
-    return " ".join(["python", "-m", "te_mixtral.results_page", *map(shlex.quote, argv)])
+    return " ".join(["python", "-m", "te_mixtral.results.pages", *map(shlex.quote, argv)])
 
 
 def slug(text: str) -> str:
@@ -261,7 +261,7 @@ def warnings_for(runs: list[Run], workloads: list[dict]) -> list[str]:
 
 
 def phases_section(runs: list[Run]) -> list[str]:
-    """Runs made with `--profile_phases true`: each phase's time (te_mixtral/phases.py), one column per run."""
+    """Runs made with `--profile_phases true`: each phase's time (te_mixtral/measure/phases.py), one column per run."""
     profiled = [r for r in runs if isinstance(r.results.get("phases_ms"), dict)]
     if not profiled:
         return []
@@ -273,7 +273,7 @@ def phases_section(runs: list[Run]) -> list[str]:
     rows = [[name] + [cell(r, r.results["phases_ms"].get(name)) for r in profiled] for name in names]
     rows.append(["sum of phases"] + [cell(r, sum(r.results["phases_ms"].values())) for r in profiled])
     rows.append(["median step"] + [f"{r.summary['median_step_ms']:.1f}" for r in profiled])
-    explain = ("Each phase of a step timed on its own after training, summed over layers (`te_mixtral/phases.py`). "
+    explain = ("Each phase of a step timed on its own after training, summed over layers (`te_mixtral/measure/phases.py`). "
                "A phase run alone loses its overlap with its neighbours, so the phases need not add up to the step.")
     if any(len(r.results.get("expert_rows_per_rank", [])) > 1 for r in profiled):
         rows.append(["expert rows: busiest rank / mean"]
@@ -350,9 +350,9 @@ def build_page(runs: list[Run], title: str | None, notes: str | None, command: s
             "(same device, same world size, same workload; above 1 is faster). Step times leave out the "
             "warm-up steps; tokens/s and TFLOP/s are per GPU, TFLOP/s counts model FLOPs only (no "
             "recomputation, no all-to-all), and MFU divides them by the GPU's dense BF16 peak "
-            "(`te_mixtral/metrics.py`). Peak memory is the most the caching allocator handed to tensors on "
+            "(`te_mixtral/measure/metrics.py`). Peak memory is the most the caching allocator handed to tensors on "
             "any rank. The loss check compares every step's loss with the `loop` run's "
-            "(`te_mixtral/loss_check.py`).", ""]
+            "(`te_mixtral/measure/loss_check.py`).", ""]
     if plots:
         out += [f"![Median step time per tier]({stem}-step-time.png)", "",
                 f"![Training loss per step, all tiers]({stem}-loss.png)", ""]
@@ -375,14 +375,14 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
     md.write_text(page.markdown)
     written = [md]
     if plots:
-        from te_mixtral import plots as draw
+        from te_mixtral.results import plots as draw
 
         runs = page.runs
         # A figure travels without its page: it names the GPU, date, versions and where the
         # runs' commands are.
         where = f"{runs[0].header['device']} x {runs[0].world_size}"
         made = (f"{max(r.date for r in runs):%Y-%m-%d}, {_versions(runs[-1])}\n"
-                f"runs and their commands: {page.stem}.md (python -m te_mixtral.results_page)")
+                f"runs and their commands: {page.stem}.md (python -m te_mixtral.results.pages)")
         written.append(draw.step_time_png([r.label for r in runs], [r.summary["median_step_ms"] for r in runs],
                                           [r.summary["p90_step_ms"] for r in runs],
                                           out_dir / f"{page.stem}-step-time.png",
@@ -396,7 +396,7 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m te_mixtral.results_page",
+    parser = argparse.ArgumentParser(prog="python -m te_mixtral.results.pages",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folder, results.json, or folder of runs")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from te_mixtral.config import TIER_NAMES
 from te_mixtral.errors import UserError
-from te_mixtral.report import RESULTS_FILE, read_results
+from te_mixtral.measure.report import RESULTS_FILE, read_results
 
 SUMMARY_KEYS = ("median_step_ms", "p90_step_ms", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_memory_gib")
 HEADER_KEYS = ("date", "tier", "device", "world_size", "ep_size", "precision", "config")

@@ -115,7 +115,7 @@ TE = Backend("te", _te_linear, _te_rmsnorm, TEAttention)
 
 def resolve_backend(name: str, device: str) -> Backend:
     """`auto` picks TE when it is importable on a CUDA device, else plain PyTorch."""
-    from te_mixtral.te_support import te_available, require_te
+    from te_mixtral.te_support import require_te, te_available
 
     if name == "torch" or (name == "auto" and not (device == "cuda" and te_available())):
         return TORCH

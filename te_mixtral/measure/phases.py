@@ -9,7 +9,7 @@ and backward, on the very inputs it received in the last step:
     experts    the expert tier on its sorted rows
     combine    all-to-all back, un-permute, weighted sum of each token's k outputs
     head       final norm + LM head + cross-entropy
-    all-reduce the gradient sums over ranks (te_mixtral/parallel.py; only with several ranks)
+    all-reduce the gradient sums over ranks (te_mixtral/distributed/layout.py; only with several ranks)
     clip       the global gradient norm, and scaling by it
     optimizer  the AdamW step
 
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from te_mixtral.model import causal_lm_loss
-from te_mixtral.parallel import all_reduce_gradients, clip_grad_norm
+from te_mixtral.distributed.layout import all_reduce_gradients, clip_grad_norm
+from te_mixtral.model.mixtral import causal_lm_loss
 
 
 class _Timer:

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from te_mixtral.experts.loop import swiglu
+from te_mixtral.experts.base import swiglu
 
 
 class GroupedGemms(Protocol):

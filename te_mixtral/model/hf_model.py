@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from te_mixtral.config import ModelConfig
-from te_mixtral.hf_checkpoint import hf_config
-from te_mixtral.layers import PackedSequences
+from te_mixtral.model.hf_config import hf_config
+from te_mixtral.model.layers import PackedSequences
 
 
 class HFMixtral(nn.Module):

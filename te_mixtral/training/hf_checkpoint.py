@@ -33,42 +33,18 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from te_mixtral.checkpoint import fsync_path, publish_folder, require_free_space, require_writable
 from te_mixtral.config import ModelConfig, RunConfig, validate, validate_model
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
-from te_mixtral.parallel import Layout
+from te_mixtral.model.hf_config import hf_config, model_config_from_hf
+from te_mixtral.training.checkpoint import (
+    fsync_path,
+    publish_folder,
+    require_free_space,
+    require_writable,
+)
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
-
-_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "rms_norm_eps",
-                "max_position_embeddings", "initializer_range", "tie_word_embeddings")
-
-
-def model_config_from_hf(checkpoint_dir: str | Path) -> ModelConfig:
-    path = Path(checkpoint_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read a Hugging Face config at {path}: {e}") from None
-    if raw.get("model_type") != "mixtral":
-        raise UserError(f"{path} describes a '{raw.get('model_type')}' model, not mixtral")
-    fields = {k: raw[k] for k in _CONFIG_KEYS if k in raw}
-    fields["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    rope = raw.get("rope_parameters") or {}
-    fields["rope_theta"] = float(rope.get("rope_theta", raw.get("rope_theta", 1e6)))
-    return ModelConfig(**fields)
-
-
-def hf_config(m: ModelConfig):
-    """The transformers `MixtralConfig` of our model config."""
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        **{k: getattr(m, k) for k in _CONFIG_KEYS}, head_dim=m.head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-    )
-
 
 def resolve_model_path(name: str) -> Path:
     """The local folder of a checkpoint: `name` itself, or a hub id downloaded to the hub cache
@@ -261,7 +237,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
 
     Every rank of the first replica's EP group must call this (they send their experts);
     the other replicas hold copies of the same weights and return at once. `tokenizer` is a
-    `te_mixtral.data.Tokenizer`; `model_source` is the checkpoint folder the weights came
+    `te_mixtral.data.packing.Tokenizer`; `model_source` is the checkpoint folder the weights came
     from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
     carried over.
     """

@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from te_mixtral.config import RunConfig, to_dict
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
-from te_mixtral.parallel import Layout
 
 FORMAT_VERSION = 1
 LATEST = "latest"

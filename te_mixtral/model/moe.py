@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from te_mixtral.dispatch import TokenDispatcher
+from te_mixtral.distributed.dispatch import TokenDispatcher
 from te_mixtral.experts.base import ExpertTier
 
 

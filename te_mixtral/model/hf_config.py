@@ -1,0 +1,40 @@
+"""The boundary between our `ModelConfig` and transformers' `MixtralConfig`.
+
+HF's names stay here: `num_local_experts` in an HF config is the number of experts in the
+model (ours: `ModelConfig.num_experts`), not the experts a rank holds.
+"""
+
+import json
+from pathlib import Path
+
+from te_mixtral.config import ModelConfig
+from te_mixtral.errors import UserError
+
+_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "rms_norm_eps",
+                "max_position_embeddings", "initializer_range", "tie_word_embeddings")
+
+
+def model_config_from_hf(checkpoint_dir: str | Path) -> ModelConfig:
+    path = Path(checkpoint_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read a Hugging Face config at {path}: {e}") from None
+    if raw.get("model_type") != "mixtral":
+        raise UserError(f"{path} describes a '{raw.get('model_type')}' model, not mixtral")
+    fields = {k: raw[k] for k in _CONFIG_KEYS if k in raw}
+    fields["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rope = raw.get("rope_parameters") or {}
+    fields["rope_theta"] = float(rope.get("rope_theta", raw.get("rope_theta", 1e6)))
+    return ModelConfig(**fields)
+
+
+def hf_config(m: ModelConfig):
+    """The transformers `MixtralConfig` of our model config."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **{k: getattr(m, k) for k in _CONFIG_KEYS}, head_dim=m.head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+    )
