@@ -6,8 +6,9 @@ from the same bf16 values, one expert at a time. Two bars, both named:
 
 - BF16_REL_TOL: bf16 operands with fp32 accumulation land between 1e-3 and 1e-2; a wrong
   index or an unwritten tile lands far above.
-- GMM_ERROR_FACTOR (issue #4): no worse than 1.5x the error of `torch grouped_mm` in bf16
-  on the same inputs (the grouped_mm path of the tier computes it).
+- GMM_ERROR_FACTOR: no worse than 1.5x the error of `torch grouped_mm` in bf16 on the
+  same inputs (the grouped_mm path of the tier computes it), one of the kernel's targets
+  (docs/kernels.md).
 
 Memory freed just before each call is filled with NaN, so an output element the kernels
 fail to write reads as NaN, and NaN never passes.
