@@ -11,7 +11,8 @@ a gate/up projection (fprop, dgrad, wgrad) at Mixtral-8x7B sizes (K 4096, N 2 x 
 local experts as at EP=4), called twice per row count, each call timed on its own. The
 counts grow past 2**31 elements of one operand, then one smaller count checks that the
 kernels compiled for the larger ones serve it. Run with `TORCH_LOGS=recompiles` to see the
-guard that failed. Answered on an H100 on 2026-11-21: yes, once (docs/precision.md).
+guard that failed. The answer, measured on an H100 (yes, once per process), and its log are
+in docs/precision.md.
 
     TORCH_LOGS=recompiles python3 -m benchmarks.fp8_row_counts
 

@@ -34,9 +34,9 @@ version floor below, and `tests/gpu/test_grouped_linear_gpu.py` to catch the nex
 
 What runs on the GPU: on Hopper with cuBLASLt older than 13.4, this is TE's multi-stream
 cuBLAS grouped GEMM (one cuBLAS GEMM per expert, spread over several streams), the same
-kernels `te.GroupedLinear` runs for BF16 on such a machine. Checked once on an H100 (TE
-2.20.2, cuBLASLt 13.1, 2026-11-21): over the same weights and splits, outputs and all
-gradients were bitwise equal to `te.GroupedLinear`'s, and no slower.
+kernels `te.GroupedLinear` runs for BF16 on such a machine: over the same weights and
+splits, outputs and all gradients came out bitwise equal to `te.GroupedLinear`'s, and no
+slower (a one-off check on an H100, docs/results/2026-11-21-checks-behind-tolerances.md).
 
 Precision: the training loop runs the forward under `torch.autocast("cuda", bfloat16)` with
 fp32 master weights. Autocast does not reach into TE, so this tier casts x and both stacked

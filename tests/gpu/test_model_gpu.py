@@ -30,10 +30,10 @@ def rel_err(a, b):
 def test_hf_parity_bf16(backend, tmp_path):
     """Our bf16 logits are about as close to HF's fp32 logits as HF's own bf16 logits are.
 
-    Both errors vary with the random model and tokens: from one batch, ours/HF ranged from
-    1.0 to 1.6 on the TE path, whose fused attention and norms round differently, and the
-    test was flaky at 1.5x. Averaged over 8 batches, six runs on an H100 (2026-11-21) gave
-    0.94 to 1.17 on both backends, and errors of 1.3e-2 to 1.9e-2.
+    Both errors vary with the random model and tokens, most on the TE path, whose fused
+    attention and norms round differently: one batch made the ratio swing enough to be
+    flaky, so both errors are averaged over several batches, and the bound leaves room
+    above the ratios seen (measured: docs/results/2026-11-21-checks-behind-tolerances.md).
     """
     cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_local_experts=6,

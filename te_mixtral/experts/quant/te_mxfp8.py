@@ -4,7 +4,8 @@ NOT RUN ON BLACKWELL HARDWARE. This path is written to TE's documented API (TE 2
 read, not executed, with MXFP8): `te.GroupedLinear` under `te.autocast(recipe=
 MXFP8BlockScaling())`, with `m_splits` a CUDA tensor. What is tested: the row padding
 (`padding.py`, on CPU) and, on an H100, this very plumbing under `Float8CurrentScaling`, a
-recipe Hopper has (tests/gpu/test_device_mxfp8_gpu.py, passed 2026-11-21). On Blackwell
+recipe Hopper has (tests/gpu/test_device_mxfp8_gpu.py; docs/precision.md says what ran where
+and how close it came). On Blackwell
 the recipe differs, and so does TE's code path for device-side `m_splits` (below), which
 Hopper's cuBLASLt 13.1 did not take.
 
