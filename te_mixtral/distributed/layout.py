@@ -49,6 +49,8 @@ class Layout:
 
 
 def world_size_from_env() -> int:
+    """How many processes torchrun started (1 when run without it): the one place that
+    reads it, usable before torch.distributed is initialised."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -83,6 +85,8 @@ def shutdown() -> None:
 
 
 def is_expert_param(name: str) -> bool:
+    """Whether a parameter (our name, or a Hugging Face checkpoint's) is an expert weight:
+    sharded over the EP group rather than replicated on every rank."""
     return ".experts." in name
 
 
@@ -102,6 +106,14 @@ def all_reduce_sum(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Sum `tensor` over the world in place (a no-op in a single process)."""
     if layout.world_size > 1:
         dist.all_reduce(tensor)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Take the elementwise maximum of `tensor` over the world in place (a no-op in a single
+    process): the slowest rank, the fullest memory, whether any rank failed."""
+    if layout.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
 
