@@ -64,19 +64,23 @@ def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
-    ep_groups = [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
-    replica_groups = [list(range(ep_rank, world, ep_size)) for ep_rank in range(ep_size)]
-    # new_group is collective: every rank must create every group, in the same order.
-    ep_group = replica_group = None
-    for ranks in ep_groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            ep_group = group
-    for ranks in replica_groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            replica_group = group
+    ep_group = _group_of(rank, [list(range(start, start + ep_size)) for start in range(0, world, ep_size)])
+    replica_group = _group_of(rank, [list(range(ep_rank, world, ep_size)) for ep_rank in range(ep_size)])
     return Layout(rank, world, ep_size, ep_group, replica_group)
+
+
+def _group_of(rank: int, partition: list[list[int]]) -> dist.ProcessGroup:
+    """Create a process group for every part of `partition` and return the one holding `rank`.
+
+    new_group is collective: every rank must create every group, in the same order, even
+    the groups it is not in.
+    """
+    mine = None
+    for ranks in partition:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def shutdown() -> None:
