@@ -1,7 +1,7 @@
 """Evaluation: loss and perplexity on held-out samples the run never trains on.
 
 Which samples: `data.eval_fraction` of the packed samples, a fixed draw that depends on the
-data alone (`data.held_out_split`), whole global batches of it, sharded over the ranks like
+data alone (`data.packing.held_out_split`), whole global batches of it, sharded over the ranks like
 training batches. Training batches are drawn from the other samples only.
 
 What is measured is the training loss itself, on other tokens: the token cross-entropy
