@@ -42,10 +42,9 @@ DEVICE = "cuda"
 TE_H100 = {64: 86, 256: 290, 1024: 500, 4096: 572, 8192: 578}
 
 
-def cfg(bm, bn, bk, w, s, progs=1, flatten=False, group=8, parts=4):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s,
-                PROGS_PER_SM=progs, FLATTEN=flatten, EPI_PARTS=parts)
-
+# Tile configs are built as the kernels build their own table (grouped_swiglu.CONFIGS), so a
+# sweep's winners paste into it unchanged.
+cfg = gs._cfg
 
 # Candidates by regime; a GEMM's own list wins over its kind's. PROGS_PER_SM=2 keeps two
 # programs on an SM where registers (<= 255 x 128 threads each) and shared memory

@@ -9,8 +9,9 @@ sizes (D = 4096, F = 14336), then the gradients of x and both stacked weights (o
 
 - each registered tier (`te_mixtral.experts.EXPERT_TIERS`) whose module exists and whose
   `check_available` passes here; the others are listed with the reason they were skipped;
-- `grouped_mm`: `torch.nn.functional.grouped_mm` called directly with plain autograd, the
-  PyTorch-native grouped GEMM as a reference point.
+- `grouped_mm`: `torch.nn.functional.grouped_mm` with plain autograd (the custom_grouped
+  tier's CPU path, `grouped_mm_swiglu`, called directly), the PyTorch-native grouped GEMM
+  as a reference point.
 
 The `loop` column is slow at small R on purpose: at 64 rows per expert each of its GEMMs is
 tiny and the Python loop, the launches and the host sync dominate, which is what grouped
@@ -46,16 +47,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from importlib import metadata
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.registry import EXPERT_TIERS, make_tier
-from te_mixtral.measure.metrics import peak_flops
-from te_mixtral.measure.report import format_table
+from te_mixtral.measure.metrics import device_name, peak_flops
+from te_mixtral.measure.report import format_table, package_version
 from te_mixtral.te_support import te_version
 
 
@@ -108,14 +109,6 @@ def gemm_flops(rows: int, sizes: Sizes) -> int:
 # --- columns -------------------------------------------------------------------------
 
 
-def grouped_mm_ffn(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
-    """The expert FFN through `torch.nn.functional.grouped_mm`, plain autograd, no host sync."""
-    offsets_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)  # end of each group
-    h_R2F = F.grouped_mm(x_RD, gate_up_E2FD.transpose(-2, -1), offs=offsets_E)
-    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-    return F.grouped_mm(F.silu(gate_RF) * up_RF, down_EDF.transpose(-2, -1), offs=offsets_E)
-
-
 def available_columns(device: torch.device) -> tuple[dict, dict]:
     """(name -> expert FFN callable, name -> why it is skipped) for this machine."""
     columns, skipped = {}, {}
@@ -132,7 +125,7 @@ def available_columns(device: torch.device) -> tuple[dict, dict]:
         else:
             columns[name] = tier
     if hasattr(F, "grouped_mm"):
-        columns["grouped_mm"] = grouped_mm_ffn
+        columns["grouped_mm"] = grouped_mm_swiglu
     else:
         skipped["grouped_mm"] = f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
     return columns, skipped
@@ -227,22 +220,15 @@ def time_cell(ffn, case: Case, weights, sizes: Sizes, device: torch.device) -> d
 # --- report --------------------------------------------------------------------------
 
 
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def run_header(device: torch.device, sizes: Sizes) -> dict:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = device_name(device)
     return {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": name,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformer_engine": te_version() or "not installed",
-        "triton": _version("triton"),
+        "triton": package_version("triton") or "not installed",
         "python": sys.version.split()[0],
         "sizes": asdict(sizes),
         "dtype": "bfloat16 parameters and activations, no autocast",

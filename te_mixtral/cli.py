@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
         args, overrides = parse_args(argv)
         cfg = load_config(args.config, overrides, world_size=world_size_from_env())
     except UserError as e:
-        return report_error(e)
+        return report_error(e, world_size_from_env())
     from te_mixtral.training.loop import (
         main as train_main,  # after validation: a bad flag fails fast
     )

@@ -6,7 +6,6 @@ Every rank runs the same checks on the same inputs before the first collective, 
 rank fails the same way and no rank is left waiting in a collective.
 """
 
-import os
 import sys
 import time
 
@@ -15,12 +14,19 @@ import time
 PEER_GRACE_S = 3.0
 
 
-def report_error(error: Exception) -> int:
-    """Print `error` as the one-line message and return the exit code (2)."""
+def report_error(error: Exception, world_size: int) -> int:
+    """Print `error` as the one-line message and return the exit code (2); `world_size` is
+    how many ranks torchrun started (`distributed.layout.world_size_from_env`)."""
     print(f"te_mixtral: error: {error}", file=sys.stderr, flush=True)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size > 1:
         time.sleep(PEER_GRACE_S)
     return 2
+
+
+def first_line(error: Exception) -> str:
+    """The first line of an exception's message (or its type's name): enough to say why a
+    library call failed inside a one-line `UserError`."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class UserError(Exception):

@@ -9,11 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import te_mixtral.files as files
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
+from te_mixtral.files import require_writable, sha256_of
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.training.checkpoint import LATEST, Checkpointer, TrainState
@@ -151,7 +153,7 @@ def test_meta_records_sizes_and_hashes(setup):
     meta = json.loads((folder / "meta.json").read_text())
     entry = meta["files"]["rank00000.pt"]
     assert entry["bytes"] == (folder / "rank00000.pt").stat().st_size
-    assert entry["sha256"] == checkpoint.sha256_of(folder / "rank00000.pt")
+    assert entry["sha256"] == sha256_of(folder / "rank00000.pt")
     assert meta["world_size"] == 1 and meta["config"]["model"]["hidden_size"] == 16
 
 
@@ -160,7 +162,7 @@ def test_space_and_writability_are_checked_up_front(setup, tmp_path, monkeypatch
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(UserError, match="is not writable"):
-        checkpoint.require_writable(blocker / "ckpt", "checkpoint directory")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+        require_writable(blocker / "ckpt", "checkpoint directory")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
     with pytest.raises(UserError, match="not enough free space .* a training checkpoint"):
         ckpt.check_free_space(fresh()[0])

@@ -15,7 +15,9 @@ from transformers import (
 )
 
 from te_mixtral.config import DataConfig
-from te_mixtral.data.packing import PackedData, load_documents, load_tokenizer
+from te_mixtral.data.packing import PackedData
+from te_mixtral.data.sources import load_documents
+from te_mixtral.data.tokenizer import load_tokenizer
 from te_mixtral.model.mixtral import causal_lm_loss
 
 SEQ_LEN, BATCH, STEPS, SEED = 64, 4, 4, 1234
@@ -28,7 +30,7 @@ def hf_loss(model, batches) -> float:
     with torch.no_grad():
         for b in batches:
             # Without a cache, position ids that restart at 0 make transformers mask each document.
-            logits = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits
+            logits = model(input_ids=b.input_ids, position_ids=b.packed.position_ids_BS, use_cache=False).logits
             summed += causal_lm_loss(logits, b.labels, torch.ones(())).item()
             targets += int((b.labels != -100).sum())
     return summed / targets

@@ -11,12 +11,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import datasets
 import pytest
+import tokenizers
 import torch
 
 from te_mixtral.config import DataConfig
-from te_mixtral.data import packing as data
-from te_mixtral.data.packing import PackedData, load_documents, load_tokenizer
+from te_mixtral.data import packing
+from te_mixtral.data.packing import PackedData, batch_from_windows
+from te_mixtral.data.sources import load_documents
+from te_mixtral.data.tokenizer import load_tokenizer, train_tokenizer
 from te_mixtral.errors import UserError
 
 
@@ -86,7 +90,7 @@ def test_hub_failure_is_a_user_error(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub")
 
-    monkeypatch.setattr(data.datasets, "load_dataset", offline)
+    monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match="could not load data set 'someone/corpus'.*embedded") as info:
         load_documents(DataConfig(dataset="someone/corpus"))
     assert "\n" not in str(info.value)
@@ -105,7 +109,7 @@ def test_trained_tokenizer_is_cached(tokenizer_cache, monkeypatch, rng):
     def no_training(*args):
         raise AssertionError("the cached tokenizer should have been loaded")
 
-    monkeypatch.setattr(data, "train_tokenizer", no_training)
+    monkeypatch.setattr("te_mixtral.data.tokenizer.train_tokenizer", no_training)
     second = load_tokenizer(cfg, documents)
     assert second.backend.to_str() == first.backend.to_str()
     # Other documents or another vocabulary size must not hit the same cache entry.
@@ -117,20 +121,20 @@ def test_trained_tokenizer_is_cached(tokenizer_cache, monkeypatch, rng):
 
 def test_tokenizer_training_is_deterministic_across_processes(tmp_path, rng):
     documents = random_documents(rng, 200)
-    here = data.train_tokenizer(documents, 400).to_str()
-    assert data.train_tokenizer(documents, 400).to_str() == here
+    here = train_tokenizer(documents, 400).to_str()
+    assert train_tokenizer(documents, 400).to_str() == here
     (tmp_path / "docs.json").write_text(json.dumps(documents))
     script = (
-        "import json, sys; from te_mixtral.data.packing import train_tokenizer; "
+        "import json, sys; from te_mixtral.data.tokenizer import train_tokenizer; "
         "print(train_tokenizer(json.load(open(sys.argv[1])), 400).to_str())"
     )
     there = subprocess.run([sys.executable, "-c", script, str(tmp_path / "docs.json")],
-                           capture_output=True, text=True, check=True, cwd=str(Path(data.__file__).parents[1]))
+                           capture_output=True, text=True, check=True, cwd=str(Path(packing.__file__).parents[1]))
     assert there.stdout.strip() == here
 
 
 def test_tokenizer_from_file_or_folder(tmp_path, rng):
-    backend = data.train_tokenizer(random_documents(rng, 30), 300)
+    backend = train_tokenizer(random_documents(rng, 30), 300)
     backend.add_special_tokens(["</s>"])  # listed before <eos>, so it wins
     (tmp_path / "ckpt").mkdir()
     backend.save(str(tmp_path / "ckpt" / "tokenizer.json"))
@@ -141,7 +145,7 @@ def test_tokenizer_from_file_or_folder(tmp_path, rng):
 
     with pytest.raises(UserError, match="does not exist"):
         load_tokenizer(DataConfig(tokenizer=str(tmp_path / "nowhere")), [])
-    plain = data.tokenizers.Tokenizer(data.tokenizers.models.BPE())
+    plain = tokenizers.Tokenizer(tokenizers.models.BPE())
     plain.save(str(tmp_path / "plain.json"))
     with pytest.raises(UserError, match="none of the eos tokens"):
         load_tokenizer(DataConfig(tokenizer=str(tmp_path / "plain.json")), [])
@@ -153,23 +157,24 @@ def test_tokenizer_from_file_or_folder(tmp_path, rng):
 def check_segments(batch, eos_id):
     """Positions, cu_seqlens and max_seqlen, each recomputed from scratch."""
     B, S = batch.input_ids.shape
-    assert batch.input_ids.dtype == batch.labels.dtype == batch.position_ids.dtype == torch.int64
-    assert batch.cu_seqlens.dtype == torch.int32
+    packed = batch.packed
+    assert batch.input_ids.dtype == batch.labels.dtype == packed.position_ids_BS.dtype == torch.int64
+    assert packed.cu_seqlens.dtype == torch.int32
     assert batch.num_tokens == B * S
 
-    for row, positions in zip(batch.input_ids.tolist(), batch.position_ids.tolist()):
+    for row, positions in zip(batch.input_ids.tolist(), packed.position_ids_BS.tolist()):
         expected = [0]
         for previous in row[:-1]:
             expected.append(0 if previous == eos_id else expected[-1] + 1)
         assert positions == expected
 
-    cu = batch.cu_seqlens.tolist()
+    cu = packed.cu_seqlens.tolist()
     assert cu[0] == 0 and cu[-1] == B * S
     assert all(a < b for a, b in zip(cu, cu[1:]))
     assert set(range(0, B * S, S)) <= set(cu)  # every sample edge is a segment edge
     from_cu = [p for a, b in zip(cu, cu[1:]) for p in range(b - a)]
-    assert from_cu == batch.position_ids.flatten().tolist()
-    assert batch.max_seqlen == max(b - a for a, b in zip(cu, cu[1:]))
+    assert from_cu == packed.position_ids_BS.flatten().tolist()
+    assert packed.max_seqlen == max(b - a for a, b in zip(cu, cu[1:]))
 
 
 def test_batch_from_windows_on_random_streams(rng):
@@ -177,7 +182,7 @@ def test_batch_from_windows_on_random_streams(rng):
     for _ in range(20):
         B, S = rng.randint(1, 4), rng.randint(2, 40)
         windows = torch.tensor([[rng.choice([eos, 1, 2, 4, 5, 6]) for _ in range(S + 1)] for _ in range(B)])
-        batch = data.batch_from_windows(windows, eos)
+        batch = batch_from_windows(windows, eos)
         check_segments(batch, eos)
         assert torch.equal(batch.input_ids, windows[:, :-1])
         expected_labels = torch.where(windows[:, :-1] == eos, -100, windows[:, 1:])
@@ -227,12 +232,14 @@ def test_sharding_matches_one_process_and_epochs_reshuffle(tmp_path, rng):
         ranks = [PackedData(cfg, batch_size, rank=r, world_size=world, seed=seed) for r in range(world)]
         for step in steps:
             whole, parts = single.batch(step), [rank.batch(step) for rank in ranks]
-            for name in ("input_ids", "labels", "position_ids"):
+            for name in ("input_ids", "labels"):
                 assert torch.equal(getattr(whole, name), torch.cat([getattr(p, name) for p in parts]))
+            assert torch.equal(whole.packed.position_ids_BS, torch.cat([p.packed.position_ids_BS for p in parts]))
             offsets = torch.tensor([0] + [p.num_tokens for p in parts]).cumsum(0)
-            merged = torch.cat([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets)])
-            assert torch.equal(whole.cu_seqlens, merged.to(torch.int32))
-            assert whole.max_seqlen == max(p.max_seqlen for p in parts)
+            merged = torch.cat([parts[0].packed.cu_seqlens[:1]] +
+                               [p.packed.cu_seqlens[1:] + o for p, o in zip(parts, offsets)])
+            assert torch.equal(whole.packed.cu_seqlens, merged.to(torch.int32))
+            assert whole.packed.max_seqlen == max(p.packed.max_seqlen for p in parts)
 
     def epoch_rows(packed, epoch):
         steps = range(epoch * packed.steps_per_epoch, (epoch + 1) * packed.steps_per_epoch)
@@ -253,7 +260,9 @@ def test_too_little_data_is_a_user_error(tmp_path):
 
 
 def test_batch_moves_to_a_device():
-    batch = data.batch_from_windows(torch.tensor([[5, 0, 6, 7, 0]]), eos_id=0)
+    batch = batch_from_windows(torch.tensor([[5, 0, 6, 7, 0]]), eos_id=0)
     moved = batch.to("cpu")
-    assert torch.equal(moved.input_ids, batch.input_ids) and moved.max_seqlen == batch.max_seqlen == 2
+    assert torch.equal(moved.input_ids, batch.input_ids) and moved.packed.max_seqlen == batch.packed.max_seqlen == 2
+    assert torch.equal(moved.packed.position_ids_BS, batch.packed.position_ids_BS)
+    assert torch.equal(moved.packed.cu_seqlens, batch.packed.cu_seqlens)
     assert moved.num_tokens == 4

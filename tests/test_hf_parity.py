@@ -49,11 +49,10 @@ def rel_err(a, b):
 def test_logits_loss_and_grads_match_hf(hf_and_ours):
     hf, ours = hf_and_ours
     batch = random_packed_batch(101)
-    packed = PackedSequences(batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
     targets = (batch.labels != -100).sum()
 
-    ours_logits = ours(batch.input_ids, packed)
-    hf_logits = hf(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    ours_logits = ours(batch.input_ids, batch.packed)
+    hf_logits = hf(input_ids=batch.input_ids, position_ids=batch.packed.position_ids_BS, use_cache=False).logits
     assert rel_err(ours_logits, hf_logits) < 1e-4
 
     ours_loss = causal_lm_loss(ours_logits, batch.labels, targets)
@@ -71,9 +70,8 @@ def test_documents_do_not_attend_to_each_other(hf_and_ours):
     """A packed document gives the same logits as the document run alone."""
     _, ours = hf_and_ours
     batch = random_packed_batch(101)
-    packed = PackedSequences(batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-    logits = ours(batch.input_ids, packed)
-    starts = batch.cu_seqlens.tolist()
+    logits = ours(batch.input_ids, batch.packed)
+    starts = batch.packed.cu_seqlens.tolist()
     flat_ids = batch.input_ids.flatten()
     for begin, end in zip(starts[:-1], starts[1:]):
         alone = flat_ids[begin:end][None]

@@ -1,4 +1,7 @@
-"""Documents in, packed batches out: loading, a tokenizer, packing and sharding.
+"""Documents in, packed batches out: the token stream, its windows, and sharding.
+
+The documents come from te_mixtral/data/sources.py, the tokenizer from
+te_mixtral/data/tokenizer.py; this module packs them.
 
 The idea
 --------
@@ -17,6 +20,9 @@ starts, or attention and the loss would leak from one document into the next:
   `B*S` tokens, the "THD" layout that Transformer Engine's fused attention takes to keep
   attention inside each segment. A sample boundary is always a segment boundary: a document
   cut by the edge of a sample goes on in the next sample as a new segment at position 0.
+
+`position_ids` and `cu_seqlens`, with the longest segment `max_seqlen`, travel as the
+batch's `packed`: the model's own `PackedSequences`, handed to its forward as it is.
 
 Example, S = 6, `|` an eos::
 
@@ -37,31 +43,19 @@ all samples (a fresh one each epoch, seeded `seed + epoch`); rank r takes rows
 seed alone, not on the world size: the ranks' rows, concatenated in rank order, are the
 single-process batch. An epoch is `num_samples // batch_size` whole steps; the few samples
 left over are skipped, different ones each epoch.
-
-Pitfall: the tokenizer trained here (when no tokenizer is given) is cached on disk, keyed
-by the documents and the vocabulary size. Several ranks may train it at once on a cold
-cache; that is safe because training is deterministic and the file is written atomically.
 """
 
-import hashlib
 import itertools
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-import datasets
-import tokenizers
 import torch
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data.sources import load_documents
+from te_mixtral.data.tokenizer import Tokenizer, load_tokenizer
 from te_mixtral.errors import UserError
+from te_mixtral.model.layers import PackedSequences
 
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
-EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>")
-# Part of the tokenizer cache key: change it whenever the training recipe changes, so an
-# old cached tokenizer is not mistaken for a new one.
-TOKENIZER_RECIPE = "byte-level-bpe-1"
 EVAL_SPLIT_SEED = 20240601  # fixed: the held-out samples must not move with the run's seed
 
 
@@ -71,202 +65,15 @@ class Batch:
 
     input_ids: torch.Tensor  # int64 [B, S]
     labels: torch.Tensor  # int64 [B, S], -100 where there is no loss
-    position_ids: torch.Tensor  # int64 [B, S], 0 at each document start
-    cu_seqlens: torch.Tensor  # int32 [num_segments + 1], over the flattened B*S tokens
-    max_seqlen: int  # longest segment
+    packed: PackedSequences  # where the documents are: position ids, cu_seqlens, max_seqlen
 
     def to(self, device) -> "Batch":
-        return Batch(
-            self.input_ids.to(device, non_blocking=True),
-            self.labels.to(device, non_blocking=True),
-            self.position_ids.to(device, non_blocking=True),
-            self.cu_seqlens.to(device, non_blocking=True),
-            self.max_seqlen,
-        )
+        return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),
+                     self.packed.to(device))
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
-
-
-# --- documents --------------------------------------------------------------------------
-
-
-def _embedded_dataset(text_field: str) -> datasets.Dataset:
-    # pydoc's help topics: ~0.5 MB of English prose shipped with every Python, so the default
-    # run needs no network and no download. One topic is one document.
-    from pydoc_data.topics import topics
-
-    return datasets.Dataset.from_dict({text_field: [topics[name] for name in sorted(topics)]})
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _local_datasets(path: Path) -> list[datasets.Dataset]:
-    """A file, or every .json/.jsonl/.txt file directly inside a folder (in name order)."""
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS)
-        if not files:
-            raise UserError(f"folder {path} holds no {'/'.join(LOCAL_BUILDERS)} files")
-    elif path.suffix in LOCAL_BUILDERS:
-        files = [path]
-    else:
-        raise UserError(f"cannot read {path}: data files must end in {', '.join(LOCAL_BUILDERS)}")
-    loaded = []
-    # json and text files need different builders, so each run of same-kind files is one call.
-    for builder, run in itertools.groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix]):
-        names = [str(p) for p in run]
-        try:
-            # Local files all land in the "train" split, whatever `data.split` says.
-            loaded.append(datasets.load_dataset(builder, data_files=names, split="train"))
-        except Exception as e:
-            raise UserError(f"cannot read {', '.join(names)}: {_first_line(e)}") from None
-    return loaded
-
-
-def _hub_dataset(name: str, split: str) -> datasets.Dataset:
-    # Without a network the hub client retries for ~20 s before giving up;
-    # HF_HUB_OFFLINE=1 makes it fail at once.
-    try:
-        return datasets.load_dataset(name, split=split)
-    except Exception as e:
-        raise UserError(
-            f"could not load data set '{name}' (split '{split}') from the Hugging Face hub: {_first_line(e)}; "
-            f"offline, use data.dataset=embedded or a local .json/.jsonl/.txt file or folder"
-        ) from None
-
-
-def _is_local(name: str) -> bool:
-    # Hub names look like paths ("owner/name"), so a name is local only if it exists, has a
-    # data-file suffix, or is plainly a path; a typo in a local path must not go to the hub.
-    return Path(name).expanduser().exists() or Path(name).suffix in LOCAL_BUILDERS or name.startswith(("/", ".", "~"))
-
-
-def load_documents(cfg: DataConfig) -> list[str]:
-    """The data set's documents in their stored order: non-empty texts, the first
-    `max_documents` of them. Empty texts (blank lines of a .txt file) are skipped."""
-    if cfg.dataset == "embedded":
-        sources = [_embedded_dataset(cfg.text_field)]
-    elif _is_local(cfg.dataset):
-        path = Path(cfg.dataset).expanduser()
-        if not path.exists():
-            raise UserError(f"data set path {cfg.dataset} does not exist")
-        sources = _local_datasets(path)
-    else:
-        sources = [_hub_dataset(cfg.dataset, cfg.split)]
-
-    for source in sources:
-        if cfg.text_field not in source.column_names:
-            raise UserError(
-                f"data set '{cfg.dataset}' has no field '{cfg.text_field}' (fields: {', '.join(source.column_names)}); "
-                f"set data.text_field"
-            )
-        if getattr(source.features[cfg.text_field], "dtype", None) not in ("string", "large_string"):
-            raise UserError(f"field '{cfg.text_field}' of data set '{cfg.dataset}' does not hold text")
-    texts = (text for source in sources for text in source[cfg.text_field] if text and text.strip())
-    documents = list(itertools.islice(texts, cfg.max_documents))
-    if not documents:
-        raise UserError(f"data set '{cfg.dataset}' has no non-empty '{cfg.text_field}' documents")
-    return documents
-
-
-# --- tokenizer --------------------------------------------------------------------------
-
-
-@dataclass
-class Tokenizer:
-    """A `tokenizers.Tokenizer` and the id of the eos token that closes every document."""
-
-    backend: tokenizers.Tokenizer
-    eos_id: int
-
-    @classmethod
-    def wrap(cls, backend: tokenizers.Tokenizer, where: str) -> "Tokenizer":
-        for token in EOS_CANDIDATES:
-            if (eos_id := backend.token_to_id(token)) is not None:
-                return cls(backend, eos_id)
-        raise UserError(f"tokenizer {where} has none of the eos tokens {', '.join(EOS_CANDIDATES)}")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # The tokenizer's own special-token template applies: a Mixtral checkpoint's tokenizer
-        # opens each document with its <s> (as in pretraining); the one trained here adds none.
-        return [encoding.ids for encoding in self.backend.encode_batch(texts)]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TE_MIXTRAL_CACHE") or "~/.cache/te_mixtral").expanduser()
-
-
-def train_tokenizer(documents: list[str], vocab_size: int) -> tokenizers.Tokenizer:
-    """A byte-level BPE with an <eos> special token. Byte level means any text encodes
-    (no unknown token). The trainer breaks ties between equally frequent merges by the pair
-    itself, so the same documents always give the same tokenizer, in any process."""
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<eos>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(documents, trainer)
-    return backend
-
-
-def _cache_key(documents: list[str], vocab_size: int) -> str:
-    content = hashlib.sha256()
-    for doc in documents:
-        data = doc.encode()
-        # The length prefix keeps ["ab", "c"] and ["a", "bc"] apart.
-        content.update(len(data).to_bytes(8, "little") + data)
-    return hashlib.sha256(f"{TOKENIZER_RECIPE}:{content.hexdigest()}:{vocab_size}".encode()).hexdigest()[:20]
-
-
-def _cached_tokenizer(documents: list[str], vocab_size: int) -> tokenizers.Tokenizer:
-    path = cache_dir() / f"tokenizer-{_cache_key(documents, vocab_size)}.json"
-    if path.exists():
-        return tokenizers.Tokenizer.from_file(str(path))
-    backend = train_tokenizer(documents, vocab_size)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Ranks may race on a cold cache: each writes its own temporary file and renames it
-        # into place, so a reader sees either no file or a whole one.
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            tmp.write(backend.to_str())
-        os.replace(tmp.name, path)
-    except OSError as e:
-        raise UserError(
-            f"cannot write the tokenizer cache {path.parent} ({e.strerror}); set TE_MIXTRAL_CACHE"
-        ) from None
-    return backend
-
-
-def load_tokenizer(cfg: DataConfig, documents: list[str]) -> Tokenizer:
-    """`cfg.tokenizer` (a tokenizer.json, or a folder holding one such as a Hugging Face
-    checkpoint), or else a BPE trained on `documents` and cached."""
-    if cfg.tokenizer is None:
-        return Tokenizer.wrap(_cached_tokenizer(documents, cfg.tokenizer_vocab_size), "trained on the data")
-    path = Path(cfg.tokenizer).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise UserError(f"tokenizer file {path} does not exist")
-    try:
-        backend = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise UserError(f"cannot read tokenizer {path}: {_first_line(e)}") from None
-    return Tokenizer.wrap(backend, str(path))
-
-
-# --- packing and sharding ---------------------------------------------------------------
 
 
 def token_stream(tokenizer: Tokenizer, documents: list[str]) -> torch.Tensor:
@@ -294,7 +101,7 @@ def batch_from_windows(windows: torch.Tensor, eos_id: int) -> Batch:
     start_offsets = starts.flatten().nonzero().flatten()
     cu_seqlens = torch.cat([start_offsets, torch.tensor([B * S])]).to(torch.int32)
     max_seqlen = int(cu_seqlens.diff().max())
-    return Batch(input_ids, labels, position_ids, cu_seqlens, max_seqlen)
+    return Batch(input_ids, labels, PackedSequences(position_ids, cu_seqlens, max_seqlen))
 
 
 def held_out_split(num_samples: int, eval_fraction: float, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,8 @@ class Layout:
 
 
 def world_size_from_env() -> int:
+    """How many processes torchrun started (1 when run without it): the one place that
+    reads it, usable before torch.distributed is initialised."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -62,19 +64,23 @@ def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
-    ep_groups = [list(range(start, start + ep_size)) for start in range(0, world, ep_size)]
-    replica_groups = [list(range(ep_rank, world, ep_size)) for ep_rank in range(ep_size)]
-    # new_group is collective: every rank must create every group, in the same order.
-    ep_group = replica_group = None
-    for ranks in ep_groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            ep_group = group
-    for ranks in replica_groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            replica_group = group
+    ep_group = _group_of(rank, [list(range(start, start + ep_size)) for start in range(0, world, ep_size)])
+    replica_group = _group_of(rank, [list(range(ep_rank, world, ep_size)) for ep_rank in range(ep_size)])
     return Layout(rank, world, ep_size, ep_group, replica_group)
+
+
+def _group_of(rank: int, partition: list[list[int]]) -> dist.ProcessGroup:
+    """Create a process group for every part of `partition` and return the one holding `rank`.
+
+    new_group is collective: every rank must create every group, in the same order, even
+    the groups it is not in.
+    """
+    mine = None
+    for ranks in partition:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def shutdown() -> None:
@@ -83,6 +89,8 @@ def shutdown() -> None:
 
 
 def is_expert_param(name: str) -> bool:
+    """Whether a parameter (our name, or a Hugging Face checkpoint's) is an expert weight:
+    sharded over the EP group rather than replicated on every rank."""
     return ".experts." in name
 
 
@@ -102,6 +110,14 @@ def all_reduce_sum(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Sum `tensor` over the world in place (a no-op in a single process)."""
     if layout.world_size > 1:
         dist.all_reduce(tensor)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Take the elementwise maximum of `tensor` over the world in place (a no-op in a single
+    process): the slowest rank, the fullest memory, whether any rank failed."""
+    if layout.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
 

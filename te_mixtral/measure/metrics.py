@@ -109,7 +109,8 @@ def train_flops(m: ModelConfig, cu_seqlens: torch.Tensor, num_tokens: int) -> fl
 
 
 class StepTimer:
-    """Wall-clock time of each training step, with the GPU drained at both ends.
+    """Wall-clock time of each training step (or of any piece of work timed again and
+    again, such as measure/phases.py's phases), with the GPU drained at both ends.
 
     Use `with timer.step(): ...` or `timer.start()` ... `seconds = timer.stop()`; every
     measured step is appended to `timer.times` (seconds), warm-up included: leaving the

@@ -24,34 +24,25 @@ is timed, so this runs after everything else that reads the weights.
 """
 
 import statistics
-import time
 
 import torch
 
-from te_mixtral.distributed.layout import all_reduce_gradients, clip_grad_norm
+from te_mixtral.distributed.layout import (
+    all_reduce_gradients,
+    all_reduce_max,
+    clip_grad_norm,
+)
+from te_mixtral.measure.metrics import StepTimer
 from te_mixtral.model.mixtral import causal_lm_loss
 
 
-class _Timer:
-    """Median wall time of a callable, the device drained before every clock read."""
-
-    def __init__(self, device: torch.device, repeats: int = 5, warmup: int = 2):
-        self.device, self.repeats, self.warmup = device, repeats, warmup
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def ms(self, fn) -> float:
-        times = []
-        for i in range(self.warmup + self.repeats):
-            self._sync()
-            start = time.perf_counter()
+def _median_ms(fn, device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
+    """Median wall time of `fn()` in milliseconds, after `warmup` untimed calls."""
+    timer = StepTimer(device)
+    for _ in range(warmup + repeats):
+        with timer.step():
             fn()
-            self._sync()
-            if i >= self.warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+    return statistics.median(timer.times[warmup:]) * 1e3
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -92,52 +83,53 @@ def _capture_inputs(model, step_fn):
     return captured
 
 
-def profile_phases(model, optimizer, step_fn, batch, packed, num_targets, autocast, layout, cfg
+def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layout, cfg
                    ) -> tuple[dict, list[int]]:
     """Per-phase milliseconds (summed over layers) of one step, and each rank's expert rows."""
     device = next(model.parameters()).device
-    timer = _Timer(device)
     captured = _capture_inputs(model, step_fn)
+
+    def ms(fn) -> float:
+        return _median_ms(fn, device)
 
     # First, while the step's gradients are there. Repeating the all-reduce compounds the
     # sums and the optimizer really steps: neither changes what they cost.
     update_ms = {}
     if layout.world_size > 1:
-        update_ms["all-reduce"] = timer.ms(lambda: all_reduce_gradients(model, layout))
-    update_ms["clip"] = timer.ms(lambda: clip_grad_norm(model, cfg.train.grad_clip, layout))
-    update_ms["optimizer"] = timer.ms(optimizer.step)
+        update_ms["all-reduce"] = ms(lambda: all_reduce_gradients(model, layout))
+    update_ms["clip"] = ms(lambda: clip_grad_norm(model, cfg.train.grad_clip, layout))
+    update_ms["optimizer"] = ms(optimizer.step)
+    packed = batch.packed
     rotary = model.model.rotary(packed.position_ids_BS)
     totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head"), 0.0)
     expert_rows = 0
     with autocast:
         for index, layer in enumerate(model.model.layers):
             attn_in, moe_in = captured[(index, "input_layernorm")], captured[(index, "post_attention_layernorm")]
-            totals["attention"] += timer.ms(_forward_backward(model,
+            totals["attention"] += ms(_forward_backward(model,
                 lambda x: layer.self_attn(layer.input_layernorm(x), rotary, packed), attn_in))
+            # The MoE block's own steps (MoEBlock.forward calls them in this order), each on
+            # the previous step's output.
             mlp = layer.mlp
             x_TD = layer.post_attention_layernorm(moe_in).reshape(-1, moe_in.shape[-1]).detach()
-            totals["router"] += timer.ms(_forward_backward(model, lambda x: mlp.route(x)[0], x_TD))
-            weights_TK, experts_TK = mlp.route(x_TD)
-            x_TD = x_TD.to(torch.get_autocast_dtype(device.type)) if torch.is_autocast_enabled(device.type) else x_TD
-            totals["dispatch"] += timer.ms(_forward_backward(model,
-                lambda x: mlp.dispatcher.dispatch(x, experts_TK, weights_TK.detach()).x_RD, x_TD))
-            routed = mlp.dispatcher.dispatch(x_TD, experts_TK, weights_TK.detach())
-            experts = mlp.experts
+            totals["router"] += ms(_forward_backward(model, lambda x: mlp.route(x)[0], x_TD))
+            weights_TK, experts_TK = (t.detach() for t in mlp.route(x_TD))
+            totals["dispatch"] += ms(_forward_backward(model,
+                lambda x: mlp.dispatch(x, weights_TK, experts_TK).x_RD, x_TD))
+            routed = mlp.dispatch(x_TD, weights_TK, experts_TK)
             expert_rows += routed.x_RD.shape[0]
-            totals["experts"] += timer.ms(_forward_backward(model,
-                lambda x: mlp.tier(x, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj),
-                routed.x_RD))
-            y_RD = mlp.tier(routed.x_RD, routed.tokens_per_expert_L, experts.gate_up_proj, experts.down_proj)
-            totals["combine"] += timer.ms(_forward_backward(model, lambda y: mlp.dispatcher.combine(y, routed), y_RD))
-        totals["head"] = timer.ms(_forward_backward(model,
+            totals["experts"] += ms(_forward_backward(model,
+                lambda x: mlp.run_experts(x, routed.tokens_per_expert_L), routed.x_RD))
+            y_RD = mlp.run_experts(routed.x_RD, routed.tokens_per_expert_L)
+            totals["combine"] += ms(_forward_backward(model, lambda y: mlp.combine(y, routed), y_RD))
+        totals["head"] = ms(_forward_backward(model,
             lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
             captured["final"]))
     totals.update(update_ms)
     optimizer.zero_grad(set_to_none=True)
     rows_per_rank = [expert_rows]
     if layout.world_size > 1:  # the slowest rank bounds the step (routing is rarely balanced)
-        slowest = torch.tensor(list(totals.values()), dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        slowest = all_reduce_max(torch.tensor(list(totals.values()), dtype=torch.float64, device=device), layout)
         totals = dict(zip(totals, slowest.tolist()))
         gathered = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
         torch.distributed.all_gather_into_tensor(gathered, torch.tensor([expert_rows], device=device))

@@ -12,14 +12,13 @@ output folder:
 A later run reads the file back with `read_results` and hands its `losses` to
 `loss_check.check_losses`, so the file must be complete or absent, never half written:
 it is written to a temporary file in the same folder and renamed over the target, which
-the filesystem does in one step. A diverged run still saves its losses: NaN is written as
-Python's `NaN`, which `json` reads back (strict JSON tools such as `jq` do not).
+the filesystem does in one step (`te_mixtral.files.write_text_atomic`). A diverged run
+still saves its losses: NaN is written as Python's `NaN`, which `json` reads back (strict
+JSON tools such as `jq` do not).
 """
 
 import json
-import os
 import platform
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime
 from importlib import metadata
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.errors import UserError
+from te_mixtral.files import require_writable, write_text_atomic
 
 RESULTS_FILE = "results.json"
 CORE_KEYS = ("header", "summary", "losses")
@@ -59,7 +59,8 @@ def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] | None = N
     return "\n".join(out)
 
 
-def _version(distribution: str) -> str | None:
+def package_version(distribution: str) -> str | None:
+    """The installed version of a distribution (e.g. "torch"), or None if not installed."""
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
@@ -77,8 +78,8 @@ def run_header(cfg: RunConfig, device_name: str, world_size: int) -> dict:
         "precision": cfg.precision,
         "versions": {
             "python": platform.python_version(),
-            "torch": _version("torch"),
-            "transformer_engine": _version("transformer_engine"),
+            "torch": package_version("torch"),
+            "transformer_engine": package_version("transformer_engine"),
         },
         "config": to_dict(cfg),
     }
@@ -113,19 +114,7 @@ def write_results(
 
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / RESULTS_FILE
-    # The temporary file lives in the target folder: os.replace is only atomic within one
-    # filesystem, and /tmp often is another.
-    fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=f".{RESULTS_FILE}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it owner-only; results are meant to be shared
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(payload, indent=2))
     return path
 
 
@@ -174,12 +163,7 @@ def prepare_output_dir(output_dir: str | None, tier: str) -> Path:
     if output_dir is None:
         return default_output_dir(tier)
     path = Path(output_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-")
-        probe.close()
-    except OSError as e:
-        raise UserError(f"output directory {path} is not writable: {e.strerror}") from None
+    require_writable(path, "output directory")
     return path
 
 

@@ -24,11 +24,16 @@ from te_mixtral.errors import UserError
 
 @dataclass
 class PackedSequences:
-    """Where the documents are in a [B, S] batch; built once per forward."""
+    """Where the documents are in a [B, S] batch (te_mixtral/data/packing.py builds it with
+    each batch; see its docstring)."""
 
-    position_ids_BS: torch.Tensor
-    cu_seqlens: torch.Tensor  # int32, over the flattened B*S tokens
-    max_seqlen: int
+    position_ids_BS: torch.Tensor  # int64, 0 at each document start
+    cu_seqlens: torch.Tensor  # int32 [num_segments + 1], over the flattened B*S tokens
+    max_seqlen: int  # longest segment
+
+    def to(self, device) -> "PackedSequences":
+        return PackedSequences(self.position_ids_BS.to(device, non_blocking=True),
+                               self.cu_seqlens.to(device, non_blocking=True), self.max_seqlen)
 
     def causal_document_mask(self) -> torch.Tensor:
         """[B, 1, S, S] bool, True where query i may attend key j."""

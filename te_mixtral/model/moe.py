@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from te_mixtral.distributed.dispatch import TokenDispatcher
+from te_mixtral.distributed.dispatch import DispatchOutput, TokenDispatcher
 from te_mixtral.experts.base import ExpertTier
 
 
@@ -35,18 +35,33 @@ class MoEBlock(nn.Module):
         self.dispatcher = dispatcher
         self.tier = tier
 
+    # The four steps of `forward`, public so that measure/phases.py can time each one alone
+    # on the very code the model runs.
+
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts and their weights (summing to one), both [T, K]."""
         probs_TE = F.softmax(self.gate(x_TD).float(), dim=-1)
         weights_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         return weights_TK / weights_TK.sum(-1, keepdim=True), experts_TK
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        weights_TK, experts_TK = self.route(x_TD)
+    def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> DispatchOutput:
+        """Send each token's k copies to the ranks of their experts, sorted by local expert."""
         if torch.is_autocast_enabled(x_TD.device.type):
             # The experts compute in the autocast dtype anyway; casting before dispatch
             # halves the bytes the all-to-all moves.
             x_TD = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
-        routed = self.dispatcher.dispatch(x_TD, experts_TK, weights_TK)
-        y_RD = self.tier(routed.x_RD, routed.tokens_per_expert_L, self.experts.gate_up_proj, self.experts.down_proj)
-        return self.dispatcher.combine(y_RD, routed).view_as(x_BSD)
+        return self.dispatcher.dispatch(x_TD, experts_TK, weights_TK)
+
+    def run_experts(self, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
+        """The expert tier over this rank's sorted rows: [R, D] in, [R, D] out."""
+        return self.tier(x_RD, tokens_per_expert_L, self.experts.gate_up_proj, self.experts.down_proj)
+
+    def combine(self, y_RD: torch.Tensor, routed: DispatchOutput) -> torch.Tensor:
+        """Send the rows back to their tokens and sum each token's k outputs, weighted: [T, D]."""
+        return self.dispatcher.combine(y_RD, routed)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routed = self.dispatch(x_TD, *self.route(x_TD))
+        y_RD = self.run_experts(routed.x_RD, routed.tokens_per_expert_L)
+        return self.combine(y_RD, routed).view_as(x_BSD)

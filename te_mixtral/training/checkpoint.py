@@ -39,12 +39,10 @@ across nodes). Data-parallel replicas write identical shards; that costs disk sp
 correctness, and keeps every rank's file self-contained.
 """
 
-import hashlib
 import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -53,8 +51,15 @@ import torch
 import torch.distributed as dist
 
 from te_mixtral.config import RunConfig, to_dict
-from te_mixtral.distributed.layout import Layout
+from te_mixtral.distributed.layout import Layout, all_reduce_max, all_reduce_sum
 from te_mixtral.errors import UserError
+from te_mixtral.files import (
+    publish_folder,
+    require_free_space,
+    require_writable,
+    sha256_of,
+    write_text_atomic,
+)
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -73,77 +78,6 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
-# --- files that are whole or absent -----------------------------------------------------
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file, or a folder's list of names (what makes a rename durable), to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` in one step: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it owner-only
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
-
-
-def publish_folder(tmp: Path, final: Path) -> None:
-    """Rename a finished temporary folder to its final name.
-
-    A folder cannot replace a non-empty folder in one rename, so an existing `final` is first
-    moved aside to `final.old` and deleted after: a crash between the two renames leaves the
-    previous contents under `final.old`, never a mixture.
-    """
-    fsync_path(tmp)
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    fsync_path(final.parent)
-
-
-def require_writable(path: Path, what: str) -> None:
-    """Create `path` and a file in it now, so that a bad path fails before training, not after."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
-    except OSError as e:
-        raise UserError(f"{what} {path} is not writable: {e.strerror}") from None
-
-
-def require_free_space(path: Path, needed_bytes: int, what: str) -> None:
-    free = shutil.disk_usage(path).free
-    if free < needed_bytes:
-        raise UserError(f"not enough free space in {path} for {what}: needs about {needed_bytes / 2**30:.2f} GiB, "
-                        f"{free / 2**30:.2f} GiB free")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # --- collectives ------------------------------------------------------------------------
 
 
@@ -154,11 +88,7 @@ def _barrier(layout: Layout) -> None:
 
 def _any_rank(flag: bool, layout: Layout, device: torch.device) -> bool:
     """Whether `flag` holds on any rank; every rank must call it."""
-    if layout.world_size == 1:
-        return flag
-    tensor = torch.tensor(int(flag), device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return bool(all_reduce_max(torch.tensor(int(flag), device=device), layout).item())
 
 
 def _gather_to_main(obj, layout: Layout) -> list | None:
@@ -212,9 +142,7 @@ class Checkpointer:
         """Refuse to start when one checkpoint (weights and AdamW's two moments, all ranks)
         cannot fit, rather than fail at the first save."""
         local = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
-        total = torch.tensor(local, dtype=torch.int64, device=self.device)
-        if self.layout.world_size > 1:
-            dist.all_reduce(total)
+        total = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), self.layout)
         require_free_space(self.dir, int(total.item()), "a training checkpoint")
 
     def save(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

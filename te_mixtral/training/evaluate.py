@@ -1,7 +1,7 @@
 """Evaluation: loss and perplexity on held-out samples the run never trains on.
 
 Which samples: `data.eval_fraction` of the packed samples, a fixed draw that depends on the
-data alone (`data.held_out_split`), whole global batches of it, sharded over the ranks like
+data alone (`data.packing.held_out_split`), whole global batches of it, sharded over the ranks like
 training batches. Training batches are drawn from the other samples only.
 
 What is measured is the training loss itself, on other tokens: the token cross-entropy
@@ -25,7 +25,6 @@ import torch
 from te_mixtral.data.packing import Batch
 from te_mixtral.distributed.layout import Layout, all_reduce_sum
 from te_mixtral.measure.report import format_table
-from te_mixtral.model.layers import PackedSequences
 from te_mixtral.model.mixtral import causal_lm_loss
 
 
@@ -48,9 +47,8 @@ def evaluate(model: torch.nn.Module, batches: list[Batch], step: int, layout: La
     one = torch.ones((), device=device)
     for batch in batches:
         batch = batch.to(device)
-        packed = PackedSequences(batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
         with autocast:
-            logits = model(batch.input_ids, packed)
+            logits = model(batch.input_ids, batch.packed)
         totals[0] += causal_lm_loss(logits, batch.labels, one).double()  # divided by one: the summed loss
         totals[1] += (batch.labels != -100).sum()
     all_reduce_sum(totals, layout)

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
-from te_mixtral.data.packing import Tokenizer
+from te_mixtral.data.tokenizer import Tokenizer
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.model.layers import PackedSequences

@@ -34,15 +34,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from te_mixtral.config import ModelConfig, RunConfig, validate, validate_model
-from te_mixtral.distributed.layout import Layout
-from te_mixtral.errors import UserError
-from te_mixtral.model.hf_config import hf_config, model_config_from_hf
-from te_mixtral.training.checkpoint import (
+from te_mixtral.distributed.layout import Layout, is_expert_param
+from te_mixtral.errors import UserError, first_line
+from te_mixtral.files import (
     fsync_path,
     publish_folder,
     require_free_space,
     require_writable,
 )
+from te_mixtral.model.hf_config import hf_config, model_config_from_hf
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 
@@ -62,9 +62,8 @@ def resolve_model_path(name: str) -> Path:
 
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "
-                        f"({first_line}); offline, pass a local checkpoint folder") from None
+                        f"({first_line(e)}); offline, pass a local checkpoint folder") from None
 
 
 def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunConfig:
@@ -121,7 +120,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
                 name = key.replace(".block_sparse_moe.", ".mlp.")
                 if name not in params:
                     raise UserError(f"{file.name}: tensor '{key}' has no place in a Mixtral model")
-                if ".experts." in name:  # stacked: read only this rank's slice
+                if is_expert_param(name):  # stacked: read only this rank's slice
                     tensor = f.get_slice(key)[first:first + num_local]
                     loaded.update((name, i, "stacked") for i in range(num_local))
                 else:
@@ -135,7 +134,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
 
 def _check_complete(params, loaded, num_local, tied) -> None:
     for name in params:
-        if ".experts." in name:
+        if is_expert_param(name):
             complete = all((name, i, "stacked") in loaded or
                            all((name, i, p) in loaded for p in (("w1", "w3") if "gate_up" in name else ("w2",)))
                            for i in range(num_local))
@@ -237,7 +236,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
 
     Every rank of the first replica's EP group must call this (they send their experts);
     the other replicas hold copies of the same weights and return at once. `tokenizer` is a
-    `te_mixtral.data.packing.Tokenizer`; `model_source` is the checkpoint folder the weights came
+    `te_mixtral.data.tokenizer.Tokenizer`; `model_source` is the checkpoint folder the weights came
     from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
     carried over.
     """
@@ -272,7 +271,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             if not writer:
                 continue
             tensors = {name.replace(".mlp.", ".block_sparse_moe."): cpu(p) for name, p in params.items()
-                       if name.startswith(prefix + ".") and ".experts." not in name}
+                       if name.startswith(prefix + ".") and not is_expert_param(name)}
             ffn = m.intermediate_size
             for expert in range(len(gate_up)):
                 stem = f"{prefix}.block_sparse_moe.experts.{expert}"
@@ -305,5 +304,5 @@ def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     parent = Path(out_dir).expanduser().absolute().parent
     require_writable(parent, "save_hf's parent folder")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = sum(p.numel() * (layout.ep_size if ".experts." in name else 1) for name, p in model.named_parameters())
+    numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in model.named_parameters())
     require_free_space(parent, numel * itemsize, "the Hugging Face export")

@@ -19,6 +19,7 @@ from te_mixtral.data.packing import PackedData
 from te_mixtral.distributed.layout import (
     Layout,
     all_reduce_gradients,
+    all_reduce_max,
     all_reduce_sum,
     clip_grad_norm,
     init_layout,
@@ -27,13 +28,14 @@ from te_mixtral.distributed.layout import (
 from te_mixtral.errors import UserError, report_error
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import make_tier
+from te_mixtral.files import require_writable
 from te_mixtral.measure import metrics, report
 from te_mixtral.measure.loss_check import check_losses
 from te_mixtral.measure.phases import profile_phases
 from te_mixtral.model.hf_model import HFMixtral
-from te_mixtral.model.layers import TORCH, PackedSequences, resolve_backend
+from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
-from te_mixtral.training.checkpoint import Checkpointer, TrainState, require_writable
+from te_mixtral.training.checkpoint import Checkpointer, TrainState
 from te_mixtral.training.evaluate import evaluate, evaluations_table
 from te_mixtral.training.generate import generate_text
 from te_mixtral.training.hf_checkpoint import (
@@ -163,9 +165,8 @@ def train(cfg: RunConfig) -> TrainResult:
     flops_per_step = []
     for step in range(state.step, cfg.train.steps):
         batch = data.batch(step)
-        step_flops = metrics.train_flops(cfg.model, batch.cu_seqlens, batch.num_tokens)
+        step_flops = metrics.train_flops(cfg.model, batch.packed.cu_seqlens, batch.num_tokens)
         batch = batch.to(device)
-        packed = PackedSequences(batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
         lr = learning_rate(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -176,7 +177,7 @@ def train(cfg: RunConfig) -> TrainResult:
                               torch.tensor(step_flops, device=device, dtype=torch.float64)])
         all_reduce_sum(totals, layout)
         with autocast:
-            logits = model(batch.input_ids, packed)
+            logits = model(batch.input_ids, batch.packed)
         loss = causal_lm_loss(logits, batch.labels, totals[0])
         loss.backward()
         all_reduce_gradients(model, layout)
@@ -210,9 +211,10 @@ def train(cfg: RunConfig) -> TrainResult:
                  if cfg.generate is not None else None)
     losses = state.losses
     timing_warmup = min(cfg.train.timing_warmup_steps, len(timer.times) - 1)  # a resumed run has fewer steps
+    peak_memory = all_reduce_max(torch.tensor(metrics.peak_memory_bytes(device), device=device), layout).item()
     summary = metrics.summarize(
         timer.times, timing_warmup, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
-        metrics.peak_flops(header["device"]), _max_over_ranks(metrics.peak_memory_bytes(device), layout, device),
+        metrics.peak_flops(header["device"]), peak_memory,
     )
     exit_code = 0
     extra = {"evals": state.evals} if state.evals else {}
@@ -220,11 +222,11 @@ def train(cfg: RunConfig) -> TrainResult:
 
         def forward_backward():
             with autocast:
-                logits = model(batch.input_ids, packed)
+                logits = model(batch.input_ids, batch.packed)
             causal_lm_loss(logits, batch.labels, totals[0]).backward()
 
         extra["phases_ms"], extra["expert_rows_per_rank"] = profile_phases(
-            model, optimizer, forward_backward, batch, packed, totals[0], autocast, layout, cfg)
+            model, optimizer, forward_backward, batch, totals[0], autocast, layout, cfg)
     if generated is not None:
         extra["generate"] = generated
     if reference is not None:
@@ -248,14 +250,6 @@ def train(cfg: RunConfig) -> TrainResult:
     return TrainResult(exit_code, losses, model)
 
 
-def _max_over_ranks(value: int, layout: Layout, device: torch.device) -> int:
-    if layout.world_size == 1:
-        return value
-    tensor = torch.tensor(value, device=device, dtype=torch.int64)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return int(tensor.item())
-
-
 def _lost_a_peer(e: RuntimeError) -> bool:
     # gloo reports a dead or hung peer as a plain RuntimeError naming itself; NCCL and the
     # store raise torch.distributed.DistError subclasses.
@@ -266,7 +260,7 @@ def main(cfg: RunConfig) -> int:
     try:
         return train(cfg).exit_code
     except UserError as e:
-        return report_error(e)
+        return report_error(e, world_size_from_env())
     except RuntimeError as e:
         if not _lost_a_peer(e):
             raise

@@ -11,7 +11,7 @@ from te_mixtral.data.packing import batch_from_windows
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.hf_config import model_config_from_hf
-from te_mixtral.model.layers import TE, TORCH, PackedSequences
+from te_mixtral.model.layers import TE, TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
 from te_mixtral.te_support import te_available
 from te_mixtral.training.hf_checkpoint import load_hf_weights
@@ -48,15 +48,14 @@ def test_hf_parity_bf16(backend, tmp_path):
         windows = torch.randint(1, 512, (2, 257))
         windows[torch.rand(windows.shape) < 0.01] = 0
         batch = batch_from_windows(windows, 0).to("cuda")
-        packed = PackedSequences(batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
 
         def hf_logits():
-            return hf(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+            return hf(input_ids=batch.input_ids, position_ids=batch.packed.position_ids_BS, use_cache=False).logits
 
         with torch.no_grad():
             reference = hf_logits()
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                hf_bf16, ours_bf16 = hf_logits(), ours(batch.input_ids, packed)
+                hf_bf16, ours_bf16 = hf_logits(), ours(batch.input_ids, batch.packed)
         hf_error += rel_err(hf_bf16, reference) / BATCHES
         ours_error += rel_err(ours_bf16, reference) / BATCHES
     assert ours_error < 2 * hf_error, (ours_error, hf_error)

@@ -1,0 +1,100 @@
+"""Where the documents come from: the embedded corpus, local files, or the Hugging Face hub.
+
+`data.dataset` names one of three sources, and each gives a list of text documents:
+
+- `embedded`: pydoc's help topics, ~0.5 MB of English prose shipped with every Python, so
+  the default run needs no network and no download;
+- a local path: one .json/.jsonl/.txt file, or a folder of them (read in name order);
+  a .txt file gives one document per non-empty line;
+- anything else: a data set on the Hugging Face hub, `data.split` of it.
+
+Pitfall: hub names look like paths ("owner/name"), so a name counts as local only when it
+exists, has a data-file suffix, or is plainly a path; a typo in a local path must not turn
+into a hub download.
+"""
+
+import itertools
+from pathlib import Path
+
+import datasets
+
+from te_mixtral.config import DataConfig
+from te_mixtral.errors import UserError, first_line
+
+LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
+
+
+def _embedded_dataset(text_field: str) -> datasets.Dataset:
+    # pydoc's help topics: ~0.5 MB of English prose shipped with every Python, so the default
+    # run needs no network and no download. One topic is one document.
+    from pydoc_data.topics import topics
+
+    return datasets.Dataset.from_dict({text_field: [topics[name] for name in sorted(topics)]})
+
+
+def _local_datasets(path: Path) -> list[datasets.Dataset]:
+    """A file, or every .json/.jsonl/.txt file directly inside a folder (in name order)."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS)
+        if not files:
+            raise UserError(f"folder {path} holds no {'/'.join(LOCAL_BUILDERS)} files")
+    elif path.suffix in LOCAL_BUILDERS:
+        files = [path]
+    else:
+        raise UserError(f"cannot read {path}: data files must end in {', '.join(LOCAL_BUILDERS)}")
+    loaded = []
+    # json and text files need different builders, so each run of same-kind files is one call.
+    for builder, run in itertools.groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix]):
+        names = [str(p) for p in run]
+        try:
+            # Local files all land in the "train" split, whatever `data.split` says.
+            loaded.append(datasets.load_dataset(builder, data_files=names, split="train"))
+        except Exception as e:
+            raise UserError(f"cannot read {', '.join(names)}: {first_line(e)}") from None
+    return loaded
+
+
+def _hub_dataset(name: str, split: str) -> datasets.Dataset:
+    # Without a network the hub client retries for ~20 s before giving up;
+    # HF_HUB_OFFLINE=1 makes it fail at once.
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise UserError(
+            f"could not load data set '{name}' (split '{split}') from the Hugging Face hub: {first_line(e)}; "
+            f"offline, use data.dataset=embedded or a local .json/.jsonl/.txt file or folder"
+        ) from None
+
+
+def _is_local(name: str) -> bool:
+    # Hub names look like paths ("owner/name"), so a name is local only if it exists, has a
+    # data-file suffix, or is plainly a path; a typo in a local path must not go to the hub.
+    return Path(name).expanduser().exists() or Path(name).suffix in LOCAL_BUILDERS or name.startswith(("/", ".", "~"))
+
+
+def load_documents(cfg: DataConfig) -> list[str]:
+    """The data set's documents in their stored order: non-empty texts, the first
+    `max_documents` of them. Empty texts (blank lines of a .txt file) are skipped."""
+    if cfg.dataset == "embedded":
+        sources = [_embedded_dataset(cfg.text_field)]
+    elif _is_local(cfg.dataset):
+        path = Path(cfg.dataset).expanduser()
+        if not path.exists():
+            raise UserError(f"data set path {cfg.dataset} does not exist")
+        sources = _local_datasets(path)
+    else:
+        sources = [_hub_dataset(cfg.dataset, cfg.split)]
+
+    for source in sources:
+        if cfg.text_field not in source.column_names:
+            raise UserError(
+                f"data set '{cfg.dataset}' has no field '{cfg.text_field}' (fields: {', '.join(source.column_names)}); "
+                f"set data.text_field"
+            )
+        if getattr(source.features[cfg.text_field], "dtype", None) not in ("string", "large_string"):
+            raise UserError(f"field '{cfg.text_field}' of data set '{cfg.dataset}' does not hold text")
+    texts = (text for source in sources for text in source[cfg.text_field] if text and text.strip())
+    documents = list(itertools.islice(texts, cfg.max_documents))
+    if not documents:
+        raise UserError(f"data set '{cfg.dataset}' has no non-empty '{cfg.text_field}' documents")
+    return documents

@@ -1,0 +1,92 @@
+"""Files that are whole or absent, and folders checked before a long run needs them.
+
+Results, training checkpoints and Hugging Face exports must never be left half written:
+a run killed at any instant, or a disk that fills up, leaves either the old version or the
+new one. The recipe is the same everywhere:
+
+1. write to a temporary name in the *same folder* (`os.replace` and `os.rename` are atomic
+   only within one filesystem, and /tmp often is another);
+2. fsync the data, so the bytes are on disk before a name points at them;
+3. rename over the final name;
+4. fsync the folder, since the rename itself is an entry in the folder's list of names.
+
+A long run should also fail at its start, not after hours, when the folder it will write to
+is not writable or cannot hold what it will write: `require_writable` and
+`require_free_space` say so with a message a user can act on.
+"""
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from te_mixtral.errors import UserError
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a folder's list of names (what makes a rename durable), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step: readers see the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it owner-only; results and checkpoints are meant to be shared
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary folder to its final name.
+
+    A folder cannot replace a non-empty folder in one rename, so an existing `final` is first
+    moved aside to `final.old` and deleted after: a crash between the two renames leaves the
+    previous contents under `final.old`, never a mixture.
+    """
+    fsync_path(tmp)
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    fsync_path(final.parent)
+
+
+def require_writable(path: Path, what: str) -> None:
+    """Create `path` and a file in it now, so that a bad path fails before training, not after."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
+    except OSError as e:
+        raise UserError(f"{what} {path} is not writable: {e.strerror}") from None
+
+
+def require_free_space(path: Path, needed_bytes: int, what: str) -> None:
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise UserError(f"not enough free space in {path} for {what}: needs about {needed_bytes / 2**30:.2f} GiB, "
+                        f"{free / 2**30:.2f} GiB free")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
