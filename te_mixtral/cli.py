@@ -7,7 +7,14 @@ the config's own fields."""
 import argparse
 from pathlib import Path
 
-from te_mixtral.config import RunConfig, flatten, is_switch, load_config, settings, to_dict
+from te_mixtral.config import (
+    RunConfig,
+    flatten,
+    is_switch,
+    load_config,
+    settings,
+    to_dict,
+)
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
 from te_mixtral.errors import UserError, report_error
 

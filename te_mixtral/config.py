@@ -238,8 +238,9 @@ MOVED_KEYS = {
 def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
     """A config as some version of `to_dict` wrote it (or a YAML file), in today's layout.
 
-    A moved key goes to the end of its new section, which is where today's dataclasses put
-    the keys that moved so far, so an upgraded config lists its keys in today's order.
+    A renamed key keeps its place, and a key moved into a section goes to the section's end
+    (where `TrainConfig` declares the schedules that moved), so an upgraded config lists its
+    keys in today's order: reproduce commands and page warnings list keys in that order.
     """
     flat = flatten(raw, where)
     for old, new in MOVED_KEYS.items():
