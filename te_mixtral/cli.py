@@ -1,11 +1,20 @@
 """The command line of `run_finetune_ep.py`: `--config`, then `--key value` overrides of any
-config key, validated before anything heavy is imported."""
+config key, validated before anything heavy is imported. `--help` lists every key with the
+value it has in this run (the config file's, or the override's) and its meaning, read from
+the config's own fields."""
 
 
 import argparse
 from pathlib import Path
 
-from te_mixtral.config import is_switch, load_config
+from te_mixtral.config import (
+    RunConfig,
+    flatten,
+    is_switch,
+    load_config,
+    settings,
+    to_dict,
+)
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
 from te_mixtral.errors import UserError, report_error
 
@@ -32,10 +41,39 @@ when data.tokenizer is unset.
 """
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
-    parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    # Our own --help: argparse's would exit before the config it describes is loaded.
+    parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     add_help=False)
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="show this help, with every config key's value and meaning, and exit")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def _shown(value) -> str:
+    """A value as one would write it after `--key`."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def help_text(cfg: RunConfig, config_path: str) -> str:
+    """The usage, then one line per config key: its full name, its value in `cfg`, its meaning."""
+    values = flatten(to_dict(cfg))
+    rows = [(key, _shown(values[key]), f.metadata["help"]) for key, f in settings().items()]
+    key_width = max(len(key) for key, _, _ in rows)
+    value_width = min(12, max(len(value) for _, value, _ in rows))
+    lines = [f"config keys, with their values from {config_path} and the overrides given "
+             "(--key value; the bare name, e.g. --lr, where it is unique):"]
+    lines += [f"  {key:<{key_width}}  {value:<{value_width}}  {meaning}" for key, value, meaning in rows]
+    return _parser().format_help() + "\n" + "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
+    args, rest = _parser().parse_known_args(argv)
     overrides = {}
     while rest:
         flag = rest.pop(0)
@@ -60,6 +98,9 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, overrides, world_size=world_size_from_env())
     except UserError as e:
         return report_error(e, world_size_from_env())
+    if args.help:
+        print(help_text(cfg, args.config))
+        return 0
     from te_mixtral.training.loop import (
         main as train_main,  # after validation: a bad flag fails fast
     )

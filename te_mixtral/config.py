@@ -6,6 +6,12 @@ A YAML file has three sections (`model`, `data`, `train`) and a few top-level ke
 (`--train.lr 1e-4`) or by its bare name when that name is unique (`--lr 1e-4`); values are
 parsed as YAML scalars. Every problem is raised as a `UserError` whose message is one line
 a user can act on.
+
+Each field carries its own meaning and role (`setting`: help text, whether it is part of
+the timed workload, whether it may change on resume), so the results pages, the resume
+check and `--help` ask the fields (`workload_keys()`, ...) instead of keeping their own
+lists. A key that moves or is renamed gets one line in `MOVED_KEYS`: configs saved by older
+runs are read through `upgrade_saved`.
 """
 
 import dataclasses
@@ -25,60 +31,82 @@ DEVICES = ("auto", "cpu", "cuda")
 MXFP8_MODES = ("auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated")
 
 
+def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
+    """A config field that says what it means and what role it plays, so that the code that
+    asks "which keys ...?" reads the answer here instead of keeping its own list:
+
+    - `help`: one line, what the key means (`run_finetune_ep.py --help` lists it);
+    - `workload`: the key changes what a timed step computes, so a results page compares two
+      runs only when they agree on it. On by default: a new key keeps runs apart until it is
+      declared harmless, which is the safe mistake;
+    - `resumable`: the key may change on `--resume` without a note (where output goes, what
+      happens between or after steps). Off by default, for the same reason;
+    - `headline`: a reproduce command names it even at its default: the runs of a sweep
+      (`scripts/run_tiers.sh`) differ in it.
+    """
+    return field(default=default,
+                 metadata={"help": help, "workload": workload, "resumable": resumable, "headline": headline})
+
+
 @dataclass
 class ModelConfig:
     """Mixtral architecture; defaults are Mixtral-8x7B's."""
 
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 14336
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 8
-    head_dim: int = 128
-    num_local_experts: int = 8
-    num_experts_per_tok: int = 2
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 1e6
-    max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = False
+    vocab_size: int = setting(32000, help="vocabulary size: rows of the token embedding and of the output layer")
+    hidden_size: int = setting(4096, help="model width: the size of every token's hidden state")
+    intermediate_size: int = setting(14336, help="hidden size of each expert's SwiGLU FFN")
+    num_hidden_layers: int = setting(32, help="decoder layers")
+    num_attention_heads: int = setting(32, help="query heads per attention layer")
+    num_key_value_heads: int = setting(8, help="key/value heads per attention layer, shared by groups of query heads")
+    head_dim: int = setting(128, help="size of one attention head")
+    num_local_experts: int = setting(8, help="experts per MoE layer, over all ranks (each rank holds 1/ep_size)")
+    num_experts_per_tok: int = setting(2, help="experts each token is routed to (top-k)")
+    rms_norm_eps: float = setting(1e-5, help="epsilon of the RMSNorm layers")
+    rope_theta: float = setting(1e6, help="base of the rotary position embedding's frequencies")
+    max_position_embeddings: int = setting(32768, help="longest sequence the model is configured for")
+    initializer_range: float = setting(0.02, help="standard deviation of the randomly initialised weights")
+    tie_word_embeddings: bool = setting(False, help="share one matrix between the token embedding and the output layer")
 
 
 @dataclass
 class DataConfig:
-    # "embedded" (text shipped with Python, no network), a local .json/.jsonl/.txt file or
-    # folder, or a Hugging Face hub data set name.
-    dataset: str = "embedded"
-    text_field: str = "text"
-    split: str = "train"
-    # A tokenizer.json file or a folder holding one; None trains a small BPE on the data
-    # and caches it.
-    tokenizer: str | None = None
-    tokenizer_vocab_size: int = 2048
-    seq_len: int = 256
-    max_documents: int | None = None
-    # Share of the packed samples held out for evaluation: a fixed draw that depends on the
-    # data alone (not the seed), never trained on. 0 turns evaluation off.
-    eval_fraction: float = 0.0
+    dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
+                           ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
+    text_field: str = setting("text", help="the field of each record that holds the text")
+    split: str = setting("train", help="the hub data set's split (local files have only 'train')")
+    tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one; null trains a "
+                                    "small BPE on the data and caches it")
+    tokenizer_vocab_size: int = setting(2048, help="vocabulary of the BPE trained when tokenizer is null")
+    seq_len: int = setting(256, help="tokens per packed sample")
+    max_documents: int | None = setting(None, help="read only the first N documents (null: all)")
+    eval_fraction: float = setting(0.0, help="share of the packed samples held out for evaluation: a fixed draw "
+                                   "that depends on the data alone (not the seed), never trained on; 0: no evaluation")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
-    batch_size: int = 4  # samples per optimizer step, summed over all ranks
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 1234
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    timing_warmup_steps: int = 3  # steps left out of the timing statistics
-    log_every: int = 5
-    eval_every: int = 0  # evaluate on the held-out samples every N steps (0: at the end only)
+    """The optimisation, and the step schedules of what happens between steps (`*_every`:
+    every N steps, and always after the last one)."""
+
+    steps: int = setting(30, help="optimizer steps")
+    batch_size: int = setting(4, help="samples per optimizer step, summed over all ranks")
+    lr: float = setting(3e-4, help="peak learning rate, reached after warmup_steps")
+    min_lr: float = setting(3e-5, help="learning rate at the last step (cosine decay from lr)")
+    warmup_steps: int = setting(5, help="steps of linear learning-rate warm-up")
+    weight_decay: float = setting(0.1, help="AdamW weight decay of the weight matrices (none on norms)")
+    beta1: float = setting(0.9, help="AdamW beta1")
+    beta2: float = setting(0.95, help="AdamW beta2")
+    grad_clip: float = setting(1.0, help="largest global gradient norm; larger gradients are scaled down")
+    seed: int = setting(1234, help="seed of the initial weights and of the order samples are read in")
+    dtype: str = setting("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16")
+    timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
+    log_every: int = setting(5, workload=False, help="print the loss every N steps")
+    eval_every: int = setting(0, workload=False,
+                              help="evaluate on the held-out samples every N steps (0: at the end only)")
+    save_every: int = setting(0, workload=False, resumable=True,
+                              help="also export to save_hf every N steps (0: at the end only)")
+    checkpoint_every: int = setting(0, workload=False, resumable=True,
+                                    help="steps between training checkpoints (0: at the end only)")
 
 
 @dataclass
@@ -86,29 +114,39 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    tier: str = "loop"
-    ep_size: int = 1
-    backend: str = "auto"  # layer backend: TE modules, or plain PyTorch
-    device: str = "auto"
-    output_dir: str | None = None
-    loss_check: str | None = None  # a reference run's results JSON
-    dist_timeout_s: int = 300
-    # device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on Hopper),
-    # or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics on any device).
-    mxfp8_mode: str = "auto"
-    # After training, time each phase of a step on its own (te_mixtral/measure/phases.py).
-    profile_phases: bool = False
-    # A Hugging Face Mixtral checkpoint to fine-tune (local folder or hub id): its config.json
-    # replaces the `model` section, and its tokenizer.json is used when data.tokenizer is unset.
-    model_path: str | None = None
-    save_hf: str | None = None  # export the fine-tuned model to this folder as an HF checkpoint
-    save_every: int = 0  # also export to save_hf every N steps (0: at the end only)
-    checkpoint_dir: str | None = None  # training checkpoints (per-rank shards) for `resume`
-    checkpoint_every: int = 0  # steps between training checkpoints (0: at the end only)
-    checkpoint_keep: int = 2  # newest checkpoints kept; older ones are deleted
-    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
-    generate: str | None = None  # after training, print a greedy continuation of this prompt
-    generate_tokens: int = 32
+    # A tier's own options (tier, ep_size, mxfp8_mode) are not the workload: they are what a
+    # results page compares.
+    tier: str = setting("loop", workload=False, headline=True,
+                        help=f"expert FFN implementation: {', '.join(TIER_NAMES)}")
+    ep_size: int = setting(1, workload=False, headline=True,
+                           help="expert-parallel group size: ranks that split each layer's experts")
+    backend: str = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
+                           "(te on CUDA where it is installed)")
+    device: str = setting("auto", help="auto (cuda when available), cpu or cuda")
+    output_dir: str | None = setting(None, workload=False, resumable=True,
+                                     help="folder for results.json and config.yaml (null: a new runs/<date>-<tier>)")
+    loss_check: str | None = setting(None, workload=False, resumable=True,
+                                     help="a reference run's results JSON to check every step's loss against")
+    dist_timeout_s: int = setting(300, workload=False, resumable=True,
+                                  help="seconds a collective may wait before the job fails")
+    mxfp8_mode: str = setting("auto", workload=False,
+                              help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
+                              "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
+    profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
+                                   "own (te_mixtral/measure/phases.py)")
+    model_path: str | None = setting(None, help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub "
+                                     "id): its config.json replaces the model section, and its tokenizer.json is "
+                                     "used when data.tokenizer is unset")
+    save_hf: str | None = setting(None, workload=False, resumable=True,
+                                  help="export the fine-tuned model to this folder as an HF checkpoint")
+    checkpoint_dir: str | None = setting(None, workload=False, resumable=True,
+                                         help="folder of training checkpoints (per-rank shards) for resume")
+    checkpoint_keep: int = setting(2, workload=False, resumable=True,
+                                   help="newest checkpoints kept; older ones are deleted")
+    resume: bool = setting(False, resumable=True, help="continue from the latest checkpoint in checkpoint_dir")
+    generate: str | None = setting(None, workload=False, resumable=True,
+                                   help="after training, print a greedy continuation of this prompt")
+    generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")
 
     @property
     def precision(self) -> str:
@@ -163,9 +201,10 @@ def _apply(cfg: RunConfig, key: str, value) -> None:
     setattr(target, name, _coerce(key, value, types_[name]))
 
 
-def _flatten(mapping: dict, where: str) -> dict[str, object]:
+def flatten(config: dict, where: str = "the config") -> dict[str, object]:
+    """{"train": {"lr": ...}, "tier": ...} -> {"train.lr": ..., "tier": ...}, in config order."""
     flat = {}
-    for key, value in mapping.items():
+    for key, value in config.items():
         if key in SECTIONS:
             if not isinstance(value, dict):
                 raise UserError(f"'{key}' in {where} must be a mapping of keys")
@@ -173,6 +212,68 @@ def _flatten(mapping: dict, where: str) -> dict[str, object]:
         else:
             flat[key] = value
     return flat
+
+
+def _nest(flat: dict[str, object]) -> dict:
+    """The inverse of `flatten`: {"train.lr": ...} -> {"train": {"lr": ...}}."""
+    nested: dict = {}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        if name and section in SECTIONS:
+            nested.setdefault(section, {})[name] = value
+        else:
+            nested[key] = value
+    return nested
+
+
+# Keys that moved or were renamed, old full key -> today's. Configs saved by older runs
+# (config.yaml, results.json headers, checkpoints' meta.json) are read through
+# `upgrade_saved`, so that they still load, compare with today's runs and resume.
+MOVED_KEYS = {
+    "save_every": "train.save_every",
+    "checkpoint_every": "train.checkpoint_every",
+}
+
+
+def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
+    """A config as some version of `to_dict` wrote it (or a YAML file), in today's layout.
+
+    A renamed key keeps its place, and a key moved into a section goes to the section's end
+    (where `TrainConfig` declares the schedules that moved), so an upgraded config lists its
+    keys in today's order: reproduce commands and page warnings list keys in that order.
+    """
+    flat = flatten(raw, where)
+    for old, new in MOVED_KEYS.items():
+        if old in flat and new in flat:
+            raise UserError(f"{where} sets both '{old}' and '{new}', its new name: keep '{new}'")
+    return _nest({MOVED_KEYS.get(key, key): value for key, value in flat.items()})
+
+
+def settings() -> dict[str, dataclasses.Field]:
+    """Every config key in full (`train.lr`, `tier`), in the order `to_dict` writes them,
+    with its field (`field.default`, and `field.metadata` as `setting` made it)."""
+    keys = {}
+    for f in dataclasses.fields(RunConfig):
+        if f.name in SECTIONS:
+            keys.update({f"{f.name}.{g.name}": g for g in dataclasses.fields(SECTIONS[f.name])})
+        else:
+            keys[f.name] = f
+    return keys
+
+
+def workload_keys() -> frozenset[str]:
+    """The keys that change what a timed step computes (see `setting`)."""
+    return frozenset(key for key, f in settings().items() if f.metadata["workload"])
+
+
+def resumable_keys() -> frozenset[str]:
+    """The keys that may change on `--resume` without a note (see `setting`)."""
+    return frozenset(key for key, f in settings().items() if f.metadata["resumable"])
+
+
+def headline_keys() -> tuple[str, ...]:
+    """The keys a reproduce command always names, in config order (see `setting`)."""
+    return tuple(key for key, f in settings().items() if f.metadata["headline"])
 
 
 def _key_types(key: str) -> tuple:
@@ -226,7 +327,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             raise UserError(f"config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(raw, dict):
             raise UserError(f"config {path} must be a mapping of keys")
-        for key, value in _flatten(raw, path).items():
+        for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)
     for bare, text in (overrides or {}).items():
         key = _full_key(bare.replace("-", "_"))
@@ -266,10 +367,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(t.eval_every == 0 or d.eval_fraction > 0,
            "train.eval_every needs held-out data: set data.eval_fraction (e.g. 0.05)")
     for key in ("save_every", "checkpoint_every"):
-        _check(getattr(cfg, key) >= 0, f"{key} must be 0 or positive, got {getattr(cfg, key)}")
-    _check(cfg.save_every == 0 or cfg.save_hf is not None, "save_every needs save_hf (the folder to export to)")
-    _check(cfg.checkpoint_dir is not None or (cfg.checkpoint_every == 0 and not cfg.resume),
-           "checkpoint_every and resume need checkpoint_dir")
+        _check(getattr(t, key) >= 0, f"train.{key} must be 0 or positive, got {getattr(t, key)}")
+    _check(t.save_every == 0 or cfg.save_hf is not None, "train.save_every needs save_hf (the folder to export to)")
+    _check(cfg.checkpoint_dir is not None or (t.checkpoint_every == 0 and not cfg.resume),
+           "train.checkpoint_every and resume need checkpoint_dir")
     _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep must be at least 1, got {cfg.checkpoint_keep}")
     _check(cfg.generate_tokens > 0, f"generate_tokens must be positive, got {cfg.generate_tokens}")
     _check(cfg.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {cfg.dist_timeout_s}")

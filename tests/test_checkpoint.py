@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_config_keys import old_layout
 
+import te_mixtral.config as config
 import te_mixtral.files as files
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.config import load_config
@@ -145,6 +147,27 @@ def test_resume_refuses_what_cannot_continue(setup, tmp_path):
     two_ranks = Checkpointer(cfg, Layout(0, 2, 2, None, None), CPU)
     with pytest.raises(UserError, match="same world size and ep_size"):
         two_ranks.load_latest(*fresh(), cfg)
+
+
+def test_resume_reads_an_older_checkpoints_config_through_its_upgrade(setup, capsys, monkeypatch):
+    cfg, fresh, ckpt = setup
+    folder = save(ckpt, cfg, *fresh(), 3)
+    # As a checkpoint written before `checkpoint_every` and `save_every` moved into `train`,
+    # and (a made-up move) when `train.log_every` was a top-level `log_interval`.
+    monkeypatch.setitem(config.MOVED_KEYS, "log_interval", "train.log_every")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["config"] = old_layout(meta["config"])
+    meta["config"]["log_interval"] = meta["config"]["train"].pop("log_every")
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+    def notes(train, **changes):
+        ckpt.load_latest(*fresh(), dataclasses.replace(cfg, train=train, resume=True, **changes))
+        return [line for line in capsys.readouterr().out.splitlines() if "changed since the checkpoint" in line]
+
+    # checkpoint_every, resume and generate may change on resume; log_every is noted, once changed.
+    assert notes(dataclasses.replace(cfg.train, checkpoint_every=5), generate="Hi") == []
+    assert notes(dataclasses.replace(cfg.train, log_every=1)) == [
+        "te_mixtral: note: changed since the checkpoint: train.log_every 5 -> 1"]
 
 
 def test_meta_records_sizes_and_hashes(setup):

@@ -2,16 +2,19 @@
 
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
+from test_config_keys import old_layout
 
 from te_mixtral.cli import parse_args as parse_app_args
 from te_mixtral.config import load_config, to_dict
 from te_mixtral.measure.report import run_header, write_results
+from te_mixtral.results import pages
 from te_mixtral.results.pages import build_page, main, speedup, write_page
 from te_mixtral.results.reproduce import reproduce_command
 from te_mixtral.results.runs import find_runs, group_runs
@@ -122,6 +125,19 @@ def test_output_and_logging_keys_are_not_workload(tmp_path):
     assert table_row(page.markdown, "custom_grouped")[5] == "2.00x"
 
 
+def test_schedules_are_not_workload_and_old_saved_configs_compare(tmp_path):
+    paths = [make_run(tmp_path, "loop", "loop", 100.0, overrides={"checkpoint_every": "2", "checkpoint_dir": "c"}),
+             make_run(tmp_path, "cg", "custom_grouped", 50.0)]
+    # The loop run as a run saved it before `checkpoint_every` and `save_every` moved into `train`.
+    results = json.loads((paths[0] / "results.json").read_text())
+    results["header"]["config"] = old_layout(results["header"]["config"])
+    (paths[0] / "results.json").write_text(json.dumps(results))
+    page = page_for(paths)
+    assert "Mismatched" not in page.markdown
+    assert table_row(page.markdown, "custom_grouped")[5] == "2.00x"
+    assert "checkpoint_every: 2\n" in page.markdown.split("### `loop`")[1]  # its config as it was saved
+
+
 def test_same_tier_twice_gets_told_apart_and_ep_matched(tmp_path):
     paths = [make_run(tmp_path, "loop1", "loop", 100.0, world=2, ep=1), make_run(tmp_path, "loop2", "loop", 80.0,
                                                                                  world=2, ep=2),
@@ -225,6 +241,13 @@ def test_reproduce_command_loads_back_to_the_same_config():
     assert to_dict(load_config(str(REPO / args.config), app_overrides, world_size=2)) == to_dict(cfg)
 
 
+def test_reproduce_command_of_an_old_saved_config_is_todays():
+    cfg = load_config(TINY, {"checkpoint_every": "5", "checkpoint_dir": "ck", "lr": "1e-3"})
+    command = reproduce_command(to_dict(cfg), world_size=1)
+    assert command == reproduce_command(old_layout(to_dict(cfg)), world_size=1)
+    assert command.endswith("--train.lr 0.001 --train.checkpoint_every 5 --checkpoint-dir ck")
+
+
 def test_reproduce_command_picks_the_nearest_config_file():
     cfg = load_config(str(REPO / "configs" / "mixtral-8x7b-2layer.yaml"), {"tier": "loop", "output_dir": "/o/loop"})
     assert reproduce_command(to_dict(cfg), world_size=1) == (
@@ -253,7 +276,7 @@ def test_command_line_writes_page_and_pngs(tmp_path):
     make_run(tmp_path, "loop", "loop", 100.0)
     make_run(tmp_path, "cg", "custom_grouped", 45.0, losses=(10.0, 9.1, 8.4, 8.1), loss_check=checked(1e-2))
     out = tmp_path / "docs"
-    proc = subprocess.run([sys.executable, "-m", "te_mixtral.results.pages", str(tmp_path / "loop"),
+    proc = subprocess.run([sys.executable, "-m", "te_mixtral.results", str(tmp_path / "loop"),
                            str(tmp_path / "cg" / "results.json"), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     stem = "2026-11-21-h200-x1"
@@ -283,3 +306,25 @@ def test_unusable_inputs_are_one_line_errors(tmp_path, capsys, name, text, messa
     assert main([str(tmp_path / name), "--out", str(tmp_path / "out"), "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("te_mixtral: error: ") and message in err and err.count("\n") == 1
+
+
+# --- the committed pages ---------------------------------------------------------------------
+
+
+COMMITTED_PAGES = sorted(p for p in (REPO / "docs" / "results").glob("*.md") if "- **This page**: `" in p.read_text())
+
+
+@pytest.mark.parametrize("committed", COMMITTED_PAGES, ids=lambda p: p.name)
+def test_committed_pages_regenerate_unchanged(committed, monkeypatch):
+    """Each page in docs/results, remade from its committed runs by the command it names,
+    is the committed page byte for byte (the markdown; the PNGs are not compared)."""
+    command = re.search(r"^- \*\*This page\*\*: `(.*)`$", committed.read_text(), re.MULTILINE).group(1)
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "te_mixtral.results.pages"]
+    made = []
+    monkeypatch.setattr(pages, "write_page", lambda page, out_dir, plots: made.append((page, out_dir)) or [])
+    monkeypatch.chdir(REPO)  # the command names its runs and notes from the repository root
+    assert main(words[3:]) == 0
+    [(page, out_dir)] = [(p, o) for p, o in made if p.stem == committed.stem]
+    assert out_dir / f"{page.stem}.md" == committed.relative_to(REPO)
+    assert page.markdown == committed.read_text()

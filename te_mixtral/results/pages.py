@@ -1,7 +1,7 @@
 """Results pages: runs' results.json files in, a dated markdown page with two plots out.
 
-    python -m te_mixtral.results.pages RUN [RUN ...] [--out docs/results] [--title TEXT]
-                                      [--notes FILE] [--suffix TEXT] [--no-plots]
+    python -m te_mixtral.results RUN [RUN ...] [--out docs/results] [--title TEXT]
+                                [--notes FILE] [--suffix TEXT] [--no-plots]
 
 A RUN is a run's output folder, its results.json, or a folder of runs such as
 `scripts/run_tiers.sh` leaves (`te_mixtral/results/runs.py` reads and checks them).
@@ -16,7 +16,7 @@ overwritten when regenerated: pages are meant to live in git.
 What a page compares, and what it refuses to. A row's speedup over `hf` (or `loop`) is
 that baseline's median step time over the row's, and it is computed only against a
 baseline run of the *same workload*: the same model, data, batch, steps and precision (the
-config minus the keys that do not change the timed work, `NOT_WORKLOAD`). A baseline with
+config's `workload_keys()`, the keys that change the timed work). A baseline with
 the row's EP size is preferred. When a page holds several workloads they are lettered A,
 B, ..., a warning lists what differs, and a row with no same-workload baseline shows "-"
 rather than a misleading ratio. Missing `hf` or `loop` runs are said so, not hidden.
@@ -44,21 +44,13 @@ from pathlib import Path
 
 import yaml
 
+from te_mixtral.config import flatten, settings, upgrade_saved, workload_keys
 from te_mixtral.errors import UserError
 from te_mixtral.measure.loss_check import check_losses
-from te_mixtral.results.reproduce import flatten, reproduce_command
+from te_mixtral.results.reproduce import reproduce_command
 from te_mixtral.results.runs import Run, find_runs, group_runs
 
 BASELINES = ("hf", "loop")
-# Config keys that do not change what a timed step computes: where output goes, what it is
-# checked against, what happens between steps (evaluation, checkpoints, exports) or after.
-# Everything else (model, data, batch, steps, seed, backend, ...) is the workload.
-# A tier's own options (mxfp8_mode) are not the workload either: they are what a row compares.
-NOT_WORKLOAD = frozenset({
-    "tier", "ep_size", "mxfp8_mode", "output_dir", "loss_check", "dist_timeout_s", "train.log_every",
-    "train.eval_every", "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "save_hf", "save_every", "generate",
-    "generate_tokens", "profile_phases",
-})
 DASH = "-"
 
 
@@ -71,8 +63,10 @@ def letter(index: int) -> str:
 
 
 def workload(run: Run) -> dict:
-    """What the timed steps compute: the config without `NOT_WORKLOAD`, plus the precision."""
-    flat = {k: v for k, v in flatten(run.header["config"]).items() if k not in NOT_WORKLOAD}
+    """What the timed steps compute: the config's `workload_keys()`, plus the precision.
+    A key today's config no longer knows counts as workload: it changed something once."""
+    config = flatten(upgrade_saved(run.header["config"], run.source))
+    flat = {k: v for k, v in config.items() if k in workload_keys() or k not in settings()}
     return {**flat, "precision": run.header["precision"]}
 
 
@@ -168,6 +162,8 @@ def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
 
 
 def page_command(argv: list[str]) -> str:
+    # The pages name this module itself, as the committed pages in docs/results do (both
+    # forms run the same `main`), so that they regenerate unchanged.
     return " ".join(["python", "-m", "te_mixtral.results.pages", *map(shlex.quote, argv)])
 
 
@@ -396,7 +392,7 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m te_mixtral.results.pages",
+    parser = argparse.ArgumentParser(prog="python -m te_mixtral.results",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folder, results.json, or folder of runs")

@@ -23,21 +23,16 @@ which is why the results page prints the full config beside it.
 import shlex
 from pathlib import Path
 
-from te_mixtral.config import SECTIONS, load_config, to_dict
+from te_mixtral.config import (
+    flatten,
+    headline_keys,
+    load_config,
+    to_dict,
+    upgrade_saved,
+)
 from te_mixtral.errors import UserError
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-def flatten(config: dict) -> dict:
-    """{"train": {"lr": ...}, "tier": ...} -> {"train.lr": ..., "tier": ...}, in config order."""
-    flat = {}
-    for key, value in config.items():
-        if key in SECTIONS and isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[key] = value
-    return flat
 
 
 def cli_value(value) -> str:
@@ -63,15 +58,16 @@ def config_overrides(config: dict, base: dict) -> list[tuple[str, object]]:
 
 
 def reproduce_command(config: dict, world_size: int, configs_dir: Path = CONFIGS_DIR) -> str | None:
-    """A command line that recreates `config` (a `to_dict(RunConfig)`) on `world_size`
-    processes; None when no config file in `configs_dir` loads."""
+    """A command line that recreates `config` (a `to_dict(RunConfig)`, today's or an older
+    run's) on `world_size` processes; None when no config file in `configs_dir` loads."""
+    config = upgrade_saved(config)
     best = None
     for path in sorted(configs_dir.glob("*.yaml")):
         try:
             base = to_dict(load_config(str(path)))
         except UserError:
             continue
-        overrides = [(k, v) for k, v in config_overrides(config, base) if k not in ("tier", "ep_size")]
+        overrides = [(k, v) for k, v in config_overrides(config, base) if k not in headline_keys()]
         if best is None or len(overrides) < len(best[1]):
             best = (path, overrides)
     if best is None:
@@ -79,9 +75,8 @@ def reproduce_command(config: dict, world_size: int, configs_dir: Path = CONFIGS
     path, overrides = best
     launcher = (["python", "run_finetune_ep.py"] if world_size == 1 else
                 ["torchrun", "--standalone", f"--nproc_per_node={world_size}", "run_finetune_ep.py"])
-    words = [*launcher, "--config", f"{configs_dir.name}/{path.name}", "--tier", config["tier"], "--ep-size",
-             str(config["ep_size"])]
-    for key, value in overrides:
+    words = [*launcher, "--config", f"{configs_dir.name}/{path.name}"]
+    for key, value in [(k, config[k]) for k in headline_keys()] + overrides:
         text = cli_value(value)
         words += [f"{cli_flag(key)}={text}"] if str(value).startswith("--") else [cli_flag(key), text]
     return " ".join(words)

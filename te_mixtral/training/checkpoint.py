@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from te_mixtral.config import RunConfig, to_dict
+from te_mixtral.config import RunConfig, flatten, resumable_keys, to_dict, upgrade_saved
 from te_mixtral.distributed.layout import Layout, all_reduce_max, all_reduce_sum
 from te_mixtral.errors import UserError
 from te_mixtral.files import (
@@ -65,9 +65,6 @@ FORMAT_VERSION = 1
 LATEST = "latest"
 META = "meta.json"
 _STEP_FOLDER = re.compile(r"step-(\d{6,})")
-# Keys that may differ between a run and its resumption without a note.
-_RESUME_KEYS = ("resume", "checkpoint_dir", "output_dir", "loss_check", "save_hf", "save_every", "generate", "generate_tokens",
-                "checkpoint_every", "checkpoint_keep", "dist_timeout_s")
 
 
 def step_folder(step: int) -> str:
@@ -226,7 +223,7 @@ class Checkpointer:
         _set_rng_state(blob["rng"], self.device)
         if self.layout.is_main:
             print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
-            for note in _changed_settings(meta["config"], to_dict(cfg)):
+            for note in _changed_settings(upgrade_saved(meta["config"]), to_dict(cfg)):
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
         return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]))
 
@@ -237,7 +234,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {folder} was written by {meta['world_size']} ranks with EP={meta['ep_size']}; "
                             f"resume it with the same world size and ep_size, not {self.layout.world_size} and "
                             f"{self.layout.ep_size}")
-        if meta["config"]["model"] != to_dict(cfg)["model"]:
+        if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
             raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
                             f"resume with the config it was written with ({folder / META})")
         if meta["step"] >= cfg.train.steps:
@@ -261,12 +258,8 @@ def _verify(path: Path, entry: dict | None) -> str | None:
 
 
 def _changed_settings(saved: dict, now: dict) -> list[str]:
-    """'train.steps 6 -> 8' for each setting that differs (the model is checked separately)."""
-    notes = []
-    for key, value in now.items():
-        if isinstance(value, dict):
-            notes += [f"{key}.{k} {saved.get(key, {}).get(k)!r} -> {v!r}" for k, v in value.items()
-                      if saved.get(key, {}).get(k) != v]
-        elif key not in _RESUME_KEYS and saved.get(key) != value:
-            notes.append(f"{key} {saved.get(key)!r} -> {value!r}")
-    return notes
+    """'train.steps 6 -> 8' for each setting that differs, other than those that may change
+    on resume (`resumable_keys`); the model is checked separately."""
+    saved_flat = flatten(saved)
+    return [f"{key} {saved_flat.get(key)!r} -> {value!r}" for key, value in flatten(now).items()
+            if key not in resumable_keys() and saved_flat.get(key) != value]

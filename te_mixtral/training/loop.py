@@ -201,9 +201,9 @@ def train(cfg: RunConfig) -> TrainResult:
             state.evals.append(asdict(evaluation))
             if layout.is_main:
                 print(evaluation.line(cfg.train.steps), flush=True)
-        if checkpointer and due(state.step, cfg.checkpoint_every, cfg.train.steps):
+        if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
             checkpointer.save(state, model, optimizer, cfg)
-        if cfg.save_hf and due(state.step, cfg.save_every, cfg.train.steps):
+        if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
             save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir, cfg.data.tokenizer)
 
     # --- report ------------------------------------------------------------------------

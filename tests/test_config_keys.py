@@ -1,0 +1,124 @@
+"""Config fields carry their own meaning and role: `--help` lists them, saved configs of
+older runs (keys since moved) still load, and bare names still find moved keys."""
+
+import json
+import re
+
+import pytest
+import yaml
+from conftest import REPO
+from launch import run_app
+
+from te_mixtral.config import (
+    MOVED_KEYS,
+    flatten,
+    load_config,
+    resumable_keys,
+    settings,
+    to_dict,
+    upgrade_saved,
+    workload_keys,
+)
+from te_mixtral.errors import UserError
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+SAVED_RUN = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x2-ep2" / "loop"
+
+
+def old_layout(config: dict) -> dict:
+    """`config` (today's `to_dict`) as a run saved it before `save_every` and
+    `checkpoint_every` moved into `train`: top level, between `save_hf` and `checkpoint_keep`."""
+    old = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    moved = {k: old["train"].pop(k) for k in ("save_every", "checkpoint_every")}
+    out = {}
+    for key, value in old.items():
+        out[key] = value
+        if key == "save_hf":
+            out["save_every"] = moved["save_every"]
+        if key == "checkpoint_dir":
+            out["checkpoint_every"] = moved["checkpoint_every"]
+    return out
+
+
+def test_every_key_has_a_one_line_meaning():
+    config = to_dict(load_config())
+    assert list(settings()) == list(flatten(config))  # every key, sections included, in config order
+    for key, f in settings().items():
+        assert f.metadata["help"].strip() and "\n" not in f.metadata["help"], key
+
+
+def test_roles_follow_the_fields():
+    assert {"model.hidden_size", "train.lr", "data.seq_len", "train.timing_warmup_steps"} <= workload_keys()
+    assert not {"train.checkpoint_every", "train.save_every", "train.log_every", "tier", "output_dir"} & workload_keys()
+    assert {"train.checkpoint_every", "train.save_every", "checkpoint_keep", "resume"} <= resumable_keys()
+    assert not {"train.steps", "train.lr", "train.log_every", "tier"} & resumable_keys()
+
+
+def test_an_old_saved_config_upgrades_to_todays_layout_and_order():
+    cfg = load_config(TINY, {"checkpoint_every": "3", "checkpoint_dir": "ckpt", "save_every": "2", "save_hf": "hf"})
+    today = to_dict(cfg)
+    old = old_layout(today)
+    assert "checkpoint_every" in old and "checkpoint_every" not in old["train"]
+    upgraded = upgrade_saved(old)
+    assert upgraded == today
+    assert list(flatten(upgraded)) == list(flatten(today))  # same order: reproduce commands list keys in it
+    assert upgrade_saved(today) == today
+
+
+def test_an_old_yaml_file_still_loads(tmp_path):
+    today = to_dict(load_config(TINY, {"checkpoint_every": "3", "checkpoint_dir": "ckpt"}))
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old_layout(today), sort_keys=False))
+    assert to_dict(load_config(str(path))) == today
+
+
+def test_a_committed_runs_saved_config_loads_to_its_recorded_config():
+    header = json.loads((SAVED_RUN / "results.json").read_text())["header"]
+    assert "checkpoint_every" in header["config"]  # saved before the move
+    cfg = load_config(str(SAVED_RUN / "config.yaml"), world_size=header["world_size"])
+    assert to_dict(cfg) == upgrade_saved(header["config"])
+    assert cfg.train.checkpoint_every == header["config"]["checkpoint_every"]
+
+
+def test_a_key_in_both_places_is_refused():
+    old = {"checkpoint_every": 5, "train": {"checkpoint_every": 3}}
+    with pytest.raises(UserError, match="both 'checkpoint_every' and 'train.checkpoint_every'"):
+        upgrade_saved(old)
+
+
+def test_moved_keys_name_keys_that_exist_today():
+    assert set(MOVED_KEYS.values()) <= set(settings())
+    assert not set(MOVED_KEYS) & set(settings())
+
+
+def test_bare_names_find_the_moved_keys():
+    cfg = load_config(TINY, {"checkpoint-every": "10", "checkpoint-dir": "ckpt", "save_every": "4", "save-hf": "hf"})
+    assert (cfg.train.checkpoint_every, cfg.train.save_every) == (10, 4)
+    with pytest.raises(UserError, match="train.checkpoint_every and resume need checkpoint_dir"):
+        load_config(TINY, {"checkpoint-every": "10"})
+
+
+def help_rows(stdout: str) -> dict[str, tuple[str, str]]:
+    """{key: (value, meaning)} from the key listing of `--help`."""
+    rows = {}
+    for line in stdout.split("config keys, with their values")[1].splitlines()[1:]:
+        key, value, meaning = line.split(maxsplit=2)
+        rows[key] = (value, meaning)
+    return rows
+
+
+def test_help_lists_every_key_with_its_value_and_meaning():
+    proc = run_app(["--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Fine-tune a Mixtral-style MoE model" in proc.stdout
+    assert not re.search(r"step\s+\d+/\d+", proc.stdout)  # help only: nothing trained
+    rows = help_rows(proc.stdout)
+    assert list(rows) == list(settings())
+    assert rows["model.hidden_size"][0] == "64"  # configs/tiny.yaml, the default --config
+    assert rows["train.checkpoint_every"] == ("0", settings()["train.checkpoint_every"].metadata["help"])
+    assert rows["data.tokenizer"][0] == "null" and rows["resume"][0] == "false"
+
+    proc = run_app(["--config", "configs/mixtral-8x7b-2layer.yaml", "--lr", "0.5", "--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = help_rows(proc.stdout)
+    assert rows["model.hidden_size"][0] == "4096" and rows["train.lr"][0] == "0.5"
