@@ -22,7 +22,7 @@ from te_mixtral.config import (
 from te_mixtral.errors import UserError
 
 TINY = str(REPO / "configs" / "tiny.yaml")
-SAVED_RUN = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x2-ep2" / "loop"
+SAVED_RUN = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x2-ep2" / "custom_grouped"
 
 
 def old_layout(config: dict) -> dict:
