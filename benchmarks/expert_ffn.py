@@ -108,12 +108,12 @@ def gemm_flops(rows: int, sizes: Sizes) -> int:
 # --- columns -------------------------------------------------------------------------
 
 
-def grouped_mm_ffn(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+def grouped_mm_ffn(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
     """The expert FFN through `torch.nn.functional.grouped_mm`, plain autograd, no host sync."""
-    offsets_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)  # end of each group
-    h_R2F = F.grouped_mm(x_RD, gate_up_E2FD.transpose(-2, -1), offs=offsets_E)
+    offsets_L = torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)  # end of each group
+    h_R2F = F.grouped_mm(x_RD, gate_up_L2FD.transpose(-2, -1), offs=offsets_L)
     gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-    return F.grouped_mm(F.silu(gate_RF) * up_RF, down_EDF.transpose(-2, -1), offs=offsets_E)
+    return F.grouped_mm(F.silu(gate_RF) * up_RF, down_LDF.transpose(-2, -1), offs=offsets_L)
 
 
 def available_columns(device: torch.device) -> tuple[dict, dict]:
@@ -206,15 +206,15 @@ def input_sets(rows: int, sizes: Sizes, device: torch.device) -> list[tuple[torc
 
 
 def time_cell(ffn, case: Case, weights, sizes: Sizes, device: torch.device) -> dict:
-    gate_up_E2FD, down_EDF = weights
-    tokens_per_expert_E = torch.tensor(case.splits, dtype=torch.int64, device=device)
+    gate_up_L2FD, down_LDF = weights
+    tokens_per_expert_L = torch.tensor(case.splits, dtype=torch.int64, device=device)
     buffers = input_sets(sum(case.splits), sizes, device)
     counter = iter(range(10**9))
 
     def step():
         x_RD, dy_RD = buffers[next(counter) % len(buffers)]
-        y_RD = ffn(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF)
-        torch.autograd.grad(y_RD, (x_RD, gate_up_E2FD, down_EDF), dy_RD)
+        y_RD = ffn(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+        torch.autograd.grad(y_RD, (x_RD, gate_up_L2FD, down_LDF), dy_RD)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -290,9 +290,9 @@ def main() -> None:
 
     # --- one weight set for every cell: bf16 parameters, as the tiers receive them under autocast
     E, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
-    gate_up_E2FD = (torch.randn(E, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_()
-    down_EDF = (torch.randn(E, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
-    weight_bytes = 2 * (gate_up_E2FD.numel() + down_EDF.numel())
+    gate_up_L2FD = (torch.randn(E, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_()
+    down_LDF = (torch.randn(E, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
+    weight_bytes = 2 * (gate_up_L2FD.numel() + down_LDF.numel())
 
     # --- every column x every case. The reference columns go first and other tiers last,
     # so that a tier which breaks the CUDA context cannot take the reference numbers with it.
@@ -307,7 +307,7 @@ def main() -> None:
                  "gemm_flops": flops,
                  "floor_ms": 1e3 * max(flops / (peak * 1e12), 3 * weight_bytes / (bandwidth * 1e9))}
             try:
-                r.update(time_cell(columns[column], case, (gate_up_E2FD, down_EDF), sizes, device))
+                r.update(time_cell(columns[column], case, (gate_up_L2FD, down_LDF), sizes, device))
                 r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
             except Exception as error:  # noqa: BLE001 - record it and go on to the next cell
                 r["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"

@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 def setup(tmp_path):
     cfg = load_config(None, {"checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "64", "hidden_size": "16",
                              "intermediate_size": "24", "num_hidden_layers": "1", "num_attention_heads": "2",
-                             "num_key_value_heads": "1", "head_dim": "8", "num_local_experts": "2",
+                             "num_key_value_heads": "1", "head_dim": "8", "num_experts": "2",
                              "tokenizer_vocab_size": "64", "steps": "10", "checkpoint_keep": "2"})
 
     def fresh(seed=0):

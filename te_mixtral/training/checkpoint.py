@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from te_mixtral.config import RunConfig, to_dict
+from te_mixtral.config import RunConfig, to_dict, upgrade_saved_config
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 
@@ -305,6 +305,9 @@ class Checkpointer:
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         if meta.get("format") != FORMAT_VERSION:
             raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
+        # A checkpoint saved before a config key was renamed: read its config with today's names
+        # (here, and for the "changed since" notes after this check).
+        meta["config"] = upgrade_saved_config(meta["config"])
         if (meta["world_size"], meta["ep_size"]) != (self.layout.world_size, self.layout.ep_size):
             raise UserError(f"checkpoint {folder} was written by {meta['world_size']} ranks with EP={meta['ep_size']}; "
                             f"resume it with the same world size and ep_size, not {self.layout.world_size} and "
