@@ -145,6 +145,23 @@ def test_resume_refuses_what_cannot_continue(setup, tmp_path):
         two_ranks.load_latest(*fresh(), cfg)
 
 
+def test_resume_reads_a_checkpoint_saved_with_the_old_expert_count_key(setup):
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh(seed=1)
+    folder = save(ckpt, cfg, model, optimizer, 3)
+    meta = json.loads((folder / "meta.json").read_text())
+    saved_model = meta["config"]["model"]
+    meta["config"]["model"] = {("num_local_experts" if k == "num_experts" else k): v for k, v in saved_model.items()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+    other, other_optimizer = fresh(seed=2)
+    assert ckpt.load_latest(other, other_optimizer, cfg).step == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    more_experts = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_experts=4))
+    with pytest.raises(UserError, match="different model"):
+        ckpt.load_latest(*fresh(), more_experts)
+
+
 def test_meta_records_sizes_and_hashes(setup):
     cfg, fresh, ckpt = setup
     folder = save(ckpt, cfg, *fresh(), 1)

@@ -283,3 +283,17 @@ def test_unusable_inputs_are_one_line_errors(tmp_path, capsys, name, text, messa
     assert main([str(tmp_path / name), "--out", str(tmp_path / "out"), "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("te_mixtral: error: ") and message in err and err.count("\n") == 1
+
+
+def test_runs_saved_before_num_experts_was_renamed_still_load():
+    """Committed runs saved `model.num_local_experts` (HF's name); they read as `num_experts`."""
+    run_dir = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x4-ep4" / "loop"
+    assert "num_local_experts" in (run_dir / "config.yaml").read_text()  # the old name, as saved
+    assert load_config(str(run_dir / "config.yaml"), world_size=4).model.num_experts == 8
+    (run,) = find_runs([str(run_dir)])
+    model = run.header["config"]["model"]
+    assert model["num_experts"] == 8 and "num_local_experts" not in model
+    command = reproduce_command(run.header["config"], run.world_size)
+    assert "experts" not in command  # 8 experts is the config file's own value: no override
+    args, app_overrides = parse_app_args(shlex.split(command)[4:])
+    assert to_dict(load_config(str(REPO / args.config), app_overrides, world_size=4)) == run.header["config"]
