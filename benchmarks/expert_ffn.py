@@ -1,13 +1,12 @@
 """One expert FFN layer, forward + backward, timed for every expert tier this machine runs.
 
-Shape legend: R rows (token copies on this rank, sorted by local expert), D model dim,
-F expert hidden dim, E local experts.
+Shape suffixes: see te_mixtral/experts/base.py.
 
-What is timed: y = SwiGLU expert FFN over R rows and E = 4 local experts at Mixtral-8x7B
+What is timed: y = SwiGLU expert FFN over R rows and L = 4 local experts at Mixtral-8x7B
 sizes (D = 4096, F = 14336), then the gradients of x and both stacked weights (one
 `torch.autograd.grad` call, so no `.grad` accumulation is timed). Columns:
 
-- each registered tier (`te_mixtral.experts.EXPERT_TIERS`) whose module exists and whose
+- each registered tier (`te_mixtral.experts.registry.EXPERT_TIERS`) whose module exists and whose
   `check_available` passes here; the others are listed with the reason they were skipped;
 - `grouped_mm`: `torch.nn.functional.grouped_mm` called directly with plain autograd, the
   PyTorch-native grouped GEMM as a reference point.
@@ -20,7 +19,7 @@ FLOPs are counted exactly for the GEMMs: forward 2*R*D*2F (gate_up) + 2*R*F*D (d
 6*R*D*F, backward twice that; SwiGLU's elementwise work is not counted. Next to each time:
 the floor no version can beat, the larger of FLOPs / measured matmul peak and the weight
 bytes / measured copy bandwidth (weights read in forward, read again for dgrad, their
-gradients written: 3 * E*3*F*D*2 bytes; activations ignored, so the byte floor is a lower
+gradients written: 3 * L*3*F*D*2 bytes; activations ignored, so the byte floor is a lower
 bound). At small R the weights dominate: the layer is memory-bound whatever the tier.
 
 How it is timed: bf16 parameters used directly (no autocast; the training loop's fp32
@@ -71,7 +70,7 @@ class Sizes:
 
 FULL = Sizes(4096, 14336, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)
 QUICK = Sizes(128, 256, (16, 64), 256, 512, 2**24)
-LOCAL_EXPERTS = 4  # E
+LOCAL_EXPERTS = 4  # L
 SKEW = (0.70, 0.20, 0.09, 0.01)  # share of the rows per expert in the skewed case
 EMPTY_LAST = (1 / 3, 1 / 3, 1 / 3, 0.0)  # the case with an expert that gets no rows
 REFERENCE_COLUMNS = ("grouped_linear", "grouped_mm", "loop")  # timed first, see main()
@@ -289,9 +288,9 @@ def main() -> None:
           f"copy {bandwidth:.0f} GB/s", flush=True)
 
     # --- one weight set for every cell: bf16 parameters, as the tiers receive them under autocast
-    E, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
-    gate_up_L2FD = (torch.randn(E, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_()
-    down_LDF = (torch.randn(E, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
+    L, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
+    gate_up_L2FD = (torch.randn(L, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_()
+    down_LDF = (torch.randn(L, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
     weight_bytes = 2 * (gate_up_L2FD.numel() + down_LDF.numel())
 
     # --- every column x every case. The reference columns go first and other tiers last,
@@ -331,7 +330,7 @@ def main() -> None:
     print()
     print(f"date {header['date']}  device {header['device']}  torch {header['torch']} (CUDA {header['cuda']})  "
           f"TE {header['transformer_engine']}  triton {header['triton']}  python {header['python']}")
-    print(f"D={D} F={F_} E={E}, bf16 parameters, no autocast.  Measured bf16 matmul peak {peak:.0f} TFLOP/s "
+    print(f"D={D} F={F_} L={L}, bf16 parameters, no autocast.  Measured bf16 matmul peak {peak:.0f} TFLOP/s "
           f"(datasheet {header['datasheet_peak_bf16_tflops'] or 'n/a'}), copy {bandwidth:.0f} GB/s")
     header_row = ["case", "rows", "column", "ms", "TFLOP/s", "% peak", "x best", "floor ms", "extra GiB"]
     print(format_table([table_row(r, peak) for r in results], header_row))

@@ -2,8 +2,8 @@
 blocks, its error bound, the emulated GEMMs against float64, the row padding, the Hopper
 FP8 recipe through a CPU stand-in for its kernel, and how the tier picks its mode.
 
-Shape legend: R rows, P padded rows, D model dim, F expert hidden dim, E local experts,
-K and N a GEMM's input and output width.
+Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: P padded rows, K and N a
+GEMM's input and output width).
 """
 
 import math
@@ -449,11 +449,11 @@ def test_no_synchronising_op_in_forward_and_backward(gemms):
     if gemms == "mxfp8-emulated":
         tier = DeviceMXFP8Tier("mxfp8-emulated")
     else:
-        backend = FP8HopperGemms(_shape_only_kernel, compile=False)
+        hopper_gemms = FP8HopperGemms(_shape_only_kernel, compile=False)
 
         def tier(x_RD, counts, gate_up, down):
-            padded = padded_rows(counts, x_RD.shape[0], backend.row_align, backend.min_rows)
-            y_PD = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, backend)
+            padded = padded_rows(counts, x_RD.shape[0], hopper_gemms.row_align, hopper_gemms.min_rows)
+            y_PD = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, hopper_gemms)
             return unpad_rows(y_PD, padded)
 
     with _OpRecorder() as recorder:
