@@ -1,13 +1,12 @@
 """One expert FFN layer, forward + backward, timed for every expert tier this machine runs.
 
-Shape legend: R rows (token copies on this rank, sorted by local expert), D model dim,
-F expert hidden dim, E local experts.
+Shape suffixes: see te_mixtral/experts/base.py.
 
-What is timed: y = SwiGLU expert FFN over R rows and E = 4 local experts at Mixtral-8x7B
+What is timed: y = SwiGLU expert FFN over R rows and L = 4 local experts at Mixtral-8x7B
 sizes (D = 4096, F = 14336), then the gradients of x and both stacked weights (one
 `torch.autograd.grad` call, so no `.grad` accumulation is timed). Columns:
 
-- each registered tier (`te_mixtral.experts.EXPERT_TIERS`) whose module exists and whose
+- each registered tier (`te_mixtral.experts.registry.EXPERT_TIERS`) whose module exists and whose
   `check_available` passes here; the others are listed with the reason they were skipped;
 - `grouped_mm`: `torch.nn.functional.grouped_mm` with plain autograd (the custom_grouped
   tier's CPU path, `grouped_mm_swiglu`, called directly), the PyTorch-native grouped GEMM
@@ -21,7 +20,7 @@ FLOPs are counted exactly for the GEMMs: forward 2*R*D*2F (gate_up) + 2*R*F*D (d
 6*R*D*F, backward twice that; SwiGLU's elementwise work is not counted. Next to each time:
 the floor no version can beat, the larger of FLOPs / measured matmul peak and the weight
 bytes / measured copy bandwidth (weights read in forward, read again for dgrad, their
-gradients written: 3 * E*3*F*D*2 bytes; activations ignored, so the byte floor is a lower
+gradients written: 3 * L*3*F*D*2 bytes; activations ignored, so the byte floor is a lower
 bound). At small R the weights dominate: the layer is memory-bound whatever the tier.
 
 How it is timed: bf16 parameters used directly (no autocast; the training loop's fp32
@@ -72,7 +71,7 @@ class Sizes:
 
 FULL = Sizes(4096, 14336, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)
 QUICK = Sizes(128, 256, (16, 64), 256, 512, 2**24)
-LOCAL_EXPERTS = 4  # E
+LOCAL_EXPERTS = 4  # L
 SKEW = (0.70, 0.20, 0.09, 0.01)  # share of the rows per expert in the skewed case
 EMPTY_LAST = (1 / 3, 1 / 3, 1 / 3, 0.0)  # the case with an expert that gets no rows
 REFERENCE_COLUMNS = ("grouped_linear", "grouped_mm", "loop")  # timed first, see main()
@@ -199,15 +198,15 @@ def input_sets(rows: int, sizes: Sizes, device: torch.device) -> list[tuple[torc
 
 
 def time_cell(ffn, case: Case, weights, sizes: Sizes, device: torch.device) -> dict:
-    gate_up_E2FD, down_EDF = weights
-    tokens_per_expert_E = torch.tensor(case.splits, dtype=torch.int64, device=device)
+    gate_up_L2FD, down_LDF = weights
+    tokens_per_expert_L = torch.tensor(case.splits, dtype=torch.int64, device=device)
     buffers = input_sets(sum(case.splits), sizes, device)
     counter = iter(range(10**9))
 
     def step():
         x_RD, dy_RD = buffers[next(counter) % len(buffers)]
-        y_RD = ffn(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF)
-        torch.autograd.grad(y_RD, (x_RD, gate_up_E2FD, down_EDF), dy_RD)
+        y_RD = ffn(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+        torch.autograd.grad(y_RD, (x_RD, gate_up_L2FD, down_LDF), dy_RD)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -275,10 +274,10 @@ def main() -> None:
           f"copy {bandwidth:.0f} GB/s", flush=True)
 
     # --- one weight set for every cell: bf16 parameters, as the tiers receive them under autocast
-    E, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
-    gate_up_E2FD = (torch.randn(E, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_()
-    down_EDF = (torch.randn(E, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
-    weight_bytes = 2 * (gate_up_E2FD.numel() + down_EDF.numel())
+    L, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
+    gate_up_L2FD = (torch.randn(L, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_()
+    down_LDF = (torch.randn(L, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
+    weight_bytes = 2 * (gate_up_L2FD.numel() + down_LDF.numel())
 
     # --- every column x every case. The reference columns go first and other tiers last,
     # so that a tier which breaks the CUDA context cannot take the reference numbers with it.
@@ -293,7 +292,7 @@ def main() -> None:
                  "gemm_flops": flops,
                  "floor_ms": 1e3 * max(flops / (peak * 1e12), 3 * weight_bytes / (bandwidth * 1e9))}
             try:
-                r.update(time_cell(columns[column], case, (gate_up_E2FD, down_EDF), sizes, device))
+                r.update(time_cell(columns[column], case, (gate_up_L2FD, down_LDF), sizes, device))
                 r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
             except Exception as error:  # noqa: BLE001 - record it and go on to the next cell
                 r["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
@@ -317,7 +316,7 @@ def main() -> None:
     print()
     print(f"date {header['date']}  device {header['device']}  torch {header['torch']} (CUDA {header['cuda']})  "
           f"TE {header['transformer_engine']}  triton {header['triton']}  python {header['python']}")
-    print(f"D={D} F={F_} E={E}, bf16 parameters, no autocast.  Measured bf16 matmul peak {peak:.0f} TFLOP/s "
+    print(f"D={D} F={F_} L={L}, bf16 parameters, no autocast.  Measured bf16 matmul peak {peak:.0f} TFLOP/s "
           f"(datasheet {header['datasheet_peak_bf16_tflops'] or 'n/a'}), copy {bandwidth:.0f} GB/s")
     header_row = ["case", "rows", "column", "ms", "TFLOP/s", "% peak", "x best", "floor ms", "extra GiB"]
     print(format_table([table_row(r, peak) for r in results], header_row))

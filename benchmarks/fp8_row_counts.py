@@ -1,7 +1,7 @@
 """Does the `fp8-hopper` mode of `device_mxfp8` slow down when a rank's row count grows?
 
-Shape legend: P rows (padded, sorted by expert), K input features, N output features,
-G local experts.
+Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: P padded rows, K input and N
+output features, G groups = local experts).
 
 One step of a 3-sequence-per-GPU EP=4 run took 11.9 s in `device_mxfp8` while its others
 took about 0.4 s (docs/results/2026-11-21-h200-x4-larger-all-tiers.md). Its quantisers are

@@ -24,11 +24,9 @@ import yaml
 
 from te_mixtral.errors import UserError
 
-TIER_NAMES = ("hf", "loop", "grouped_linear", "custom_grouped", "device_mxfp8")
 DTYPES = ("auto", "fp32", "bf16")
 BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
-MXFP8_MODES = ("auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated")
 
 
 def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
@@ -59,7 +57,7 @@ class ModelConfig:
     num_attention_heads: int = setting(32, help="query heads per attention layer")
     num_key_value_heads: int = setting(8, help="key/value heads per attention layer, shared by groups of query heads")
     head_dim: int = setting(128, help="size of one attention head")
-    num_local_experts: int = setting(8, help="experts per MoE layer, over all ranks (each rank holds 1/ep_size)")
+    num_experts: int = setting(8, help="experts per MoE layer, over all ranks (each rank holds 1/ep_size; HF calls this num_local_experts)")
     num_experts_per_tok: int = setting(2, help="experts each token is routed to (top-k)")
     rms_norm_eps: float = setting(1e-5, help="epsilon of the RMSNorm layers")
     rope_theta: float = setting(1e6, help="base of the rotary position embedding's frequencies")
@@ -117,7 +115,7 @@ class RunConfig:
     # A tier's own options (tier, ep_size, mxfp8_mode) are not the workload: they are what a
     # results page compares.
     tier: str = setting("loop", workload=False, headline=True,
-                        help=f"expert FFN implementation: {', '.join(TIER_NAMES)}")
+                        help="expert FFN tier (loop, grouped_linear, custom_grouped, device_mxfp8) or the whole-model baseline hf")
     ep_size: int = setting(1, workload=False, headline=True,
                            help="expert-parallel group size: ranks that split each layer's experts")
     backend: str = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
@@ -164,7 +162,6 @@ class RunConfig:
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
-
 
 def _field_types(cls) -> dict[str, object]:
     hints = typing.get_type_hints(cls)
@@ -230,6 +227,7 @@ def _nest(flat: dict[str, object]) -> dict:
 # (config.yaml, results.json headers, checkpoints' meta.json) are read through
 # `upgrade_saved`, so that they still load, compare with today's runs and resume.
 MOVED_KEYS = {
+    "model.num_local_experts": "model.num_experts",
     "save_every": "train.save_every",
     "checkpoint_every": "train.checkpoint_every",
 }
@@ -343,8 +341,15 @@ def _check(condition: bool, message: str) -> None:
 
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment."""
+    # The tier names and the device_mxfp8 modes belong to the experts registry. This module is
+    # the leaf every layer imports, so it reads them only here, when a config is validated:
+    # importing the registry at the top would pull every tier module (and torch) into
+    # whatever merely reads a config. No cycle: nothing the registry imports reads config.
+    from te_mixtral.experts.device_mxfp8 import MODES as MXFP8_MODES
+    from te_mixtral.experts.registry import BASELINES, RUN_NAMES
+
     d, t = cfg.data, cfg.train
-    _check(cfg.tier in TIER_NAMES, f"unknown tier '{cfg.tier}' (tiers: {', '.join(TIER_NAMES)})")
+    _check(cfg.tier in RUN_NAMES, f"unknown tier '{cfg.tier}' (tiers: {', '.join(RUN_NAMES)})")
     _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got '{cfg.backend}'")
     _check(cfg.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
     _check(cfg.mxfp8_mode in MXFP8_MODES,
@@ -374,10 +379,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep must be at least 1, got {cfg.checkpoint_keep}")
     _check(cfg.generate_tokens > 0, f"generate_tokens must be positive, got {cfg.generate_tokens}")
     _check(cfg.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {cfg.dist_timeout_s}")
-    _check(not (cfg.profile_phases and cfg.tier == "hf"),
-           "profile_phases times te_mixtral's own model; tier 'hf' runs transformers' model")
-    _check(cfg.tier != "hf" or world_size == 1,
-           f"tier 'hf' runs Hugging Face's model in a single process; launch it with one process, not {world_size}")
+    _check(not (cfg.profile_phases and cfg.tier in BASELINES),
+           f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
+    _check(cfg.tier not in BASELINES or world_size == 1,
+           f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one process, "
+           f"not {world_size}")
     if cfg.model_path is None:  # else the checkpoint's config.json replaces the model section, checked then
         validate_model(cfg)
 
@@ -386,21 +392,20 @@ def validate_model(cfg: RunConfig) -> None:
     """The checks of the model section, and of what must fit it."""
     m, d = cfg.model, cfg.data
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok"):
+                "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok"):
         _check(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
     _check(m.num_attention_heads % m.num_key_value_heads == 0,
            f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
            f"model.num_key_value_heads ({m.num_key_value_heads})")
     _check(m.head_dim % 2 == 0, f"model.head_dim must be even for rotary embeddings, got {m.head_dim}")
-    _check(m.num_experts_per_tok <= m.num_local_experts,
-           f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_local_experts "
-           f"({m.num_local_experts})")
+    _check(m.num_experts_per_tok <= m.num_experts,
+           f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts ({m.num_experts})")
     _check(d.seq_len <= m.max_position_embeddings,
            f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings ({m.max_position_embeddings})")
     _check(d.tokenizer is not None or d.tokenizer_vocab_size <= m.vocab_size,
            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) exceeds model.vocab_size ({m.vocab_size})")
-    _check(m.num_local_experts % cfg.ep_size == 0,
-           f"model.num_local_experts ({m.num_local_experts}) is not divisible by ep_size ({cfg.ep_size})")
+    _check(m.num_experts % cfg.ep_size == 0,
+           f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")
 
 
 def to_dict(cfg: RunConfig) -> dict:

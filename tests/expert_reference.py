@@ -15,9 +15,9 @@ GPU_SPLITS = {
 }
 
 
-def reference_f64(x_RD, splits, gate_up_E2FD, down_EDF, dy_RD):
+def reference_f64(x_RD, splits, gate_up_L2FD, down_LDF, dy_RD):
     """y and (dx, d_gate_up, d_down) in float64, one expert at a time, by plain autograd."""
-    leaves = [t.detach().double().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
+    leaves = [t.detach().double().requires_grad_() for t in (x_RD, gate_up_L2FD, down_LDF)]
     x, gate_up, down = leaves
     outputs = []
     for e, x_ND in enumerate(x.split(splits)):
@@ -28,8 +28,8 @@ def reference_f64(x_RD, splits, gate_up_E2FD, down_EDF, dy_RD):
 
 
 def random_expert_inputs(splits, D, F, seed, dtype=torch.bfloat16, param_dtype=None):
-    """Fresh random (never zero) CUDA inputs: x_RD, tokens_per_expert_E, gate_up_E2FD,
-    down_EDF, dy_RD; weights scaled by 1/sqrt(fan-in), in `param_dtype` (default `dtype`)."""
+    """Fresh random (never zero) CUDA inputs: x_RD, tokens_per_expert_L, gate_up_L2FD,
+    down_LDF, dy_RD; weights scaled by 1/sqrt(fan-in), in `param_dtype` (default `dtype`)."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape, scale=1.0, dtype_=dtype):
@@ -53,13 +53,13 @@ def poison_free_memory():
     torch.cuda.synchronize()
 
 
-def run_tier(tier, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF, dy_RD, autocast=False):
+def run_tier(tier, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, dy_RD, autocast=False):
     """y and (dx, d_gate_up, d_down) of `tier` on fresh leaves, into NaN-poisoned memory."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
+    leaves = [t.detach().clone().requires_grad_() for t in (x_RD, gate_up_L2FD, down_LDF)]
     x, gate_up, down = leaves
     poison_free_memory()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        y = tier(x, tokens_per_expert_E, gate_up, down)
+        y = tier(x, tokens_per_expert_L, gate_up, down)
     return (y, *torch.autograd.grad(y, leaves, dy_RD))
 
 

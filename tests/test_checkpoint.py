@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 def setup(tmp_path):
     cfg = load_config(None, {"checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "64", "hidden_size": "16",
                              "intermediate_size": "24", "num_hidden_layers": "1", "num_attention_heads": "2",
-                             "num_key_value_heads": "1", "head_dim": "8", "num_local_experts": "2",
+                             "num_key_value_heads": "1", "head_dim": "8", "num_experts": "2",
                              "tokenizer_vocab_size": "64", "steps": "10", "checkpoint_keep": "2"})
 
     def fresh(seed=0):
@@ -168,6 +168,23 @@ def test_resume_reads_an_older_checkpoints_config_through_its_upgrade(setup, cap
     assert notes(dataclasses.replace(cfg.train, checkpoint_every=5), generate="Hi") == []
     assert notes(dataclasses.replace(cfg.train, log_every=1)) == [
         "te_mixtral: note: changed since the checkpoint: train.log_every 5 -> 1"]
+
+
+def test_resume_reads_a_checkpoint_saved_with_the_old_expert_count_key(setup):
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh(seed=1)
+    folder = save(ckpt, cfg, model, optimizer, 3)
+    meta = json.loads((folder / "meta.json").read_text())
+    saved_model = meta["config"]["model"]
+    meta["config"]["model"] = {("num_local_experts" if k == "num_experts" else k): v for k, v in saved_model.items()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+    other, other_optimizer = fresh(seed=2)
+    assert ckpt.load_latest(other, other_optimizer, cfg).step == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    more_experts = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_experts=4))
+    with pytest.raises(UserError, match="different model"):
+        ckpt.load_latest(*fresh(), more_experts)
 
 
 def test_meta_records_sizes_and_hashes(setup):

@@ -46,9 +46,9 @@ def make_inputs(splits, D, F_, seed):
     )
 
 
-def run(fn, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF, dy_RD):
-    leaves = [t.detach().clone().requires_grad_() for t in (x_RD, gate_up_E2FD, down_EDF)]
-    y = fn(leaves[0], tokens_per_expert_E, leaves[1], leaves[2])
+def run(fn, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, dy_RD):
+    leaves = [t.detach().clone().requires_grad_() for t in (x_RD, gate_up_L2FD, down_LDF)]
+    y = fn(leaves[0], tokens_per_expert_L, leaves[1], leaves[2])
     return (y, *torch.autograd.grad(y, leaves, dy_RD))
 
 

@@ -8,14 +8,14 @@ from torch.utils._pytree import tree_flatten
 from te_mixtral.experts.loop import LoopTier
 
 
-def reference_f64(x_RD, counts, gate_up_E2FD, down_EDF):
+def reference_f64(x_RD, counts, gate_up_L2FD, down_LDF):
     """Row by row in float64: the plainest statement of the expert FFN."""
     expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), counts)
     rows = []
     for x_D, e in zip(x_RD.double(), expert_of_row):
-        gate_up = gate_up_E2FD[e].double() @ x_D
+        gate_up = gate_up_L2FD[e].double() @ x_D
         gate, up = gate_up.chunk(2)
-        rows.append(down_EDF[e].double() @ (F.silu(gate) * up))
+        rows.append(down_LDF[e].double() @ (F.silu(gate) * up))
     return torch.stack(rows)
 
 
@@ -72,10 +72,10 @@ def test_loop_backward_allocates_one_stacked_gradient():
 def test_indexing_per_expert_would_allocate_one_per_expert():
     """The pitfall the loop avoids, measured the same way (so the counter can fail)."""
 
-    def indexing_loop(x_RD, counts, gate_up_E2FD, down_EDF):
+    def indexing_loop(x_RD, counts, gate_up_L2FD, down_LDF):
         chunks = x_RD.split(counts.tolist())
-        return torch.cat([F.linear(F.silu(F.linear(x, gate_up_E2FD[e]).chunk(2, -1)[0]) *
-                                   F.linear(x, gate_up_E2FD[e]).chunk(2, -1)[1], down_EDF[e])
+        return torch.cat([F.linear(F.silu(F.linear(x, gate_up_L2FD[e]).chunk(2, -1)[0]) *
+                                   F.linear(x, gate_up_L2FD[e]).chunk(2, -1)[1], down_LDF[e])
                           for e, x in enumerate(chunks)])
 
     assert stacked_size_allocations_in_backward(indexing_loop, experts=8) >= 8

@@ -24,7 +24,7 @@ TINY = ModelConfig(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=8,
-    num_local_experts=4,
+    num_experts=4,
     num_experts_per_tok=2,
 )
 
@@ -49,7 +49,7 @@ def tiny_token_path(m: ModelConfig) -> nn.Module:
             "v": nn.Linear(D, m.num_key_value_heads * hd, bias=False),
             "o": nn.Linear(m.num_attention_heads * hd, D, bias=False),
             "post_norm": nn.RMSNorm(D),
-            "router": nn.Linear(D, m.num_local_experts, bias=False),
+            "router": nn.Linear(D, m.num_experts, bias=False),
             "chosen_experts": nn.ModuleList(expert() for _ in range(m.num_experts_per_tok)),
         })
 
@@ -84,7 +84,7 @@ def test_active_params_match_built_modules():
 
 
 def test_active_params_count_top_k_experts_not_all():
-    more_experts = ModelConfig(**{**TINY.__dict__, "num_local_experts": 8})
+    more_experts = ModelConfig(**{**TINY.__dict__, "num_experts": 8})
     # Only the router grows with the number of experts: D more weights per layer per expert.
     extra = active_params_per_token(more_experts) - active_params_per_token(TINY)
     assert extra == TINY.num_hidden_layers * TINY.hidden_size * 4

@@ -2,8 +2,8 @@
 blocks, its error bound, the emulated GEMMs against float64, the row padding, the Hopper
 FP8 recipe through a CPU stand-in for its kernel, and how the tier picks its mode.
 
-Shape legend: R rows, P padded rows, D model dim, F expert hidden dim, E local experts,
-K and N a GEMM's input and output width.
+Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: P padded rows, K and N a
+GEMM's input and output width).
 """
 
 import math
@@ -184,17 +184,17 @@ def _groups(offsets):
 def test_emulated_gemms_match_float64_on_the_quantised_operands():
     gen = torch.Generator().manual_seed(1)
     counts = random_splits(4, 70, gen)
-    layout = padded_rows(counts, int(counts.sum()), align=32)
-    x_PK = pad_rows(torch.randn(int(counts.sum()), 64, generator=gen), layout)
+    padded = padded_rows(counts, int(counts.sum()), align=32)
+    x_PK = pad_rows(torch.randn(int(counts.sum()), 64, generator=gen), padded)
     w_GNK = torch.randn(4, 96, 64, generator=gen)
-    dy_PN = torch.randn(layout.rows_P, 96, generator=gen)
+    dy_PN = torch.randn(padded.rows_P, 96, generator=gen)
     gemms = MXFP8EmulatedGemms()
-    y, dx, dw = (gemms.fprop(x_PK, w_GNK, layout.offsets_E), gemms.dgrad(dy_PN, w_GNK, layout.offsets_E),
-                 gemms.wgrad(dy_PN, x_PK, layout.offsets_E))
+    y, dx, dw = (gemms.fprop(x_PK, w_GNK, padded.offsets_L), gemms.dgrad(dy_PN, w_GNK, padded.offsets_L),
+                 gemms.wgrad(dy_PN, x_PK, padded.offsets_L))
 
     x_K, w_K, dy_N, w_N = (fake_quantize(t, d).double() for t, d in ((x_PK, -1), (w_GNK, -1), (dy_PN, -1), (w_GNK, -2)))
     dy_rows, x_rows = fake_quantize(dy_PN, 0).double(), fake_quantize(x_PK, 0).double()
-    for g, (start, end) in enumerate(_groups(layout.offsets_E)):
+    for g, (start, end) in enumerate(_groups(padded.offsets_L)):
         assert rel_err(y[start:end], x_K[start:end] @ w_K[g].T) < FP32_RTOL
         assert rel_err(dx[start:end], dy_N[start:end] @ w_N[g]) < FP32_RTOL
         assert rel_err(dw[g], dy_rows[start:end].T @ x_rows[start:end]) < FP32_RTOL
@@ -204,16 +204,16 @@ def test_emulated_gemms_match_float64_on_the_quantised_operands():
 
 def test_straight_through_backward_uses_the_recipe_gemms():
     gen = torch.Generator().manual_seed(2)
-    layout = padded_rows(torch.tensor([40, 0, 25]), 65, align=32)
-    x_PK = torch.randn(layout.rows_P, 32, generator=gen, requires_grad=True)
+    padded = padded_rows(torch.tensor([40, 0, 25]), 65, align=32)
+    x_PK = torch.randn(padded.rows_P, 32, generator=gen, requires_grad=True)
     w_GNK = torch.randn(3, 64, 32, generator=gen, requires_grad=True)
-    dy_PN = torch.randn(layout.rows_P, 64, generator=gen)
+    dy_PN = torch.randn(padded.rows_P, 64, generator=gen)
     gemms = MXFP8EmulatedGemms()
-    y = scaled_grouped_linear(x_PK, w_GNK, layout.offsets_E, gemms)
+    y = scaled_grouped_linear(x_PK, w_GNK, padded.offsets_L, gemms)
     y.backward(dy_PN)
-    assert torch.equal(y, gemms.fprop(x_PK, w_GNK, layout.offsets_E))
-    assert torch.equal(x_PK.grad, gemms.dgrad(dy_PN, w_GNK, layout.offsets_E))
-    assert torch.equal(w_GNK.grad, gemms.wgrad(dy_PN, x_PK, layout.offsets_E))
+    assert torch.equal(y, gemms.fprop(x_PK, w_GNK, padded.offsets_L))
+    assert torch.equal(x_PK.grad, gemms.dgrad(dy_PN, w_GNK, padded.offsets_L))
+    assert torch.equal(w_GNK.grad, gemms.wgrad(dy_PN, x_PK, padded.offsets_L))
 
 
 def _mlp_inputs(gen, num_experts=4, d=64, f=96, max_rows=50):
@@ -230,16 +230,16 @@ def test_emulated_tier_forward_matches_float64_on_the_quantised_operands():
     tier = DeviceMXFP8Tier("mxfp8-emulated")
     y_RD = tier(x_RD, counts, gate_up, down)
 
-    layout = padded_rows(counts, x_RD.shape[0], align=32)
-    x_PD = fake_quantize(pad_rows(x_RD, layout)).double()
+    padded = padded_rows(counts, x_RD.shape[0], align=32)
+    x_PD = fake_quantize(pad_rows(x_RD, padded)).double()
     gate_up_q, down_q = fake_quantize(gate_up).double(), fake_quantize(down).double()
-    expected = torch.zeros(layout.rows_P, x_RD.shape[1], dtype=torch.float64)
-    for e, (start, end) in enumerate(_groups(layout.offsets_E)):
+    expected = torch.zeros(padded.rows_P, x_RD.shape[1], dtype=torch.float64)
+    for e, (start, end) in enumerate(_groups(padded.offsets_L)):
         h = swiglu(x_PD[start:end] @ gate_up_q[e].T)
         expected[start:end] = fake_quantize(h.float()).double() @ down_q[e].T
     # fp32 vs float64 h can land an element of h on the other side of an E4M3 rounding
     # boundary, now and then: far below the MXFP8 error itself.
-    assert rel_err(y_RD, unpad_rows(expected, layout)) < 1e-4
+    assert rel_err(y_RD, unpad_rows(expected, padded)) < 1e-4
 
 
 @pytest.mark.parametrize("seed", [4, 5])
@@ -276,21 +276,21 @@ def test_padding_round_trip_with_fresh_random_splits(align, min_rows):
         num_experts = int(torch.randint(1, 9, (1,), generator=gen))
         counts = random_splits(num_experts, 100, gen) if trial % 5 else torch.zeros(num_experts, dtype=torch.int64)
         rows = int(counts.sum())
-        layout = padded_rows(counts, rows, align, min_rows)
+        padded = padded_rows(counts, rows, align, min_rows)
 
-        splits = layout.splits_E
-        assert int(splits.sum()) == layout.rows_P
+        splits = padded.splits_L
+        assert int(splits.sum()) == padded.rows_P
         assert (splits % align == 0).all() and (splits >= counts).all()
         assert (splits[counts == 0][:-1] >= min_rows).all() if num_experts > 1 else True
-        assert torch.equal(layout.offsets_E, splits.cumsum(0).to(torch.int32))
+        assert torch.equal(padded.offsets_L, splits.cumsum(0).to(torch.int32))
         # The padded size is a function of the row count alone: the host never needs the split.
         other_split = torch.tensor([rows] + [0] * (num_experts - 1))
-        assert layout.rows_P == padded_rows(other_split, rows, align, min_rows).rows_P
+        assert padded.rows_P == padded_rows(other_split, rows, align, min_rows).rows_P
 
         x_RD = torch.randn(rows, 3, generator=gen)
-        x_PD = pad_rows(x_RD, layout)
-        assert torch.equal(unpad_rows(x_PD, layout), x_RD)
-        starts = (layout.offsets_E.long() - splits).tolist()
+        x_PD = pad_rows(x_RD, padded)
+        assert torch.equal(unpad_rows(x_PD, padded), x_RD)
+        starts = (padded.offsets_L.long() - splits).tolist()
         for e, (start, n) in enumerate(zip(starts, counts.tolist())):
             first = int(counts[:e].sum())
             assert torch.equal(x_PD[start:start + n], x_RD[first:first + n])  # in order, at the start
@@ -298,13 +298,13 @@ def test_padding_round_trip_with_fresh_random_splits(align, min_rows):
 
 
 def test_padding_is_differentiable_and_mxfp8_alignment_is_the_block():
-    layout = padded_rows(torch.tensor([3, 0, 33]), 36, align=MXFP8_ROW_ALIGN)
+    padded = padded_rows(torch.tensor([3, 0, 33]), 36, align=MXFP8_ROW_ALIGN)
     x_RD = torch.randn(36, 4, requires_grad=True)
     dy = torch.randn(36, 4)
-    unpad_rows(pad_rows(x_RD, layout) * 2, layout).backward(dy)
+    unpad_rows(pad_rows(x_RD, padded) * 2, padded).backward(dy)
     assert torch.equal(x_RD.grad, 2 * dy)
     assert MXFP8_ROW_ALIGN == mxfp8.BLOCK_SIZE == 32
-    assert layout.splits_E.tolist()[:2] == [32, 0] and layout.splits_E[2] >= 64
+    assert padded.splits_L.tolist()[:2] == [32, 0] and padded.splits_L[2] >= 64
 
 
 # --- the Hopper FP8 recipe, through a CPU stand-in for torch._scaled_grouped_mm -------------
@@ -354,12 +354,12 @@ def test_rowwise_quantisers():
 def test_fp8_hopper_gemms_layouts_and_scales_on_cpu():
     gen = torch.Generator().manual_seed(7)
     counts = random_splits(3, 60, gen)
-    layout = padded_rows(counts, int(counts.sum()), align=16, min_rows=16)
-    x_PK = pad_rows(torch.randn(int(counts.sum()), 64, generator=gen), layout)
+    padded = padded_rows(counts, int(counts.sum()), align=16, min_rows=16)
+    x_PK = pad_rows(torch.randn(int(counts.sum()), 64, generator=gen), padded)
     w_GNK = torch.randn(3, 48, 64, generator=gen)
-    dy_PN = pad_rows(torch.randn(int(counts.sum()), 48, generator=gen), layout)
+    dy_PN = pad_rows(torch.randn(int(counts.sum()), 48, generator=gen), padded)
     gemms = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
-    offsets = layout.offsets_E
+    offsets = padded.offsets_L
     y, dx, dw = gemms.fprop(x_PK, w_GNK, offsets), gemms.dgrad(dy_PN, w_GNK, offsets), gemms.wgrad(dy_PN, x_PK, offsets)
     x64, w64, dy64 = x_PK.double(), w_GNK.double(), dy_PN.double()
     for g, (start, end) in enumerate(_groups(offsets)):
@@ -374,9 +374,9 @@ def test_fp8_hopper_gemms_layouts_and_scales_on_cpu():
 def test_fp8_hopper_mlp_on_cpu_close_to_fp32():
     gen = torch.Generator().manual_seed(8)
     x_RD, counts, gate_up, down = _mlp_inputs(gen, d=64, f=96)
-    layout = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
+    padded = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
     gemms = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
-    y = unpad_rows(scaled_grouped_swiglu(pad_rows(x_RD, layout), layout.offsets_E, gate_up, down, gemms), layout)
+    y = unpad_rows(scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, gemms), padded)
     y_ref = LoopTier()(x_RD, counts, gate_up, down)
     dy = torch.randn(y.shape, generator=gen)
     grads = torch.autograd.grad(y, (x_RD, gate_up, down), dy)
@@ -392,12 +392,12 @@ def test_compiled_quantisers_match_eager_ones():
     """The tier runs the quantisers through torch.compile on the GPU; same numbers here."""
     gen = torch.Generator().manual_seed(9)
     x_RD, counts, gate_up, down = _mlp_inputs(gen, d=64, f=96)
-    layout = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
-    dy_PD = torch.randn(layout.rows_P, 64, generator=gen)
+    padded = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
+    dy_PD = torch.randn(padded.rows_P, 64, generator=gen)
     outputs = []
     for compiled in (False, True):
         gemms = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=compiled)
-        y = scaled_grouped_swiglu(pad_rows(x_RD, layout), layout.offsets_E, gate_up, down, gemms)
+        y = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, gemms)
         outputs.append((y, *torch.autograd.grad(y, (x_RD, gate_up, down), dy_PD)))
     for eager, compiled in zip(*outputs):
         assert torch.equal(eager, compiled)
@@ -449,12 +449,12 @@ def test_no_synchronising_op_in_forward_and_backward(gemms):
     if gemms == "mxfp8-emulated":
         tier = DeviceMXFP8Tier("mxfp8-emulated")
     else:
-        backend = FP8HopperGemms(_shape_only_kernel, compile=False)
+        hopper_gemms = FP8HopperGemms(_shape_only_kernel, compile=False)
 
         def tier(x_RD, counts, gate_up, down):
-            layout = padded_rows(counts, x_RD.shape[0], backend.row_align, backend.min_rows)
-            y_PD = scaled_grouped_swiglu(pad_rows(x_RD, layout), layout.offsets_E, gate_up, down, backend)
-            return unpad_rows(y_PD, layout)
+            padded = padded_rows(counts, x_RD.shape[0], hopper_gemms.row_align, hopper_gemms.min_rows)
+            y_PD = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, hopper_gemms)
+            return unpad_rows(y_PD, padded)
 
     with _OpRecorder() as recorder:
         torch.autograd.grad(tier(x_RD, counts, gate_up, down), (x_RD, gate_up, down), dy)

@@ -12,7 +12,7 @@ from conftest import REPO
 from test_config_keys import old_layout
 
 from te_mixtral.cli import parse_args as parse_app_args
-from te_mixtral.config import load_config, to_dict
+from te_mixtral.config import load_config, to_dict, upgrade_saved
 from te_mixtral.measure.report import run_header, write_results
 from te_mixtral.results import pages
 from te_mixtral.results.pages import build_page, main, speedup, write_page
@@ -328,3 +328,17 @@ def test_committed_pages_regenerate_unchanged(committed, monkeypatch):
     [(page, out_dir)] = [(p, o) for p, o in made if p.stem == committed.stem]
     assert out_dir / f"{page.stem}.md" == committed.relative_to(REPO)
     assert page.markdown == committed.read_text()
+
+
+def test_runs_saved_before_num_experts_was_renamed_still_load():
+    """Committed runs saved `model.num_local_experts` (HF's name); they read as `num_experts`."""
+    run_dir = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x4-ep4" / "custom_grouped"
+    assert "num_local_experts" in (run_dir / "config.yaml").read_text()  # the old name, as saved
+    assert load_config(str(run_dir / "config.yaml"), world_size=4).model.num_experts == 8
+    (run,) = find_runs([str(run_dir)])
+    assert run.header["config"]["model"]["num_local_experts"] == 8  # a page shows the config as saved
+    command = reproduce_command(run.header["config"], run.world_size)
+    assert "experts" not in command  # 8 experts is the config file's own value: no override
+    args, app_overrides = parse_app_args(shlex.split(command)[4:])
+    assert to_dict(load_config(str(REPO / args.config), app_overrides, world_size=4)) == upgrade_saved(
+        run.header["config"])

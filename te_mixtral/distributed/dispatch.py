@@ -1,14 +1,13 @@
 """Token dispatch: send each routed token copy to the rank that owns its expert, and back.
 
-Shape legend: T tokens on this rank, K top-k, D model dim, E experts in the model,
-L experts local to this rank (E / EP), P = EP ranks in the EP group, R rows received.
+Shape suffixes: see te_mixtral/experts/base.py (here L = E / P).
 
 One MoE layer does
 
     permute  : the T*K token copies, sorted by global expert (so by destination rank)
     exchange : all_to_all_single with uneven splits; rows arrive grouped by source rank,
                then by local expert within each source
-    regroup  : reorder the received rows by local expert, the layout every tier expects
+    regroup  : reorder the received rows by local expert, the row order every tier expects
     ... the expert tier runs on x_RD ...
     and the inverse of each step, then a weighted sum of each token's K expert outputs.
 
@@ -65,8 +64,8 @@ class AllToAllDispatcher:
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: dist.ProcessGroup | None):
         self.num_experts = num_experts
         self.ep_size = ep_size
-        self.local_experts = num_experts // ep_size
-        self.first_local_expert = ep_rank * self.local_experts
+        self.experts_per_rank = num_experts // ep_size
+        self.first_local_expert = ep_rank * self.experts_per_rank
         self.group = group
 
     def dispatch(self, x_TD, experts_TK, weights_TK) -> DispatchOutput:
@@ -76,19 +75,19 @@ class AllToAllDispatcher:
         order_TK = torch.argsort(experts_TK.flatten(), stable=True)
         x_sorted = x_TD[order_TK // top_k]
         tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
-        if self.ep_size == 1:
+        if self.ep_size == 1:  # one rank holds every expert: L == E
             return DispatchOutput(x_sorted, tokens_per_expert_E, order_TK, weights_TK, None, None, None)
 
         # Each rank learns how many rows it receives for each local expert from each source.
         recv_counts_PL = torch.empty_like(tokens_per_expert_E)
         dist.all_to_all_single(recv_counts_PL, tokens_per_expert_E, group=self.group)
-        recv_counts_PL = recv_counts_PL.view(self.ep_size, self.local_experts)
-        send_splits = tokens_per_expert_E.view(self.ep_size, self.local_experts).sum(1).tolist()
+        recv_counts_PL = recv_counts_PL.view(self.ep_size, self.experts_per_rank)
+        send_splits = tokens_per_expert_E.view(self.ep_size, self.experts_per_rank).sum(1).tolist()
         recv_splits = recv_counts_PL.sum(1).tolist()
         x_recv = _AllToAll.apply(x_sorted, send_splits, recv_splits, self.group)
 
         local_expert_R = torch.repeat_interleave(
-            torch.arange(self.local_experts, device=x_TD.device).repeat(self.ep_size), recv_counts_PL.flatten()
+            torch.arange(self.experts_per_rank, device=x_TD.device).repeat(self.ep_size), recv_counts_PL.flatten()
         )
         regroup_R = torch.argsort(local_expert_R, stable=True)
         return DispatchOutput(

@@ -1,22 +1,36 @@
-"""The one interface every expert-FFN tier implements.
+"""The one interface every expert-FFN tier implements, and the shape legend of the package.
 
-Shape legend: R rows (token copies routed to this rank, sorted by local expert),
-D model dim, F expert hidden dim, E local experts.
+Shape legend (every file that names tensors by shape suffix uses these letters; other
+files say "shape suffixes: see te_mixtral/experts/base.py" rather than restating them):
 
-A tier computes, for every local expert e and the rows routed to it,
+    B samples in a batch           S sequence positions       T tokens on this rank (B*S)
+    D model (hidden) dim           H attention heads          V vocabulary
+    E experts in the model         L experts on this rank     K top-k (experts per token)
+    R rows routed to this rank     F expert hidden dim        P ranks in the EP group
 
-    y = (silu(x @ gate_e.T) * (x @ up_e.T)) @ down_e.T
+Code that runs one GEMM without knowing what it multiplies (experts/kernels/, experts/quant/,
+the row padding of experts/device_mxfp8.py,
+the `_GroupedMatmul` of experts/grouped_linear.py) names that GEMM's dims instead: M and N
+output dims, K the reduced (input) dim, G groups (one per local expert), C a generic
+column dim, and P rows after per-expert padding. There, and only there, K and P mean these.
 
-where `gate_up_E2FD[e]` stacks gate (first F rows) over up (last F rows), exactly as
+A digit in a suffix is a literal size: `gate_up_L2FD` is [L, 2*F, D].
+
+A tier computes, for every local expert l and the rows routed to it,
+
+    y = (silu(x @ gate_l.T) * (x @ up_l.T)) @ down_l.T
+
+where `gate_up_L2FD[l]` stacks gate (first F rows) over up (last F rows), exactly as
 Hugging Face transformers v5 stores `MixtralExperts.gate_up_proj`. All tiers read the same
-two stacked parameters, so a checkpoint trained with one tier loads into any other.
+two stacked parameters (the one parameter layout), so a checkpoint trained with one tier
+loads into any other.
 
-Rows arrive sorted by expert: rows [0, n_0) belong to expert 0, the next n_1 to expert 1,
-and so on, with `tokens_per_expert_E` = (n_0, ..., n_{E-1}) an int64 tensor on the rows'
-device. Experts with zero rows, and R == 0, are valid inputs.
+Rows arrive sorted by local expert: rows [0, n_0) belong to expert 0, the next n_1 to
+expert 1, and so on, with `tokens_per_expert_L` = (n_0, ..., n_{L-1}) an int64 tensor on
+the rows' device. Experts with zero rows, and R == 0, are valid inputs.
 """
 
-from typing import Protocol
+import abc
 
 import torch
 import torch.nn.functional as F
@@ -28,18 +42,33 @@ def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_RF) * up_RF
 
 
-class ExpertTier(Protocol):
-    name: str
+class ExpertTier(abc.ABC):
+    """Base class of the tiers: everything the model and the training loop call on a tier.
+
+    A tier overrides `__call__` and sets `name`; the rest has defaults that suit a tier
+    written in plain PyTorch with no options.
+    """
+
+    name: str  # the name the registry lists it under (te_mixtral/experts/registry.py)
+
+    @classmethod
+    def from_config(cls, cfg) -> "ExpertTier":
+        """The tier for a run config (`te_mixtral.config.RunConfig`); a tier with options reads them here."""
+        return cls()
 
     def check_available(self, device: torch.device) -> None:
-        """Raise `TierUnavailable` with a one-line reason if this tier cannot run here."""
+        """Raise `TierUnavailable` with a one-line reason if this tier cannot run on `device`."""
 
+    def describe(self) -> dict:
+        """What runs, beyond the tier's name (recipe, kernel, ...): merged into the run header."""
+        return {}
+
+    @abc.abstractmethod
     def __call__(
         self,
         x_RD: torch.Tensor,
-        tokens_per_expert_E: torch.Tensor,
-        gate_up_E2FD: torch.Tensor,
-        down_EDF: torch.Tensor,
+        tokens_per_expert_L: torch.Tensor,
+        gate_up_L2FD: torch.Tensor,
+        down_LDF: torch.Tensor,
     ) -> torch.Tensor:
         """Return y_RD, differentiable with respect to x and both weights."""
-        ...

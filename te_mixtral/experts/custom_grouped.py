@@ -1,10 +1,9 @@
 """The `custom_grouped` tier: the whole expert FFN as one fused autograd op.
 
-Shape legend: R rows (sorted by local expert), D model dim, F expert hidden dim,
-E local experts.
+Shape suffixes: see te_mixtral/experts/base.py.
 
 On CUDA it runs `te_mixtral.experts.kernels.grouped_swiglu`: Triton kernels that schedule their
-tiles from `tokens_per_expert_E` on the device, fuse SwiGLU into the GEMM epilogues and
+tiles from `tokens_per_expert_L` on the device, fuse SwiGLU into the GEMM epilogues and
 never synchronise with the host (read that module's docstring for the design). Without
 CUDA it runs the same function through `torch.nn.functional.grouped_mm`, so CPU runs and
 CI exercise the tier's interface; that path is also the reference the GPU path is
@@ -20,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from te_mixtral.errors import TierUnavailable
-from te_mixtral.experts.base import swiglu
+from te_mixtral.experts.base import ExpertTier, swiglu
 
 
-class CustomGroupedTier:
+class CustomGroupedTier(ExpertTier):
     name = "custom_grouped"
 
     def check_available(self, device: torch.device) -> None:
@@ -35,17 +34,17 @@ class CustomGroupedTier:
                 "or choose tier grouped_linear or loop"
             )
 
-    def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
         if not x_RD.is_cuda:
-            return grouped_mm_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF)
+            return grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
         from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
-        return grouped_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF)
+        return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
 
 
-def grouped_mm_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
     """The expert FFN through `F.grouped_mm` (CPU or CUDA), differentiable by autograd.
 
     grouped_mm wants int32 cumulative row ends as offsets and 16-byte aligned row strides;
@@ -55,23 +54,23 @@ def grouped_mm_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
     if x_RD.shape[0] == 0:
         # grouped_mm's backward rejects zero rows; zeros that still reach every input give
         # the right (zero) gradients.
-        return x_RD * 0 + 0 * (gate_up_E2FD.sum() + down_EDF.sum()).to(x_RD.dtype)
+        return x_RD * 0 + 0 * (gate_up_L2FD.sum() + down_LDF.sum()).to(x_RD.dtype)
     dtype = x_RD.dtype
-    D, F2 = x_RD.shape[1], gate_up_E2FD.shape[1]
+    D, F2 = x_RD.shape[1], gate_up_L2FD.shape[1]
     align = max(1, 16 // x_RD.element_size())
     pad_d, pad_f = -D % align, -(F2 // 2) % align
-    offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
+    offs_L = torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)
 
-    w1_E2FD, w2_EDF = gate_up_E2FD.to(dtype), down_EDF.to(dtype)
+    w1_L2FD, w2_LDF = gate_up_L2FD.to(dtype), down_LDF.to(dtype)
     if pad_d or pad_f:
-        gate_EFD, up_EFD = w1_E2FD.chunk(2, dim=1)
-        w1_E2FD = torch.cat([F.pad(gate_EFD, (0, pad_d, 0, pad_f)),
-                             F.pad(up_EFD, (0, pad_d, 0, pad_f))], dim=1)
-        w2_EDF = F.pad(w2_EDF, (0, pad_f, 0, pad_d))
+        gate_LFD, up_LFD = w1_L2FD.chunk(2, dim=1)
+        w1_L2FD = torch.cat([F.pad(gate_LFD, (0, pad_d, 0, pad_f)),
+                             F.pad(up_LFD, (0, pad_d, 0, pad_f))], dim=1)
+        w2_LDF = F.pad(w2_LDF, (0, pad_f, 0, pad_d))
         x_RD = F.pad(x_RD, (0, pad_d))
 
-    act_RF = swiglu(F.grouped_mm(x_RD, w1_E2FD.transpose(-2, -1), offs=offs_E))
-    y_RD = F.grouped_mm(act_RF, w2_EDF.transpose(-2, -1), offs=offs_E)
+    act_RF = swiglu(F.grouped_mm(x_RD, w1_L2FD.transpose(-2, -1), offs=offs_L))
+    y_RD = F.grouped_mm(act_RF, w2_LDF.transpose(-2, -1), offs=offs_L)
     return _ContiguousGrad.apply(y_RD[:, :D] if pad_d else y_RD)
 
 

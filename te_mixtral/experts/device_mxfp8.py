@@ -1,7 +1,6 @@
 """The `device_mxfp8` tier: expert GEMMs in 8-bit floating point, split sizes on the device.
 
-Shape legend: R rows (sorted by local expert), P padded rows, D model dim, F expert hidden
-dim, E local experts.
+Shape suffixes: see te_mixtral/experts/base.py. P counts rows after padding.
 
 One tier, three machines, and no pretending: each mode computes something different and
 the tier says which one ran (`describe()`, for the run header and results JSON).
@@ -33,6 +32,7 @@ its grouped-tensor path (`describe()["kernel"]` says whether it does).
 import torch
 
 from te_mixtral.errors import TierUnavailable, UserError
+from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.quant import te_mxfp8
 from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 from te_mixtral.experts.quant.mxfp8 import MXFP8EmulatedGemms
@@ -44,6 +44,7 @@ from te_mixtral.experts.quant.padding import (
 )
 from te_mixtral.experts.quant.scaled_grouped import GroupedGemms, scaled_grouped_swiglu
 
+# The modes a user can ask for (`RunConfig.mxfp8_mode`, validated against this tuple).
 MODES = ("auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated")
 HOPPER = (9, 0)
 BLACKWELL = ((10, 0), (12, 0))  # [first, past-the-end) capabilities where TE runs MXFP8
@@ -101,11 +102,12 @@ class _GemmsMLP:
         self.recipe, self.kernel = gemms.recipe, gemms.kernel
         self.row_align, self.min_rows = gemms.row_align, gemms.min_rows
 
-    def mlp(self, x_PD, layout: PaddedRows, gate_up_E2FD, down_EDF):
-        return scaled_grouped_swiglu(x_PD, layout.offsets_E, gate_up_E2FD, down_EDF, self.gemms)
+    def mlp(self, x_PD, padded: PaddedRows, gate_up_L2FD, down_LDF):
+        return scaled_grouped_swiglu(x_PD, padded.offsets_L, gate_up_L2FD, down_LDF, self.gemms)
 
 
-_BACKENDS = {
+# What runs each mode: an object with `mlp`, `recipe`, `kernel`, `row_align` and `min_rows`.
+_MODE_RUNNERS = {
     "mxfp8-emulated": lambda: _GemmsMLP(MXFP8EmulatedGemms()),
     "fp8-hopper": lambda: _GemmsMLP(FP8HopperGemms()),
     "mxfp8-te": te_mxfp8.TEGroupedExperts,
@@ -118,7 +120,7 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} ({_sm(torch.cuda.get_device_capability(device))})"
 
 
-class DeviceMXFP8Tier:
+class DeviceMXFP8Tier(ExpertTier):
     """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `MODES` (see above)."""
 
     name = "device_mxfp8"
@@ -129,7 +131,7 @@ class DeviceMXFP8Tier:
         self.requested_mode = mode
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
-        self._backend = None
+        self._runner = None
 
     @classmethod
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
@@ -147,20 +149,20 @@ class DeviceMXFP8Tier:
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         mode = select_mode(self.requested_mode, device.type, capability, te_mxfp8.unavailable_reason)
         if mode != self.mode:
-            self._backend = _BACKENDS[mode]()
+            self._runner = _MODE_RUNNERS[mode]()
         self.mode, self._device = mode, device
 
     def describe(self) -> dict:
         """What runs: {"recipe", "kernel", "device"}, for the run header and results JSON."""
-        if self._backend is None:
+        if self._runner is None:
             raise RuntimeError("DeviceMXFP8Tier.describe() needs check_available(device) first")
-        return {"recipe": self._backend.recipe, "kernel": self._backend.kernel, "device": _device_name(self._device),
+        return {"recipe": self._runner.recipe, "kernel": self._runner.kernel, "device": _device_name(self._device),
                 "precision": "fp8" if self.mode == "fp8-hopper" else "mxfp8"}
 
-    def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
         if x_RD.device != self._device:
             self.check_available(x_RD.device)
-        backend = self._backend
-        layout = padded_rows(tokens_per_expert_E, x_RD.shape[0], backend.row_align, backend.min_rows)
-        y_PD = backend.mlp(pad_rows(x_RD, layout), layout, gate_up_E2FD, down_EDF)
-        return unpad_rows(y_PD, layout)
+        runner = self._runner
+        padded = padded_rows(tokens_per_expert_L, x_RD.shape[0], runner.row_align, runner.min_rows)
+        y_PD = runner.mlp(pad_rows(x_RD, padded), padded, gate_up_L2FD, down_LDF)
+        return unpad_rows(y_PD, padded)

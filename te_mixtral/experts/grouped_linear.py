@@ -1,22 +1,22 @@
 """The `grouped_linear` tier: every local expert's GEMMs in one call to Transformer Engine.
 
-Shape legend: R rows (token copies routed to this rank, sorted by local expert), D model
-dim, F expert hidden dim, E local experts; N and K are a GEMM's output and input width.
+Shape suffixes: see te_mixtral/experts/base.py. In `_GroupedMatmul`, a GEMM that does
+not know what it multiplies, N and K are its output and input width.
 
 The expert FFN is two grouped GEMMs with SwiGLU between:
 
-    h_R2F = x_RD @ gate_up_E2FD[e].T   for each expert e's rows   (grouped GEMM 1)
+    h_R2F = x_RD @ gate_up_L2FD[e].T   for each expert e's rows   (grouped GEMM 1)
     a_RF  = silu(h_R2F[:, :F]) * h_R2F[:, F:]                      (plain PyTorch)
-    y_RD  = a_RF @ down_EDF[e].T       for each expert e's rows   (grouped GEMM 2)
+    y_RD  = a_RF @ down_LDF[e].T       for each expert e's rows   (grouped GEMM 2)
 
-Each grouped GEMM, forward and backward, is one call into TE instead of E calls from a
+Each grouped GEMM, forward and backward, is one call into TE instead of L calls from a
 Python loop: y_i = x_i w_i^T forward, dx_i = dy_i w_i and dw_i = dy_i^T x_i backward.
 
 Why an autograd Function around `general_grouped_gemm`, and not `te.GroupedLinear`
 -------------------------------------------------------------------------------------
-The expert weights are parameters of the model, stacked [E, N, K], shared by every tier so
+The expert weights are parameters of the model, stacked [L, N, K], shared by every tier so
 that a checkpoint trained with one tier loads into any other. `te.GroupedLinear` (and the
-fusible `te.ops.GroupedLinear`) create and own their weights: E parameters `weight0..`, or
+fusible `te.ops.GroupedLinear`) create and own their weights: L parameters `weight0..`, or
 with `single_grouped_weight=True` one TE `GroupedTensor`. Running them over the model's
 tensors would mean reaching into the module: popping its `_parameters`, or assigning
 `.data`, which silently detaches the model's weights from autograd (the pitfall TE's own
@@ -47,7 +47,7 @@ Only unquantized GEMMs (BF16, FP16, FP32) are done here; FP8 recipes belong to o
 
 Host sync: TE's grouped GEMM needs the split sizes as Python ints (given a CUDA tensor, TE
 copies it to the host itself on Hopper with cuBLASLt < 13.4), so each call does
-`tokens_per_expert_E.tolist()` once, one device-to-host sync per layer forward, and both
+`tokens_per_expert_L.tolist()` once, one device-to-host sync per layer forward, and both
 GEMMs and the backward reuse that list.
 """
 
@@ -56,7 +56,7 @@ import functools
 import torch
 
 from te_mixtral.errors import TierUnavailable
-from te_mixtral.experts.base import swiglu
+from te_mixtral.experts.base import ExpertTier, swiglu
 from te_mixtral.te_support import TEUnavailable, require_te
 
 # `general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout=..., m_splits=...,
@@ -75,17 +75,17 @@ def _general_grouped_gemm():
 
 
 class _GroupedMatmul(torch.autograd.Function):
-    """y_RN = x_RK @ w_ENK[e].T for each expert e's rows, forward and backward through TE."""
+    """y_RN = x_RK @ w_LNK[e].T for each expert e's rows, forward and backward through TE."""
 
     @staticmethod
-    def forward(ctx, x_RK: torch.Tensor, w_ENK: torch.Tensor, m_splits: list[int]):
-        ctx.save_for_backward(x_RK, w_ENK)
+    def forward(ctx, x_RK: torch.Tensor, w_LNK: torch.Tensor, m_splits: list[int]):
+        ctx.save_for_backward(x_RK, w_LNK)
         ctx.m_splits = m_splits
-        num_experts, n, _ = w_ENK.shape
+        num_experts, n, _ = w_LNK.shape
         y_RN = torch.empty(x_RK.shape[0], n, dtype=x_RK.dtype, device=x_RK.device)
         if x_RK.shape[0] > 0:  # TE is never asked for a grouped GEMM with no rows at all
             _general_grouped_gemm()(
-                list(w_ENK.unbind(0)),
+                list(w_LNK.unbind(0)),
                 list(x_RK.split(m_splits)),
                 [y_RN],
                 quantization_params=[None] * num_experts,
@@ -98,17 +98,17 @@ class _GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RN: torch.Tensor):
-        x_RK, w_ENK = ctx.saved_tensors
+        x_RK, w_LNK = ctx.saved_tensors
         m_splits = ctx.m_splits
-        num_experts = w_ENK.shape[0]
+        num_experts = w_LNK.shape[0]
         grouped_gemm = _general_grouped_gemm() if x_RK.shape[0] > 0 else None
         dy_splits = list(dy_RN.contiguous().split(m_splits))
-        dx_RK = dw_ENK = None
+        dx_RK = dw_LNK = None
         if ctx.needs_input_grad[0]:
             dx_RK = torch.empty_like(x_RK)
             if grouped_gemm is not None:
                 grouped_gemm(
-                    list(w_ENK.unbind(0)),
+                    list(w_LNK.unbind(0)),
                     dy_splits,
                     [dx_RK],
                     quantization_params=[None] * num_experts,
@@ -120,25 +120,25 @@ class _GroupedMatmul(torch.autograd.Function):
                 )
         if ctx.needs_input_grad[1]:
             if grouped_gemm is None:
-                dw_ENK = torch.zeros_like(w_ENK)
+                dw_LNK = torch.zeros_like(w_LNK)
             else:
                 # TE writes zeros for an expert with no rows (accumulate=False), so
                 # `empty` is safe; tests/gpu checks those gradients are exactly zero.
-                dw_ENK = torch.empty_like(w_ENK)
+                dw_LNK = torch.empty_like(w_LNK)
                 grouped_gemm(
                     list(x_RK.split(m_splits)),
                     dy_splits,
-                    list(dw_ENK.unbind(0)),
+                    list(dw_LNK.unbind(0)),
                     quantization_params=[None] * num_experts,
-                    out_dtype=w_ENK.dtype,
+                    out_dtype=w_LNK.dtype,
                     layout="NT",
                     m_splits=m_splits,
                     grad=True,
                 )
-        return dx_RK, dw_ENK, None
+        return dx_RK, dw_LNK, None
 
 
-class GroupedLinearTier:
+class GroupedLinearTier(ExpertTier):
     name = "grouped_linear"
 
     def check_available(self, device: torch.device) -> None:
@@ -158,19 +158,19 @@ class GroupedLinearTier:
                 f"tier '{self.name}' needs NVIDIA Transformer Engine on a CUDA GPU: {reason}"
             )
 
-    def __call__(self, x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF):
-        m_splits = tokens_per_expert_E.tolist()  # the one host sync, see the module docstring
-        if len(m_splits) != gate_up_E2FD.shape[0] or sum(m_splits) != x_RD.shape[0]:
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+        m_splits = tokens_per_expert_L.tolist()  # the one host sync, see the module docstring
+        if len(m_splits) != gate_up_L2FD.shape[0] or sum(m_splits) != x_RD.shape[0]:
             raise ValueError(
-                f"tokens_per_expert_E {m_splits} does not match {gate_up_E2FD.shape[0]} "
+                f"tokens_per_expert_L {m_splits} does not match {gate_up_L2FD.shape[0]} "
                 f"experts and {x_RD.shape[0]} rows"
             )
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x_RD.dtype
         x_RD = x_RD.to(dtype).contiguous()
         # Differentiable casts, outside the Function: fp32 master weights get fp32 grads.
-        gate_up_E2FD = gate_up_E2FD.to(dtype).contiguous()
-        down_EDF = down_EDF.to(dtype).contiguous()
+        gate_up_L2FD = gate_up_L2FD.to(dtype).contiguous()
+        down_LDF = down_LDF.to(dtype).contiguous()
         # Everything is in `dtype` now; keep autocast from recasting the SwiGLU.
         with torch.autocast("cuda", enabled=False):
-            a_RF = swiglu(_GroupedMatmul.apply(x_RD, gate_up_E2FD, m_splits))
-            return _GroupedMatmul.apply(a_RF, down_EDF, m_splits)
+            a_RF = swiglu(_GroupedMatmul.apply(x_RD, gate_up_L2FD, m_splits))
+            return _GroupedMatmul.apply(a_RF, down_LDF, m_splits)

@@ -1,26 +1,39 @@
-"""Registry of expert-FFN tiers, chosen by name.
+"""Every name a run's `tier` can take, in one place.
 
-Tiers are imported only when asked for, so a machine without Transformer Engine or Triton
-can still run the tiers that need neither.
+Two kinds of name. An expert tier (`EXPERT_TIERS`) is an `ExpertTier` the MoE block calls
+for its expert FFN; the rest of te_mixtral's model is the same whichever runs. A baseline
+(`BASELINES`) replaces the whole model: `hf` runs transformers' `MixtralForCausalLM` as
+is, single-process (te_mixtral/model/hf_model.py builds it; the model layer sits above
+this package, so it is named here, not imported).
+
+The tier modules import Transformer Engine and Triton only when a tier runs, so this
+registry imports on a machine with neither.
 """
 
-import importlib
-
 from te_mixtral.experts.base import ExpertTier
+from te_mixtral.experts.custom_grouped import CustomGroupedTier
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+from te_mixtral.experts.grouped_linear import GroupedLinearTier
+from te_mixtral.experts.loop import LoopTier
 
-# name -> "module:Class"; every class implements `ExpertTier`.
-_TIERS = {
-    "loop": "te_mixtral.experts.loop:LoopTier",
-    "grouped_linear": "te_mixtral.experts.grouped_linear:GroupedLinearTier",
-    "custom_grouped": "te_mixtral.experts.custom_grouped:CustomGroupedTier",
-    "device_mxfp8": "te_mixtral.experts.device_mxfp8:DeviceMXFP8Tier",
-}
+EXPERT_TIERS: dict[str, type[ExpertTier]] = {tier.name: tier for tier in (
+    LoopTier,
+    GroupedLinearTier,
+    CustomGroupedTier,
+    DeviceMXFP8Tier,
+)}
 
-EXPERT_TIERS = tuple(_TIERS)
+# name -> what runs, as the run header records it.
+BASELINES = {"hf": {"backend": "transformers", "experts": "transformers eager loop"}}
+
+# Every name `--tier` accepts, baselines first: the order results pages list runs in.
+RUN_NAMES = (*BASELINES, *EXPERT_TIERS)
+
+# The tier every other is checked against (loss checks, results pages).
+REFERENCE_TIER = LoopTier.name
 
 
 def make_tier(name: str, cfg=None) -> ExpertTier:
-    """The tier called `name`; a tier with options reads them from the run config `cfg`."""
-    module_name, class_name = _TIERS[name].split(":")
-    tier_class = getattr(importlib.import_module(module_name), class_name)
-    return tier_class.from_config(cfg) if cfg is not None and hasattr(tier_class, "from_config") else tier_class()
+    """The expert tier called `name`; a tier with options reads them from the run config `cfg`."""
+    tier_class = EXPERT_TIERS[name]
+    return tier_class() if cfg is None else tier_class.from_config(cfg)

@@ -78,7 +78,7 @@ def active_params_per_token(m: ModelConfig) -> int:
     """Parameters whose matmuls one token passes through (see the module docstring)."""
     D, H, Hkv, hd = m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim
     attention = D * H * hd + 2 * D * Hkv * hd + H * hd * D
-    router = D * m.num_local_experts
+    router = D * m.num_experts
     experts = m.num_experts_per_tok * 3 * D * m.intermediate_size
     norms = 2 * D
     per_layer = attention + router + experts + norms

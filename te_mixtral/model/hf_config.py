@@ -10,9 +10,11 @@ from pathlib import Path
 from te_mixtral.config import ModelConfig
 from te_mixtral.errors import UserError
 
-_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "rms_norm_eps",
-                "max_position_embeddings", "initializer_range", "tie_word_embeddings")
+# Our `ModelConfig` field -> its `MixtralConfig` key: the same name but for the expert count.
+_SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "num_experts_per_tok", "rms_norm_eps", "max_position_embeddings",
+              "initializer_range", "tie_word_embeddings")
+_CONFIG_KEYS = {**{key: key for key in _SAME_NAME}, "num_experts": "num_local_experts"}
 
 
 def model_config_from_hf(checkpoint_dir: str | Path) -> ModelConfig:
@@ -23,7 +25,7 @@ def model_config_from_hf(checkpoint_dir: str | Path) -> ModelConfig:
         raise UserError(f"cannot read a Hugging Face config at {path}: {e}") from None
     if raw.get("model_type") != "mixtral":
         raise UserError(f"{path} describes a '{raw.get('model_type')}' model, not mixtral")
-    fields = {k: raw[k] for k in _CONFIG_KEYS if k in raw}
+    fields = {ours: raw[theirs] for ours, theirs in _CONFIG_KEYS.items() if theirs in raw}
     fields["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     rope = raw.get("rope_parameters") or {}
     fields["rope_theta"] = float(rope.get("rope_theta", raw.get("rope_theta", 1e6)))
@@ -35,6 +37,6 @@ def hf_config(m: ModelConfig):
     from transformers import MixtralConfig
 
     return MixtralConfig(
-        **{k: getattr(m, k) for k in _CONFIG_KEYS}, head_dim=m.head_dim,
+        **{theirs: getattr(m, ours) for ours, theirs in _CONFIG_KEYS.items()}, head_dim=m.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
     )

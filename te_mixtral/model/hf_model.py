@@ -1,5 +1,5 @@
-"""The `hf` tier: Hugging Face `MixtralForCausalLM` as is, the baseline every tier is
-measured against.
+"""The `hf` baseline: Hugging Face `MixtralForCausalLM` as is, the whole model every tier is
+measured against (te_mixtral/experts/registry.py lists it under `BASELINES`).
 
 It runs in a single process with transformers' own attention (SDPA) and its own eager
 experts loop. It starts from the very weights our model would start from (same seed, same

@@ -1,7 +1,6 @@
 """A Mixtral decoder whose numerics equal Hugging Face `MixtralForCausalLM`.
 
-Shape legend: B samples, S sequence length, D model dim, H query heads, G key/value heads,
-Hd head dim, V vocabulary.
+Shape suffixes: see te_mixtral/experts/base.py.
 
 Parameter names follow transformers v5 (`model.layers.N.mlp.experts.gate_up_proj`, ...),
 so converting a checkpoint is a rename at most; each rank holds only its own slice of the
@@ -72,9 +71,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.self_attn = Attention(m, backend)
         self.post_attention_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
-        dispatcher = AllToAllDispatcher(m.num_local_experts, layout.ep_size, layout.ep_rank, layout.ep_group)
-        self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_local_experts, m.num_experts_per_tok,
-                            dispatcher, tier, m.num_local_experts // layout.ep_size)
+        dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_rank, layout.ep_group)
+        self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_experts, m.num_experts_per_tok,
+                            dispatcher, tier, m.num_experts // layout.ep_size)
 
     def forward(self, x_BSD, rotary, packed):
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rotary, packed)
@@ -116,7 +115,7 @@ def expert_seed(seed: int, layer_index: int, global_expert: int) -> int:
 def init_weights(model: MixtralForCausalLM, seed: int, layout: Layout) -> None:
     """Normal(0, initializer_range) for matrices, ones for norms; see the module docstring."""
     std = model.config.initializer_range
-    local_experts = model.config.num_local_experts // layout.ep_size
+    experts_per_rank = model.config.num_experts // layout.ep_size
     device = next(model.parameters()).device
     dense = torch.Generator(device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -127,8 +126,8 @@ def init_weights(model: MixtralForCausalLM, seed: int, layout: Layout) -> None:
         else:
             param.normal_(0.0, std, generator=dense)
     for layer_index, layer in enumerate(model.model.layers):
-        for local in range(local_experts):
-            global_expert = layout.ep_rank * local_experts + local
+        for local in range(experts_per_rank):
+            global_expert = layout.ep_rank * experts_per_rank + local
             gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_index, global_expert))
             layer.mlp.experts.gate_up_proj[local].normal_(0.0, std, generator=gen)
             layer.mlp.experts.down_proj[local].normal_(0.0, std, generator=gen)

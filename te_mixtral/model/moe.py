@@ -1,7 +1,6 @@
 """The sparse MoE block: route, dispatch, run the expert tier, combine.
 
-Shape legend: T tokens on this rank, D model dim, F expert hidden dim, E experts in the
-model, L experts on this rank, K top-k, R rows routed to this rank.
+Shape suffixes: see te_mixtral/experts/base.py.
 
 Routing is Hugging Face Mixtral's, step for step: router logits, softmax in float32,
 top-k, renormalise the k weights to sum to one. The block never looks at which tier it
@@ -17,21 +16,22 @@ from te_mixtral.experts.base import ExpertTier
 
 
 class StackedExperts(nn.Module):
-    """This rank's experts, stored stacked: the one parameter layout every tier reads."""
+    """This rank's experts, stored stacked (gate_up [L, 2F, D], down [L, D, F]): the one
+    parameter layout every tier reads."""
 
-    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, experts_per_rank: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(experts_per_rank, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(experts_per_rank, hidden_size, intermediate_size))
 
 
 class MoEBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 dispatcher: TokenDispatcher, tier: ExpertTier, num_local_experts: int):
+                 dispatcher: TokenDispatcher, tier: ExpertTier, experts_per_rank: int):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
-        self.experts = StackedExperts(num_local_experts, hidden_size, intermediate_size)
+        self.experts = StackedExperts(experts_per_rank, hidden_size, intermediate_size)
         self.dispatcher = dispatcher
         self.tier = tier
 

@@ -46,11 +46,13 @@ import yaml
 
 from te_mixtral.config import flatten, settings, upgrade_saved, workload_keys
 from te_mixtral.errors import UserError
+from te_mixtral.experts.registry import BASELINES, REFERENCE_TIER
 from te_mixtral.measure.loss_check import check_losses
 from te_mixtral.results.reproduce import reproduce_command
 from te_mixtral.results.runs import Run, find_runs, group_runs
 
-BASELINES = ("hf", "loop")
+# What every row's speed is compared with: the whole-model baselines and the reference tier.
+COMPARED_WITH = (*BASELINES, REFERENCE_TIER)
 DASH = "-"
 
 
@@ -181,11 +183,11 @@ def page_stem(runs: list[Run], suffix: str | None) -> str:
 def describe_workload(workload_: dict) -> str:
     """One line a person reads; the full config is further down the page."""
     w = {k: workload_.get(k, "?") for k in (
-        "model.num_hidden_layers", "model.hidden_size", "model.intermediate_size", "model.num_local_experts",
+        "model.num_hidden_layers", "model.hidden_size", "model.intermediate_size", "model.num_experts",
         "model.num_experts_per_tok", "model.vocab_size", "train.batch_size", "data.seq_len", "train.steps",
         "train.timing_warmup_steps", "precision", "data.dataset")}
     return (f"{w['model.num_hidden_layers']} layers, hidden {w['model.hidden_size']}, expert FFN "
-            f"{w['model.intermediate_size']}, {w['model.num_local_experts']} experts top-"
+            f"{w['model.intermediate_size']}, {w['model.num_experts']} experts top-"
             f"{w['model.num_experts_per_tok']}, vocab {w['model.vocab_size']}; batch {w['train.batch_size']} x "
             f"seq {w['data.seq_len']} tokens per step, {w['train.steps']} steps of which the first "
             f"{w['train.timing_warmup_steps']} are left out of the timing; {w['precision']}; data "
@@ -219,7 +221,7 @@ def tier_rows(runs: list[Run]) -> tuple[list[list[str]], list[str]]:
         cells = [f"`{run.label}`" + (f" ({run.header['ran']['recipe']})" if "recipe" in run.header.get("ran", {})
                                      else ""),
                  f"{run.world_size} / {run.ep_size}", f"{s['median_step_ms']:.1f}", f"{s['p90_step_ms']:.1f}"]
-        for tier in BASELINES:
+        for tier in COMPARED_WITH:
             base = baseline_for(run, tier, runs)
             ratio = speedup(run, base)
             cell = DASH if ratio is None else f"{ratio:.2f}x"
@@ -240,7 +242,7 @@ def tier_rows(runs: list[Run]) -> tuple[list[list[str]], list[str]]:
 
 def warnings_for(runs: list[Run], workloads: list[dict]) -> list[str]:
     warnings = []
-    for tier in BASELINES:
+    for tier in COMPARED_WITH:
         if not any(r.tier == tier for r in runs):
             warnings.append(f"No `{tier}` run in this set: the `vs {tier}` column is empty.")
     for index, w in enumerate(workloads[1:], start=1):
@@ -337,8 +339,8 @@ def build_page(runs: list[Run], title: str | None, notes: str | None, command: s
     if warnings:
         out += ["> **Check before reading**", ">"] + [f"> - {w}" for w in warnings] + [""]
 
-    header = ["tier", "world / EP", "median step (ms)", "p90 step (ms)", "vs hf", "vs loop", "tokens/s/GPU",
-              "TFLOP/s/GPU", "MFU", "peak memory (GiB)", "loss check vs `loop` (rel diff: first step, max step, mean)"]
+    header = ["tier", "world / EP", "median step (ms)", "p90 step (ms)", *(f"vs {t}" for t in COMPARED_WITH),
+              "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak memory (GiB)", "loss check vs `loop` (rel diff: first step, max step, mean)"]
     rows, footnotes = tier_rows(runs)
     out += ["## Tiers", "", _table(header, rows, text_columns=(0, -1)), ""]
     out += [f"- {note}" for note in footnotes] + ([""] if footnotes else [])

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from te_mixtral.config import TIER_NAMES
 from te_mixtral.errors import UserError
+from te_mixtral.experts.registry import RUN_NAMES
 from te_mixtral.measure.report import RESULTS_FILE, read_results
 
 SUMMARY_KEYS = ("median_step_ms", "p90_step_ms", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_memory_gib")
@@ -85,7 +85,7 @@ def find_runs(paths: list[str]) -> list[Run]:
 
 def group_runs(runs: list[Run]) -> dict[tuple[str, int], list[Run]]:
     """Runs by (device, world size), each group sorted in tier order, then EP size, then date."""
-    order = {name: i for i, name in enumerate(TIER_NAMES)}
+    order = {name: i for i, name in enumerate(RUN_NAMES)}
     groups: dict[tuple[str, int], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.header["device"], run.world_size), []).append(run)

@@ -230,6 +230,8 @@ class Checkpointer:
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         if meta.get("format") != FORMAT_VERSION:
             raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
+        # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
+        meta["config"] = upgrade_saved(meta["config"])
         if (meta["world_size"], meta["ep_size"]) != (self.layout.world_size, self.layout.ep_size):
             raise UserError(f"checkpoint {folder} was written by {meta['world_size']} ranks with EP={meta['ep_size']}; "
                             f"resume it with the same world size and ep_size, not {self.layout.world_size} and "

@@ -95,7 +95,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
     the number of bytes of tensor data read."""
     checkpoint_dir = Path(checkpoint_dir)
     params = dict(model.named_parameters())
-    num_local = model.config.num_local_experts // layout.ep_size
+    num_local = model.config.num_experts // layout.ep_size
     first = layout.ep_rank * num_local
     ffn = model.config.intermediate_size
     loaded = set()

@@ -27,7 +27,7 @@ from te_mixtral.distributed.layout import (
 )
 from te_mixtral.errors import UserError, report_error
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.experts.registry import make_tier
+from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable
 from te_mixtral.measure import metrics, report
 from te_mixtral.measure.loss_check import check_losses
@@ -51,19 +51,18 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
                 model_dir: Path | None = None) -> tuple[nn.Module, dict]:
     """The model of the run's tier, with the weights of `model_dir` (an HF checkpoint) or
     initialised from the run's seed; and what it runs on."""
-    if cfg.tier == "hf":
+    if cfg.tier in BASELINES:  # `hf`, the one baseline: our model built only for its weights
         with torch.device(device):
             ours = MixtralForCausalLM(cfg.model, TORCH, layout, LoopTier())
         initialise(ours, cfg, layout, model_dir)
-        return HFMixtral.from_model(ours), {"backend": "transformers", "experts": "transformers eager loop"}
+        return HFMixtral.from_model(ours), dict(BASELINES[cfg.tier])
     tier = make_tier(cfg.tier, cfg)
     tier.check_available(device)
     backend = resolve_backend(cfg.backend, device.type)
     with torch.device(device):
         model = MixtralForCausalLM(cfg.model, backend, layout, tier)
     initialise(model, cfg, layout, model_dir)
-    described = getattr(tier, "describe", lambda: {})()
-    return model, {"backend": backend.name, "experts": cfg.tier, **described}
+    return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
 
 
 def initialise(model: MixtralForCausalLM, cfg: RunConfig, layout: Layout, model_dir: Path | None) -> None:

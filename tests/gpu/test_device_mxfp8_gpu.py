@@ -111,16 +111,16 @@ def test_describe_and_refusals_on_hopper():
 @hopper
 def test_fp8_gemms_compute_what_scaled_grouped_mm_documents():
     counts = torch.tensor([40, 0, 300, 17], device="cuda")
-    layout = padded_rows(counts, 357, align=16, min_rows=16)
+    padded = padded_rows(counts, 357, align=16, min_rows=16)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x_PK = pad_rows(torch.randn(357, 256, device="cuda", generator=gen).bfloat16(), layout)
-    dy_PN = pad_rows(torch.randn(357, 384, device="cuda", generator=gen).bfloat16(), layout)
+    x_PK = pad_rows(torch.randn(357, 256, device="cuda", generator=gen).bfloat16(), padded)
+    dy_PN = pad_rows(torch.randn(357, 384, device="cuda", generator=gen).bfloat16(), padded)
     w_GNK = torch.randn(E, 384, 256, device="cuda", generator=gen).bfloat16()
     real = FP8HopperGemms()
     documented = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
     for op, operands in (("fprop", (x_PK, w_GNK)), ("dgrad", (dy_PN, w_GNK)), ("wgrad", (dy_PN, x_PK))):
-        got = getattr(real, op)(*operands, layout.offsets_E)
-        expected = getattr(documented, op)(*operands, layout.offsets_E)
+        got = getattr(real, op)(*operands, padded.offsets_L)
+        expected = getattr(documented, op)(*operands, padded.offsets_L)
         print(op, f"{rel_err(got, expected):.2e}")
         assert got.shape == expected.shape and got.dtype == torch.bfloat16
         assert rel_err(got, expected) < SAME_OPERANDS_RTOL, op
@@ -170,8 +170,8 @@ def test_te_plumbing_on_hopper_with_an_fp8_recipe_hopper_has():
     print(experts.recipe, "|", experts.kernel, "| row_align", experts.row_align)
 
     def tier(x_RD, counts, gate_up, down):
-        layout = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)
-        return unpad_rows(experts.mlp(pad_rows(x_RD, layout), layout, gate_up, down), layout)
+        padded = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)
+        return unpad_rows(experts.mlp(pad_rows(x_RD, padded), padded, gate_up, down), padded)
 
     inputs = make_inputs(SPLITS["uneven"], seed=4)
     assert_close(run(tier, *inputs), reference(*inputs), TE_FP8_TENSOR_RTOL)
@@ -216,12 +216,12 @@ def _median_ms(step, iters=10, warmup=3) -> float:
 
 def _fp8_gemms_only(gemms, x, gate_up, down, counts):
     """The six FP8 GEMMs of one step on operands quantised beforehand: the floor."""
-    layout = padded_rows(counts, x.shape[0], gemms.row_align, gemms.min_rows)
-    x_PD, offs = pad_rows(x, layout), layout.offsets_E
+    padded = padded_rows(counts, x.shape[0], gemms.row_align, gemms.min_rows)
+    x_PD, offs = pad_rows(x, padded), padded.offsets_L
     rows, cols = gemms._quantize_rows, gemms._quantize_columns
-    h = torch.randn(layout.rows_P, MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
-    dh = torch.randn(layout.rows_P, 2 * MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(layout.rows_P, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(padded.rows_P, MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(padded.rows_P, 2 * MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(padded.rows_P, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
     calls = []
     for a, w in ((x_PD, gate_up), (h, down), (dy, down.transpose(-2, -1)), (dh, gate_up.transpose(-2, -1))):
         (a_q, a_s), (w_q, w_s) = rows(a), rows(w)  # fprop and dgrad: 2-D x 3-D
@@ -263,7 +263,7 @@ def test_timing_fp8_hopper_vs_bf16_grouped_mm(tokens_per_expert):
     def tier_step(compile_quantisers):
         tier = DeviceMXFP8Tier("fp8-hopper")
         tier.check_available(torch.device("cuda"))
-        tier._backend.gemms = FP8HopperGemms(compile=compile_quantisers)
+        tier._runner.gemms = FP8HopperGemms(compile=compile_quantisers)
         return train_step(lambda: tier(x, counts, gate_up, down))
 
     variants = {  # name -> a function that builds the step, so each holds memory only while timed

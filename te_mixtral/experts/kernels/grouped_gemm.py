@@ -1,6 +1,6 @@
 """Triton kernels for grouped (per-expert) GEMMs whose split sizes stay on the device.
 
-Shape legend: R rows (sorted by local expert), E local experts; inside a kernel M, N, K
+Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, K
 are that GEMM's own dims and BM/BN/BK its tile.
 
 Two kernels cover the six GEMMs of the expert FFN's forward and backward
@@ -8,7 +8,7 @@ Two kernels cover the six GEMMs of the expert FFN's forward and backward
 
 * `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, K] is split
   by rows; B_e is one expert's slice of a stacked weight, stored either K-contiguous
-  ([E, N, K], an `x @ W.T`) or N-contiguous ([E, K, N], an `x @ W`). Its epilogue can fuse
+  ([L, N, K], an `x @ W.T`) or N-contiguous ([L, K, N], an `x @ W`). Its epilogue can fuse
   SwiGLU: `EPI_SWIGLU` computes gate and up tiles side by side (two accumulators sharing
   the A tile), stores both pre-activations and silu(gate) * up; `EPI_SWIGLU_BWD` turns the
   product tile d(act) into d(gate), d(up) using the saved pre-activations, and re-creates
@@ -19,10 +19,10 @@ Two kernels cover the six GEMMs of the expert FFN's forward and backward
 No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
 fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
 other with the same R. Every
-program loads `tokens_per_expert_E` itself, builds per-expert row and tile offsets with
+program loads `tokens_per_expert_L` itself, builds per-expert row and tile offsets with
 a cumsum in registers, and walks the tiles t = pid, pid + P, ... up to a total that it
 computed on the device. A tile finds its expert by counting how many tile-ranges end at
-or before it: a [BLOCK_E] vector compare-and-sum, no search loop.
+or before it: a [BLOCK_L] vector compare-and-sum, no search loop.
 
 Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-built
 tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
@@ -74,11 +74,11 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
     a_src, b_src, counts_ptr, out_ptr, h_ptr,
-    R, N, K, E, b_rows_per_expert,
+    R, N, K, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_KCONTIG: tl.constexpr, WRITE_ACT: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
     EPI_PARTS: tl.constexpr,
 ):
     """out[rows of e, :N] = epilogue(A[rows of e, :K] @ B_e), for all experts.
@@ -91,8 +91,8 @@ def _rows_gemm(
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    idx = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+    idx = tl.arange(0, BLOCK_L)
+    counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
     row_ends = tl.cumsum(counts, 0)
     tiles = tl.cdiv(counts, BLOCK_M) * n_tiles
     tile_ends = tl.cumsum(tiles, 0)
@@ -230,22 +230,22 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
 @triton.jit
 def _wgrad_gemm(
     g_src, x_src, counts_ptr, out_ptr,
-    M, N, E,
+    M, N, L,
     USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     per_expert = m_tiles * n_tiles
-    idx = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+    idx = tl.arange(0, BLOCK_L)
+    counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
     row_ends = tl.cumsum(counts, 0)
     rk = tl.arange(0, BLOCK_K)
 
-    for t in range(pid, E * per_expert, tl.num_programs(0)):
+    for t in range(pid, L * per_expert, tl.num_programs(0)):
         e = t // per_expert
         pid_m, pid_n = _swizzle(t % per_expert, m_tiles, n_tiles, GROUP_M)
         m0 = pid_m * BLOCK_M
@@ -337,51 +337,51 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
-def rows_gemm(a_RK, w, counts_E, out, *, n, b_kcontig, cfg, use_tma,
+def rows_gemm(a_RK, w, counts_L, out, *, n, b_kcontig, cfg, use_tma,
               epilogue=EPI_PLAIN, h=None):
-    """Launch `_rows_gemm`. w is the stacked weight [E, n (2n for EPI_SWIGLU), K] when
-    b_kcontig, else [E, K, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
+    """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), K] when
+    b_kcontig, else [L, K, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
     _ensure_cuda_context(a_RK.device)
     R, K = a_RK.shape
-    E = w.shape[0]
+    L = w.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    w2d = w.reshape(E * w.shape[1], w.shape[2])
+    w2d = w.reshape(L * w.shape[1], w.shape[2])
     if use_tma:
         a_src = _descriptor(a_RK, [bm, bk])
         b_src = _descriptor(w2d, [bn, bk] if b_kcontig else [bk, bn])
     else:
         a_src, b_src = a_RK, w2d
     # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
-    tile_bound = (R // bm + min(E, R)) * triton.cdiv(n, bn)
+    tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn)
     grid = (max(1, min(_max_programs(a_RK.device) * cfg.get("PROGS_PER_SM", 1), tile_bound)),)
     return _rows_gemm[grid](
-        a_src, b_src, counts_E, h if out is None else out, a_RK if h is None else h,
-        R, n, K, E, w.shape[1],
+        a_src, b_src, counts_L, h if out is None else out, a_RK if h is None else h,
+        R, n, K, L, w.shape[1],
         EPILOGUE=epilogue, B_KCONTIG=b_kcontig, WRITE_ACT=out is not None,
         USE_TMA=use_tma, EVEN_K=K % bk == 0, DOT_PREC=_dot_prec(a_RK.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        BLOCK_E=triton.next_power_of_2(E), FLATTEN=cfg.get("FLATTEN", False),
+        BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
         EPI_PARTS=cfg.get("EPI_PARTS", 4),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def wgrad_gemm(g_RM, x_RN, counts_E, out_EMN, *, cfg, use_tma):
-    """Launch `_wgrad_gemm`: out_EMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
+def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
+    """Launch `_wgrad_gemm`: out_LMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
     _ensure_cuda_context(g_RM.device)
-    E, M, N = out_EMN.shape
+    L, M, N = out_LMN.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if use_tma:
         g_src, x_src = _descriptor(g_RM, [bk, bm]), _descriptor(x_RN, [bk, bn])
     else:
         g_src, x_src = g_RM, x_RN
-    tiles = E * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
     grid = (max(1, min(_max_programs(g_RM.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
     return _wgrad_gemm[grid](
-        g_src, x_src, counts_E, out_EMN, M, N, E,
+        g_src, x_src, counts_L, out_LMN, M, N, L,
         USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_L=triton.next_power_of_2(L),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

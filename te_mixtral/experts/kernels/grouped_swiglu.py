@@ -1,11 +1,10 @@
 """The expert FFN as one autograd op: grouped gate_up GEMM -> SwiGLU -> grouped down GEMM.
 
-Shape legend: R rows (sorted by local expert), D model dim, F expert hidden dim,
-E local experts.
+Shape suffixes: see te_mixtral/experts/base.py.
 
-    h_R2F  = x_RD @ gate_up_E2FD[e].T            (per expert e, its rows only)
+    h_R2F  = x_RD @ gate_up_L2FD[e].T            (per expert e, its rows only)
     act_RF = silu(h_R2F[:, :F]) * h_R2F[:, F:]
-    y_RD   = act_RF @ down_EDF[e].T
+    y_RD   = act_RF @ down_LDF[e].T
 
 Six grouped GEMMs run in all (kernels in `grouped_gemm.py`):
 
@@ -60,7 +59,7 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
 # on an H100 (docs/kernels.md has the numbers). The regime comes from the mean rows per
-# expert, R / E, which the host knows from shapes alone; the split stays on the device.
+# expert, R / L, which the host knows from shapes alone; the split stays on the device.
 # PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
@@ -121,29 +120,29 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, counts_E, gate_up_E2FD, down_EDF, configs, use_tma):
+    def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma):
         R, D = x_RD.shape
-        E, F = down_EDF.shape[0], down_EDF.shape[2]
+        L, F = down_LDF.shape[0], down_LDF.shape[2]
         dtype = x_RD.dtype
-        w1_E2FD = gate_up_E2FD.to(dtype).contiguous()
-        w2_EDF = down_EDF.to(dtype).contiguous()
+        w1_L2FD = gate_up_L2FD.to(dtype).contiguous()
+        w2_LDF = down_LDF.to(dtype).contiguous()
         x_RD = x_RD.contiguous()
         h_R2F = x_RD.new_empty(R, 2 * F)
         act_RF = x_RD.new_empty(R, F)
         y_RD = x_RD.new_empty(R, D)
-        cfgs = configs[regime(R, E)]
+        cfgs = configs[regime(R, L)]
         if dtype == torch.float32:
             cfgs = dict.fromkeys(cfgs, _FP32)
         if use_tma is None:
-            use_tma = _tma_ok(x_RD, h_R2F, w1_E2FD, w2_EDF)
+            use_tma = _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
-            rows_gemm(x_RD, w1_E2FD, counts_E, act_RF, n=F, b_kcontig=True,
+            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_kcontig=True,
                       cfg=cfgs["gate_up"], use_tma=use_tma, epilogue=EPI_SWIGLU, h=h_R2F)
-            rows_gemm(act_RF, w2_EDF, counts_E, y_RD, n=D, b_kcontig=True,
+            rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_kcontig=True,
                       cfg=cfgs["down"], use_tma=use_tma)
-        ctx.save_for_backward(x_RD, counts_E, h_R2F, w1_E2FD, w2_EDF)
+        ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF)
         ctx.cfgs, ctx.use_tma, ctx.h_consumed = cfgs, use_tma, False
-        ctx.w_dtypes = (gate_up_E2FD.dtype, down_EDF.dtype)
+        ctx.w_dtypes = (gate_up_L2FD.dtype, down_LDF.dtype)
         return y_RD
 
     @staticmethod
@@ -155,36 +154,36 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 "pre-activations were overwritten by the first (retain_graph is unsupported)"
             )
         ctx.h_consumed = True
-        x_RD, counts_E, h_R2F, w1_E2FD, w2_EDF = ctx.saved_tensors
+        x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF = ctx.saved_tensors
         cfgs, use_tma = ctx.cfgs, ctx.use_tma
         R, D = x_RD.shape
-        F = w2_EDF.shape[2]
+        F = w2_LDF.shape[2]
         dy_RD = dy_RD.to(x_RD.dtype).contiguous()
-        d_w1 = torch.empty(w1_E2FD.shape, dtype=ctx.w_dtypes[0], device=x_RD.device)
-        d_w2 = torch.empty(w2_EDF.shape, dtype=ctx.w_dtypes[1], device=x_RD.device)
+        d_w1 = torch.empty(w1_L2FD.shape, dtype=ctx.w_dtypes[0], device=x_RD.device)
+        d_w2 = torch.empty(w2_LDF.shape, dtype=ctx.w_dtypes[1], device=x_RD.device)
         dx_RD = torch.empty_like(x_RD)
         if R == 0:
             return dx_RD, None, d_w1.zero_(), d_w2.zero_(), None, None
 
         # 3: dh overwrites h; act comes back for 4, then is freed.
         act_RF = x_RD.new_empty(R, F)
-        rows_gemm(dy_RD, w2_EDF, counts_E, act_RF, n=F, b_kcontig=False,
+        rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_kcontig=False,
                   cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F)
         dh_R2F = h_R2F
-        wgrad_gemm(dy_RD, act_RF, counts_E, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma)
+        wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma)
         del act_RF
-        rows_gemm(dh_R2F, w1_E2FD, counts_E, dx_RD, n=D, b_kcontig=False,
+        rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_kcontig=False,
                   cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
-        wgrad_gemm(dh_R2F, x_RD, counts_E, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma)
+        wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma)
         return dx_RD, None, d_w1, d_w2, None, None
 
 
-def grouped_swiglu(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF, *, configs=None,
+def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs=None,
                    use_tma=None):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep uses it); `use_tma` forces
     the descriptor path on or off (default: on where the tensors allow it).
     """
-    return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_E, gate_up_E2FD, down_EDF,
+    return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF,
                                 configs or CONFIGS, use_tma)

@@ -1,6 +1,6 @@
 """Pad each expert's rows to a multiple of an alignment, on the device, without a host sync.
 
-Shape legend: R rows (sorted by expert), P padded rows, D feature dim, E local experts.
+Shape suffixes: see te_mixtral/experts/base.py.
 
 Low-precision grouped GEMMs want every expert's row count rounded up:
 
@@ -13,11 +13,11 @@ Low-precision grouped GEMMs want every expert's row count rounded up:
   aligned (16 FP8 values), and the CUTLASS kernel rejects an empty group there.
 
 TE's own `Fp8Padding` takes the split sizes as a Python list, which means copying them to
-the host (a sync) every layer. Here the padded layout is computed on the device. The one
+the host (a sync) every layer. Here the padded row positions are computed on the device. The one
 thing the host must know is the padded row count P, so P is a *static* bound that holds
 for any split: each expert gains at most `align - 1` rows (or `min_rows` if it had none),
-so P = R + E * max_gain rounded down to the alignment always suffices. Whatever is left
-over (the "slack", at most about E * align rows) is given to the last expert as extra
+so P = R + L * max_gain rounded down to the alignment always suffices. Whatever is left
+over (the "slack", at most about L * align rows) is given to the last expert as extra
 zero rows: they produce outputs nobody reads and add nothing to weight gradients.
 """
 
@@ -31,8 +31,8 @@ class PaddedRows:
     """Where every input row sits once each expert's row count is rounded up."""
 
     rows_P: int  # padded row count: a host int, the same for any split
-    splits_E: torch.Tensor  # int64 padded rows per expert; multiples of align; sum == rows_P
-    offsets_E: torch.Tensor  # int32 running end of each expert's rows (grouped_mm's `offs`)
+    splits_L: torch.Tensor  # int64 padded rows per expert; multiples of align; sum == rows_P
+    offsets_L: torch.Tensor  # int32 running end of each expert's rows (grouped_mm's `offs`)
     dest_R: torch.Tensor  # int64 padded row that input row r moves to
 
 
@@ -40,45 +40,45 @@ def _round_up(n, align: int):
     return (n + align - 1) // align * align
 
 
-def padded_rows(tokens_per_expert_E: torch.Tensor, rows_R: int, align: int, min_rows: int = 0) -> PaddedRows:
-    """The padded layout for `rows_R` rows split as `tokens_per_expert_E`, all on its device.
+def padded_rows(tokens_per_expert_L: torch.Tensor, rows_R: int, align: int, min_rows: int = 0) -> PaddedRows:
+    """Where each of `rows_R` rows split as `tokens_per_expert_L` goes once padded, on its device.
 
     Every expert's rows become a multiple of `align`, and at least `min_rows` (rounded up
     to `align`) even for an expert with no rows.
     """
     if align < 1 or min_rows < 0:
         raise ValueError(f"need align >= 1 and min_rows >= 0, got {align} and {min_rows}")
-    counts_E = tokens_per_expert_E.to(torch.int64)
-    num_experts = counts_E.numel()
+    counts_L = tokens_per_expert_L.to(torch.int64)
+    num_experts = counts_L.numel()
     min_rows = _round_up(min_rows, align)
 
-    splits_E = _round_up(counts_E, align).clamp(min=min_rows)
+    splits_L = _round_up(counts_L, align).clamp(min=min_rows)
     max_gain = max(align - 1, min_rows)
     rows_P = (rows_R + num_experts * max_gain) // align * align
     # The slack goes to the last expert, so the splits sum to exactly rows_P. (Not
-    # `splits_E[-1] += ...`: assigning a Python number into a CUDA tensor copies it from
+    # `splits_L[-1] += ...`: assigning a Python number into a CUDA tensor copies it from
     # the host, a synchronising copy that set_sync_debug_mode("error") rejects.)
-    is_last_E = torch.arange(num_experts, device=counts_E.device) == num_experts - 1
-    splits_E = splits_E + is_last_E * (rows_P - splits_E.sum())
+    is_last_L = torch.arange(num_experts, device=counts_L.device) == num_experts - 1
+    splits_L = splits_L + is_last_L * (rows_P - splits_L.sum())
 
-    ends_E = counts_E.cumsum(0)
-    padded_ends_E = splits_E.cumsum(0)
-    shift_E = (padded_ends_E - splits_E) - (ends_E - counts_E)  # padded start - start
-    rows = torch.arange(rows_R, device=counts_E.device)
-    expert_R = torch.searchsorted(ends_E, rows, right=True)
+    ends_L = counts_L.cumsum(0)
+    padded_ends_L = splits_L.cumsum(0)
+    shift_L = (padded_ends_L - splits_L) - (ends_L - counts_L)  # padded start - start
+    rows = torch.arange(rows_R, device=counts_L.device)
+    expert_R = torch.searchsorted(ends_L, rows, right=True)
     return PaddedRows(
         rows_P=rows_P,
-        splits_E=splits_E,
-        offsets_E=padded_ends_E.to(torch.int32),
-        dest_R=rows + shift_E[expert_R],
+        splits_L=splits_L,
+        offsets_L=padded_ends_L.to(torch.int32),
+        dest_R=rows + shift_L[expert_R],
     )
 
 
-def pad_rows(x_RD: torch.Tensor, layout: PaddedRows) -> torch.Tensor:
+def pad_rows(x_RD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
     """x_PD: the rows of x_RD at their padded places, zeros elsewhere (differentiable)."""
-    return x_RD.new_zeros(layout.rows_P, x_RD.shape[1]).index_copy(0, layout.dest_R, x_RD)
+    return x_RD.new_zeros(padded.rows_P, x_RD.shape[1]).index_copy(0, padded.dest_R, x_RD)
 
 
-def unpad_rows(y_PD: torch.Tensor, layout: PaddedRows) -> torch.Tensor:
+def unpad_rows(y_PD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
     """y_RD: the rows of y_PD that hold real rows, in input order (differentiable)."""
-    return y_PD.index_select(0, layout.dest_R)
+    return y_PD.index_select(0, padded.dest_R)

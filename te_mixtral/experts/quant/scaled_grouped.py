@@ -1,8 +1,7 @@
 """A grouped linear layer, and the expert SwiGLU MLP built from two, whose GEMMs come from a
 low-precision recipe.
 
-Shape legend: P rows (padded, sorted by expert), K input features, N output features,
-G groups (= E local experts), D model dim, F expert hidden dim.
+Shape suffixes: see te_mixtral/experts/base.py. G groups are the L local experts.
 
 A linear layer's training step is three GEMMs, and each reduces over a different dim:
 
@@ -82,8 +81,8 @@ def scaled_grouped_linear(x_PK, w_GNK, offsets_G, gemms: GroupedGemms) -> torch.
     return _ScaledGroupedLinear.apply(x_PK, w_GNK, offsets_G, gemms)
 
 
-def scaled_grouped_swiglu(x_PD, offsets_E, gate_up_E2FD, down_EDF, gemms: GroupedGemms) -> torch.Tensor:
+def scaled_grouped_swiglu(x_PD, offsets_L, gate_up_L2FD, down_LDF, gemms: GroupedGemms) -> torch.Tensor:
     """The expert MLP of `experts/base.py` on padded rows: both projections low precision,
     the SwiGLU between them in the activations' dtype."""
-    h_PF = swiglu(scaled_grouped_linear(x_PD, gate_up_E2FD, offsets_E, gemms))
-    return scaled_grouped_linear(h_PF, down_EDF, offsets_E, gemms)
+    h_PF = swiglu(scaled_grouped_linear(x_PD, gate_up_L2FD, offsets_L, gemms))
+    return scaled_grouped_linear(h_PF, down_LDF, offsets_L, gemms)

@@ -9,10 +9,9 @@ and how close it came). On Blackwell
 the recipe differs, and so does TE's code path for device-side `m_splits` (below), which
 Hopper's cuBLASLt 13.1 did not take.
 
-Shape legend: P padded rows (sorted by expert), D model dim, F expert hidden dim,
-E local experts.
+Shape suffixes: see te_mixtral/experts/base.py.
 
-How the weights get in. `te.GroupedLinear` owns E weight parameters, but the model's
+How the weights get in. `te.GroupedLinear` owns L weight parameters, but the model's
 experts are two stacked parameters shared by every tier. The module here is built on the
 meta device (it allocates nothing) and `torch.func.functional_call` hands it the stacked
 weights' per-expert views for the duration of one call. That is PyTorch's public way to
@@ -110,17 +109,17 @@ class TEGroupedExperts:
             )
         return self._modules[key]
 
-    def _linear(self, x_PK, splits_E, w_ENK):
-        module = self._grouped_linear(w_ENK.shape[0], w_ENK.shape[2], w_ENK.shape[1], w_ENK.dtype)
-        weights = {f"weight{e}": w_NK for e, w_NK in enumerate(w_ENK.unbind(0))}
-        return functional_call(module, weights, (x_PK, splits_E))
+    def _linear(self, x_PK, splits_L, w_LNK):
+        module = self._grouped_linear(w_LNK.shape[0], w_LNK.shape[2], w_LNK.shape[1], w_LNK.dtype)
+        weights = {f"weight{e}": w_NK for e, w_NK in enumerate(w_LNK.unbind(0))}
+        return functional_call(module, weights, (x_PK, splits_L))
 
-    def mlp(self, x_PD: torch.Tensor, layout: PaddedRows, gate_up_E2FD, down_EDF) -> torch.Tensor:
+    def mlp(self, x_PD: torch.Tensor, padded: PaddedRows, gate_up_L2FD, down_LDF) -> torch.Tensor:
         te = _te()
         # The weights go in as they are (fp32 or bf16 masters): TE quantises them itself.
         with te.autocast(enabled=True, recipe=self.te_recipe):
-            h_P2F = self._linear(x_PD, layout.splits_E, gate_up_E2FD)
-            return self._linear(swiglu(h_P2F), layout.splits_E, down_EDF)
+            h_P2F = self._linear(x_PD, padded.splits_L, gate_up_L2FD)
+            return self._linear(swiglu(h_P2F), padded.splits_L, down_LDF)
 
 
 def _te_version() -> str:
