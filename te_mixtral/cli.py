@@ -35,6 +35,9 @@ when data.tokenizer is unset.
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
+    parser.add_argument("--estimate-memory", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
+                        help="print the per-rank memory estimate (for WORLD_SIZE ranks; default: this launch's) "
+                             "and exit without building anything")
     args, rest = parser.parse_known_args(argv)
     overrides = {}
     while rest:
@@ -57,7 +60,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
 def main(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
-        cfg = load_config(args.config, overrides, world_size=world_size_from_env())
+        world_size = args.estimate_memory or world_size_from_env()
+        cfg = load_config(args.config, overrides, world_size=world_size)
+        if args.estimate_memory is not None:
+            from te_mixtral.measure.memory import print_estimate
+
+            return print_estimate(cfg, world_size)
     except UserError as e:
         return report_error(e)
     from te_mixtral.training.loop import (

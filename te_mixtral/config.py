@@ -109,6 +109,9 @@ class RunConfig:
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
     generate: str | None = None  # after training, print a greedy continuation of this prompt
     generate_tokens: int = 32
+    # The memory a rank may use, checked before anything is built: a GPU name (h100, h200,
+    # b200) or a size (80GiB, 141GB); unset, the device's own (see te_mixtral/measure/memory.py).
+    gpu: str | None = None
 
     @property
     def precision(self) -> str:
