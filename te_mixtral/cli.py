@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", action="store_true",
                         help="show this help, with every config key's value and meaning, and exit")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
+    parser.add_argument("--estimate-memory", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
+                        help="print the per-rank memory estimate (for WORLD_SIZE ranks; default: this launch's) "
+                             "and exit without building anything")
     return parser
 
 
@@ -95,7 +98,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
 def main(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
-        cfg = load_config(args.config, overrides, world_size=world_size_from_env())
+        world_size = args.estimate_memory or world_size_from_env()
+        cfg = load_config(args.config, overrides, world_size=world_size)
+        if args.estimate_memory is not None:
+            from te_mixtral.measure.memory import print_estimate
+
+            return print_estimate(cfg, world_size)
     except UserError as e:
         return report_error(e, world_size_from_env())
     if args.help:

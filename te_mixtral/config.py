@@ -145,6 +145,9 @@ class RunConfig:
     generate: str | None = setting(None, workload=False, resumable=True,
                                    help="after training, print a greedy continuation of this prompt")
     generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")
+    gpu: str | None = setting(None, workload=False, resumable=True,
+                              help="memory a rank may use, checked before anything is built: a GPU name (h100, h200, "
+                              "b200) or a size (80GiB, 141GB); null: the device's own (te_mixtral/measure/memory.py)")
 
     @property
     def precision(self) -> str:

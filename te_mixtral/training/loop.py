@@ -31,6 +31,7 @@ from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable
 from te_mixtral.measure import metrics, report
 from te_mixtral.measure.loss_check import check_losses
+from te_mixtral.measure.memory import check_fits
 from te_mixtral.measure.phases import profile_phases
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
@@ -128,6 +129,8 @@ def train(cfg: RunConfig) -> TrainResult:
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
+    # Refuse a run that cannot fit before anything big is allocated (the table says why).
+    check_fits(cfg, world_size_from_env(), device.type)
     layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,360 @@
+"""How much memory one training step needs on each rank, from the config alone.
+
+Shape legend: B samples and T tokens on this rank, S sequence length, D model dim, H query
+heads, G key/value heads, Hd head dim, V vocabulary, E experts in the model, K top-k, F expert
+hidden dim, R rows routed to this rank's experts.
+
+Nothing is allocated: the bytes are counted from the shapes, so `--estimate-memory` answers
+in a second for a model that could never be built here, and a run that cannot fit refuses
+before it starts (instead of being killed by the kernel, or by CUDA, minutes later).
+
+What is counted. A step holds the parameters, their gradients and the optimizer state, and
+between forward and backward whatever the forward saved for the backward: per decoder layer
+
+    norms         each RMSNorm's input (TE: cast to the compute dtype; PyTorch: input and
+                  normalised output in the residual dtype)
+    linear inputs the normalised rows the q/k/v projections and the router read
+    attention     q, k, v and the output, plus the softmax statistics (fp32, T x H); the
+                  PyTorch backend's SDPA also keeps its [B, 1, S, S] document mask
+    routing       router probabilities (fp32, T x E), top-k indices and weights
+    dispatch      the R = T*K dispatched rows (R x D), the expert tier's input
+    experts       the expert FFN's hidden rows: gate_up output (R x 2F), and for every tier
+                  but custom_grouped on CUDA also silu(gate) and the SwiGLU output (R x F each)
+    combine       the expert outputs in fp32 for the routing-weighted sum (R x D x 4)
+
+and, once per step, the rotary tables, the final norm, the LM head's input and the
+log-probabilities in fp32 (T x V x 4: a large one). With fp32 parameters under bf16 autocast
+every matrix a GEMM reads is also cast to bf16 and that copy is saved until its layer's
+backward ("weight copies", 2 bytes per matrix parameter).
+
+Under expert parallelism every rank receives T*K rows on average; routing is assumed balanced
+and `ROUTING_IMBALANCE` is the margin kept for the busiest rank. The counts follow what the
+code of this package saves (checked tensor by tensor with `saved_tensors_hooks`, on the CPU in
+tests/test_memory_estimate.py and on an H100 for the TE path).
+
+When the peak comes. Not at the end of the forward: the step's memory peaks at one of
+
+    head backward     every layer's activations and weight copies are held, the fp32
+                      log-probabilities meet their gradient and the logits' (2 x T x V x 4)
+    layer 0 backward  all gradients but the embedding's exist, one layer's activations and
+                      copies remain, and the expert backward's gradient rows are in flight
+    optimizer step    parameters, gradients and state together
+
+The bf16 logits stay referenced by the training loop through the whole step, so every phase
+counts them. The estimate is the largest phase, and predicts `torch.cuda.max_memory_allocated`;
+`fits` adds what that number leaves out (CUDA context, allocator slack).
+"""
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from te_mixtral.config import ModelConfig, RunConfig, validate_model
+from te_mixtral.errors import UserError
+from te_mixtral.measure.report import format_table
+
+GiB = 2**30
+
+# Usable capacity of each GPU as CUDA reports it (`torch.cuda.get_device_properties(i)
+# .total_memory`, what PyTorch's out-of-memory message calls "total capacity"), below the
+# marketing figures (80 GB, 141 GB, 180 GB) and below nvidia-smi's total:
+#   H100 80GB HBM3  85,017,493,504 bytes (79.18 GiB), read on one;
+#   H200            139.8 GiB: nvidia-smi's 143,771 MiB less the ~480 MiB that the H100 shows
+#                   between nvidia-smi (81,559 MiB) and CUDA (81,079 MiB), rounded down;
+#   B200            178.35 GiB, CUDA's totalGlobalMem as quoted in pytorch/ao#4002.
+GPUS = {
+    "h100": 85_017_493_504,
+    "h200": int(139.8 * GiB),
+    "b200": int(178.35 * GiB),
+}
+
+# (parameter, gradient, optimizer state) bytes per parameter. adamw_fp32: fp32 weights,
+# gradients and two fp32 moments. The master modes keep bf16 weights and gradients and carry
+# the bits bf16 rounding drops in an int16 remainder (counted as state), beside bf16 or fp32
+# moments.
+OPTIMIZERS = {
+    "adamw_fp32": (4, 4, 8),
+    "master_bf16": (2, 2, 2 + 4),
+    "master_fp32_moments": (2, 2, 2 + 8),
+}
+# none: keep everything; selective: recompute the expert FFN's hidden rows in the backward;
+# full: keep only each layer's input and recompute the layer in its backward.
+RECOMPUTE = ("none", "selective", "full")
+
+# Under expert parallelism the busiest rank receives more than the average T*K rows: up to
+# 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/runs, one step
+# each; the peak is over all steps).
+ROUTING_IMBALANCE = 1.5
+# GEMM libraries' workspaces on a GPU (cuBLAS, cuBLASLt, TE), handed out by PyTorch's allocator.
+WORKSPACE_BYTES = 256 * 2**20
+# What max_memory_allocated leaves out but a GPU must also hold: the CUDA context and library
+# handles outside PyTorch's allocator, and the allocator's partly used blocks. (On the CPU
+# the check compares with MemAvailable read after torch is loaded: only the slack applies.)
+CUDA_CONTEXT_BYTES = 1 * GiB
+ALLOCATOR_SLACK = 0.05
+
+PARTS = ("parameters", "gradients", "optimizer state", "weight copies", "activations", "workspace, transients")
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters one rank holds, by kind (experts: this rank's E / EP of them)."""
+
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+    dense_per_layer: int  # attention, router, norms
+    experts_per_layer: int
+    final_norm: int
+    layers: int
+
+    @property
+    def dense(self) -> int:
+        return self.embedding + self.lm_head + self.final_norm + self.layers * self.dense_per_layer
+
+    @property
+    def experts(self) -> int:
+        return self.layers * self.experts_per_layer
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def count_parameters(m: ModelConfig, ep_size: int = 1) -> ParamCounts:
+    d, hd = m.hidden_size, m.head_dim
+    attention = d * m.num_attention_heads * hd * 2 + d * m.num_key_value_heads * hd * 2  # q, o; k, v
+    router, norms = d * m.num_local_experts, 2 * d
+    experts = (m.num_local_experts // ep_size) * 3 * m.intermediate_size * d  # gate, up, down
+    return ParamCounts(m.vocab_size * d, 0 if m.tie_word_embeddings else m.vocab_size * d,
+                       attention + router + norms, experts, d, m.num_hidden_layers)
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank bytes of each part at each phase of a step; the peak is the largest phase."""
+
+    phases: dict[str, dict[str, int]]  # phase -> part (PARTS) -> bytes
+    forward_saved: int  # what one forward saves for the backward (activations and weight copies)
+    params: ParamCounts
+    device: str  # "cuda" or "cpu": what the estimate was made for
+    describe: str  # the layout in words, for the table's title
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda name: sum(self.phases[name].values()))
+
+    @property
+    def total(self) -> int:
+        return sum(self.phases[self.peak_phase].values())
+
+    def part(self, name: str) -> int:
+        """One part's bytes at the peak."""
+        return self.phases[self.peak_phase][name]
+
+    @property
+    def parameters(self) -> int:
+        return self.part("parameters")
+
+    @property
+    def gradients(self) -> int:
+        """All gradients, as they stand after the backward."""
+        return self.phases["optimizer step"]["gradients"]
+
+    @property
+    def optimizer_state(self) -> int:
+        return self.part("optimizer state")
+
+    @property
+    def activations(self) -> int:
+        return self.part("activations")
+
+    @property
+    def workspace(self) -> int:
+        return self.part("workspace, transients")
+
+    def required(self) -> int:
+        """Device memory needed: the peak plus what the allocator's count leaves out."""
+        return int(self.total * (1 + ALLOCATOR_SLACK)) + (CUDA_CONTEXT_BYTES if self.device == "cuda" else 0)
+
+    def fits(self, capacity_bytes: int) -> bool:
+        return self.required() <= capacity_bytes
+
+    def table(self, capacity_bytes: int | None = None, capacity_name: str = "") -> str:
+        """The parts at each phase in GiB (MiB for a small model), the peak, and whether it fits."""
+        unit, scale = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
+        names = list(self.phases)
+        rows = [(part, *(f"{self.phases[n][part] / scale:.2f}" for n in names)) for part in PARTS]
+        rows.append(("total", *(f"{sum(self.phases[n].values()) / scale:.2f}" for n in names)))
+        lines = [f"memory per rank: {self.describe}; {self.params.total / 1e6:,.1f} M parameters on this rank",
+                 format_table(rows, header=(unit, *names)),
+                 f"peak {self.total / scale:.2f} {unit} in the {self.peak_phase}"]
+        if capacity_bytes is not None:
+            verdict = "fits" if self.fits(capacity_bytes) else "does NOT fit"
+            extra = "the CUDA context and allocator slack" if self.device == "cuda" else "allocator slack"
+            lines.append(f"{verdict} {capacity_name} ({_gib(capacity_bytes)} GiB): needs {_gib(self.required())} GiB "
+                         f"with {extra}")
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _backend(cfg: RunConfig, device: str) -> str:
+    """The layer backend `resolve_backend` will pick, decided without importing TE. Planning a
+    GPU run from a machine without one assumes the GPU machine has TE."""
+    if cfg.backend != "auto" or device != "cuda":
+        return "torch" if cfg.backend == "auto" else cfg.backend
+    import torch
+
+    planning = not torch.cuda.is_available()
+    return "te" if planning or importlib.util.find_spec("transformer_engine") else "torch"
+
+
+def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str = "adamw_fp32", recompute: str = "none",
+                    shard_optimizer_state: bool = False, device: str | None = None) -> MemoryEstimate:
+    """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
+
+    `shard_optimizer_state` divides the state by each parameter's replica count (dense:
+    the world; experts: world / EP). `device` defaults to the config's resolved device.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer mode '{optimizer}' (modes: {', '.join(OPTIMIZERS)})")
+    if recompute not in RECOMPUTE:
+        raise UserError(f"unknown recompute mode '{recompute}' (modes: {', '.join(RECOMPUTE)})")
+    m, ep = cfg.model, cfg.ep_size
+    device = device or cfg.resolved_device()
+    precision = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    backend = "torch" if cfg.tier == "hf" else _backend(cfg, device)
+    p_bytes, g_bytes, s_bytes = OPTIMIZERS[optimizer]
+    a = 2 if precision == "bf16" or p_bytes == 2 else 4  # compute dtype
+    r = p_bytes  # residual stream: the embedding's dtype, fp32 + bf16 stays fp32
+    copy = 2 if a == 2 and p_bytes == 4 else 0  # autocast's bf16 copy of an fp32 matrix
+
+    params = count_parameters(m, ep)
+    batch = cfg.train.batch_size // world_size
+    S, D, V, F = cfg.data.seq_len, m.hidden_size, m.vocab_size, m.intermediate_size
+    E, K = m.num_local_experts, m.num_experts_per_tok
+    H, G, Hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
+    T = batch * S
+    R = round(T * K * (ROUTING_IMBALANCE if ep > 1 else 1))
+    # The expert FFN's hidden rows per routed row, in elements: custom_grouped's CUDA kernel
+    # keeps gate_up's output only; autograd paths also keep silu(gate) and the SwiGLU output.
+    fused = cfg.tier == "custom_grouped" and device == "cuda"
+    hidden = 2 * F if fused else 4 * F
+
+    norm = (a * T * D if backend == "te" else 2 * r * T * D) + 4 * T
+    mask = a * batch * S * S if backend == "torch" else 0
+    dense_layer = (2 * norm + 2 * a * T * D  # norms; q/k/v and router inputs
+                   + a * T * Hd * (2 * H + 2 * G) + 4 * T * H + mask  # attention
+                   + 4 * T * E + 32 * T * K + 4 * T  # routing: probs; indices and weights
+                   + a * R * D + 4 * R * D)  # dispatched rows; fp32 combine
+    expert_hidden = a * R * hidden
+    layer_copies = copy * (params.dense_per_layer - 2 * D + params.experts_per_layer)
+    layer_saved = {"none": dense_layer + expert_hidden, "selective": dense_layer, "full": r * T * D}[recompute]
+    saved_copies = 0 if recompute == "full" else layer_copies
+    head = norm + a * T * D + 4 * T * V + 8 * T + 2 * 4 * batch * S * Hd  # + ids, rotary tables
+    logits = a * T * V  # referenced by the training loop until the next step
+    head_copy = copy * V * D
+
+    # The expert backward in flight: gradients of its input and output rows, the fp32 gradient
+    # of the weighted combine, and the hidden's gradient (custom_grouped writes it over h and
+    # re-creates only the SwiGLU output).
+    expert_bwd = R * (2 * a * D + 4 * D + a * (F if fused else 2 * F))
+    one_layer = dense_layer + expert_hidden  # a recomputed layer saves as much as a kept one
+
+    replicas_dense, replicas_experts = (world_size, world_size // ep) if shard_optimizer_state else (1, 1)
+    state = s_bytes * (params.dense // replicas_dense + params.experts // replicas_experts)
+    weights, grads = p_bytes * params.total, g_bytes * params.total
+    grads_but_embedding = grads - (0 if m.tie_word_embeddings else g_bytes * params.embedding)
+    L = m.num_hidden_layers
+
+    workspace = WORKSPACE_BYTES if device == "cuda" else 0
+
+    def phase(gradients, copies, activations, transient):
+        return dict(zip(PARTS, (weights, gradients, state, copies, activations, workspace + transient)))
+
+    phases = {
+        "head backward": phase(0, L * saved_copies + head_copy, L * layer_saved + head + logits, 2 * 4 * T * V),
+        "layer 0 backward": phase(grads_but_embedding, layer_copies, one_layer + logits, expert_bwd),
+        "optimizer step": phase(grads, 0, logits, 0),
+    }
+    describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}), {E // ep} of {E} experts, "
+                f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {optimizer}, recompute {recompute}")
+    return MemoryEstimate(phases, L * (layer_saved + saved_copies) + head + head_copy, params, device, describe)
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|tib|tb)\s*$", re.IGNORECASE)
+_UNITS = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
+
+
+def parse_capacity(text: str) -> int:
+    """Bytes of a GPU name (`h100`, `H200`, `b200`) or a size (`80GiB`, `141GB`, `24 GB`)."""
+    name = text.strip().lower()
+    if name in GPUS:
+        return GPUS[name]
+    match = _SIZE.match(name)
+    if not match:
+        raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo: what the kernel can give without swapping."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def capacity(cfg: RunConfig, device: str) -> tuple[int | None, str]:
+    """What one rank may use, and its name: `cfg.gpu` if set, else this device's memory (the
+    CUDA device's total, or on the CPU the available RAM shared by this machine's ranks);
+    None when planning for a GPU this machine does not have."""
+    if cfg.gpu is not None:
+        return parse_capacity(cfg.gpu), cfg.gpu
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, ""
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        props = torch.cuda.get_device_properties(index)
+        return props.total_memory, props.name
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    shared = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""
+    return available_ram() // local_ranks, f"this machine's available RAM{shared}"
+
+
+def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> MemoryEstimate:
+    """Refuse, with the table, a run whose estimate exceeds what one rank may use; `options`
+    go to `estimate_memory` (optimizer, recompute, shard_optimizer_state)."""
+    estimate = estimate_memory(cfg, world_size, device=device, **options)
+    limit, name = capacity(cfg, device)
+    if limit is not None and not estimate.fits(limit):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(estimate.table(limit, name), flush=True)
+        raise UserError(f"this run needs about {_gib(estimate.required())} GiB per rank but {name} has "
+                        f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch or "
+                        f"more EP ranks would help)")
+    return estimate
+
+
+def print_estimate(cfg: RunConfig, world_size: int) -> int:
+    """`--estimate-memory`: print the table for the config and layout; build nothing."""
+    if cfg.model_path is not None:  # a local checkpoint folder's config.json replaces `model`
+        from te_mixtral.model.hf_config import model_config_from_hf
+
+        cfg = replace(cfg, model=model_config_from_hf(Path(cfg.model_path).expanduser()))
+        validate_model(cfg)
+    # --gpu names a GPU: estimate a GPU run even from a machine without one.
+    device = "cuda" if cfg.gpu is not None and cfg.device != "cpu" else cfg.resolved_device()
+    estimate = estimate_memory(cfg, world_size, device=device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(estimate.table(*capacity(cfg, device)), flush=True)
+    return 0

@@ -1,0 +1,187 @@
+"""The memory estimate against what really exists: parameter counts of built models, the bytes
+of parameters, gradients and AdamW state after a step, every tensor a forward saves for the
+backward, and the peaks recorded by this project's GPU runs."""
+
+import json
+import resource
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import REPO
+from launch import run_app
+
+from te_mixtral.config import (
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    load_config,
+)
+from te_mixtral.distributed.layout import Layout, is_expert_param
+from te_mixtral.errors import UserError
+from te_mixtral.experts.registry import make_tier
+from te_mixtral.measure.memory import (
+    GPUS,
+    GiB,
+    count_parameters,
+    estimate_memory,
+    parse_capacity,
+)
+from te_mixtral.model.layers import TORCH, PackedSequences
+from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.training.loop import make_optimizer
+
+SINGLE = Layout(0, 1, 1, None, None)
+# Odd on purpose: 6 experts, top-3, GQA ratio 3, head_dim not hidden / heads, tiny vocabulary.
+ODD = ModelConfig(vocab_size=101, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=12, num_local_experts=6, num_experts_per_tok=3,
+                  max_position_embeddings=256)
+
+
+def tiny(tier="loop", world_size=1, **overrides) -> RunConfig:
+    return load_config(str(REPO / "configs" / "tiny.yaml"), {"tier": tier, **overrides}, world_size)
+
+
+def build(m: ModelConfig, layout: Layout = SINGLE, tier: str = "loop") -> MixtralForCausalLM:
+    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier))
+
+
+@pytest.mark.parametrize("m, ep", [(tiny().model, 1), (tiny().model, 4), (ODD, 1), (ODD, 3),
+                                   (replace(ODD, tie_word_embeddings=True), 2)],
+                         ids=["tiny-ep1", "tiny-ep4", "odd-ep1", "odd-ep3", "tied-ep2"])
+def test_parameter_count_is_the_models(m, ep):
+    with torch.device("meta"):  # shapes only
+        model = build(m, Layout(0, ep, ep, None, None))
+    counts = count_parameters(m, ep)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.experts == sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
+
+
+def test_sharded_state_divides_by_each_parameters_replicas():
+    cfg = tiny(world_size=4, ep_size="2")
+    with torch.device("meta"):
+        model = build(cfg.model, Layout(0, 4, 2, None, None))
+    experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    full = estimate_memory(cfg, 4, device="cpu")
+    sharded = estimate_memory(cfg, 4, device="cpu", shard_optimizer_state=True)
+    assert full.optimizer_state == 8 * (dense + experts)
+    # Dense weights have a replica on each of the 4 ranks; each expert on 4 / EP = 2 of them.
+    assert sharded.optimizer_state == 8 * (dense // 4 + experts // 2)
+
+
+def random_batch(cfg: RunConfig):
+    batch, seq = cfg.train.batch_size, cfg.data.seq_len
+    ids = torch.randint(0, cfg.model.vocab_size, (batch, seq))
+    packed = PackedSequences(torch.arange(seq).repeat(batch, 1), torch.arange(batch + 1, dtype=torch.int32) * seq,
+                             seq)
+    return ids, packed
+
+
+def test_parameters_gradients_and_adamw_state_are_exact_on_cpu():
+    cfg = tiny()
+    model = build(cfg.model)
+    init_weights(model, 0, SINGLE)
+    optimizer = make_optimizer(model, cfg)
+    ids, packed = random_batch(cfg)
+    causal_lm_loss(model(ids, packed), ids, torch.tensor(float(ids.numel()))).backward()
+    optimizer.step()
+    estimate = estimate_memory(cfg, 1, device="cpu")
+    assert estimate.parameters == sum(p.nbytes for p in model.parameters())
+    assert estimate.gradients == sum(p.grad.nbytes for p in model.parameters())
+    # AdamW's two moments; its per-parameter step counter (a scalar) is left out of the estimate.
+    moments = sum(s[k].nbytes for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    assert estimate.optimizer_state == moments
+
+
+def saved_for_backward(model, run) -> int:
+    """Bytes of every distinct storage autograd saves during `run()`, the parameters aside."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("tier", ["loop", "custom_grouped"])
+@pytest.mark.parametrize("m, batch, seq", [(None, 4, 128), (ODD, 3, 40)], ids=["tiny", "odd"])
+def test_activation_estimate_is_what_the_forward_saves(tier, m, batch, seq):
+    cfg = tiny(tier, batch_size=str(batch), seq_len=str(seq))
+    if m is not None:
+        cfg = replace(cfg, model=m)
+    model = build(cfg.model, tier=tier)
+    init_weights(model, 1, SINGLE)
+    ids, packed = random_batch(cfg)
+    measured = saved_for_backward(model, lambda: causal_lm_loss(model(ids, packed), ids, torch.tensor(1.0)))
+    # The estimate names every tensor the forward saves; it leaves out a few scalars of the
+    # loss and grouped_mm's int32 offsets (tens of bytes). 0.1 % is tighter than any term it
+    # counts per layer (the smallest, the softmax statistics, is 0.2 % of the tiny model's total).
+    assert estimate_memory(cfg, 1, device="cpu").forward_saved == pytest.approx(measured, rel=1e-3)
+
+
+def recorded_runs():
+    for path in sorted((REPO / "docs" / "results" / "runs").glob("*/*/results.json")):
+        yield pytest.param(json.loads(path.read_text()), id=f"{path.parent.parent.name}/{path.parent.name}")
+
+
+@pytest.mark.parametrize("result", recorded_runs())
+def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
+    header, raw = result["header"], result["header"]["config"]
+    cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
+                    tier=raw["tier"], ep_size=raw["ep_size"])
+    cfg.backend = "torch" if header["ran"]["backend"] == "transformers" else header["ran"]["backend"]
+    estimate = estimate_memory(cfg, header["world_size"], device="cuda")
+    assert estimate.total / GiB == pytest.approx(result["summary"]["peak_memory_gib"], rel=0.15)
+
+
+def test_fits_where_a_gpu_run_fitted_and_not_where_it_ran_out():
+    # On one H200, Mixtral-8x7B layers with one 8192-token sequence, custom_grouped: 5 layers
+    # ran (peak 116.9 GiB), 6 layers ran out of memory.
+    def h200(layers):
+        cfg = load_config(str(REPO / "configs" / "mixtral-8x7b-2layer.yaml"),
+                          {"tier": "custom_grouped", "backend": "te", "num_hidden_layers": str(layers)})
+        return estimate_memory(cfg, 1, device="cuda")
+
+    assert h200(5).total / GiB == pytest.approx(116.9, rel=0.05)
+    assert h200(5).fits(GPUS["h200"])
+    assert not h200(6).fits(GPUS["h200"])
+
+
+def test_capacity_by_name_or_size():
+    assert parse_capacity("H100") == GPUS["h100"]
+    assert parse_capacity("80GiB") == 80 * GiB
+    assert parse_capacity("141GB") == 141 * 10**9
+    assert parse_capacity(" 24 gb ") == 24 * 10**9
+    with pytest.raises(UserError, match="must name a GPU"):
+        parse_capacity("a100-ish")
+
+
+def test_estimate_memory_prints_the_table_and_builds_nothing():
+    proc = run_app(["--estimate-memory", "8", "--config", "configs/mixtral-8x7b.yaml", "--ep-size", "8",
+                    "--tier", "custom_grouped", "--gpu", "h200"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "world 8, EP 8" in proc.stdout and "1 of 8 experts" in proc.stdout
+    assert "optimizer state" in proc.stdout and "peak " in proc.stdout
+    assert "fit h200" in proc.stdout
+
+
+def test_a_run_that_cannot_fit_refuses_before_allocating():
+    # The full 8x7B (47 B parameters) on a 24 GB GPU: refused in seconds, not killed later.
+    start = time.monotonic()
+    proc = run_app(["--config", "configs/mixtral-8x7b.yaml", "--gpu", "24GB"], timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
+    assert len(errors) == 1 and "needs about" in errors[0] and "24GB" in errors[0], proc.stderr[-2000:]
+    assert "does NOT fit" in proc.stdout  # the table says why
+    assert time.monotonic() - start < 60
+    # The child never held more than libraries' worth of memory (ru_maxrss is in KiB on Linux).
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 2 * GiB
