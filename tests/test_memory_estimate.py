@@ -18,6 +18,7 @@ from te_mixtral.config import (
     RunConfig,
     TrainConfig,
     load_config,
+    upgrade_saved,
 )
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError
@@ -36,7 +37,7 @@ from te_mixtral.training.loop import make_optimizer
 SINGLE = Layout(0, 1, 1, None, None)
 # Odd on purpose: 6 experts, top-3, GQA ratio 3, head_dim not hidden / heads, tiny vocabulary.
 ODD = ModelConfig(vocab_size=101, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=12, num_local_experts=6, num_experts_per_tok=3,
+                  num_key_value_heads=2, head_dim=12, num_experts=6, num_experts_per_tok=3,
                   max_position_embeddings=256)
 
 
@@ -135,7 +136,7 @@ def recorded_runs():
 
 @pytest.mark.parametrize("result", recorded_runs())
 def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
-    header, raw = result["header"], result["header"]["config"]
+    header, raw = result["header"], upgrade_saved(result["header"]["config"])
     cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
                     tier=raw["tier"], ep_size=raw["ep_size"])
     cfg.backend = "torch" if header["ran"]["backend"] == "transformers" else header["ran"]["backend"]

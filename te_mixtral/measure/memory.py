@@ -125,8 +125,8 @@ class ParamCounts:
 def count_parameters(m: ModelConfig, ep_size: int = 1) -> ParamCounts:
     d, hd = m.hidden_size, m.head_dim
     attention = d * m.num_attention_heads * hd * 2 + d * m.num_key_value_heads * hd * 2  # q, o; k, v
-    router, norms = d * m.num_local_experts, 2 * d
-    experts = (m.num_local_experts // ep_size) * 3 * m.intermediate_size * d  # gate, up, down
+    router, norms = d * m.num_experts, 2 * d
+    experts = (m.num_experts // ep_size) * 3 * m.intermediate_size * d  # gate, up, down
     return ParamCounts(m.vocab_size * d, 0 if m.tie_word_embeddings else m.vocab_size * d,
                        attention + router + norms, experts, d, m.num_hidden_layers)
 
@@ -236,7 +236,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str = "adamw_
     params = count_parameters(m, ep)
     batch = cfg.train.batch_size // world_size
     S, D, V, F = cfg.data.seq_len, m.hidden_size, m.vocab_size, m.intermediate_size
-    E, K = m.num_local_experts, m.num_experts_per_tok
+    E, K = m.num_experts, m.num_experts_per_tok
     H, G, Hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
     T = batch * S
     R = round(T * K * (ROUTING_IMBALANCE if ep > 1 else 1))
