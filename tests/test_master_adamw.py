@@ -3,13 +3,13 @@
 Units. fp32 AdamW is sensitive to operation order: the first moment is a difference of
 nearly equal terms whenever the gradient changes sign, so two correct fp32 implementations
 drift apart by a few ulps per step. Errors of a master weight w are therefore measured in
-units of U = 2^-23 * (|w| + lr): half an ulp of the weight plus the precision of one
-update. Measured with these tests' draws (200k weights, 3 seeds): after 10 steps
+units of U = 2^-23 * (|w| + lr): about an ulp of the weight plus the precision of one
+update. Measured on 200k weights drawn as here (3 seeds), after 10 steps on the CPU:
 MasterAdamW and torch's single-tensor AdamW differ by up to 12.3 U, torch's own fused and
 single-tensor AdamW by up to 9.1 U, and each of them is up to 17.3 U (ours) and 13.8 U
 (torch) from a float64 AdamW on the same gradients. The tolerances below sit just above
-those numbers; a wrong bias correction, eps inside the square root or a missing weight
-decay moves the masters by thousands of U.
+those numbers. Mutations tried on the update (eps inside the square root, no weight
+decay, a group's betas ignored, the gradient doubled) each fail several of these tests.
 
 The Triton kernel is checked against the torch path bit for bit by running this file's
 `interpreter` tests in a subprocess with TRITON_INTERPRET=1 (the interpreter must be on
@@ -31,6 +31,7 @@ from te_mixtral.optim.bits import join_master, round_to_bf16, split_master
 U = 2.0**-23
 STEPS = 10
 MASTER_TOL_U = 16  # after STEPS steps, vs torch's AdamW (measured up to 12.3 U)
+F64_TOL_U = 24  # after STEPS steps, vs float64 AdamW (measured up to 17.3 U; torch's: 13.8)
 FIRST_STEP_TOL_U = 2  # one step (measured up to 1.9 U; torch fused vs single: the same)
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
@@ -109,21 +110,23 @@ def test_constructor_rejects_fp32_params():
 # --- against torch.optim.AdamW -----------------------------------------------------------
 
 
-def run_pair(seed: int, moment_dtype=torch.float32, steps: int = STEPS, n: int = 50_000):
+def run_pair(seed: int, moment_dtype=torch.float32, steps: int = STEPS, n: int = 50_000, device="cpu"):
     """MasterAdamW and torch's AdamW (fp32 params) and AdamW over float64 params, same bf16
     gradients, two groups with their own hyperparameters, lr changed every step."""
-    w = fp32_weights(2 * n, seed)
-    groups = lambda a, b: [  # noqa: E731
-        {"params": [a], "weight_decay": 0.1},
-        {"params": [b], "weight_decay": 0.0, "betas": (0.8, 0.99), "eps": 1e-6},
-    ]
+    w = fp32_weights(2 * n, seed).to(device)
+
+    def groups(a, b):
+        return [{"params": [a], "weight_decay": 0.1},
+                {"params": [b], "weight_decay": 0.0, "betas": (0.8, 0.99), "eps": 1e-6}]
+
     ours = [torch.nn.Parameter(w[:n].clone()), torch.nn.Parameter(w[n:].clone())]
     ref = [torch.nn.Parameter(w[:n].clone()), torch.nn.Parameter(w[n:].clone())]
     ref64 = [torch.nn.Parameter(w[:n].double()), torch.nn.Parameter(w[n:].double())]
-    opt = MasterAdamW.from_fp32(groups(*ours), lr=1e-3, moment_dtype=moment_dtype, impl="torch")
-    opt_ref = torch.optim.AdamW(groups(*ref), lr=1e-3, foreach=False)
+    opt = MasterAdamW.from_fp32(groups(*ours), lr=1e-3, moment_dtype=moment_dtype,
+                                impl="torch" if device == "cpu" else "triton")
+    opt_ref = torch.optim.AdamW(groups(*ref), lr=1e-3, foreach=False, fused=device != "cpu")
     opt_64 = torch.optim.AdamW(groups(*ref64), lr=1e-3, foreach=False)
-    grads = bf16_grads(steps, 2 * n, seed + 100)
+    grads = [g.to(device) for g in bf16_grads(steps, 2 * n, seed + 100)]
     lrs = [1e-3 * (1 + 0.5 * (i % 3)) for i in range(steps)]
     for g, lr in zip(grads, lrs):
         for o in (opt, opt_ref, opt_64):
@@ -134,7 +137,7 @@ def run_pair(seed: int, moment_dtype=torch.float32, steps: int = STEPS, n: int =
         opt.step()
         opt_ref.step()
         opt_64.step()
-    return opt, ours, opt_ref, ref, ref64, max(lrs)
+    return opt, ours, opt_ref, ref, (opt_64, ref64), max(lrs)
 
 
 def test_first_step_matches_torch():
@@ -144,20 +147,28 @@ def test_first_step_matches_torch():
         assert torch.equal(opt.state[p]["exp_avg"], opt_ref.state[r]["exp_avg"])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fp32_moments_track_torch_adamw(seed):
-    opt, ours, opt_ref, ref, ref64, lr = run_pair(seed)
+@pytest.mark.parametrize("seed, device", [(0, "cpu"), (1, "cpu"), pytest.param(0, "cuda", marks=pytest.mark.cuda)])
+def test_fp32_moments_track_torch_adamw(seed, device):
+    """On CUDA: the Triton kernel against torch's fused AdamW, which is further from float64
+    than ours there (measured after 10 steps: up to 40 U for torch's, 7 U for ours), so on
+    CUDA the masters are held to float64 rather than to torch's."""
+    opt, ours, opt_ref, ref, (opt_64, ref64), lr = run_pair(seed, device=device)
     for p, r, r64 in zip(ours, ref, ref64):
         master = opt.master(p)
-        assert error_in_u(master, r, lr) <= MASTER_TOL_U
+        if device == "cpu":
+            assert error_in_u(master, r, lr) <= MASTER_TOL_U
+        assert error_in_u(master, r64, lr) <= F64_TOL_U
         # As close to float64 AdamW as torch's own fp32 AdamW is (measured: ratio <= 1.3).
         assert error_in_u(master, r64, lr) <= 1.5 * error_in_u(r, r64, lr)
         # Moments: the same recurrences, within a few ulps of the largest moment (measured
-        # up to 2.5); a gradient off by a constant factor would show here at once.
+        # up to 2.5); a gradient off by a constant factor would show here at once. Against
+        # float64 (torch's fused CUDA AdamW takes 1 - beta2 in fp32, 1.3e-5 off for 0.999).
         for key in ("exp_avg", "exp_avg_sq"):
-            ours_m, ref_m = opt.state[p][key], opt_ref.state[r][key]
+            ours_m, ref_m = opt.state[p][key], opt_64.state[r64][key]
             assert ours_m.dtype == torch.float32
-            torch.testing.assert_close(ours_m, ref_m, rtol=8 * U, atol=8 * U * ref_m.abs().max().item())
+            torch.testing.assert_close(ours_m.double(), ref_m, rtol=8 * U, atol=8 * U * ref_m.abs().max().item())
+            if device == "cpu":
+                torch.testing.assert_close(ours_m, opt_ref.state[r][key], rtol=0, atol=4 * U * ref_m.abs().max().item())
         assert opt.state[p]["step"].item() == STEPS
 
 
@@ -354,7 +365,7 @@ def test_triton_kernel_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
@@ -363,21 +374,24 @@ def test_triton_kernel_in_interpreter():
 @pytest.mark.cuda
 @pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernel_matches_torch_path(moment_dtype):
-    """On the GPU the kernel may fuse multiply-adds, so the masters can differ from the
-    torch path by about one fp32 ulp of the weight or update; moments by a bf16/fp32 ulp."""
-    lr = 3e-3
-    case = [t.cuda() for t in kernel_case(1 << 20, torch.bfloat16, moment_dtype, seed=16)]
-    by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
+    """One step from the same state, at several step numbers. On the GPU the kernel may fuse
+    multiply-adds, so masters can differ from the torch path by about an ulp of the weight
+    or the update, and moments by an ulp of their dtype (more where m nearly cancels). (Over several steps bf16 moments
+    that rounded differently once make the paths drift apart, so each step starts afresh.)"""
     from te_mixtral.optim.adamw_kernel import adamw_update_triton
 
-    for step in (1, 2, 3):
+    lr = 3e-3
+    case = [t.cuda() for t in kernel_case(1 << 20, torch.bfloat16, moment_dtype, seed=16)]
+    for step in (1, 2, 9):
+        by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
         scalars = StepScalars.for_step(lr, 0.1, 0.9, 0.999, 1e-8, step)
         adamw_update_torch(*by_torch, scalars)
         adamw_update_triton(*by_kernel, scalars)
-    masters = [join_master(p.view(torch.int16), r) for p, r, *_ in (by_torch, by_kernel)]
-    finite = masters[0].isfinite()
-    assert torch.equal(finite, masters[1].isfinite())
-    assert error_in_u(masters[1][finite], masters[0][finite], lr) <= 4
-    for x, y in zip(by_torch[3:], by_kernel[3:]):
-        torch.testing.assert_close(y, x, rtol=2**-7 if moment_dtype == torch.bfloat16 else 4 * U, atol=0,
-                                   equal_nan=True)
+        masters = [join_master(p.view(torch.int16), r) for p, r, *_ in (by_torch, by_kernel)]
+        finite = masters[0].isfinite()
+        assert torch.equal(finite, masters[1].isfinite())
+        assert error_in_u(masters[1][finite], masters[0][finite], lr) <= 4
+        for x, y in zip(by_torch[3:], by_kernel[3:]):  # m near cancellation: atol
+            atol = 8 * U * x[x.isfinite()].abs().max().item()
+            rtol = 2**-7 if moment_dtype == torch.bfloat16 else 4 * U
+            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, equal_nan=True)

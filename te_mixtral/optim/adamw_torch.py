@@ -9,11 +9,12 @@ The update, in fp32, for a master weight w with gradient g (torch.optim.AdamW's 
 
 eps is added outside the square root, to sqrt of the bias-corrected v, as torch does. The
 step-dependent numbers are worked out on the host in float64 and rounded to fp32 once
-(`StepScalars`), which is also what torch does with its Python-float scalars, so the first
-step gives torch's bits. Later steps can differ from torch in the last bits because torch's
-CPU lerp and addcmul may fuse a multiply-add: fp32 AdamW is sensitive to operation order
-(m is a difference of nearly equal terms when the gradient changes sign), and torch's own
-fused and single-tensor AdamW differ from each other by about as much as this does.
+(`StepScalars`), which is also what torch's single-tensor AdamW does with its Python-float
+scalars (torch's fused CUDA AdamW instead forms 1 - beta2 in fp32, 1.3e-5 off for 0.999).
+Results still differ from torch's in the last bits: torch's CPU lerp and addcmul may fuse
+a multiply-add, and fp32 AdamW is sensitive to operation order (m is a difference of
+nearly equal terms when the gradient changes sign); torch's own fused and single-tensor
+AdamW differ from each other by about as much as this does from either.
 
 The master is rebuilt from the bf16 parameter and its int16 remainder, updated, and split
 again (`bits.py`); moments are read and written in their own dtype (bf16 moments rounded
@@ -21,7 +22,7 @@ to nearest even). Every operation below is one torch op, so nothing is fused int
 the Triton kernel run in the CPU interpreter gives the same bits. The square root is taken
 in float64 and rounded once to fp32, which is the correctly rounded fp32 square root (as
 the kernel's `sqrt_rn` is): torch's fp32 `sqrt` on CPU is not always correctly rounded
-(about one value in five differs by an ulp on this machine's build).
+(seen with torch 2.13's CPU build: about one value in five is an ulp off).
 """
 
 import struct

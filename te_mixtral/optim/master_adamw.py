@@ -71,7 +71,7 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError(f"moment_dtype must be torch.float32 or torch.bfloat16, not {moment_dtype}")
         if impl == "triton" and _triton_update() is None:
             raise ValueError("impl='triton' but triton does not import here")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.moment_dtype = moment_dtype
         self.impl = impl
