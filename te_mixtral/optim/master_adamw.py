@@ -1,0 +1,163 @@
+"""AdamW over bf16 parameters that keeps an exact fp32 master in 16 extra bits per weight.
+
+Why. fp32 parameters with torch's AdamW cost 16 bytes per weight (parameter, gradient, two
+moments), too much for Mixtral-8x7B on a few GPUs, and the model then casts every weight
+to bf16 in every forward. Keeping the parameters in bf16 halves that, but updating bf16
+weights directly loses most small updates to rounding. Here the parameter *is* the top
+half of an fp32 master and the optimizer keeps the bottom half, an int16 `remainder`
+(`bits.py`): the master is rebuilt exactly at every step, updated in fp32 and split again,
+so training follows an fp32-master AdamW, and the model computes on the bf16 parameter
+with no casts. Per weight: 2 (param) + 2 (grad) + 2 (remainder) + 2 x moment bytes, i.e.
+10 bytes with bf16 moments or 14 with fp32 moments.
+
+Semantics are torch.optim.AdamW's (decoupled weight decay on the master, bias correction,
+eps added to sqrt of the bias-corrected second moment; `adamw_torch.py` has the formula),
+per parameter group (lr, betas, eps, weight_decay). Not supported: amsgrad, maximize,
+sparse gradients. The bf16 parameter is the master rounded to nearest with ties away from
+zero (see `bits.py` for why not ties-to-even); bf16 moments are rounded to nearest even.
+
+Gradients are read from `param.grad`: bf16 normally, or fp32 where the parameter's
+`grad_dtype` allows fp32 gradients (torch >= 2.10).
+
+Implementations (`impl`): "triton" runs `adamw_kernel.py` (one launch per tensor; on CPU
+tensors it needs TRITON_INTERPRET=1), "torch" runs `adamw_torch.py`, and "auto" picks the
+kernel for CUDA tensors when Triton imports and torch otherwise. Both give the same bits
+on the CPU; on the GPU the kernel may differ in the last fp32 bit where it fuses an FMA.
+
+State per parameter: `remainder` (int16), `exp_avg`, `exp_avg_sq` (`moment_dtype`), `step`
+(a CPU float32 tensor, as torch keeps it, so reading it never waits for the GPU).
+`load_state_dict` restores them bit for bit in their own dtypes: torch's own loader would
+cast every floating state tensor to the parameter's dtype, which would round fp32 moments
+to bf16 and turn the int16 remainders into numbers.
+
+Typical use, from a model built in fp32:
+
+    optimizer = MasterAdamW.from_fp32(groups, lr=3e-4, moment_dtype=torch.bfloat16)
+    # the model's parameters are now bf16; optimizer.master(p) is p's exact fp32 master
+"""
+
+import functools
+from collections.abc import Iterable
+from itertools import chain
+
+import torch
+
+from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_torch
+from te_mixtral.optim.bits import join_master, split_master
+
+IMPLS = ("auto", "triton", "torch")
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _triton_update():
+    """The kernel's launcher, or None where Triton does not import."""
+    try:
+        from te_mixtral.optim.adamw_kernel import adamw_update_triton
+    except ImportError:
+        return None
+    return adamw_update_triton
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW for bf16 parameters with an exact fp32 master (bf16 param + int16 remainder)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 moment_dtype: torch.dtype = torch.float32, impl: str = "auto"):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
+        if moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"moment_dtype must be torch.float32 or torch.bfloat16, not {moment_dtype}")
+        if impl == "triton" and _triton_update() is None:
+            raise ValueError("impl='triton' but triton does not import here")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.moment_dtype = moment_dtype
+        self.impl = impl
+        for p in self._params():
+            if p.dtype != torch.bfloat16 or not p.is_contiguous():
+                raise ValueError(f"MasterAdamW needs contiguous bf16 parameters, got {p.dtype} "
+                                 f"{tuple(p.shape)}; build it with MasterAdamW.from_fp32 from fp32 ones")
+
+    @classmethod
+    def from_fp32(cls, params, **kwargs) -> "MasterAdamW":
+        """Convert fp32 parameters to bf16 in place and return an optimizer whose masters
+        equal the original fp32 values exactly.
+
+        `params` is what the constructor takes (parameters, or groups of them). Each
+        Parameter object stays the same (modules keep referring to it); only its data
+        becomes the bf16 top half of the old value, the bottom half going to the optimizer.
+        """
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        groups = [{**g, "params": list(g["params"])} for g in groups]
+        remainders = {}
+        for p in chain.from_iterable(g["params"] for g in groups):
+            if p.dtype != torch.float32:
+                raise ValueError(f"from_fp32 needs fp32 parameters, got {p.dtype} {tuple(p.shape)}")
+            bf16_bits, remainders[p] = split_master(p.detach())
+            p.data = bf16_bits.view(torch.bfloat16).view(p.shape)
+        optimizer = cls(groups, **kwargs)
+        for p, remainder in remainders.items():
+            optimizer.state[p]["remainder"] = remainder.view(p.shape)
+        return optimizer
+
+    def _params(self) -> Iterable[torch.nn.Parameter]:
+        return chain.from_iterable(g["params"] for g in self.param_groups)
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of parameter `p` (a new tensor): for export and for checks."""
+        remainder = self.state[p].get("remainder") if p in self.state else None
+        if remainder is None:  # never stepped nor built from fp32: the master is the bf16 value
+            return p.detach().float()
+        return join_master(p.detach().view(torch.int16), remainder).view(p.shape)
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if "remainder" not in state:
+            state["remainder"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+        return state
+
+    def _update_fn(self, p: torch.Tensor):
+        triton_update = _triton_update()
+        if self.impl == "triton" or (self.impl == "auto" and p.is_cuda and triton_update is not None):
+            return triton_update
+        return adamw_update_torch
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("MasterAdamW does not support sparse gradients")
+                state = self._state(p)
+                state["step"] += 1
+                scalars = StepScalars.for_step(float(group["lr"]), group["weight_decay"], beta1, beta2,
+                                               group["eps"], int(state["step"].item()))
+                self._update_fn(p)(p, state["remainder"], p.grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader, then the tensors put back with their own dtypes (see the module
+        docstring); moments take this optimizer's `moment_dtype` (no-op on a normal resume)."""
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        for param_id, p in zip(saved_ids, self._params()):
+            saved = state_dict["state"].get(param_id, {})
+            if "remainder" in saved:
+                self.state[p]["remainder"] = saved["remainder"].to(p.device, torch.int16, copy=True)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved:
+                    self.state[p][key] = saved[key].to(p.device, self.moment_dtype, copy=True)
