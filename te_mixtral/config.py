@@ -25,6 +25,8 @@ import yaml
 from te_mixtral.errors import UserError
 
 DTYPES = ("auto", "fp32", "bf16")
+OPTIMIZERS = ("adamw", "master_adamw")
+MOMENT_DTYPES = ("bf16", "fp32")
 BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -97,6 +99,9 @@ class TrainConfig:
     grad_clip: float = setting(1.0, help="largest global gradient norm; larger gradients are scaled down")
     seed: int = setting(1234, help="seed of the initial weights and of the order samples are read in")
     dtype: str = setting("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16")
+    optimizer: str = setting("adamw", help="adamw (fp32 parameters, torch's AdamW: the reference) or master_adamw "
+                             "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
+    moment_dtype: str = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")
     eval_every: int = setting(0, workload=False,
@@ -357,6 +362,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(cfg.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
     _check(cfg.mxfp8_mode in MXFP8_MODES,
            f"mxfp8_mode must be one of {', '.join(MXFP8_MODES)}, got '{cfg.mxfp8_mode}'")
+    _check(t.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'")
+    _check(t.moment_dtype in MOMENT_DTYPES,
+           f"train.moment_dtype must be one of {', '.join(MOMENT_DTYPES)}, got '{t.moment_dtype}'")
+    _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
+           "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")

@@ -21,7 +21,7 @@ from te_mixtral.files import require_writable, sha256_of
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.training.checkpoint import LATEST, Checkpointer, TrainState
-from te_mixtral.training.loop import make_optimizer
+from te_mixtral.training.optimizer import make_optimizer
 
 SINGLE = Layout(0, 1, 1, None, None)
 CPU = torch.device("cpu")

@@ -32,7 +32,7 @@ from te_mixtral.measure.memory import (
 )
 from te_mixtral.model.layers import TORCH, PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
-from te_mixtral.training.loop import make_optimizer
+from te_mixtral.training.optimizer import make_optimizer
 
 SINGLE = Layout(0, 1, 1, None, None)
 # Odd on purpose: 6 experts, top-3, GQA ratio 3, head_dim not hidden / heads, tiny vocabulary.

@@ -1,5 +1,6 @@
 """Resume: a run stopped after N of 2N steps and resumed from its checkpoint trains exactly
-like the run that was never stopped (fp32 CPU, EP=2 over two gloo ranks)."""
+like the run that was never stopped (CPU, EP=2 over two gloo ranks), with fp32 parameters and
+torch's AdamW, and with bf16 parameters whose fp32 master lives in MasterAdamW's remainders."""
 
 import json
 import shutil
@@ -13,10 +14,15 @@ COMMON = ["--ep-size", "2", "--steps", str(2 * N), "--timing_warmup_steps", "1",
           "--checkpoint-every", str(N)]
 
 
+OPTIMIZERS = {"fp32-adamw": [], "bf16-master-adamw": ["--dtype", "bf16", "--optimizer", "master_adamw"]}
+
+
 @pytest.mark.slow
-def test_stop_and_resume_equals_one_run(tmp_path):
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_stop_and_resume_equals_one_run(tmp_path, optimizer):
+    common = [*COMMON, *OPTIMIZERS[optimizer]]
     whole = tmp_path / "whole"
-    proc = run_app([*COMMON, "--checkpoint-dir", str(whole / "ckpt"), "--output-dir", str(whole)], nproc=2)
+    proc = run_app([*common, "--checkpoint-dir", str(whole / "ckpt"), "--output-dir", str(whole)], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (whole / "ckpt").iterdir()) == ["latest", "step-000003", "step-000006"]
 
@@ -25,7 +31,7 @@ def test_stop_and_resume_equals_one_run(tmp_path):
     shutil.copytree(whole / "ckpt", resumed / "ckpt")
     shutil.rmtree(resumed / "ckpt" / "step-000006")
     (resumed / "ckpt" / "latest").write_text("step-000003\n")
-    proc = run_app([*COMMON, "--checkpoint-dir", str(resumed / "ckpt"), "--output-dir", str(resumed), "--resume"],
+    proc = run_app([*common, "--checkpoint-dir", str(resumed / "ckpt"), "--output-dir", str(resumed), "--resume"],
                    nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from {resumed / 'ckpt' / 'step-000003'} (step {N} of {2 * N})" in proc.stdout

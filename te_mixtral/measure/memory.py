@@ -213,13 +213,21 @@ def _backend(cfg: RunConfig, device: str) -> str:
     return "te" if planning or importlib.util.find_spec("transformer_engine") else "torch"
 
 
-def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str = "adamw_fp32", recompute: str = "none",
+def optimizer_mode(cfg: RunConfig) -> str:
+    """The `OPTIMIZERS` row of the run's `train.optimizer` and `train.moment_dtype`."""
+    if cfg.train.optimizer == "adamw":
+        return "adamw_fp32"
+    return "master_bf16" if cfg.train.moment_dtype == "bf16" else "master_fp32_moments"
+
+
+def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str = "none",
                     shard_optimizer_state: bool = False, device: str | None = None) -> MemoryEstimate:
     """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
 
     `shard_optimizer_state` divides the state by each parameter's replica count (dense:
     the world; experts: world / EP). `device` defaults to the config's resolved device.
     """
+    optimizer = optimizer or optimizer_mode(cfg)
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer mode '{optimizer}' (modes: {', '.join(OPTIMIZERS)})")
     if recompute not in RECOMPUTE:

@@ -46,6 +46,7 @@ from te_mixtral.training.hf_checkpoint import (
     resolve_model_path,
     save_hf_checkpoint,
 )
+from te_mixtral.training.optimizer import learning_rate, make_optimizer
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -75,24 +76,6 @@ def initialise(model: MixtralForCausalLM, cfg: RunConfig, layout: Layout, model_
         init_weights(model, cfg.train.seed, layout)
 
 
-def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    t = cfg.train
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]  # norms: no weight decay
-    groups = [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    fused = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
-
-
-def learning_rate(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.steps - 1 - t.warmup_steps)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
 def due(step: int, every: int, total: int) -> bool:
     """Whether something done every `every` steps (0: never) and at the end is due after `step`."""
     return step == total or (every > 0 and step % every == 0)
@@ -120,8 +103,6 @@ def train(cfg: RunConfig) -> TrainResult:
         raise UserError("device 'cuda' was asked for but PyTorch sees no CUDA GPU")
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError("this GPU does not support bf16; use --dtype fp32")
-    if device.type == "cpu" and cfg.precision == "bf16":
-        raise UserError("bf16 training is for CUDA GPUs here; use --dtype fp32 on the CPU")
     reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
     # Local checks before the first collective, so that every rank fails alike and at once.
     if cfg.checkpoint_dir:
@@ -130,7 +111,7 @@ def train(cfg: RunConfig) -> TrainResult:
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
-    check_fits(cfg, world_size_from_env(), device.type)
+    estimate = check_fits(cfg, world_size_from_env(), device.type)
     layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -219,7 +200,8 @@ def train(cfg: RunConfig) -> TrainResult:
         metrics.peak_flops(header["device"]), peak_memory,
     )
     exit_code = 0
-    extra = {"evals": state.evals} if state.evals else {}
+    # The estimate beside the measured peak, so that every run checks the estimate.
+    extra = {"estimated_peak_gib": estimate.total / 2**30, **({"evals": state.evals} if state.evals else {})}
     if cfg.profile_phases:  # last: it steps the optimizer while timing it
 
         def forward_backward():

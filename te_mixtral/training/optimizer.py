@@ -1,0 +1,46 @@
+"""The optimizer a run steps, and its learning-rate schedule.
+
+`train.optimizer` chooses between two AdamWs with the same update rule:
+- `adamw`: fp32 parameters, fp32 gradients and moments, torch's fused AdamW on CUDA: 16 bytes
+  per parameter, and under bf16 autocast every weight matrix is cast to bf16 in every
+  forward. The reference.
+- `master_adamw` (bf16 runs): the parameters themselves are bf16, so the forward casts
+  nothing, and the optimizer keeps the fp32 master exactly as a 16-bit remainder per weight
+  (te_mixtral/optim/): 10 bytes per parameter with bf16 moments, 14 with fp32 moments.
+  Written here rather than taken from TE: TE's FusedAdam with the same state runs at about
+  half the memory-bandwidth floor (benchmarks/optimizer_step.py measures both).
+
+Norms and other vectors get no weight decay in either.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from te_mixtral.config import RunConfig
+from te_mixtral.optim import MasterAdamW
+
+MOMENT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The run's optimizer; `master_adamw` turns the model's fp32 parameters into bf16 ones
+    in place, its masters equal to the fp32 values bit for bit."""
+    t = cfg.train
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    if t.optimizer == "master_adamw":
+        return MasterAdamW.from_fp32(groups, lr=t.lr, betas=(t.beta1, t.beta2), moment_dtype=MOMENT_DTYPES[t.moment_dtype])
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
+
+
+def learning_rate(step: int, cfg: RunConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - 1 - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
