@@ -7,16 +7,11 @@ the config's own fields."""
 import argparse
 from pathlib import Path
 
-from te_mixtral.config import (
-    RunConfig,
-    flatten,
-    is_switch,
-    load_config,
-    settings,
-    to_dict,
-)
+from te_mixtral.config import RunConfig, is_switch, load_config, settings, to_dict
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
 from te_mixtral.errors import UserError, report_error
+from te_mixtral.experts.registry import check_tier
+from te_mixtral.saved_config import flatten
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -100,6 +95,7 @@ def main(argv: list[str]) -> int:
         args, overrides = parse_args(argv)
         world_size = args.estimate_memory or world_size_from_env()
         cfg = load_config(args.config, overrides, world_size=world_size)
+        check_tier(cfg, world_size)
         if args.estimate_memory is not None:
             from te_mixtral.measure.memory import print_estimate
 

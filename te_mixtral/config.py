@@ -10,8 +10,8 @@ a user can act on.
 Each field carries its own meaning and role (`setting`: help text, whether it is part of
 the timed workload, whether it may change on resume), so the results pages, the resume
 check and `--help` ask the fields (`workload_keys()`, ...) instead of keeping their own
-lists. A key that moves or is renamed gets one line in `MOVED_KEYS`: configs saved by older
-runs are read through `upgrade_saved`.
+lists. A key that moves or is renamed gets one line in `saved_config.MOVED_KEYS`: configs
+saved by older runs are read through `upgrade_saved`.
 """
 
 import dataclasses
@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from te_mixtral.errors import UserError
+from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
 
 DTYPES = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "master_adamw")
@@ -170,6 +171,7 @@ class RunConfig:
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+assert tuple(SECTIONS) == SECTION_NAMES
 
 def _field_types(cls) -> dict[str, object]:
     hints = typing.get_type_hints(cls)
@@ -204,55 +206,6 @@ def _apply(cfg: RunConfig, key: str, value) -> None:
     if name not in types_:
         raise UserError(f"unknown config key '{key}'")
     setattr(target, name, _coerce(key, value, types_[name]))
-
-
-def flatten(config: dict, where: str = "the config") -> dict[str, object]:
-    """{"train": {"lr": ...}, "tier": ...} -> {"train.lr": ..., "tier": ...}, in config order."""
-    flat = {}
-    for key, value in config.items():
-        if key in SECTIONS:
-            if not isinstance(value, dict):
-                raise UserError(f"'{key}' in {where} must be a mapping of keys")
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[key] = value
-    return flat
-
-
-def _nest(flat: dict[str, object]) -> dict:
-    """The inverse of `flatten`: {"train.lr": ...} -> {"train": {"lr": ...}}."""
-    nested: dict = {}
-    for key, value in flat.items():
-        section, _, name = key.partition(".")
-        if name and section in SECTIONS:
-            nested.setdefault(section, {})[name] = value
-        else:
-            nested[key] = value
-    return nested
-
-
-# Keys that moved or were renamed, old full key -> today's. Configs saved by older runs
-# (config.yaml, results.json headers, checkpoints' meta.json) are read through
-# `upgrade_saved`, so that they still load, compare with today's runs and resume.
-MOVED_KEYS = {
-    "model.num_local_experts": "model.num_experts",
-    "save_every": "train.save_every",
-    "checkpoint_every": "train.checkpoint_every",
-}
-
-
-def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
-    """A config as some version of `to_dict` wrote it (or a YAML file), in today's layout.
-
-    A renamed key keeps its place, and a key moved into a section goes to the section's end
-    (where `TrainConfig` declares the schedules that moved), so an upgraded config lists its
-    keys in today's order: reproduce commands and page warnings list keys in that order.
-    """
-    flat = flatten(raw, where)
-    for old, new in MOVED_KEYS.items():
-        if old in flat and new in flat:
-            raise UserError(f"{where} sets both '{old}' and '{new}', its new name: keep '{new}'")
-    return _nest({MOVED_KEYS.get(key, key): value for key, value in flat.items()})
 
 
 def settings() -> dict[str, dataclasses.Field]:
@@ -348,20 +301,11 @@ def _check(condition: bool, message: str) -> None:
 
 
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
-    """Every check that needs no process group; `world_size` from torchrun's environment."""
-    # The tier names and the device_mxfp8 modes belong to the experts registry. This module is
-    # the leaf every layer imports, so it reads them only here, when a config is validated:
-    # importing the registry at the top would pull every tier module (and torch) into
-    # whatever merely reads a config. No cycle: nothing the registry imports reads config.
-    from te_mixtral.experts.device_mxfp8 import MODES as MXFP8_MODES
-    from te_mixtral.experts.registry import BASELINES, RUN_NAMES
-
+    """Every check that needs no process group; `world_size` from torchrun's environment.
+    The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
-    _check(cfg.tier in RUN_NAMES, f"unknown tier '{cfg.tier}' (tiers: {', '.join(RUN_NAMES)})")
     _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got '{cfg.backend}'")
     _check(cfg.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
-    _check(cfg.mxfp8_mode in MXFP8_MODES,
-           f"mxfp8_mode must be one of {', '.join(MXFP8_MODES)}, got '{cfg.mxfp8_mode}'")
     _check(t.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'")
     _check(t.moment_dtype in MOMENT_DTYPES,
            f"train.moment_dtype must be one of {', '.join(MOMENT_DTYPES)}, got '{t.moment_dtype}'")
@@ -392,11 +336,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep must be at least 1, got {cfg.checkpoint_keep}")
     _check(cfg.generate_tokens > 0, f"generate_tokens must be positive, got {cfg.generate_tokens}")
     _check(cfg.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {cfg.dist_timeout_s}")
-    _check(not (cfg.profile_phases and cfg.tier in BASELINES),
-           f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
-    _check(cfg.tier not in BASELINES or world_size == 1,
-           f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one process, "
-           f"not {world_size}")
     if cfg.model_path is None:  # else the checkpoint's config.json replaces the model section, checked then
         validate_model(cfg)
 

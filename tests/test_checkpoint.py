@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_config_keys import old_layout
 
-import te_mixtral.config as config
 import te_mixtral.files as files
+import te_mixtral.saved_config as saved_config
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import Layout
@@ -154,7 +154,7 @@ def test_resume_reads_an_older_checkpoints_config_through_its_upgrade(setup, cap
     folder = save(ckpt, cfg, *fresh(), 3)
     # As a checkpoint written before `checkpoint_every` and `save_every` moved into `train`,
     # and (a made-up move) when `train.log_every` was a top-level `log_interval`.
-    monkeypatch.setitem(config.MOVED_KEYS, "log_interval", "train.log_every")
+    monkeypatch.setitem(saved_config.MOVED_KEYS, "log_interval", "train.log_every")
     meta = json.loads((folder / "meta.json").read_text())
     meta["config"] = old_layout(meta["config"])
     meta["config"]["log_interval"] = meta["config"]["train"].pop("log_every")

@@ -10,16 +10,14 @@ from conftest import REPO
 from launch import run_app
 
 from te_mixtral.config import (
-    MOVED_KEYS,
-    flatten,
     load_config,
     resumable_keys,
     settings,
     to_dict,
-    upgrade_saved,
     workload_keys,
 )
 from te_mixtral.errors import UserError
+from te_mixtral.saved_config import MOVED_KEYS, flatten, upgrade_saved
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 SAVED_RUN = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x2-ep2" / "custom_grouped"

@@ -18,7 +18,6 @@ from te_mixtral.config import (
     RunConfig,
     TrainConfig,
     load_config,
-    upgrade_saved,
 )
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError
@@ -32,6 +31,7 @@ from te_mixtral.measure.memory import (
 )
 from te_mixtral.model.layers import TORCH, PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.saved_config import upgrade_saved
 from te_mixtral.training.optimizer import make_optimizer
 
 SINGLE = Layout(0, 1, 1, None, None)

@@ -10,8 +10,10 @@ The tier modules import Transformer Engine and Triton only when a tier runs, so 
 registry imports on a machine with neither.
 """
 
+from te_mixtral.errors import UserError
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
+from te_mixtral.experts.device_mxfp8 import MODES as MXFP8_MODES
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.grouped_linear import GroupedLinearTier
 from te_mixtral.experts.loop import LoopTier
@@ -37,3 +39,17 @@ def make_tier(name: str, cfg=None) -> ExpertTier:
     """The expert tier called `name`; a tier with options reads them from the run config `cfg`."""
     tier_class = EXPERT_TIERS[name]
     return tier_class() if cfg is None else tier_class.from_config(cfg)
+
+
+def check_tier(cfg, world_size: int) -> None:
+    """Raise a one-line `UserError` if the run config `cfg` names no tier, or a tier option or
+    launch that tier cannot take. The command line calls this right after the config loads."""
+    if cfg.tier not in RUN_NAMES:
+        raise UserError(f"unknown tier '{cfg.tier}' (tiers: {', '.join(RUN_NAMES)})")
+    if cfg.mxfp8_mode not in MXFP8_MODES:
+        raise UserError(f"mxfp8_mode must be one of {', '.join(MXFP8_MODES)}, got '{cfg.mxfp8_mode}'")
+    if cfg.tier in BASELINES and cfg.profile_phases:
+        raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
+    if cfg.tier in BASELINES and world_size != 1:
+        raise UserError(f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one "
+                        f"process, not {world_size}")

@@ -44,12 +44,13 @@ from pathlib import Path
 
 import yaml
 
-from te_mixtral.config import flatten, settings, upgrade_saved, workload_keys
+from te_mixtral.config import settings, workload_keys
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import BASELINES, REFERENCE_TIER
 from te_mixtral.measure.loss_check import check_losses
 from te_mixtral.results.reproduce import reproduce_command
 from te_mixtral.results.runs import Run, find_runs, group_runs
+from te_mixtral.saved_config import flatten, upgrade_saved
 
 # What every row's speed is compared with: the whole-model baselines and the reference tier.
 COMPARED_WITH = (*BASELINES, REFERENCE_TIER)

@@ -23,14 +23,9 @@ which is why the results page prints the full config beside it.
 import shlex
 from pathlib import Path
 
-from te_mixtral.config import (
-    flatten,
-    headline_keys,
-    load_config,
-    to_dict,
-    upgrade_saved,
-)
+from te_mixtral.config import headline_keys, load_config, to_dict
 from te_mixtral.errors import UserError
+from te_mixtral.saved_config import flatten, upgrade_saved
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from te_mixtral.config import RunConfig, flatten, resumable_keys, to_dict, upgrade_saved
+from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max, all_reduce_sum
 from te_mixtral.errors import UserError
 from te_mixtral.files import (
@@ -60,6 +60,7 @@ from te_mixtral.files import (
     sha256_of,
     write_text_atomic,
 )
+from te_mixtral.saved_config import flatten, upgrade_saved
 
 FORMAT_VERSION = 1
 LATEST = "latest"

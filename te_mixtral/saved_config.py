@@ -1,0 +1,60 @@
+"""Config mappings as files hold them: flattened to full keys and back, and older saved
+layouts upgraded to today's.
+
+Runs save their config (config.yaml, the results.json header, a checkpoint's meta.json) as a
+nested mapping. Reading one back goes through `upgrade_saved`, so a run saved before a key
+moved or was renamed still loads, compares with today's runs on a results page and resumes.
+"""
+
+from te_mixtral.errors import UserError
+
+SECTION_NAMES = ("model", "data", "train")
+
+
+def flatten(config: dict, where: str = "the config") -> dict[str, object]:
+    """{"train": {"lr": ...}, "tier": ...} -> {"train.lr": ..., "tier": ...}, in config order."""
+    flat = {}
+    for key, value in config.items():
+        if key in SECTION_NAMES:
+            if not isinstance(value, dict):
+                raise UserError(f"'{key}' in {where} must be a mapping of keys")
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def _nest(flat: dict[str, object]) -> dict:
+    """The inverse of `flatten`: {"train.lr": ...} -> {"train": {"lr": ...}}."""
+    nested: dict = {}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        if name and section in SECTION_NAMES:
+            nested.setdefault(section, {})[name] = value
+        else:
+            nested[key] = value
+    return nested
+
+
+# Keys that moved or were renamed, old full key -> today's. Configs saved by older runs
+# (config.yaml, results.json headers, checkpoints' meta.json) are read through
+# `upgrade_saved`, so that they still load, compare with today's runs and resume.
+MOVED_KEYS = {
+    "model.num_local_experts": "model.num_experts",
+    "save_every": "train.save_every",
+    "checkpoint_every": "train.checkpoint_every",
+}
+
+
+def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
+    """A config as some version of `to_dict` wrote it (or a YAML file), in today's layout.
+
+    A renamed key keeps its place, and a key moved into a section goes to the section's end
+    (where `TrainConfig` declares the schedules that moved), so an upgraded config lists its
+    keys in today's order: reproduce commands and page warnings list keys in that order.
+    """
+    flat = flatten(raw, where)
+    for old, new in MOVED_KEYS.items():
+        if old in flat and new in flat:
+            raise UserError(f"{where} sets both '{old}' and '{new}', its new name: keep '{new}'")
+    return _nest({MOVED_KEYS.get(key, key): value for key, value in flat.items()})
