@@ -15,3 +15,16 @@ def run_app(args: list[str], nproc: int = 1, timeout: float = 300, script: str =
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(launcher + [str(REPO / script), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc, *fragments):
+    """The run failed with one `te_mixtral: error:` line holding every fragment, and no traceback
+    from our code; return the error lines (one per rank)."""
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
+    assert lines, proc.stderr[-2000:]
+    # torchrun's own agent prints a traceback of its ChildFailedError; none may come from our code.
+    assert "run_finetune_ep.py\", line" not in proc.stderr and "te_mixtral/" not in proc.stderr, proc.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines

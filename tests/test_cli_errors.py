@@ -1,18 +1,7 @@
 """Bad input: one clear line, a non-zero exit, on every rank, no traceback, no hang."""
 
 import pytest
-from launch import run_app
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
-    assert lines, proc.stderr[-2000:]
-    # torchrun's own agent prints a traceback of its ChildFailedError; none may come from our code.
-    assert "run_finetune_ep.py\", line" not in proc.stderr and "te_mixtral/" not in proc.stderr, proc.stderr[-2000:]
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines
+from launch import assert_one_line_error, run_app
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -43,6 +43,7 @@ from te_mixtral.files import (
     require_writable,
 )
 from te_mixtral.model.hf_config import hf_config, model_config_from_hf
+from te_mixtral.training.outputs import EXPORT_MARKER
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 
@@ -288,6 +289,8 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             if model_source is not None and (model_source / "generation_config.json").is_file():
                 shutil.copyfile(model_source / "generation_config.json", tmp / "generation_config.json")
             _write_tokenizer(tmp, tokenizer, tokenizer_path)
+            # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
+            (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
             for path in tmp.iterdir():
                 fsync_path(path)
             publish_folder(tmp, out_dir)

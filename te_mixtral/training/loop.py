@@ -47,6 +47,7 @@ from te_mixtral.training.hf_checkpoint import (
     save_hf_checkpoint,
 )
 from te_mixtral.training.optimizer import learning_rate, make_optimizer
+from te_mixtral.training.outputs import check_outputs
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -110,6 +111,7 @@ def train(cfg: RunConfig) -> TrainResult:
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
+    check_outputs(cfg, model_dir)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
     layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)

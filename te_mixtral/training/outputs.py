@@ -1,0 +1,52 @@
+"""The folders a run writes to, checked before it trains: a run never deletes or replaces
+what is already there unless that is plainly its own to replace, or the user said so
+(`overwrite`).
+
+- `output_dir`: a folder that already holds a run's results.json is another run's record.
+- `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
+  fresh run would prune them away at its first save.
+- `save_hf`: the export replaces the whole folder. It may replace an earlier te_mixtral
+  export (marked by `EXPORT_MARKER`), never the current folder, the checkpoint folder or
+  the `--model` folder (nor a folder holding one of them), and other files only with
+  `overwrite`.
+
+Every rank runs these checks on its own before the first collective, so all fail alike.
+"""
+
+from pathlib import Path
+
+from te_mixtral.config import RunConfig
+from te_mixtral.errors import UserError
+
+EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
+
+
+def check_outputs(cfg: RunConfig, model_dir: Path | None) -> None:
+    """Raise a one-line `UserError` if the run would delete or replace what it must not."""
+    ckpt = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir else None
+    if cfg.output_dir and (Path(cfg.output_dir).expanduser() / "results.json").exists() and not cfg.overwrite:
+        raise UserError(f"output_dir {cfg.output_dir} already holds a run's results.json; choose another folder, "
+                        f"or pass --overwrite to replace it")
+    if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
+        raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
+                        f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
+    if cfg.save_hf:
+        _check_export_folder(Path(cfg.save_hf).expanduser(), cfg.overwrite,
+                             {"the current folder": Path.cwd(), "the checkpoint folder": ckpt,
+                              "the --model folder": model_dir})
+
+
+def _holds_checkpoints(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name == "latest" or p.name.startswith("step-") for p in folder.iterdir())
+
+
+def _check_export_folder(folder: Path, overwrite: bool, protected: dict[str, Path | None]) -> None:
+    resolved = folder.resolve()
+    for what, path in protected.items():
+        if path is not None and (resolved == path.resolve() or resolved in path.resolve().parents):
+            raise UserError(f"save_hf {folder} would replace {what} ({path}): export to a folder of its own")
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"save_hf {folder} is a file, not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file() and not overwrite:
+        raise UserError(f"save_hf {folder} holds files that are not an earlier te_mixtral export, and the export "
+                        f"replaces the whole folder; choose a new folder, or pass --overwrite to replace them")
