@@ -15,6 +15,7 @@ saved by older runs are read through `upgrade_saved`.
 """
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -319,7 +320,17 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
     _check(0 <= t.timing_warmup_steps < t.steps,
            f"train.timing_warmup_steps ({t.timing_warmup_steps}) must be below train.steps ({t.steps})")
-    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 <= train.min_lr <= train.lr and lr > 0")
+    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr and math.isfinite(t.lr),
+           f"need 0 <= train.min_lr <= train.lr and a finite lr > 0, got lr {t.lr}, min_lr {t.min_lr}")
+    _check(t.batch_size > 0, f"train.batch_size must be positive, got {t.batch_size}")
+    _check(t.warmup_steps >= 0, f"train.warmup_steps must be 0 or positive, got {t.warmup_steps}")
+    _check(0 < t.grad_clip < math.inf,
+           f"train.grad_clip must be a finite norm above 0 (a large one, e.g. 1e9, clips nothing), got {t.grad_clip}")
+    _check(0 <= t.weight_decay < math.inf, f"train.weight_decay must be finite and >= 0, got {t.weight_decay}")
+    for key in ("beta1", "beta2"):
+        _check(0 <= getattr(t, key) < 1, f"train.{key} must be in [0, 1), got {getattr(t, key)}")
+    _check(d.max_documents is None or d.max_documents > 0,
+           f"data.max_documents must be positive or null, got {d.max_documents}")
     _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
     _check(world_size % cfg.ep_size == 0,
@@ -352,6 +363,8 @@ def validate_model(cfg: RunConfig) -> None:
     _check(m.num_attention_heads % m.num_key_value_heads == 0,
            f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
            f"model.num_key_value_heads ({m.num_key_value_heads})")
+    for key in ("rms_norm_eps", "rope_theta", "initializer_range"):
+        _check(0 < getattr(m, key) < math.inf, f"model.{key} must be finite and above 0, got {getattr(m, key)}")
     _check(m.head_dim % 2 == 0, f"model.head_dim must be even for rotary embeddings, got {m.head_dim}")
     _check(m.num_experts_per_tok <= m.num_experts,
            f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts ({m.num_experts})")
