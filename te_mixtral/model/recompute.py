@@ -27,8 +27,8 @@ Pitfalls.
   rank recomputes its layers in the same order, so the collectives pair up.
 - The recomputed routing must equal the forward's: same input, same router weights and
   deterministic kernels give the same top-k. torch's checkpoint checks that each recomputed
-  tensor has the shape it had (`determinism_check`), so a routing that moved rows between
-  experts fails loudly instead of mixing two routings in one gradient.
+  tensor has the shape it had (`determinism_check`), so a routing that changed how many rows
+  an expert gets fails loudly instead of mixing two routings in one gradient.
 - Anything the forward records as a side effect happens twice under full recompute:
   forward hooks on modules inside a layer (the router's included) fire in the forward and
   again in the recompute. Nothing in this package records statistics in the forward
