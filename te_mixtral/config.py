@@ -29,6 +29,7 @@ from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
 DTYPES = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "master_adamw")
 MOMENT_DTYPES = ("bf16", "fp32")
+RECOMPUTE = ("none", "selective", "full")
 BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -104,6 +105,9 @@ class TrainConfig:
     optimizer: str = setting("adamw", help="adamw (fp32 parameters, torch's AdamW: the reference) or master_adamw "
                              "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
     moment_dtype: str = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
+    recompute: str = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
+                             "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
+                             "input and runs again in its backward); te_mixtral/model/recompute.py")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")
     eval_every: int = setting(0, workload=False,
@@ -315,6 +319,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"train.moment_dtype must be one of {', '.join(MOMENT_DTYPES)}, got '{t.moment_dtype}'")
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
+    _check(t.recompute in RECOMPUTE,
+           f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
+    _check(t.recompute == "none" or cfg.tier not in BASELINES,
+           f"train.recompute applies to te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")

@@ -9,8 +9,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from conftest import REPO
 from launch import run_app
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_mixtral.config import (
     DataConfig,
@@ -45,8 +48,8 @@ def tiny(tier="loop", world_size=1, **overrides) -> RunConfig:
     return load_config(str(REPO / "configs" / "tiny.yaml"), {"tier": tier, **overrides}, world_size)
 
 
-def build(m: ModelConfig, layout: Layout = SINGLE, tier: str = "loop") -> MixtralForCausalLM:
-    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier))
+def build(m: ModelConfig, layout: Layout = SINGLE, tier: str = "loop", recompute: str = "none") -> MixtralForCausalLM:
+    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier), recompute)
 
 
 @pytest.mark.parametrize("m, ep", [(tiny().model, 1), (tiny().model, 4), (ODD, 1), (ODD, 3),
@@ -97,36 +100,95 @@ def test_parameters_gradients_and_adamw_state_are_exact_on_cpu():
     assert estimate.optimizer_state == moments
 
 
-def saved_for_backward(model, run) -> int:
-    """Bytes of every distinct storage autograd saves during `run()`, the parameters aside."""
+class _CreatedStorages(TorchDispatchMode):
+    """Remembers, weakly, the storage of every tensor an op creates while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.created = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.created.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
+        return out
+
+
+def held_after_forward(model, run) -> int:
+    """Bytes of every storage `run()` creates that is still alive when it returns (the loss
+    aside, a scalar), views of the parameters aside: what the forward leaves for the backward.
+
+    Not `saved_tensors_hooks`: inside a checkpointed region the checkpoint's own hooks replace
+    any outer ones, and what it keeps (the region's inputs) it holds in a closure, not as saved
+    tensors, so counting saved tensors would miss exactly what recompute keeps. Here whatever
+    is alive counts, saved or held.
+    """
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(saved.values())
+    with _CreatedStorages() as mode:
+        loss = run()
+    held = {ptr: nbytes for ref, ptr, nbytes in mode.created if not ref.expired() and ptr not in params}
+    del loss
+    return sum(held.values())
 
 
+# fp32; bf16 autocast over fp32 parameters (adamw); bf16 parameters (master_adamw).
+PRECISIONS = {"fp32": {"dtype": "fp32"}, "autocast": {"dtype": "bf16"},
+              "bf16": {"dtype": "bf16", "optimizer": "master_adamw"}}
+
+
+def forward_loss(model, cfg: RunConfig, ids, packed):
+    """The training step's forward: autocast in a bf16 run; the logits die inside (the
+    estimate counts them apart, as the training loop's). Run on copies of the inputs, so that
+    `held_after_forward` counts an input only where the forward keeps it."""
+    ids, packed = ids.clone(), PackedSequences(packed.position_ids_BS.clone(), packed.cu_seqlens.clone(),
+                                               packed.max_seqlen)
+    with torch.autocast("cpu", torch.bfloat16, enabled=cfg.precision == "bf16"):
+        logits = model(ids, packed)
+    return causal_lm_loss(logits, ids, torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("tier", ["loop", "custom_grouped"])
 @pytest.mark.parametrize("m, batch, seq", [(None, 4, 128), (ODD, 3, 40)], ids=["tiny", "odd"])
-def test_activation_estimate_is_what_the_forward_saves(tier, m, batch, seq):
-    cfg = tiny(tier, batch_size=str(batch), seq_len=str(seq))
+def test_activation_estimate_is_what_the_forward_keeps(tier, precision, recompute, m, batch, seq):
+    cfg = tiny(tier, batch_size=str(batch), seq_len=str(seq), recompute=recompute, **PRECISIONS[precision])
     if m is not None:
         cfg = replace(cfg, model=m)
-    model = build(cfg.model, tier=tier)
+    model = build(cfg.model, tier=tier, recompute=recompute)
     init_weights(model, 1, SINGLE)
+    if cfg.train.optimizer == "master_adamw":
+        model.to(torch.bfloat16)
     ids, packed = random_batch(cfg)
-    measured = saved_for_backward(model, lambda: causal_lm_loss(model(ids, packed), ids, torch.tensor(1.0)))
-    # The estimate names every tensor the forward saves; it leaves out a few scalars of the
-    # loss and grouped_mm's int32 offsets (tens of bytes). 0.1 % is tighter than any term it
+    measured = held_after_forward(model, lambda: forward_loss(model, cfg, ids, packed))
+    # The estimate names every tensor the forward keeps; it leaves out a few scalars of the
+    # loss, grouped_mm's int32 offsets and the per-expert counts selective keeps (tens of bytes). 0.1 % is tighter than any term it
     # counts per layer (the smallest, the softmax statistics, is 0.2 % of the tiny model's total).
     assert estimate_memory(cfg, 1, device="cpu").forward_saved == pytest.approx(measured, rel=1e-3)
+
+
+def test_recompute_keeps_less():
+    """What recompute saves, measured: full keeps a layer's input alone, selective drops the
+    expert FFN's hidden rows."""
+    cfg = tiny()
+    ids, packed = random_batch(cfg)
+    layers, T, D, F = cfg.model.num_hidden_layers, ids.numel(), cfg.model.hidden_size, cfg.model.intermediate_size
+    held = {}
+    for recompute in ("none", "selective", "full"):
+        model = build(cfg.model, recompute=recompute)
+        init_weights(model, 1, SINGLE)
+        held[recompute] = held_after_forward(model, lambda: forward_loss(model, cfg, ids, packed))
+    # The head (log-probabilities, the final norm, rotary tables) is the same in every mode:
+    # under full, all that is not the head is each layer's fp32 input.
+    head = held["full"] - layers * 4 * T * D
+    per_layer = {mode: (held_bytes - head) / layers for mode, held_bytes in held.items()}
+    assert per_layer["full"] < per_layer["none"] / 20
+    # Selective drops exactly the expert FFN's hidden rows (T*K rows of 4F fp32 values) and
+    # keeps the tier's per-expert counts (int64) for its second run.
+    m = cfg.model
+    assert per_layer["none"] - per_layer["selective"] == T * m.num_experts_per_tok * 4 * F * 4 - 8 * m.num_experts
 
 
 def recorded_runs():

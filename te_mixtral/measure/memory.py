@@ -11,9 +11,10 @@ before it starts (instead of being killed by the kernel, or by CUDA, minutes lat
 What is counted. A step holds the parameters, their gradients and the optimizer state, and
 between forward and backward whatever the forward saved for the backward: per decoder layer
 
-    norms         each RMSNorm's input (TE: cast to the compute dtype; PyTorch: input and
-                  normalised output in the residual dtype)
-    linear inputs the normalised rows the q/k/v projections and the router read
+    norms         each RMSNorm's input (TE: cast to the compute dtype; PyTorch: the input in
+                  fp32 and the normalised output in the residual dtype)
+    linear inputs the normalised rows the q/k/v projections and the router read (PyTorch
+                  under autocast from an fp32 residual: each of the four casts its own copy)
     attention     q, k, v and the output, plus the softmax statistics (fp32, T x H); the
                   PyTorch backend's SDPA also keeps its [B, 1, S, S] document mask
     routing       router probabilities (fp32, T x E), top-k indices and weights
@@ -22,7 +23,12 @@ between forward and backward whatever the forward saved for the backward: per de
                   but custom_grouped on CUDA also silu(gate) and the SwiGLU output (R x F each)
     combine       the expert outputs in fp32 for the routing-weighted sum (R x D x 4)
 
-and, once per step, the rotary tables, the final norm, the LM head's input and the
+Activation recompute (`train.recompute`, te_mixtral/model/recompute.py) changes what a layer
+keeps: selective drops the expert FFN's hidden rows and the experts' weight copies (the tier
+runs again in the backward); full keeps only each layer's input. Either way the layer whose
+backward runs holds all of it again while it does.
+
+And, once per step, the rotary tables, the final norm, the LM head's input and the
 log-probabilities in fp32 (T x V x 4: a large one). With fp32 parameters under bf16 autocast
 every matrix a GEMM reads is also cast to bf16 and that copy is saved until its layer's
 backward ("weight copies", 2 bytes per matrix parameter).
@@ -51,7 +57,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from te_mixtral.config import ModelConfig, RunConfig, validate_model
+from te_mixtral.config import RECOMPUTE, ModelConfig, RunConfig, validate_model
 from te_mixtral.errors import UserError
 from te_mixtral.measure.report import format_table
 
@@ -79,10 +85,6 @@ OPTIMIZERS = {
     "master_bf16": (2, 2, 2 + 4),
     "master_fp32_moments": (2, 2, 2 + 8),
 }
-# none: keep everything; selective: recompute the expert FFN's hidden rows in the backward;
-# full: keep only each layer's input and recompute the layer in its backward.
-RECOMPUTE = ("none", "selective", "full")
-
 # Under expert parallelism the busiest rank receives more than the average T*K rows: up to
 # 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/runs, one step
 # each; the peak is over all steps).
@@ -220,14 +222,17 @@ def optimizer_mode(cfg: RunConfig) -> str:
     return "master_bf16" if cfg.train.moment_dtype == "bf16" else "master_fp32_moments"
 
 
-def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str = "none",
+def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str | None = None,
                     shard_optimizer_state: bool = False, device: str | None = None) -> MemoryEstimate:
     """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
 
-    `shard_optimizer_state` divides the state by each parameter's replica count (dense:
-    the world; experts: world / EP). `device` defaults to the config's resolved device.
+    `optimizer` and `recompute` default to the run's (`train.optimizer`, `train.recompute`;
+    see te_mixtral/model/recompute.py for the modes). `shard_optimizer_state` divides the
+    state by each parameter's replica count (dense: the world; experts: world / EP). `device`
+    defaults to the config's resolved device.
     """
     optimizer = optimizer or optimizer_mode(cfg)
+    recompute = recompute or cfg.train.recompute
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer mode '{optimizer}' (modes: {', '.join(OPTIMIZERS)})")
     if recompute not in RECOMPUTE:
@@ -253,17 +258,28 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     fused = cfg.tier == "custom_grouped" and device == "cuda"
     hidden = 2 * F if fused else 4 * F
 
-    norm = (a * T * D if backend == "te" else 2 * r * T * D) + 4 * T
+    # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
+    # from a bf16 one) and the normalised rows in the residual dtype.
+    norm = (a * T * D if backend == "te" else (4 + r) * T * D) + 4 * T
+    # The rows q/k/v and the router read: one tensor per norm, unless autocast casts the
+    # PyTorch norm's fp32 output, once for each of the four linears (TE's norm emits bf16).
+    linear_inputs = (4 if backend == "torch" and r != a else 2) * a * T * D
     mask = a * batch * S * S if backend == "torch" else 0
-    dense_layer = (2 * norm + 2 * a * T * D  # norms; q/k/v and router inputs
+    dense_layer = (2 * norm + linear_inputs
                    + a * T * Hd * (2 * H + 2 * G) + 4 * T * H + mask  # attention
                    + 4 * T * E + 32 * T * K + 4 * T  # routing: probs; indices and weights
                    + a * R * D + 4 * R * D)  # dispatched rows; fp32 combine
     expert_hidden = a * R * hidden
-    layer_copies = copy * (params.dense_per_layer - 2 * D + params.experts_per_layer)
-    layer_saved = {"none": dense_layer + expert_hidden, "selective": dense_layer, "full": r * T * D}[recompute]
-    saved_copies = 0 if recompute == "full" else layer_copies
+    dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
+    layer_copies = dense_copies + expert_copies
+    # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
+    # the experts' weight copies; full keeps the layer's input alone.
+    layer_saved, saved_copies = {"none": (dense_layer + expert_hidden, layer_copies),
+                                 "selective": (dense_layer, dense_copies),
+                                 "full": (r * T * D, 0)}[recompute]
     head = norm + a * T * D + 4 * T * V + 8 * T + 2 * 4 * batch * S * Hd  # + ids, rotary tables
+    if recompute == "full":
+        head += 8 * T  # the position ids, which every recomputed attention reads again
     logits = a * T * V  # referenced by the training loop until the next step
     head_copy = copy * V * D
 

@@ -10,6 +10,10 @@ Initialisation is independent of the expert-parallel layout: dense weights come 
 generator seeded by the run's seed, and each expert from its own generator seeded by
 (seed, layer, global expert index). So EP=1 and EP=2 runs start from identical weights,
 and no rank ever materialises experts it does not own.
+
+`recompute` (train.recompute) trades memory for compute: "full" runs each decoder layer's
+forward again in its backward, "selective" only the expert FFN (see
+te_mixtral/model/recompute.py).
 """
 
 import torch
@@ -22,6 +26,7 @@ from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.model.layers import Backend, PackedSequences
 from te_mixtral.model.moe import MoEBlock
+from te_mixtral.model.recompute import recomputed
 
 
 def rotate_half(x):
@@ -66,34 +71,42 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str):
         super().__init__()
+        self.recompute_layer = recompute == "full"
         self.input_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.self_attn = Attention(m, backend)
         self.post_attention_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_rank, layout.ep_group)
         self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_experts, m.num_experts_per_tok,
-                            dispatcher, tier, m.num_experts // layout.ep_size)
+                            dispatcher, tier, m.num_experts // layout.ep_size,
+                            recompute_experts=recompute == "selective")
 
     def forward(self, x_BSD, rotary, packed):
+        if self.recompute_layer:
+            return recomputed(self._forward, x_BSD, rotary, packed)
+        return self._forward(x_BSD, rotary, packed)
+
+    def _forward(self, x_BSD, rotary, packed):
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rotary, packed)
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
 
 class MixtralBody(nn.Module):
-    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str):
         super().__init__()
         self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(m, backend, layout, tier) for _ in range(m.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(m, backend, layout, tier, recompute)
+                                    for _ in range(m.num_hidden_layers))
         self.norm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta)
 
 
 class MixtralForCausalLM(nn.Module):
-    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str = "none"):
         super().__init__()
         self.config = m
-        self.model = MixtralBody(m, backend, layout, tier)
+        self.model = MixtralBody(m, backend, layout, tier, recompute)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -5,6 +5,10 @@ Shape suffixes: see te_mixtral/experts/base.py.
 Routing is Hugging Face Mixtral's, step for step: router logits, softmax in float32,
 top-k, renormalise the k weights to sum to one. The block never looks at which tier it
 runs: the tier is any `ExpertTier` and sees only sorted rows and per-expert counts.
+
+With `recompute_experts` (train.recompute selective) the tier's forward runs again in the
+backward instead of keeping its hidden rows; routing and dispatch run once (see
+te_mixtral/model/recompute.py).
 """
 
 import torch
@@ -13,6 +17,7 @@ from torch import nn
 
 from te_mixtral.distributed.dispatch import DispatchOutput, TokenDispatcher
 from te_mixtral.experts.base import ExpertTier
+from te_mixtral.model.recompute import recomputed
 
 
 class StackedExperts(nn.Module):
@@ -27,13 +32,15 @@ class StackedExperts(nn.Module):
 
 class MoEBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 dispatcher: TokenDispatcher, tier: ExpertTier, experts_per_rank: int):
+                 dispatcher: TokenDispatcher, tier: ExpertTier, experts_per_rank: int,
+                 recompute_experts: bool = False):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
         self.experts = StackedExperts(experts_per_rank, hidden_size, intermediate_size)
         self.dispatcher = dispatcher
         self.tier = tier
+        self.recompute_experts = recompute_experts
 
     # The four steps of `forward`, public so that measure/phases.py can time each one alone
     # on the very code the model runs.
@@ -54,7 +61,8 @@ class MoEBlock(nn.Module):
 
     def run_experts(self, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
         """The expert tier over this rank's sorted rows: [R, D] in, [R, D] out."""
-        return self.tier(x_RD, tokens_per_expert_L, self.experts.gate_up_proj, self.experts.down_proj)
+        inputs = (x_RD, tokens_per_expert_L, self.experts.gate_up_proj, self.experts.down_proj)
+        return recomputed(self.tier, *inputs) if self.recompute_experts else self.tier(*inputs)
 
     def combine(self, y_RD: torch.Tensor, routed: DispatchOutput) -> torch.Tensor:
         """Send the rows back to their tokens and sum each token's k outputs, weighted: [T, D]."""

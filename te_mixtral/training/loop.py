@@ -63,7 +63,7 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     tier.check_available(device)
     backend = resolve_backend(cfg.backend, device.type)
     with torch.device(device):
-        model = MixtralForCausalLM(cfg.model, backend, layout, tier)
+        model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute)
     initialise(model, cfg, layout, model_dir)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
 

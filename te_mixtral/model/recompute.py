@@ -1,0 +1,53 @@
+"""Activation recompute: keep less of the forward for the backward, and run part of the
+forward again in the backward instead (`train.recompute`).
+
+    none       keep everything the forward saves: the fastest step, the most memory.
+    selective  recompute the expert FFN from its input rows: its hidden rows (gate_up's
+               output, silu(gate), the SwiGLU product: R x 4F per layer, the largest
+               activations of an MoE layer at Mixtral's shapes) are dropped after the
+               forward and computed again in the backward. Routing and dispatch are not
+               run again: the tier's inputs (the dispatched rows and their per-expert
+               counts) are what is kept, so the recompute cannot route differently. Costs
+               one more expert forward per step.
+    full       each decoder layer keeps only its input; its whole forward (norms, attention,
+               routing, dispatch, experts, combine) runs again in its backward. Costs one
+               more forward of every layer.
+
+torch's `checkpoint` with `use_reentrant=False` does the work on both layer backends.
+Transformer Engine has its own (`transformer_engine.pytorch.checkpoint`); what it adds to
+torch's is FP8 *delayed-scaling* bookkeeping (a recompute must not push a second amax into
+the history or move the scales) and tensor-parallel RNG trackers. Neither exists here: TE
+layers run in bf16, and TE's one 8-bit recipe in this package (device_mxfp8's mxfp8-te) is
+MXFP8 block scaling, whose scales come from the tensor at hand on every call, so running it
+twice gives the same bits and leaves no state behind.
+
+Pitfalls.
+- Under expert parallelism a full recompute runs the dispatch's all-to-alls (counts and
+  rows) and the combine's again, inside the backward. That is expected, and safe: every
+  rank recomputes its layers in the same order, so the collectives pair up.
+- The recomputed routing must equal the forward's: same input, same router weights and
+  deterministic kernels give the same top-k. torch's checkpoint checks that each recomputed
+  tensor has the shape it had (`determinism_check`), so a routing that changed how many rows
+  an expert gets fails loudly instead of mixing two routings in one gradient.
+- Anything the forward records as a side effect happens twice under full recompute:
+  forward hooks on modules inside a layer (the router's included) fire in the forward and
+  again in the recompute. Nothing in this package records statistics in the forward
+  (measure/phases.py overwrites its captured inputs with equal values and counts expert
+  rows outside the model). A statistic added later, routing counts or an auxiliary loss's,
+  must be taken outside the recomputed region or skip the recompute (checkpoint's
+  `context_fn` gives a context for the recompute alone). tests/test_recompute.py counts.
+- Nothing in the forward draws random numbers (no dropout). `preserve_rng_state` keeps its
+  default anyway, so that dropout added later would replay the same masks.
+"""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def recomputed(fn, *args):
+    """`fn(*args)`, keeping for the backward only what `args` hold and running `fn` again
+    in the backward. Without autograd (evaluation, generation) there is nothing to keep, so
+    `fn` just runs."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False)

@@ -1,0 +1,125 @@
+"""Activation recompute (train.recompute) changes what the forward keeps, never the numbers:
+the loss and every gradient equal a run without it, the routing is decided once where it
+should be, and nothing the forward records is recorded twice."""
+
+import json
+
+import pytest
+import torch
+from conftest import REPO
+from test_expert_parallel import train_and_save
+
+from te_mixtral.config import load_config
+from te_mixtral.data.packing import batch_from_windows
+from te_mixtral.distributed.layout import Layout
+from te_mixtral.errors import UserError
+from te_mixtral.experts.base import ExpertTier
+from te_mixtral.experts.registry import make_tier
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+
+SINGLE = Layout(0, 1, 1, None, None)
+MODES = ("none", "selective", "full")
+
+
+class CountingTier(ExpertTier):
+    """A tier that counts its calls and hands them to a real one."""
+
+    name = "counting"
+
+    def __init__(self, inner: ExpertTier):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+        self.calls += 1
+        return self.inner(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+
+
+def random_batch(cfg, seed):
+    """Random tokens with a few document ends (token 0), so attention sees several documents."""
+    gen = torch.Generator().manual_seed(seed)
+    windows = torch.randint(1, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=gen)
+    windows[torch.rand(windows.shape, generator=gen) < 0.02] = 0
+    return batch_from_windows(windows, eos_id=0)
+
+
+def step(cfg, tier_name, recompute, batch):
+    """One forward and backward: the loss, every gradient, and how often the router and
+    the tier ran."""
+    tier = CountingTier(make_tier(tier_name))
+    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, tier, recompute)
+    init_weights(model, 7, SINGLE)
+    router_calls = [0]
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda *_: router_calls.__setitem__(0, router_calls[0] + 1))
+    targets = (batch.labels != -100).sum().double()
+    loss = causal_lm_loss(model(batch.input_ids, batch.packed), batch.labels, targets)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return loss.detach(), grads, router_calls[0], tier.calls
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("tier", ["loop", "custom_grouped"])
+def test_loss_and_every_gradient_equal_no_recompute(tier, recompute):
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"seq_len": "64", "dtype": "fp32"})
+    batch = random_batch(cfg, seed=3)
+    want_loss, want_grads, _, _ = step(cfg, tier, "none", batch)
+    loss, grads, _, _ = step(cfg, tier, recompute, batch)
+    # fp32 on the CPU: the recompute runs the very kernels on the very inputs again, so the
+    # bits agree; any difference is a bug, not rounding.
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name  # every parameter was reached
+        assert torch.equal(grad, want_grads[name]), name
+
+
+@pytest.mark.parametrize("recompute, router_runs, tier_runs", [("none", 1, 1), ("selective", 1, 2), ("full", 2, 2)])
+def test_what_runs_again(recompute, router_runs, tier_runs):
+    """Per layer and step: selective runs the tier again but never the router; full runs the
+    whole layer again, router included, so a forward hook on the router fires twice (a place
+    where a routing statistic must not be recorded: see te_mixtral/model/recompute.py)."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"seq_len": "32"})
+    _, _, router_calls, tier_calls = step(cfg, "loop", recompute, random_batch(cfg, seed=4))
+    layers = cfg.model.num_hidden_layers
+    assert (router_calls, tier_calls) == (router_runs * layers, tier_runs * layers)
+
+
+def test_without_autograd_nothing_is_recomputed():
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"seq_len": "32"})
+    batch = random_batch(cfg, seed=5)
+    tier = CountingTier(make_tier("loop"))
+    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, tier, "full")
+    init_weights(model, 7, SINGLE)
+    with torch.no_grad():
+        model(batch.input_ids, batch.packed)
+    assert tier.calls == cfg.model.num_hidden_layers
+
+
+def test_recompute_key_is_checked():
+    with pytest.raises(UserError, match="train.recompute must be one of none, selective, full"):
+        load_config(None, {"recompute": "layers"})
+    with pytest.raises(UserError, match="tier 'hf' runs transformers' model"):
+        load_config(None, {"recompute": "full", "tier": "hf"})
+
+
+@pytest.mark.slow
+def test_ep2_trains_alike_with_and_without_recompute(tmp_path):
+    """EP=2 over gloo: full recompute runs the all-to-alls again in the backward; the losses,
+    the trained weights and the expert rows each rank records come out the same."""
+    runs = {}
+    for recompute in MODES:
+        losses, weights = train_and_save(tmp_path, recompute, 2, 2, "--recompute", recompute,
+                                         "--profile_phases", "true")
+        rows = json.loads((tmp_path / recompute / "results.json").read_text())["expert_rows_per_rank"]
+        runs[recompute] = losses, weights, rows
+    want_losses, want_weights, want_rows = runs["none"]
+    assert sum(want_rows) == 4 * 64 * 2 * 2  # every token's 2 copies in each of the 2 layers, once
+    for recompute in ("selective", "full"):
+        losses, weights, rows = runs[recompute]
+        assert losses == want_losses, recompute
+        assert rows == want_rows, recompute
+        for rank, (got, want) in enumerate(zip(weights, want_weights)):
+            for name in want:
+                assert torch.equal(got[name], want[name]), f"{recompute}, rank {rank}: {name}"
