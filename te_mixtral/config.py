@@ -321,8 +321,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
     _check(t.recompute in RECOMPUTE,
            f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
-    _check(t.recompute == "none" or cfg.tier not in BASELINES,
-           f"train.recompute applies to te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")

@@ -50,6 +50,9 @@ def check_tier(cfg, world_size: int) -> None:
         raise UserError(f"mxfp8_mode must be one of {', '.join(MXFP8_MODES)}, got '{cfg.mxfp8_mode}'")
     if cfg.tier in BASELINES and cfg.profile_phases:
         raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
+    if cfg.tier in BASELINES and cfg.train.recompute != "none":
+        raise UserError(f"train.recompute applies to te_mixtral's own model; tier '{cfg.tier}' runs transformers' "
+                        f"model")
     if cfg.tier in BASELINES and world_size != 1:
         raise UserError(f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one "
                         f"process, not {world_size}")
