@@ -26,6 +26,7 @@ from te_mixtral.errors import UserError
 
 DTYPES = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "master_adamw")
+SHARDINGS = ("none", "fsdp")
 MOMENT_DTYPES = ("bf16", "fp32")
 BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
@@ -102,6 +103,9 @@ class TrainConfig:
     optimizer: str = setting("adamw", help="adamw (fp32 parameters, torch's AdamW: the reference) or master_adamw "
                              "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
     moment_dtype: str = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
+    sharding: str = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
+                            "state; gradients all-reduced after backward) or fsdp (FSDP2 shards them over the ranks, "
+                            "experts over their replicas; te_mixtral/distributed/parallelize.py)")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")
     eval_every: int = setting(0, workload=False,
@@ -367,6 +371,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"train.moment_dtype must be one of {', '.join(MOMENT_DTYPES)}, got '{t.moment_dtype}'")
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
+    _check(t.sharding in SHARDINGS, f"train.sharding must be one of {', '.join(SHARDINGS)}, got '{t.sharding}'")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
