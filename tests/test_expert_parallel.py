@@ -13,10 +13,11 @@ COMMON = ["--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", "
           "--log_every", "1"]
 
 
-def train_and_save(tmp_path, name, nproc, ep):
+def train_and_save(tmp_path, name, nproc, ep, *extra):
+    """Each step's loss, and each rank's weights (whole, as an unsharded rank holds them)."""
     out = tmp_path / name
-    proc = run_app([str(out / "weights"), *COMMON, "--ep-size", str(ep), "--output-dir", str(out)], nproc=nproc,
-                   script="tests/workers/train_and_save.py")
+    proc = run_app([str(out / "weights"), *COMMON, "--ep-size", str(ep), "--output-dir", str(out), *extra],
+                   nproc=nproc, script="tests/workers/train_and_save.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = json.loads((out / "results.json").read_text())["losses"]
     weights = [torch.load(out / "weights" / f"rank{r}.pt") for r in range(nproc)]
