@@ -221,13 +221,17 @@ def optimizer_mode(cfg: RunConfig) -> str:
 
 
 def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str = "none",
-                    shard_optimizer_state: bool = False, device: str | None = None) -> MemoryEstimate:
+                    shard_optimizer_state: bool | None = None, device: str | None = None) -> MemoryEstimate:
     """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
 
     `shard_optimizer_state` divides the state by each parameter's replica count (dense:
-    the world; experts: world / EP). `device` defaults to the config's resolved device.
+    the world; experts: world / EP); it defaults to the config's `train.sharding` (fsdp
+    shards weights and gradients too, outside the layer in flight: this counts them whole,
+    an overestimate). `device` defaults to the config's resolved device.
     """
     optimizer = optimizer or optimizer_mode(cfg)
+    if shard_optimizer_state is None:
+        shard_optimizer_state = cfg.train.sharding == "fsdp"
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer mode '{optimizer}' (modes: {', '.join(OPTIMIZERS)})")
     if recompute not in RECOMPUTE:
