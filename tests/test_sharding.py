@@ -5,7 +5,9 @@ import json
 
 import pytest
 import torch
+from launch import run_app
 from test_expert_parallel import STEPS, train_and_save
+from test_phases import PHASES
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -44,3 +46,14 @@ def test_fsdp_equals_unsharded(tmp_path, ep):
     share = ADAMW_STATE_BYTES * (dense / WORLD + experts / (WORLD // ep))
     for rank_bytes in state:  # uneven dim-0 splits of small tensors leave a little over
         assert abs(rank_bytes - share) < 0.05 * share, (state, share)
+
+
+@pytest.mark.slow
+def test_phase_profile_under_fsdp(tmp_path):
+    """Compute phases run on gathered weights; the gather is a phase of its own, no all-reduce."""
+    proc = run_app(["--ep-size", "1", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
+                    "--seq_len", "64", "--profile_phases", "true", "--sharding", "fsdp", "--output-dir", str(tmp_path)],
+                   nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
+    assert set(phases) == PHASES | {"all-gather"} and all(ms > 0 for ms in phases.values())
