@@ -28,6 +28,7 @@ from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
 
 DTYPES = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "master_adamw")
+SHARDINGS = ("none", "fsdp")
 MOMENT_DTYPES = ("bf16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 BACKENDS = ("auto", "torch", "te")
@@ -108,6 +109,9 @@ class TrainConfig:
     recompute: str = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
+    sharding: str = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
+                            "state; gradients all-reduced after backward) or fsdp (FSDP2 shards them over the ranks, "
+                            "experts over their replicas; te_mixtral/distributed/parallelize.py)")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")
     eval_every: int = setting(0, workload=False,
@@ -321,6 +325,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
     _check(t.recompute in RECOMPUTE,
            f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
+    _check(t.sharding in SHARDINGS, f"train.sharding must be one of {', '.join(SHARDINGS)}, got '{t.sharding}'")
+    _check(t.sharding == "none" or t.optimizer == "adamw",
+           "train.sharding fsdp works with train.optimizer adamw only (master_adamw does not step sharded parameters yet)")
+    _check(t.sharding == "none" or (cfg.checkpoint_dir is None and cfg.save_hf is None),
+           "train.sharding fsdp cannot save training checkpoints or HF exports yet: unset checkpoint_dir and save_hf")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")

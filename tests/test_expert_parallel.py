@@ -14,9 +14,9 @@ COMMON = ["--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", "
 
 
 def train_and_save(tmp_path, name, nproc, ep, *extra):
-    """Train with `COMMON` and `extra` arguments; the losses and each rank's final weights."""
+    """Train with `COMMON` and `extra` arguments: each step's loss, and each rank's weights (whole, as an unsharded rank holds them)."""
     out = tmp_path / name
-    proc = run_app([str(out / "weights"), *COMMON, *extra, "--ep-size", str(ep), "--output-dir", str(out)],
+    proc = run_app([str(out / "weights"), *COMMON, "--ep-size", str(ep), "--output-dir", str(out), *extra],
                    nproc=nproc, script="tests/workers/train_and_save.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = json.loads((out / "results.json").read_text())["losses"]

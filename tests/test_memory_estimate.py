@@ -74,6 +74,9 @@ def test_sharded_state_divides_by_each_parameters_replicas():
     assert full.optimizer_state == 8 * (dense + experts)
     # Dense weights have a replica on each of the 4 ranks; each expert on 4 / EP = 2 of them.
     assert sharded.optimizer_state == 8 * (dense // 4 + experts // 2)
+    # A run that shards (train.sharding fsdp) is estimated sharded without being told.
+    cfg.train.sharding = "fsdp"
+    assert estimate_memory(cfg, 4, device="cpu").optimizer_state == sharded.optimizer_state
 
 
 def random_batch(cfg: RunConfig):

@@ -29,6 +29,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -38,6 +40,9 @@ class Layout:
     ep_size: int
     ep_group: dist.ProcessGroup | None  # None when the world is a single process
     expert_replica_group: dist.ProcessGroup | None
+    # The same layout as a DeviceMesh of shape (replicas, EP), dims named "replica" and "ep":
+    # the groups above are its dims' groups. FSDP shards over it (distributed/parallelize.py).
+    mesh: DeviceMesh | None = None
 
     @property
     def ep_rank(self) -> int:
@@ -63,24 +68,10 @@ def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    rank = dist.get_rank()
-    ep_group = _group_of(rank, [list(range(start, start + ep_size)) for start in range(0, world, ep_size)])
-    replica_group = _group_of(rank, [list(range(ep_rank, world, ep_size)) for ep_rank in range(ep_size)])
-    return Layout(rank, world, ep_size, ep_group, replica_group)
-
-
-def _group_of(rank: int, partition: list[list[int]]) -> dist.ProcessGroup:
-    """Create a process group for every part of `partition` and return the one holding `rank`.
-
-    new_group is collective: every rank must create every group, in the same order, even
-    the groups it is not in.
-    """
-    mine = None
-    for ranks in partition:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+    # Row-major, so mesh[replica][ep_rank] = replica * EP + ep_rank as above. The mesh creates
+    # every group on every rank in one order (new_group is collective).
+    mesh = init_device_mesh(device, (world // ep_size, ep_size), mesh_dim_names=("replica", "ep"))
+    return Layout(dist.get_rank(), world, ep_size, mesh.get_group("ep"), mesh.get_group("replica"), mesh)
 
 
 def shutdown() -> None:
@@ -126,18 +117,26 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout) -> t
 
     Dense gradients are identical on every rank after the all-reduce, so they count once;
     each rank holds a distinct shard of the experts of its replica, so their squares are
-    summed over the EP group. The norms and the scaling use PyTorch's multi-tensor kernels:
-    one pass over the gradients each, no temporaries of their size.
+    summed over the EP group. Sharded by FSDP (distributed/parallelize.py), every rank holds
+    a distinct shard of every gradient, dense and expert alike, so the squares of the local
+    shards are summed over the world. The norms and the scaling use PyTorch's multi-tensor
+    kernels: one pass over the gradients each, no temporaries of their size.
     """
     dense, experts = [], []
     for name, param in model.named_parameters():
         if param.grad is not None:
             (experts if is_expert_param(name) else dense).append(param.grad)
+    sharded = any(isinstance(grad, DTensor) for grad in dense + experts)
+    if sharded:  # DTensors of two meshes do not mix: work on the local shards (views)
+        dense, experts = [grad.to_local() for grad in dense + experts], []
     device = next(model.parameters()).device
     squares = torch.stack([torch.nn.utils.get_total_norm(grads).to(device, torch.float32) ** 2 if grads
                            else torch.zeros((), device=device) for grads in (dense, experts)])
-    if layout.ep_group is not None and layout.ep_size > 1:
+    if sharded:
+        all_reduce_sum(squares, layout)
+    elif layout.ep_group is not None and layout.ep_size > 1:
         dist.all_reduce(squares[1:], group=layout.ep_group)
     total_norm = squares.sum().sqrt()
-    torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total_norm)
+    # torch.nn.utils.clip_grads_with_norm_'s scaling, on gradients rather than parameters.
+    torch._foreach_mul_(dense + experts, (max_norm / (total_norm + 1e-6)).clamp(max=1.0))
     return total_norm

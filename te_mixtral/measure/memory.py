@@ -223,16 +223,20 @@ def optimizer_mode(cfg: RunConfig) -> str:
 
 
 def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str | None = None,
-                    shard_optimizer_state: bool = False, device: str | None = None) -> MemoryEstimate:
+                    shard_optimizer_state: bool | None = None, device: str | None = None) -> MemoryEstimate:
     """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
 
-    `optimizer` and `recompute` default to the run's (`train.optimizer`, `train.recompute`;
-    see te_mixtral/model/recompute.py for the modes). `shard_optimizer_state` divides the
-    state by each parameter's replica count (dense: the world; experts: world / EP). `device`
-    defaults to the config's resolved device.
+    `optimizer`, `recompute` and `shard_optimizer_state` default to the run's (`train.optimizer`,
+    `train.recompute`, `train.sharding`; see te_mixtral/model/recompute.py for the modes).
+    `shard_optimizer_state` divides the state by each parameter's replica count (dense: the
+    world; experts: world / EP); fsdp shards weights and gradients too, outside the layer in
+    flight, which this counts whole: an overestimate. `device` defaults to the config's
+    resolved device.
     """
     optimizer = optimizer or optimizer_mode(cfg)
     recompute = recompute or cfg.train.recompute
+    if shard_optimizer_state is None:
+        shard_optimizer_state = cfg.train.sharding == "fsdp"
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer mode '{optimizer}' (modes: {', '.join(OPTIMIZERS)})")
     if recompute not in RECOMPUTE:

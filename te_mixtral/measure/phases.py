@@ -10,6 +10,8 @@ and backward, on the very inputs it received in the last step:
     combine    all-to-all back, un-permute, weighted sum of each token's k outputs
     head       final norm + LM head + cross-entropy
     all-reduce the gradient sums over ranks (te_mixtral/distributed/layout.py; only with several ranks)
+    all-gather instead of all-reduce when FSDP shards the model (train.sharding fsdp): gathering
+               every unit's weights once, as each forward does (and each backward again)
     clip       the global gradient norm, and scaling by it
     optimizer  the AdamW step
 
@@ -19,13 +21,18 @@ is reported too: the rows each rank's experts received in the profiled step, all
 
 Pitfalls. A phase run alone loses the overlap of its launches with its neighbours', and the
 allocator sees a different pattern, so the phases need not add up to the step time: the
-table shows the step's median beside their sum. The optimizer is stepped for real while it
+table shows the step's median beside their sum. Under FSDP the gradients are reduce-scattered
+inside the backward and the weights gathered ahead of each layer, overlapped with compute:
+here the compute phases run on gathered weights with no communication, so the step's median
+minus the sum of the phases is the communication left exposed (plus the lost overlap of
+launches, as above). The optimizer is stepped for real while it
 is timed, so this runs after everything else that reads the weights.
 """
 
 import statistics
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from te_mixtral.distributed.layout import (
     all_reduce_gradients,
@@ -83,6 +90,19 @@ def _capture_inputs(model, step_fn):
     return captured
 
 
+def _fsdp_communicates(units: list, root, communicate: bool) -> None:
+    """Off: gather every FSDP unit's weights and keep them gathered, with no reduce-scatter
+    after a backward, so that the phases time compute alone. On: FSDP's defaults again."""
+    for unit in units:
+        unit.set_requires_gradient_sync(communicate, recurse=False)
+        unit.set_reshard_after_backward(communicate, recurse=False)
+        unit.set_reshard_after_forward(communicate and unit is not root, recurse=False)
+        if communicate:
+            unit.reshard()
+        else:
+            unit.unshard()
+
+
 def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layout, cfg
                    ) -> tuple[dict, list[int]]:
     """Per-phase milliseconds (summed over layers) of one step, and each rank's expert rows."""
@@ -95,13 +115,17 @@ def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layo
     # First, while the step's gradients are there. Repeating the all-reduce compounds the
     # sums and the optimizer really steps: neither changes what they cost.
     update_ms = {}
-    if layout.world_size > 1:
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if units:
+        update_ms["all-gather"] = ms(lambda: [unit.unshard() for unit in units] + [unit.reshard() for unit in units])
+    elif layout.world_size > 1:
         update_ms["all-reduce"] = ms(lambda: all_reduce_gradients(model, layout))
     update_ms["clip"] = ms(lambda: clip_grad_norm(model, cfg.train.grad_clip, layout))
     update_ms["optimizer"] = ms(optimizer.step)
     packed = batch.packed
     rotary = model.model.rotary(packed.position_ids_BS)
     totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head"), 0.0)
+    _fsdp_communicates(units, model, False)
     expert_rows = 0
     with autocast:
         for index, layer in enumerate(model.model.layers):
@@ -126,6 +150,7 @@ def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layo
             lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
             captured["final"]))
     totals.update(update_ms)
+    _fsdp_communicates(units, model, True)
     optimizer.zero_grad(set_to_none=True)
     rows_per_rank = [expert_rows]
     if layout.world_size > 1:  # the slowest rank bounds the step (routing is rarely balanced)

@@ -29,6 +29,11 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts_per_rank, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(experts_per_rank, hidden_size, intermediate_size))
 
+    def forward(self, tier: ExpertTier, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
+        """`tier` over these experts. A forward of their own, so that FSDP, which shards the
+        experts apart from the dense weights (distributed/parallelize.py), gathers them here."""
+        return tier(x_RD, tokens_per_expert_L, self.gate_up_proj, self.down_proj)
+
 
 class MoEBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -61,8 +66,8 @@ class MoEBlock(nn.Module):
 
     def run_experts(self, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
         """The expert tier over this rank's sorted rows: [R, D] in, [R, D] out."""
-        inputs = (x_RD, tokens_per_expert_L, self.experts.gate_up_proj, self.experts.down_proj)
-        return recomputed(self.tier, *inputs) if self.recompute_experts else self.tier(*inputs)
+        inputs = (self.tier, x_RD, tokens_per_expert_L)
+        return recomputed(self.experts, *inputs) if self.recompute_experts else self.experts(*inputs)
 
     def combine(self, y_RD: torch.Tensor, routed: DispatchOutput) -> torch.Tensor:
         """Send the rows back to their tokens and sum each token's k outputs, weighted: [T, D]."""

@@ -18,13 +18,13 @@ from te_mixtral.config import RunConfig, save_config
 from te_mixtral.data.packing import PackedData
 from te_mixtral.distributed.layout import (
     Layout,
-    all_reduce_gradients,
     all_reduce_max,
     all_reduce_sum,
     clip_grad_norm,
     init_layout,
     world_size_from_env,
 )
+from te_mixtral.distributed.parallelize import parallelize, reduce_gradients
 from te_mixtral.errors import UserError, report_error
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
@@ -94,6 +94,7 @@ class TrainResult:
     exit_code: int  # 0, or 1 when the loss check failed
     losses: list[float]
     model: nn.Module
+    optimizer: torch.optim.Optimizer
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -125,6 +126,7 @@ def train(cfg: RunConfig) -> TrainResult:
                         f"{cfg.model.vocab_size}")
     eval_batches = data.eval_batches()
     model, ran_on = build_model(cfg, layout, device, model_dir)
+    parallelize(model, layout, cfg.train.sharding)
     optimizer = make_optimizer(model, cfg)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
@@ -165,7 +167,7 @@ def train(cfg: RunConfig) -> TrainResult:
             logits = model(batch.input_ids, batch.packed)
         loss = causal_lm_loss(logits, batch.labels, totals[0])
         loss.backward()
-        all_reduce_gradients(model, layout)
+        reduce_gradients(model, layout, cfg.train.sharding)
         clip_grad_norm(model, cfg.train.grad_clip, layout)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -233,7 +235,7 @@ def train(cfg: RunConfig) -> TrainResult:
         if reference is not None:
             print(check.table())
         print(f"results: {path}", flush=True)
-    return TrainResult(exit_code, losses, model)
+    return TrainResult(exit_code, losses, model, optimizer)
 
 
 def _lost_a_peer(e: RuntimeError) -> bool:

@@ -1,12 +1,16 @@
-"""torchrun worker: train like run_finetune_ep.py, then save this rank's weights.
+"""torchrun worker: train like run_finetune_ep.py, then save this rank's weights, whole
+(sharded ones gathered: what the rank would hold without sharding), and the bytes of its
+optimizer state as it holds them.
 
 Usage: torchrun ... tests/workers/train_and_save.py WEIGHTS_DIR [run_finetune_ep.py arguments]
 """
 
+import json
 import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
@@ -19,6 +23,11 @@ cfg = load_config(args.config, overrides, world_size=world_size_from_env())
 result = train(cfg)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 weights_dir.mkdir(parents=True, exist_ok=True)
-torch.save(result.model.state_dict(), weights_dir / f"rank{rank}.pt")
+weights = {name: value.full_tensor() if isinstance(value, DTensor) else value
+           for name, value in result.model.state_dict().items()}
+torch.save(weights, weights_dir / f"rank{rank}.pt")
+state = [value.to_local() if isinstance(value, DTensor) else value
+         for per_param in result.optimizer.state.values() for value in per_param.values()]
+(weights_dir / f"optimizer{rank}.json").write_text(json.dumps(sum(t.nbytes for t in state if t.dim() > 0)))
 shutdown()
 sys.exit(result.exit_code)

@@ -1,0 +1,70 @@
+"""Sharded parameters, gradients and optimizer state (`train.sharding: fsdp`), by FSDP2.
+
+With `train.sharding: none` every rank holds every dense weight, its gradient and its AdamW
+moments, and `reduce_gradients` all-reduces each gradient after backward (layout.py). With
+`fsdp`, torch's `fully_shard` (FSDP2, the engine torchtitan uses) shards them instead, on
+the layout's DeviceMesh:
+
+    dense weights   sharded over the whole world (W ranks)      dim-0 shards, as DTensors
+    experts         sharded over their replicas (W / EP ranks)  mesh dim "replica"
+
+Each rank of an EP group already holds its own E / EP experts; FSDP splits that stack again
+among the replicas that hold the same experts, as torchtitan does over its
+`dp_shard_mod_ep` mesh dim. Every rank then keeps 1/W of the dense state and 1/(W/EP) of its
+experts' state, and the optimizer, seeing only local shards, updates only those.
+
+A decoder layer is one FSDP unit (its dense weights), its experts another, and the root
+holds the embeddings, the final norm and the LM head. Each unit all-gathers its weights
+just before its forward (and again before its backward) and reduce-scatters their gradients
+as soon as its backward is done, on its own stream, so that communication overlaps the
+backward of the layers below: there is no all-reduce after backward.
+
+Gradients are SUMMED, as without sharding (layout.py explains why: the loss is already
+divided by the global target count). FSDP averages by default; every unit is told to
+divide by 1 and to reduce with a plain SUM, in fp32.
+
+The experts' unit needs a forward of its own to hang FSDP's gather on:
+`StackedExperts.forward` runs the tier on them.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from te_mixtral.distributed.layout import Layout, all_reduce_gradients
+
+
+def is_sharded(layout: Layout, sharding: str) -> bool:
+    """Whether a run shards: asked for, and more than one rank to shard over."""
+    return sharding == "fsdp" and layout.world_size > 1
+
+
+def parallelize(model: nn.Module, layout: Layout, sharding: str) -> nn.Module:
+    """Shard `model` in place as the module docstring says (a no-op unless `is_sharded`).
+
+    Call it after the weights are initialised or loaded (they are split as they stand) and
+    before the optimizer is built (it must see the sharded parameters).
+    """
+    if not is_sharded(layout, sharding):
+        return model
+    device_type = layout.mesh.device_type
+    dense_mesh = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
+    expert_mesh = layout.mesh["replica"]
+    # Reduce in fp32 whatever the parameters' dtype; the parameters stay as they are.
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=policy)
+        fully_shard(layer, mesh=dense_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dense_mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # each unit keeps its own setting
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def reduce_gradients(model: nn.Module, layout: Layout, sharding: str) -> None:
+    """Sum the gradients over the ranks after backward; FSDP has already reduce-scattered them."""
+    if not is_sharded(layout, sharding):
+        all_reduce_gradients(model, layout)

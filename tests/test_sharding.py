@@ -1,0 +1,59 @@
+"""`train.sharding: fsdp` (FSDP2, te_mixtral/distributed/parallelize.py) trains exactly like the
+unsharded reference, while each rank keeps only its share of the optimizer state."""
+
+import json
+
+import pytest
+import torch
+from launch import run_app
+from test_expert_parallel import STEPS, train_and_save
+from test_phases import PHASES
+
+from te_mixtral.distributed.layout import is_expert_param
+
+WORLD = 4
+ADAMW_STATE_BYTES = 8  # fp32 exp_avg and exp_avg_sq per parameter
+
+
+def optimizer_bytes(tmp_path, name):
+    return [json.loads((tmp_path / name / "weights" / f"optimizer{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
+def test_fsdp_equals_unsharded(tmp_path, ep):
+    ref_losses, ref = train_and_save(tmp_path, "none", WORLD, ep)
+    losses, sharded = train_and_save(tmp_path, "fsdp", WORLD, ep, "--sharding", "fsdp")
+
+    assert len(losses) == STEPS
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
+    assert ref_losses[-1] < ref_losses[0]  # it learned, so equal weights say something
+    for rank, (got, want) in enumerate(zip(sharded, ref)):
+        assert got.keys() == want.keys()
+        for name in want:
+            # Reduce-scatter and all-reduce add the ranks' gradients in different orders;
+            # atol for embedding rows in Adam's eps regime (see test_expert_parallel.py).
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+
+    # Unsharded, every rank holds the state of all dense weights and of its EP rank's experts.
+    # Sharded, the dense state is split over the world and each expert's over its W/EP replicas.
+    dense = sum(t.numel() for name, t in ref[0].items() if not is_expert_param(name))
+    experts = sum(t.numel() for name, t in ref[0].items() if is_expert_param(name))
+    assert optimizer_bytes(tmp_path, "none") == [ADAMW_STATE_BYTES * (dense + experts)] * WORLD
+    state = optimizer_bytes(tmp_path, "fsdp")
+    assert sum(state) == ADAMW_STATE_BYTES * (dense + experts * ep)  # the shards partition it
+    share = ADAMW_STATE_BYTES * (dense / WORLD + experts / (WORLD // ep))
+    for rank_bytes in state:  # uneven dim-0 splits of small tensors leave a little over
+        assert abs(rank_bytes - share) < 0.05 * share, (state, share)
+
+
+@pytest.mark.slow
+def test_phase_profile_under_fsdp(tmp_path):
+    """Compute phases run on gathered weights; the gather is a phase of its own, no all-reduce."""
+    proc = run_app(["--ep-size", "1", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
+                    "--seq_len", "64", "--profile_phases", "true", "--sharding", "fsdp", "--output-dir", str(tmp_path)],
+                   nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
+    assert set(phases) == PHASES | {"all-gather"} and all(ms > 0 for ms in phases.values())
