@@ -1,8 +1,8 @@
 """How much memory one training step needs on each rank, from the config alone.
 
-Shape legend: B samples and T tokens on this rank in one forward (a micro-batch), S sequence length, D model dim, H query
-heads, G key/value heads, Hd head dim, V vocabulary, E experts in the model, K top-k, F expert
-hidden dim, R rows routed to this rank's experts.
+Shape legend: B samples and T tokens on this rank in one forward (one micro-batch), S
+sequence length, D model dim, H query heads, G key/value heads, Hd head dim, V vocabulary,
+E experts in the model, K top-k, F expert hidden dim, R rows routed to this rank's experts.
 
 Nothing is allocated: the bytes are counted from the shapes, so `--estimate-memory` answers
 in a second for a model that could never be built here, and a run that cannot fit refuses
@@ -41,14 +41,14 @@ When the peak comes. Not at the end of the forward: the step's memory peaks at o
     optimizer step    parameters, gradients and state together
 
 The bf16 logits stay referenced by the training loop through the whole step, so every phase
-counts them.
+counts them. The estimate is the largest phase, and predicts `torch.cuda.max_memory_allocated`;
+`fits` adds what that number leaves out (CUDA context, allocator slack).
 
 Gradient accumulation (`train.grad_accum_steps` N). Activations belong to one forward, so
-they are counted for a micro-batch: B = batch_size / (world x N). The gradients of all
-parameters are a buffer that lives through the whole step: from the second micro-batch on,
-the head backward and the layer 0 backward find every gradient there already. (The previous
-micro-batch's logits are let go when the next forward returns, before its head backward.) The estimate is the largest phase, and predicts `torch.cuda.max_memory_allocated`;
-`fits` adds what that number leaves out (CUDA context, allocator slack).
+they are counted for one micro-batch: B = batch_size / (world x N). The gradients are a
+buffer that lives through the whole step: from the second micro-batch on, the head backward
+and the layer 0 backward find every gradient there already. (The loop lets the previous
+micro-batch's logits go when the next forward returns, before its head backward.)
 """
 
 import importlib.util

@@ -130,7 +130,8 @@ def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layo
         totals["head"] = ms(_forward_backward(model,
             lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
             captured["final"]))
-    totals = {name: ms * cfg.train.grad_accum_steps for name, ms in totals.items()}  # per micro-batch
+    # Forward and backward run once per micro-batch of a step; the update phases once.
+    totals = {name: ms * cfg.train.grad_accum_steps for name, ms in totals.items()}
     totals.update(update_ms)
     optimizer.zero_grad(set_to_none=True)
     rows_per_rank = [expert_rows]

@@ -163,7 +163,7 @@ def train(cfg: RunConfig) -> TrainResult:
         targets = sum((micro.labels != -100).sum() for micro in micro_batches)
         totals = torch.stack([targets.double(), torch.tensor(step_flops, device=device, dtype=torch.float64)])
         all_reduce_sum(totals, layout)
-        step_loss = torch.zeros((), device=device)
+        step_loss = torch.zeros_like(totals[0])  # the losses are float64: they divide by totals
         for micro in micro_batches:  # gradients add up in .grad, one micro-batch after another
             with autocast:
                 logits = model(micro.input_ids, micro.packed)
