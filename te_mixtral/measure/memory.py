@@ -359,8 +359,8 @@ def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> Memor
         if int(os.environ.get("RANK", "0")) == 0:
             print(estimate.table(limit, name), flush=True)
         raise UserError(f"this run needs about {_gib(estimate.required())} GiB per rank but {name} has "
-                        f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch or "
-                        f"more EP ranks would help)")
+                        f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch, "
+                        f"more micro-batches (train.grad_accum_steps) or more EP ranks would help)")
     return estimate
 
 
