@@ -94,6 +94,11 @@ class TrainConfig:
 
     steps: int = setting(30, help="optimizer steps")
     batch_size: int = setting(4, help="samples per optimizer step, summed over all ranks")
+    # Resumable: the same samples and the same summed gradients (to rounding) whatever N is,
+    # so a resumed run may trade memory for time; only the step's memory and time change.
+    grad_accum_steps: int = setting(1, resumable=True,
+                                    help="micro-batches per optimizer step: each forward and backward takes "
+                                    "batch_size / (world x grad_accum_steps) samples per rank")
     lr: float = setting(3e-4, help="peak learning rate, reached after warmup_steps")
     min_lr: float = setting(3e-5, help="learning rate at the last step (cosine decay from lr)")
     warmup_steps: int = setting(5, help="steps of linear learning-rate warm-up")
@@ -350,9 +355,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
     _check(world_size % cfg.ep_size == 0,
            f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size})")
-    _check(t.batch_size % world_size == 0,
-           f"train.batch_size ({t.batch_size}) is not divisible by the world size ({world_size}): "
-           f"each rank reads batch_size / world samples")
+    _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be at least 1, got {t.grad_accum_steps}")
+    _check(t.batch_size % (world_size * t.grad_accum_steps) == 0,
+           f"train.batch_size ({t.batch_size}) is not divisible by the world size ({world_size}) x "
+           f"train.grad_accum_steps ({t.grad_accum_steps}): each rank reads batch_size / (world x "
+           f"grad_accum_steps) samples per micro-batch")
     _check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     _check(t.eval_every >= 0, f"train.eval_every must be 0 or positive, got {t.eval_every}")
     _check(t.eval_every == 0 or d.eval_fraction > 0,

@@ -1,9 +1,12 @@
 """Start the app the way users do: `python run_finetune_ep.py` or `torchrun`."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import torch
 from conftest import REPO
 
 
@@ -28,3 +31,15 @@ def assert_one_line_error(proc, *fragments):
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines
+
+
+def train_and_save(out: Path, args: list[str], nproc: int = 1) -> tuple[dict, list[dict], list[list[dict]]]:
+    """Train through tests/workers/train_and_save.py into `out`: the run's results.json, and
+    for each rank its final weights and the gradients it held after each all-reduce of them."""
+    proc = run_app([str(out / "weights"), *args, "--output-dir", str(out)], nproc=nproc,
+                   script="tests/workers/train_and_save.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    weights = [torch.load(out / "weights" / f"rank{r}.pt") for r in range(nproc)]
+    grads = [torch.load(out / "weights" / f"grads{r}.pt") for r in range(nproc)]
+    return results, weights, grads

@@ -67,7 +67,7 @@ def test_training_starts_from_the_checkpoint(run):
     source, _, results, _, data, stdout = run
     assert f"weights and model config from {source}" in stdout
     hf = MixtralForCausalLM.from_pretrained(source, dtype=torch.float32)
-    assert abs(results["losses"][0] - hf_loss(hf, [data.batch(0)])) < 1e-5 * results["losses"][0]
+    assert abs(results["losses"][0] - hf_loss(hf, data.micro_batches(0))) < 1e-5 * results["losses"][0]
 
 
 @pytest.mark.slow

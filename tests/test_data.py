@@ -212,7 +212,7 @@ def test_packed_epoch_covers_true_windows(tmp_path, rng):
     )
     seen = Counter()
     for step in range(packed.steps_per_epoch):
-        batch = packed.batch(step)
+        (batch,) = packed.micro_batches(step)
         assert batch.input_ids.shape == (batch_size, seq_len)
         check_segments(batch, eos)
         seen.update(zip(map(tuple, batch.input_ids.tolist()), map(tuple, batch.labels.tolist())))
@@ -221,29 +221,42 @@ def test_packed_epoch_covers_true_windows(tmp_path, rng):
     assert packed.num_samples - seen.total() < batch_size
 
 
-def test_sharding_matches_one_process_and_epochs_reshuffle(tmp_path, rng):
+def concatenated(parts: list[packing.Batch]) -> packing.Batch:
+    """One batch of the rows of `parts`, in order: what one process would have packed."""
+    offsets = torch.tensor([0] + [p.num_tokens for p in parts]).cumsum(0)
+    cu_seqlens = torch.cat([parts[0].packed.cu_seqlens[:1]] +
+                           [p.packed.cu_seqlens[1:] + o for p, o in zip(parts, offsets)]).to(torch.int32)
+    packed = type(parts[0].packed)(torch.cat([p.packed.position_ids_BS for p in parts]), cu_seqlens,
+                                   max(p.packed.max_seqlen for p in parts))
+    return packing.Batch(torch.cat([p.input_ids for p in parts]), torch.cat([p.labels for p in parts]), packed)
+
+
+def test_sharding_and_micro_batches_match_one_process_and_epochs_reshuffle(tmp_path, rng):
     path = write_jsonl(tmp_path / "d.jsonl", random_documents(rng, 120))
     cfg = DataConfig(dataset=str(path), seq_len=rng.randint(8, 24), tokenizer_vocab_size=300)
     seed, batch_size = rng.randrange(1000), 4
     single = PackedData(cfg, batch_size, rank=0, world_size=1, seed=seed)
     assert single.steps_per_epoch >= 5
     steps = [0, 1, single.steps_per_epoch - 1, single.steps_per_epoch, 3 * single.steps_per_epoch + 2]
-    for world in (2, 4):
-        ranks = [PackedData(cfg, batch_size, rank=r, world_size=world, seed=seed) for r in range(world)]
+    for world, accum in ((2, 1), (4, 1), (1, 2), (2, 2), (1, 4)):
+        ranks = [PackedData(cfg, batch_size, rank=r, world_size=world, seed=seed, grad_accum_steps=accum)
+                 for r in range(world)]
         for step in steps:
-            whole, parts = single.batch(step), [rank.batch(step) for rank in ranks]
+            (whole,) = single.micro_batches(step)
+            per_rank = [rank.micro_batches(step) for rank in ranks]
+            assert all(len(micro) == accum for micro in per_rank)
+            assert all(b.input_ids.shape[0] == batch_size // (world * accum) for micro in per_rank for b in micro)
+            # Micro-batch by micro-batch, each the ranks' rows in rank order: the whole batch.
+            merged = concatenated([per_rank[r][i] for i in range(accum) for r in range(world)])
             for name in ("input_ids", "labels"):
-                assert torch.equal(getattr(whole, name), torch.cat([getattr(p, name) for p in parts]))
-            assert torch.equal(whole.packed.position_ids_BS, torch.cat([p.packed.position_ids_BS for p in parts]))
-            offsets = torch.tensor([0] + [p.num_tokens for p in parts]).cumsum(0)
-            merged = torch.cat([parts[0].packed.cu_seqlens[:1]] +
-                               [p.packed.cu_seqlens[1:] + o for p, o in zip(parts, offsets)])
-            assert torch.equal(whole.packed.cu_seqlens, merged.to(torch.int32))
-            assert whole.packed.max_seqlen == max(p.packed.max_seqlen for p in parts)
+                assert torch.equal(getattr(whole, name), getattr(merged, name))
+            assert torch.equal(whole.packed.position_ids_BS, merged.packed.position_ids_BS)
+            assert torch.equal(whole.packed.cu_seqlens, merged.packed.cu_seqlens)
+            assert whole.packed.max_seqlen == merged.packed.max_seqlen
 
     def epoch_rows(packed, epoch):
         steps = range(epoch * packed.steps_per_epoch, (epoch + 1) * packed.steps_per_epoch)
-        return torch.cat([packed.batch(step).input_ids for step in steps])
+        return torch.cat([b.input_ids for step in steps for b in packed.micro_batches(step)])
 
     assert not torch.equal(epoch_rows(single, 0), epoch_rows(single, 1))
     again = PackedData(cfg, batch_size, rank=0, world_size=1, seed=seed)

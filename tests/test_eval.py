@@ -34,17 +34,21 @@ def test_the_held_out_split_is_fixed_disjoint_and_whole_batches():
         held_out_split(100, 0.05, batch_size=8)
 
 
-def test_training_never_reads_a_held_out_sample():
+@pytest.mark.parametrize("accum", [1, 2])
+def test_training_never_reads_a_held_out_sample(accum):
     cfg = DataConfig(seq_len=64, eval_fraction=0.1)
-    ranks = [PackedData(cfg, batch_size=4, rank=r, world_size=2, seed=s) for r, s in ((0, 1), (1, 1))]
+    ranks = [PackedData(cfg, batch_size=4, rank=r, world_size=2, seed=s, grad_accum_steps=accum)
+             for r, s in ((0, 1), (1, 1))]
     other_seed = PackedData(cfg, batch_size=4, rank=0, world_size=2, seed=99)
     assert torch.equal(ranks[0].eval_samples, other_seed.eval_samples)  # the seed moves training only
 
     held_rows = {tuple(row.tolist()) for r in ranks for b in r.eval_batches() for row in b.input_ids}
     assert len(held_rows) == len(ranks[0].eval_samples)  # the ranks' shares: all of it, once
+    # No evaluation forward is larger than a training one.
+    assert all(len(b.input_ids) == 4 // (2 * accum) for r in ranks for b in r.eval_batches())
     for step in range(ranks[0].steps_per_epoch + 3):  # an epoch and into the next
         for data in ranks:
-            assert not {tuple(row.tolist()) for row in data.batch(step).input_ids} & held_rows, step
+            assert not {tuple(row.tolist()) for b in data.micro_batches(step) for row in b.input_ids} & held_rows, step
 
 
 def test_greedy_generation_equals_transformers(tmp_path):

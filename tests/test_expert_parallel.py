@@ -1,10 +1,8 @@
 """Expert parallelism over gloo ranks trains exactly like one process on the same global batch."""
 
-import json
-
+import launch
 import pytest
 import torch
-from launch import run_app
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -14,14 +12,10 @@ COMMON = ["--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", "
 
 
 def train_and_save(tmp_path, name, nproc, ep, *extra):
-    """Train with `COMMON` and `extra` arguments: each step's loss, and each rank's weights (whole, as an unsharded rank holds them)."""
-    out = tmp_path / name
-    proc = run_app([str(out / "weights"), *COMMON, "--ep-size", str(ep), "--output-dir", str(out), *extra],
-                   nproc=nproc, script="tests/workers/train_and_save.py")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = json.loads((out / "results.json").read_text())["losses"]
-    weights = [torch.load(out / "weights" / f"rank{r}.pt") for r in range(nproc)]
-    return losses, weights
+    """Train with `COMMON` and `extra` arguments: each step's loss, and each rank's weights
+    (whole, as an unsharded rank holds them)."""
+    results, weights, _ = launch.train_and_save(tmp_path / name, [*COMMON, "--ep-size", str(ep), *extra], nproc)
+    return results["losses"], weights
 
 
 @pytest.mark.slow

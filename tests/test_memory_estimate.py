@@ -80,7 +80,8 @@ def test_sharded_state_divides_by_each_parameters_replicas():
 
 
 def random_batch(cfg: RunConfig):
-    batch, seq = cfg.train.batch_size, cfg.data.seq_len
+    """One forward's random samples: a micro-batch of a single process."""
+    batch, seq = cfg.train.batch_size // cfg.train.grad_accum_steps, cfg.data.seq_len
     ids = torch.randint(0, cfg.model.vocab_size, (batch, seq))
     packed = PackedSequences(torch.arange(seq).repeat(batch, 1), torch.arange(batch + 1, dtype=torch.int32) * seq,
                              seq)
@@ -155,9 +156,11 @@ def forward_loss(model, cfg: RunConfig, ids, packed):
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("tier", ["loop", "custom_grouped"])
-@pytest.mark.parametrize("m, batch, seq", [(None, 4, 128), (ODD, 3, 40)], ids=["tiny", "odd"])
-def test_activation_estimate_is_what_the_forward_keeps(tier, precision, recompute, m, batch, seq):
-    cfg = tiny(tier, batch_size=str(batch), seq_len=str(seq), recompute=recompute, **PRECISIONS[precision])
+@pytest.mark.parametrize("m, batch, seq, accum", [(None, 4, 128, 1), (ODD, 3, 40, 1), (None, 8, 64, 2)],
+                         ids=["tiny", "odd", "tiny-accum2"])
+def test_activation_estimate_is_what_the_forward_keeps(tier, precision, recompute, m, batch, seq, accum):
+    cfg = tiny(tier, batch_size=str(batch), seq_len=str(seq), recompute=recompute, grad_accum_steps=str(accum),
+               **PRECISIONS[precision])
     if m is not None:
         cfg = replace(cfg, model=m)
     model = build(cfg.model, tier=tier, recompute=recompute)
@@ -192,6 +195,22 @@ def test_recompute_keeps_less():
     # keeps the tier's per-expert counts (int64) for its second run.
     m = cfg.model
     assert per_layer["none"] - per_layer["selective"] == T * m.num_experts_per_tok * 4 * F * 4 - 8 * m.num_experts
+
+
+def test_accumulation_keeps_one_micro_batch_of_activations_and_every_gradient():
+    # 8 samples on 2 ranks in 2 micro-batches: each forward is the 2 samples of a batch of 4.
+    accumulated = estimate_memory(tiny(world_size=2, ep_size="2", batch_size="8", grad_accum_steps="2"), 2,
+                                  device="cpu")
+    one_micro_batch = estimate_memory(tiny(world_size=2, ep_size="2", batch_size="4"), 2, device="cpu")
+    assert accumulated.forward_saved == one_micro_batch.forward_saved
+    assert "(2 x 128) per micro-batch, 2 micro-batches" in accumulated.describe
+    # From the second micro-batch on, the backward adds to gradients that already exist.
+    for phase in ("head backward", "layer 0 backward", "optimizer step"):
+        assert accumulated.phases[phase]["gradients"] == accumulated.gradients
+        want = {**one_micro_batch.phases[phase], "gradients": accumulated.gradients}
+        assert accumulated.phases[phase] == want, phase
+    assert one_micro_batch.phases["head backward"]["gradients"] == 0
+    assert accumulated.total > one_micro_batch.total
 
 
 def recorded_runs():

@@ -2,14 +2,16 @@
 
 import json
 
+import pytest
 from launch import run_app
 
 PHASES = {"attention", "router", "dispatch", "experts", "combine", "head", "clip", "optimizer"}
 
 
-def test_phase_profile_is_reported(tmp_path):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_phase_profile_is_reported(tmp_path, accum):
     proc = run_app(["--steps", "4", "--timing_warmup_steps", "1", "--seq_len", "64", "--profile_phases", "true",
-                    "--output-dir", str(tmp_path)])
+                    "--grad_accum_steps", str(accum), "--output-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
     assert set(phases) == PHASES and all(ms > 0 for ms in phases.values())

@@ -57,3 +57,17 @@ def test_phase_profile_under_fsdp(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
     assert set(phases) == PHASES | {"all-gather"} and all(ms > 0 for ms in phases.values())
+
+
+@pytest.mark.slow
+def test_fsdp_with_accumulation_equals_one_unsharded_batch(tmp_path):
+    """Under fsdp, only a step's last micro-batch reduce-scatters; the earlier ones add into
+    FSDP's gradients, so two micro-batches train like one batch of both."""
+    ref_losses, ref = train_and_save(tmp_path, "none", WORLD, 2)
+    losses, sharded = train_and_save(tmp_path, "fsdp-accum", WORLD, 2, "--sharding", "fsdp",
+                                     "--grad_accum_steps", "2")
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
+    for rank, (got, want) in enumerate(zip(sharded, ref)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")

@@ -35,14 +35,21 @@ S inputs, and the last one is only a label), so the last label of a sample is th
 input of the next. Every stream token after the first is then a target exactly once and
 nothing is thrown away but the short remainder at the end.
 
-Sharding
---------
+Sharding and micro-batches
+--------------------------
 A global step takes `batch_size` samples, summed over ranks, from a seeded permutation of
-all samples (a fresh one each epoch, seeded `seed + epoch`); rank r takes rows
-[r*b, (r+1)*b) with b = batch_size / world_size. The data order therefore depends on the
-seed alone, not on the world size: the ranks' rows, concatenated in rank order, are the
-single-process batch. An epoch is `num_samples // batch_size` whole steps; the few samples
-left over are skipped, different ones each epoch.
+all samples (a fresh one each epoch, seeded `seed + epoch`). With gradient accumulation
+(`grad_accum_steps` N > 1) the step's samples are cut into N consecutive slices of
+M = batch_size / N, one per forward and backward; rank r takes rows [r*m, (r+1)*m) of each
+slice, m = M / world_size. The data order therefore depends on the seed alone, not on the
+world size nor on N: the ranks' rows, concatenated in rank order, are the single-process
+micro-batch, and the micro-batches, concatenated, are the step's batch. An epoch is
+`num_samples // batch_size` whole steps; the few samples left over are skipped, different
+ones each epoch.
+
+    step of 8 samples, N = 2, world 2:   s0 s1 s2 s3 | s4 s5 s6 s7
+    micro-batch 0                        rank 0: s0 s1   rank 1: s2 s3
+    micro-batch 1                        rank 0: s4 s5   rank 1: s6 s7
 """
 
 import itertools
@@ -61,7 +68,7 @@ EVAL_SPLIT_SEED = 20240601  # fixed: the held-out samples must not move with the
 
 @dataclass
 class Batch:
-    """One rank's share of a global step, packed (see the module docstring)."""
+    """One rank's share of a global micro-batch, packed (see the module docstring)."""
 
     input_ids: torch.Tensor  # int64 [B, S]
     labels: torch.Tensor  # int64 [B, S], -100 where there is no loss
@@ -124,13 +131,15 @@ def held_out_split(num_samples: int, eval_fraction: float, batch_size: int) -> t
 
 
 class PackedData:
-    """The packed samples of a data set and this rank's share of each global step.
+    """The packed samples of a data set and this rank's share of each global step, in
+    `grad_accum_steps` micro-batches (`batch_size` must divide by `world_size * grad_accum_steps`).
 
     Loads the documents, the tokenizer (`self.tokenizer`; its `vocab_size` bounds the
     model's) and encodes everything once, up front.
     """
 
-    def __init__(self, cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int):
+    def __init__(self, cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int,
+                 grad_accum_steps: int = 1):
         documents = load_documents(cfg)
         self.tokenizer = load_tokenizer(cfg, documents)
         self.tokens = token_stream(self.tokenizer, documents)
@@ -144,7 +153,9 @@ class PackedData:
                 f"a shorter data.seq_len or a smaller train.batch_size"
             )
         self.batch_size = batch_size
-        self.local_batch_size = batch_size // world_size
+        self.grad_accum_steps = grad_accum_steps
+        self.micro_batch_size = batch_size // grad_accum_steps  # global: summed over ranks
+        self.local_batch_size = self.micro_batch_size // world_size  # one rank's rows of one forward
         self.rank = rank
         self.seed = seed
         self.steps_per_epoch = len(self.train_samples) // batch_size
@@ -161,15 +172,22 @@ class PackedData:
         windows = self.tokens[samples[:, None] * self.seq_len + torch.arange(self.seq_len + 1)]
         return batch_from_windows(windows, self.tokenizer.eos_id)
 
-    def eval_batches(self) -> list[Batch]:
-        """This rank's rows of the held-out samples, one global batch at a time, sharded like
-        training batches (so every rank of an EP group runs the same number of forwards)."""
-        first = self.rank * self.local_batch_size
-        return [self._rows(self.eval_samples[start + first : start + first + self.local_batch_size])
-                for start in range(0, len(self.eval_samples), self.batch_size)]
+    def _rank_rows(self, samples: torch.Tensor, first: int) -> Batch:
+        """This rank's rows of the global (micro-)batch that starts at `samples[first]`."""
+        first += self.rank * self.local_batch_size
+        return self._rows(samples[first : first + self.local_batch_size])
 
-    def batch(self, step: int) -> Batch:
-        """This rank's rows of global step `step` (0-based; any step, epochs repeat)."""
+    def eval_batches(self) -> list[Batch]:
+        """This rank's rows of the held-out samples, one global micro-batch at a time (no
+        forward is larger than a training one), sharded like training batches (so every rank
+        of an EP group runs the same number of forwards)."""
+        return [self._rank_rows(self.eval_samples, start)
+                for start in range(0, len(self.eval_samples), self.micro_batch_size)]
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """This rank's rows of global step `step` (0-based; any step, epochs repeat), one
+        `Batch` per micro-batch, in order."""
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        first = step_in_epoch * self.batch_size + self.rank * self.local_batch_size
-        return self._rows(self._order_of(epoch)[first : first + self.local_batch_size])
+        first = step_in_epoch * self.batch_size
+        return [self._rank_rows(self._order_of(epoch), first + i * self.micro_batch_size)
+                for i in range(self.grad_accum_steps)]

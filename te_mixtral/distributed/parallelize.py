@@ -68,3 +68,12 @@ def reduce_gradients(model: nn.Module, layout: Layout, sharding: str) -> None:
     """Sum the gradients over the ranks after backward; FSDP has already reduce-scattered them."""
     if not is_sharded(layout, sharding):
         all_reduce_gradients(model, layout)
+
+
+def set_gradient_sync(model: nn.Module, layout: Layout, sharding: str, enabled: bool) -> None:
+    """Under fsdp, whether the next backward reduce-scatters its gradients: only the last
+    micro-batch of a step does, so gradients travel once per step (the earlier micro-batches
+    add into FSDP's unsharded gradients). A no-op without sharding, whose all-reduce runs after
+    the last micro-batch anyway."""
+    if is_sharded(layout, sharding):
+        model.set_requires_gradient_sync(enabled)

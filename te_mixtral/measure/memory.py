@@ -1,8 +1,8 @@
 """How much memory one training step needs on each rank, from the config alone.
 
-Shape legend: B samples and T tokens on this rank, S sequence length, D model dim, H query
-heads, G key/value heads, Hd head dim, V vocabulary, E experts in the model, K top-k, F expert
-hidden dim, R rows routed to this rank's experts.
+Shape legend: B samples and T tokens on this rank in one forward (one micro-batch), S
+sequence length, D model dim, H query heads, G key/value heads, Hd head dim, V vocabulary,
+E experts in the model, K top-k, F expert hidden dim, R rows routed to this rank's experts.
 
 Nothing is allocated: the bytes are counted from the shapes, so `--estimate-memory` answers
 in a second for a model that could never be built here, and a run that cannot fit refuses
@@ -49,6 +49,12 @@ When the peak comes. Not at the end of the forward: the step's memory peaks at o
 The bf16 logits stay referenced by the training loop through the whole step, so every phase
 counts them. The estimate is the largest phase, and predicts `torch.cuda.max_memory_allocated`;
 `fits` adds what that number leaves out (CUDA context, allocator slack).
+
+Gradient accumulation (`train.grad_accum_steps` N). Activations belong to one forward, so
+they are counted for one micro-batch: B = batch_size / (world x N). The gradients are a
+buffer that lives through the whole step: from the second micro-batch on, the head backward
+and the layer 0 backward find every gradient there already. (The loop lets the previous
+micro-batch's logits go when the next forward returns, before its head backward.)
 """
 
 import importlib.util
@@ -251,7 +257,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     copy = 2 if a == 2 and p_bytes == 4 else 0  # autocast's bf16 copy of an fp32 matrix
 
     params = count_parameters(m, ep)
-    batch = cfg.train.batch_size // world_size
+    accumulating = cfg.train.grad_accum_steps > 1
+    batch = cfg.train.batch_size // (world_size * cfg.train.grad_accum_steps)  # one micro-batch
     S, D, V, F = cfg.data.seq_len, m.hidden_size, m.vocab_size, m.intermediate_size
     E, K = m.num_experts, m.num_experts_per_tok
     H, G, Hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
@@ -297,6 +304,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     state = s_bytes * (params.dense // replicas_dense + params.experts // replicas_experts)
     weights, grads = p_bytes * params.total, g_bytes * params.total
     grads_but_embedding = grads - (0 if m.tie_word_embeddings else g_bytes * params.embedding)
+    # The gradients the backward finds already there: the earlier micro-batches' sums.
+    head_grads, layer0_grads = (grads, grads) if accumulating else (0, grads_but_embedding)
     L = m.num_hidden_layers
 
     workspace = WORKSPACE_BYTES if device == "cuda" else 0
@@ -305,11 +314,13 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
         return dict(zip(PARTS, (weights, gradients, state, copies, activations, workspace + transient)))
 
     phases = {
-        "head backward": phase(0, L * saved_copies + head_copy, L * layer_saved + head + logits, 2 * 4 * T * V),
-        "layer 0 backward": phase(grads_but_embedding, layer_copies, one_layer + logits, expert_bwd),
+        "head backward": phase(head_grads, L * saved_copies + head_copy, L * layer_saved + head + logits,
+                               2 * 4 * T * V),
+        "layer 0 backward": phase(layer0_grads, layer_copies, one_layer + logits, expert_bwd),
         "optimizer step": phase(grads, 0, logits, 0),
     }
-    describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}), {E // ep} of {E} experts, "
+    micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
+    describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
                 f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {optimizer}, recompute {recompute}")
     return MemoryEstimate(phases, L * (layer_saved + saved_copies) + head + head_copy, params, device, describe)
 
@@ -368,8 +379,8 @@ def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> Memor
         if int(os.environ.get("RANK", "0")) == 0:
             print(estimate.table(limit, name), flush=True)
         raise UserError(f"this run needs about {_gib(estimate.required())} GiB per rank but {name} has "
-                        f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch or "
-                        f"more EP ranks would help)")
+                        f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch, "
+                        f"more micro-batches (train.grad_accum_steps) or more EP ranks would help)")
     return estimate
 
 

@@ -15,6 +15,10 @@ and backward, on the very inputs it received in the last step:
     clip       the global gradient norm, and scaling by it
     optimizer  the AdamW step
 
+With gradient accumulation a step runs the forward and backward phases once per
+micro-batch and the rest once: the former are timed on the last micro-batch and counted
+`train.grad_accum_steps` times, so that the phases still add up to a step.
+
 With several ranks each phase reports its slowest rank: routing is rarely balanced, and the
 rank with the most rows holds the others up at the next all-to-all. How unbalanced it was
 is reported too: the rows each rank's experts received in the profiled step, all layers.
@@ -105,7 +109,8 @@ def _fsdp_communicates(units: list, root, communicate: bool) -> None:
 
 def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layout, cfg
                    ) -> tuple[dict, list[int]]:
-    """Per-phase milliseconds (summed over layers) of one step, and each rank's expert rows."""
+    """Per-phase milliseconds (summed over layers) of one step, and each rank's expert rows
+    in the last micro-batch."""
     device = next(model.parameters()).device
     captured = _capture_inputs(model, step_fn)
 
@@ -149,6 +154,8 @@ def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layo
         totals["head"] = ms(_forward_backward(model,
             lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
             captured["final"]))
+    # Forward and backward run once per micro-batch of a step; the update phases once.
+    totals = {name: ms * cfg.train.grad_accum_steps for name, ms in totals.items()}
     totals.update(update_ms)
     _fsdp_communicates(units, model, True)
     optimizer.zero_grad(set_to_none=True)

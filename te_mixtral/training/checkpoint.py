@@ -7,8 +7,8 @@ Everything the next step depends on, and nothing that can be recomputed:
 - each rank's model shard (dense weights and its own experts) and optimizer state (AdamW's
   moments and step counts), with its RNG states (CPU, and CUDA when it runs there);
 - the number of completed steps. That is also the data position and the learning rate:
-  `PackedData.batch(step)` and `training.optimizer.learning_rate(step)` are pure functions of the step,
-  so a resumed run reads exactly the batches the lost one would have read;
+  `PackedData.micro_batches(step)` and `training.optimizer.learning_rate(step)` are pure
+  functions of the step, so a resumed run reads exactly the batches the lost one would have read;
 - the losses and evaluations so far, so that a resumed run's results.json tells the whole
   story, and the run's config, so that resuming into a different model is refused.
 

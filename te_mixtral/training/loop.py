@@ -24,7 +24,11 @@ from te_mixtral.distributed.layout import (
     init_layout,
     world_size_from_env,
 )
-from te_mixtral.distributed.parallelize import parallelize, reduce_gradients
+from te_mixtral.distributed.parallelize import (
+    parallelize,
+    reduce_gradients,
+    set_gradient_sync,
+)
 from te_mixtral.errors import UserError, report_error
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
@@ -120,7 +124,8 @@ def train(cfg: RunConfig) -> TrainResult:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(cfg.train.seed)
 
-    data = PackedData(cfg.data, cfg.train.batch_size, layout.rank, layout.world_size, cfg.train.seed)
+    data = PackedData(cfg.data, cfg.train.batch_size, layout.rank, layout.world_size, cfg.train.seed,
+                      cfg.train.grad_accum_steps)
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
@@ -151,27 +156,35 @@ def train(cfg: RunConfig) -> TrainResult:
     timer = metrics.StepTimer(device)
     flops_per_step = []
     for step in range(state.step, cfg.train.steps):
-        batch = data.batch(step)
-        step_flops = metrics.train_flops(cfg.model, batch.packed.cu_seqlens, batch.num_tokens)
-        batch = batch.to(device)
+        micro_batches = data.micro_batches(step)
+        step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens)
+                         for micro in micro_batches)
+        micro_batches = [micro.to(device) for micro in micro_batches]
         lr = learning_rate(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
         timer.start()
-        # One all-reduce for both global totals: target tokens (the loss divides by them) and FLOPs.
-        totals = torch.stack([(batch.labels != -100).sum().double(),
-                              torch.tensor(step_flops, device=device, dtype=torch.float64)])
+        # One all-reduce for both global totals of the whole step, every micro-batch of every
+        # rank: target tokens and FLOPs. Each micro-batch's loss divides by the step's target
+        # count, so the gradients the micro-batches add up are exactly one big batch's.
+        targets = sum((micro.labels != -100).sum() for micro in micro_batches)
+        totals = torch.stack([targets.double(), torch.tensor(step_flops, device=device, dtype=torch.float64)])
         all_reduce_sum(totals, layout)
-        with autocast:
-            logits = model(batch.input_ids, batch.packed)
-        loss = causal_lm_loss(logits, batch.labels, totals[0])
-        loss.backward()
+        step_loss = torch.zeros_like(totals[0])  # the losses are float64: they divide by totals
+        for micro in micro_batches:  # gradients add up in .grad, one micro-batch after another
+            set_gradient_sync(model, layout, cfg.train.sharding, micro is micro_batches[-1])
+            with autocast:
+                logits = model(micro.input_ids, micro.packed)
+            loss = causal_lm_loss(logits, micro.labels, totals[0])
+            loss.backward()
+            step_loss += loss.detach()
+        # Once per optimizer step, after the last micro-batch: one communication of the sums.
         reduce_gradients(model, layout, cfg.train.sharding)
         clip_grad_norm(model, cfg.train.grad_clip, layout)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        global_loss = all_reduce_sum(loss.detach().clone(), layout)
+        global_loss = all_reduce_sum(step_loss, layout)
         step_s = timer.stop()
 
         state.step = step + 1
@@ -207,14 +220,15 @@ def train(cfg: RunConfig) -> TrainResult:
     # The estimate beside the measured peak, so that every run checks the estimate.
     extra = {"estimated_peak_gib": estimate.total / 2**30, **({"evals": state.evals} if state.evals else {})}
     if cfg.profile_phases:  # last: it steps the optimizer while timing it
+        last = micro_batches[-1]
 
         def forward_backward():
             with autocast:
-                logits = model(batch.input_ids, batch.packed)
-            causal_lm_loss(logits, batch.labels, totals[0]).backward()
+                logits = model(last.input_ids, last.packed)
+            causal_lm_loss(logits, last.labels, totals[0]).backward()
 
         extra["phases_ms"], extra["expert_rows_per_rank"] = profile_phases(
-            model, optimizer, forward_backward, batch, totals[0], autocast, layout, cfg)
+            model, optimizer, forward_backward, last, totals[0], autocast, layout, cfg)
     if generated is not None:
         extra["generate"] = generated
     if reference is not None:

@@ -1,8 +1,12 @@
 """torchrun worker: train like run_finetune_ep.py, then save this rank's weights, whole
-(sharded ones gathered: what the rank would hold without sharding), and the bytes of its
-optimizer state as it holds them.
+(sharded ones gathered: what the rank would hold without sharding), the gradients it held
+after each step's gradient reduction, and the bytes of its optimizer state as it holds them.
 
 Usage: torchrun ... tests/workers/train_and_save.py WEIGHTS_DIR [run_finetune_ep.py arguments]
+
+Writes WEIGHTS_DIR/rank{r}.pt (the state dict) and WEIGHTS_DIR/grads{r}.pt: one dict of
+gradients per call of the loop's `reduce_gradients`, so the list's length is how many
+times the gradients were communicated.
 """
 
 import json
@@ -15,12 +19,23 @@ from torch.distributed.tensor import DTensor
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
-from te_mixtral.training.loop import train
+from te_mixtral.distributed.parallelize import reduce_gradients
+from te_mixtral.training import loop
+
+reduced = []
+
+
+def recording_reduce_gradients(model, layout, sharding):
+    reduce_gradients(model, layout, sharding)
+    reduced.append({name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+                    for name, p in model.named_parameters() if p.grad is not None})
+
 
 weights_dir = Path(sys.argv[1])
 args, overrides = parse_args(sys.argv[2:])
 cfg = load_config(args.config, overrides, world_size=world_size_from_env())
-result = train(cfg)
+loop.reduce_gradients = recording_reduce_gradients  # the loop's own call, wrapped
+result = loop.train(cfg)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 weights_dir.mkdir(parents=True, exist_ok=True)
 weights = {name: value.full_tensor() if isinstance(value, DTensor) else value
@@ -29,5 +44,6 @@ torch.save(weights, weights_dir / f"rank{rank}.pt")
 state = [value.to_local() if isinstance(value, DTensor) else value
          for per_param in result.optimizer.state.values() for value in per_param.values()]
 (weights_dir / f"optimizer{rank}.json").write_text(json.dumps(sum(t.nbytes for t in state if t.dim() > 0)))
+torch.save(reduced, weights_dir / f"grads{rank}.pt")
 shutdown()
 sys.exit(result.exit_code)
