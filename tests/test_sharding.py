@@ -63,8 +63,8 @@ def test_phase_profile_under_fsdp(tmp_path):
 def test_fsdp_with_accumulation_equals_one_unsharded_batch(tmp_path):
     """Under fsdp, only a step's last micro-batch reduce-scatters; the earlier ones add into
     FSDP's gradients, so two micro-batches train like one batch of both."""
-    ref_losses, ref = train_and_save(tmp_path, "none", WORLD, 2)
-    losses, sharded = train_and_save(tmp_path, "fsdp-accum", WORLD, 2, "--sharding", "fsdp",
+    ref_losses, ref = train_and_save(tmp_path, "none", WORLD, 2, "--batch_size", "8")
+    losses, sharded = train_and_save(tmp_path, "fsdp-accum", WORLD, 2, "--batch_size", "8", "--sharding", "fsdp",
                                      "--grad_accum_steps", "2")
     for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
