@@ -12,7 +12,7 @@ Six grouped GEMMs run in all (kernels in `grouped_gemm.py`):
               2. y = act @ down.T
     backward  3. dh = swiglu'(dy @ down, h)       SwiGLU gradient fused into this dgrad's
                                                   epilogue; it also re-creates act
-              4. d_down    = dy^T @ act           per expert, K = that expert's rows
+              4. d_down    = dy^T @ act           per expert, I = that expert's rows
               5. dx        = dh @ gate_up
               6. d_gate_up = dh^T @ x
 
@@ -64,8 +64,8 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
 # accumulators from spilling; 2 is cheaper for small tiles).
-def _cfg(bm, bn, bk, warps, stages, progs=1, group=8, parts=4):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps,
+def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
                 num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts)
 
 
@@ -136,9 +136,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if use_tma is None:
             use_tma = _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
-            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_kcontig=True,
+            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True,
                       cfg=cfgs["gate_up"], use_tma=use_tma, epilogue=EPI_SWIGLU, h=h_R2F)
-            rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_kcontig=True,
+            rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_icontig=True,
                       cfg=cfgs["down"], use_tma=use_tma)
         ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF)
         ctx.cfgs, ctx.use_tma, ctx.h_consumed = cfgs, use_tma, False
@@ -167,12 +167,12 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
         # 3: dh overwrites h; act comes back for 4, then is freed.
         act_RF = x_RD.new_empty(R, F)
-        rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_kcontig=False,
+        rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_icontig=False,
                   cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F)
         dh_R2F = h_R2F
         wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma)
         del act_RF
-        rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_kcontig=False,
+        rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
                   cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
         wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma)
         return dx_RD, None, d_w1, d_w2, None, None
