@@ -13,6 +13,7 @@ from quant_reference import (
     mlp_inputs,
     random_splits,
     rel_err,
+    scaled_grouped_mm_stand_in,
 )
 
 from te_mixtral.experts.loop import LoopTier
@@ -23,31 +24,6 @@ from te_mixtral.experts.quant.fp8_hopper import (
 )
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.scaled_grouped import scaled_grouped_swiglu
-
-
-def scaled_grouped_mm_stand_in(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
-    """What `torch._scaled_grouped_mm` computes with rowwise scales (PyTorch 2.11, CUDA), in
-    float64 on the CPU, with the layout checks its CUDA kernel makes."""
-    assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn
-    assert scale_a.dtype == scale_b.dtype == torch.float32 and out_dtype == torch.bfloat16
-    assert mat_a.stride(-1) == 1, "mat_a must be row-major"
-    assert mat_b.stride(-2) == 1, "mat_b must be column-major"
-    assert mat_a.shape[-1] % 16 == 0 and mat_b.shape[-2] % 16 == 0 and mat_b.shape[-1] % 16 == 0
-    assert offs.dtype == torch.int32
-    a, b, groups = mat_a.double(), mat_b.double(), group_bounds(offs)
-    if mat_b.dim() == 3:  # 2-D x 3-D: groups of A's rows
-        assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
-        out = a.new_zeros(a.shape[0], b.shape[2])
-        for g, (start, end) in enumerate(groups):
-            out[start:end] = a[start:end] @ b[g] * scale_a[start:end, None] * scale_b[g]
-    else:  # 2-D x 2-D: groups along the reduction dim, scales group-major
-        m, n = a.shape[0], b.shape[1]
-        assert scale_a.shape == (len(groups) * m,) and scale_b.shape == (len(groups) * n,)
-        out = a.new_zeros(len(groups), m, n)
-        for g, (start, end) in enumerate(groups):
-            assert end - start > 0 and (end - start) % 16 == 0  # a device-side assert on CUDA
-            out[g] = a[:, start:end] @ b[start:end] * scale_a[g * m:(g + 1) * m, None] * scale_b[g * n:(g + 1) * n]
-    return out.to(out_dtype)
 
 
 def test_rowwise_quantisers():

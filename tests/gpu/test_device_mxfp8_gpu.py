@@ -4,7 +4,7 @@ Hopper (sm_90), mode `fp8-hopper`:
 - each FP8 GEMM (fprop, dgrad, wgrad) against what `torch._scaled_grouped_mm` is documented
   to compute, evaluated in float64 by the CPU suite's stand-in on the same operands;
 - the whole tier, forward and all three gradients, against the `loop` tier in float32,
-  within FP8_ROWWISE_MLP_RTOL (tests/test_mxfp8.py says where that number comes from);
+  within FP8_ROWWISE_MLP_RTOL (tests/quant_reference.py says where that number comes from);
 - no host synchronisation: the tier's forward and backward run under
   `torch.cuda.set_sync_debug_mode("error")`;
 - the Transformer Engine plumbing of the Blackwell mode, run under an FP8 recipe that
@@ -25,6 +25,12 @@ import statistics
 import pytest
 import torch
 from expert_reference import random_expert_inputs
+from quant_reference import (
+    FP8_ROWWISE_MLP_RTOL,
+    MXFP8_MLP_RTOL,
+    rel_err,
+    scaled_grouped_mm_stand_in,
+)
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
@@ -34,12 +40,6 @@ from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.te_mxfp8 import MIN_TE_VERSION, TEGroupedExperts
 from te_mixtral.te_support import te_available
-from tests.test_mxfp8 import (
-    FP8_ROWWISE_MLP_RTOL,
-    MXFP8_MLP_RTOL,
-    rel_err,
-    scaled_grouped_mm_stand_in,
-)
 
 pytestmark = pytest.mark.cuda
 
