@@ -3,8 +3,8 @@
 Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows, I input and N
 output features, G groups = local experts).
 
-One step of a 3-sequence-per-GPU EP=4 run took 11.9 s in `device_mxfp8` while its others
-took about 0.4 s (docs/results/2026-11-21-h200-x4-larger-all-tiers.md). Its quantisers are
+One step of a 3-sequence-per-GPU EP=4 run of `device_mxfp8` took many times longer than
+its others (docs/results/2026-11-21-h200-x4-larger-all-tiers.md). Its quantisers are
 `torch.compile`d with dynamic shapes, so the suspect was a recompile when the rows grow
 past a size the compiled kernels were guarded on. This script checks it: the three FP8 GEMMs of
 a gate/up projection (fprop, dgrad, wgrad) at Mixtral-8x7B sizes (I 4096, N 2 x 14336, 2
