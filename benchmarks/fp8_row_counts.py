@@ -12,7 +12,7 @@ local experts as at EP=4), called twice per row count, each call timed on its ow
 counts grow past 2**31 elements of one operand, then one smaller count checks that the
 kernels compiled for the larger ones serve it. Run with `TORCH_LOGS=recompiles` to see the
 guard that failed. The answer, measured on an H100 (yes, once per process), and its log are
-in docs/precision.md.
+in docs/results/2026-11-21-fp8-hopper-notes.md.
 
     TORCH_LOGS=recompiles python3 -m benchmarks.fp8_row_counts
 

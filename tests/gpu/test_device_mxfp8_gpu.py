@@ -14,7 +14,7 @@ Blackwell (sm_100+), mode `mxfp8-te`: the same accuracy and sync checks (marked
 
 Timing: `TE_MIXTRAL_BENCH=1 pytest -s -k timing tests/gpu/test_device_mxfp8_gpu.py` times
 the `fp8-hopper` tier against bf16 `grouped_mm` at Mixtral-8x7B expert shapes (see
-docs/precision.md for the numbers).
+docs/results/2026-11-21-fp8-hopper-notes.md for the numbers).
 
 Relative errors are Frobenius: ||out - ref|| / ||ref||.
 """

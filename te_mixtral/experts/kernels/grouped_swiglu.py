@@ -20,14 +20,13 @@ What is kept for the backward, and why. Forward saves x and the pre-activations 
 2F per row) and frees act as soon as GEMM 2 has read it. The backward's SwiGLU-gradient
 epilogue needs gate and up anyway; from them act is recomputed elementwise at the cost
 of writing R x F values once more, and dh overwrites h in place (the tile that reads a
-gate/up pair is the only one that writes it). The alternatives, measured on an H100
-with Mixtral-8x7B shapes, 4 experts (docs/kernels.md):
-  * keep only x and recompute h: saves R x 2F x 2 bytes (1.88 GB at 4 x 8192 rows) but
-    re-runs GEMM 1: 12.0 of the op's 53.8 ms at 8192 rows per expert (22%), 0.34 of
-    1.67 ms at 64 (20%). Not worth it: with h saved, the op's peak memory is already a
-    quarter below grouped_mm's path (4.4 vs 5.9 GiB at 8192 rows per expert).
-  * also keep act: spares GEMM 3's epilogue one R x F write, measured at most 1.4 ms
-    (2.6%) at 8192 rows per expert, for R x F x 2 more bytes held (0.94 GB). Memory wins.
+gate/up pair is the only one that writes it). The alternatives, measured at Mixtral-8x7B
+shapes (docs/kernels.md; the figures are in docs/results/2026-11-21-kernel-notes.md):
+  * keep only x and recompute h: saves R x 2F x 2 bytes but re-runs GEMM 1, about a fifth
+    of the op at any row count. Not worth it: with h saved, the op's peak memory is already
+    below grouped_mm's path with many rows per expert.
+  * also keep act: spares GEMM 3's epilogue one R x F write, a few percent of the op at
+    most, for R x F x 2 more bytes held. Memory wins.
 Because dh reuses h's memory, calling backward twice through one forward raises.
 
 Precision. Operands are multiplied in the activation dtype with fp32 accumulation; the
@@ -58,7 +57,7 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
-# on an H100 (docs/kernels.md has the numbers). The regime comes from the mean rows per
+# on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers). The regime comes from the mean rows per
 # expert, R / L, which the host knows from shapes alone; the split stays on the device.
 # PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;

@@ -80,7 +80,7 @@ class FP8HopperGemms:
     stand-in with its semantics. `compile` runs the quantisers through `torch.compile`:
     each is a reduction and an elementwise pass that eager PyTorch spreads over about
     six kernels and float32 temporaries the size of the operand, which would cost a good
-    part of what FP8 saves (docs/precision.md has both timings).
+    part of what FP8 saves (docs/results/2026-11-21-fp8-hopper-notes.md has both timings).
     """
 
     recipe = "fp8-rowwise"
