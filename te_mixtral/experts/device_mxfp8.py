@@ -23,7 +23,7 @@ emulation runs only where it was asked for by name (`--mxfp8_mode mxfp8-emulated
 
 All modes share the frame below: pad every expert's rows to the mode's alignment on the
 device (quant/padding.py), run the expert MLP on the padded rows, drop the padding. No
-split size reaches the host in `fp8-hopper` and `mxfp8-emulated`: tests/test_mxfp8.py
+split size reaches the host in `fp8-hopper` and `mxfp8-emulated`: tests/experts/test_device_mxfp8.py
 checks every op the tier issues, tests/gpu runs it under
 `torch.cuda.set_sync_debug_mode("error")`. `mxfp8-te` is sync-free only where TE takes
 its grouped-tensor path (`describe()["kernel"]` says whether it does).

@@ -9,7 +9,7 @@ them up: L stacked-size allocations and L full-size adds per weight, per layer, 
 few tokens per expert made the loop several times slower than a grouped GEMM (measured:
 docs/results/2026-11-21-checks-behind-tolerances.md). `unbind` instead has one backward
 that stacks the L per-expert gradients once: about one stacked-size gradient in total
-(tests/test_loop_tier.py measures it).
+(tests/experts/test_loop.py measures it).
 
 `tokens_per_expert_L.tolist()` synchronises with the host: the loop needs Python ints to
 slice, which is exactly the cost the grouped tiers remove.

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import REPO
-from test_config_keys import old_layout
+from test_config import old_layout
 
 from te_mixtral.cli import parse_args as parse_app_args
 from te_mixtral.config import flatten, load_config, to_dict, upgrade_saved

@@ -35,7 +35,7 @@ spec's authors) settle them:
 `floor(log2(amax))` is computed with `frexp`, which is exact; `log2` in float32 can round
 a value just under a power of two up to it and pick the wrong scale.
 
-Error bound (tests/test_mxfp8.py checks it): with E = floor(log2 amax) and s = E - 8,
+Error bound (tests/experts/quant/test_mxfp8.py checks it): with E = floor(log2 amax) and s = E - 8,
 an element that does not saturate (|V| <= 448 * 2^s) is off by at most half an E4M3 ulp:
 2^-4 |V| in the normal range, 2^(s-10) in the subnormal range; a saturated element is
 off by less than 64 * 2^s = 2^-2 * 2^E. So no element is ever off by more than a quarter
