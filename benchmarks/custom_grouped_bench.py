@@ -2,19 +2,20 @@
 
     python benchmarks/custom_grouped_bench.py [--sweep] [--out DIR]
 
-Shape legend: T tokens per expert, E local experts, R = T * E rows, D model dim, F expert
-hidden dim. Mixtral-8x7B: D 4096, F 14336; 8x22B: D 6144, F 16384; 4 local experts.
+Shape letters as in te_mixtral/experts/base.py (L local experts, R rows, D model dim, F
+expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_expert * L.
+Mixtral-8x7B: D 4096, F 14336; 8x22B: D 6144, F 16384; 4 local experts.
 
 The two numbers (docs/kernels.md has the derivation):
   FLOPs  forward 2·R·D·2F + 2·R·F·D = 6·R·D·F; backward twice that; 18·R·D·F in all.
   bytes  each of the six GEMMs reads its operands once and writes its result once; the
-         weight terms (3·E·F·D elements read by the forward, again by the two dgrads, and
-         written once as gradients) dominate at small T.
+         weight terms (3·L·F·D elements read by the forward, again by the two dgrads, and
+         written once as gradients) dominate at few rows per expert.
 Peak matmul rate and copy bandwidth are measured in the same run, never taken from a
 datasheet. Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed before
 each run, warm-up excluded) on random data.
 
---sweep first times candidate tile configs per GEMM and per T, then runs the table with
+--sweep first times candidate tile configs per GEMM and per row count, then runs the table with
 the winners and prints them as JSON (to copy into grouped_swiglu.CONFIGS).
 """
 
@@ -49,7 +50,7 @@ cfg = gs._cfg
 # Candidates by regime; a GEMM's own list wins over its kind's. PROGS_PER_SM=2 keeps two
 # programs on an SM where registers (<= 255 x 128 threads each) and shared memory
 # (<= 113 KB each) allow, so one program's epilogue overlaps the other's main loop;
-# GROUP_M=16 halves how often a large-T rows-GEMM streams the weights from DRAM.
+# GROUP_M=16 halves how often a large rows-GEMM streams the weights from DRAM.
 PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 CANDIDATES = {
     "small": {
@@ -74,7 +75,7 @@ CANDIDATES = {
         "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(128, 256, 64, 8, 3, group=16)],
     },
 }
-SWEEP_T = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
+SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
 
 
 def candidates(regime, op):
@@ -93,39 +94,39 @@ def bench(fn, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def make_inputs(T, E, D, F, dtype=torch.bfloat16, requires_grad=False):
-    R = T * E
-    gen = torch.Generator(device=DEVICE).manual_seed(T + E)
+def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False):
+    R = per_expert * L
+    gen = torch.Generator(device=DEVICE).manual_seed(per_expert + L)
     x = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
-    w1 = (torch.randn(E, 2 * F, D, device=DEVICE, generator=gen) * D**-0.5).to(dtype)
-    w2 = (torch.randn(E, D, F, device=DEVICE, generator=gen) * F**-0.5).to(dtype)
+    w1 = (torch.randn(L, 2 * F, D, device=DEVICE, generator=gen) * D**-0.5).to(dtype)
+    w2 = (torch.randn(L, D, F, device=DEVICE, generator=gen) * F**-0.5).to(dtype)
     dy = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
-    counts = torch.full((E,), T, device=DEVICE, dtype=torch.int64)
+    counts = torch.full((L,), per_expert, device=DEVICE, dtype=torch.int64)
     if requires_grad:
         for t in (x, w1, w2):
             t.requires_grad_()
     return x, counts, w1, w2, dy
 
 
-def op_runner(op, T, E, D, F, c, write_act=True):
+def op_runner(op, per_expert, L, D, F, c, write_act=True):
     """A zero-argument launcher of one of the six GEMMs with config c, on fresh data."""
-    x, counts, w1, w2, dy = make_inputs(T, E, D, F)
-    R = T * E
+    x, counts, w1, w2, dy = make_inputs(per_expert, L, D, F)
+    R = per_expert * L
     h = torch.randn(R, 2 * F, device=DEVICE, dtype=x.dtype)
     act = torch.randn(R, F, device=DEVICE, dtype=x.dtype)
     y = torch.empty(R, D, device=DEVICE, dtype=x.dtype)
     tma = True
     return {
-        "gate_up": lambda: gg.rows_gemm(x, w1, counts, act, n=F, b_kcontig=True, cfg=c,
+        "gate_up": lambda: gg.rows_gemm(x, w1, counts, act, n=F, b_icontig=True, cfg=c,
                                         use_tma=tma, epilogue=gg.EPI_SWIGLU, h=h),
-        "down": lambda: gg.rows_gemm(act, w2, counts, y, n=D, b_kcontig=True, cfg=c,
+        "down": lambda: gg.rows_gemm(act, w2, counts, y, n=D, b_icontig=True, cfg=c,
                                      use_tma=tma),
         "down_dgrad": lambda: gg.rows_gemm(dy, w2, counts, act if write_act else None, n=F,
-                                           b_kcontig=False, cfg=c, use_tma=tma,
+                                           b_icontig=False, cfg=c, use_tma=tma,
                                            epilogue=gg.EPI_SWIGLU_BWD, h=h),
         "down_wgrad": lambda: gg.wgrad_gemm(dy, act, counts, torch.empty_like(w2), cfg=c,
                                             use_tma=tma),
-        "gate_up_dgrad": lambda: gg.rows_gemm(h, w1, counts, y, n=D, b_kcontig=False, cfg=c,
+        "gate_up_dgrad": lambda: gg.rows_gemm(h, w1, counts, y, n=D, b_icontig=False, cfg=c,
                                               use_tma=tma),
         "gate_up_wgrad": lambda: gg.wgrad_gemm(h, x, counts, torch.empty_like(w1), cfg=c,
                                                use_tma=tma),
@@ -156,40 +157,40 @@ def precompile(jobs, out):
     log(out, f"precompiled {len(unique)} kernels in {time.time() - t0:.0f} s")
 
 
-def sweep(E, D, F, out, budget_s):
-    """Best config per GEMM per swept T: {T: {op: cfg}}."""
-    precompile([(op, c) for regime in SWEEP_T.values() for op in OPS
+def sweep(L, D, F, out, budget_s):
+    """Best config per GEMM per swept row count: {per_expert: {op: cfg}}."""
+    precompile([(op, c) for regime in SWEEP_ROWS.values() for op in OPS
                 for c in candidates(regime, op)], out)
     t0, best = time.time(), {}
-    for T, regime in SWEEP_T.items():
-        best[T] = {}
+    for per_expert, regime in SWEEP_ROWS.items():
+        best[per_expert] = {}
         for op in OPS:
             results = []
             for c in candidates(regime, op):
                 if time.time() - t0 > budget_s:
                     break
                 try:
-                    run = op_runner(op, T, E, D, F, c)
+                    run = op_runner(op, per_expert, L, D, F, c)
                     k = run()
                     ms = bench(run, rep=50)
                 except Exception as e:  # a config the compiler or the SM cannot hold
-                    log(out, f"  T={T} {op} {c} failed: {type(e).__name__}: {str(e)[:120]}")
+                    log(out, f"  rows/L={per_expert} {op} {c} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                tflops = FLOP_UNITS[op] * T * E * D * F / ms / 1e9
+                tflops = FLOP_UNITS[op] * per_expert * L * D * F / ms / 1e9
                 results.append((ms, c))
                 res = (f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
                        f"smem {getattr(getattr(k, 'metadata', None), 'shared', 0) // 1024} KB")
-                log(out, f"  T={T:5d} {op:14s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  {res}  {c}")
+                log(out, f"  rows/L={per_expert:5d} {op:14s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  {res}  {c}")
                 torch.cuda.empty_cache()
             # Out of budget or nothing ran: the shipped table's choice.
-            best[T][op] = (min(results, key=lambda r: r[0])[1] if results
-                           else gs.CONFIGS[gs.regime(T * E, E)][op])
+            best[per_expert][op] = (min(results, key=lambda r: r[0])[1] if results
+                           else gs.CONFIGS[gs.regime(per_expert * L, L)][op])
     log(out, f"sweep took {time.time() - t0:.0f} s")
     return best
 
 
-def nearest(best, T):
-    return best[min(best, key=lambda k: abs(k - T) / max(k, T))]
+def nearest(best, per_expert):
+    return best[min(best, key=lambda k: abs(k - per_expert) / max(k, per_expert))]
 
 
 def fwd_bwd(fn, x, counts, w1, w2, dy):
@@ -217,38 +218,38 @@ def ceilings(out):
     return peak, bw
 
 
-def breakdown(best, E, out):
+def breakdown(best, L, out):
     """Each GEMM alone (8x7B), and down_dgrad without re-creating act: the measured cost
     of recomputing h (= gate_up) and of recomputing act (= the difference)."""
     D, F = 4096, 14336
     log(out, "per GEMM, 8x7B, ms / TFLOP/s:")
-    for T in (64, 1024, 8192):
-        c_all = nearest(best, T) if best else gs.CONFIGS[gs.regime(T * E, E)]
+    for per_expert in (64, 1024, 8192):
+        c_all = nearest(best, per_expert) if best else gs.CONFIGS[gs.regime(per_expert * L, L)]
         row = []
         for op in OPS:
-            ms = bench(op_runner(op, T, E, D, F, c_all[op]))
-            row.append(f"{op} {ms:.3f}/{FLOP_UNITS[op] * T * E * D * F / ms / 1e9:.0f}")
+            ms = bench(op_runner(op, per_expert, L, D, F, c_all[op]))
+            row.append(f"{op} {ms:.3f}/{FLOP_UNITS[op] * per_expert * L * D * F / ms / 1e9:.0f}")
             torch.cuda.empty_cache()
-        no_act = bench(op_runner("down_dgrad", T, E, D, F, c_all["down_dgrad"], write_act=False))
-        log(out, f"  T={T:5d} " + "  ".join(row) + f"  | down_dgrad without act {no_act:.3f}")
+        no_act = bench(op_runner("down_dgrad", per_expert, L, D, F, c_all["down_dgrad"], write_act=False))
+        log(out, f"  rows/L={per_expert:5d} " + "  ".join(row) + f"  | down_dgrad without act {no_act:.3f}")
         torch.cuda.empty_cache()
 
 
-def table(shapes, best, E, peak, bw, out):
-    """fwd+bwd of the whole op against grouped_mm, one row per (model, T)."""
-    log(out, f"{'model':6s} {'T':>5s} {'ours ms':>8s} {'TFLOP/s':>7s} {'gmm ms':>8s} "
+def table(shapes, best, L, peak, bw, out):
+    """fwd+bwd of the whole op against grouped_mm, one row per (model, per_expert)."""
+    log(out, f"{'model':6s} {'rows/L':>6s} {'ours ms':>8s} {'TFLOP/s':>7s} {'gmm ms':>8s} "
              f"{'TFLOP/s':>7s} {'x gmm':>5s} {'x TE*':>5s} {'%peak':>5s} {'floor':>7s} "
              f"{'GiB ours':>8s} {'GiB gmm':>7s} {'vs gmm':>8s}")
-    for model, T, D, F in shapes:
-        R = T * E
+    for model, per_expert, D, F in shapes:
+        R = per_expert * L
         flops = 18 * R * D * F
-        weight_bytes = 3 * E * F * D * 2  # read by forward, by the dgrads; grads written
+        weight_bytes = 3 * L * F * D * 2  # read by forward, by the dgrads; grads written
         floor_ms = max(flops / (peak * 1e9), 3 * weight_bytes / (bw * 1e6))
         configs = None
         if best:
-            chosen = nearest(best, T)
+            chosen = nearest(best, per_expert)
             configs = {regime: chosen for regime in gs.CONFIGS}
-        x, counts, w1, w2, dy = make_inputs(T, E, D, F, requires_grad=True)
+        x, counts, w1, w2, dy = make_inputs(per_expert, L, D, F, requires_grad=True)
         ours = fwd_bwd(lambda *a: gs.grouped_swiglu(*a, configs=configs), x, counts, w1, w2, dy)
         gmm = fwd_bwd(grouped_mm_swiglu, x, counts, w1, w2, dy)
         # Sanity at the real shapes: both are bf16 approximations of one function.
@@ -260,8 +261,8 @@ def table(shapes, best, E, peak, bw, out):
         ms_ours, ms_gmm = bench(ours, rep=400), bench(gmm, rep=400)
         mem_ours, mem_gmm = peak_memory(ours), peak_memory(gmm)
         tf_ours, tf_gmm = flops / ms_ours / 1e9, flops / ms_gmm / 1e9
-        te = f"{tf_ours / TE_H100[T]:5.2f}" if model == "8x7B" and T in TE_H100 else "    -"
-        log(out, f"{model:6s} {T:5d} {ms_ours:8.3f} {tf_ours:7.0f} {ms_gmm:8.3f} {tf_gmm:7.0f} "
+        te = f"{tf_ours / TE_H100[per_expert]:5.2f}" if model == "8x7B" and per_expert in TE_H100 else "    -"
+        log(out, f"{model:6s} {per_expert:6d} {ms_ours:8.3f} {tf_ours:7.0f} {ms_gmm:8.3f} {tf_gmm:7.0f} "
                  f"{ms_gmm / ms_ours:5.2f} {te} {100 * tf_ours / peak:5.0f} {floor_ms:7.3f} "
                  f"{mem_ours:8.2f} {mem_gmm:7.2f} {differ:8.1e}")
         del x, counts, w1, w2, dy
@@ -283,23 +284,23 @@ def main():
     args = p.parse_args()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    E, out = args.experts, args.out
+    L, out = args.experts, args.out
 
     log(out, f"# custom_grouped vs grouped_mm, {datetime.date.today()}, "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-             f"triton {triton.__version__}, {E} local experts")
+             f"triton {triton.__version__}, {L} local experts")
     peak, bw = ceilings(out)
     best = None
     if args.sweep:
-        best = sweep(E, 4096, 14336, out, args.sweep_budget)
+        best = sweep(L, 4096, 14336, out, args.sweep_budget)
         if out:
             with open(os.path.join(out, "configs.json"), "w") as f:
                 json.dump(best, f, indent=1)
         log(out, "best configs: " + json.dumps(best))
-    breakdown(best, E, out)
+    breakdown(best, L, out)
     shapes = [("8x7B", int(t), 4096, 14336) for t in args.tokens.split(",")]
     shapes += [("8x22B", 64, 6144, 16384), ("8x22B", 1024, 6144, 16384)]
-    table(shapes, best, E, peak, bw, out)
+    table(shapes, best, L, peak, bw, out)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
 """Does the `fp8-hopper` mode of `device_mxfp8` slow down when a rank's row count grows?
 
-Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: P padded rows, K input and N
+Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows, I input and N
 output features, G groups = local experts).
 
-One step of a 3-sequence-per-GPU EP=4 run took 11.9 s in `device_mxfp8` while its others
-took about 0.4 s (docs/results/2026-11-21-h200-x4-larger-all-tiers.md). Its quantisers are
+One step of a 3-sequence-per-GPU EP=4 run of `device_mxfp8` took many times longer than
+its others (docs/results/2026-11-21-h200-x4-larger-all-tiers.md). Its quantisers are
 `torch.compile`d with dynamic shapes, so the suspect was a recompile when the rows grow
 past a size the compiled kernels were guarded on. This script checks it: the three FP8 GEMMs of
-a gate/up projection (fprop, dgrad, wgrad) at Mixtral-8x7B sizes (K 4096, N 2 x 14336, 2
+a gate/up projection (fprop, dgrad, wgrad) at Mixtral-8x7B sizes (I 4096, N 2 x 14336, 2
 local experts as at EP=4), called twice per row count, each call timed on its own. The
 counts grow past 2**31 elements of one operand, then one smaller count checks that the
 kernels compiled for the larger ones serve it. Run with `TORCH_LOGS=recompiles` to see the
 guard that failed. The answer, measured on an H100 (yes, once per process), and its log are
-in docs/precision.md.
+in docs/results/2026-11-21-fp8-hopper-notes.md.
 
     TORCH_LOGS=recompiles python3 -m benchmarks.fp8_row_counts
 
@@ -25,30 +25,30 @@ import torch
 
 from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 
-K, N, G = 4096, 2 * 14336, 2
+I, N, G = 4096, 2 * 14336, 2
 ROW_COUNTS = (16384, 32768, 49152, 65536, 73728, 81920, 98304, 90112, 114688)
 
 
-def timed_call(gemms: FP8HopperGemms, rows: int, w_GNK: torch.Tensor) -> float:
-    x_PK = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    dy_PN = torch.randn(rows, N, device="cuda", dtype=torch.bfloat16)
+def timed_call(gemms: FP8HopperGemms, rows: int, w_GNI: torch.Tensor) -> float:
+    x_QI = torch.randn(rows, I, device="cuda", dtype=torch.bfloat16)
+    dy_QN = torch.randn(rows, N, device="cuda", dtype=torch.bfloat16)
     offsets_G = torch.tensor([rows // 2, rows], device="cuda", dtype=torch.int32)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    gemms.fprop(x_PK, w_GNK, offsets_G)
-    gemms.dgrad(dy_PN, w_GNK, offsets_G)
-    gemms.wgrad(dy_PN, x_PK, offsets_G)
+    gemms.fprop(x_QI, w_GNI, offsets_G)
+    gemms.dgrad(dy_QN, w_GNI, offsets_G)
+    gemms.wgrad(dy_QN, x_QI, offsets_G)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def main() -> None:
     gemms = FP8HopperGemms()
-    w_GNK = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; K {K}, N {N}, G {G}")
-    print(f"{'rows P':>8} {'P x N elements':>15} {'first call (s)':>15} {'second call (s)':>16}")
+    w_GNI = torch.randn(G, N, I, device="cuda", dtype=torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; I {I}, N {N}, G {G}")
+    print(f"{'rows Q':>8} {'Q x N elements':>15} {'first call (s)':>15} {'second call (s)':>16}")
     for rows in ROW_COUNTS:
-        first, second = timed_call(gemms, rows, w_GNK), timed_call(gemms, rows, w_GNK)
+        first, second = timed_call(gemms, rows, w_GNI), timed_call(gemms, rows, w_GNI)
         print(f"{rows:>8} {rows * N:>15,} {first:>15.3f} {second:>16.3f}"
               + ("   <- over 2**31 elements" if rows * N >= 2**31 else ""), flush=True)
 

@@ -43,3 +43,17 @@ def train_and_save(out: Path, args: list[str], nproc: int = 1) -> tuple[dict, li
     weights = [torch.load(out / "weights" / f"rank{r}.pt") for r in range(nproc)]
     grads = [torch.load(out / "weights" / f"grads{r}.pt") for r in range(nproc)]
     return results, weights, grads
+
+
+# A short run that expert-parallel tests repeat in several layouts and compare.
+EP_STEPS = 5
+EP_ARGS = ["--steps", str(EP_STEPS), "--timing_warmup_steps", "1", "--batch_size", "4", "--seq_len", "64",
+           "--log_every", "1"]
+
+
+def train_ep(tmp_path: Path, name: str, nproc: int, ep: int, *extra: str) -> tuple[list[float], list[dict]]:
+    """Train the short run (`EP_ARGS`, then `extra`) at EP=`ep` on `nproc` ranks: each step's
+    loss, and each rank's weights (whole, as an unsharded rank holds them)."""
+    results, weights, _ = train_and_save(tmp_path / name, [*EP_ARGS, "--ep-size", str(ep), *extra], nproc)
+    return results["losses"], weights
+

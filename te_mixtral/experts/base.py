@@ -8,11 +8,12 @@ files say "shape suffixes: see te_mixtral/experts/base.py" rather than restating
     E experts in the model         L experts on this rank     K top-k (experts per token)
     R rows routed to this rank     F expert hidden dim        P ranks in the EP group
 
-Code that runs one GEMM without knowing what it multiplies (experts/kernels/, experts/quant/,
-the row padding of experts/device_mxfp8.py,
-the `_GroupedMatmul` of experts/grouped_linear.py) names that GEMM's dims instead: M and N
-output dims, K the reduced (input) dim, G groups (one per local expert), C a generic
-column dim, and P rows after per-expert padding. There, and only there, K and P mean these.
+GEMM-level letters, for code that runs one GEMM without knowing what it multiplies
+(experts/kernels/, experts/quant/, the row padding of experts/device_mxfp8.py, the
+`_GroupedMatmul` of experts/grouped_linear.py):
+
+    M, N output dims of a GEMM     I its input (reduced) dim  G groups (one per local expert)
+    C a generic column dim         Q rows after per-expert padding
 
 A digit in a suffix is a literal size: `gate_up_L2FD` is [L, 2*F, D].
 

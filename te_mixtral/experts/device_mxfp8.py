@@ -1,6 +1,6 @@
 """The `device_mxfp8` tier: expert GEMMs in 8-bit floating point, split sizes on the device.
 
-Shape suffixes: see te_mixtral/experts/base.py. P counts rows after padding.
+Shape suffixes: see te_mixtral/experts/base.py. Q counts rows after padding.
 
 One tier, three machines, and no pretending: each mode computes something different and
 the tier says which one ran (`describe()`, for the run header and results JSON).
@@ -23,7 +23,7 @@ emulation runs only where it was asked for by name (`--mxfp8_mode mxfp8-emulated
 
 All modes share the frame below: pad every expert's rows to the mode's alignment on the
 device (quant/padding.py), run the expert MLP on the padded rows, drop the padding. No
-split size reaches the host in `fp8-hopper` and `mxfp8-emulated`: tests/test_mxfp8.py
+split size reaches the host in `fp8-hopper` and `mxfp8-emulated`: tests/experts/test_device_mxfp8.py
 checks every op the tier issues, tests/gpu runs it under
 `torch.cuda.set_sync_debug_mode("error")`. `mxfp8-te` is sync-free only where TE takes
 its grouped-tensor path (`describe()["kernel"]` says whether it does).
@@ -102,8 +102,8 @@ class _GemmsMLP:
         self.recipe, self.kernel = gemms.recipe, gemms.kernel
         self.row_align, self.min_rows = gemms.row_align, gemms.min_rows
 
-    def mlp(self, x_PD, padded: PaddedRows, gate_up_L2FD, down_LDF):
-        return scaled_grouped_swiglu(x_PD, padded.offsets_L, gate_up_L2FD, down_LDF, self.gemms)
+    def mlp(self, x_QD, padded: PaddedRows, gate_up_L2FD, down_LDF):
+        return scaled_grouped_swiglu(x_QD, padded.offsets_L, gate_up_L2FD, down_LDF, self.gemms)
 
 
 # What runs each mode: an object with `mlp`, `recipe`, `kernel`, `row_align` and `min_rows`.
@@ -164,5 +164,5 @@ class DeviceMXFP8Tier(ExpertTier):
             self.check_available(x_RD.device)
         runner = self._runner
         padded = padded_rows(tokens_per_expert_L, x_RD.shape[0], runner.row_align, runner.min_rows)
-        y_PD = runner.mlp(pad_rows(x_RD, padded), padded, gate_up_L2FD, down_LDF)
-        return unpad_rows(y_PD, padded)
+        y_QD = runner.mlp(pad_rows(x_RD, padded), padded, gate_up_L2FD, down_LDF)
+        return unpad_rows(y_QD, padded)

@@ -1,7 +1,7 @@
 """The `grouped_linear` tier: every local expert's GEMMs in one call to Transformer Engine.
 
 Shape suffixes: see te_mixtral/experts/base.py. In `_GroupedMatmul`, a GEMM that does
-not know what it multiplies, N and K are its output and input width.
+not know what it multiplies, N and I are its output and input width.
 
 The expert FFN is two grouped GEMMs with SwiGLU between:
 
@@ -14,7 +14,7 @@ Python loop: y_i = x_i w_i^T forward, dx_i = dy_i w_i and dw_i = dy_i^T x_i back
 
 Why an autograd Function around `general_grouped_gemm`, and not `te.GroupedLinear`
 -------------------------------------------------------------------------------------
-The expert weights are parameters of the model, stacked [L, N, K], shared by every tier so
+The expert weights are parameters of the model, stacked [L, N, I], shared by every tier so
 that a checkpoint trained with one tier loads into any other. `te.GroupedLinear` (and the
 fusible `te.ops.GroupedLinear`) create and own their weights: L parameters `weight0..`, or
 with `single_grouped_weight=True` one TE `GroupedTensor`. Running them over the model's
@@ -75,21 +75,21 @@ def _general_grouped_gemm():
 
 
 class _GroupedMatmul(torch.autograd.Function):
-    """y_RN = x_RK @ w_LNK[e].T for each expert e's rows, forward and backward through TE."""
+    """y_RN = x_RI @ w_LNI[e].T for each expert e's rows, forward and backward through TE."""
 
     @staticmethod
-    def forward(ctx, x_RK: torch.Tensor, w_LNK: torch.Tensor, m_splits: list[int]):
-        ctx.save_for_backward(x_RK, w_LNK)
+    def forward(ctx, x_RI: torch.Tensor, w_LNI: torch.Tensor, m_splits: list[int]):
+        ctx.save_for_backward(x_RI, w_LNI)
         ctx.m_splits = m_splits
-        num_experts, n, _ = w_LNK.shape
-        y_RN = torch.empty(x_RK.shape[0], n, dtype=x_RK.dtype, device=x_RK.device)
-        if x_RK.shape[0] > 0:  # TE is never asked for a grouped GEMM with no rows at all
+        num_experts, n, _ = w_LNI.shape
+        y_RN = torch.empty(x_RI.shape[0], n, dtype=x_RI.dtype, device=x_RI.device)
+        if x_RI.shape[0] > 0:  # TE is never asked for a grouped GEMM with no rows at all
             _general_grouped_gemm()(
-                list(w_LNK.unbind(0)),
-                list(x_RK.split(m_splits)),
+                list(w_LNI.unbind(0)),
+                list(x_RI.split(m_splits)),
                 [y_RN],
                 quantization_params=[None] * num_experts,
-                out_dtype=x_RK.dtype,
+                out_dtype=x_RI.dtype,
                 layout="TN",
                 m_splits=m_splits,
                 single_output=True,
@@ -98,21 +98,21 @@ class _GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RN: torch.Tensor):
-        x_RK, w_LNK = ctx.saved_tensors
+        x_RI, w_LNI = ctx.saved_tensors
         m_splits = ctx.m_splits
-        num_experts = w_LNK.shape[0]
-        grouped_gemm = _general_grouped_gemm() if x_RK.shape[0] > 0 else None
+        num_experts = w_LNI.shape[0]
+        grouped_gemm = _general_grouped_gemm() if x_RI.shape[0] > 0 else None
         dy_splits = list(dy_RN.contiguous().split(m_splits))
-        dx_RK = dw_LNK = None
+        dx_RI = dw_LNI = None
         if ctx.needs_input_grad[0]:
-            dx_RK = torch.empty_like(x_RK)
+            dx_RI = torch.empty_like(x_RI)
             if grouped_gemm is not None:
                 grouped_gemm(
-                    list(w_LNK.unbind(0)),
+                    list(w_LNI.unbind(0)),
                     dy_splits,
-                    [dx_RK],
+                    [dx_RI],
                     quantization_params=[None] * num_experts,
-                    out_dtype=x_RK.dtype,
+                    out_dtype=x_RI.dtype,
                     layout="NN",
                     m_splits=m_splits,
                     grad=True,
@@ -120,22 +120,22 @@ class _GroupedMatmul(torch.autograd.Function):
                 )
         if ctx.needs_input_grad[1]:
             if grouped_gemm is None:
-                dw_LNK = torch.zeros_like(w_LNK)
+                dw_LNI = torch.zeros_like(w_LNI)
             else:
                 # TE writes zeros for an expert with no rows (accumulate=False), so
                 # `empty` is safe; tests/gpu checks those gradients are exactly zero.
-                dw_LNK = torch.empty_like(w_LNK)
+                dw_LNI = torch.empty_like(w_LNI)
                 grouped_gemm(
-                    list(x_RK.split(m_splits)),
+                    list(x_RI.split(m_splits)),
                     dy_splits,
-                    list(dw_LNK.unbind(0)),
+                    list(dw_LNI.unbind(0)),
                     quantization_params=[None] * num_experts,
-                    out_dtype=w_LNK.dtype,
+                    out_dtype=w_LNI.dtype,
                     layout="NT",
                     m_splits=m_splits,
                     grad=True,
                 )
-        return dx_RK, dw_LNK, None
+        return dx_RI, dw_LNI, None
 
 
 class GroupedLinearTier(ExpertTier):

@@ -5,10 +5,11 @@ it stays simple. It has one trap worth knowing about.
 
 Pitfall: indexing a stacked parameter per expert (`gate_up_L2FD[e]`) makes autograd build,
 in the backward of *each* index, a zero-filled tensor of the full stacked size and add
-them up: L stacked-size allocations and L full-size adds per weight, per layer. At 64 tokens
-per expert that made a loop 3x slower than a grouped GEMM on an H100. `unbind` instead has
-one backward that stacks the L per-expert gradients once: about one stacked-size gradient
-in total (tests/test_loop_tier.py measures it).
+them up: L stacked-size allocations and L full-size adds per weight, per layer, which with
+few tokens per expert made the loop several times slower than a grouped GEMM (measured:
+docs/results/2026-11-21-checks-behind-tolerances.md). `unbind` instead has one backward
+that stacks the L per-expert gradients once: about one stacked-size gradient in total
+(tests/experts/test_loop.py measures it).
 
 `tokens_per_expert_L.tolist()` synchronises with the host: the loop needs Python ints to
 slice, which is exactly the cost the grouped tiers remove.

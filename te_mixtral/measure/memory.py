@@ -36,7 +36,7 @@ backward ("weight copies", 2 bytes per matrix parameter).
 Under expert parallelism every rank receives T*K rows on average; routing is assumed balanced
 and `ROUTING_IMBALANCE` is the margin kept for the busiest rank. The counts follow what the
 code of this package saves (checked tensor by tensor with `saved_tensors_hooks`, on the CPU in
-tests/test_memory_estimate.py and on an H100 for the TE path).
+tests/measure/test_memory.py and on an H100 for the TE path).
 
 When the peak comes. Not at the end of the forward: the step's memory peaks at one of
 

@@ -35,7 +35,7 @@ Pitfalls.
   (measure/phases.py overwrites its captured inputs with equal values and counts expert
   rows outside the model). A statistic added later, routing counts or an auxiliary loss's,
   must be taken outside the recomputed region or skip the recompute (checkpoint's
-  `context_fn` gives a context for the recompute alone). tests/test_recompute.py counts.
+  `context_fn` gives a context for the recompute alone). tests/model/test_recompute.py counts.
 - Nothing in the forward draws random numbers (no dropout). `preserve_rng_state` keeps its
   default anyway, so that dropout added later would replay the same masks.
 """

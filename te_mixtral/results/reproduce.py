@@ -7,7 +7,7 @@ reader wants the short command someone would type:
         --output-dir /root/out/r2/hf --loss-check /root/out/r2/loop/results.json
 
 `reproduce_command` tries every `configs/*.yaml`, keeps the one that needs the fewest
-overrides, and writes those overrides as flags. `tests/test_results_page.py` parses the
+overrides, and writes those overrides as flags. `tests/results/test_pages.py` parses the
 command back through `run_finetune_ep.py`'s own argument parser and checks that it loads
 to the very same config.
 

@@ -4,7 +4,7 @@ Hopper (sm_90), mode `fp8-hopper`:
 - each FP8 GEMM (fprop, dgrad, wgrad) against what `torch._scaled_grouped_mm` is documented
   to compute, evaluated in float64 by the CPU suite's stand-in on the same operands;
 - the whole tier, forward and all three gradients, against the `loop` tier in float32,
-  within FP8_ROWWISE_MLP_RTOL (tests/test_mxfp8.py says where that number comes from);
+  within FP8_ROWWISE_MLP_RTOL (tests/quant_reference.py says where that number comes from);
 - no host synchronisation: the tier's forward and backward run under
   `torch.cuda.set_sync_debug_mode("error")`;
 - the Transformer Engine plumbing of the Blackwell mode, run under an FP8 recipe that
@@ -14,7 +14,7 @@ Blackwell (sm_100+), mode `mxfp8-te`: the same accuracy and sync checks (marked
 
 Timing: `TE_MIXTRAL_BENCH=1 pytest -s -k timing tests/gpu/test_device_mxfp8_gpu.py` times
 the `fp8-hopper` tier against bf16 `grouped_mm` at Mixtral-8x7B expert shapes (see
-docs/precision.md for the numbers).
+docs/results/2026-11-21-fp8-hopper-notes.md for the numbers).
 
 Relative errors are Frobenius: ||out - ref|| / ||ref||.
 """
@@ -25,6 +25,12 @@ import statistics
 import pytest
 import torch
 from expert_reference import random_expert_inputs
+from quant_reference import (
+    FP8_ROWWISE_MLP_RTOL,
+    MXFP8_MLP_RTOL,
+    rel_err,
+    scaled_grouped_mm_stand_in,
+)
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
@@ -34,12 +40,6 @@ from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.te_mxfp8 import MIN_TE_VERSION, TEGroupedExperts
 from te_mixtral.te_support import te_available
-from tests.test_mxfp8 import (
-    FP8_ROWWISE_MLP_RTOL,
-    MXFP8_MLP_RTOL,
-    rel_err,
-    scaled_grouped_mm_stand_in,
-)
 
 pytestmark = pytest.mark.cuda
 
@@ -113,12 +113,12 @@ def test_fp8_gemms_compute_what_scaled_grouped_mm_documents():
     counts = torch.tensor([40, 0, 300, 17], device="cuda")
     padded = padded_rows(counts, 357, align=16, min_rows=16)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x_PK = pad_rows(torch.randn(357, 256, device="cuda", generator=gen).bfloat16(), padded)
-    dy_PN = pad_rows(torch.randn(357, 384, device="cuda", generator=gen).bfloat16(), padded)
-    w_GNK = torch.randn(E, 384, 256, device="cuda", generator=gen).bfloat16()
+    x_QI = pad_rows(torch.randn(357, 256, device="cuda", generator=gen).bfloat16(), padded)
+    dy_QN = pad_rows(torch.randn(357, 384, device="cuda", generator=gen).bfloat16(), padded)
+    w_GNI = torch.randn(E, 384, 256, device="cuda", generator=gen).bfloat16()
     real = FP8HopperGemms()
     documented = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
-    for op, operands in (("fprop", (x_PK, w_GNK)), ("dgrad", (dy_PN, w_GNK)), ("wgrad", (dy_PN, x_PK))):
+    for op, operands in (("fprop", (x_QI, w_GNI)), ("dgrad", (dy_QN, w_GNI)), ("wgrad", (dy_QN, x_QI))):
         got = getattr(real, op)(*operands, padded.offsets_L)
         expected = getattr(documented, op)(*operands, padded.offsets_L)
         print(op, f"{rel_err(got, expected):.2e}")
@@ -217,16 +217,16 @@ def _median_ms(step, iters=10, warmup=3) -> float:
 def _fp8_gemms_only(gemms, x, gate_up, down, counts):
     """The six FP8 GEMMs of one step on operands quantised beforehand: the floor."""
     padded = padded_rows(counts, x.shape[0], gemms.row_align, gemms.min_rows)
-    x_PD, offs = pad_rows(x, padded), padded.offsets_L
+    x_QD, offs = pad_rows(x, padded), padded.offsets_L
     rows, cols = gemms._quantize_rows, gemms._quantize_columns
-    h = torch.randn(padded.rows_P, MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
-    dh = torch.randn(padded.rows_P, 2 * MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(padded.rows_P, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(padded.rows_Q, MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(padded.rows_Q, 2 * MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(padded.rows_Q, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
     calls = []
-    for a, w in ((x_PD, gate_up), (h, down), (dy, down.transpose(-2, -1)), (dh, gate_up.transpose(-2, -1))):
+    for a, w in ((x_QD, gate_up), (h, down), (dy, down.transpose(-2, -1)), (dh, gate_up.transpose(-2, -1))):
         (a_q, a_s), (w_q, w_s) = rows(a), rows(w)  # fprop and dgrad: 2-D x 3-D
         calls.append((a_q, w_q.transpose(-2, -1), a_s, w_s))
-    for g, a in ((dy, h), (dh, x_PD)):  # wgrad: 2-D x 2-D
+    for g, a in ((dy, h), (dh, x_QD)):  # wgrad: 2-D x 2-D
         (g_q, g_s), (a_q, a_s) = cols(g, offs), cols(a, offs)
         calls.append((g_q, a_q.t(), g_s, a_s))
 

@@ -1,6 +1,6 @@
 """Resume on a GPU with the TE backend: TE modules keep extra state (FP8 metadata) in their
 state dicts, which must survive `torch.save` and the `torch.load(weights_only=True)` of a
-resume. The CPU test (tests/test_resume.py) runs the plain PyTorch backend only."""
+resume. The CPU test (tests/training/test_resume.py) runs the plain PyTorch backend only."""
 
 import json
 import shutil

@@ -1,36 +1,36 @@
 """Triton kernels for grouped (per-expert) GEMMs whose split sizes stay on the device.
 
-Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, K
-are that GEMM's own dims and BM/BN/BK its tile.
+Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, I
+are that GEMM's own dims and BM/BN/BI its tile.
 
 Two kernels cover the six GEMMs of the expert FFN's forward and backward
 (`grouped_swiglu.py` composes them):
 
-* `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, K] is split
-  by rows; B_e is one expert's slice of a stacked weight, stored either K-contiguous
-  ([L, N, K], an `x @ W.T`) or N-contiguous ([L, K, N], an `x @ W`). Its epilogue can fuse
+* `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, I] is split
+  by rows; B_e is one expert's slice of a stacked weight, stored either I-contiguous
+  ([L, N, I], an `x @ W.T`) or N-contiguous ([L, I, N], an `x @ W`). Its epilogue can fuse
   SwiGLU: `EPI_SWIGLU` computes gate and up tiles side by side (two accumulators sharing
   the A tile), stores both pre-activations and silu(gate) * up; `EPI_SWIGLU_BWD` turns the
   product tile d(act) into d(gate), d(up) using the saved pre-activations, and re-creates
   act on the way for the down projection's weight gradient.
-* `_wgrad_gemm`: dW_e = G[rows of e]^T @ X[rows of e], a K loop over a row range whose
+* `_wgrad_gemm`: dW_e = G[rows of e]^T @ X[rows of e], an I loop over a row range whose
   length is data (it can be 0: the tile is then written as zeros, never left stale).
 
 No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
 fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
 other with the same R. Every
 program loads `tokens_per_expert_L` itself, builds per-expert row and tile offsets with
-a cumsum in registers, and walks the tiles t = pid, pid + P, ... up to a total that it
+a cumsum in registers, and walks the tiles t = pid, pid + num_programs, ... up to a total that it
 computed on the device. A tile finds its expert by counting how many tile-ranges end at
 or before it: a [BLOCK_L] vector compare-and-sum, no search loop.
 
 Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-built
 tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
-last expert and the K tail need no masks. A rows-tile may run into the next expert's rows;
+last expert and the I tail need no masks. A rows-tile may run into the next expert's rows;
 those rows produce garbage output rows that the masked store drops. Without TMA (odd
 shapes, and the CPU interpreter) plain pointer loads clamp rows into range for the same
-effect and mask columns and the K tail. `_wgrad_gemm` is the exception: there the rows
-are the reduction dim, so rows past the expert's end must be zeros, not garbage; full BK
+effect and mask columns and the I tail. `_wgrad_gemm` is the exception: there the rows
+are the reduction dim, so rows past the expert's end must be zeros, not garbage; full BI
 blocks stream unmasked and the one partial block at the end is zeroed.
 """
 
@@ -74,17 +74,17 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
     a_src, b_src, counts_ptr, out_ptr, h_ptr,
-    R, N, K, L, b_rows_per_expert,
-    EPILOGUE: tl.constexpr, B_KCONTIG: tl.constexpr, WRITE_ACT: tl.constexpr,
-    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    R, N, I, L, b_rows_per_expert,
+    EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
     EPI_PARTS: tl.constexpr,
 ):
-    """out[rows of e, :N] = epilogue(A[rows of e, :K] @ B_e), for all experts.
+    """out[rows of e, :N] = epilogue(A[rows of e, :I] @ B_e), for all experts.
 
-    B_e is rows [e * b_rows_per_expert, ...) of the 2-D weight view: [N, K] rows when
-    B_KCONTIG, [K, N] rows otherwise. EPI_SWIGLU reads a second B tile N rows below the
+    B_e is rows [e * b_rows_per_expert, ...) of the 2-D weight view: [N, I] rows when
+    B_ICONTIG, [I, N] rows otherwise. EPI_SWIGLU reads a second B tile N rows below the
     first (gate rows [0, N), up rows [N, 2N)), stores both to h [R, 2N] and act to out.
     EPI_SWIGLU_BWD reads h, overwrites it in place with its gradient and, with WRITE_ACT,
     stores the recomputed act to out. SwiGLU epilogues run in EPI_PARTS column blocks.
@@ -97,7 +97,7 @@ def _rows_gemm(
     tiles = tl.cdiv(counts, BLOCK_M) * n_tiles
     tile_ends = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
-    rk = tl.arange(0, BLOCK_K)
+    ri = tl.arange(0, BLOCK_I)
 
     # FLATTEN lets the compiler software-pipeline across tiles too, so the next tile's
     # loads overlap this tile's epilogue (at the cost of shared memory).
@@ -125,43 +125,43 @@ def _rows_gemm(
             # hide its contiguity from the compiler and cost the vectorised async copies.
             ra = tl.minimum(tl.arange(0, BLOCK_M), R - 1 - m0)
             rn = n0 + tl.arange(0, BLOCK_N)
-            a_ptrs = a_src + m0.to(tl.int64) * K + (ra[:, None] * K + rk[None, :])
+            a_ptrs = a_src + m0.to(tl.int64) * I + (ra[:, None] * I + ri[None, :])
             b_cols_ok = (rn < N)[None, :]
-            if B_KCONTIG:
-                b_ptrs = b_src + b_row0.to(tl.int64) * K + (rk[:, None] + rn[None, :] * K)
-                b_step = BLOCK_K
-                up_skip = N * K  # one expert's gate block; < 2**31 for any real expert
+            if B_ICONTIG:
+                b_ptrs = b_src + b_row0.to(tl.int64) * I + (ri[:, None] + rn[None, :] * I)
+                b_step = BLOCK_I
+                up_skip = N * I  # one expert's gate block; < 2**31 for any real expert
             else:
-                b_ptrs = b_src + b_row0.to(tl.int64) * N + (rk[:, None] * N + rn[None, :])
-                b_step = BLOCK_K * N
-                up_skip = 0  # unused: SwiGLU's gate_up is always K-contiguous
+                b_ptrs = b_src + b_row0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
+                b_step = BLOCK_I * N
+                up_skip = 0  # unused: SwiGLU's gate_up is always I-contiguous
 
-        for k0 in range(0, K, BLOCK_K):
+        for i0 in range(0, I, BLOCK_I):
             if USE_TMA:
-                a = a_src.load([m0, k0])
-                if B_KCONTIG:
-                    b = tl.trans(b_src.load([b_row0 + n0, k0]))
+                a = a_src.load([m0, i0])
+                if B_ICONTIG:
+                    b = tl.trans(b_src.load([b_row0 + n0, i0]))
                 else:
-                    b = b_src.load([b_row0 + k0, n0])
+                    b = b_src.load([b_row0 + i0, n0])
             else:
-                if EVEN_K:
+                if EVEN_I:
                     a = tl.load(a_ptrs)
                     b = tl.load(b_ptrs, mask=b_cols_ok, other=0.0)
                 else:
-                    a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
-                    b = tl.load(b_ptrs, mask=b_cols_ok & ((k0 + rk)[:, None] < K), other=0.0)
+                    a = tl.load(a_ptrs, mask=(i0 + ri)[None, :] < I, other=0.0)
+                    b = tl.load(b_ptrs, mask=b_cols_ok & ((i0 + ri)[:, None] < I), other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if EPILOGUE == EPI_SWIGLU:
                 if USE_TMA:
-                    b_up = tl.trans(b_src.load([b_row0 + N + n0, k0]))
-                elif EVEN_K:
+                    b_up = tl.trans(b_src.load([b_row0 + N + n0, i0]))
+                elif EVEN_I:
                     b_up = tl.load(b_ptrs + up_skip, mask=b_cols_ok, other=0.0)
                 else:
-                    b_up = tl.load(b_ptrs + up_skip, mask=b_cols_ok & ((k0 + rk)[:, None] < K),
+                    b_up = tl.load(b_ptrs + up_skip, mask=b_cols_ok & ((i0 + ri)[:, None] < I),
                                    other=0.0)
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
             if not USE_TMA:
-                a_ptrs += BLOCK_K
+                a_ptrs += BLOCK_I
                 b_ptrs += b_step
 
         # --- epilogue: a 64-bit base per tile and 32-bit offsets inside it ([BM, BN]
@@ -224,7 +224,7 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
     tl.store(gate_ptrs, d_gate.to(gate_ptrs.dtype.element_ty), mask=mask)
 
 
-# --- weight-gradient GEMM: a K loop over one expert's rows ----------------------------
+# --- weight-gradient GEMM: an I loop over one expert's rows ----------------------------
 
 
 @triton.jit
@@ -232,7 +232,7 @@ def _wgrad_gemm(
     g_src, x_src, counts_ptr, out_ptr,
     M, N, L,
     USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums."""
@@ -243,7 +243,7 @@ def _wgrad_gemm(
     idx = tl.arange(0, BLOCK_L)
     counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
     row_ends = tl.cumsum(counts, 0)
-    rk = tl.arange(0, BLOCK_K)
+    ri = tl.arange(0, BLOCK_I)
 
     for t in range(pid, L * per_expert, tl.num_programs(0)):
         e = t // per_expert
@@ -252,33 +252,33 @@ def _wgrad_gemm(
         n0 = pid_n * BLOCK_N
         count = _pick(counts, idx, e)
         r0 = _pick(row_ends, idx, e) - count
-        n_full = count // BLOCK_K
+        n_full = count // BLOCK_I
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
 
         if USE_TMA:
             for i in range(n_full):
-                g = g_src.load([r0 + i * BLOCK_K, m0])
-                x = x_src.load([r0 + i * BLOCK_K, n0])
+                g = g_src.load([r0 + i * BLOCK_I, m0])
+                x = x_src.load([r0 + i * BLOCK_I, n0])
                 acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
-            if count % BLOCK_K != 0:
+            if count % BLOCK_I != 0:
                 # The last block reaches into the next expert's rows: zero them.
-                r_tail = r0 + n_full * BLOCK_K
-                keep = (rk < count - n_full * BLOCK_K)[:, None]
+                r_tail = r0 + n_full * BLOCK_I
+                keep = (ri < count - n_full * BLOCK_I)[:, None]
                 g = tl.where(keep, g_src.load([r_tail, m0]), 0.0)
                 x = tl.where(keep, x_src.load([r_tail, n0]), 0.0)
                 acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
         else:
             rm = m0 + tl.arange(0, BLOCK_M)
             rn = n0 + tl.arange(0, BLOCK_N)
-            g_ptrs = g_src + r0.to(tl.int64) * M + (rk[:, None] * M + rm[None, :])
-            x_ptrs = x_src + r0.to(tl.int64) * N + (rk[:, None] * N + rn[None, :])
-            for k0 in range(0, count, BLOCK_K):
-                keep = (k0 + rk < count)[:, None]
+            g_ptrs = g_src + r0.to(tl.int64) * M + (ri[:, None] * M + rm[None, :])
+            x_ptrs = x_src + r0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
+            for i0 in range(0, count, BLOCK_I):
+                keep = (i0 + ri < count)[:, None]
                 g = tl.load(g_ptrs, mask=keep & (rm < M)[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=keep & (rn < N)[None, :], other=0.0)
                 acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
-                g_ptrs += BLOCK_K * M
-                x_ptrs += BLOCK_K * N
+                g_ptrs += BLOCK_I * M
+                x_ptrs += BLOCK_I * N
 
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -337,30 +337,30 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
-def rows_gemm(a_RK, w, counts_L, out, *, n, b_kcontig, cfg, use_tma,
+def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
               epilogue=EPI_PLAIN, h=None):
-    """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), K] when
-    b_kcontig, else [L, K, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
+    """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
+    b_icontig, else [L, I, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
-    _ensure_cuda_context(a_RK.device)
-    R, K = a_RK.shape
+    _ensure_cuda_context(a_RI.device)
+    R, I = a_RI.shape
     L = w.shape[0]
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     w2d = w.reshape(L * w.shape[1], w.shape[2])
     if use_tma:
-        a_src = _descriptor(a_RK, [bm, bk])
-        b_src = _descriptor(w2d, [bn, bk] if b_kcontig else [bk, bn])
+        a_src = _descriptor(a_RI, [bm, bi])
+        b_src = _descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
     else:
-        a_src, b_src = a_RK, w2d
+        a_src, b_src = a_RI, w2d
     # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
     tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn)
-    grid = (max(1, min(_max_programs(a_RK.device) * cfg.get("PROGS_PER_SM", 1), tile_bound)),)
+    grid = (max(1, min(_max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound)),)
     return _rows_gemm[grid](
-        a_src, b_src, counts_L, h if out is None else out, a_RK if h is None else h,
-        R, n, K, L, w.shape[1],
-        EPILOGUE=epilogue, B_KCONTIG=b_kcontig, WRITE_ACT=out is not None,
-        USE_TMA=use_tma, EVEN_K=K % bk == 0, DOT_PREC=_dot_prec(a_RK.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        a_src, b_src, counts_L, h if out is None else out, a_RI if h is None else h,
+        R, n, I, L, w.shape[1],
+        EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None,
+        USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=_dot_prec(a_RI.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
         EPI_PARTS=cfg.get("EPI_PARTS", 4),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -371,9 +371,9 @@ def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
     """Launch `_wgrad_gemm`: out_LMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
     _ensure_cuda_context(g_RM.device)
     L, M, N = out_LMN.shape
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     if use_tma:
-        g_src, x_src = _descriptor(g_RM, [bk, bm]), _descriptor(x_RN, [bk, bn])
+        g_src, x_src = _descriptor(g_RM, [bi, bm]), _descriptor(x_RN, [bi, bn])
     else:
         g_src, x_src = g_RM, x_RN
     tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -381,7 +381,7 @@ def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
     return _wgrad_gemm[grid](
         g_src, x_src, counts_L, out_LMN, M, N, L,
         USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

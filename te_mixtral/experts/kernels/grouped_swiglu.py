@@ -12,7 +12,7 @@ Six grouped GEMMs run in all (kernels in `grouped_gemm.py`):
               2. y = act @ down.T
     backward  3. dh = swiglu'(dy @ down, h)       SwiGLU gradient fused into this dgrad's
                                                   epilogue; it also re-creates act
-              4. d_down    = dy^T @ act           per expert, K = that expert's rows
+              4. d_down    = dy^T @ act           per expert, I = that expert's rows
               5. dx        = dh @ gate_up
               6. d_gate_up = dh^T @ x
 
@@ -20,14 +20,13 @@ What is kept for the backward, and why. Forward saves x and the pre-activations 
 2F per row) and frees act as soon as GEMM 2 has read it. The backward's SwiGLU-gradient
 epilogue needs gate and up anyway; from them act is recomputed elementwise at the cost
 of writing R x F values once more, and dh overwrites h in place (the tile that reads a
-gate/up pair is the only one that writes it). The alternatives, measured on an H100
-with Mixtral-8x7B shapes, 4 experts (docs/kernels.md):
-  * keep only x and recompute h: saves R x 2F x 2 bytes (1.88 GB at 4 x 8192 rows) but
-    re-runs GEMM 1: 12.0 of the op's 53.8 ms at 8192 rows per expert (22%), 0.34 of
-    1.67 ms at 64 (20%). Not worth it: with h saved, the op's peak memory is already a
-    quarter below grouped_mm's path (4.4 vs 5.9 GiB at 8192 rows per expert).
-  * also keep act: spares GEMM 3's epilogue one R x F write, measured at most 1.4 ms
-    (2.6%) at 8192 rows per expert, for R x F x 2 more bytes held (0.94 GB). Memory wins.
+gate/up pair is the only one that writes it). The alternatives, measured at Mixtral-8x7B
+shapes (docs/kernels.md; the figures are in docs/results/2026-11-21-kernel-notes.md):
+  * keep only x and recompute h: saves R x 2F x 2 bytes but re-runs GEMM 1, about a fifth
+    of the op at any row count. Not worth it: with h saved, the op's peak memory is already
+    below grouped_mm's path with many rows per expert.
+  * also keep act: spares GEMM 3's epilogue one R x F write, a few percent of the op at
+    most, for R x F x 2 more bytes held. Memory wins.
 Because dh reuses h's memory, calling backward twice through one forward raises.
 
 Precision. Operands are multiplied in the activation dtype with fp32 accumulation; the
@@ -58,14 +57,14 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
-# on an H100 (docs/kernels.md has the numbers). The regime comes from the mean rows per
+# on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers). The regime comes from the mean rows per
 # expert, R / L, which the host knows from shapes alone; the split stays on the device.
 # PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
 # accumulators from spilling; 2 is cheaper for small tiles).
-def _cfg(bm, bn, bk, warps, stages, progs=1, group=8, parts=4):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps,
+def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
                 num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts)
 
 
@@ -136,9 +135,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if use_tma is None:
             use_tma = _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
-            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_kcontig=True,
+            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True,
                       cfg=cfgs["gate_up"], use_tma=use_tma, epilogue=EPI_SWIGLU, h=h_R2F)
-            rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_kcontig=True,
+            rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_icontig=True,
                       cfg=cfgs["down"], use_tma=use_tma)
         ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF)
         ctx.cfgs, ctx.use_tma, ctx.h_consumed = cfgs, use_tma, False
@@ -167,12 +166,12 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
         # 3: dh overwrites h; act comes back for 4, then is freed.
         act_RF = x_RD.new_empty(R, F)
-        rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_kcontig=False,
+        rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_icontig=False,
                   cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F)
         dh_R2F = h_R2F
         wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma)
         del act_RF
-        rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_kcontig=False,
+        rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
                   cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
         wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma)
         return dx_RD, None, d_w1, d_w2, None, None

@@ -8,7 +8,7 @@ rowwise: `torch._scaled_grouped_mm` multiplies each output element by one float3
 of its row of A and one of its column of B, in the epilogue. So every operand row (A) and
 every operand column (B) gets its own scale, taken over the GEMM's reduction dim:
 
-    fprop  y = x w^T    x: one scale per row (over K); w: one per expert and output channel
+    fprop  y = x w^T    x: one scale per row (over I); w: one per expert and output channel
     dgrad  dx = dy w    dy: one per row (over N);       w: one per expert and input channel
     wgrad  dw = dy^T x  dy, x: one per expert and channel, over that expert's rows only
 
@@ -19,8 +19,8 @@ need of E5M2's range than one scale per tensor would. Accumulation is float32 in
 tensor cores (`use_fast_accum=False`), the output bfloat16.
 
 What `torch._scaled_grouped_mm` (PyTorch 2.11, CUDA) requires, and where we meet it:
-- A row-major, B column-major (`w_GNK.transpose(-2, -1)` of a contiguous w is).
-- K and N multiples of 16 (Mixtral's 4096 and 14336 are).
+- A row-major, B column-major (`w_GNI.transpose(-2, -1)` of a contiguous w is).
+- I and N multiples of 16 (Mixtral's 4096 and 14336 are).
 - `offs` int32, the running end of each group's rows.
 - Scales float32: A's 1-D over its rows; B's [G, N] for a 3-D B. When both operands are
   2-D (wgrad, groups cut along the reduction dim) scales are 1-D, group-major: A's
@@ -50,18 +50,18 @@ def quantize_rowwise(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torc
     return values.contiguous(), scale.squeeze(dim)
 
 
-def quantize_columns_per_group(x_PC: torch.Tensor, offsets_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For wgrad: x_CP, the transpose of x in E4M3, and scales_GC (flattened, group-major):
+def quantize_columns_per_group(x_QC: torch.Tensor, offsets_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For wgrad: x_CQ, the transpose of x in E4M3, and scales_GC (flattened, group-major):
     one scale per column per group, over that group's rows only.
 
     Every group's rows are a multiple of 16, so the per-group amax is a max over 16-row
     chunks, each wholly inside one group; a scatter-max (no host sync) folds the chunks
     of a group together.
     """
-    rows_P, cols_C = x_PC.shape
+    rows_Q, cols_C = x_QC.shape
     num_groups = offsets_G.numel()
-    chunks = x_PC.float().reshape(rows_P // _ROWS_PER_CHUNK, _ROWS_PER_CHUNK, cols_C)
-    chunk_starts = torch.arange(0, rows_P, _ROWS_PER_CHUNK, device=x_PC.device, dtype=offsets_G.dtype)
+    chunks = x_QC.float().reshape(rows_Q // _ROWS_PER_CHUNK, _ROWS_PER_CHUNK, cols_C)
+    chunk_starts = torch.arange(0, rows_Q, _ROWS_PER_CHUNK, device=x_QC.device, dtype=offsets_G.dtype)
     group_of_chunk = torch.searchsorted(offsets_G, chunk_starts, right=True).clamp(max=num_groups - 1)
 
     amax_GC = chunks.new_zeros(num_groups, cols_C).scatter_reduce_(
@@ -69,8 +69,8 @@ def quantize_columns_per_group(x_PC: torch.Tensor, offsets_G: torch.Tensor) -> t
     )
     scale_GC = amax_GC.clamp(min=_MIN_AMAX) / E4M3_MAX
     values = (chunks / scale_GC[group_of_chunk][:, None, :]).clamp(-E4M3_MAX, E4M3_MAX)
-    values_CP = values.to(torch.float8_e4m3fn).reshape(rows_P, cols_C).t().contiguous()
-    return values_CP, scale_GC.reshape(-1)
+    values_CQ = values.to(torch.float8_e4m3fn).reshape(rows_Q, cols_C).t().contiguous()
+    return values_CQ, scale_GC.reshape(-1)
 
 
 class FP8HopperGemms:
@@ -80,7 +80,7 @@ class FP8HopperGemms:
     stand-in with its semantics. `compile` runs the quantisers through `torch.compile`:
     each is a reduction and an elementwise pass that eager PyTorch spreads over about
     six kernels and float32 temporaries the size of the operand, which would cost a good
-    part of what FP8 saves (docs/precision.md has both timings).
+    part of what FP8 saves (docs/results/2026-11-21-fp8-hopper-notes.md has both timings).
     """
 
     recipe = "fp8-rowwise"
@@ -101,18 +101,18 @@ class FP8HopperGemms:
     def _gemm(self, a, b, scale_a, scale_b, offsets_G):
         return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=torch.bfloat16, use_fast_accum=False)
 
-    def fprop(self, x_PK, w_GNK, offsets_G):
-        x_q, x_scale_P = self._quantize_rows(x_PK)
-        w_q, w_scale_GN = self._quantize_rows(w_GNK)
-        return self._gemm(x_q, w_q.transpose(-2, -1), x_scale_P, w_scale_GN, offsets_G)
+    def fprop(self, x_QI, w_GNI, offsets_G):
+        x_q, x_scale_Q = self._quantize_rows(x_QI)
+        w_q, w_scale_GN = self._quantize_rows(w_GNI)
+        return self._gemm(x_q, w_q.transpose(-2, -1), x_scale_Q, w_scale_GN, offsets_G)
 
-    def dgrad(self, dy_PN, w_GNK, offsets_G):
-        dy_q, dy_scale_P = self._quantize_rows(dy_PN)
-        # B must be column-major [G, N, K]: quantise w^T ([G, K, N], made contiguous) along N.
-        wt_q, wt_scale_GK = self._quantize_rows(w_GNK.transpose(-2, -1))
-        return self._gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_P, wt_scale_GK, offsets_G)
+    def dgrad(self, dy_QN, w_GNI, offsets_G):
+        dy_q, dy_scale_Q = self._quantize_rows(dy_QN)
+        # B must be column-major [G, N, I]: quantise w^T ([G, I, N], made contiguous) along N.
+        wt_q, wt_scale_GI = self._quantize_rows(w_GNI.transpose(-2, -1))
+        return self._gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_Q, wt_scale_GI, offsets_G)
 
-    def wgrad(self, dy_PN, x_PK, offsets_G):
-        dy_NP, dy_scale_GN = self._quantize_columns(dy_PN, offsets_G)
-        x_KP, x_scale_GK = self._quantize_columns(x_PK, offsets_G)
-        return self._gemm(dy_NP, x_KP.t(), dy_scale_GN, x_scale_GK, offsets_G)
+    def wgrad(self, dy_QN, x_QI, offsets_G):
+        dy_NQ, dy_scale_GN = self._quantize_columns(dy_QN, offsets_G)
+        x_IQ, x_scale_GI = self._quantize_columns(x_QI, offsets_G)
+        return self._gemm(dy_NQ, x_IQ.t(), dy_scale_GN, x_scale_GI, offsets_G)

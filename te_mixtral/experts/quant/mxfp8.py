@@ -35,7 +35,7 @@ spec's authors) settle them:
 `floor(log2(amax))` is computed with `frexp`, which is exact; `log2` in float32 can round
 a value just under a power of two up to it and pick the wrong scale.
 
-Error bound (tests/test_mxfp8.py checks it): with E = floor(log2 amax) and s = E - 8,
+Error bound (tests/experts/quant/test_mxfp8.py checks it): with E = floor(log2 amax) and s = E - 8,
 an element that does not saturate (|V| <= 448 * 2^s) is off by at most half an E4M3 ulp:
 2^-4 |V| in the normal range, 2^(s-10) in the subnormal range; a saturated element is
 off by less than 64 * 2^s = 2^-2 * 2^E. So no element is ever off by more than a quarter
@@ -120,9 +120,9 @@ class MXFP8EmulatedGemms:
     """A grouped linear's three GEMMs with every operand in MXFP8, blocks along the GEMM's
     reduction dim, computed as `torch.nn.functional.grouped_mm` on the dequantised values.
 
-        fprop  y_PN   = x_PK  w_GNK^T per group   x, w quantised along K
-        dgrad  dx_PK  = dy_PN w_GNK   per group   dy, w quantised along N
-        wgrad  dw_GNK = dy_PN^T x_PK  per group   dy, x quantised along the group's rows
+        fprop  y_QN   = x_QI  w_GNI^T per group   x, w quantised along I
+        dgrad  dx_QI  = dy_QN w_GNI   per group   dy, w quantised along N
+        wgrad  dw_GNI = dy_QN^T x_QI  per group   dy, x quantised along the group's rows
 
     The same tensor is quantised once per GEMM that reads it, along that GEMM's reduction
     dim, as TE's MXFP8 recipe does (a rowwise and a columnwise copy): quantising once and
@@ -140,17 +140,17 @@ class MXFP8EmulatedGemms:
     def kernel(self) -> str:
         return "torch.nn.functional.grouped_mm on MXFP8-dequantised operands"
 
-    def fprop(self, x_PK, w_GNK, offsets_G):
-        dtype = _compute_dtype(x_PK)
+    def fprop(self, x_QI, w_GNI, offsets_G):
+        dtype = _compute_dtype(x_QI)
         return F.grouped_mm(
-            fake_quantize(x_PK, -1, dtype), fake_quantize(w_GNK, -1, dtype).transpose(-2, -1), offs=offsets_G
+            fake_quantize(x_QI, -1, dtype), fake_quantize(w_GNI, -1, dtype).transpose(-2, -1), offs=offsets_G
         )
 
-    def dgrad(self, dy_PN, w_GNK, offsets_G):
-        dtype = _compute_dtype(dy_PN)
-        return F.grouped_mm(fake_quantize(dy_PN, -1, dtype), fake_quantize(w_GNK, -2, dtype), offs=offsets_G)
+    def dgrad(self, dy_QN, w_GNI, offsets_G):
+        dtype = _compute_dtype(dy_QN)
+        return F.grouped_mm(fake_quantize(dy_QN, -1, dtype), fake_quantize(w_GNI, -2, dtype), offs=offsets_G)
 
-    def wgrad(self, dy_PN, x_PK, offsets_G):
-        dtype = _compute_dtype(dy_PN)
-        dy_NP = fake_quantize(dy_PN, 0, dtype).t().contiguous()
-        return F.grouped_mm(dy_NP, fake_quantize(x_PK, 0, dtype), offs=offsets_G)
+    def wgrad(self, dy_QN, x_QI, offsets_G):
+        dtype = _compute_dtype(dy_QN)
+        dy_NQ = fake_quantize(dy_QN, 0, dtype).t().contiguous()
+        return F.grouped_mm(dy_NQ, fake_quantize(x_QI, 0, dtype), offs=offsets_G)

@@ -14,9 +14,9 @@ Low-precision grouped GEMMs want every expert's row count rounded up:
 
 TE's own `Fp8Padding` takes the split sizes as a Python list, which means copying them to
 the host (a sync) every layer. Here the padded row positions are computed on the device. The one
-thing the host must know is the padded row count P, so P is a *static* bound that holds
+thing the host must know is the padded row count Q, so Q is a *static* bound that holds
 for any split: each expert gains at most `align - 1` rows (or `min_rows` if it had none),
-so P = R + L * max_gain rounded down to the alignment always suffices. Whatever is left
+so Q = R + L * max_gain rounded down to the alignment always suffices. Whatever is left
 over (the "slack", at most about L * align rows) is given to the last expert as extra
 zero rows: they produce outputs nobody reads and add nothing to weight gradients.
 """
@@ -30,8 +30,8 @@ import torch
 class PaddedRows:
     """Where every input row sits once each expert's row count is rounded up."""
 
-    rows_P: int  # padded row count: a host int, the same for any split
-    splits_L: torch.Tensor  # int64 padded rows per expert; multiples of align; sum == rows_P
+    rows_Q: int  # padded row count: a host int, the same for any split
+    splits_L: torch.Tensor  # int64 padded rows per expert; multiples of align; sum == rows_Q
     offsets_L: torch.Tensor  # int32 running end of each expert's rows (grouped_mm's `offs`)
     dest_R: torch.Tensor  # int64 padded row that input row r moves to
 
@@ -54,12 +54,12 @@ def padded_rows(tokens_per_expert_L: torch.Tensor, rows_R: int, align: int, min_
 
     splits_L = _round_up(counts_L, align).clamp(min=min_rows)
     max_gain = max(align - 1, min_rows)
-    rows_P = (rows_R + num_experts * max_gain) // align * align
-    # The slack goes to the last expert, so the splits sum to exactly rows_P. (Not
+    rows_Q = (rows_R + num_experts * max_gain) // align * align
+    # The slack goes to the last expert, so the splits sum to exactly rows_Q. (Not
     # `splits_L[-1] += ...`: assigning a Python number into a CUDA tensor copies it from
     # the host, a synchronising copy that set_sync_debug_mode("error") rejects.)
     is_last_L = torch.arange(num_experts, device=counts_L.device) == num_experts - 1
-    splits_L = splits_L + is_last_L * (rows_P - splits_L.sum())
+    splits_L = splits_L + is_last_L * (rows_Q - splits_L.sum())
 
     ends_L = counts_L.cumsum(0)
     padded_ends_L = splits_L.cumsum(0)
@@ -67,7 +67,7 @@ def padded_rows(tokens_per_expert_L: torch.Tensor, rows_R: int, align: int, min_
     rows = torch.arange(rows_R, device=counts_L.device)
     expert_R = torch.searchsorted(ends_L, rows, right=True)
     return PaddedRows(
-        rows_P=rows_P,
+        rows_Q=rows_Q,
         splits_L=splits_L,
         offsets_L=padded_ends_L.to(torch.int32),
         dest_R=rows + shift_L[expert_R],
@@ -75,10 +75,10 @@ def padded_rows(tokens_per_expert_L: torch.Tensor, rows_R: int, align: int, min_
 
 
 def pad_rows(x_RD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
-    """x_PD: the rows of x_RD at their padded places, zeros elsewhere (differentiable)."""
-    return x_RD.new_zeros(padded.rows_P, x_RD.shape[1]).index_copy(0, padded.dest_R, x_RD)
+    """x_QD: the rows of x_RD at their padded places, zeros elsewhere (differentiable)."""
+    return x_RD.new_zeros(padded.rows_Q, x_RD.shape[1]).index_copy(0, padded.dest_R, x_RD)
 
 
-def unpad_rows(y_PD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
-    """y_RD: the rows of y_PD that hold real rows, in input order (differentiable)."""
-    return y_PD.index_select(0, padded.dest_R)
+def unpad_rows(y_QD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
+    """y_RD: the rows of y_QD that hold real rows, in input order (differentiable)."""
+    return y_QD.index_select(0, padded.dest_R)

@@ -5,13 +5,13 @@ Shape suffixes: see te_mixtral/experts/base.py. G groups are the L local experts
 
 A linear layer's training step is three GEMMs, and each reduces over a different dim:
 
-    fprop   y_PN   = x_PK  @ w_GNK^T    per group, over K
-    dgrad   dx_PK  = dy_PN @ w_GNK      per group, over N
-    wgrad   dw_GNK = dy_PN^T @ x_PK     per group, over the group's rows
+    fprop   y_QN   = x_QI  @ w_GNI^T    per group, over I
+    dgrad   dx_QI  = dy_QN @ w_GNI      per group, over N
+    wgrad   dw_GNI = dy_QN^T @ x_QI     per group, over the group's rows
 
 Scaled low-precision formats attach their scales along the reduction dim, so each GEMM
-quantises its own operands: x is quantised along K for fprop and along rows for wgrad, w
-along K for fprop and along N for dgrad, dy along N for dgrad and along rows for wgrad.
+quantises its own operands: x is quantised along I for fprop and along rows for wgrad, w
+along I for fprop and along N for dgrad, dy along N for dgrad and along rows for wgrad.
 That is why a recipe is a set of three GEMMs (`GroupedGemms`) rather than one quantise
 function, and why this is a custom autograd Function: autograd of a quantise-then-matmul
 graph would reuse the forward's quantised operands in backward, scaled along the wrong dim.
@@ -45,44 +45,44 @@ class GroupedGemms(Protocol):
     row_align: int
     min_rows: int
 
-    def fprop(self, x_PK: torch.Tensor, w_GNK: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+    def fprop(self, x_QI: torch.Tensor, w_GNI: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
 
-    def dgrad(self, dy_PN: torch.Tensor, w_GNK: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+    def dgrad(self, dy_QN: torch.Tensor, w_GNI: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
 
-    def wgrad(self, dy_PN: torch.Tensor, x_PK: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+    def wgrad(self, dy_QN: torch.Tensor, x_QI: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
 
 
 class _ScaledGroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_PK, w_GNK, offsets_G, gemms):
-        ctx.save_for_backward(x_PK, w_GNK, offsets_G)
+    def forward(ctx, x_QI, w_GNI, offsets_G, gemms):
+        ctx.save_for_backward(x_QI, w_GNI, offsets_G)
         ctx.gemms = gemms
         # The recipe picks every operand's precision itself; an outer autocast must not
         # recast them. It gets detached tensors: nothing differentiates through it, and a
         # torch.compile'd quantiser would otherwise compile once per requires_grad flag.
-        with torch.autocast(x_PK.device.type, enabled=False):
-            return gemms.fprop(x_PK.detach(), w_GNK.detach(), offsets_G).to(x_PK.dtype)
+        with torch.autocast(x_QI.device.type, enabled=False):
+            return gemms.fprop(x_QI.detach(), w_GNI.detach(), offsets_G).to(x_QI.dtype)
 
     @staticmethod
-    def backward(ctx, dy_PN):
-        x_PK, w_GNK, offsets_G = (t.detach() for t in ctx.saved_tensors)
-        dy_PN = dy_PN.contiguous()  # autograd may hand over a broadcast view
-        dx_PK = dw_GNK = None
-        with torch.autocast(dy_PN.device.type, enabled=False):
+    def backward(ctx, dy_QN):
+        x_QI, w_GNI, offsets_G = (t.detach() for t in ctx.saved_tensors)
+        dy_QN = dy_QN.contiguous()  # autograd may hand over a broadcast view
+        dx_QI = dw_GNI = None
+        with torch.autocast(dy_QN.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dx_PK = ctx.gemms.dgrad(dy_PN, w_GNK, offsets_G).to(x_PK.dtype)
+                dx_QI = ctx.gemms.dgrad(dy_QN, w_GNI, offsets_G).to(x_QI.dtype)
             if ctx.needs_input_grad[1]:
-                dw_GNK = ctx.gemms.wgrad(dy_PN, x_PK, offsets_G).to(w_GNK.dtype)
-        return dx_PK, dw_GNK, None, None
+                dw_GNI = ctx.gemms.wgrad(dy_QN, x_QI, offsets_G).to(w_GNI.dtype)
+        return dx_QI, dw_GNI, None, None
 
 
-def scaled_grouped_linear(x_PK, w_GNK, offsets_G, gemms: GroupedGemms) -> torch.Tensor:
-    """y_PN = x_PK @ w_GNK[g]^T for each group g's rows, every GEMM in `gemms`' recipe."""
-    return _ScaledGroupedLinear.apply(x_PK, w_GNK, offsets_G, gemms)
+def scaled_grouped_linear(x_QI, w_GNI, offsets_G, gemms: GroupedGemms) -> torch.Tensor:
+    """y_QN = x_QI @ w_GNI[g]^T for each group g's rows, every GEMM in `gemms`' recipe."""
+    return _ScaledGroupedLinear.apply(x_QI, w_GNI, offsets_G, gemms)
 
 
-def scaled_grouped_swiglu(x_PD, offsets_L, gate_up_L2FD, down_LDF, gemms: GroupedGemms) -> torch.Tensor:
+def scaled_grouped_swiglu(x_QD, offsets_L, gate_up_L2FD, down_LDF, gemms: GroupedGemms) -> torch.Tensor:
     """The expert MLP of `experts/base.py` on padded rows: both projections low precision,
     the SwiGLU between them in the activations' dtype."""
-    h_PF = swiglu(scaled_grouped_linear(x_PD, gate_up_L2FD, offsets_L, gemms))
-    return scaled_grouped_linear(h_PF, down_LDF, offsets_L, gemms)
+    h_QF = swiglu(scaled_grouped_linear(x_QD, gate_up_L2FD, offsets_L, gemms))
+    return scaled_grouped_linear(h_QF, down_LDF, offsets_L, gemms)

@@ -109,17 +109,17 @@ class TEGroupedExperts:
             )
         return self._modules[key]
 
-    def _linear(self, x_PK, splits_L, w_LNK):
-        module = self._grouped_linear(w_LNK.shape[0], w_LNK.shape[2], w_LNK.shape[1], w_LNK.dtype)
-        weights = {f"weight{e}": w_NK for e, w_NK in enumerate(w_LNK.unbind(0))}
-        return functional_call(module, weights, (x_PK, splits_L))
+    def _linear(self, x_QI, splits_L, w_LNI):
+        module = self._grouped_linear(w_LNI.shape[0], w_LNI.shape[2], w_LNI.shape[1], w_LNI.dtype)
+        weights = {f"weight{e}": w_NI for e, w_NI in enumerate(w_LNI.unbind(0))}
+        return functional_call(module, weights, (x_QI, splits_L))
 
-    def mlp(self, x_PD: torch.Tensor, padded: PaddedRows, gate_up_L2FD, down_LDF) -> torch.Tensor:
+    def mlp(self, x_QD: torch.Tensor, padded: PaddedRows, gate_up_L2FD, down_LDF) -> torch.Tensor:
         te = _te()
         # The weights go in as they are (fp32 or bf16 masters): TE quantises them itself.
         with te.autocast(enabled=True, recipe=self.te_recipe):
-            h_P2F = self._linear(x_PD, padded.splits_L, gate_up_L2FD)
-            return self._linear(swiglu(h_P2F), padded.splits_L, down_LDF)
+            h_Q2F = self._linear(x_QD, padded.splits_L, gate_up_L2FD)
+            return self._linear(swiglu(h_Q2F), padded.splits_L, down_LDF)
 
 
 def _te_version() -> str:

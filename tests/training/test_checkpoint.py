@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_config_keys import old_layout
+from test_config import old_layout
 
 import te_mixtral.files as files
 import te_mixtral.saved_config as saved_config

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import REPO
-from test_expert_parallel import train_and_save
+from launch import train_ep
 
 from te_mixtral.config import load_config
 from te_mixtral.data.packing import batch_from_windows
@@ -110,7 +110,7 @@ def test_ep2_trains_alike_with_and_without_recompute(tmp_path):
     the trained weights and the expert rows each rank records come out the same."""
     runs = {}
     for recompute in MODES:
-        losses, weights = train_and_save(tmp_path, recompute, 2, 2, "--recompute", recompute,
+        losses, weights = train_ep(tmp_path, recompute, 2, 2, "--recompute", recompute,
                                          "--profile_phases", "true")
         rows = json.loads((tmp_path / recompute / "results.json").read_text())["expert_rows_per_rank"]
         runs[recompute] = losses, weights, rows

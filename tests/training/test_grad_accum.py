@@ -50,7 +50,7 @@ def assert_same_training(trained, nproc, ep, accum):
     # make sure the gradients are not all tiny, so the tolerance above could catch it.
     assert max(g.abs().max().item() for g in want_grads[0][0].values()) > 1e-2
     # The rest of the run follows: the second step's loss and the final weights agree
-    # (atol as tests/test_expert_parallel.py: Adam magnifies rounding in its eps regime).
+    # (atol as tests/distributed/test_expert_parallel.py: Adam magnifies rounding in its eps regime).
     assert losses[1] == pytest.approx(want_losses[1], rel=1e-5)
     for rank in range(nproc):
         for name, want in want_weights[rank].items():

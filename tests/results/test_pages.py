@@ -9,13 +9,14 @@ import sys
 
 import pytest
 from conftest import REPO
-from test_config_keys import old_layout
+from test_config import old_layout
 
 from te_mixtral.cli import parse_args as parse_app_args
 from te_mixtral.config import load_config, to_dict
 from te_mixtral.measure.report import run_header, write_results
 from te_mixtral.results import pages
-from te_mixtral.results.pages import build_page, main, speedup, write_page
+from te_mixtral.results.compare import speedup
+from te_mixtral.results.pages import build_page, main, write_page
 from te_mixtral.results.reproduce import reproduce_command
 from te_mixtral.results.runs import find_runs, group_runs
 from te_mixtral.saved_config import flatten, upgrade_saved

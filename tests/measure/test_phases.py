@@ -27,3 +27,14 @@ def test_expert_rows_per_rank_cover_every_token_copy(tmp_path):
     rows = results["expert_rows_per_rank"]
     # Every token's top-2 copies land on exactly one rank, in each of the tiny model's 2 layers.
     assert len(rows) == 2 and sum(rows) == 4 * 64 * 2 * 2
+
+
+@pytest.mark.slow
+def test_phase_profile_under_fsdp(tmp_path):
+    """Compute phases run on gathered weights; the gather is a phase of its own, no all-reduce."""
+    proc = run_app(["--ep-size", "1", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
+                    "--seq_len", "64", "--profile_phases", "true", "--sharding", "fsdp", "--output-dir", str(tmp_path)],
+                   nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
+    assert set(phases) == PHASES | {"all-gather"} and all(ms > 0 for ms in phases.values())

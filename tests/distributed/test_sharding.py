@@ -5,9 +5,7 @@ import json
 
 import pytest
 import torch
-from launch import run_app
-from test_expert_parallel import STEPS, train_and_save
-from test_phases import PHASES
+from launch import EP_STEPS, train_ep
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -22,10 +20,10 @@ def optimizer_bytes(tmp_path, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
 def test_fsdp_equals_unsharded(tmp_path, ep):
-    ref_losses, ref = train_and_save(tmp_path, "none", WORLD, ep)
-    losses, sharded = train_and_save(tmp_path, "fsdp", WORLD, ep, "--sharding", "fsdp")
+    ref_losses, ref = train_ep(tmp_path, "none", WORLD, ep)
+    losses, sharded = train_ep(tmp_path, "fsdp", WORLD, ep, "--sharding", "fsdp")
 
-    assert len(losses) == STEPS
+    assert len(losses) == EP_STEPS
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]  # it learned, so equal weights say something
@@ -49,22 +47,11 @@ def test_fsdp_equals_unsharded(tmp_path, ep):
 
 
 @pytest.mark.slow
-def test_phase_profile_under_fsdp(tmp_path):
-    """Compute phases run on gathered weights; the gather is a phase of its own, no all-reduce."""
-    proc = run_app(["--ep-size", "1", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
-                    "--seq_len", "64", "--profile_phases", "true", "--sharding", "fsdp", "--output-dir", str(tmp_path)],
-                   nproc=2)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
-    assert set(phases) == PHASES | {"all-gather"} and all(ms > 0 for ms in phases.values())
-
-
-@pytest.mark.slow
 def test_fsdp_with_accumulation_equals_one_unsharded_batch(tmp_path):
     """Under fsdp, only a step's last micro-batch reduce-scatters; the earlier ones add into
     FSDP's gradients, so two micro-batches train like one batch of both."""
-    ref_losses, ref = train_and_save(tmp_path, "none", WORLD, 2, "--batch_size", "8")
-    losses, sharded = train_and_save(tmp_path, "fsdp-accum", WORLD, 2, "--batch_size", "8", "--sharding", "fsdp",
+    ref_losses, ref = train_ep(tmp_path, "none", WORLD, 2, "--batch_size", "8")
+    losses, sharded = train_ep(tmp_path, "fsdp-accum", WORLD, 2, "--batch_size", "8", "--sharding", "fsdp",
                                      "--grad_accum_steps", "2")
     for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)

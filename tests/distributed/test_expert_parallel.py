@@ -1,29 +1,18 @@
 """Expert parallelism over gloo ranks trains exactly like one process on the same global batch."""
 
-import launch
 import pytest
 import torch
+from launch import EP_STEPS, train_ep
 
 from te_mixtral.distributed.layout import is_expert_param
-
-STEPS = 5
-COMMON = ["--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", "4", "--seq_len", "64",
-          "--log_every", "1"]
-
-
-def train_and_save(tmp_path, name, nproc, ep, *extra):
-    """Train with `COMMON` and `extra` arguments: each step's loss, and each rank's weights
-    (whole, as an unsharded rank holds them)."""
-    results, weights, _ = launch.train_and_save(tmp_path / name, [*COMMON, "--ep-size", str(ep), *extra], nproc)
-    return results["losses"], weights
 
 
 @pytest.mark.slow
 def test_ep2_equals_ep1(tmp_path):
-    ep1_losses, (ep1,) = train_and_save(tmp_path, "ep1", nproc=1, ep=1)
-    ep2_losses, (rank0, rank1) = train_and_save(tmp_path, "ep2", nproc=2, ep=2)
+    ep1_losses, (ep1,) = train_ep(tmp_path, "ep1", nproc=1, ep=1)
+    ep2_losses, (rank0, rank1) = train_ep(tmp_path, "ep2", nproc=2, ep=2)
 
-    assert len(ep2_losses) == STEPS
+    assert len(ep2_losses) == EP_STEPS
     for a, b in zip(ep2_losses, ep1_losses):
         assert abs(a - b) / abs(b) < 1e-5, (ep2_losses, ep1_losses)
     # The run must have learned something, or equal weights would prove nothing.
@@ -46,8 +35,8 @@ def test_ep2_equals_ep1(tmp_path):
 @pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
 def test_four_ranks_equal_one(tmp_path, ep):
     """World 4 in both layouts the 8-GPU runs use: EP=2 x DP=2 (replicas of the experts) and EP=4."""
-    ep1_losses, (ep1,) = train_and_save(tmp_path, "ep1", nproc=1, ep=1)
-    losses, shards = train_and_save(tmp_path, f"w4ep{ep}", nproc=4, ep=ep)
+    ep1_losses, (ep1,) = train_ep(tmp_path, "ep1", nproc=1, ep=1)
+    losses, shards = train_ep(tmp_path, f"w4ep{ep}", nproc=4, ep=ep)
     for a, b in zip(losses, ep1_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ep1_losses)
     for rank, shard in enumerate(shards):

@@ -121,7 +121,7 @@ def test_triton_kernels_in_interpreter():
 
 # Tiles far smaller than the shapes, so every case spans several row and column tiles,
 # several swizzle groups and several tiles per program of the persistent loop.
-TINY = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2)
+TINY = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_I=16, GROUP_M=2, num_warps=4, num_stages=2)
 
 INTERPRETER_CASES = {
     # name: (splits, D, F, tile table or None for the shipped one, TMA descriptors)

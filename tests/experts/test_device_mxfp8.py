@@ -1,0 +1,170 @@
+"""The `device_mxfp8` tier on the CPU: the emulated tier against float64 and fp32, no rows at
+all, no host synchronisation in what it issues (both CPU-runnable recipes), and how it picks
+its mode.
+
+Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows).
+"""
+
+import re
+
+import pytest
+import torch
+from quant_reference import MXFP8_MLP_RTOL, group_bounds, mlp_inputs, rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from te_mixtral.config import load_config
+from te_mixtral.errors import TierUnavailable, UserError
+from te_mixtral.experts.base import swiglu
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, select_mode
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant.mxfp8 import fake_quantize
+from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
+from te_mixtral.experts.quant.scaled_grouped import scaled_grouped_swiglu
+from te_mixtral.experts.registry import make_tier
+
+
+def test_emulated_tier_forward_matches_float64_on_the_quantised_operands():
+    gen = torch.Generator().manual_seed(3)
+    x_RD, counts, gate_up, down = mlp_inputs(gen)
+    tier = DeviceMXFP8Tier("mxfp8-emulated")
+    y_RD = tier(x_RD, counts, gate_up, down)
+
+    padded = padded_rows(counts, x_RD.shape[0], align=32)
+    x_QD = fake_quantize(pad_rows(x_RD, padded)).double()
+    gate_up_q, down_q = fake_quantize(gate_up).double(), fake_quantize(down).double()
+    expected = torch.zeros(padded.rows_Q, x_RD.shape[1], dtype=torch.float64)
+    for e, (start, end) in enumerate(group_bounds(padded.offsets_L)):
+        h = swiglu(x_QD[start:end] @ gate_up_q[e].T)
+        expected[start:end] = fake_quantize(h.float()).double() @ down_q[e].T
+    # fp32 vs float64 h can land an element of h on the other side of an E4M3 rounding
+    # boundary, now and then: far below the MXFP8 error itself.
+    assert rel_err(y_RD, unpad_rows(expected, padded)) < 1e-4
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_emulated_tier_forward_and_backward_close_to_fp32(seed):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = mlp_inputs(gen)
+    y = DeviceMXFP8Tier("mxfp8-emulated")(*inputs)
+    y_ref = LoopTier()(*inputs)
+    dy = torch.randn(y.shape, generator=gen)
+    grads = torch.autograd.grad(y, (inputs[0], inputs[2], inputs[3]), dy)
+    grads_ref = torch.autograd.grad(y_ref, (inputs[0], inputs[2], inputs[3]), dy)
+    assert rel_err(y, y_ref) < MXFP8_MLP_RTOL
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert rel_err(grad, grad_ref) < MXFP8_MLP_RTOL
+
+
+def test_tier_handles_no_rows_at_all():
+    gen = torch.Generator().manual_seed(6)
+    x_RD, _, gate_up, down = mlp_inputs(gen)
+    x_RD = x_RD[:0].detach().requires_grad_()
+    y = DeviceMXFP8Tier("mxfp8-emulated")(x_RD, torch.zeros(4, dtype=torch.int64), gate_up, down)
+    assert y.shape == (0, x_RD.shape[1])
+    y.sum().backward()
+    assert gate_up.grad.eq(0).all() and down.grad.eq(0).all()
+
+
+# --- no host synchronisation -----------------------------------------------------------------
+
+# Ops that make the host wait for the GPU when their tensors live there: reading a value
+# (.item(), .tolist(), int(t)), an output whose size depends on the data, or a tensor made
+# from Python data on its way to the device (assigning a Python number into a CUDA tensor
+# is one: a host-to-device copy from pageable memory).
+SYNCHRONISING_OPS = {
+    "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.lift_fresh",
+    "aten.repeat_interleave", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim",
+    "aten.equal", "aten.is_nonzero",
+}
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _shape_only_kernel(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+    """torch._scaled_grouped_mm's output shape, no arithmetic: the kernel itself reads the
+    offsets on the device, so only what the tier does around it is under test here."""
+    if mat_b.dim() == 3:
+        return torch.zeros(mat_a.shape[0], mat_b.shape[2], dtype=out_dtype)
+    return torch.zeros(offs.numel(), mat_a.shape[0], mat_b.shape[1], dtype=out_dtype)
+
+
+@pytest.mark.parametrize("gemms", ["mxfp8-emulated", "fp8-hopper"])
+def test_no_synchronising_op_in_forward_and_backward(gemms):
+    """The CPU half of tests/gpu's set_sync_debug_mode("error") check: every aten op the
+    tier issues, forward and backward, is one that never waits for the GPU."""
+    with _OpRecorder() as recorder:
+        t = torch.zeros(3, dtype=torch.int64)
+        t[-1] = 1
+    assert "aten.lift_fresh" in recorder.ops  # the recorder does see such ops
+
+    gen = torch.Generator().manual_seed(10)
+    x_RD, counts, gate_up, down = mlp_inputs(gen)
+    dy = torch.randn(x_RD.shape, generator=gen)
+    if gemms == "mxfp8-emulated":
+        tier = DeviceMXFP8Tier("mxfp8-emulated")
+    else:
+        hopper_gemms = FP8HopperGemms(_shape_only_kernel, compile=False)
+
+        def tier(x_RD, counts, gate_up, down):
+            padded = padded_rows(counts, x_RD.shape[0], hopper_gemms.row_align, hopper_gemms.min_rows)
+            y_QD = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, hopper_gemms)
+            return unpad_rows(y_QD, padded)
+
+    with _OpRecorder() as recorder:
+        torch.autograd.grad(tier(x_RD, counts, gate_up, down), (x_RD, gate_up, down), dy)
+    assert recorder.ops and not recorder.ops & SYNCHRONISING_OPS
+
+
+# --- choosing the mode ----------------------------------------------------------------------
+
+
+def test_auto_mode_by_device():
+    assert select_mode("auto", "cuda", (9, 0)) == "fp8-hopper"
+    assert select_mode("auto", "cuda", (10, 0)) == "mxfp8-te"
+    assert select_mode("mxfp8-emulated", "cuda", (8, 0)) == "mxfp8-emulated"
+
+
+@pytest.mark.parametrize("mode, device_type, capability, te_reason, message", [
+    ("auto", "cpu", None, None, "no 8-bit grouped GEMM for cpu; use --mxfp8_mode mxfp8-emulated"),
+    ("auto", "cuda", (8, 0), None, "no 8-bit grouped GEMM for cuda sm_80"),
+    ("auto", "cuda", (12, 0), None, "no 8-bit grouped GEMM for cuda sm_120"),
+    ("auto", "cuda", (10, 0), "not installed", "mode 'mxfp8-te' (picked by mode 'auto') here: not installed"),
+    ("mxfp8-te", "cuda", (9, 0), None, "need a Blackwell GPU (sm_100 to sm_110), this one is sm_90"),
+    ("fp8-hopper", "cuda", (10, 0), None, "needs a Hopper GPU (sm_90) and this one is sm_100"),
+    ("fp8-hopper", "cpu", None, None, "needs a CUDA GPU"),
+    ("mxfp8-te", "cpu", None, None, "needs a CUDA GPU"),
+])
+def test_modes_that_cannot_run_say_why_in_one_line(mode, device_type, capability, te_reason, message):
+    with pytest.raises(TierUnavailable, match=re.escape(message)) as error:
+        select_mode(mode, device_type, capability, lambda: te_reason)
+    assert "\n" not in str(error.value)
+
+
+def test_tier_from_the_registry_describes_what_runs():
+    tier = make_tier("device_mxfp8")
+    assert tier.name == "device_mxfp8" and tier.requested_mode == "auto"
+    with pytest.raises(RuntimeError):
+        tier.describe()
+    with pytest.raises(TierUnavailable):  # auto never picks emulation
+        tier.check_available(torch.device("cpu"))
+    tier = make_tier("device_mxfp8", load_config(None, {"mxfp8_mode": "mxfp8-emulated"}))
+    tier.check_available(torch.device("cpu"))
+    assert tier.describe() == {
+        "recipe": "mxfp8-emulated",
+        "kernel": "torch.nn.functional.grouped_mm on MXFP8-dequantised operands",
+        "device": "cpu",
+        "precision": "mxfp8",
+    }
+    with pytest.raises(TierUnavailable):
+        DeviceMXFP8Tier("fp8-hopper").check_available("cpu")
+    with pytest.raises(UserError, match="mode must be one of"):
+        DeviceMXFP8Tier("fp8")
