@@ -5,11 +5,13 @@ the config's own fields."""
 
 
 import argparse
+import signal
+import sys
 from pathlib import Path
 
 from te_mixtral.config import RunConfig, is_switch, load_config, settings, to_dict
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
-from te_mixtral.errors import UserError, report_error
+from te_mixtral.errors import ExitCode, UserError, report_error
 from te_mixtral.experts.registry import check_tier
 from te_mixtral.saved_config import flatten
 
@@ -91,6 +93,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
 
 
 def main(argv: list[str]) -> int:
+    """Run the command line; return the exit code (`errors.ExitCode`)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before training: once it starts, training/loop.py says where it stopped
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun sends a second one
+        print("te_mixtral: error: interrupted before the first step", file=sys.stderr, flush=True)
+        return ExitCode.INTERRUPTED
+
+
+def _run(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
         world_size = args.estimate_memory or world_size_from_env()

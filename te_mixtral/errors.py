@@ -4,10 +4,24 @@ Anything raised as a `UserError` is printed by the entry point as one line
 (`te_mixtral: error: ...`) on every rank, followed by a non-zero exit and no traceback.
 Every rank runs the same checks on the same inputs before the first collective, so every
 rank fails the same way and no rank is left waiting in a collective.
+
+The exit code says what kind of failure it was, so that a script can tell a run to fix
+from one to retry (docs/checkpoints.md lists them).
 """
 
 import sys
 import time
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    LOSS_CHECK_FAILED = 1  # the run finished, its losses are off the reference's
+    BAD_INPUT = 2  # refused: a config value, a path, a tier this machine cannot run
+    LOST_A_PEER = 3  # a collective failed: another rank died or hung
+    DIVERGED = 4  # a non-finite loss, gradient or weight: stopped, results.json kept
+    WRITE_FAILED = 5  # a checkpoint, export or results.json could not be written (a full disk)
+    INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report 128 + the signal number
 
 # torchrun stops every rank as soon as one exits non-zero. The others check the same input
 # and fail the same way moments later; this long lets each of them say so itself.
@@ -15,12 +29,12 @@ PEER_GRACE_S = 3.0
 
 
 def report_error(error: Exception, world_size: int) -> int:
-    """Print `error` as the one-line message and return the exit code (2); `world_size` is
+    """Print `error` as the one-line message and return its exit code; `world_size` is
     how many ranks torchrun started (`distributed.layout.world_size_from_env`)."""
     print(f"te_mixtral: error: {error}", file=sys.stderr, flush=True)
     if world_size > 1:
         time.sleep(PEER_GRACE_S)
-    return 2
+    return int(getattr(error, "exit_code", ExitCode.BAD_INPUT))
 
 
 def first_line(error: Exception) -> str:
@@ -31,6 +45,26 @@ def first_line(error: Exception) -> str:
 
 class UserError(Exception):
     """Bad input: a config value, a path, a tier this machine cannot run."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
+class Diverged(UserError):
+    """The loss, the gradient norm or the weights stopped being finite."""
+
+    exit_code = ExitCode.DIVERGED
+
+
+class WriteFailed(UserError):
+    """An output could not be written: the disk is full, or the folder went away."""
+
+    exit_code = ExitCode.WRITE_FAILED
+
+
+class Interrupted(UserError):
+    """The user pressed Ctrl-C (SIGINT)."""
+
+    exit_code = ExitCode.INTERRUPTED
 
 
 class TierUnavailable(UserError):

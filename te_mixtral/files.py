@@ -12,7 +12,12 @@ new one. The recipe is the same everywhere:
 
 A long run should also fail at its start, not after hours, when the folder it will write to
 is not writable or cannot hold what it will write: `require_writable` and
-`require_free_space` say so with a message a user can act on.
+`require_free_space` say so with a message a user can act on. A write that fails anyway
+(the disk filled up meanwhile) ends in one line, `write_failure`, not a traceback.
+
+Pitfall: a full disk does not always raise `OSError`. `torch.save` raises a `RuntimeError`
+("PytorchStreamWriter failed writing file" or "unexpected pos"), safetensors its own
+`SafetensorError`; the writers catch those too.
 """
 
 import hashlib
@@ -21,7 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, WriteFailed, first_line
 
 
 def fsync_path(path: Path) -> None:
@@ -77,11 +82,26 @@ def require_writable(path: Path, what: str) -> None:
         raise UserError(f"{what} {path} is not writable: {e.strerror}") from None
 
 
-def require_free_space(path: Path, needed_bytes: int, what: str) -> None:
-    free = shutil.disk_usage(path).free
+def require_free_space(path: Path, needed_bytes: int, what: str, reclaimable_bytes: int = 0) -> None:
+    """Refuse to start when `path`'s filesystem cannot take `needed_bytes` more; what the
+    writer deletes before it writes (`reclaimable_bytes`: leftovers of an interrupted save)
+    counts as free."""
+    free = shutil.disk_usage(path).free + reclaimable_bytes
     if free < needed_bytes:
         raise UserError(f"not enough free space in {path} for {what}: needs about {needed_bytes / 2**30:.2f} GiB, "
                         f"{free / 2**30:.2f} GiB free")
+
+
+def folder_bytes(path: Path) -> int:
+    """The bytes of every file under `path` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def write_failure(what: str, error: Exception) -> WriteFailed:
+    """The one-line error for a write of `what` that raised `error` (see the pitfall above)."""
+    if isinstance(error, OSError) and error.strerror:
+        return WriteFailed(f"cannot write {what}: {error.strerror}")
+    return WriteFailed(f"cannot write {what}: {first_line(error)} (is the disk full?)")
 
 
 def sha256_of(path: Path) -> str:

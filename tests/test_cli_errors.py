@@ -1,7 +1,20 @@
 """Bad input: one clear line, a non-zero exit, on every rank, no traceback, no hang."""
 
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+
 import pytest
+import torch
+from conftest import REPO
 from launch import assert_one_line_error, run_app
+from safetensors.torch import load_file
+
+from te_mixtral.errors import ExitCode
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -17,7 +30,9 @@ from launch import assert_one_line_error, run_app
     (["--loss-check", "no/such/results.json"], "does not exist"),
 ])
 def test_bad_input_is_one_line(args, fragment, tmp_path):
-    assert_one_line_error(run_app([*args, "--output-dir", str(tmp_path)]), fragment)
+    proc = run_app([*args, "--output-dir", str(tmp_path)])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, fragment)
 
 
 def test_tier_this_machine_cannot_run():
@@ -41,6 +56,58 @@ def test_hf_tier_is_single_process():
 
 
 def test_diverging_loss_stops_with_the_step(tmp_path):
-    proc = run_app(["--steps", "6", "--lr", "1e6", "--grad_clip", "1e9", "--output-dir", str(tmp_path)])
-    assert_one_line_error(proc, "the loss became", "at step")
-    assert not (tmp_path / "results.json").exists()
+    ckpt, export = tmp_path / "ckpt", tmp_path / "export"
+    proc = run_app(["--steps", "6", "--lr", "1e6", "--grad_clip", "1e9", "--output-dir", str(tmp_path / "out"),
+                    "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--save-hf", str(export),
+                    "--save-every", "1"])
+    assert proc.returncode == ExitCode.DIVERGED
+    line = assert_one_line_error(proc, "the gradient norm", "stopped without applying that step")[0]
+    step = int(re.search(r"at step (\d+)", line)[1])
+    # The diverged run keeps its losses and gradient norms, the last one not finite...
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(results["losses"]) == len(results["grad_norms"]) == step and results["stopped"] in line
+    assert all(math.isfinite(x) for x in results["grad_norms"][:-1]) and not math.isfinite(results["grad_norms"][-1])
+    # ... and every save holds the finite weights from before the step that was not applied.
+    assert (ckpt / "latest").read_text().strip() == f"step-{step - 1:06d}"
+    assert all(torch.isfinite(w).all() for w in torch.load(ckpt / f"step-{step - 1:06d}" / "rank00000.pt")["model"].values())
+    assert all(torch.isfinite(w).all() for f in export.glob("*.safetensors") for w in load_file(f).values())
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--generate", ""], "encodes to no tokens"),
+    (["--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--hidden_size", "48", "--head_dim", "24"],
+     "needs model.hidden_size to be a multiple of 32, got 48"),
+    (["--loss-check", "EMPTY"], "has no losses to compare with"),
+])
+def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"losses": []}))
+    proc = run_app([*[str(empty) if a == "EMPTY" else a for a in args], "--steps", "2", "--timing_warmup_steps", "1",
+                    "--output-dir", str(tmp_path / "out")])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, fragment)
+    assert "step    1/2" not in proc.stdout
+
+
+def test_resuming_with_data_that_trains_another_tokenizer_is_refused(tmp_path):
+    args = ["--seq_len", "64", "--timing_warmup_steps", "0", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = run_app([*args, "--steps", "1", "--max_documents", "40", "--output-dir", str(tmp_path / "a")])
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = run_app([*args, "--steps", "2", "--max_documents", "30", "--resume", "--output-dir", str(tmp_path / "b")])
+    assert_one_line_error(proc, "was trained with a different tokenizer")
+
+
+def test_ctrl_c_stops_every_rank_with_one_line_naming_the_last_checkpoint(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "run_finetune_ep.py"), "--steps", "500", "--log_every", "1",
+                             "--seq_len", "64", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+                             "--output-dir", str(tmp_path / "out")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait for step 3, past the first checkpoint
+        if "step    3/500" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.INTERRUPTED
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr),
+                          "interrupted at step", "the last checkpoint is", "step-00000", "--resume")

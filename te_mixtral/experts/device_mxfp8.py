@@ -94,6 +94,22 @@ def select_mode(requested: str, device_type: str, capability=None, te_reason=lam
     return mode
 
 
+# Each mode's GEMMs scale their inputs in blocks along the reduction dimension, which is the
+# hidden size D in one GEMM and the expert FFN size F in another: both must be a multiple of
+# the block (32 elements for MXFP8; 16-byte alignment, 16 elements, for Hopper's FP8 GEMM).
+# The expert rows are padded to a block by the tier; these two cannot be.
+DIM_MULTIPLE = {"mxfp8-emulated": 32, "mxfp8-te": 32, "fp8-hopper": 16}
+
+
+def check_dims(mode: str, hidden_size: int, intermediate_size: int) -> None:
+    """Raise a one-line `UserError` if `mode`'s GEMMs cannot take the model's sizes."""
+    multiple = DIM_MULTIPLE[mode]
+    for key, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if size % multiple:
+            raise UserError(f"tier 'device_mxfp8' in mode '{mode}' needs model.{key} to be a multiple of "
+                            f"{multiple}, got {size}")
+
+
 class _GemmsMLP:
     """The expert MLP from a set of grouped GEMMs (the two modes built in this project)."""
 
@@ -125,17 +141,20 @@ class DeviceMXFP8Tier(ExpertTier):
 
     name = "device_mxfp8"
 
-    def __init__(self, mode: str = "auto"):
+    def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None):
+        """`model_dims` (hidden size, expert FFN size), when given, are checked against the
+        mode that runs (`check_dims`) by `check_available`, before the model is built."""
         if mode not in MODES:
             raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.requested_mode = mode
+        self.model_dims = model_dims
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
         self._runner = None
 
     @classmethod
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
-        return cls(cfg.mxfp8_mode)
+        return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size))
 
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)
@@ -148,6 +167,8 @@ class DeviceMXFP8Tier(ExpertTier):
                 device = torch.device("cuda", torch.cuda.current_device())
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         mode = select_mode(self.requested_mode, device.type, capability, te_mxfp8.unavailable_reason)
+        if self.model_dims is not None:
+            check_dims(mode, *self.model_dims)
         if mode != self.mode:
             self._runner = _MODE_RUNNERS[mode]()
         self.mode, self._device = mode, device

@@ -25,7 +25,9 @@ docs/results/2026-11-21-checks-behind-tolerances.md.
 Only the first min(len(losses), len(reference)) steps are compared, so a long reference
 serves shorter runs and the reverse; comparing zero steps is an error, not a pass. Any NaN or
 infinity fails the check: in the compared steps of either run, or anywhere in the run's own
-losses (a run that diverges after the reference ends has still diverged).
+losses (a run that diverges after the reference ends has still diverged). A reference that
+could only fail (empty, or diverged within the steps the run will compare) is refused by
+`check_reference` before training, not after it.
 
 This module does not import torch: it runs on a laptop against two results.json files.
 """
@@ -107,17 +109,33 @@ def _rel_diff(loss: float, ref: float) -> float:
     return abs(loss - ref) / max(abs(ref), TINY)
 
 
-def check_losses(losses: list[float], reference: list[float], precision: str) -> LossCheck:
-    """Compare `losses` with `reference` at `precision`'s tolerances."""
+def _tolerance(precision: str) -> Tolerance:
     if precision not in TOLERANCES:
         raise UserError(f"no loss tolerance for precision '{precision}' (known: {', '.join(TOLERANCES)})")
+    return TOLERANCES[precision]
+
+
+def check_reference(reference: list[float], steps: int, precision: str, where: str) -> None:
+    """Before training `steps` steps: raise a one-line `UserError` if the reference read from
+    `where` could only make the check fail or error, whatever the run does."""
+    _tolerance(precision)
+    if not reference:
+        raise UserError(f"loss-check reference {where} has no losses to compare with")
+    bad = next((i for i, x in enumerate(reference[:steps]) if not math.isfinite(x)), None)
+    if bad is not None:
+        raise UserError(f"loss-check reference {where} has a non-finite loss at step {bad + 1} (a diverged run); "
+                        f"compare with a run that finished")
+
+
+def check_losses(losses: list[float], reference: list[float], precision: str) -> LossCheck:
+    """Compare `losses` with `reference` at `precision`'s tolerances."""
+    tolerance = _tolerance(precision)
     steps = min(len(losses), len(reference))
     if steps == 0:
         raise UserError(
             f"loss check has nothing to compare: the run has {len(losses)} steps, the reference {len(reference)}"
         )
     compared, ref = [float(x) for x in losses[:steps]], [float(x) for x in reference[:steps]]
-    tolerance = TOLERANCES[precision]
 
     non_finite = [i for i in range(steps) if not (math.isfinite(compared[i]) and math.isfinite(ref[i]))]
     non_finite += [i for i in range(steps, len(losses)) if not math.isfinite(losses[i])]

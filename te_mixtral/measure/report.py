@@ -14,7 +14,8 @@ A later run reads the file back with `read_results` and hands its `losses` to
 it is written to a temporary file in the same folder and renamed over the target, which
 the filesystem does in one step (`te_mixtral.files.write_text_atomic`). A diverged run
 still saves its losses: NaN is written as Python's `NaN`, which `json` reads back (strict
-JSON tools such as `jq` do not).
+JSON tools such as `jq` do not). When the file cannot be written (a full disk), its whole
+content is printed to stdout as one line, so the run's results survive in its log.
 """
 
 import json
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.errors import UserError
-from te_mixtral.files import require_writable, write_text_atomic
+from te_mixtral.files import require_writable, write_failure, write_text_atomic
 
 RESULTS_FILE = "results.json"
 CORE_KEYS = ("header", "summary", "losses")
@@ -105,16 +106,21 @@ def timing_table(summary: dict, header: dict) -> str:
 def write_results(
     output_dir: Path, header: dict, summary: dict, losses: list[float], extra: dict | None = None
 ) -> Path:
-    """Write `output_dir/results.json` atomically and return its path."""
+    """Write `output_dir/results.json` atomically and return its path; or print its content
+    and raise `WriteFailed`."""
     extra = extra or {}
     clash = sorted(set(extra) & set(CORE_KEYS))
     if clash:
         raise ValueError(f"extra results may not replace {', '.join(clash)}")
     payload = {"header": header, "summary": summary, "losses": [float(x) for x in losses], **extra}
 
-    output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / RESULTS_FILE
-    write_text_atomic(path, json.dumps(payload, indent=2))
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(payload, indent=2))
+    except OSError as e:
+        print(f"{RESULTS_FILE} (not saved): {json.dumps(payload)}", flush=True)
+        raise write_failure(f"{path} (its content is printed above)", e) from None
     return path
 
 

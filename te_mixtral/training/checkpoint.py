@@ -9,16 +9,18 @@ Everything the next step depends on, and nothing that can be recomputed:
 - the number of completed steps. That is also the data position and the learning rate:
   `PackedData.micro_batches(step)` and `training.optimizer.learning_rate(step)` are pure
   functions of the step, so a resumed run reads exactly the batches the lost one would have read;
-- the losses and evaluations so far, so that a resumed run's results.json tells the whole
-  story, and the run's config, so that resuming into a different model is refused.
+- the losses, gradient norms and evaluations so far, so that a resumed run's results.json
+  tells the whole story; the run's config, so that resuming into a different model is
+  refused; and the SHA-256 of the tokenizer's JSON, so that resuming with a different one
+  (a tokenizer trained on other data gives the same ids other meanings) is refused too.
 
 Layout on disk::
 
     checkpoint_dir/
       latest              "step-000040": the newest complete checkpoint; always written last
       step-000040/
-        meta.json         step, world and EP size, config, losses, evaluations, and the
-                          size and SHA-256 of every rank file
+        meta.json         step, world and EP size, config, tokenizer hash, losses, gradient
+                          norms, evaluations, and the size and SHA-256 of every rank file
         rank00000.pt      one per rank: {"model", "optimizer", "rng"} (torch.save)
         rank00001.pt
 
@@ -29,9 +31,11 @@ rank 0 collects their sizes and hashes, writes meta.json, fsyncs, renames the fo
 `step-000040`, and only then replaces `latest` (a temporary file, fsync, rename, each
 followed by an fsync of the folder so the rename itself is on disk). A run killed at any
 instant, or a disk that fills up, leaves `latest` naming the previous complete checkpoint;
-a `.tmp` folder is never read, and the next save removes it. On resume each rank checks its
-file's size and SHA-256 against meta.json before loading it, so a truncated or corrupted
-file is refused with a message instead of being half loaded.
+a `.tmp` folder is never read, and the next save removes it first (so the free-space check
+counts it as free). A save is refused, on every rank, when any rank's weights are not
+finite: `latest` never moves onto a diverged model. On resume each rank checks its file's
+size and SHA-256 against meta.json before loading it, so a truncated or corrupted file is
+refused with a message instead of being half loaded.
 
 Pitfalls: every rank writes into one folder that rank 0 then renames, so `checkpoint_dir`
 must be one filesystem that all ranks see (a local disk on one node, a shared filesystem
@@ -39,7 +43,9 @@ across nodes). Data-parallel replicas write identical shards; that costs disk sp
 correctness, and keeps every rank's file self-contained.
 """
 
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -49,15 +55,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max, all_reduce_sum
-from te_mixtral.errors import UserError
+from te_mixtral.errors import Diverged, UserError, WriteFailed
 from te_mixtral.files import (
+    folder_bytes,
     publish_folder,
     require_free_space,
     require_writable,
     sha256_of,
+    write_failure,
     write_text_atomic,
 )
 from te_mixtral.saved_config import flatten, upgrade_saved
@@ -79,14 +88,33 @@ def rank_file(rank: int) -> str:
 # --- collectives ------------------------------------------------------------------------
 
 
-def _barrier(layout: Layout) -> None:
-    if layout.world_size > 1:
-        dist.barrier()
-
-
 def _any_rank(flag: bool, layout: Layout, device: torch.device) -> bool:
     """Whether `flag` holds on any rank; every rank must call it."""
     return bool(all_reduce_max(torch.tensor(int(flag), device=device), layout).item())
+
+
+def _fail_together(problem: UserError | None, layout: Layout, device: torch.device, elsewhere: str) -> None:
+    """Raise `problem` on the rank that has one and `WriteFailed(elsewhere)` on the others,
+    so that no rank is left waiting in the next collective; every rank must call it."""
+    if _any_rank(problem is not None, layout, device):
+        raise problem or WriteFailed(elsewhere)
+
+
+def require_finite_weights(model: torch.nn.Module, layout: Layout, what: str) -> None:
+    """Raise `Diverged` on every rank when any rank holds a NaN or infinite weight; every
+    rank must call it. The largest magnitude is NaN or infinite exactly then, and PyTorch's
+    multi-tensor norm finds it in one pass with no temporary of the weights' size."""
+    local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+    device = local[0].device
+    bad = not math.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf).item())
+    if _any_rank(bad, layout, device):
+        raise Diverged(f"the weights are not finite (NaN or infinity); refusing to save {what}")
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """The fingerprint of a `data.tokenizer.Tokenizer`: the SHA-256 of its JSON (which
+    `tokenizers` writes the same way in every process)."""
+    return hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest()
 
 
 def _gather_to_main(obj, layout: Layout) -> list | None:
@@ -123,45 +151,69 @@ class TrainState:
     step: int = 0
     losses: list[float] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)  # evaluate.Evaluation dictionaries
+    grad_norms: list[float | None] = field(default_factory=list)  # None: a step of an older checkpoint
 
 
 class Checkpointer:
     """Saves and loads the training checkpoints of `cfg.checkpoint_dir` (see the module
     docstring). Every method is called by every rank at the same point of the run."""
 
-    def __init__(self, cfg: RunConfig, layout: Layout, device: torch.device):
+    def __init__(self, cfg: RunConfig, layout: Layout, device: torch.device, tokenizer_hash: str):
         self.dir = Path(cfg.checkpoint_dir).expanduser()
         self.keep = cfg.checkpoint_keep
         self.layout = layout
         self.device = device
+        self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
         require_writable(self.dir, "checkpoint directory")
 
     def check_free_space(self, model: torch.nn.Module) -> None:
-        """Refuse to start when one checkpoint (weights and AdamW's two moments, all ranks)
-        cannot fit, rather than fail at the first save."""
+        """Refuse to start when the checkpoints cannot fit, rather than fail at a save.
+
+        A save writes a new checkpoint (weights and AdamW's two moments, all ranks) while the
+        `keep` newest stay on disk, and prunes only after: at its peak the folder holds
+        `keep + 1` checkpoints. Those already here (a resumed run's) are on disk, so they
+        count as written; the leftovers of an interrupted save are deleted first, so they
+        count as free.
+        """
         local = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
-        total = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), self.layout)
-        require_free_space(self.dir, int(total.item()), "a training checkpoint")
+        one = int(all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), self.layout).item())
+        complete = [p for p in self.dir.iterdir() if _STEP_FOLDER.fullmatch(p.name)]
+        needed = (self.keep + 1 - min(len(complete), self.keep)) * one
+        reclaimable = sum(folder_bytes(p) for p in self._leftovers())
+        require_free_space(self.dir, needed, f"training checkpoints ({self.keep} kept and the one being written)",
+                           reclaimable)
+
+    def _leftovers(self) -> list[Path]:
+        return [p for p in self.dir.iterdir() if p.name.startswith("step-") and p.name.endswith((".tmp", ".old"))]
 
     def save(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              cfg: RunConfig) -> Path:
         name = step_folder(state.step)
         tmp = self.dir / f"{name}.tmp"
+        intact = "the previous checkpoint (if any) is intact"
+        require_finite_weights(model, self.layout, f"checkpoint {self.dir / name}; {intact}")
+        problem = None
         if self.layout.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # left behind by a run that died while saving
-            tmp.mkdir()
-        _barrier(self.layout)
+            try:
+                for leftover in self._leftovers():  # of runs that died while saving
+                    shutil.rmtree(leftover)
+                tmp.mkdir()
+            except OSError as e:
+                problem = write_failure(f"checkpoint folder {tmp}", e)
+        _fail_together(problem, self.layout, self.device, f"checkpoint {tmp} failed on rank 0 (see its error)")
         path = tmp / rank_file(self.layout.rank)
         blob = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(self.device)}
+        entry = None
         try:
             with open(path, "wb") as f:
                 torch.save(blob, f)
                 f.flush()
                 os.fsync(f.fileno())
             entry = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-        except OSError as e:
-            raise UserError(f"cannot write checkpoint file {path}: {e.strerror}; "
-                            f"the previous checkpoint (if any) is intact") from None
+        except (OSError, RuntimeError) as e:  # torch.save raises RuntimeError on a full disk
+            problem = WriteFailed(f"{write_failure(f'checkpoint file {path}', e)}; {intact}")
+        _fail_together(problem, self.layout, self.device, f"a rank could not write checkpoint {tmp} (see its "
+                                                          f"error); {intact}")
         entries = _gather_to_main(entry, self.layout)
         if self.layout.is_main:
             meta = {
@@ -169,6 +221,7 @@ class Checkpointer:
                 "date": datetime.now().isoformat(timespec="seconds"),
                 "world_size": self.layout.world_size,
                 "ep_size": self.layout.ep_size,
+                "tokenizer_sha256": self.tokenizer_hash,
                 **asdict(state),
                 "config": to_dict(cfg),
                 "files": {rank_file(rank): e for rank, e in enumerate(entries)},
@@ -179,9 +232,10 @@ class Checkpointer:
                 write_text_atomic(self.dir / LATEST, name + "\n")
                 self._prune(name)
             except OSError as e:
-                raise UserError(f"cannot finish checkpoint {self.dir / name}: {e.strerror}; "
-                                f"the previous checkpoint (if any) is intact") from None
-        _barrier(self.layout)  # every rank returns once the checkpoint is committed
+                problem = WriteFailed(f"{write_failure(f'checkpoint {self.dir / name}', e)}; {intact}")
+        # Every rank returns once the checkpoint is committed, or fails with rank 0.
+        _fail_together(problem, self.layout, self.device, f"rank 0 could not finish checkpoint {self.dir / name} "
+                                                          f"(see its error); {intact}")
         return self.dir / name
 
     def _prune(self, latest: str) -> None:
@@ -195,6 +249,13 @@ class Checkpointer:
         for path in folders:
             if path not in kept:
                 shutil.rmtree(path, ignore_errors=True)
+
+    def last_saved(self) -> Path | None:
+        """The checkpoint `latest` names, or None when there is none."""
+        try:
+            return self.dir / (self.dir / LATEST).read_text().strip()
+        except OSError:
+            return None
 
     def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig) -> TrainState:
         """Restore this rank's shard, optimizer and RNG from the checkpoint `latest` names."""
@@ -226,7 +287,8 @@ class Checkpointer:
             print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
             for note in _changed_settings(upgrade_saved(meta["config"]), to_dict(cfg)):
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
-        return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]))
+        grad_norms = meta.get("grad_norms", [None] * meta["step"])  # older checkpoints have none
+        return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]), grad_norms)
 
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         if meta.get("format") != FORMAT_VERSION:
@@ -240,6 +302,11 @@ class Checkpointer:
         if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
             raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
                             f"resume with the config it was written with ({folder / META})")
+        saved_tokenizer = meta.get("tokenizer_sha256")  # older checkpoints have none
+        if saved_tokenizer is not None and saved_tokenizer != self.tokenizer_hash:
+            raise UserError(f"checkpoint {folder} was trained with a different tokenizer (SHA-256 "
+                            f"{saved_tokenizer[:12]}..., this run's {self.tokenizer_hash[:12]}...): its token ids "
+                            f"would mean other words; resume with the data and tokenizer it was written with")
         if meta["step"] >= cfg.train.steps:
             raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
                             f"nothing left to do (raise --steps to train further)")

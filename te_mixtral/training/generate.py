@@ -46,13 +46,24 @@ def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_token
     return new
 
 
-def generate_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, layout: Layout,
-                  device: torch.device, autocast: AbstractContextManager) -> dict:
-    """Encode `prompt` (with the tokenizer's own special tokens, as transformers does),
-    continue it greedily, and return prompt, token ids and decoded text."""
+def encode_prompt(tokenizer: Tokenizer, prompt: str, max_positions: int) -> list[int]:
+    """The prompt's token ids (with the tokenizer's own special tokens, as transformers
+    adds them), or a one-line `UserError` when they leave nothing to generate. The training
+    loop calls this before the first step too, so a bad prompt does not wait for training."""
     prompt_ids = tokenizer.backend.encode(prompt).ids
     if not prompt_ids:
-        raise UserError("the generate prompt encodes to no tokens; give some text")
+        raise UserError(f"the generate prompt {prompt[:40]!r} encodes to no tokens (empty, or nothing the "
+                        f"tokenizer knows); give some text")
+    if len(prompt_ids) >= max_positions:
+        raise UserError(f"the generate prompt is {len(prompt_ids)} tokens, which leaves no room to generate "
+                        f"within model.max_position_embeddings ({max_positions})")
+    return prompt_ids
+
+
+def generate_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, layout: Layout,
+                  device: torch.device, autocast: AbstractContextManager) -> dict:
+    """Encode `prompt`, continue it greedily, and return prompt, token ids and decoded text."""
+    prompt_ids = encode_prompt(tokenizer, prompt, model.config.max_position_embeddings)
     tokens = greedy_generate(model, prompt_ids, max_new_tokens, tokenizer.eos_id, layout, device, autocast,
                              model.config.max_position_embeddings)
     return {"prompt": prompt, "prompt_ids": prompt_ids, "tokens": tokens, "text": tokenizer.backend.decode(tokens)}

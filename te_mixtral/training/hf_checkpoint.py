@@ -19,7 +19,8 @@ Out: `save_hf_checkpoint` writes the per-expert layout above (what transformers'
 layer plus one for the embeddings and head, with the sharded index. The experts of a layer
 are gathered to rank 0 one expert at a time and written before the next layer is gathered,
 so rank 0 holds at most its own shard plus one layer's experts, never the model twice. The
-folder is written under a temporary name and renamed when complete.
+folder is written under a temporary name and renamed when complete; weights that are not
+finite are refused before anything is written.
 """
 
 import dataclasses
@@ -30,19 +31,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from te_mixtral.config import ModelConfig, RunConfig, validate, validate_model
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import (
+    folder_bytes,
     fsync_path,
     publish_folder,
     require_free_space,
     require_writable,
+    write_failure,
 )
 from te_mixtral.model.hf_config import hf_config, model_config_from_hf
+from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.outputs import EXPORT_MARKER
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
@@ -235,18 +239,20 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     """Write `model` to `out_dir` as a Hugging Face Mixtral checkpoint (see the module
     docstring); return the folder on rank 0, None elsewhere.
 
-    Every rank of the first replica's EP group must call this (they send their experts);
-    the other replicas hold copies of the same weights and return at once. `tokenizer` is a
+    Every rank must call this (all check the weights are finite); the first replica's EP
+    group sends its experts, the other replicas hold copies of the same weights and return
+    once the check is done. `tokenizer` is a
     `te_mixtral.data.tokenizer.Tokenizer`; `model_source` is the checkpoint folder the weights came
     from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
     carried over.
     """
+    out_dir = Path(out_dir).expanduser()
+    require_finite_weights(model, layout, f"the Hugging Face export {out_dir}")
     if layout.rank >= layout.ep_size:
         return None
     m = model.config
     # The `hf` tier wraps transformers' model, whose v5 in-memory names are ours under `hf.`.
     params = {name.removeprefix("hf."): p for name, p in model.named_parameters()}
-    out_dir = Path(out_dir).expanduser()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     writer = None
     if layout.is_main:
@@ -254,7 +260,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while exporting
             tmp.mkdir(parents=True)
         except OSError as e:
-            raise UserError(f"cannot create {tmp} for the Hugging Face export: {e.strerror}") from None
+            raise write_failure(f"{tmp} for the Hugging Face export", e) from None
         writer = _ShardWriter(tmp, m.num_hidden_layers + 1)
 
     def cpu(tensor):
@@ -294,18 +300,20 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             for path in tmp.iterdir():
                 fsync_path(path)
             publish_folder(tmp, out_dir)
-    except OSError as e:
-        raise UserError(f"cannot write the Hugging Face export {out_dir}: {e.strerror}") from None
+    except (OSError, SafetensorError) as e:  # safetensors raises its own error on a full disk
+        raise write_failure(f"the Hugging Face export {out_dir}", e) from None
     return out_dir if writer else None
 
 
 def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layout, dtype: torch.dtype) -> None:
     """On rank 0, before training: refuse an export folder that cannot be created or hold
-    the model (all experts, in the export dtype)."""
+    the model (all experts, in the export dtype). An earlier export stays until the new one
+    is complete, so it takes space; `DIR.tmp`, left by an export that died, is deleted first."""
     if not layout.is_main:
         return
-    parent = Path(out_dir).expanduser().absolute().parent
-    require_writable(parent, "save_hf's parent folder")
+    out_dir = Path(out_dir).expanduser().absolute()
+    require_writable(out_dir.parent, "save_hf's parent folder")
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in model.named_parameters())
-    require_free_space(parent, numel * itemsize, "the Hugging Face export")
+    require_free_space(out_dir.parent, numel * itemsize, "the Hugging Face export",
+                       folder_bytes(out_dir.with_name(out_dir.name + ".tmp")))

@@ -3,10 +3,17 @@
 Warm-up and timed steps run the same code; `metrics.summarize` leaves the first
 `train.timing_warmup_steps` out of the statistics (of this process: a resumed run warms up
 again). Evaluation, checkpoints and exports run between steps, outside the timed part.
+
+Whatever can be checked before the first step is (the outputs, the loss-check reference,
+the generate prompt, the free space), so a run never fails after training for a reason it
+could have given before. A step whose loss or gradient norm is not finite is not applied:
+the run stops there, writes results.json with the losses so far, and exits with
+`ExitCode.DIVERGED`; a save refuses weights that are not finite the same way.
 """
 
 import contextlib
 import math
+import signal
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,20 +36,20 @@ from te_mixtral.distributed.parallelize import (
     reduce_gradients,
     set_gradient_sync,
 )
-from te_mixtral.errors import UserError, report_error
+from te_mixtral.errors import Diverged, ExitCode, Interrupted, UserError, report_error
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
-from te_mixtral.files import require_writable
+from te_mixtral.files import require_writable, write_failure
 from te_mixtral.measure import metrics, report
-from te_mixtral.measure.loss_check import check_losses
+from te_mixtral.measure.loss_check import check_losses, check_reference
 from te_mixtral.measure.memory import check_fits
 from te_mixtral.measure.phases import profile_phases
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
-from te_mixtral.training.checkpoint import Checkpointer, TrainState
+from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
 from te_mixtral.training.evaluate import evaluate, evaluations_table
-from te_mixtral.training.generate import generate_text
+from te_mixtral.training.generate import encode_prompt, generate_text
 from te_mixtral.training.hf_checkpoint import (
     adopt_checkpoint,
     check_export_space,
@@ -93,9 +100,20 @@ def progress_line(step: int, total: int, loss: float, lr: float, step_s: float) 
     return f"[{bar}] step {step + 1:>4}/{total}  loss {loss:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms"
 
 
+def stop_on_interrupt(state: TrainState, checkpointer: Checkpointer | None, total: int) -> None:
+    """From now on, Ctrl-C ends the run with one line on every rank (each gets the signal,
+    and torchrun sends another) saying where it stopped and what to resume from."""
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the second SIGINT must not interrupt the message
+        last = checkpointer.last_saved() if checkpointer else None
+        raise Interrupted(f"interrupted at step {state.step} of {total}; " + (
+            f"the last checkpoint is {last} (continue with --resume)" if last else "no checkpoint was written"))
+    signal.signal(signal.SIGINT, interrupted)
+
+
 @dataclass
 class TrainResult:
-    exit_code: int  # 0, or 1 when the loss check failed
+    exit_code: int  # ExitCode.OK, or LOSS_CHECK_FAILED
     losses: list[float]
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -131,13 +149,18 @@ def train(cfg: RunConfig) -> TrainResult:
                         f"{cfg.model.vocab_size}")
     eval_batches = data.eval_batches()
     model, ran_on = build_model(cfg, layout, device, model_dir)
+    if reference is not None:
+        check_reference(reference, cfg.train.steps, ran_on.get("precision", cfg.precision), cfg.loss_check)
+    if cfg.generate is not None:
+        encode_prompt(data.tokenizer, cfg.generate, cfg.model.max_position_embeddings)
     parallelize(model, layout, cfg.train.sharding)
     optimizer = make_optimizer(model, cfg)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
     export_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    checkpointer = Checkpointer(cfg, layout, device) if cfg.checkpoint_dir else None
+    checkpointer = Checkpointer(cfg, layout, device, tokenizer_sha256(data.tokenizer)) if cfg.checkpoint_dir else None
     state = checkpointer.load_latest(model, optimizer, cfg) if cfg.resume else TrainState()
+    stop_on_interrupt(state, checkpointer, cfg.train.steps)
     if checkpointer:
         checkpointer.check_free_space(model)
     if cfg.save_hf:
@@ -155,6 +178,7 @@ def train(cfg: RunConfig) -> TrainResult:
     # --- steps -------------------------------------------------------------------------
     timer = metrics.StepTimer(device)
     flops_per_step = []
+    stopped = None  # why the run stopped early (a Diverged error), if it did
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
         step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens)
@@ -181,17 +205,20 @@ def train(cfg: RunConfig) -> TrainResult:
             step_loss += loss.detach()
         # Once per optimizer step, after the last micro-batch: one communication of the sums.
         reduce_gradients(model, layout, cfg.train.sharding)
-        clip_grad_norm(model, cfg.train.grad_clip, layout)
+        grad_norm = clip_grad_norm(model, cfg.train.grad_clip, layout)  # global: the same on every rank
+        loss, norm = torch.stack([all_reduce_sum(step_loss, layout), grad_norm.double()]).tolist()
+        state.losses.append(loss)
+        state.grad_norms.append(norm)
+        if not (math.isfinite(loss) and math.isfinite(norm)):  # every rank sees the same two numbers
+            stopped = Diverged(f"the loss became {loss} and the gradient norm {norm} at step {step + 1}; "
+                               f"stopped without applying that step")
+            break
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        global_loss = all_reduce_sum(step_loss, layout)
         step_s = timer.stop()
 
         state.step = step + 1
-        state.losses.append(global_loss.item())
         flops_per_step.append(totals[1].item())
-        if not math.isfinite(state.losses[-1]):
-            raise UserError(f"the loss became {state.losses[-1]} at step {step + 1}; stopping")
         if layout.is_main and due(state.step, cfg.train.log_every, cfg.train.steps):
             print(progress_line(step, cfg.train.steps, state.losses[-1], lr, step_s), flush=True)
 
@@ -201,25 +228,31 @@ def train(cfg: RunConfig) -> TrainResult:
             state.evals.append(asdict(evaluation))
             if layout.is_main:
                 print(evaluation.line(cfg.train.steps), flush=True)
-        if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
-            checkpointer.save(state, model, optimizer, cfg)
-        if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
-            save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir, cfg.data.tokenizer)
+        try:  # each save refuses non-finite weights, on every rank
+            if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
+                checkpointer.save(state, model, optimizer, cfg)
+            if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
+                save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir,
+                                   cfg.data.tokenizer)
+        except Diverged as e:
+            stopped = Diverged(f"after step {state.step}: {e}")
+            break
 
     # --- report ------------------------------------------------------------------------
     generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device, autocast)
-                 if cfg.generate is not None else None)
+                 if cfg.generate is not None and not stopped else None)
     losses = state.losses
     timing_warmup = min(cfg.train.timing_warmup_steps, len(timer.times) - 1)  # a resumed run has fewer steps
     peak_memory = all_reduce_max(torch.tensor(metrics.peak_memory_bytes(device), device=device), layout).item()
     summary = metrics.summarize(
         timer.times, timing_warmup, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
         metrics.peak_flops(header["device"]), peak_memory,
-    )
-    exit_code = 0
+    ) if timer.times else {}  # none when the first step diverged
+    exit_code = ExitCode.OK
     # The estimate beside the measured peak, so that every run checks the estimate.
-    extra = {"estimated_peak_gib": estimate.total / 2**30, **({"evals": state.evals} if state.evals else {})}
-    if cfg.profile_phases:  # last: it steps the optimizer while timing it
+    extra = {"estimated_peak_gib": estimate.total / 2**30, "grad_norms": state.grad_norms,
+             **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {})}
+    if cfg.profile_phases and not stopped:  # last: it steps the optimizer while timing it
         last = micro_batches[-1]
 
         def forward_backward():
@@ -231,15 +264,19 @@ def train(cfg: RunConfig) -> TrainResult:
             model, optimizer, forward_backward, last, totals[0], autocast, layout, cfg)
     if generated is not None:
         extra["generate"] = generated
-    if reference is not None:
+    if reference is not None and not stopped:
         # An 8-bit tier is held to its own tolerance, whatever the rest of the model runs in.
         check = check_losses(losses, reference, ran_on.get("precision", cfg.precision))
         extra["loss_check"] = {"reference": cfg.loss_check, **check.record()}
-        exit_code = 0 if check.passed else 1
+        exit_code = ExitCode.OK if check.passed else ExitCode.LOSS_CHECK_FAILED
     if layout.is_main:
-        save_config(cfg, output_dir / "config.yaml")
         path = report.write_results(output_dir, header, summary, losses, extra)
-        print(report.timing_table(summary, header))
+        try:
+            save_config(cfg, output_dir / "config.yaml")
+        except OSError as e:
+            raise write_failure(f"{output_dir / 'config.yaml'}", e) from None
+        if summary:
+            print(report.timing_table(summary, header))
         if state.evals:
             print(evaluations_table(state.evals))
         if generated is not None:
@@ -249,6 +286,8 @@ def train(cfg: RunConfig) -> TrainResult:
         if reference is not None:
             print(check.table())
         print(f"results: {path}", flush=True)
+    if stopped:
+        raise stopped
     return TrainResult(exit_code, losses, model, optimizer)
 
 
@@ -269,4 +308,4 @@ def main(cfg: RunConfig) -> int:
         reason = (str(e).strip().splitlines() or ["no detail"])[0]
         print(f"te_mixtral: error: a collective failed, another rank probably died or hung (see its log); "
               f"resume from the last checkpoint with --resume ({reason[:200]})", file=sys.stderr, flush=True)
-        return 3
+        return ExitCode.LOST_A_PEER

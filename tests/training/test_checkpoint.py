@@ -3,6 +3,7 @@
 import dataclasses
 import errno
 import json
+import math
 import os
 from types import SimpleNamespace
 
@@ -14,17 +15,24 @@ import te_mixtral.files as files
 import te_mixtral.saved_config as saved_config
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.config import load_config
+from te_mixtral.data.tokenizer import Tokenizer, train_tokenizer
 from te_mixtral.distributed.layout import Layout
-from te_mixtral.errors import UserError
+from te_mixtral.errors import Diverged, UserError, WriteFailed
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.files import require_writable, sha256_of
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
-from te_mixtral.training.checkpoint import LATEST, Checkpointer, TrainState
+from te_mixtral.training.checkpoint import (
+    LATEST,
+    Checkpointer,
+    TrainState,
+    tokenizer_sha256,
+)
 from te_mixtral.training.optimizer import make_optimizer
 
 SINGLE = Layout(0, 1, 1, None, None)
 CPU = torch.device("cpu")
+TOKENIZER = "a" * 64  # the run's tokenizer_sha256, as the loop passes it
 
 
 @pytest.fixture
@@ -43,7 +51,7 @@ def setup(tmp_path):
         optimizer.step()
         return model, optimizer
 
-    return cfg, fresh, Checkpointer(cfg, SINGLE, CPU)
+    return cfg, fresh, Checkpointer(cfg, SINGLE, CPU, TOKENIZER)
 
 
 def save(ckpt, cfg, model, optimizer, step):
@@ -144,7 +152,7 @@ def test_resume_refuses_what_cannot_continue(setup, tmp_path):
     bigger = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=32))
     with pytest.raises(UserError, match="different model"):
         ckpt.load_latest(*fresh(), bigger)
-    two_ranks = Checkpointer(cfg, Layout(0, 2, 2, None, None), CPU)
+    two_ranks = Checkpointer(cfg, Layout(0, 2, 2, None, None), CPU, TOKENIZER)
     with pytest.raises(UserError, match="same world size and ep_size"):
         two_ranks.load_latest(*fresh(), cfg)
 
@@ -204,5 +212,84 @@ def test_space_and_writability_are_checked_up_front(setup, tmp_path, monkeypatch
     with pytest.raises(UserError, match="is not writable"):
         require_writable(blocker / "ckpt", "checkpoint directory")
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
-    with pytest.raises(UserError, match="not enough free space .* a training checkpoint"):
+    with pytest.raises(UserError, match="not enough free space .* training checkpoints"):
         ckpt.check_free_space(fresh()[0])
+
+
+def test_a_full_disk_in_torch_save_is_one_line_and_keeps_the_previous_checkpoint(setup, monkeypatch):
+    # What torch.save raises when a real disk fills up (measured on a 1 MiB tmpfs): a
+    # RuntimeError from its zip writer, not an OSError.
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    save(ckpt, cfg, model, optimizer, 2)
+
+    def disk_full(obj, f):
+        f.write(b"PK\x03\x04")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(WriteFailed, match="unexpected pos 704 vs 598 .is the disk full.*previous checkpoint"):
+        save(ckpt, cfg, model, optimizer, 4)
+    assert (ckpt.dir / LATEST).read_text().strip() == "step-000002"
+
+
+def test_non_finite_weights_are_never_saved(setup):
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    save(ckpt, cfg, model, optimizer, 2)
+    before = sorted(p.name for p in ckpt.dir.iterdir())
+    for bad in (math.nan, math.inf):
+        with torch.no_grad():
+            model.lm_head.weight[3, 5] = bad
+        with pytest.raises(Diverged, match="weights are not finite"):
+            save(ckpt, cfg, model, optimizer, 4)
+        assert sorted(p.name for p in ckpt.dir.iterdir()) == before  # `latest` still on step 2
+    assert (ckpt.dir / LATEST).read_text().strip() == "step-000002"
+
+
+def test_resume_refuses_a_different_tokenizer(setup, tmp_path):
+    cfg, fresh, ckpt = setup
+    documents = [f"document {i} about {word}" for i, word in enumerate(["cats", "dogs", "ships"] * 20)]
+    first = tokenizer_sha256(Tokenizer.wrap(train_tokenizer(documents, 300), "test"))
+    other = tokenizer_sha256(Tokenizer.wrap(train_tokenizer(documents[::-1][:30], 300), "test"))
+    assert first != other and first == tokenizer_sha256(Tokenizer.wrap(train_tokenizer(documents, 300), "test"))
+    saver = Checkpointer(cfg, SINGLE, CPU, first)
+    folder = save(saver, cfg, *fresh(), 3)
+    with pytest.raises(UserError, match="different tokenizer"):
+        Checkpointer(cfg, SINGLE, CPU, other).load_latest(*fresh(), cfg)
+    assert Checkpointer(cfg, SINGLE, CPU, first).load_latest(*fresh(), cfg).step == 3
+    meta = json.loads((folder / "meta.json").read_text())  # a checkpoint older than the fingerprint loads
+    del meta["tokenizer_sha256"], meta["grad_norms"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert Checkpointer(cfg, SINGLE, CPU, other).load_latest(*fresh(), cfg).grad_norms == [None] * 3
+
+
+def test_free_space_counts_every_kept_checkpoint_and_frees_leftovers(setup, monkeypatch):
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    one = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights and two moments
+
+    def free(nbytes):
+        monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=nbytes))
+
+    free(3 * one)  # checkpoint_keep 2: two kept while the third is written
+    ckpt.check_free_space(model)
+    free(3 * one - 1)
+    with pytest.raises(UserError, match="not enough free space .* training checkpoints .2 kept and the one being written"):
+        ckpt.check_free_space(model)
+    monkeypatch.undo()
+    save(ckpt, cfg, model, optimizer, 1)
+    save(ckpt, cfg, model, optimizer, 2)
+    # A save that died on a full disk left 'step-000003.tmp': the next save deletes it first,
+    # so it counts as free, and the two checkpoints already here as written.
+    leftover = ckpt.dir / "step-000003.tmp"
+    leftover.mkdir()
+    (leftover / "rank00000.pt").write_bytes(bytes(one // 2))
+    free(one - one // 2)
+    ckpt.check_free_space(model)
+    free(one - one // 2 - 1)
+    with pytest.raises(UserError, match="not enough free space"):
+        ckpt.check_free_space(model)
+    monkeypatch.undo()
+    save(ckpt, cfg, model, optimizer, 4)
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000002", "step-000004"]
