@@ -69,7 +69,8 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     assert all(math.isfinite(x) for x in results["grad_norms"][:-1]) and not math.isfinite(results["grad_norms"][-1])
     # ... and every save holds the finite weights from before the step that was not applied.
     assert (ckpt / "latest").read_text().strip() == f"step-{step - 1:06d}"
-    assert all(torch.isfinite(w).all() for w in torch.load(ckpt / f"step-{step - 1:06d}" / "rank00000.pt")["model"].values())
+    saved = torch.load(ckpt / f"step-{step - 1:06d}" / "rank00000.pt")["model"]
+    assert all(torch.isfinite(w).all() for w in saved.values())
     assert all(torch.isfinite(w).all() for f in export.glob("*.safetensors") for w in load_file(f).values())
 
 
@@ -83,7 +84,7 @@ def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"losses": []}))
     proc = run_app([*[str(empty) if a == "EMPTY" else a for a in args], "--steps", "2", "--timing_warmup_steps", "1",
-                    "--output-dir", str(tmp_path / "out")])
+                    "--log_every", "1", "--output-dir", str(tmp_path / "out")])
     assert proc.returncode == ExitCode.BAD_INPUT
     assert_one_line_error(proc, fragment)
     assert "step    1/2" not in proc.stdout

@@ -275,7 +275,7 @@ def test_free_space_counts_every_kept_checkpoint_and_frees_leftovers(setup, monk
     free(3 * one)  # checkpoint_keep 2: two kept while the third is written
     ckpt.check_free_space(model)
     free(3 * one - 1)
-    with pytest.raises(UserError, match="not enough free space .* training checkpoints .2 kept and the one being written"):
+    with pytest.raises(UserError, match="not enough free space .* checkpoints .2 kept and the one being written"):
         ckpt.check_free_space(model)
     monkeypatch.undo()
     save(ckpt, cfg, model, optimizer, 1)
