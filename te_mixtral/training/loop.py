@@ -9,6 +9,7 @@ import contextlib
 import math
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,7 +21,6 @@ from te_mixtral.distributed.layout import (
     Layout,
     all_reduce_max,
     all_reduce_sum,
-    clip_grad_norm,
     init_layout,
     world_size_from_env,
 )
@@ -50,7 +50,12 @@ from te_mixtral.training.hf_checkpoint import (
     resolve_model_path,
     save_hf_checkpoint,
 )
-from te_mixtral.training.optimizer import learning_rate, make_optimizer
+from te_mixtral.training.optimizer import (
+    clip_gradients,
+    learning_rate,
+    make_optimizer,
+    optimizer_step,
+)
 from te_mixtral.training.outputs import check_outputs
 
 
@@ -181,8 +186,8 @@ def train(cfg: RunConfig) -> TrainResult:
             step_loss += loss.detach()
         # Once per optimizer step, after the last micro-batch: one communication of the sums.
         reduce_gradients(model, layout, cfg.train.sharding)
-        clip_grad_norm(model, cfg.train.grad_clip, layout)
-        optimizer.step()
+        _, grad_scale = clip_gradients(optimizer, model, cfg.train.grad_clip, layout)
+        optimizer_step(optimizer, grad_scale)
         optimizer.zero_grad(set_to_none=True)
         global_loss = all_reduce_sum(step_loss, layout)
         step_s = timer.stop()
@@ -227,8 +232,11 @@ def train(cfg: RunConfig) -> TrainResult:
                 logits = model(last.input_ids, last.packed)
             causal_lm_loss(logits, last.labels, totals[0]).backward()
 
+        def clip():
+            return clip_gradients(optimizer, model, cfg.train.grad_clip, layout)[1]
+
         extra["phases_ms"], extra["expert_rows_per_rank"] = profile_phases(
-            model, optimizer, forward_backward, last, totals[0], autocast, layout, cfg)
+            model, clip, partial(optimizer_step, optimizer), forward_backward, last, totals[0], autocast, layout, cfg)
     if generated is not None:
         extra["generate"] = generated
     if reference is not None:
