@@ -28,19 +28,22 @@ FOUR_TOP2 = ["--model.num_experts", "4", "--model.num_experts_per_tok", "2"]
 
 @pytest.fixture(scope="module")
 def gradients(tmp_path_factory):
-    """`gradients(model_args, nproc, ep)`: per rank, (reduced, clipped) gradients of step 1."""
+    """`gradients(model_args, nproc, ep)`: per rank, (reduced, clipped) gradients of step 1;
+    `gradients.summaries[(model_args, nproc, ep)]`: the run's throughput summary."""
     runs = {}
 
     def run(model_args: list[str], nproc: int, ep: int):
         key = (tuple(model_args), nproc, ep)
         if key not in runs:
             out = tmp_path_factory.mktemp(f"w{nproc}-ep{ep}")
-            _, _, reduced = launch.train_and_save(out, [*COMMON, *model_args, "--ep-size", str(ep)], nproc)
+            results, _, reduced = launch.train_and_save(out, [*COMMON, *model_args, "--ep-size", str(ep)], nproc)
+            run.summaries[key] = results["summary"]
             clipped = [torch.load(out / "weights" / f"clipped{r}.pt") for r in range(nproc)]
             assert [len(g) for g in reduced] == [len(g) for g in clipped] == [1] * nproc
             runs[key] = [(r[0], c[0]) for r, c in zip(reduced, clipped)]
         return runs[key]
 
+    run.summaries = {}
     return run
 
 
@@ -81,3 +84,27 @@ def test_six_experts_top3_ep3(gradients):
 @pytest.mark.slow
 def test_four_experts_ep2_dp2(gradients):
     assert_same_gradients(gradients, FOUR_TOP2, nproc=4, ep=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_args,nproc,ep", [(SIX_TOP3, 2, 2), (SIX_TOP3, 3, 3), (FOUR_TOP2, 4, 2)],
+                         ids=["ep2", "ep3", "ep2xdp2"])
+def test_summary_counts_the_whole_global_step(gradients, model_args, nproc, ep):
+    """tokens/s and TFLOP/s per GPU, times the step time they were computed with, give back
+    the global step's tokens and the single process's model FLOPs: the same work is counted
+    whatever the layout (timings differ, the counts may not)."""
+    gradients(model_args, 1, 1)
+    gradients(model_args, nproc, ep)
+    one, many = (gradients.summaries[(tuple(model_args), n, e)] for n, e in ((1, 1), (nproc, ep)))
+
+    def counts(summary, world):
+        step_s = summary["median_step_ms"] / 1e3
+        return (summary["tokens_per_s"] * step_s, summary["tokens_per_s_per_gpu"] * world * step_s,
+                summary["tflops_per_gpu"] * 1e12 * world * step_s)
+
+    tokens, tokens_from_per_gpu, flops = counts(many, nproc)
+    want_tokens, _, want_flops = counts(one, 1)
+    assert want_tokens == pytest.approx(12 * 64, rel=1e-9) and want_flops > 0
+    assert tokens == pytest.approx(want_tokens, rel=1e-9)
+    assert tokens_from_per_gpu == pytest.approx(want_tokens, rel=1e-9)
+    assert flops == pytest.approx(want_flops, rel=1e-9)
