@@ -8,7 +8,8 @@ Usage: torchrun ... tests/workers/train_and_save.py WEIGHTS_DIR [run_finetune_ep
 Writes WEIGHTS_DIR/rank{r}.pt (the state dict) and WEIGHTS_DIR/grads{r}.pt: one dict of
 gradients per call of the loop's `reduce_gradients`, so the list's length is how many
 times the gradients were communicated; WEIGHTS_DIR/clipped{r}.pt: the same after each call
-of the loop's `clip_grad_norm` (what the optimizer stepped with).
+of the loop's `clip_gradients`, times the clip factor the optimizer applies itself (where it
+does): the gradients the optimizer stepped with.
 """
 
 import json
@@ -20,9 +21,10 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
-from te_mixtral.distributed.layout import clip_grad_norm, shutdown, world_size_from_env
+from te_mixtral.distributed.layout import shutdown, world_size_from_env
 from te_mixtral.distributed.parallelize import reduce_gradients
 from te_mixtral.training import loop
+from te_mixtral.training.optimizer import clip_gradients
 
 reduced, clipped = [], []
 
@@ -37,17 +39,18 @@ def recording_reduce_gradients(model, layout, sharding):
     reduced.append(local_grads(model))
 
 
-def recording_clip_grad_norm(model, max_norm, layout):
-    total_norm = clip_grad_norm(model, max_norm, layout)
-    clipped.append(local_grads(model))
-    return total_norm
+def recording_clip_gradients(optimizer, model, max_norm, layout):
+    total_norm, grad_scale = clip_gradients(optimizer, model, max_norm, layout)
+    grads = local_grads(model)
+    clipped.append(grads if grad_scale is None else {name: g * grad_scale for name, g in grads.items()})
+    return total_norm, grad_scale
 
 
 weights_dir = Path(sys.argv[1])
 args, overrides = parse_args(sys.argv[2:])
 cfg = load_config(args.config, overrides, world_size=world_size_from_env())
 loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrapped
-loop.clip_grad_norm = recording_clip_grad_norm
+loop.clip_gradients = recording_clip_gradients
 result = loop.train(cfg)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 weights_dir.mkdir(parents=True, exist_ok=True)
