@@ -70,6 +70,19 @@ class ModelConfig:
     max_position_embeddings: int = setting(32768, help="longest sequence the model is configured for")
     initializer_range: float = setting(0.02, help="standard deviation of the randomly initialised weights")
     tie_word_embeddings: bool = setting(False, help="share one matrix between the token embedding and the output layer")
+    # Training choices rather than architecture, kept here under transformers' names because
+    # an HF config.json carries the first (te_mixtral/model/router_losses.py explains both).
+    router_aux_loss_coef: float | None = setting(
+        None, help="weight of the load-balancing loss (transformers' Mixtral loss); null: the HF checkpoint's "
+        "router_aux_loss_coef when model_path loads one (0.02 for Mixtral), else 0")
+    router_z_loss_coef: float = setting(0.0, help="weight of the router z-loss (ST-MoE: mean of logsumexp(router "
+                                        "logits)^2); 0: off")
+
+    @property
+    def aux_loss_coef(self) -> float:
+        """The load-balancing loss's weight as used: null means off. (With model_path, the
+        checkpoint's value has replaced null before training: training/hf_checkpoint.py.)"""
+        return self.router_aux_loss_coef or 0.0
 
 
 @dataclass
@@ -387,6 +400,9 @@ def validate_model(cfg: RunConfig) -> None:
            f"model.num_key_value_heads ({m.num_key_value_heads})")
     for key in ("rms_norm_eps", "rope_theta", "initializer_range"):
         _check(0 < getattr(m, key) < math.inf, f"model.{key} must be finite and above 0, got {getattr(m, key)}")
+    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+        value = getattr(m, key)
+        _check(value is None or 0 <= value < math.inf, f"model.{key} must be finite and at least 0, got {value}")
     _check(m.head_dim % 2 == 0, f"model.head_dim must be even for rotary embeddings, got {m.head_dim}")
     _check(m.num_experts_per_tok <= m.num_experts,
            f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts ({m.num_experts})")

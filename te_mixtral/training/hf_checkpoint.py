@@ -69,11 +69,19 @@ def resolve_model_path(name: str) -> Path:
 
 def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunConfig:
     """`cfg` with the checkpoint's model config, and its tokenizer when `data.tokenizer` is
-    unset, validated again (the checkpoint's model must still fit the EP layout)."""
+    unset, validated again (the checkpoint's model must still fit the EP layout).
+
+    The router's loss weights are training choices, not architecture: a weight the config
+    sets wins; an unset `router_aux_loss_coef` takes the checkpoint's (0.02 for Mixtral: a
+    fine-tune keeps balancing the router as it was trained to be)."""
     tokenizer = cfg.data.tokenizer
     if tokenizer is None and (model_dir / "tokenizer.json").is_file():
         tokenizer = str(model_dir)
-    adopted = dataclasses.replace(cfg, model=model_config_from_hf(model_dir),
+    model = model_config_from_hf(model_dir)
+    model = dataclasses.replace(model, router_z_loss_coef=cfg.model.router_z_loss_coef,
+                                router_aux_loss_coef=(model.router_aux_loss_coef if cfg.model.router_aux_loss_coef
+                                                      is None else cfg.model.router_aux_loss_coef))
+    adopted = dataclasses.replace(cfg, model=model,
                                   data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     validate(adopted, world_size)
     validate_model(adopted)
