@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from te_mixtral.config import ModelConfig
-from te_mixtral.model.hf_config import hf_config
 from te_mixtral.distributed.layout import Layout
+from te_mixtral.model.hf_config import hf_config
 from te_mixtral.model.layers import PackedSequences
 from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_losses
 

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from te_mixtral.measure.expert_load import busiest_over_mean, ep_sizes, load_line, step_record
+from te_mixtral.measure.expert_load import (
+    busiest_over_mean,
+    ep_sizes,
+    load_line,
+    step_record,
+)
 
 
 def test_busiest_over_mean_is_taken_layer_by_layer():
