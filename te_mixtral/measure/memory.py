@@ -63,7 +63,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from te_mixtral.config import RECOMPUTE, ModelConfig, RunConfig, validate_model
+from te_mixtral.config import ModelConfig, RunConfig
+from te_mixtral.config_checks import RECOMPUTE, validate_model
 from te_mixtral.errors import UserError
 from te_mixtral.measure.report import format_table
 

@@ -143,7 +143,7 @@ def profile_phases(model, clip, optimizer_step, step_fn, batch, num_targets, aut
             mlp = layer.mlp
             x_TD = layer.post_attention_layernorm(moe_in).reshape(-1, moe_in.shape[-1]).detach()
             totals["router"] += ms(_forward_backward(model, lambda x: mlp.route(x)[0], x_TD))
-            weights_TK, experts_TK = (t.detach() for t in mlp.route(x_TD))
+            weights_TK, experts_TK = (t.detach() for t in mlp.route(x_TD)[:2])
             totals["dispatch"] += ms(_forward_backward(model,
                 lambda x: mlp.dispatch(x, weights_TK, experts_TK).x_RD, x_TD))
             routed = mlp.dispatch(x_TD, weights_TK, experts_TK)

@@ -9,6 +9,12 @@ function from the one transformers computes, silently:
 - fields that change the function but that our model does not implement (a sliding window
   shorter than the run's sequences, scaled rotary embeddings, another activation, training
   noise and dropout, quantized weights) are refused, each in one line naming the field.
+
+`router_aux_loss_coef` travels both ways: read from a config.json (Mixtral's says 0.02), and
+written into an exported one as the run used it. Mixtral's config.json also says
+`output_router_logits: false`, so a transformers fine-tune of it computes no aux loss unless
+asked; here the coefficient alone decides (training/hf_checkpoint.py's `adopt_checkpoint`
+says which value wins).
 """
 
 import json
@@ -29,6 +35,8 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 # What transformers' MixtralConfig assumes when one of the other keys is absent.
 _HF_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "initializer_range": 0.02,
                 "tie_word_embeddings": False, "rope_theta": 1e6}
+# What transformers' MixtralConfig takes when a config.json does not say.
+HF_DEFAULT_AUX_LOSS_COEF = 0.001
 
 
 def _typed(path: Path, key: str, value, expected: type):
@@ -108,6 +116,8 @@ def model_config_from_hf(checkpoint_dir: str | Path, longest_sequence: int | Non
     fields["rope_theta"], rope_type = _rope_theta_and_type(raw, path)
     _refuse_unimplemented(raw, path, rope_type,
                           fields["max_position_embeddings"] if longest_sequence is None else longest_sequence)
+    fields["router_aux_loss_coef"] = _typed(path, "router_aux_loss_coef",
+                                            raw.get("router_aux_loss_coef", HF_DEFAULT_AUX_LOSS_COEF), float)
     return ModelConfig(**fields)
 
 
@@ -118,4 +128,5 @@ def hf_config(m: ModelConfig):
     return MixtralConfig(
         **{theirs: getattr(m, ours) for ours, theirs in _CONFIG_KEYS.items()}, head_dim=m.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        router_aux_loss_coef=m.aux_loss_coef,
     )

@@ -123,6 +123,7 @@ class TrainState:
     step: int = 0
     losses: list[float] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)  # evaluate.Evaluation dictionaries
+    router: list[dict] = field(default_factory=list)  # measure/expert_load.step_record, per step
 
 
 class Checkpointer:
@@ -229,7 +230,8 @@ class Checkpointer:
             print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
             for note in _changed_settings(upgrade_saved(meta["config"]), to_dict(cfg)):
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
-        return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]))
+        return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]),
+                          list(meta.get("router", [])))  # none in checkpoints saved before it was kept
 
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         # A checkpoint saved before a config key moved or was renamed: read it in today's layout.

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from te_mixtral.config import ModelConfig, RunConfig, validate, validate_model
+from te_mixtral.config import ModelConfig, RunConfig
+from te_mixtral.config_checks import validate, validate_model
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import (
@@ -71,13 +72,21 @@ def resolve_model_path(name: str) -> Path:
 
 def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunConfig:
     """`cfg` with the checkpoint's model config, and its tokenizer when `data.tokenizer` is
-    unset, validated again (the checkpoint's model must still fit the EP layout)."""
+    unset, validated again (the checkpoint's model must still fit the EP layout).
+
+    The router's loss weights are training choices, not architecture: a weight the config
+    sets wins; an unset `router_aux_loss_coef` takes the checkpoint's (0.02 for Mixtral: a
+    fine-tune keeps balancing the router as it was trained to be)."""
     tokenizer = cfg.data.tokenizer
     if tokenizer is None and (model_dir / "tokenizer.json").is_file():
         tokenizer = str(model_dir)
     # Generation may run up to max_position_embeddings tokens (None), training seq_len.
     longest = None if cfg.generate is not None else cfg.data.seq_len
-    adopted = dataclasses.replace(cfg, model=model_config_from_hf(model_dir, longest),
+    model = model_config_from_hf(model_dir, longest)
+    model = dataclasses.replace(model, router_z_loss_coef=cfg.model.router_z_loss_coef,
+                                router_aux_loss_coef=(model.router_aux_loss_coef if cfg.model.router_aux_loss_coef
+                                                      is None else cfg.model.router_aux_loss_coef))
+    adopted = dataclasses.replace(cfg, model=model,
                                   data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     validate(adopted, world_size)
     validate_model(adopted)

@@ -33,7 +33,7 @@ from te_mixtral.errors import UserError, report_error
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable
-from te_mixtral.measure import metrics, report
+from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_losses
 from te_mixtral.measure.memory import check_fits
 from te_mixtral.measure.phases import profile_phases
@@ -91,11 +91,13 @@ def due(step: int, every: int, total: int) -> bool:
     return step == total or (every > 0 and step % every == 0)
 
 
-def progress_line(step: int, total: int, loss: float, lr: float, step_s: float) -> str:
+def progress_line(step: int, total: int, loss: float, lr: float, step_s: float, aux: float) -> str:
+    """`loss` is the LM loss; `aux` the load-balancing loss, unweighted."""
     width = 20
     done = width * (step + 1) // total
     bar = "#" * done + "." * (width - done)
-    return f"[{bar}] step {step + 1:>4}/{total}  loss {loss:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms"
+    return (f"[{bar}] step {step + 1:>4}/{total}  loss {loss:.4f}  aux {aux:.4f}  lr {lr:.2e}  "
+            f"{step_s * 1e3:7.1f} ms")
 
 
 @dataclass
@@ -160,6 +162,8 @@ def train(cfg: RunConfig) -> TrainResult:
     # --- steps -------------------------------------------------------------------------
     timer = metrics.StepTimer(device)
     flops_per_step = []
+    first_step = state.step + 1  # counted from 1; a resumed run starts later
+    run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
         step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens)
@@ -176,29 +180,37 @@ def train(cfg: RunConfig) -> TrainResult:
         targets = sum((micro.labels != -100).sum() for micro in micro_batches)
         totals = torch.stack([targets.double(), torch.tensor(step_flops, device=device, dtype=torch.float64)])
         all_reduce_sum(totals, layout)
-        step_loss = torch.zeros_like(totals[0])  # the losses are float64: they divide by totals
+        # The LM loss, then the router's two (a step's are its micro-batches' mean: see
+        # model/router_losses.py), float64: they divide by totals.
+        step_losses = torch.zeros(3, dtype=torch.float64, device=device)
+        step_load_YE = 0
         for micro in micro_batches:  # gradients add up in .grad, one micro-batch after another
             set_gradient_sync(model, layout, cfg.train.sharding, micro is micro_batches[-1])
             with autocast:
                 logits = model(micro.input_ids, micro.packed)
             loss = causal_lm_loss(logits, micro.labels, totals[0])
-            loss.backward()
-            step_loss += loss.detach()
+            router = model.router_losses(layout)
+            (loss + router.weighted(cfg.model) / len(micro_batches)).backward()
+            step_losses += torch.stack([loss, router.aux / len(micro_batches), router.z / len(micro_batches)]).detach()
+            step_load_YE = step_load_YE + router.tokens_per_expert_YE
         # Once per optimizer step, after the last micro-batch: one communication of the sums.
         reduce_gradients(model, layout, cfg.train.sharding)
         _, grad_scale = clip_gradients(optimizer, model, cfg.train.grad_clip, layout)
         optimizer_step(optimizer, grad_scale)
         optimizer.zero_grad(set_to_none=True)
-        global_loss = all_reduce_sum(step_loss, layout)
+        global_loss, global_aux, global_z = all_reduce_sum(step_losses, layout).tolist()
         step_s = timer.stop()
 
         state.step = step + 1
-        state.losses.append(global_loss.item())
+        state.losses.append(global_loss)
+        state.router.append(expert_load.step_record(global_aux, global_z, step_load_YE))
+        run_load_YE = step_load_YE if run_load_YE is None else run_load_YE + step_load_YE
         flops_per_step.append(totals[1].item())
         if not math.isfinite(state.losses[-1]):
             raise UserError(f"the loss became {state.losses[-1]} at step {step + 1}; stopping")
         if layout.is_main and due(state.step, cfg.train.log_every, cfg.train.steps):
-            print(progress_line(step, cfg.train.steps, state.losses[-1], lr, step_s), flush=True)
+            print(progress_line(step, cfg.train.steps, state.losses[-1], lr, step_s, global_aux), flush=True)
+            print(expert_load.load_line(state.router[-1], cfg.ep_size), flush=True)
 
         # --- between steps: evaluate, checkpoint, export (not timed) ---------------------
         if eval_batches and due(state.step, cfg.train.eval_every, cfg.train.steps):
@@ -223,7 +235,8 @@ def train(cfg: RunConfig) -> TrainResult:
     )
     exit_code = 0
     # The estimate beside the measured peak, so that every run checks the estimate.
-    extra = {"estimated_peak_gib": estimate.total / 2**30, **({"evals": state.evals} if state.evals else {})}
+    extra = {"estimated_peak_gib": estimate.total / 2**30, **({"evals": state.evals} if state.evals else {}),
+             **expert_load.results_entries(state.router, run_load_YE, (first_step, cfg.train.steps))}
     if cfg.profile_phases:  # last: it steps the optimizer while timing it
         last = micro_batches[-1]
 
