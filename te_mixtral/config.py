@@ -15,7 +15,6 @@ saved by older runs are read through `upgrade_saved`.
 """
 
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,16 +22,9 @@ from pathlib import Path
 
 import yaml
 
+from te_mixtral.config_checks import validate
 from te_mixtral.errors import UserError
 from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
-
-DTYPES = ("auto", "fp32", "bf16")
-OPTIMIZERS = ("adamw", "master_adamw")
-SHARDINGS = ("none", "fsdp")
-MOMENT_DTYPES = ("bf16", "fp32")
-RECOMPUTE = ("none", "selective", "full")
-BACKENDS = ("auto", "torch", "te")
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
@@ -70,6 +62,19 @@ class ModelConfig:
     max_position_embeddings: int = setting(32768, help="longest sequence the model is configured for")
     initializer_range: float = setting(0.02, help="standard deviation of the randomly initialised weights")
     tie_word_embeddings: bool = setting(False, help="share one matrix between the token embedding and the output layer")
+    # Training choices rather than architecture, kept here under transformers' names because
+    # an HF config.json carries the first (te_mixtral/model/router_losses.py explains both).
+    router_aux_loss_coef: float | None = setting(
+        None, help="weight of the load-balancing loss (transformers' Mixtral loss); null: the HF checkpoint's "
+        "router_aux_loss_coef when model_path loads one (0.02 for Mixtral), else 0")
+    router_z_loss_coef: float = setting(0.0, help="weight of the router z-loss (ST-MoE: mean of logsumexp(router "
+                                        "logits)^2); 0: off")
+
+    @property
+    def aux_loss_coef(self) -> float:
+        """The load-balancing loss's weight as used: null means off. (With model_path, the
+        checkpoint's value has replaced null before training: training/hf_checkpoint.py.)"""
+        return self.router_aux_loss_coef or 0.0
 
 
 @dataclass
@@ -310,92 +315,6 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         _apply(cfg, key, _parse_override(key, text))
     validate(cfg, world_size)
     return cfg
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
-
-
-def validate(cfg: RunConfig, world_size: int = 1) -> None:
-    """Every check that needs no process group; `world_size` from torchrun's environment.
-    The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
-    d, t = cfg.data, cfg.train
-    _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got '{cfg.backend}'")
-    _check(cfg.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
-    _check(t.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'")
-    _check(t.moment_dtype in MOMENT_DTYPES,
-           f"train.moment_dtype must be one of {', '.join(MOMENT_DTYPES)}, got '{t.moment_dtype}'")
-    _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
-           "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
-    _check(t.recompute in RECOMPUTE,
-           f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
-    _check(t.sharding in SHARDINGS, f"train.sharding must be one of {', '.join(SHARDINGS)}, got '{t.sharding}'")
-    _check(t.sharding == "none" or t.optimizer == "adamw",
-           "train.sharding fsdp works with train.optimizer adamw only (master_adamw does not step sharded parameters yet)")
-    _check(t.sharding == "none" or (cfg.checkpoint_dir is None and cfg.save_hf is None),
-           "train.sharding fsdp cannot save training checkpoints or HF exports yet: unset checkpoint_dir and save_hf")
-    _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
-    _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
-    _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
-    _check(0 <= t.timing_warmup_steps < t.steps,
-           f"train.timing_warmup_steps ({t.timing_warmup_steps}) must be below train.steps ({t.steps})")
-    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr and math.isfinite(t.lr),
-           f"need 0 <= train.min_lr <= train.lr and a finite lr > 0, got lr {t.lr}, min_lr {t.min_lr}")
-    _check(t.batch_size > 0, f"train.batch_size must be positive, got {t.batch_size}")
-    _check(t.warmup_steps >= 0, f"train.warmup_steps must be 0 or positive, got {t.warmup_steps}")
-    _check(0 < t.grad_clip < math.inf,
-           f"train.grad_clip must be a finite norm above 0 (a large one, e.g. 1e9, clips nothing), got {t.grad_clip}")
-    _check(0 <= t.weight_decay < math.inf, f"train.weight_decay must be finite and >= 0, got {t.weight_decay}")
-    for key in ("beta1", "beta2"):
-        _check(0 <= getattr(t, key) < 1, f"train.{key} must be in [0, 1), got {getattr(t, key)}")
-    _check(d.max_documents is None or d.max_documents > 0,
-           f"data.max_documents must be positive or null, got {d.max_documents}")
-    _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
-    _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
-    _check(world_size % cfg.ep_size == 0,
-           f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size})")
-    _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be at least 1, got {t.grad_accum_steps}")
-    _check(t.batch_size % (world_size * t.grad_accum_steps) == 0,
-           f"train.batch_size ({t.batch_size}) is not divisible by the world size ({world_size}) x "
-           f"train.grad_accum_steps ({t.grad_accum_steps}): each rank reads batch_size / (world x "
-           f"grad_accum_steps) samples per micro-batch")
-    _check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
-    _check(t.eval_every >= 0, f"train.eval_every must be 0 or positive, got {t.eval_every}")
-    _check(t.eval_every == 0 or d.eval_fraction > 0,
-           "train.eval_every needs held-out data: set data.eval_fraction (e.g. 0.05)")
-    for key in ("save_every", "checkpoint_every"):
-        _check(getattr(t, key) >= 0, f"train.{key} must be 0 or positive, got {getattr(t, key)}")
-    _check(t.save_every == 0 or cfg.save_hf is not None, "train.save_every needs save_hf (the folder to export to)")
-    _check(cfg.checkpoint_dir is not None or (t.checkpoint_every == 0 and not cfg.resume),
-           "train.checkpoint_every and resume need checkpoint_dir")
-    _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep must be at least 1, got {cfg.checkpoint_keep}")
-    _check(cfg.generate_tokens > 0, f"generate_tokens must be positive, got {cfg.generate_tokens}")
-    _check(cfg.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {cfg.dist_timeout_s}")
-    if cfg.model_path is None:  # else the checkpoint's config.json replaces the model section, checked then
-        validate_model(cfg)
-
-
-def validate_model(cfg: RunConfig) -> None:
-    """The checks of the model section, and of what must fit it."""
-    m, d = cfg.model, cfg.data
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok"):
-        _check(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
-    _check(m.num_attention_heads % m.num_key_value_heads == 0,
-           f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
-           f"model.num_key_value_heads ({m.num_key_value_heads})")
-    for key in ("rms_norm_eps", "rope_theta", "initializer_range"):
-        _check(0 < getattr(m, key) < math.inf, f"model.{key} must be finite and above 0, got {getattr(m, key)}")
-    _check(m.head_dim % 2 == 0, f"model.head_dim must be even for rotary embeddings, got {m.head_dim}")
-    _check(m.num_experts_per_tok <= m.num_experts,
-           f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts ({m.num_experts})")
-    _check(d.seq_len <= m.max_position_embeddings,
-           f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings ({m.max_position_embeddings})")
-    _check(d.tokenizer is not None or d.tokenizer_vocab_size <= m.vocab_size,
-           f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) exceeds model.vocab_size ({m.vocab_size})")
-    _check(m.num_experts % cfg.ep_size == 0,
-           f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")
 
 
 def to_dict(cfg: RunConfig) -> dict:

@@ -13,6 +13,7 @@ exists, has a data-file suffix, or is plainly a path; a typo in a local path mus
 into a hub download.
 """
 
+import codecs
 import itertools
 from pathlib import Path
 
@@ -35,23 +36,61 @@ def _embedded_dataset(text_field: str) -> datasets.Dataset:
 def _local_datasets(path: Path) -> list[datasets.Dataset]:
     """A file, or every .json/.jsonl/.txt file directly inside a folder (in name order)."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS)
+        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS and p.is_file())
         if not files:
             raise UserError(f"folder {path} holds no {'/'.join(LOCAL_BUILDERS)} files")
     elif path.suffix in LOCAL_BUILDERS:
         files = [path]
     else:
         raise UserError(f"cannot read {path}: data files must end in {', '.join(LOCAL_BUILDERS)}")
-    loaded = []
+    for file in files:
+        _check_text_file(file)
     # json and text files need different builders, so each run of same-kind files is one call.
-    for builder, run in itertools.groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix]):
-        names = [str(p) for p in run]
-        try:
-            # Local files all land in the "train" split, whatever `data.split` says.
-            loaded.append(datasets.load_dataset(builder, data_files=names, split="train"))
-        except Exception as e:
-            raise UserError(f"cannot read {', '.join(names)}: {first_line(e)}") from None
-    return loaded
+    return [_load_files(builder, list(run))
+            for builder, run in itertools.groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix])]
+
+
+def _check_text_file(path: Path) -> None:
+    """Refuse an empty or binary file before `datasets` reads it: its own error names
+    neither the file nor the problem ("An error occurred while generating the dataset")."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise UserError(f"cannot read data file {path}: {e.strerror}") from None
+    if not head.strip() and len(head) < (1 << 16):
+        raise UserError(f"data file {path} is empty")
+    try:
+        # Incremental, so a character cut at the end of the sample is not an error.
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        raise UserError(f"data file {path} is not UTF-8 text (a binary file?)") from None
+    if b"\0" in head:
+        raise UserError(f"data file {path} holds NUL bytes: it is binary, not text")
+
+
+def _cause(error: Exception) -> str:
+    """What went wrong inside `datasets`: its own top error only says that something did,
+    so report the first error it wraps, or that the file is not UTF-8 text."""
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(isinstance(e, UnicodeDecodeError) for e in chain):
+        return "not UTF-8 text"
+    return first_line(chain[1] if isinstance(error, datasets.exceptions.DatasetGenerationError) and len(chain) > 1
+                      else error)
+
+
+def _load_files(builder: str, files: list[Path]) -> datasets.Dataset:
+    try:
+        # Local files all land in the "train" split, whatever `data.split` says.
+        return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+    except Exception as e:
+        if len(files) > 1:  # find the file at fault: loaded alone, it raises naming itself
+            for file in files:
+                _load_files(builder, [file])
+        raise UserError(f"cannot read {', '.join(map(str, files))}: {_cause(e)}") from None
 
 
 def _hub_dataset(name: str, split: str) -> datasets.Dataset:

@@ -9,7 +9,8 @@ vocabulary size and `TOKENIZER_RECIPE`. Training is deterministic, so every rank
 every later run on the same documents, gets the same tokenizer.
 
 Pitfall: several ranks may train it at once on a cold cache; that is safe because training
-is deterministic and the file is written atomically.
+is deterministic and the file is written atomically. A cached file that no longer loads is
+trained again and replaced, the same way.
 """
 
 import hashlib
@@ -83,10 +84,23 @@ def _cache_key(documents: list[str], vocab_size: int) -> str:
     return hashlib.sha256(f"{TOKENIZER_RECIPE}:{content.hexdigest()}:{vocab_size}".encode()).hexdigest()[:20]
 
 
+def _read_cached(path: Path) -> tokenizers.Tokenizer | None:
+    """The cached tokenizer at `path`, or None when the file is damaged (a disk error, an
+    edit, a copy cut short): the cache can always be rebuilt, so a bad entry must not fail
+    every later run. One that loads but lacks the eos token that training adds is damaged too."""
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception:  # the tokenizers library raises a bare Exception for a malformed file
+        return None
+    return backend if backend.token_to_id("<eos>") is not None else None
+
+
 def _cached_tokenizer(documents: list[str], vocab_size: int) -> tokenizers.Tokenizer:
     path = cache_dir() / f"tokenizer-{_cache_key(documents, vocab_size)}.json"
     if path.exists():
-        return tokenizers.Tokenizer.from_file(str(path))
+        if (cached := _read_cached(path)) is not None:
+            return cached
+        print(f"te_mixtral: note: the cached tokenizer {path} is corrupt; training it again", flush=True)
     backend = train_tokenizer(documents, vocab_size)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -112,15 +112,16 @@ def all_reduce_max(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     return tensor
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout) -> torch.Tensor:
-    """Clip by the norm of the *global* gradient.
+def clip_factor(model: torch.nn.Module, max_norm: float, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm of the *global* gradient, and the factor that clips it to `max_norm` (1 when
+    it is within), both on the device.
 
     Dense gradients are identical on every rank after the all-reduce, so they count once;
     each rank holds a distinct shard of the experts of its replica, so their squares are
     summed over the EP group. Sharded by FSDP (distributed/parallelize.py), every rank holds
     a distinct shard of every gradient, dense and expert alike, so the squares of the local
-    shards are summed over the world. The norms and the scaling use PyTorch's multi-tensor
-    kernels: one pass over the gradients each, no temporaries of their size.
+    shards are summed over the world. The norms use PyTorch's multi-tensor kernels: one pass
+    over the gradients, no temporaries of their size.
     """
     dense, experts = [], []
     for name, param in model.named_parameters():
@@ -137,6 +138,14 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout) -> t
     elif layout.ep_group is not None and layout.ep_size > 1:
         dist.all_reduce(squares[1:], group=layout.ep_group)
     total_norm = squares.sum().sqrt()
-    # torch.nn.utils.clip_grads_with_norm_'s scaling, on gradients rather than parameters.
-    torch._foreach_mul_(dense + experts, (max_norm / (total_norm + 1e-6)).clamp(max=1.0))
+    # torch.nn.utils.clip_grads_with_norm_'s factor.
+    return total_norm, (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, layout: Layout) -> torch.Tensor:
+    """Scale the gradients in place by `clip_factor` (one multi-tensor pass); return the norm."""
+    total_norm, factor = clip_factor(model, max_norm, layout)
+    # DTensor gradients of two meshes do not mix in one multi-tensor call: scale their local shards.
+    torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                         for p in model.parameters() if p.grad is not None], factor)
     return total_norm

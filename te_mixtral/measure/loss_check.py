@@ -29,6 +29,14 @@ losses (a run that diverges after the reference ends has still diverged). A refe
 could only fail (empty, or diverged within the steps the run will compare) is refused by
 `check_reference` before training, not after it.
 
+The losses compared are the language-model loss alone (results.json's `losses`), not the
+training loss with the router's terms: the LM loss is what a user reads, it has the same
+meaning whatever the router coefficients, and references recorded before the router losses
+existed stay usable. Two runs with different router coefficients train differently, and
+the check sees it in the LM loss; runs that must agree are run with the same coefficients
+(a workload key, so the results pages keep them apart). The router's own losses are in
+`aux_losses` and `z_losses` beside it.
+
 This module does not import torch: it runs on a laptop against two results.json files.
 """
 

@@ -63,7 +63,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from te_mixtral.config import RECOMPUTE, ModelConfig, RunConfig, validate_model
+from te_mixtral.config import ModelConfig, RunConfig
+from te_mixtral.config_checks import RECOMPUTE, validate_model
 from te_mixtral.errors import UserError
 from te_mixtral.measure.report import format_table
 
@@ -389,7 +390,7 @@ def print_estimate(cfg: RunConfig, world_size: int) -> int:
     if cfg.model_path is not None:  # a local checkpoint folder's config.json replaces `model`
         from te_mixtral.model.hf_config import model_config_from_hf
 
-        cfg = replace(cfg, model=model_config_from_hf(Path(cfg.model_path).expanduser()))
+        cfg = replace(cfg, model=model_config_from_hf(Path(cfg.model_path).expanduser(), cfg.data.seq_len))
         validate_model(cfg)
     # --gpu names a GPU: estimate a GPU run even from a machine without one.
     device = "cuda" if cfg.gpu is not None and cfg.device != "cpu" else cfg.resolved_device()

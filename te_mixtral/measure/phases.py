@@ -12,7 +12,7 @@ and backward, on the very inputs it received in the last step:
     all-reduce the gradient sums over ranks (te_mixtral/distributed/layout.py; only with several ranks)
     all-gather instead of all-reduce when FSDP shards the model (train.sharding fsdp): gathering
                every unit's weights once, as each forward does (and each backward again)
-    clip       the global gradient norm, and scaling by it
+    clip       the global gradient norm, and scaling by it (MasterAdamW scales as it steps)
     optimizer  the AdamW step
 
 With gradient accumulation a step runs the forward and backward phases once per
@@ -41,7 +41,6 @@ from torch.distributed.fsdp import FSDPModule
 from te_mixtral.distributed.layout import (
     all_reduce_gradients,
     all_reduce_max,
-    clip_grad_norm,
 )
 from te_mixtral.measure.metrics import StepTimer
 from te_mixtral.model.mixtral import causal_lm_loss
@@ -107,10 +106,11 @@ def _fsdp_communicates(units: list, root, communicate: bool) -> None:
             unit.unshard()
 
 
-def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layout, cfg
+def profile_phases(model, clip, optimizer_step, step_fn, batch, num_targets, autocast, layout, cfg
                    ) -> tuple[dict, list[int]]:
     """Per-phase milliseconds (summed over layers) of one step, and each rank's expert rows
-    in the last micro-batch."""
+    in the last micro-batch. `clip()` clips the gradients as the loop does and returns what
+    `optimizer_step(...)` takes (training/optimizer.py's `clip_gradients` and `optimizer_step`)."""
     device = next(model.parameters()).device
     captured = _capture_inputs(model, step_fn)
 
@@ -125,8 +125,9 @@ def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layo
         update_ms["all-gather"] = ms(lambda: [unit.unshard() for unit in units] + [unit.reshard() for unit in units])
     elif layout.world_size > 1:
         update_ms["all-reduce"] = ms(lambda: all_reduce_gradients(model, layout))
-    update_ms["clip"] = ms(lambda: clip_grad_norm(model, cfg.train.grad_clip, layout))
-    update_ms["optimizer"] = ms(optimizer.step)
+    update_ms["clip"] = ms(clip)
+    grad_scale = clip()
+    update_ms["optimizer"] = ms(lambda: optimizer_step(grad_scale))
     packed = batch.packed
     rotary = model.model.rotary(packed.position_ids_BS)
     totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head"), 0.0)
@@ -142,7 +143,7 @@ def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layo
             mlp = layer.mlp
             x_TD = layer.post_attention_layernorm(moe_in).reshape(-1, moe_in.shape[-1]).detach()
             totals["router"] += ms(_forward_backward(model, lambda x: mlp.route(x)[0], x_TD))
-            weights_TK, experts_TK = (t.detach() for t in mlp.route(x_TD))
+            weights_TK, experts_TK = (t.detach() for t in mlp.route(x_TD)[:2])
             totals["dispatch"] += ms(_forward_backward(model,
                 lambda x: mlp.dispatch(x, weights_TK, experts_TK).x_RD, x_TD))
             routed = mlp.dispatch(x_TD, weights_TK, experts_TK)
@@ -158,7 +159,7 @@ def profile_phases(model, optimizer, step_fn, batch, num_targets, autocast, layo
     totals = {name: ms * cfg.train.grad_accum_steps for name, ms in totals.items()}
     totals.update(update_ms)
     _fsdp_communicates(units, model, True)
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     rows_per_rank = [expert_rows]
     if layout.world_size > 1:  # the slowest rank bounds the step (routing is rarely balanced)
         slowest = all_reduce_max(torch.tensor(list(totals.values()), dtype=torch.float64, device=device), layout)

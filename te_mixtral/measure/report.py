@@ -6,8 +6,10 @@ output folder:
     {"header":  {"date", "tier", "device", "world_size", "ep_size", "precision",
                  "versions", "config", ...},
      "summary": {...},            # metrics.summarize's dictionary
-     "losses":  [...],            # the global (all-rank mean) loss of every step
-     ...}                         # anything the caller adds as `extra`
+     "losses":  [...],            # the global (all-rank mean) LM loss of every step
+     ...}                         # anything the caller adds as `extra`: the router's
+                                  # "aux_losses", "z_losses" and "expert_load"
+                                  # (te_mixtral/measure/expert_load.py), evaluations, phases
 
 A later run reads the file back with `read_results` and hands its `losses` to
 `loss_check.check_losses`, so the file must be complete or absent, never half written:

@@ -6,14 +6,25 @@ experts loop. It starts from the very weights our model would start from (same s
 initialisation, copied by name), so its losses are comparable step by step.
 Packed documents: passing position_ids that restart at 0 makes transformers build a
 document-separating causal mask itself.
+
+Router losses: the forward asks transformers for its router logits and its own
+load-balancing loss (`output_router_logits`), so an `hf` run trains with transformers' aux
+loss, not ours, and a loss check against it compares like with like. The z-loss and the
+expert load come from the same router logits through our `RouterStats` (transformers'
+Mixtral has no z-loss).
 """
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from te_mixtral.config import ModelConfig
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.model.hf_config import hf_config
 from te_mixtral.model.layers import PackedSequences
+from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_losses
 
 
 class HFMixtral(nn.Module):
@@ -26,6 +37,8 @@ class HFMixtral(nn.Module):
         cfg._experts_implementation = "eager"
         self.config = m
         self.hf = MixtralForCausalLM(cfg)
+        self.routing: RouterStats | None = None  # the latest forward's
+        self.aux_loss: torch.Tensor | None = None  # transformers' load_balancing_loss_func, the latest forward's
 
     @classmethod
     def from_model(cls, ours: nn.Module) -> "HFMixtral":
@@ -37,4 +50,19 @@ class HFMixtral(nn.Module):
         return wrapped
 
     def forward(self, input_ids_BS: torch.Tensor, packed: PackedSequences) -> torch.Tensor:
-        return self.hf(input_ids=input_ids_BS, position_ids=packed.position_ids_BS, use_cache=False).logits
+        out = self.hf(input_ids=input_ids_BS, position_ids=packed.position_ids_BS, use_cache=False,
+                      output_router_logits=True)
+        self.aux_loss = out.aux_loss
+        top_k = self.config.num_experts_per_tok
+        layers = []
+        for logits_TE in out.router_logits:
+            logits_TE = logits_TE.float()
+            probs_TE = F.softmax(logits_TE, dim=-1)
+            layers.append(RouterStats.of_layer(logits_TE, probs_TE, torch.topk(probs_TE, top_k, dim=-1).indices))
+        self.routing = RouterStats.cat(layers)
+        return out.logits
+
+    def router_losses(self, layout: Layout) -> RouterLosses:
+        """As our model's, with transformers' aux loss in place of ours (one process: the
+        whole batch is this rank's)."""
+        return dataclasses.replace(router_losses(self.routing, layout), aux=self.aux_loss.float())

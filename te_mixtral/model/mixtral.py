@@ -14,6 +14,11 @@ and no rank ever materialises experts it does not own.
 `recompute` (train.recompute) trades memory for compute: "full" runs each decoder layer's
 forward again in its backward, "selective" only the expert FFN (see
 te_mixtral/model/recompute.py).
+
+Router losses. Each forward keeps its layers' routing statistics as `model.routing`, taken
+from the layers' return values outside any recomputed region; `model.router_losses(layout)`
+turns them into the load-balancing loss and z-loss of the global batch, and the expert load
+(te_mixtral/model/router_losses.py). The forward itself still returns only the logits.
 """
 
 import torch
@@ -27,6 +32,7 @@ from te_mixtral.experts.base import ExpertTier
 from te_mixtral.model.layers import Backend, PackedSequences
 from te_mixtral.model.moe import MoEBlock
 from te_mixtral.model.recompute import recomputed
+from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_losses
 
 
 def rotate_half(x):
@@ -87,9 +93,10 @@ class DecoderLayer(nn.Module):
             return recomputed(self._forward, x_BSD, rotary, packed)
         return self._forward(x_BSD, rotary, packed)
 
-    def _forward(self, x_BSD, rotary, packed):
+    def _forward(self, x_BSD, rotary, packed) -> tuple[torch.Tensor, RouterStats]:
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rotary, packed)
-        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+        y_BSD, stats = self.mlp(self.post_attention_layernorm(x_BSD))
+        return x_BSD + y_BSD, stats
 
 
 class MixtralBody(nn.Module):
@@ -110,14 +117,23 @@ class MixtralForCausalLM(nn.Module):
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.routing: RouterStats | None = None  # the latest forward's, on this rank
 
     def forward(self, input_ids_BS, packed: PackedSequences) -> torch.Tensor:
-        """Logits [B, S, V] for a packed batch."""
+        """Logits [B, S, V] for a packed batch; the routing statistics go to `self.routing`."""
         x_BSD = self.model.embed_tokens(input_ids_BS)
         rotary = self.model.rotary(packed.position_ids_BS)
+        layer_stats = []
         for layer in self.model.layers:
-            x_BSD = layer(x_BSD, rotary, packed)
+            x_BSD, stats = layer(x_BSD, rotary, packed)
+            layer_stats.append(stats)
+        self.routing = RouterStats.cat(layer_stats)
         return self.lm_head(self.model.norm(x_BSD))
+
+    def router_losses(self, layout: Layout) -> RouterLosses:
+        """The latest forward's router losses and expert load over the global batch (a
+        collective: every rank calls it after the same forward)."""
+        return router_losses(self.routing, layout)
 
 
 def expert_seed(seed: int, layer_index: int, global_expert: int) -> int:

@@ -6,6 +6,12 @@ Routing is Hugging Face Mixtral's, step for step: router logits, softmax in floa
 top-k, renormalise the k weights to sum to one. The block never looks at which tier it
 runs: the tier is any `ExpertTier` and sees only sorted rows and per-expert counts.
 
+The block returns its routing statistics with its output (`RouterStats`: per-expert picks,
+summed probabilities, the z-loss sum), from which the model computes the router's losses
+and the expert load (te_mixtral/model/router_losses.py). They travel as a return value, not
+as state the block records, so that a layer run again by a full recompute cannot count
+them twice.
+
 With `recompute_experts` (train.recompute selective) the tier's forward runs again in the
 backward instead of keeping its hidden rows; routing and dispatch run once (see
 te_mixtral/model/recompute.py).
@@ -18,6 +24,7 @@ from torch import nn
 from te_mixtral.distributed.dispatch import DispatchOutput, TokenDispatcher
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.model.recompute import recomputed
+from te_mixtral.model.router_losses import RouterStats
 
 
 class StackedExperts(nn.Module):
@@ -50,11 +57,14 @@ class MoEBlock(nn.Module):
     # The four steps of `forward`, public so that measure/phases.py can time each one alone
     # on the very code the model runs.
 
-    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top-k experts and their weights (summing to one), both [T, K]."""
-        probs_TE = F.softmax(self.gate(x_TD).float(), dim=-1)
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+        """Each token's top-k experts and their weights (summing to one), both [T, K]; and
+        the layer's routing statistics."""
+        logits_TE = self.gate(x_TD).float()
+        probs_TE = F.softmax(logits_TE, dim=-1)
         weights_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        return weights_TK / weights_TK.sum(-1, keepdim=True), experts_TK
+        stats = RouterStats.of_layer(logits_TE, probs_TE, experts_TK)
+        return weights_TK / weights_TK.sum(-1, keepdim=True), experts_TK, stats
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> DispatchOutput:
         """Send each token's k copies to the ranks of their experts, sorted by local expert."""
@@ -73,8 +83,9 @@ class MoEBlock(nn.Module):
         """Send the rows back to their tokens and sum each token's k outputs, weighted: [T, D]."""
         return self.dispatcher.combine(y_RD, routed)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routed = self.dispatch(x_TD, *self.route(x_TD))
+        weights_TK, experts_TK, stats = self.route(x_TD)
+        routed = self.dispatch(x_TD, weights_TK, experts_TK)
         y_RD = self.run_experts(routed.x_RD, routed.tokens_per_expert_L)
-        return self.combine(y_RD, routed).view_as(x_BSD)
+        return self.combine(y_RD, routed).view_as(x_BSD), stats

@@ -33,9 +33,11 @@ Pitfalls.
   forward hooks on modules inside a layer (the router's included) fire in the forward and
   again in the recompute. Nothing in this package records statistics in the forward
   (measure/phases.py overwrites its captured inputs with equal values and counts expert
-  rows outside the model). A statistic added later, routing counts or an auxiliary loss's,
-  must be taken outside the recomputed region or skip the recompute (checkpoint's
-  `context_fn` gives a context for the recompute alone). tests/model/test_recompute.py counts.
+  rows outside the model). The router losses' statistics travel as the layers' return
+  values and are gathered by the model's forward, outside the recomputed region, so the
+  recompute's second copy is discarded (model/router_losses.py); any statistic added later
+  must do the same or skip the recompute (checkpoint's `context_fn` gives a context for the
+  recompute alone). tests/model/test_recompute.py and test_router_losses.py count.
 - Nothing in the forward draws random numbers (no dropout). `preserve_rng_state` keeps its
   default anyway, so that dropout added later would replay the same masks.
 """

@@ -67,7 +67,7 @@ def _store_fp32(ptr, offs, x, mask, IS_FP32: tl.constexpr):
 
 @triton.jit
 def _master_adamw_kernel(
-    param_ptr, remainder_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n,
+    param_ptr, remainder_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, n,
     decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps,
     GRAD_FP32: tl.constexpr, M_FP32: tl.constexpr, V_FP32: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -78,7 +78,7 @@ def _master_adamw_kernel(
     param_bits = tl.load(param_ptr + offs, mask=mask, other=0).to(tl.int32)
     remainder = tl.load(remainder_ptr + offs, mask=mask, other=0).to(tl.int32)
     master = ((param_bits << 16) + remainder).to(tl.float32, bitcast=True)
-    g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32)
+    g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32) * tl.load(grad_scale_ptr)  # e.g. the clip factor
     m = _load_fp32(exp_avg_ptr, offs, mask, M_FP32)
     v = _load_fp32(exp_avg_sq_ptr, offs, mask, V_FP32)
 
@@ -104,7 +104,8 @@ def _bits_or_fp32(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def adamw_update_triton(param, remainder, grad, exp_avg, exp_avg_sq, scalars: StepScalars) -> None:
+def adamw_update_triton(param, remainder, grad, exp_avg, exp_avg_sq, scalars: StepScalars,
+                        grad_scale: torch.Tensor) -> None:
     """Same contract as `adamw_torch.adamw_update_torch`, as one kernel launch."""
     n = param.numel()
     if n == 0:
@@ -116,7 +117,7 @@ def adamw_update_triton(param, remainder, grad, exp_avg, exp_avg_sq, scalars: St
     s = scalars
     _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param.view(torch.int16), remainder, _bits_or_fp32(grad),
-        _bits_or_fp32(exp_avg), _bits_or_fp32(exp_avg_sq), n,
+        _bits_or_fp32(exp_avg), _bits_or_fp32(exp_avg_sq), grad_scale, n,
         s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
         GRAD_FP32=grad.dtype == torch.float32, M_FP32=exp_avg.dtype == torch.float32,
         V_FP32=exp_avg_sq.dtype == torch.float32, BLOCK=BLOCK, num_warps=NUM_WARPS,

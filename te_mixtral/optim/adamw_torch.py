@@ -73,9 +73,9 @@ def _store(dst: torch.Tensor, x_fp32: torch.Tensor) -> None:
         dst.copy_(x_fp32)
 
 
-def _update(param, remainder, grad, exp_avg, exp_avg_sq, s: StepScalars) -> None:
+def _update(param, remainder, grad, exp_avg, exp_avg_sq, s: StepScalars, grad_scale: torch.Tensor) -> None:
     master = join_master(param.view(torch.int16), remainder)
-    g = _load(grad)
+    g = _load(grad) * grad_scale
     m = _load(exp_avg)
     v = _load(exp_avg_sq)
     master = master * s.decay
@@ -91,9 +91,11 @@ def _update(param, remainder, grad, exp_avg, exp_avg_sq, s: StepScalars) -> None
 
 
 def adamw_update_torch(param: torch.Tensor, remainder: torch.Tensor, grad: torch.Tensor,
-                       exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepScalars) -> None:
+                       exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: StepScalars,
+                       grad_scale: torch.Tensor) -> None:
     """Update one tensor in place: bf16 `param` with its int16 `remainder`, `grad` (bf16 or
-    fp32), moments (bf16 or fp32). All contiguous and of one shape."""
+    fp32) times `grad_scale` (an fp32 scalar tensor on the device: read there, never on the
+    host), moments (bf16 or fp32). All contiguous and of one shape."""
     flat = [t.view(-1) for t in (param, remainder, grad.contiguous(), exp_avg, exp_avg_sq)]
     for start in range(0, param.numel(), CHUNK):
-        _update(*(t[start:start + CHUNK] for t in flat), scalars)
+        _update(*(t[start:start + CHUNK] for t in flat), scalars, grad_scale)

@@ -130,7 +130,10 @@ class MasterAdamW(torch.optim.Optimizer):
         return adamw_update_torch
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
+        """One AdamW update of every parameter with a gradient; each gradient is multiplied by
+        `grad_scale` (a scalar tensor, e.g. the gradient-clipping factor) as it is read, so a
+        clip costs no pass of its own over the gradients and the factor never visits the host."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -146,8 +149,15 @@ class MasterAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 scalars = StepScalars.for_step(float(group["lr"]), group["weight_decay"], beta1, beta2,
                                                group["eps"], int(state["step"].item()))
-                self._update_fn(p)(p, state["remainder"], p.grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+                self._update_fn(p)(p, state["remainder"], p.grad, state["exp_avg"], state["exp_avg_sq"], scalars,
+                                   self._grad_scale(grad_scale, p.device))
         return loss
+
+    @staticmethod
+    def _grad_scale(grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        if grad_scale is None:
+            return torch.ones((), dtype=torch.float32, device=device)
+        return grad_scale.to(device, torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then the tensors put back with their own dtypes (see the module

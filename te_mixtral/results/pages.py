@@ -1,4 +1,4 @@
-"""Results pages: runs' results.json files in, a dated markdown page with two plots out.
+"""Results pages: runs' results.json files in, a dated markdown page with its plots out.
 
     python -m te_mixtral.results RUN [RUN ...] [--out docs/results] [--title TEXT]
                                 [--notes FILE] [--suffix TEXT] [--no-plots]
@@ -9,7 +9,8 @@ A RUN is a run's output folder, its results.json, or a folder of runs such as
 One page per GPU and world size. Step times only compare on the same hardware and the same
 number of processes, so runs are grouped by (device name, world size) and each group gets
 its own page, `OUT/<date>-<gpu>-x<world>[-<suffix>].md`, with `<stem>-step-time.png` and
-`<stem>-loss.png` beside it. `<date>` is the day of the group's newest run; `<gpu>` is the
+`<stem>-loss.png` beside it (and `<stem>-expert-load-<run>.png` for each run that recorded
+its expert load: te_mixtral/measure/expert_load.py). `<date>` is the day of the group's newest run; `<gpu>` is the
 device name in lower case without the vendor ("NVIDIA H200" -> h200). A page is
 overwritten when regenerated: pages are meant to live in git.
 
@@ -189,13 +190,39 @@ def _imbalance(rows_per_rank: list[int] | None) -> str:
     return f"{busiest * len(rows_per_rank) / sum(rows_per_rank):.2f}x ({busiest:,} rows)"
 
 
-def run_section(run: Run) -> list[str]:
-    """How one run was made: when, on what, the command, the full config."""
+def expert_load_png_name(stem: str, run: Run) -> str:
+    return f"{stem}-expert-load-{slug(run.label)}.png"
+
+
+def router_lines(run: Run, stem: str, plots: bool) -> list[str]:
+    """A run that recorded its router losses and expert load (te_mixtral/measure/expert_load.py):
+    their means over the run, and its heatmap."""
+    load = run.results.get("expert_load")
+    if not isinstance(load, dict) or not run.results.get("aux_losses"):
+        return []
+
+    def mean(values: list[float]) -> str:
+        return f"{sum(values) / len(values):.3f}"
+
+    busiest = ", ".join(f"EP={p} {mean(v)}" for p, v in load.get("busiest_rank_over_mean", {}).items())
+    out = [f"- router: aux loss {mean(run.results['aux_losses'])}, z-loss {mean(run.results['z_losses'])}, "
+           f"expert max/mean {mean(load['max_over_mean'])}" + (f", busiest rank/mean {busiest}" if busiest else "")
+           + " (means over the run's steps)", ""]
+    if plots and "tokens_per_expert" in load:
+        first, last = load["tokens_per_expert_steps"]
+        out += [f"![Expert load per layer, steps {first} to {last}]({expert_load_png_name(stem, run)})", ""]
+    return out
+
+
+def run_section(run: Run, stem: str = "", plots: bool = False) -> list[str]:
+    """How one run was made: when, on what, the command, the full config; and its router's
+    balance when it recorded it."""
     ran = ", ".join(f"{k} {v}" for k, v in run.header.get("ran", {}).items())
     out = [f"### `{run.label}` (`{run.source}`)", "",
            f"- date {run.date.isoformat()}, {run.header['precision']}, EP {run.ep_size}, workload {run.workload}; "
            f"ran: {ran or 'not recorded'}",
            f"- versions: {_versions(run)}", ""]
+    out += router_lines(run, stem, plots)
     command = reproduce_command(run.header["config"], run.world_size)
     if command:
         out += ["```bash", command, "```", ""]
@@ -251,12 +278,12 @@ def build_page(runs: list[Run], title: str | None, notes: str | None, command: s
     out += ["## Runs", "", "Each command rebuilds the run's config from a file in `configs/` plus overrides; the "
             "full config it ran with follows it.", ""]
     for run in runs:
-        out += run_section(run)
+        out += run_section(run, stem, plots)
     return Page(stem, "\n".join(out), runs)
 
 
 def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
-    """Write the page's markdown and, with `plots`, its two PNGs; return the paths."""
+    """Write the page's markdown and, with `plots`, its PNGs; return the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / f"{page.stem}.md"
     md.write_text(page.markdown)
@@ -276,6 +303,13 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
                                           f"Step time per tier, {where}\n{made}"))
         written.append(draw.loss_png([(r.label, r.results["losses"]) for r in runs],
                                      out_dir / f"{page.stem}-loss.png", f"Training loss per step, {where}\n{made}"))
+        for run in runs:
+            load = run.results.get("expert_load")
+            if isinstance(load, dict) and "tokens_per_expert" in load:
+                first, last = load["tokens_per_expert_steps"]
+                written.append(draw.expert_load_png(
+                    load["tokens_per_expert"], out_dir / expert_load_png_name(page.stem, run),
+                    f"Expert load of {run.label}, steps {first}-{last}, {where}\n{made}"))
     return written
 
 

@@ -1,4 +1,5 @@
-"""The two pictures of a results page: step time per tier, and the loss curves overlaid.
+"""The pictures of a results page: step time per tier, the loss curves overlaid, and for a
+run that recorded it, its expert load as a layer x expert heatmap.
 
 matplotlib is imported inside each function, so the training code never pays for it and a
 machine without it can still train (`pip install matplotlib` to draw). Figures are built
@@ -63,5 +64,23 @@ def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: s
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=8)
+    fig.savefig(path, metadata=PNG_METADATA)
+    return path
+
+
+def expert_load_png(tokens_per_expert_YE: Sequence[Sequence[int]], path: Path, title: str) -> Path:
+    """One cell per layer and expert: its share of the layer's rows over the even share, so
+    1 is balanced and every layer reads on one scale."""
+    layers, experts = len(tokens_per_expert_YE), len(tokens_per_expert_YE[0])
+    fig, ax = _figure(max(6.5, 0.5 * experts + 2.5), max(3.5, 0.25 * layers + 2.0))
+    shares = [[count * len(row) / max(sum(row), 1) for count in row] for row in tokens_per_expert_YE]
+    image = ax.imshow(shares, cmap="viridis", aspect="auto", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="rows / even share")
+    ax.set_xticks(range(experts))
+    ax.set_yticks(range(layers))
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize=9)
     fig.savefig(path, metadata=PNG_METADATA)
     return path

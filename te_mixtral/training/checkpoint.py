@@ -151,6 +151,7 @@ class TrainState:
     step: int = 0
     losses: list[float] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)  # evaluate.Evaluation dictionaries
+    router: list[dict] = field(default_factory=list)  # measure/expert_load.step_record, per step
     grad_norms: list[float | None] = field(default_factory=list)  # None: a step of an older checkpoint
 
 
@@ -261,17 +262,20 @@ class Checkpointer:
         """Restore this rank's shard, optimizer and RNG from the checkpoint `latest` names."""
         pointer = self.dir / LATEST
         try:
-            name = pointer.read_text().strip()
+            name = pointer.read_text(errors="replace").strip()
         except FileNotFoundError:
             raise UserError(f"no checkpoint to resume from in {self.dir} (no '{LATEST}' file)") from None
+        except OSError as e:
+            raise UserError(f"cannot read {pointer}: {e.strerror}") from None
         if not _STEP_FOLDER.fullmatch(name):
             raise UserError(f"{pointer} is corrupt: it names '{name[:40]}', not a step-NNNNNN folder")
         folder = self.dir / name
         try:
             meta = json.loads((folder / META).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(f"checkpoint {folder} is unreadable or corrupt ({META}: {e}); "
                             f"delete it and point {pointer} at an older one") from None
+        _check_meta(meta, folder)
         self._check_compatible(meta, cfg, folder)
 
         path = folder / rank_file(self.layout.rank)
@@ -287,12 +291,12 @@ class Checkpointer:
             print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
             for note in _changed_settings(upgrade_saved(meta["config"]), to_dict(cfg)):
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
-        grad_norms = meta.get("grad_norms", [None] * meta["step"])  # older checkpoints have none
-        return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]), grad_norms)
+        # Checkpoints saved before the router records or the gradient norms were kept have none.
+        grad_norms = meta.get("grad_norms", [None] * meta["step"])
+        return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]),
+                          list(meta.get("router", [])), grad_norms)
 
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
-        if meta.get("format") != FORMAT_VERSION:
-            raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
         # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
         meta["config"] = upgrade_saved(meta["config"])
         if (meta["world_size"], meta["ep_size"]) != (self.layout.world_size, self.layout.ep_size):
@@ -310,6 +314,33 @@ class Checkpointer:
         if meta["step"] >= cfg.train.steps:
             raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
                             f"nothing left to do (raise --steps to train further)")
+
+
+# What meta.json must hold for `load_latest` to read it: key -> its type.
+_META_KEYS = {"format": int, "step": int, "world_size": int, "ep_size": int, "losses": list, "evals": list,
+              "config": dict, "files": dict}
+
+
+def _check_meta(meta, folder: Path) -> None:
+    """Refuse a meta.json that parses but lacks what resuming reads (edited by hand, or
+    written by another program): one line naming the key, not a KeyError."""
+    where = folder / META
+    if not isinstance(meta, dict):
+        raise UserError(f"checkpoint {where} is corrupt: it holds a {type(meta).__name__}, not a mapping")
+    if meta.get("format") != FORMAT_VERSION:  # another format may have other keys: say which format
+        raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
+    for key, typ in _META_KEYS.items():
+        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+            problem = "lacks" if key not in meta else f"has a {type(meta[key]).__name__} for"
+            raise UserError(f"checkpoint {where} is corrupt: it {problem} '{key}' ({typ.__name__} expected)")
+    for name, entry in meta["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), str)):
+            raise UserError(f"checkpoint {where} is corrupt: its entry for {name} lacks 'bytes' or 'sha256'")
+    if not isinstance(upgrade_saved(meta["config"], str(where)).get("model"), dict):
+        raise UserError(f"checkpoint {where} is corrupt: its 'config' has no 'model' section")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in meta["losses"]):
+        raise UserError(f"checkpoint {where} is corrupt: its 'losses' are not all numbers")
 
 
 def _verify(path: Path, entry: dict | None) -> str | None:

@@ -12,7 +12,9 @@ Our names are the stacked ones, so the dense weights load by name.
 
 Each rank streams from the safetensors files only the tensors it keeps: the dense weights
 and its own experts (a slice of a stacked tensor is read as a slice), never the whole model.
-safetensors memory-maps the files, so what a rank touches is what it reads.
+safetensors memory-maps the files, so what a rank touches is what it reads. A checkpoint is
+input like any other: each tensor's shape is checked against the parameter (or the slice a
+rank keeps) before it is read, and a bad index, file or tensor is refused in one line.
 
 Out: `save_hf_checkpoint` writes the per-expert layout above (what transformers'
 `save_pretrained` writes and every Mixtral tool reads), one safetensors file per decoder
@@ -34,7 +36,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from te_mixtral.config import ModelConfig, RunConfig, validate, validate_model
+from te_mixtral.config import ModelConfig, RunConfig
+from te_mixtral.config_checks import validate, validate_model
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import (
@@ -73,11 +76,21 @@ def resolve_model_path(name: str) -> Path:
 
 def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunConfig:
     """`cfg` with the checkpoint's model config, and its tokenizer when `data.tokenizer` is
-    unset, validated again (the checkpoint's model must still fit the EP layout)."""
+    unset, validated again (the checkpoint's model must still fit the EP layout).
+
+    The router's loss weights are training choices, not architecture: a weight the config
+    sets wins; an unset `router_aux_loss_coef` takes the checkpoint's (0.02 for Mixtral: a
+    fine-tune keeps balancing the router as it was trained to be)."""
     tokenizer = cfg.data.tokenizer
     if tokenizer is None and (model_dir / "tokenizer.json").is_file():
         tokenizer = str(model_dir)
-    adopted = dataclasses.replace(cfg, model=model_config_from_hf(model_dir),
+    # Generation may run up to max_position_embeddings tokens (None), training seq_len.
+    longest = None if cfg.generate is not None else cfg.data.seq_len
+    model = model_config_from_hf(model_dir, longest)
+    model = dataclasses.replace(model, router_z_loss_coef=cfg.model.router_z_loss_coef,
+                                router_aux_loss_coef=(model.router_aux_loss_coef if cfg.model.router_aux_loss_coef
+                                                      is None else cfg.model.router_aux_loss_coef))
+    adopted = dataclasses.replace(cfg, model=model,
                                   data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     validate(adopted, world_size)
     validate_model(adopted)
@@ -85,54 +98,109 @@ def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunCon
 
 
 def _safetensors_files(checkpoint_dir: Path) -> list[Path]:
+    """The weight files: those the sharded index names, else every .safetensors file.
+
+    An index is input like any other: it must be a mapping of tensor names to plain file
+    names in its own folder (a name such as `../x.safetensors` would read outside it), and
+    every file it names must exist.
+    """
     index = checkpoint_dir / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({checkpoint_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(checkpoint_dir.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"no .safetensors files in {checkpoint_dir}")
+    if not index.exists():
+        files = sorted(checkpoint_dir.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"no .safetensors files in {checkpoint_dir}")
+        return files
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {index}: {first_line(e)}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise UserError(f"{index} has no 'weight_map' of tensor names to file names")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        # Compared by name, not resolved: a hub snapshot's files are links into its blob store.
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise UserError(f"{index} names '{name}', which is not a file in {checkpoint_dir}")
+        if not (checkpoint_dir / name).is_file():
+            raise UserError(f"{index} names {name}, which is missing from {checkpoint_dir}")
+        files.append(checkpoint_dir / name)
     return files
+
+
+# A float of any width converts to the run's dtype; anything else (integers, packed 8-bit
+# weights without their scales) is not weights this model can read.
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _read(f, file: Path, key: str, expected: list[int], rows: slice | None = None) -> torch.Tensor:
+    """Tensor `key` of the open file `f` (only `rows` of its first dimension when given),
+    after checking that its whole shape is `expected`. `copy_` would broadcast a wrong shape
+    (a one-element norm weight fills every row), so the check is here, before any read."""
+    view = f.get_slice(key)
+    if (shape := list(view.get_shape())) != list(expected):
+        raise UserError(f"{file}: tensor '{key}' has shape {shape}, the model needs {list(expected)}")
+    if view.get_dtype() not in _FLOAT_DTYPES:
+        raise UserError(f"{file}: tensor '{key}' holds {view.get_dtype()}, not floating-point weights")
+    return view[rows] if rows is not None else f.get_tensor(key)
 
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: Layout) -> int:
     """Copy a Hugging Face Mixtral checkpoint into `model`, this rank's experts only; return
-    the number of bytes of tensor data read."""
+    the number of bytes of tensor data read. Every tensor's shape is checked against the
+    parameter it fills, and a tensor found twice is refused (which copy would win?)."""
     checkpoint_dir = Path(checkpoint_dir)
     params = dict(model.named_parameters())
-    num_local = model.config.num_experts // layout.ep_size
+    num_experts = model.config.num_experts
+    num_local = num_experts // layout.ep_size
     first = layout.ep_rank * num_local
     ffn = model.config.intermediate_size
     loaded = set()
+    seen: dict[str, Path] = {}
     bytes_read = 0
     for file in _safetensors_files(checkpoint_dir):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                per_expert = _PER_EXPERT.fullmatch(key)
-                if per_expert:
-                    prefix, expert, part = per_expert.groups()
-                    local = int(expert) - first
-                    if not 0 <= local < num_local:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if key in seen:
+                        raise UserError(f"tensor '{key}' is in both {seen[key]} and {file}")
+                    seen[key] = file
+                    per_expert = _PER_EXPERT.fullmatch(key)
+                    if per_expert:
+                        prefix, expert, part = per_expert.groups()
+                        local = int(expert) - first
+                        if not 0 <= int(expert) < num_experts:
+                            raise UserError(f"{file}: tensor '{key}' names expert {expert}, but the config has "
+                                            f"{num_experts} experts")
+                        if not 0 <= local < num_local:
+                            continue
+                        name, rows = {"w1": (f"{prefix}.mlp.experts.gate_up_proj", slice(0, ffn)),
+                                      "w3": (f"{prefix}.mlp.experts.gate_up_proj", slice(ffn, 2 * ffn)),
+                                      "w2": (f"{prefix}.mlp.experts.down_proj", slice(None))}[part]
+                        if name not in params:
+                            raise UserError(f"{file}: tensor '{key}' has no place in a Mixtral model of "
+                                            f"{model.config.num_hidden_layers} layers")
+                        target = params[name][local, rows]
+                        tensor = _read(f, file, key, target.shape)
+                        target.copy_(tensor)
+                        bytes_read += tensor.nbytes
+                        loaded.add((name, local, part))
                         continue
-                    target = {"w1": (f"{prefix}.mlp.experts.gate_up_proj", slice(0, ffn)),
-                              "w3": (f"{prefix}.mlp.experts.gate_up_proj", slice(ffn, 2 * ffn)),
-                              "w2": (f"{prefix}.mlp.experts.down_proj", slice(None))}[part]
-                    tensor = f.get_tensor(key)
-                    params[target[0]][local, target[1]].copy_(tensor)
+                    name = key.replace(".block_sparse_moe.", ".mlp.")
+                    if name not in params:
+                        raise UserError(f"{file}: tensor '{key}' has no place in a Mixtral model")
+                    if is_expert_param(name):  # stacked: read only this rank's slice
+                        tensor = _read(f, file, key, [num_experts, *params[name].shape[1:]],
+                                       slice(first, first + num_local))
+                        loaded.update((name, i, "stacked") for i in range(num_local))
+                    else:
+                        tensor = _read(f, file, key, params[name].shape)
+                        loaded.add(name)
+                    params[name].copy_(tensor)
                     bytes_read += tensor.nbytes
-                    loaded.add((target[0], local, part))
-                    continue
-                name = key.replace(".block_sparse_moe.", ".mlp.")
-                if name not in params:
-                    raise UserError(f"{file.name}: tensor '{key}' has no place in a Mixtral model")
-                if is_expert_param(name):  # stacked: read only this rank's slice
-                    tensor = f.get_slice(key)[first:first + num_local]
-                    loaded.update((name, i, "stacked") for i in range(num_local))
-                else:
-                    tensor = f.get_tensor(key)
-                    loaded.add(name)
-                params[name].copy_(tensor)
-                bytes_read += tensor.nbytes
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot read {file}: {first_line(e)}") from None
     _check_complete(params, loaded, num_local, model.config.tie_word_embeddings)
     return bytes_read
 

@@ -16,6 +16,7 @@ import math
 import signal
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +28,6 @@ from te_mixtral.distributed.layout import (
     Layout,
     all_reduce_max,
     all_reduce_sum,
-    clip_grad_norm,
     init_layout,
     world_size_from_env,
 )
@@ -40,7 +40,7 @@ from te_mixtral.errors import Diverged, ExitCode, Interrupted, UserError, report
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable, write_failure
-from te_mixtral.measure import metrics, report
+from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_losses, check_reference
 from te_mixtral.measure.memory import check_fits
 from te_mixtral.measure.phases import profile_phases
@@ -57,7 +57,12 @@ from te_mixtral.training.hf_checkpoint import (
     resolve_model_path,
     save_hf_checkpoint,
 )
-from te_mixtral.training.optimizer import learning_rate, make_optimizer
+from te_mixtral.training.optimizer import (
+    clip_gradients,
+    learning_rate,
+    make_optimizer,
+    optimizer_step,
+)
 from te_mixtral.training.outputs import check_outputs
 
 
@@ -93,11 +98,13 @@ def due(step: int, every: int, total: int) -> bool:
     return step == total or (every > 0 and step % every == 0)
 
 
-def progress_line(step: int, total: int, loss: float, lr: float, step_s: float) -> str:
+def progress_line(step: int, total: int, loss: float, lr: float, step_s: float, aux: float) -> str:
+    """`loss` is the LM loss; `aux` the load-balancing loss, unweighted."""
     width = 20
     done = width * (step + 1) // total
     bar = "#" * done + "." * (width - done)
-    return f"[{bar}] step {step + 1:>4}/{total}  loss {loss:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms"
+    return (f"[{bar}] step {step + 1:>4}/{total}  loss {loss:.4f}  aux {aux:.4f}  lr {lr:.2e}  "
+            f"{step_s * 1e3:7.1f} ms")
 
 
 def stop_on_interrupt(state: TrainState, checkpointer: Checkpointer | None, total: int) -> None:
@@ -178,6 +185,8 @@ def train(cfg: RunConfig) -> TrainResult:
     # --- steps -------------------------------------------------------------------------
     timer = metrics.StepTimer(device)
     flops_per_step = []
+    first_step = state.step + 1  # counted from 1; a resumed run starts later
+    run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     stopped = None  # why the run stopped early (a Diverged error), if it did
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
@@ -195,32 +204,41 @@ def train(cfg: RunConfig) -> TrainResult:
         targets = sum((micro.labels != -100).sum() for micro in micro_batches)
         totals = torch.stack([targets.double(), torch.tensor(step_flops, device=device, dtype=torch.float64)])
         all_reduce_sum(totals, layout)
-        step_loss = torch.zeros_like(totals[0])  # the losses are float64: they divide by totals
+        # The LM loss, then the router's two (a step's are its micro-batches' mean: see
+        # model/router_losses.py), float64: they divide by totals.
+        step_losses = torch.zeros(3, dtype=torch.float64, device=device)
+        step_load_YE = 0
         for micro in micro_batches:  # gradients add up in .grad, one micro-batch after another
             set_gradient_sync(model, layout, cfg.train.sharding, micro is micro_batches[-1])
             with autocast:
                 logits = model(micro.input_ids, micro.packed)
             loss = causal_lm_loss(logits, micro.labels, totals[0])
-            loss.backward()
-            step_loss += loss.detach()
+            router = model.router_losses(layout)
+            (loss + router.weighted(cfg.model) / len(micro_batches)).backward()
+            step_losses += torch.stack([loss, router.aux / len(micro_batches), router.z / len(micro_batches)]).detach()
+            step_load_YE = step_load_YE + router.tokens_per_expert_YE
         # Once per optimizer step, after the last micro-batch: one communication of the sums.
         reduce_gradients(model, layout, cfg.train.sharding)
-        grad_norm = clip_grad_norm(model, cfg.train.grad_clip, layout)  # global: the same on every rank
-        loss, norm = torch.stack([all_reduce_sum(step_loss, layout), grad_norm.double()]).tolist()
-        state.losses.append(loss)
+        grad_norm, grad_scale = clip_gradients(optimizer, model, cfg.train.grad_clip, layout)  # global norm
+        global_loss, global_aux, global_z, norm = torch.cat(
+            [all_reduce_sum(step_losses, layout), grad_norm.to(step_losses.dtype)[None]]).tolist()
+        state.losses.append(global_loss)
         state.grad_norms.append(norm)
-        if not (math.isfinite(loss) and math.isfinite(norm)):  # every rank sees the same two numbers
-            stopped = Diverged(f"the loss became {loss} and the gradient norm {norm} at step {step + 1}; "
+        state.router.append(expert_load.step_record(global_aux, global_z, step_load_YE))
+        if not (math.isfinite(global_loss) and math.isfinite(norm)):  # the same two numbers on every rank
+            stopped = Diverged(f"the loss became {global_loss} and the gradient norm {norm} at step {step + 1}; "
                                f"stopped without applying that step")
             break
-        optimizer.step()
+        optimizer_step(optimizer, grad_scale)
         optimizer.zero_grad(set_to_none=True)
         step_s = timer.stop()
 
         state.step = step + 1
+        run_load_YE = step_load_YE if run_load_YE is None else run_load_YE + step_load_YE
         flops_per_step.append(totals[1].item())
         if layout.is_main and due(state.step, cfg.train.log_every, cfg.train.steps):
-            print(progress_line(step, cfg.train.steps, state.losses[-1], lr, step_s), flush=True)
+            print(progress_line(step, cfg.train.steps, state.losses[-1], lr, step_s, global_aux), flush=True)
+            print(expert_load.load_line(state.router[-1], cfg.ep_size), flush=True)
 
         # --- between steps: evaluate, checkpoint, export (not timed) ---------------------
         if eval_batches and due(state.step, cfg.train.eval_every, cfg.train.steps):
@@ -251,7 +269,8 @@ def train(cfg: RunConfig) -> TrainResult:
     exit_code = ExitCode.OK
     # The estimate beside the measured peak, so that every run checks the estimate.
     extra = {"estimated_peak_gib": estimate.total / 2**30, "grad_norms": state.grad_norms,
-             **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {})}
+             **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
+             **expert_load.results_entries(state.router, run_load_YE, (first_step, cfg.train.steps))}
     if cfg.profile_phases and not stopped:  # last: it steps the optimizer while timing it
         last = micro_batches[-1]
 
@@ -260,8 +279,11 @@ def train(cfg: RunConfig) -> TrainResult:
                 logits = model(last.input_ids, last.packed)
             causal_lm_loss(logits, last.labels, totals[0]).backward()
 
+        def clip():
+            return clip_gradients(optimizer, model, cfg.train.grad_clip, layout)[1]
+
         extra["phases_ms"], extra["expert_rows_per_rank"] = profile_phases(
-            model, optimizer, forward_backward, last, totals[0], autocast, layout, cfg)
+            model, clip, partial(optimizer_step, optimizer), forward_backward, last, totals[0], autocast, layout, cfg)
     if generated is not None:
         extra["generate"] = generated
     if reference is not None and not stopped:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from te_mixtral.config import RunConfig
+from te_mixtral.distributed.layout import clip_factor, clip_grad_norm
 from te_mixtral.optim import MasterAdamW
 
 MOMENT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -44,3 +45,21 @@ def learning_rate(step: int, cfg: RunConfig) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - 1 - t.warmup_steps)
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float,
+                   layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip to the global gradient norm `max_norm`: the norm, and what `step` passes on.
+    MasterAdamW multiplies each gradient by the clip factor as it reads it, which saves the
+    pass over the gradients (a read and a write of each) that scaling them first would take."""
+    if isinstance(optimizer, MasterAdamW):
+        return clip_factor(model, max_norm, layout)
+    return clip_grad_norm(model, max_norm, layout), None
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
+    """The optimizer step, given what `clip_gradients` returned."""
+    if grad_scale is None:
+        optimizer.step()
+    else:
+        optimizer.step(grad_scale=grad_scale)

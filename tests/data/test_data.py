@@ -86,6 +86,31 @@ def test_user_errors_for_bad_data(tmp_path):
         load_documents(DataConfig(dataset=str(tmp_path / "empty")))
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("a.jsonl", b"", "is empty"),
+    ("a.txt", b"  \n\n", "is empty"),
+    ("a.txt", bytes(range(256)) * 4, "is not UTF-8 text"),
+    ("a.jsonl", b'{"text": "caf\xe9"}\n', "is not UTF-8 text"),
+    ("a.txt", b"text\x00with\x00NUL bytes", "holds NUL bytes"),
+    ("a.jsonl", b'{"text": "one"}\n{"text": "two"\n', "Missing a comma"),
+    ("a.json", b'[{"text": "one"}, ', "cannot read"),
+], ids=["empty", "blank", "binary", "latin-1", "nul", "bad-jsonl", "bad-json"])
+def test_a_bad_data_file_is_named_with_what_is_wrong(tmp_path, name, content, message):
+    """Alone or among good files, the bad one is named: `datasets` itself says only "An error
+    occurred while generating the dataset"."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "0-good.jsonl", ["fine"])
+    write_jsonl(folder / "z-good.jsonl", ["fine too"])
+    (folder / name).write_bytes(content)
+    for dataset in (folder / name, folder):
+        with pytest.raises(UserError) as info:
+            load_documents(DataConfig(dataset=str(dataset)))
+        error = str(info.value)
+        assert f"{folder / name}" in error and message in error and "\n" not in error, error
+        assert "0-good" not in error and "z-good" not in error and "An error occurred" not in error, error
+
+
 def test_hub_failure_is_a_user_error(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub")
@@ -117,6 +142,24 @@ def test_trained_tokenizer_is_cached(tokenizer_cache, monkeypatch, rng):
         load_tokenizer(DataConfig(tokenizer_vocab_size=301), documents)
     with pytest.raises(AssertionError, match="cached"):
         load_tokenizer(cfg, documents[:-1])
+
+
+@pytest.mark.parametrize("damage", ["", '{"version": "1.0", "trunc', "\x00\xff binary", '{"model": {"type": "BPE"}}',
+                                    "plain"])
+def test_a_corrupt_cached_tokenizer_is_trained_again(tokenizer_cache, rng, capsys, damage):
+    documents = random_documents(rng, 50)
+    cfg = DataConfig(tokenizer_vocab_size=300)
+    fresh = load_tokenizer(cfg, documents).backend.to_str()
+    (cached,) = tokenizer_cache.glob("tokenizer-*.json")
+    if damage == "plain":  # loads, but is not what training writes: no <eos>
+        tokenizers.Tokenizer(tokenizers.models.BPE()).save(str(cached))
+    else:
+        cached.write_bytes(damage.encode("latin-1"))
+    assert load_tokenizer(cfg, documents).backend.to_str() == fresh
+    assert "is corrupt; training it again" in capsys.readouterr().out
+    assert cached.read_text() == fresh  # repaired, so the next run reads it
+    assert load_tokenizer(cfg, documents).backend.to_str() == fresh
+    assert "corrupt" not in capsys.readouterr().out
 
 
 def test_tokenizer_training_is_deterministic_across_processes(tmp_path, rng):

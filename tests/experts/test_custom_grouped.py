@@ -82,6 +82,19 @@ def test_cpu_path_matches_float64(case, D, F_):
                    f"{case} D={D} F={F_}")
 
 
+# grouped_mm needs 16-byte row strides, so the CPU path zero-pads D and F up to a multiple
+# of 4 in fp32 (8 in bf16). The shapes above are multiples of 4; these are not.
+@pytest.mark.parametrize("D,F_", [(18, 10), (17, 24), (16, 13), (5, 3)],
+                         ids=["pad_both", "pad_d", "pad_f", "tiny"])
+def test_cpu_path_padding_matches_float64(D, F_):
+    from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
+
+    splits = SPLITS["zero_middle"]
+    inputs = make_inputs(splits, D, F_, seed=D * 100 + F_)
+    got = run(grouped_mm_swiglu, *inputs)
+    assert_matches(got, reference_f64(inputs[0], splits, *inputs[2:]), splits, FP32_REL_TOL, f"D={D} F={F_}")
+
+
 def test_cpu_path_no_rows_and_expanded_gradient():
     tier = make_tier("custom_grouped")
     x, counts, gate_up, down, _ = make_inputs([0, 0, 0], 16, 8, seed=5)
@@ -132,6 +145,9 @@ INTERPRETER_CASES = {
     "single_row": ([1], 8, 8, TINY, True),
     "two_epilogue_parts": ([9, 30, 0], 16, 32, dict(TINY, EPI_PARTS=2), True),
     "shipped_tiles": ([33, 0, 17], 40, 24, None, False),
+    # D and F that are not multiples of 4: row strides that are not 16-byte multiples, the
+    # tails masked in every tile (and on the grouped_mm path, the padded shapes).
+    "unaligned": ([13, 0, 22], 18, 10, TINY, False),
 }
 
 

@@ -236,9 +236,28 @@ def test_fp32_grads_give_the_same_update():
         param_bits, remainder = split_master(w)
         param = param_bits.view(torch.bfloat16)
         m, v = torch.zeros(n), torch.zeros(n)
-        adamw_update_torch(param, remainder, grad, m, v, StepScalars.for_step(1e-3, 0.1, 0.9, 0.999, 1e-8, 1))
+        adamw_update_torch(param, remainder, grad, m, v, StepScalars.for_step(1e-3, 0.1, 0.9, 0.999, 1e-8, 1),
+                           torch.ones(()))
         states.append([bits(t) for t in (param, remainder, m, v)])
     assert all(torch.equal(x, y) for x, y in zip(*states))
+
+
+CLIP = torch.tensor(0.37)  # a gradient scale as clipping passes it: not 1, so its path is exercised
+
+
+def test_grad_scale_is_a_clip_applied_as_the_gradient_is_read():
+    """step(grad_scale=s) on bf16 gradients is the step on those gradients times s in fp32,
+    bit for bit: the clip factor folded into the update, not applied twice or inverted."""
+    w, g = fp32_weights(2049, 21), bf16_grads(1, 2049, 22)[0]
+    masters = []
+    for grad, scale in ((g, CLIP), (g.float() * CLIP, None)):
+        p = torch.nn.Parameter(w.clone())
+        opt = MasterAdamW.from_fp32([p], lr=1e-3, weight_decay=0.1, moment_dtype=torch.bfloat16, impl="torch")
+        p.grad_dtype = None  # let the reference hold fp32 gradients
+        p.grad = grad.clone()
+        opt.step(grad_scale=scale)
+        masters.append(bits(opt.master(p)))
+    assert torch.equal(*masters)
 
 
 def test_non_finite_gradient_propagates():
@@ -332,8 +351,8 @@ def test_interpreter_kernel_equals_torch_path(n, grad_dtype, moment_dtype):
     by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
     for step in (1, 2, 9):
         scalars = StepScalars.for_step(3e-3, 0.1, 0.9, 0.999, 1e-8, step)
-        adamw_update_torch(*by_torch, scalars)
-        adamw_update_triton(*by_kernel, scalars)
+        adamw_update_torch(*by_torch, scalars, CLIP)
+        adamw_update_triton(*by_kernel, scalars, CLIP)
     for x, y in zip(by_torch, by_kernel):
         assert torch.equal(bits(x), bits(y))
 
@@ -385,8 +404,8 @@ def test_cuda_kernel_matches_torch_path(moment_dtype):
     for step in (1, 2, 9):
         by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
         scalars = StepScalars.for_step(lr, 0.1, 0.9, 0.999, 1e-8, step)
-        adamw_update_torch(*by_torch, scalars)
-        adamw_update_triton(*by_kernel, scalars)
+        adamw_update_torch(*by_torch, scalars, CLIP.cuda())
+        adamw_update_triton(*by_kernel, scalars, CLIP.cuda())
         masters = [join_master(p.view(torch.int16), r) for p, r, *_ in (by_torch, by_kernel)]
         finite = masters[0].isfinite()
         assert torch.equal(finite, masters[1].isfinite())

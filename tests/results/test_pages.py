@@ -345,3 +345,24 @@ def test_runs_saved_before_num_experts_was_renamed_still_load():
     saved = flatten(upgrade_saved(run.header["config"]))  # keys added since then take their defaults
     loaded = flatten(to_dict(load_config(str(REPO / args.config), app_overrides, world_size=4)))
     assert {k: v for k, v in loaded.items() if k in saved} == saved
+
+
+def test_router_balance_gets_a_line_and_a_heatmap(tmp_path):
+    plain = make_run(tmp_path, "loop", "loop", 100.0)
+    balanced = make_run(tmp_path, "aux", "custom_grouped", 50.0)
+    results = json.loads((balanced / "results.json").read_text())
+    results.update({"aux_losses": [2.5, 2.25, 2.0, 2.0], "z_losses": [1.0, 1.0, 1.0, 1.0],
+                    "expert_load": {"max_over_mean": [1.5, 1.4, 1.3, 1.2],
+                                    "busiest_rank_over_mean": {"2": [1.2, 1.1, 1.1, 1.0]},
+                                    "tokens_per_expert": [[30, 10, 20, 20], [20, 20, 20, 20]],
+                                    "tokens_per_expert_steps": [1, 4]}})
+    (balanced / "results.json").write_text(json.dumps(results))
+    page = page_for([plain, balanced])
+    line = ("- router: aux loss 2.188, z-loss 1.000, expert max/mean 1.350, busiest rank/mean EP=2 1.100 "
+            "(means over the run's steps)")
+    assert page.markdown.count("- router:") == 1 and line in page.markdown
+    heatmap = f"{page.stem}-expert-load-{pages.slug('custom_grouped')}.png"
+    assert f"]({heatmap})" in page.markdown
+    written = write_page(page, tmp_path / "out")
+    assert tmp_path / "out" / heatmap in written
+    assert (tmp_path / "out" / heatmap).read_bytes().startswith(PNG_SIGNATURE)

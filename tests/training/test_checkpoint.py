@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -138,6 +139,43 @@ def test_a_damaged_checkpoint_is_refused(setup, damage, message):
         (folder / "meta.json").write_text('{"step": 2, "form')
     else:
         (ckpt.dir / LATEST).write_text("\x00garbage")
+    with pytest.raises(UserError, match=message):
+        ckpt.load_latest(*fresh(), cfg)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda meta: meta.pop("step"), "lacks 'step' (int expected)"),
+    (lambda meta: meta.pop("files"), "lacks 'files'"),
+    (lambda meta: meta.pop("config"), "lacks 'config'"),
+    (lambda meta: meta.update(step="2"), "has a str for 'step'"),
+    (lambda meta: meta.update(losses=None), "has a NoneType for 'losses'"),
+    (lambda meta: meta.update(losses=[1.0, "x"]), "'losses' are not all numbers"),
+    (lambda meta: meta["files"]["rank00000.pt"].pop("sha256"), "entry for rank00000.pt lacks 'bytes' or 'sha256'"),
+    (lambda meta: meta["config"].pop("model"), "its 'config' has no 'model' section"),
+    (lambda meta: meta.clear(), "has format None, this version reads 1"),
+    (lambda meta: meta.update(format=2, step=None), "has format 2, this version reads 1"),
+])
+def test_checkpoint_metadata_without_what_resume_reads_is_refused(setup, edit, message):
+    cfg, fresh, ckpt = setup
+    folder = save(ckpt, cfg, *fresh(), 2)
+    meta = json.loads((folder / "meta.json").read_text())
+    edit(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=re.escape(message)) as info:
+        ckpt.load_latest(*fresh(), cfg)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("target, content, message", [
+    ("meta.json", "[1, 2]", "holds a list, not a mapping"),
+    ("meta.json", b"\xff\xfe binary", "unreadable or corrupt"),
+    ("latest", b"\xff\xfe binary", "not a step-NNNNNN folder"),
+])
+def test_a_binary_or_non_mapping_metadata_file_is_refused(setup, target, content, message):
+    cfg, fresh, ckpt = setup
+    folder = save(ckpt, cfg, *fresh(), 2)
+    path = ckpt.dir / LATEST if target == "latest" else folder / target
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(UserError, match=message):
         ckpt.load_latest(*fresh(), cfg)
 

@@ -5,12 +5,19 @@ import json
 
 import pytest
 import torch
-from launch import run_app
-from safetensors.torch import save_file
+from launch import assert_one_line_error, run_app
+from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, MixtralForCausalLM
 
+from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
-from te_mixtral.training.hf_checkpoint import resolve_model_path
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.model.hf_config import model_config_from_hf
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
+from te_mixtral.training.hf_checkpoint import load_hf_weights, resolve_model_path
+
+SINGLE = Layout(0, 1, 1, None, None)
 
 # Experts are ~98% of this model (2 layers x 8 experts x 3 x 128 x 2048 fp32 = 50 MB), so a
 # rank that holds half the experts should need about half the memory to load.
@@ -96,3 +103,140 @@ def test_a_hub_id_offline_is_a_user_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail at once, network or not
     with pytest.raises(UserError, match=r"'no-such-owner/no-such-model' is not a local folder.*offline, pass a local"):
         resolve_model_path("no-such-owner/no-such-model")
+
+
+# --- bad checkpoints: refused in one line, never broadcast or half read ------------------
+
+SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path):
+    """A one-layer checkpoint as transformers saves it, and its tensors to edit."""
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(**SMALL)).save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt", load_file(tmp_path / "ckpt" / "model.safetensors")
+
+
+def load_small(folder, layout=SINGLE):
+    model = Ours(model_config_from_hf(folder), TORCH, layout, LoopTier())
+    load_hf_weights(model, folder, layout)
+    return model
+
+
+def refused(folder, *fragments, layout=SINGLE):
+    with pytest.raises(UserError) as info:
+        load_small(folder, layout)
+    message = str(info.value)
+    assert "\n" not in message and all(fragment in message for fragment in fragments), message
+    return message
+
+
+def rewrite(folder, tensors, name="model.safetensors"):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / name)
+
+
+def test_the_untouched_small_checkpoint_loads(small_checkpoint):
+    folder, tensors = small_checkpoint
+    model = load_small(folder)
+    torch.testing.assert_close(model.state_dict()["model.norm.weight"], tensors["model.norm.weight"])
+
+
+@pytest.mark.parametrize("key, shape", [
+    ("model.layers.0.input_layernorm.weight", [1]),  # copy_ would broadcast it into every entry
+    ("model.norm.weight", [1, 16]),
+    ("model.layers.0.self_attn.q_proj.weight", [1, 16]),
+    ("model.layers.0.block_sparse_moe.experts.2.w2.weight", [24, 16]),  # transposed
+    ("model.layers.0.block_sparse_moe.experts.3.w1.weight", [1, 16]),
+    ("model.layers.0.block_sparse_moe.gate.weight", [4, 1]),
+])
+def test_a_wrong_shaped_tensor_is_refused_naming_tensor_file_and_shapes(small_checkpoint, key, shape):
+    folder, tensors = small_checkpoint
+    expected = list(tensors[key].shape)
+    tensors[key] = torch.ones(shape)
+    rewrite(folder, tensors)
+    refused(folder, f"'{key}'", "model.safetensors", f"has shape {shape}", f"needs {expected}")
+
+
+def test_a_stacked_tensor_with_other_experts_than_the_config_is_refused_on_every_rank(small_checkpoint):
+    folder, tensors = small_checkpoint
+    stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
+    w1, w3, w2 = ([tensors[f"model.layers.0.block_sparse_moe.experts.{e}.{p}.weight"] for e in range(4)]
+                  for p in ("w1", "w3", "w2"))
+    gate_up = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
+    stacked["model.layers.0.mlp.experts.down_proj"] = torch.stack(list(w2))
+    stacked["model.layers.0.mlp.experts.gate_up_proj"] = gate_up
+    rewrite(folder, stacked)
+    load_small(folder)
+    # Eight experts where the config says four: rank 1 of EP=2 would read experts 2-3 of 8.
+    stacked["model.layers.0.mlp.experts.gate_up_proj"] = torch.cat([gate_up, gate_up])
+    rewrite(folder, stacked)
+    for rank in (0, 1):
+        refused(folder, "'model.layers.0.mlp.experts.gate_up_proj'", "has shape [8, 48, 16]", "needs [4, 48, 16]",
+                layout=Layout(rank, 2, 2, None, None))
+
+
+def test_experts_and_layers_beyond_the_config_are_refused(small_checkpoint):
+    folder, tensors = small_checkpoint
+    extra = {**tensors, "model.layers.0.block_sparse_moe.experts.4.w2.weight": torch.ones(16, 24)}
+    rewrite(folder, extra)
+    refused(folder, "names expert 4, but the config has 4 experts")
+    extra = {**tensors, "model.layers.1.block_sparse_moe.experts.0.w2.weight": torch.ones(16, 24)}
+    rewrite(folder, extra)
+    refused(folder, "'model.layers.1.block_sparse_moe.experts.0.w2.weight' has no place")
+
+
+def test_a_tensor_in_two_files_is_refused(small_checkpoint):
+    folder, tensors = small_checkpoint
+    rewrite(folder, {"model.norm.weight": torch.ones(16)}, "extra.safetensors")
+    refused(folder, "'model.norm.weight' is in both")
+
+
+def test_non_float_weights_are_refused(small_checkpoint):
+    folder, tensors = small_checkpoint
+    tensors["model.norm.weight"] = torch.ones(16, dtype=torch.int32)
+    rewrite(folder, tensors)
+    refused(folder, "'model.norm.weight' holds I32")
+
+
+def test_a_corrupt_safetensors_file_is_refused_naming_it(small_checkpoint):
+    folder, _ = small_checkpoint
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    refused(folder, f"cannot read {folder / 'model.safetensors'}")
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    refused(folder, f"cannot read {folder / 'model.safetensors'}")
+
+
+@pytest.mark.parametrize("index, fragment", [
+    ('{"weight_map": {"model.norm.weight": "model.saf', "cannot read"),
+    ("[]", "has no 'weight_map'"),
+    ('{"weight_map": {"model.norm.weight": 3}}', "has no 'weight_map'"),
+    ('{"weight_map": {"model.norm.weight": "../outside.safetensors"}}', "names '../outside.safetensors', which is not a file in"),
+    ('{"weight_map": {"model.norm.weight": "/etc/outside.safetensors"}}', "which is not a file in"),
+    ('{"weight_map": {"model.norm.weight": "sub/model.safetensors"}}', "which is not a file in"),
+    ('{"weight_map": {"model.norm.weight": "gone.safetensors"}}', "names gone.safetensors, which is missing"),
+])
+def test_a_bad_index_is_refused(small_checkpoint, index, fragment):
+    folder, tensors = small_checkpoint
+    # A valid file outside the folder, which an index must not reach.
+    rewrite(folder.parent, tensors, "outside.safetensors")
+    (folder / "sub").mkdir()
+    rewrite(folder / "sub", tensors)
+    (folder / "model.safetensors.index.json").write_text(index)
+    refused(folder, "model.safetensors.index.json", fragment)
+
+
+def test_the_app_refuses_a_bad_checkpoint_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    folder = tmp_path / "ckpt"
+    MixtralForCausalLM(MixtralConfig(**{**SMALL, "vocab_size": 512}, sliding_window=64)).save_pretrained(folder)
+    args = ["--model", str(folder), "--steps", "2", "--timing_warmup_steps", "0", "--batch_size", "2",
+            "--tokenizer_vocab_size", "300", "--max_documents", "50", "--output-dir", str(tmp_path / "run")]
+    assert_one_line_error(run_app([*args, "--seq_len", "65"]), "'sliding_window' 64 is shorter", "(65 tokens")
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(1)
+    rewrite(folder, tensors)
+    assert_one_line_error(run_app([*args, "--seq_len", "64"]), "'model.norm.weight'", "has shape [1]", "needs [16]")

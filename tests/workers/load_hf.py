@@ -1,11 +1,13 @@
 """torchrun worker: load HF checkpoints into this rank's shard; report logits and memory.
 
-Usage: [torchrun ...] tests/workers/load_hf.py OUT_DIR CHECKPOINT_DIR...
+Usage: [torchrun ...] tests/workers/load_hf.py OUT_DIR [--ep-size N] CHECKPOINT_DIR...
 
-For each checkpoint folder every rank builds the model with EP = world size, loads it with
+For each checkpoint folder every rank builds the model with EP = N (default: the world
+size; a smaller N makes data-parallel replicas of the experts), loads it with
 `load_hf_weights` while measuring how far its resident memory grows (the kernel's peak RSS,
 reset just before loading), then runs one forward on fixed token ids (every rank must: the
-experts are sharded). Writes OUT_DIR/rank{r}.json, and OUT_DIR/logits.pt from rank 0.
+experts are sharded). Writes OUT_DIR/rank{r}.json, OUT_DIR/logits.pt from rank 0, and
+with --ep-size each rank's loaded state dicts, OUT_DIR/weights{r}.pt (checkpoint -> state).
 """
 
 import ctypes
@@ -43,10 +45,13 @@ def reset_peak_rss() -> bool:
         return False
 
 
-out_dir = Path(sys.argv[1])
-layout = init_layout(world_size_from_env(), "cpu", 120)
-report, logits = {}, {}
-for checkpoint in sys.argv[2:]:
+out_dir, checkpoints = Path(sys.argv[1]), sys.argv[2:]
+save_weights = checkpoints[:1] == ["--ep-size"]
+ep_size = int(checkpoints[1]) if save_weights else world_size_from_env()
+checkpoints = checkpoints[2:] if save_weights else checkpoints
+layout = init_layout(ep_size, "cpu", 120)
+report, logits, weights = {}, {}, {}
+for checkpoint in checkpoints:
     m = model_config_from_hf(checkpoint)
     model = MixtralForCausalLM(m, TORCH, layout, LoopTier())
     measured = reset_peak_rss()
@@ -59,9 +64,13 @@ for checkpoint in sys.argv[2:]:
         logits[checkpoint] = {"ids": ids, "logits": model(ids, packed)}
     report[checkpoint] = {"peak_rss_growth": growth, "bytes_read": bytes_read,
                           "shard_bytes": sum(p.nbytes for p in model.parameters())}
+    if save_weights:
+        weights[checkpoint] = model.state_dict()
     del model
 out_dir.mkdir(parents=True, exist_ok=True)
 (out_dir / f"rank{layout.rank}.json").write_text(json.dumps(report))
 if layout.is_main:
     torch.save(logits, out_dir / "logits.pt")
+if save_weights:
+    torch.save(weights, out_dir / f"weights{layout.rank}.pt")
 shutdown()

@@ -1,12 +1,15 @@
 """torchrun worker: train like run_finetune_ep.py, then save this rank's weights, whole
 (sharded ones gathered: what the rank would hold without sharding), the gradients it held
-after each step's gradient reduction, and the bytes of its optimizer state as it holds them.
+after each step's gradient reduction and after each step's clipping, and the bytes of its
+optimizer state as it holds them.
 
 Usage: torchrun ... tests/workers/train_and_save.py WEIGHTS_DIR [run_finetune_ep.py arguments]
 
 Writes WEIGHTS_DIR/rank{r}.pt (the state dict) and WEIGHTS_DIR/grads{r}.pt: one dict of
 gradients per call of the loop's `reduce_gradients`, so the list's length is how many
-times the gradients were communicated.
+times the gradients were communicated; WEIGHTS_DIR/clipped{r}.pt: the same after each call
+of the loop's `clip_gradients`, times the clip factor the optimizer applies itself (where it
+does): the gradients the optimizer stepped with.
 """
 
 import json
@@ -21,20 +24,33 @@ from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
 from te_mixtral.distributed.parallelize import reduce_gradients
 from te_mixtral.training import loop
+from te_mixtral.training.optimizer import clip_gradients
 
-reduced = []
+reduced, clipped = [], []
+
+
+def local_grads(model) -> dict:
+    return {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for name, p in model.named_parameters() if p.grad is not None}
 
 
 def recording_reduce_gradients(model, layout, sharding):
     reduce_gradients(model, layout, sharding)
-    reduced.append({name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
-                    for name, p in model.named_parameters() if p.grad is not None})
+    reduced.append(local_grads(model))
+
+
+def recording_clip_gradients(optimizer, model, max_norm, layout):
+    total_norm, grad_scale = clip_gradients(optimizer, model, max_norm, layout)
+    grads = local_grads(model)
+    clipped.append(grads if grad_scale is None else {name: g * grad_scale for name, g in grads.items()})
+    return total_norm, grad_scale
 
 
 weights_dir = Path(sys.argv[1])
 args, overrides = parse_args(sys.argv[2:])
 cfg = load_config(args.config, overrides, world_size=world_size_from_env())
-loop.reduce_gradients = recording_reduce_gradients  # the loop's own call, wrapped
+loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrapped
+loop.clip_gradients = recording_clip_gradients
 result = loop.train(cfg)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 weights_dir.mkdir(parents=True, exist_ok=True)
@@ -45,5 +61,6 @@ state = [value.to_local() if isinstance(value, DTensor) else value
          for per_param in result.optimizer.state.values() for value in per_param.values()]
 (weights_dir / f"optimizer{rank}.json").write_text(json.dumps(sum(t.nbytes for t in state if t.dim() > 0)))
 torch.save(reduced, weights_dir / f"grads{rank}.pt")
+torch.save(clipped, weights_dir / f"clipped{rank}.pt")
 shutdown()
 sys.exit(result.exit_code)

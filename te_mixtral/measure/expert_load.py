@@ -1,0 +1,69 @@
+"""Expert load: how evenly the router spread a step's tokens over the experts, and over the
+ranks that hold them.
+
+Shape suffixes: see te_mixtral/experts/base.py; Y is the model's MoE layers.
+
+Everything here is computed from counts the router losses have already all-reduced: the
+global batch's top-k picks per layer and expert (te_mixtral/model/router_losses.py), summed
+over a step's micro-batches. No extra forward, no extra collective.
+
+    max/mean                    the busiest expert's rows over the mean expert's
+    busiest rank/mean at EP=P   the rows of the busiest of P ranks over the mean rank's, each
+                                rank holding E/P consecutive experts as an EP group of P
+                                places them; given for every P that divides E (1 < P < E),
+                                so one run shows what EP=2, 4 ... would have met
+
+Both are taken layer by layer and then summed: each layer's all-to-all waits for its
+busiest rank, so a step pays the sum over layers of the busiest rank's rows, and the ratio
+is that sum over the sum of the means (1: perfect balance; P: one rank gets everything).
+With expert replicas (world = replicas x EP) the counts are every replica's, summed, so the
+ratio is that of the summed load per rank position, at most the busiest single rank's; the
+rows each rank received in one step are in --profile_phases' `expert_rows_per_rank`.
+"""
+
+import torch
+
+
+def busiest_over_mean(tokens_per_expert_YE: torch.Tensor, groups: int) -> float:
+    """Sum over layers of the busiest group's rows over the sum of the mean group's, the E
+    experts cut into `groups` groups of consecutive experts (see the module docstring)."""
+    layers, num_experts = tokens_per_expert_YE.shape
+    rows_YG = tokens_per_expert_YE.reshape(layers, groups, num_experts // groups).sum(-1).double()
+    return (rows_YG.amax(-1).sum() / rows_YG.mean(-1).sum()).item()
+
+
+def ep_sizes(num_experts: int) -> list[int]:
+    """The EP sizes the load is shown for: those that split the experts over 2 to E-1 ranks."""
+    return [p for p in range(2, num_experts) if num_experts % p == 0]
+
+
+def step_record(aux: float, z: float, tokens_per_expert_YE: torch.Tensor) -> dict:
+    """One step's router losses (global) and expert load, as the training state keeps it."""
+    num_experts = tokens_per_expert_YE.shape[1]
+    return {"aux": aux, "z": z, "max_over_mean": busiest_over_mean(tokens_per_expert_YE, num_experts),
+            "busiest_rank_over_mean": {str(p): busiest_over_mean(tokens_per_expert_YE, p)
+                                       for p in ep_sizes(num_experts)}}
+
+
+def load_line(record: dict, ep_size: int) -> str:
+    """The console line of a logged step, the run's own EP size first."""
+    busiest = record["busiest_rank_over_mean"]
+    order = sorted(busiest, key=lambda p: (int(p) != ep_size, int(p)))
+    ranks = "  ".join(f"EP={p} {busiest[p]:.2f}" for p in order)
+    return (f"    router: z-loss {record['z']:.4g}  experts max/mean {record['max_over_mean']:.2f}"
+            + (f"  busiest rank/mean {ranks}" if ranks else ""))
+
+
+def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | None, steps: tuple[int, int]) -> dict:
+    """What results.json keeps: per step the aux loss, the z-loss (both global, unweighted)
+    and the load ratios; and the tokens per layer and expert summed over `steps` (first and
+    last step, counted from 1: the steps this process ran), for the results page's heatmap."""
+    if not records:
+        return {}
+    load = {"max_over_mean": [r["max_over_mean"] for r in records],
+            "busiest_rank_over_mean": {p: [r["busiest_rank_over_mean"][p] for r in records]
+                                       for p in records[-1]["busiest_rank_over_mean"]}}
+    if tokens_per_expert_YE is not None:
+        load["tokens_per_expert"] = tokens_per_expert_YE.tolist()
+        load["tokens_per_expert_steps"] = list(steps)
+    return {"aux_losses": [r["aux"] for r in records], "z_losses": [r["z"] for r in records], "expert_load": load}

@@ -1,0 +1,31 @@
+"""Expert-load ratios (te_mixtral/measure/expert_load.py) against hand-computed cases."""
+
+import pytest
+import torch
+
+from te_mixtral.measure.expert_load import (
+    busiest_over_mean,
+    ep_sizes,
+    load_line,
+    step_record,
+)
+
+
+def test_busiest_over_mean_is_taken_layer_by_layer():
+    counts_YE = torch.tensor([[6, 2, 2, 2],    # layer 0: expert 0 busiest; ranks of 2 experts: 8 vs 4
+                              [3, 3, 3, 3]])   # layer 1: balanced
+    # Experts: (6 + 3) / (3 + 3); ranks at EP=2: (8 + 6) / (6 + 6).
+    assert busiest_over_mean(counts_YE, 4) == pytest.approx(9 / 6)
+    assert busiest_over_mean(counts_YE, 2) == pytest.approx(14 / 12)
+    # Summing the layers first would hide layer 0's imbalance behind layer 1's; here each
+    # layer's busiest rank counts, as each layer's all-to-all waits for it.
+    assert busiest_over_mean(torch.tensor([[4, 0], [0, 4]]), 2) == pytest.approx(2.0)
+
+
+def test_step_record_and_line():
+    assert ep_sizes(8) == [2, 4] and ep_sizes(6) == [2, 3] and ep_sizes(5) == []
+    record = step_record(2.5, 0.75, torch.tensor([[5, 1, 1, 1, 1, 1, 1, 1]]))
+    assert record["max_over_mean"] == pytest.approx(5 / 1.5)
+    assert record["busiest_rank_over_mean"] == {"2": pytest.approx(8 / 6), "4": pytest.approx(6 / 3)}
+    line = load_line(record, ep_size=4)
+    assert "max/mean 3.33" in line and line.index("EP=4 2.00") < line.index("EP=2 1.33")

@@ -1,0 +1,70 @@
+"""A checkpoint restores the optimizer's state, not only the weights: after a round trip the
+next update is the one the saved run would have made, bit for bit.
+
+The optimizer that receives the checkpoint has taken other steps, with other gradients, so
+its moments, step count (bias correction) and, for master_adamw, the low bits of the fp32
+master all differ from the saved ones: a restore that skipped any of them changes the next
+update. Both optimizers (train.optimizer adamw and master_adamw, the latter with bf16
+parameters) are checked.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from te_mixtral.config import load_config
+from te_mixtral.distributed.layout import Layout
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
+from te_mixtral.training.checkpoint import Checkpointer, TrainState
+from te_mixtral.training.optimizer import make_optimizer
+
+SINGLE = Layout(0, 1, 1, None, None)
+CPU = torch.device("cpu")
+OPTIMIZERS = {"adamw": {"dtype": "fp32"}, "master_adamw": {"dtype": "bf16"}}
+
+
+def make(cfg, seed: int, steps: int):
+    """A model initialised from `seed` and its optimizer after `steps` steps on random
+    gradients drawn from `seed` (a weight decay and an lr that make every part of the update count)."""
+    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, LoopTier())
+    init_weights(model, seed, SINGLE)
+    optimizer = make_optimizer(model, cfg)
+    step(model, optimizer, torch.Generator().manual_seed(seed), steps)
+    return model, optimizer
+
+
+def step(model, optimizer, generator, steps: int = 1) -> None:
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_restored_optimizer_makes_the_saved_runs_next_update(tmp_path, name):
+    cfg = load_config(None, {
+        "checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "64", "hidden_size": "16", "intermediate_size": "24",
+        "num_hidden_layers": "1", "num_attention_heads": "2", "num_key_value_heads": "1", "head_dim": "8",
+        "num_experts": "2", "tokenizer_vocab_size": "64", "steps": "10", "optimizer": name, "lr": "1e-2",
+        "weight_decay": "0.1", **OPTIMIZERS[name]})
+    saved_model, saved_optimizer = make(cfg, seed=1, steps=3)
+    ckpt = Checkpointer(cfg, SINGLE, CPU, "a" * 64)  # any tokenizer hash: saved and read by one run
+    ckpt.save(TrainState(3, [1.0, 1.0, 1.0], []), saved_model, saved_optimizer, cfg)
+    model, optimizer = make(cfg, seed=2, steps=1)  # other weights, other moments, another step count
+    ckpt.load_latest(model, optimizer, dataclasses.replace(cfg, resume=True))
+    for (key, want), got in zip(saved_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want), key
+
+    # The same next gradients on both: the updates must agree bit for bit.
+    step(saved_model, saved_optimizer, torch.Generator().manual_seed(3))
+    step(model, optimizer, torch.Generator().manual_seed(3))
+    moved = False
+    for (key, want), (_, got), (_, before) in zip(saved_model.named_parameters(), model.named_parameters(),
+                                                  make(cfg, seed=1, steps=3)[0].named_parameters()):
+        assert torch.equal(got, want), f"{name}: {key} after the step that follows the restore"
+        moved |= not torch.equal(want, before)
+    assert moved, "the step after the restore changed nothing, so the comparison proves nothing"

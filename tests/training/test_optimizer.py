@@ -1,0 +1,70 @@
+"""Clipping and stepping as the training loop does it, for both optimizers: the norm is the
+global gradient norm, and the step sees the gradients times the clip factor (MasterAdamW reads
+the factor inside its step instead of scaling the gradients first)."""
+
+import pytest
+import torch
+
+from te_mixtral.config import load_config
+from te_mixtral.distributed.layout import Layout
+from te_mixtral.optim import MasterAdamW
+from te_mixtral.training.optimizer import clip_gradients, make_optimizer, optimizer_step
+
+SINGLE = Layout(0, 1, 1, None, None)
+
+
+def model_with_grads(seed: int, scale: float) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * scale
+    return model
+
+
+@pytest.mark.parametrize("scale", [10.0, 1e-3], ids=["clipped", "within"])
+def test_adamw_step_sees_clipped_gradients(scale):
+    cfg = load_config(None, {"grad_clip": "1.0", "optimizer": "adamw", "model.num_hidden_layers": "1"})
+    model = model_with_grads(0, scale)
+    grads = [p.grad.double().clone() for p in model.parameters()]
+    optimizer = make_optimizer(model, cfg)
+    norm, grad_scale = clip_gradients(optimizer, model, 1.0, SINGLE)
+    want_norm = torch.cat([g.flatten() for g in grads]).norm()
+    assert norm.double() == pytest.approx(want_norm.item(), rel=1e-6) and grad_scale is None
+    factor = min(1.0, 1.0 / (want_norm.item() + 1e-6))
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad.double(), g * factor, rtol=1e-6, atol=0)
+    optimizer_step(optimizer, grad_scale)
+
+
+@pytest.mark.parametrize("scale", [10.0, 1e-3], ids=["clipped", "within"])
+def test_master_adamw_reads_the_clip_factor_in_its_step(scale):
+    """The step with the folded factor equals MasterAdamW stepped on fp32 gradients that were
+    multiplied by the factor beforehand; the bf16 gradients stay untouched. eps = 1 makes the
+    update proportional to the gradient (Adam is otherwise blind to a gradient's scale at its
+    first step), so a factor applied twice, inverted or not at all shows."""
+    masters, factors = [], []
+    for folded in (True, False):
+        model = model_with_grads(1, scale)
+        grads = [p.grad.clone() for p in model.parameters()]
+        optimizer = MasterAdamW.from_fp32(list(model.parameters()), lr=1e-2, eps=1.0, impl="torch")
+        for p, g in zip(model.parameters(), grads):  # gradients of bf16 parameters are bf16
+            p.grad = g.bfloat16()
+        if folded:
+            _, grad_scale = clip_gradients(optimizer, model, 1.0, SINGLE)
+            assert all(torch.equal(p.grad, g.bfloat16()) for p, g in zip(model.parameters(), grads))
+            optimizer_step(optimizer, grad_scale)
+            factors.append(grad_scale.item())
+        else:
+            want = torch.cat([g.bfloat16().double().flatten() for g in grads]).norm().item()
+            factor = torch.tensor(min(1.0, 1.0 / (want + 1e-6)), dtype=torch.float32)
+            factors.append(factor.item())
+            for p in model.parameters():
+                p.grad_dtype = None
+                p.grad = p.grad.float() * factor
+            optimizer.step()
+        masters.append([optimizer.master(p) for p in model.parameters()])
+    # The folded factor comes from bf16 per-tensor norms: equal to the exact one within their
+    # rounding (2^-8), and the updates (1e-2 x gradient x factor) within it too.
+    assert factors[0] == pytest.approx(factors[1], rel=2**-8)
+    for a, b in zip(*masters):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * 2**-8 * max(1.0, scale))
