@@ -28,8 +28,8 @@ keeps: selective drops the expert FFN's hidden rows and the experts' weight copi
 runs again in the backward); full keeps only each layer's input. Either way the layer whose
 backward runs holds all of it again while it does.
 
-And, once per step, the rotary tables, the final norm, the LM head's input and the
-log-probabilities in fp32 (T x V x 4: a large one). With fp32 parameters under bf16 autocast
+And, once per step, the rotary tables, the final norm, the LM head's input, the router
+statistics and the log-probabilities in fp32 (T x V x 4: a large one). With fp32 parameters under bf16 autocast
 every matrix a GEMM reads is also cast to bf16 and that copy is saved until its layer's
 backward ("weight copies", 2 bytes per matrix parameter).
 
@@ -290,6 +290,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                                  "selective": (dense_layer, dense_copies),
                                  "full": (r * T * D, 0)}[recompute]
     head = norm + a * T * D + 4 * T * V + 8 * T + 2 * 4 * batch * S * Hd  # + ids, rotary tables
+    head += m.num_hidden_layers * (12 * E + 4)  # router statistics: picks (int64), prob sums, z sum
     if recompute == "full":
         head += 8 * T  # the position ids, which every recomputed attention reads again
     logits = a * T * V  # referenced by the training loop until the next step

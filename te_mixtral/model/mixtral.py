@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
         dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_rank, layout.ep_group)
         self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_experts, m.num_experts_per_tok,
                             dispatcher, tier, m.num_experts // layout.ep_size,
-                            recompute_experts=recompute == "selective")
+                            recompute_experts=recompute == "selective", z_loss_grad=m.router_z_loss_coef != 0)
 
     def forward(self, x_BSD, rotary, packed):
         if self.recompute_layer:

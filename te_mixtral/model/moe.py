@@ -45,7 +45,7 @@ class StackedExperts(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dispatcher: TokenDispatcher, tier: ExpertTier, experts_per_rank: int,
-                 recompute_experts: bool = False):
+                 recompute_experts: bool = False, z_loss_grad: bool = False):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
@@ -53,6 +53,8 @@ class MoEBlock(nn.Module):
         self.dispatcher = dispatcher
         self.tier = tier
         self.recompute_experts = recompute_experts
+        # The z-loss keeps the router logits for its backward: only when it trains (coef > 0).
+        self.z_loss_grad = z_loss_grad
 
     # The four steps of `forward`, public so that measure/phases.py can time each one alone
     # on the very code the model runs.
@@ -63,7 +65,7 @@ class MoEBlock(nn.Module):
         logits_TE = self.gate(x_TD).float()
         probs_TE = F.softmax(logits_TE, dim=-1)
         weights_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        stats = RouterStats.of_layer(logits_TE, probs_TE, experts_TK)
+        stats = RouterStats.of_layer(logits_TE, probs_TE, experts_TK, self.z_loss_grad)
         return weights_TK / weights_TK.sum(-1, keepdim=True), experts_TK, stats
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> DispatchOutput:

@@ -77,14 +77,17 @@ class RouterStats:
     num_tokens: int  # tokens on this rank: every layer routes all of them
 
     @classmethod
-    def of_layer(cls, logits_TE: torch.Tensor, probs_TE: torch.Tensor, experts_TK: torch.Tensor) -> "RouterStats":
+    def of_layer(cls, logits_TE: torch.Tensor, probs_TE: torch.Tensor, experts_TK: torch.Tensor,
+                 z_loss_grad: bool = True) -> "RouterStats":
         """One layer's statistics (Y = 1), from its float32 router logits, their softmax and
-        the top-k it picked."""
+        the top-k it picked. Without `z_loss_grad` the z-loss sum is a statistic only, with no
+        gradient: its backward would keep the logits for nothing."""
         picks = experts_TK.reshape(1, -1)
         # scatter_add, not bincount: bincount waits for the GPU to learn its output size.
         tokens_per_expert_1E = torch.zeros(1, probs_TE.shape[-1], dtype=torch.int64, device=picks.device)
         tokens_per_expert_1E.scatter_add_(1, picks, torch.ones_like(picks))
-        z_sum_1 = logits_TE.logsumexp(-1).square().sum().reshape(1)
+        with torch.set_grad_enabled(z_loss_grad and torch.is_grad_enabled()):
+            z_sum_1 = logits_TE.logsumexp(-1).square().sum().reshape(1)
         return cls(tokens_per_expert_1E, probs_TE.sum(0, keepdim=True), z_sum_1, logits_TE.shape[0])
 
     @classmethod
