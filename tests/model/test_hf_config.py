@@ -36,7 +36,9 @@ def config_dir(tmp_path, raw) -> str:
 
 
 def test_the_published_mixtral_config_reads_as_our_defaults(tmp_path):
-    assert model_config_from_hf(config_dir(tmp_path, MIXTRAL_8X7B), 4096) == ModelConfig()
+    # Our defaults are Mixtral-8x7B's shapes; the router coefficient is the checkpoint's own
+    # (our default, null, means "take the checkpoint's").
+    assert model_config_from_hf(config_dir(tmp_path, MIXTRAL_8X7B), 4096) == ModelConfig(router_aux_loss_coef=0.02)
 
 
 @pytest.mark.parametrize("change, message", [
