@@ -81,10 +81,19 @@ class ModelConfig:
 class DataConfig:
     dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
                            ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
-    text_field: str = setting("text", help="the field of each record that holds the text")
-    split: str = setting("train", help="the hub data set's split (local files have only 'train')")
-    tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one; null trains a "
-                                    "small BPE on the data and caches it")
+    subset: str | None = setting(None, help="the hub data set's subset (its config name), e.g. wikitext-2-raw-v1 "
+                                 "of wikitext; null: its default")
+    split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
+                         "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")
+    format: str = setting("text", help="text: each record's text_field is a document; chat: each record's "
+                          "messages_field is a conversation, rendered with the tokenizer's chat template and trained "
+                          "on the assistant's replies only (docs/data.md)")
+    text_field: str = setting("text", help="the field of each record that holds the text (format text)")
+    messages_field: str = setting("messages", help="the field of each record that holds the conversation, a list "
+                                  "of {role: system|user|assistant, content} (format chat)")
+    tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
+                                    "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
+                                    "null: model_path's, else a small BPE trained on the data and cached")
     tokenizer_vocab_size: int = setting(2048, help="vocabulary of the BPE trained when tokenizer is null")
     seq_len: int = setting(256, help="tokens per packed sample")
     max_documents: int | None = setting(None, help="read only the first N documents (null: all)")

@@ -56,7 +56,7 @@ _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+
 
 def resolve_model_path(name: str) -> Path:
     """The local folder of a checkpoint: `name` itself, or a hub id downloaded to the hub cache
-    (configs, tokenizer and safetensors only; every rank may call this, the hub client locks
+    (configs, tokenizer, chat template and safetensors only; every rank may call this, the hub client locks
     its cache, and a cached snapshot returns at once)."""
     path = Path(name).expanduser()
     if path.exists() or name.startswith(("/", ".", "~")):
@@ -68,7 +68,7 @@ def resolve_model_path(name: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.jinja", "*.safetensors"]))
     except Exception as e:
         raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "
                         f"({first_line(e)}); offline, pass a local checkpoint folder") from None
@@ -287,7 +287,8 @@ def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> Non
     """tokenizer.json, and the tokenizer_config.json that lets `AutoTokenizer` read it: the
     one beside the tokenizer's source file when there is one, else a minimal one."""
     (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
-    companions = ("tokenizer_config.json", "special_tokens_map.json")
+    # chat_template.jinja: where transformers v5 saves a chat template, which chat fine-tunes need again.
+    companions = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
     tokenizer_source = Path(tokenizer_path).expanduser() if tokenizer_path else None
     if tokenizer_source is not None and tokenizer_source.is_file():
         tokenizer_source = tokenizer_source.parent
