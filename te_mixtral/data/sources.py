@@ -118,7 +118,7 @@ def _take_split(source: datasets.Dataset, split: str) -> datasets.Dataset:
     try:
         parts = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(source)})
     except (ValueError, AssertionError) as e:
-        raise UserError(f"data.split '{split}': {first_line(e)}; local files and the embedded text are one 'train' "
+        raise UserError(f"data.split '{split}': {first_line(e).rstrip('.')}; local files and the embedded text are one 'train' "
                         f"split, which may be sliced (e.g. train[:90%], train[100:])") from None
     if [(p.from_, p.to) for p in parts] == [(0, len(source))]:
         return source  # all of it: no indices mapping, so the data stays as loaded
