@@ -145,6 +145,9 @@ def token_stream(tokenizer: Tokenizer, records: datasets.Dataset) -> TokenStream
             closed = _close_with_eos(ids, eos_id)
             return {"input_ids": closed,
                     "trained": [t + [False] * (len(c) - len(i)) for t, c, i in zip(rendered["trained"], closed, ids)]}
+    # The key is ours, not `datasets`' hash of `tokenize`: that would hash the transformers
+    # tokenizer object, whose hash can change once it has been called. `_fingerprint` is
+    # how `datasets` names the records' own state (no public name for it).
     key = hashlib.sha256("\0".join([TOKENIZE_RECIPE, records._fingerprint, backend.to_str(), str(eos_id),
                                      chat.chat_template if chat is not None else ""]).encode()).hexdigest()
     encoded = records.map(tokenize, batched=True, input_columns=field, with_indices=chat is not None,
