@@ -44,10 +44,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(t.recompute in RECOMPUTE,
            f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
     _check(t.sharding in SHARDINGS, f"train.sharding must be one of {', '.join(SHARDINGS)}, got '{t.sharding}'")
-    _check(t.sharding == "none" or t.optimizer == "adamw",
-           "train.sharding fsdp works with train.optimizer adamw only (master_adamw does not step sharded parameters yet)")
-    _check(t.sharding == "none" or (cfg.checkpoint_dir is None and cfg.save_hf is None),
-           "train.sharding fsdp cannot save training checkpoints or HF exports yet: unset checkpoint_dir and save_hf")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
