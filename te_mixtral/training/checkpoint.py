@@ -62,7 +62,11 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max, all_reduce_sum
-from te_mixtral.distributed.parallelize import is_sharded, load_local_state_dicts, local_state_dicts
+from te_mixtral.distributed.parallelize import (
+    is_sharded,
+    load_local_state_dicts,
+    local_state_dicts,
+)
 from te_mixtral.errors import Diverged, UserError, WriteFailed
 from te_mixtral.files import (
     folder_bytes,

@@ -25,14 +25,24 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import load_config
 from te_mixtral.data.tokenizer import Tokenizer, train_tokenizer
-from te_mixtral.distributed.layout import init_layout, is_expert_param, mesh_layout, shutdown
+from te_mixtral.distributed.layout import (
+    init_layout,
+    is_expert_param,
+    mesh_layout,
+    shutdown,
+)
 from te_mixtral.distributed.parallelize import parallelize, reduce_gradients, shard_like
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.layers import TORCH, PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.training.checkpoint import Checkpointer, TrainState
 from te_mixtral.training.hf_checkpoint import save_hf_checkpoint
-from te_mixtral.training.optimizer import clip_gradients, make_optimizer, optimizer_step, split_masters
+from te_mixtral.training.optimizer import (
+    clip_gradients,
+    make_optimizer,
+    optimizer_step,
+    split_masters,
+)
 
 out_dir = Path(sys.argv[1])
 MODEL = {"vocab_size": "64", "hidden_size": "16", "intermediate_size": "24", "num_hidden_layers": "2",
