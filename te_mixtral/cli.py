@@ -5,11 +5,20 @@ the config's own fields."""
 
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
 
-from te_mixtral.config import RunConfig, is_switch, load_config, settings, to_dict
+from te_mixtral.accelerate_launch import describe, launch_settings
+from te_mixtral.config import (
+    FOLLOWS,
+    RunConfig,
+    is_switch,
+    load_config,
+    settings,
+    to_dict,
+)
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
 from te_mixtral.errors import ExitCode, UserError, report_error
 from te_mixtral.experts.registry import check_tier
@@ -61,14 +70,18 @@ def _shown(value) -> str:
 
 
 def help_text(cfg: RunConfig, config_path: str) -> str:
-    """The usage, then one line per config key: its full name, its value in `cfg`, its meaning."""
+    """The usage, then one line per config key: its full name, its value in `cfg`, its
+    default (a rule for the keys that follow another: `config.FOLLOWS`) and its meaning."""
     values = flatten(to_dict(cfg))
-    rows = [(key, _shown(values[key]), f.metadata["help"]) for key, f in settings().items()]
-    key_width = max(len(key) for key, _, _ in rows)
-    value_width = min(12, max(len(value) for _, value, _ in rows))
+    rows = [("key", "this run", "default", "meaning")]
+    rows += [(key, _shown(values[key]), FOLLOWS[key].rule if key in FOLLOWS else _shown(f.default), f.metadata["help"])
+             for key, f in settings().items()]
+    key_width = max(len(row[0]) for row in rows)
+    value_width, default_width = (min(12, max(len(row[i]) for row in rows)) for i in (1, 2))
     lines = [f"config keys, with their values from {config_path} and the overrides given "
              "(--key value; the bare name, e.g. --lr, where it is unique):"]
-    lines += [f"  {key:<{key_width}}  {value:<{value_width}}  {meaning}" for key, value, meaning in rows]
+    lines += [f"  {key:<{key_width}}  {value:<{value_width}}  {default:<{default_width}}  {meaning}"
+              for key, value, default, meaning in rows]
     return _parser().format_help() + "\n" + "\n".join(lines)
 
 
@@ -105,8 +118,9 @@ def main(argv: list[str]) -> int:
 def _run(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
+        launch = launch_settings(os.environ)  # empty unless started by `accelerate launch`
         world_size = args.estimate_memory or world_size_from_env()
-        cfg = load_config(args.config, overrides, world_size=world_size)
+        cfg = load_config(args.config, overrides, world_size=world_size, launch=launch)
         check_tier(cfg, world_size)
         if args.estimate_memory is not None:
             from te_mixtral.measure.memory import print_estimate
@@ -117,6 +131,8 @@ def _run(argv: list[str]) -> int:
     if args.help:
         print(help_text(cfg, args.config))
         return 0
+    if launch and os.environ.get("RANK", "0") == "0":
+        print(describe(launch), flush=True)
     from te_mixtral.training.loop import (
         main as train_main,  # after validation: a bad flag fails fast
     )
