@@ -1,7 +1,8 @@
 """The command line of `run_finetune_ep.py`: `--config`, then `--key value` overrides of any
 config key, validated before anything heavy is imported. `--help` lists every key with the
-value it has in this run (the config file's, or the override's) and its meaning, read from
-the config's own fields."""
+value it has in this run (the config file's, or the override's), its default and its
+meaning, read from the config's own fields. Under `accelerate launch`, accelerate's settings
+are read first (te_mixtral/accelerate_launch.py)."""
 
 
 import argparse
@@ -31,9 +32,11 @@ USAGE = r"""Fine-tune a Mixtral-style MoE model with expert parallelism.
 
     python run_finetune_ep.py                      # tiny model, embedded data, CPU or GPU
     torchrun --nproc_per_node=2 run_finetune_ep.py --config configs/tiny.yaml --tier loop --ep-size 2
+    accelerate launch --multi_gpu --num_processes 2 run_finetune_ep.py --ep-size 2   # the same; README
     python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier grouped_linear --steps 20
 
-Any config key can be overridden: `--lr 1e-4`, `--train.steps 10`, `--model.num_hidden_layers 4`.
+Any config key can be overridden: `--lr 1e-4`, `--train.steps 10`, `--model.num_hidden_layers 4`
+(min_lr and timing_warmup_steps, left unset, follow lr and steps).
 
 Fine-tune a Hugging Face checkpoint, evaluate, export, and survive a crash (docs/checkpoints.md):
 
@@ -52,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      add_help=False)
     parser.add_argument("-h", "--help", action="store_true",
-                        help="show this help, with every config key's value and meaning, and exit")
+                        help="show this help, with every config key's value, default and meaning, and exit")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
     parser.add_argument("--estimate-memory", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
                         help="print the per-rank memory estimate (for WORLD_SIZE ranks; default: this launch's) "
