@@ -47,10 +47,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
-    _check(0 <= t.timing_warmup_steps < t.steps,
-           f"train.timing_warmup_steps ({t.timing_warmup_steps}) must be below train.steps ({t.steps})")
-    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr and math.isfinite(t.lr),
-           f"need 0 <= train.min_lr <= train.lr and a finite lr > 0, got lr {t.lr}, min_lr {t.min_lr}")
+    _check(t.timing_warmup_steps >= 0,
+           f"train.timing_warmup_steps must be 0 or positive, got {t.timing_warmup_steps}")
+    _check(t.timing_warmup_steps < t.steps,
+           f"train.timing_warmup_steps ({t.timing_warmup_steps}) leaves no timed step of train.steps ({t.steps}): "
+           f"set --timing_warmup_steps {t.steps - 1} or fewer, or leave it unset (it then shrinks to fit)")
+    _check(t.lr > 0 and math.isfinite(t.lr), f"need a finite lr > 0, got train.lr {t.lr}")
+    _check(0 <= t.min_lr <= t.lr,
+           f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]: set --min_lr too, or leave it unset "
+           f"(it then follows lr / 10)")
     _check(t.batch_size > 0, f"train.batch_size must be positive, got {t.batch_size}")
     _check(t.warmup_steps >= 0, f"train.warmup_steps must be 0 or positive, got {t.warmup_steps}")
     _check(0 < t.grad_clip < math.inf,
