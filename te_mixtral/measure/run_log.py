@@ -166,11 +166,11 @@ class RunLog:
             self._tensorboard.flush()
         if step_s is None:
             return
-        self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", refresh=False)
+        self._bar.update(1)
         if print_line:
-            self.print(progress_line(step, self.cfg.train.steps, record["loss"], lr, step_s, record["aux_loss"]))
-            self.print(expert_load.load_line(state.router[-1], self.cfg.ep_size))
+            self.print(progress_line(step, self.cfg.train.steps, record["loss"], lr, step_s, record["aux_loss"])
+                       + "\n" + expert_load.load_line(state.router[-1], self.cfg.ep_size))
 
     def evaluation(self, evaluation) -> None:
         """Print a held-out evaluation (training/evaluate.Evaluation) and send its loss to TensorBoard."""
