@@ -49,6 +49,8 @@ import json
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
 from te_mixtral.files import write_failure, write_text_atomic
@@ -70,7 +72,7 @@ def check_tensorboard(cfg: RunConfig) -> None:
 def progress_line(step: int, total: int, loss: float, lr: float, step_s: float, aux: float) -> str:
     """The console line of a logged step; `loss` is the LM loss, `aux` the load-balancing
     loss, unweighted."""
-    return (f"step {step:>4}/{total}  loss {loss:.4f}  aux {aux:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms")
+    return f"step {step:>4}/{total}  loss {loss:.4f}  aux {aux:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms"
 
 
 def step_record(step: int, loss: float, router: dict, grad_norm: float, lr: float, step_s: float | None,
@@ -136,13 +138,11 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir=str(output_dir))
-        from tqdm import tqdm
-
         # disable=None: no bar where stderr is not a terminal (a log, a pipe).
         self._bar = tqdm(total=total, initial=first_step - 1, unit="step", file=sys.stderr, disable=None,
                          dynamic_ncols=True)
 
-    def print(self, line: str) -> None:
+    def write(self, line: str) -> None:
         """Print a line to stdout, above the progress bar."""
         if self._bar is None:
             return
@@ -169,14 +169,14 @@ class RunLog:
         self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", refresh=False)
         self._bar.update(1)
         if print_line:
-            self.print(progress_line(step, self.cfg.train.steps, record["loss"], lr, step_s, record["aux_loss"])
+            self.write(progress_line(step, self.cfg.train.steps, record["loss"], lr, step_s, record["aux_loss"])
                        + "\n" + expert_load.load_line(state.router[-1], self.cfg.ep_size))
 
     def evaluation(self, evaluation) -> None:
         """Print a held-out evaluation (training/evaluate.Evaluation) and send its loss to TensorBoard."""
         if self._file is None:
             return
-        self.print(evaluation.line(self.cfg.train.steps))
+        self.write(evaluation.line(self.cfg.train.steps))
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("loss/eval", evaluation.loss, evaluation.step)
             self._tensorboard.flush()
