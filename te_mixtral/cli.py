@@ -1,15 +1,25 @@
 """The command line of `run_finetune_ep.py`: `--config`, then `--key value` overrides of any
 config key, validated before anything heavy is imported. `--help` lists every key with the
-value it has in this run (the config file's, or the override's) and its meaning, read from
-the config's own fields."""
+value it has in this run (the config file's, or the override's), its default and its
+meaning, read from the config's own fields. Under `accelerate launch`, accelerate's settings
+are read first (te_mixtral/accelerate_launch.py)."""
 
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
 
-from te_mixtral.config import RunConfig, is_switch, load_config, settings, to_dict
+from te_mixtral.accelerate_launch import describe, launch_settings
+from te_mixtral.config import (
+    FOLLOWS,
+    RunConfig,
+    is_switch,
+    load_config,
+    settings,
+    to_dict,
+)
 from te_mixtral.distributed.layout import shutdown, world_size_from_env
 from te_mixtral.errors import ExitCode, UserError, report_error
 from te_mixtral.experts.registry import check_tier
@@ -22,9 +32,11 @@ USAGE = r"""Fine-tune a Mixtral-style MoE model with expert parallelism.
 
     python run_finetune_ep.py                      # tiny model, embedded data, CPU or GPU
     torchrun --nproc_per_node=2 run_finetune_ep.py --config configs/tiny.yaml --tier loop --ep-size 2
+    accelerate launch --multi_gpu --num_processes 2 run_finetune_ep.py --ep-size 2   # the same; README
     python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier grouped_linear --steps 20
 
-Any config key can be overridden: `--lr 1e-4`, `--train.steps 10`, `--model.num_hidden_layers 4`.
+Any config key can be overridden: `--lr 1e-4`, `--train.steps 10`, `--model.num_hidden_layers 4`
+(min_lr and timing_warmup_steps, left unset, follow lr and steps).
 
 Fine-tune a Hugging Face checkpoint, evaluate, export, and survive a crash (docs/checkpoints.md):
 
@@ -43,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      add_help=False)
     parser.add_argument("-h", "--help", action="store_true",
-                        help="show this help, with every config key's value and meaning, and exit")
+                        help="show this help, with every config key's value, default and meaning, and exit")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
     parser.add_argument("--estimate-memory", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
                         help="print the per-rank memory estimate (for WORLD_SIZE ranks; default: this launch's) "
@@ -61,14 +73,18 @@ def _shown(value) -> str:
 
 
 def help_text(cfg: RunConfig, config_path: str) -> str:
-    """The usage, then one line per config key: its full name, its value in `cfg`, its meaning."""
+    """The usage, then one line per config key: its full name, its value in `cfg`, its
+    default (a rule for the keys that follow another: `config.FOLLOWS`) and its meaning."""
     values = flatten(to_dict(cfg))
-    rows = [(key, _shown(values[key]), f.metadata["help"]) for key, f in settings().items()]
-    key_width = max(len(key) for key, _, _ in rows)
-    value_width = min(12, max(len(value) for _, value, _ in rows))
+    rows = [("key", "this run", "default", "meaning")]
+    rows += [(key, _shown(values[key]), FOLLOWS[key].rule if key in FOLLOWS else _shown(f.default), f.metadata["help"])
+             for key, f in settings().items()]
+    key_width = max(len(row[0]) for row in rows)
+    value_width, default_width = (min(12, max(len(row[i]) for row in rows)) for i in (1, 2))
     lines = [f"config keys, with their values from {config_path} and the overrides given "
              "(--key value; the bare name, e.g. --lr, where it is unique):"]
-    lines += [f"  {key:<{key_width}}  {value:<{value_width}}  {meaning}" for key, value, meaning in rows]
+    lines += [f"  {key:<{key_width}}  {value:<{value_width}}  {default:<{default_width}}  {meaning}"
+              for key, value, default, meaning in rows]
     return _parser().format_help() + "\n" + "\n".join(lines)
 
 
@@ -105,8 +121,9 @@ def main(argv: list[str]) -> int:
 def _run(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
+        launch = launch_settings(os.environ)  # empty unless started by `accelerate launch`
         world_size = args.estimate_memory or world_size_from_env()
-        cfg = load_config(args.config, overrides, world_size=world_size)
+        cfg = load_config(args.config, overrides, world_size=world_size, launch=launch)
         check_tier(cfg, world_size)
         if args.estimate_memory is not None:
             from te_mixtral.measure.memory import print_estimate
@@ -117,6 +134,8 @@ def _run(argv: list[str]) -> int:
     if args.help:
         print(help_text(cfg, args.config))
         return 0
+    if launch and os.environ.get("RANK", "0") == "0":
+        print(describe(launch), flush=True)
     from te_mixtral.training.loop import (
         main as train_main,  # after validation: a bad flag fails fast
     )

@@ -81,10 +81,19 @@ class ModelConfig:
 class DataConfig:
     dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
                            ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
-    text_field: str = setting("text", help="the field of each record that holds the text")
-    split: str = setting("train", help="the hub data set's split (local files have only 'train')")
-    tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one; null trains a "
-                                    "small BPE on the data and caches it")
+    subset: str | None = setting(None, help="the hub data set's subset (its config name), e.g. wikitext-2-raw-v1 "
+                                 "of wikitext; null: its default")
+    split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
+                         "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")
+    format: str = setting("text", help="text: each record's text_field is a document; chat: each record's "
+                          "messages_field is a conversation, rendered with the tokenizer's chat template and trained "
+                          "on the assistant's replies only (docs/data.md)")
+    text_field: str = setting("text", help="the field of each record that holds the text (format text)")
+    messages_field: str = setting("messages", help="the field of each record that holds the conversation, a list "
+                                  "of {role: system|user|assistant, content} (format chat)")
+    tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
+                                    "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
+                                    "null: model_path's, else a small BPE trained on the data and cached")
     tokenizer_vocab_size: int = setting(2048, help="vocabulary of the BPE trained when tokenizer is null")
     seq_len: int = setting(256, help="tokens per packed sample")
     max_documents: int | None = setting(None, help="read only the first N documents (null: all)")
@@ -302,9 +311,49 @@ def _full_key(bare: str) -> str:
     raise UserError(f"unknown config key '{bare}'")
 
 
-def load_config(path: str | None = None, overrides: dict[str, str] | None = None, world_size: int = 1) -> RunConfig:
-    """Defaults, then the YAML file, then the overrides (raw strings parsed as YAML), validated."""
+@dataclass(frozen=True)
+class Follows:
+    """A key whose default follows another key's value (`source`) until the config file or
+    the command line sets it, so that `--lr 1e-4` or `--steps 3` alone just work."""
+
+    source: str
+    rule: str  # as `--help` shows the default (one word: the listing is split on spaces)
+    value: typing.Callable[[object], object]  # of the source's value
+
+
+FOLLOWS = {
+    # 12 significant digits: 3e-3 / 10 is 0.00030000000000000003, and a saved config should
+    # read 0.0003, as a config file would write it (results pages compare runs by value).
+    "train.min_lr": Follows("train.lr", "lr/10", lambda lr: float(f"{lr / 10:.12g}")),
+    # At least one timed step: the timing statistics need one.
+    "train.timing_warmup_steps": Follows("train.steps", "min(3,steps-1)", lambda steps: min(3, steps - 1)),
+}
+
+
+def _value(cfg: RunConfig, key: str):
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def _adopt_launcher(cfg: RunConfig, given: set[str], launch: dict[str, tuple[object, str]]) -> None:
+    """Take the settings a launcher asked for (key -> (value, the launcher's flag that asked));
+    a key the config or the command line also sets, to another value, is refused."""
+    for key, (value, origin) in launch.items():
+        current = _value(cfg, key)
+        if key in given and current not in (value, "auto"):
+            raise UserError(f"{origin} asks for {key} {value}, but the config or command line sets {key} {current}: "
+                            "drop one of the two")
+        _apply(cfg, key, value)
+        given.add(key)
+
+
+def load_config(path: str | None = None, overrides: dict[str, str] | None = None, world_size: int = 1,
+                launch: dict[str, tuple[object, str]] | None = None) -> RunConfig:
+    """Defaults, then the YAML file, then the overrides (raw strings parsed as YAML), then what
+    the launcher asked for (`launch`: te_mixtral/accelerate_launch.py), validated. A key in
+    `FOLLOWS` that none of them set takes its value from the key it follows."""
     cfg = RunConfig()
+    given = set()  # the keys the file, the command line or the launcher set
     if path is not None:
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -316,9 +365,15 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             raise UserError(f"config {path} must be a mapping of keys")
         for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)
+            given.add(key)
     for bare, text in (overrides or {}).items():
         key = _full_key(bare.replace("-", "_"))
         _apply(cfg, key, _parse_override(key, text))
+        given.add(key)
+    _adopt_launcher(cfg, given, launch or {})
+    for key, follows in FOLLOWS.items():
+        if key not in given:
+            _apply(cfg, key, follows.value(_value(cfg, follows.source)))
     validate(cfg, world_size)
     return cfg
 

@@ -23,6 +23,7 @@ MOMENT_DTYPES = ("bf16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
+DATA_FORMATS = ("text", "chat")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -44,17 +45,22 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(t.recompute in RECOMPUTE,
            f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
     _check(t.sharding in SHARDINGS, f"train.sharding must be one of {', '.join(SHARDINGS)}, got '{t.sharding}'")
-    _check(t.sharding == "none" or t.optimizer == "adamw",
-           "train.sharding fsdp works with train.optimizer adamw only (master_adamw does not step sharded parameters yet)")
-    _check(t.sharding == "none" or (cfg.checkpoint_dir is None and cfg.save_hf is None),
-           "train.sharding fsdp cannot save training checkpoints or HF exports yet: unset checkpoint_dir and save_hf")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
+    _check(d.format in DATA_FORMATS, f"data.format must be one of {', '.join(DATA_FORMATS)}, got '{d.format}'")
+    _check(d.format != "chat" or d.tokenizer is not None or cfg.model_path is not None,
+           "data.format chat needs a tokenizer with a chat template: set data.tokenizer to its folder "
+           "(e.g. examples/chat-tokenizer) or model_path to a checkpoint that has one")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
-    _check(0 <= t.timing_warmup_steps < t.steps,
-           f"train.timing_warmup_steps ({t.timing_warmup_steps}) must be below train.steps ({t.steps})")
-    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr and math.isfinite(t.lr),
-           f"need 0 <= train.min_lr <= train.lr and a finite lr > 0, got lr {t.lr}, min_lr {t.min_lr}")
+    _check(t.timing_warmup_steps >= 0,
+           f"train.timing_warmup_steps must be 0 or positive, got {t.timing_warmup_steps}")
+    _check(t.timing_warmup_steps < t.steps,
+           f"train.timing_warmup_steps ({t.timing_warmup_steps}) leaves no timed step of train.steps ({t.steps}): "
+           f"set --timing_warmup_steps {t.steps - 1} or fewer, or leave it unset (it then shrinks to fit)")
+    _check(t.lr > 0 and math.isfinite(t.lr), f"need a finite lr > 0, got train.lr {t.lr}")
+    _check(0 <= t.min_lr <= t.lr,
+           f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]: set --min_lr too, or leave it unset "
+           f"(it then follows lr / 10)")
     _check(t.batch_size > 0, f"train.batch_size must be positive, got {t.batch_size}")
     _check(t.warmup_steps >= 0, f"train.warmup_steps must be 0 or positive, got {t.warmup_steps}")
     _check(0 < t.grad_clip < math.inf,
@@ -108,7 +114,7 @@ def validate_model(cfg: RunConfig) -> None:
            f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts ({m.num_experts})")
     _check(d.seq_len <= m.max_position_embeddings,
            f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings ({m.max_position_embeddings})")
-    _check(d.tokenizer is not None or d.tokenizer_vocab_size <= m.vocab_size,
+    _check(d.tokenizer is not None or d.format == "chat" or d.tokenizer_vocab_size <= m.vocab_size,
            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) exceeds model.vocab_size ({m.vocab_size})")
     _check(m.num_experts % cfg.ep_size == 0,
            f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")

@@ -98,16 +98,16 @@ def test_bare_names_find_the_moved_keys():
         load_config(TINY, {"checkpoint-every": "10"})
 
 
-def help_rows(stdout: str) -> dict[str, tuple[str, str]]:
-    """{key: (value, meaning)} from the key listing of `--help`."""
+def help_rows(stdout: str) -> dict[str, tuple[str, str, str]]:
+    """{key: (value, default, meaning)} from the key listing of `--help`."""
     rows = {}
-    for line in stdout.split("config keys, with their values")[1].splitlines()[1:]:
-        key, value, meaning = line.split(maxsplit=2)
-        rows[key] = (value, meaning)
+    for line in stdout.split("config keys, with their values")[1].splitlines()[2:]:  # after the column names
+        key, value, default, meaning = line.split(maxsplit=3)
+        rows[key] = (value, default, meaning)
     return rows
 
 
-def test_help_lists_every_key_with_its_value_and_meaning():
+def test_help_lists_every_key_with_its_value_default_and_meaning():
     proc = run_app(["--help"], timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Fine-tune a Mixtral-style MoE model" in proc.stdout
@@ -115,8 +115,10 @@ def test_help_lists_every_key_with_its_value_and_meaning():
     rows = help_rows(proc.stdout)
     assert list(rows) == list(settings())
     assert rows["model.hidden_size"][0] == "64"  # configs/tiny.yaml, the default --config
-    assert rows["train.checkpoint_every"] == ("0", settings()["train.checkpoint_every"].metadata["help"])
-    assert rows["data.tokenizer"][0] == "null" and rows["resume"][0] == "false"
+    assert rows["train.checkpoint_every"] == ("0", "0", settings()["train.checkpoint_every"].metadata["help"])
+    assert rows["data.tokenizer"][:2] == ("null", "null") and rows["resume"][:2] == ("false", "false")
+    assert rows["model.hidden_size"][1] == "4096"  # the default, beside tiny.yaml's value
+    assert rows["train.min_lr"][:2] == ("0.0003", "lr/10")  # a default that follows another key
 
     proc = run_app(["--config", "configs/mixtral-8x7b-2layer.yaml", "--lr", "0.5", "--help"], timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

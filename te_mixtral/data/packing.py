@@ -30,6 +30,12 @@ Example, S = 6, `|` an eos::
     sample 0   a b c | d e         positions 0 1 2 3 0 1   labels b c | -100 e f
     sample 1   f g | h i ...       positions 0 1 2 0 1 ...
 
+Chat data (te_mixtral/data/chat.py) packs the same way, with two differences: a
+conversation holds an eos after every reply, so its edges come from the conversations'
+lengths rather than from eos tokens; and only the assistant's tokens are targets, every
+other label is -100. Samples left with no target at all (a long prompt can fill one) would
+train nothing and are left out.
+
 Windows overlap by one token: sample i reads stream tokens [i*S, i*S + S] (S + 1 of them:
 S inputs, and the last one is only a label), so the last label of a sample is the first
 input of the next. Every stream token after the first is then a target exactly once and
@@ -52,13 +58,16 @@ ones each epoch.
     micro-batch 1                        rank 0: s4 s5   rank 1: s6 s7
 """
 
-import itertools
+import hashlib
 from dataclasses import dataclass
 
+import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from te_mixtral.config import DataConfig
-from te_mixtral.data.sources import load_documents
+from te_mixtral.data.sources import load_records
 from te_mixtral.data.tokenizer import Tokenizer, load_tokenizer
 from te_mixtral.errors import UserError
 from te_mixtral.model.layers import PackedSequences
@@ -83,23 +92,95 @@ class Batch:
         return self.input_ids.numel()
 
 
-def token_stream(tokenizer: Tokenizer, documents: list[str]) -> torch.Tensor:
-    """All documents, each closed by eos, end to end: int64 [N]."""
-    ids = tokenizer.encode_batch(documents)
-    closed = (doc if doc and doc[-1] == tokenizer.eos_id else doc + [tokenizer.eos_id] for doc in ids)
-    return torch.tensor(list(itertools.chain.from_iterable(closed)), dtype=torch.int64)
+# Part of the cache key of tokenized data sets: change it whenever tokenization changes, so
+# `datasets` does not hand back token ids made the old way.
+TOKENIZE_RECIPE = "tokenize-1"
+
+
+@dataclass
+class TokenStream:
+    """Every record's tokens, end to end: `tokens` int64 [N]; `ends` bool [N], the last
+    token of each document or conversation; `trained` bool [N], whether a token is a loss
+    target (False: its label is -100), or None when every token is (text)."""
+
+    tokens: torch.Tensor
+    ends: torch.Tensor
+    trained: torch.Tensor | None
+
+
+def _close_with_eos(ids: list[list[int]], eos_id: int) -> list[list[int]]:
+    return [doc if doc and doc[-1] == eos_id else doc + [eos_id] for doc in ids]
+
+
+def _numpy(column: pa.Array | pa.ChunkedArray) -> torch.Tensor:
+    # A copy: arrow's buffers are read-only, and torch wants to own what it may write.
+    return torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
+
+
+def _flat(column: pa.ChunkedArray) -> torch.Tensor:
+    """A list column's values, end to end."""
+    return _numpy(pa.concat_arrays([chunk.flatten() for chunk in column.chunks]))
+
+
+def token_stream(tokenizer: Tokenizer, records: datasets.Dataset) -> TokenStream:
+    """Tokenize the records (one column: texts, or conversations when `tokenizer.chat` is
+    set) with `datasets.map`, batched. Records read from files are cached by `datasets`
+    beside them, keyed by the records and the tokenizer (its JSON and chat template), so a
+    second run or a second rank reads the token ids back instead of tokenizing again.
+
+    Text documents are each closed by eos, and an eos is a document edge, as always; a
+    conversation's edges are its length (a multi-turn conversation holds an eos per reply)
+    and it is closed by eos only if its template does not end it with one."""
+    (field,) = records.column_names
+    backend, eos_id, chat = tokenizer.backend, tokenizer.eos_id, tokenizer.chat
+    if chat is None:
+        def tokenize(texts):
+            return {"input_ids": _close_with_eos([e.ids for e in backend.encode_batch(texts)], eos_id)}
+    else:
+        from te_mixtral.data.chat import render_batch
+
+        def tokenize(conversations, indices):
+            rendered = render_batch(chat, conversations, indices)
+            ids = rendered["input_ids"]
+            closed = _close_with_eos(ids, eos_id)
+            return {"input_ids": closed,
+                    "trained": [t + [False] * (len(c) - len(i)) for t, c, i in zip(rendered["trained"], closed, ids)]}
+    # The key is ours, not `datasets`' hash of `tokenize`: that would hash the transformers
+    # tokenizer object, whose hash can change once it has been called. `_fingerprint` is
+    # how `datasets` names the records' own state (no public name for it).
+    key = hashlib.sha256("\0".join([TOKENIZE_RECIPE, records._fingerprint, backend.to_str(), str(eos_id),
+                                     chat.chat_template if chat is not None else ""]).encode()).hexdigest()
+    encoded = records.map(tokenize, batched=True, input_columns=field, with_indices=chat is not None,
+                          remove_columns=[field], new_fingerprint=key[:32], desc="tokenizing")
+    tokens = _flat(encoded.data.column("input_ids")).to(torch.int64)
+    if chat is None:
+        return TokenStream(tokens, tokens == eos_id, None)
+    lengths = _numpy(pc.list_value_length(encoded.data.column("input_ids")))
+    ends = torch.zeros_like(tokens, dtype=torch.bool)
+    ends[lengths.cumsum(0) - 1] = True
+    return TokenStream(tokens, ends, _flat(encoded.data.column("trained")).to(torch.bool))
 
 
 def batch_from_windows(windows: torch.Tensor, eos_id: int) -> Batch:
-    """Turn stream windows, int64 [B, S+1], into a packed `Batch` of B samples of S tokens."""
+    """Turn windows of a text stream, int64 [B, S+1], into a packed `Batch` of B samples of
+    S tokens, each eos a document edge."""
+    return packed_batch(windows, windows == eos_id)
+
+
+def packed_batch(windows: torch.Tensor, ends: torch.Tensor, trained: torch.Tensor | None = None) -> Batch:
+    """Turn stream windows, int64 [B, S+1], into a packed `Batch` of B samples of S tokens.
+    `ends`, bool [B, S+1], marks the last token of each document; `trained`, bool [B, S+1]
+    or None (all), the tokens that are loss targets."""
     input_ids, labels = windows[:, :-1], windows[:, 1:].clone()
-    is_eos = input_ids == eos_id
-    labels[is_eos] = -100  # the next token belongs to another document
+    is_end = ends[:, :-1]
+    labels[is_end] = -100  # the next token belongs to another document
+    if trained is not None:
+        labels[~trained[:, 1:]] = -100
 
     B, S = input_ids.shape
-    starts = torch.zeros_like(is_eos)
+    starts = torch.zeros_like(is_end)
     starts[:, 0] = True  # a sample edge is a document start too
-    starts[:, 1:] = is_eos[:, :-1]
+    starts[:, 1:] = is_end[:, :-1]
     column = torch.arange(S).expand(B, S)
     # Each position minus the column of the latest document start at or before it.
     last_start = torch.where(starts, column, 0).cummax(dim=1).values
@@ -134,23 +215,28 @@ class PackedData:
     """The packed samples of a data set and this rank's share of each global step, in
     `grad_accum_steps` micro-batches (`batch_size` must divide by `world_size * grad_accum_steps`).
 
-    Loads the documents, the tokenizer (`self.tokenizer`; its `vocab_size` bounds the
-    model's) and encodes everything once, up front.
+    Loads the records, the tokenizer (`self.tokenizer`; its `vocab_size` bounds the
+    model's) and encodes everything once, up front (`self.stream`).
     """
 
     def __init__(self, cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int,
                  grad_accum_steps: int = 1):
-        documents = load_documents(cfg)
+        records = load_records(cfg)
+        # Only a BPE trained here reads the texts themselves.
+        documents = records[cfg.text_field] if cfg.tokenizer is None and cfg.format == "text" else []
         self.tokenizer = load_tokenizer(cfg, documents)
-        self.tokens = token_stream(self.tokenizer, documents)
+        self.stream = token_stream(self.tokenizer, records)
         self.seq_len = cfg.seq_len
-        self.num_samples = (len(self.tokens) - 1) // cfg.seq_len
-        self.train_samples, self.eval_samples = held_out_split(self.num_samples, cfg.eval_fraction, batch_size)
+        self.num_samples = (len(self.stream.tokens) - 1) // cfg.seq_len
+        samples = self._samples_with_targets()
+        train, held_out = held_out_split(len(samples), cfg.eval_fraction, batch_size)
+        self.train_samples, self.eval_samples = samples[train], samples[held_out]
         if len(self.train_samples) < batch_size:
+            skipped = f", {self.num_samples - len(samples)} without an assistant token" if cfg.format == "chat" else ""
             raise UserError(
                 f"data set '{cfg.dataset}' packs into {self.num_samples} samples of {cfg.seq_len} tokens "
-                f"({len(self.eval_samples)} held out), but one global batch needs {batch_size}: use more data, "
-                f"a shorter data.seq_len or a smaller train.batch_size"
+                f"({len(self.eval_samples)} held out{skipped}), but one global batch needs {batch_size}: use more "
+                f"data, a shorter data.seq_len or a smaller train.batch_size"
             )
         self.batch_size = batch_size
         self.grad_accum_steps = grad_accum_steps
@@ -161,6 +247,20 @@ class PackedData:
         self.steps_per_epoch = len(self.train_samples) // batch_size
         self._epoch, self._order = -1, None
 
+    def _window_indices(self, samples: torch.Tensor) -> torch.Tensor:
+        """Stream indices of the samples' windows, int64 [B, S+1]."""
+        return samples[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
+
+    def _samples_with_targets(self) -> torch.Tensor:
+        """The samples with at least one loss target: all of them for text, whose only
+        untrained labels are document edges."""
+        samples = torch.arange(self.num_samples)
+        if self.stream.trained is None:
+            return samples
+        window = self._window_indices(samples)
+        has_target = (self.stream.trained[window[:, 1:]] & ~self.stream.ends[window[:, :-1]]).any(dim=1)
+        return samples[has_target]
+
     def _order_of(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed + epoch)
@@ -169,8 +269,10 @@ class PackedData:
         return self._order
 
     def _rows(self, samples: torch.Tensor) -> Batch:
-        windows = self.tokens[samples[:, None] * self.seq_len + torch.arange(self.seq_len + 1)]
-        return batch_from_windows(windows, self.tokenizer.eos_id)
+        window = self._window_indices(samples)
+        stream = self.stream
+        return packed_batch(stream.tokens[window], stream.ends[window],
+                            None if stream.trained is None else stream.trained[window])
 
     def _rank_rows(self, samples: torch.Tensor, first: int) -> Batch:
         """This rank's rows of the global (micro-)batch that starts at `samples[first]`."""

@@ -1,12 +1,19 @@
-"""Where the documents come from: the embedded corpus, local files, or the Hugging Face hub.
+"""Where the records come from: the embedded corpus, local files, or the Hugging Face hub.
 
-`data.dataset` names one of three sources, and each gives a list of text documents:
+`data.dataset` names one of three sources, and each gives a `datasets.Dataset` of records,
+of which one field is read: `data.text_field` (a text document) or, for chat data,
+`data.messages_field` (a conversation, te_mixtral/data/chat.py):
 
 - `embedded`: pydoc's help topics, ~0.5 MB of English prose shipped with every Python, so
   the default run needs no network and no download;
 - a local path: one .json/.jsonl/.txt file, or a folder of them (read in name order);
   a .txt file gives one document per non-empty line;
-- anything else: a data set on the Hugging Face hub, `data.split` of it.
+- anything else: a data set on the Hugging Face hub, `data.subset` and `data.split` of it.
+
+`data.split` picks records with `datasets`' split syntax (`train`, `test`, `train[:90%]`,
+`train[100:200]+train[-50:]`). Local files and the embedded corpus hold one split, `train`,
+which may be sliced the same way; any other split name is refused, not silently read as
+`train`.
 
 Pitfall: hub names look like paths ("owner/name"), so a name counts as local only when it
 exists, has a data-file suffix, or is plainly a path; a typo in a local path must not turn
@@ -84,7 +91,7 @@ def _cause(error: Exception) -> str:
 
 def _load_files(builder: str, files: list[Path]) -> datasets.Dataset:
     try:
-        # Local files all land in the "train" split, whatever `data.split` says.
+        # Local files all land in the "train" split; `_take_split` then slices the whole source.
         return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
     except Exception as e:
         if len(files) > 1:  # find the file at fault: loaded alone, it raises naming itself
@@ -93,16 +100,29 @@ def _load_files(builder: str, files: list[Path]) -> datasets.Dataset:
         raise UserError(f"cannot read {', '.join(map(str, files))}: {_cause(e)}") from None
 
 
-def _hub_dataset(name: str, split: str) -> datasets.Dataset:
+def _hub_dataset(name: str, subset: str | None, split: str) -> datasets.Dataset:
     # Without a network the hub client retries for ~20 s before giving up;
     # HF_HUB_OFFLINE=1 makes it fail at once.
     try:
-        return datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, subset, split=split)
     except Exception as e:
+        which = f"subset '{subset}', split '{split}'" if subset else f"split '{split}'"
         raise UserError(
-            f"could not load data set '{name}' (split '{split}') from the Hugging Face hub: {first_line(e)}; "
+            f"could not load data set '{name}' ({which}) from the Hugging Face hub: {first_line(e)}; "
             f"offline, use data.dataset=embedded or a local .json/.jsonl/.txt file or folder"
         ) from None
+
+
+def _take_split(source: datasets.Dataset, split: str) -> datasets.Dataset:
+    """`split` of a local or embedded source, whose records are all one 'train' split."""
+    try:
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(source)})
+    except (ValueError, AssertionError) as e:
+        raise UserError(f"data.split '{split}': {first_line(e).rstrip('.')}; local files and the embedded text are one 'train' "
+                        f"split, which may be sliced (e.g. train[:90%], train[100:])") from None
+    if [(p.from_, p.to) for p in parts] == [(0, len(source))]:
+        return source  # all of it: no indices mapping, so the data stays as loaded
+    return source.select([i for p in parts for i in range(p.from_, p.to)])
 
 
 def _is_local(name: str) -> bool:
@@ -111,9 +131,11 @@ def _is_local(name: str) -> bool:
     return Path(name).expanduser().exists() or Path(name).suffix in LOCAL_BUILDERS or name.startswith(("/", ".", "~"))
 
 
-def load_documents(cfg: DataConfig) -> list[str]:
-    """The data set's documents in their stored order: non-empty texts, the first
-    `max_documents` of them. Empty texts (blank lines of a .txt file) are skipped."""
+def load_records(cfg: DataConfig) -> datasets.Dataset:
+    """The data set's records in their stored order, `data.split` of them, as one column:
+    the field that `data.format` reads. Texts that are empty or blank (blank lines of a .txt
+    file) are skipped; then the first `max_documents` records are kept."""
+    field = cfg.messages_field if cfg.format == "chat" else cfg.text_field
     if cfg.dataset == "embedded":
         sources = [_embedded_dataset(cfg.text_field)]
     elif _is_local(cfg.dataset):
@@ -122,18 +144,36 @@ def load_documents(cfg: DataConfig) -> list[str]:
             raise UserError(f"data set path {cfg.dataset} does not exist")
         sources = _local_datasets(path)
     else:
-        sources = [_hub_dataset(cfg.dataset, cfg.split)]
+        sources = [_hub_dataset(cfg.dataset, cfg.subset, cfg.split)]
 
     for source in sources:
-        if cfg.text_field not in source.column_names:
+        if field not in source.column_names:
+            key = "messages_field" if cfg.format == "chat" else "text_field"
+            other = (" (or data.format chat: records that hold conversations)"
+                     if cfg.format == "text" and cfg.messages_field in source.column_names else "")
             raise UserError(
-                f"data set '{cfg.dataset}' has no field '{cfg.text_field}' (fields: {', '.join(source.column_names)}); "
-                f"set data.text_field"
+                f"data set '{cfg.dataset}' has no field '{field}' (fields: {', '.join(source.column_names)}); "
+                f"set data.{key}{other}"
             )
-        if getattr(source.features[cfg.text_field], "dtype", None) not in ("string", "large_string"):
-            raise UserError(f"field '{cfg.text_field}' of data set '{cfg.dataset}' does not hold text")
-    texts = (text for source in sources for text in source[cfg.text_field] if text and text.strip())
-    documents = list(itertools.islice(texts, cfg.max_documents))
-    if not documents:
-        raise UserError(f"data set '{cfg.dataset}' has no non-empty '{cfg.text_field}' documents")
-    return documents
+        if cfg.format == "text" and getattr(source.features[field], "dtype", None) not in ("string", "large_string"):
+            raise UserError(f"field '{field}' of data set '{cfg.dataset}' does not hold text")
+    records = datasets.concatenate_datasets([source.select_columns([field]) for source in sources])
+    if not _is_hub(cfg.dataset):  # the hub loader took the split itself
+        records = _take_split(records, cfg.split)
+    if cfg.format == "text":
+        records = records.filter(lambda texts: [bool(text and text.strip()) for text in texts],
+                                 input_columns=field, batched=True)
+    if cfg.max_documents is not None and cfg.max_documents < len(records):
+        records = records.select(range(cfg.max_documents))
+    if len(records) == 0:
+        raise UserError(f"data set '{cfg.dataset}' has no non-empty '{field}' records")
+    return records
+
+
+def _is_hub(name: str) -> bool:
+    return name != "embedded" and not _is_local(name)
+
+
+def load_documents(cfg: DataConfig) -> list[str]:
+    """The text documents of `load_records` (format text), as a list."""
+    return load_records(cfg)[cfg.text_field]

@@ -3,6 +3,10 @@
 Every document is closed with an end of sequence token (eos) before packing, so whichever
 tokenizer is used must have one (`EOS_CANDIDATES`, first match wins).
 
+Chat data (`data.format: chat`) needs the tokenizer's chat template as well, so there the
+tokenizer is a folder read with `transformers.AutoTokenizer` (te_mixtral/data/chat.py), and
+its eos is the one that folder names.
+
 Without `data.tokenizer`, a byte-level BPE is trained on the run's documents and cached on
 disk (`$TE_MIXTRAL_CACHE`, default ~/.cache/te_mixtral), keyed by the documents, the
 vocabulary size and `TOKENIZER_RECIPE`. Training is deterministic, so every rank, and
@@ -17,6 +21,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 
@@ -32,10 +37,13 @@ TOKENIZER_RECIPE = "byte-level-bpe-1"
 
 @dataclass
 class Tokenizer:
-    """A `tokenizers.Tokenizer` and the id of the eos token that closes every document."""
+    """A `tokenizers.Tokenizer` and the id of the eos token that closes every document;
+    for chat data, `chat` is the transformers tokenizer (over the same backend) whose chat
+    template renders the conversations."""
 
     backend: tokenizers.Tokenizer
     eos_id: int
+    chat: Any = None  # transformers.PreTrainedTokenizerBase; transformers is imported only for chat data
 
     @classmethod
     def wrap(cls, backend: tokenizers.Tokenizer, where: str) -> "Tokenizer":
@@ -116,7 +124,17 @@ def _cached_tokenizer(documents: list[str], vocab_size: int) -> tokenizers.Token
 
 def load_tokenizer(cfg: DataConfig, documents: list[str]) -> Tokenizer:
     """`cfg.tokenizer` (a tokenizer.json, or a folder holding one such as a Hugging Face
-    checkpoint), or else a BPE trained on `documents` and cached."""
+    checkpoint), or else a BPE trained on `documents` and cached. Chat data needs a folder
+    with a chat template, and `documents` are not read."""
+    if cfg.format == "chat":
+        # Imported here: transformers takes seconds to import, and text runs do not need it.
+        from te_mixtral.data.chat import load_chat_tokenizer
+
+        chat = load_chat_tokenizer(cfg.tokenizer)
+        eos_id = chat.eos_token_id
+        if eos_id is None:  # the folder names none: the first of EOS_CANDIDATES, as for text
+            eos_id = Tokenizer.wrap(chat.backend_tokenizer, cfg.tokenizer).eos_id
+        return Tokenizer(chat.backend_tokenizer, eos_id, chat)
     if cfg.tokenizer is None:
         return Tokenizer.wrap(_cached_tokenizer(documents, cfg.tokenizer_vocab_size), "trained on the data")
     path = Path(cfg.tokenizer).expanduser()

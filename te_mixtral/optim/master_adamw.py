@@ -30,6 +30,15 @@ State per parameter: `remainder` (int16), `exp_avg`, `exp_avg_sq` (`moment_dtype
 cast every floating state tensor to the parameter's dtype, which would round fp32 moments
 to bf16 and turn the int16 remainders into numbers.
 
+Sharded parameters (FSDP2's DTensors, te_mixtral/distributed/parallelize.py). The update is
+elementwise, so each rank updates its local shard alone: the state of a DTensor parameter is
+made of DTensors sharded like it (torch.zeros_like keeps the placement), and the step runs
+on their local tensors. A sharded step therefore gives, shard by shard, the bits of the
+unsharded step, and torch.distributed.checkpoint's state-dict functions see the state as
+they see torch's AdamW's. FSDP2 cannot change a parameter's dtype once it has sharded it,
+so a model built in fp32 is split first (`split_to_bf16`), sharded, and its remainders then
+sharded like the parameters (`__init__`'s `remainders`).
+
 Typical use, from a model built in fp32:
 
     optimizer = MasterAdamW.from_fp32(groups, lr=3e-4, moment_dtype=torch.bfloat16)
@@ -41,6 +50,7 @@ from collections.abc import Iterable
 from itertools import chain
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_torch
 from te_mixtral.optim.bits import join_master, split_master
@@ -59,12 +69,31 @@ def _triton_update():
     return adamw_update_triton
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank holds: a DTensor's local shard (a view: writes go through), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def split_to_bf16(p: torch.nn.Parameter) -> torch.Tensor:
+    """Make fp32 parameter `p` its bf16 top half in place; return the bottom half (the int16
+    remainder). The Parameter object stays the same: modules keep referring to it."""
+    if p.dtype != torch.float32 or isinstance(p, DTensor):
+        raise ValueError(f"split_to_bf16 needs unsharded fp32 parameters, got {type(p.data).__name__} "
+                         f"{p.dtype} {tuple(p.shape)}")
+    bf16_bits, remainder = split_master(p.detach())
+    p.data = bf16_bits.view(torch.bfloat16).view(p.shape)
+    return remainder.view(p.shape)
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW for bf16 parameters with an exact fp32 master (bf16 param + int16 remainder)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 moment_dtype: torch.dtype = torch.float32, impl: str = "auto"):
+                 moment_dtype: torch.dtype = torch.float32, impl: str = "auto",
+                 remainders: dict[torch.Tensor, torch.Tensor] | None = None):
+        """`remainders`: each parameter's int16 remainder (from `split_to_bf16`), laid out like
+        the parameter (a DTensor sharded like it, for a sharded one); zero where absent."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
         if moment_dtype not in MOMENT_DTYPES:
@@ -76,9 +105,14 @@ class MasterAdamW(torch.optim.Optimizer):
         self.moment_dtype = moment_dtype
         self.impl = impl
         for p in self._params():
-            if p.dtype != torch.bfloat16 or not p.is_contiguous():
+            if p.dtype != torch.bfloat16 or not _local(p).is_contiguous():
                 raise ValueError(f"MasterAdamW needs contiguous bf16 parameters, got {p.dtype} "
                                  f"{tuple(p.shape)}; build it with MasterAdamW.from_fp32 from fp32 ones")
+        for p, remainder in (remainders or {}).items():
+            if isinstance(remainder, DTensor) != isinstance(p, DTensor) or remainder.shape != p.shape or remainder.dtype != torch.int16:
+                raise ValueError(f"the remainder of a {tuple(p.shape)} parameter must be an int16 tensor laid out "
+                                 f"like it, got {type(remainder).__name__} {remainder.dtype} {tuple(remainder.shape)}")
+            self.state[p]["remainder"] = remainder
 
     @classmethod
     def from_fp32(cls, params, **kwargs) -> "MasterAdamW":
@@ -92,26 +126,23 @@ class MasterAdamW(torch.optim.Optimizer):
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         groups = [{**g, "params": list(g["params"])} for g in groups]
-        remainders = {}
-        for p in chain.from_iterable(g["params"] for g in groups):
-            if p.dtype != torch.float32:
-                raise ValueError(f"from_fp32 needs fp32 parameters, got {p.dtype} {tuple(p.shape)}")
-            bf16_bits, remainders[p] = split_master(p.detach())
-            p.data = bf16_bits.view(torch.bfloat16).view(p.shape)
-        optimizer = cls(groups, **kwargs)
-        for p, remainder in remainders.items():
-            optimizer.state[p]["remainder"] = remainder.view(p.shape)
-        return optimizer
+        remainders = {p: split_to_bf16(p) for p in chain.from_iterable(g["params"] for g in groups)}
+        return cls(groups, **kwargs, remainders=remainders)
 
     def _params(self) -> Iterable[torch.nn.Parameter]:
         return chain.from_iterable(g["params"] for g in self.param_groups)
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of parameter `p` (a new tensor): for export and for checks."""
+        """The fp32 master of parameter `p` (a new tensor, a DTensor sharded like a sharded
+        `p`): for export and for checks."""
         remainder = self.state[p].get("remainder") if p in self.state else None
         if remainder is None:  # never stepped nor built from fp32: the master is the bf16 value
             return p.detach().float()
-        return join_master(p.detach().view(torch.int16), remainder).view(p.shape)
+        local = _local(p.detach())
+        master = join_master(local.view(torch.int16), _local(remainder)).view(local.shape)
+        if isinstance(p, DTensor):
+            return DTensor.from_local(master, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        return master
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -149,8 +180,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 scalars = StepScalars.for_step(float(group["lr"]), group["weight_decay"], beta1, beta2,
                                                group["eps"], int(state["step"].item()))
-                self._update_fn(p)(p, state["remainder"], p.grad, state["exp_avg"], state["exp_avg_sq"], scalars,
-                                   self._grad_scale(grad_scale, p.device))
+                tensors = (p, state["remainder"], p.grad, state["exp_avg"], state["exp_avg_sq"])
+                self._update_fn(p)(*(_local(t) for t in tensors), scalars, self._grad_scale(grad_scale, p.device))
         return loss
 
     @staticmethod

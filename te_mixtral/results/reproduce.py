@@ -23,7 +23,9 @@ which is why the results page prints the full config beside it.
 import shlex
 from pathlib import Path
 
-from te_mixtral.config import headline_keys, load_config, to_dict
+import yaml
+
+from te_mixtral.config import FOLLOWS, headline_keys, load_config, to_dict
 from te_mixtral.errors import UserError
 from te_mixtral.saved_config import flatten, upgrade_saved
 
@@ -46,10 +48,19 @@ def cli_flag(key: str) -> str:
     return f"--{key}" if "." in key else f"--{key.replace('_', '-')}"
 
 
-def config_overrides(config: dict, base: dict) -> list[tuple[str, object]]:
-    """(key, value) for every key where `config` differs from `base`, in config order."""
-    flat_base = flatten(base)
-    return [(k, v) for k, v in flatten(config).items() if flat_base.get(k, object()) != v]
+def config_overrides(config: dict, base: dict, base_sets: frozenset[str] = frozenset()) -> list[tuple[str, object]]:
+    """(key, value) for every key where `config` differs from `base`, in config order. A key
+    that follows another (`config.FOLLOWS`) where the base config file leaves it unset
+    (`base_sets`: the keys the file sets) is named only where it differs from what it would
+    follow to: its value from the other key's named value."""
+    flat, flat_base = flatten(config), flatten(base)
+    differs = {k for k, v in flat.items() if flat_base.get(k, object()) != v}
+    for key, follows in FOLLOWS.items():
+        if key in flat and key not in base_sets:
+            differs.discard(key)
+            if flat[key] != follows.value(flat[follows.source]):
+                differs.add(key)
+    return [(k, v) for k, v in flat.items() if k in differs]
 
 
 def reproduce_command(config: dict, world_size: int, configs_dir: Path = CONFIGS_DIR) -> str | None:
@@ -62,7 +73,8 @@ def reproduce_command(config: dict, world_size: int, configs_dir: Path = CONFIGS
             base = to_dict(load_config(str(path)))
         except UserError:
             continue
-        overrides = [(k, v) for k, v in config_overrides(config, base) if k not in headline_keys()]
+        base_sets = frozenset(flatten(yaml.safe_load(path.read_text()) or {}))
+        overrides = [(k, v) for k, v in config_overrides(config, base, base_sets) if k not in headline_keys()]
         if best is None or len(overrides) < len(best[1]):
             best = (path, overrides)
     if best is None:

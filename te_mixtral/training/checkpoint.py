@@ -5,7 +5,10 @@ What a checkpoint holds
 Everything the next step depends on, and nothing that can be recomputed:
 
 - each rank's model shard (dense weights and its own experts) and optimizer state (AdamW's
-  moments and step counts), with its RNG states (CPU, and CUDA when it runs there);
+  moments and step counts), with its RNG states (CPU, and CUDA when it runs there). Under
+  `train.sharding: fsdp` a rank's shard is what FSDP left it (distributed/parallelize.py:
+  `local_state_dicts`), its optimizer state keyed by parameter name, and such a checkpoint
+  resumes only into a sharded run of the same layout;
 - the number of completed steps. That is also the data position and the learning rate:
   `PackedData.micro_batches(step)` and `training.optimizer.learning_rate(step)` are pure
   functions of the step, so a resumed run reads exactly the batches the lost one would have read;
@@ -59,6 +62,11 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max, all_reduce_sum
+from te_mixtral.distributed.parallelize import (
+    is_sharded,
+    load_local_state_dicts,
+    local_state_dicts,
+)
 from te_mixtral.errors import Diverged, UserError, WriteFailed
 from te_mixtral.files import (
     folder_bytes,
@@ -100,11 +108,16 @@ def _fail_together(problem: UserError | None, layout: Layout, device: torch.devi
         raise problem or WriteFailed(elsewhere)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a sharded tensor's local shard, else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def require_finite_weights(model: torch.nn.Module, layout: Layout, what: str) -> None:
     """Raise `Diverged` on every rank when any rank holds a NaN or infinite weight; every
     rank must call it. The largest magnitude is NaN or infinite exactly then, and PyTorch's
     multi-tensor norm finds it in one pass with no temporary of the weights' size."""
-    local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+    local = [_local(p.detach()) for p in model.parameters()]
     device = local[0].device
     bad = not math.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf).item())
     if _any_rank(bad, layout, device):
@@ -165,6 +178,7 @@ class Checkpointer:
         self.layout = layout
         self.device = device
         self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
+        self.sharded = is_sharded(layout, cfg.train.sharding)
         require_writable(self.dir, "checkpoint directory")
 
     def check_free_space(self, model: torch.nn.Module) -> None:
@@ -176,7 +190,7 @@ class Checkpointer:
         count as written; the leftovers of an interrupted save are deleted first, so they
         count as free.
         """
-        local = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+        local = sum(_local(p).numel() * p.element_size() for p in model.parameters()) * 3
         one = int(all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), self.layout).item())
         complete = [p for p in self.dir.iterdir() if _STEP_FOLDER.fullmatch(p.name)]
         needed = (self.keep + 1 - min(len(complete), self.keep)) * one
@@ -203,7 +217,9 @@ class Checkpointer:
                 problem = write_failure(f"checkpoint folder {tmp}", e)
         _fail_together(problem, self.layout, self.device, f"checkpoint {tmp} failed on rank 0 (see its error)")
         path = tmp / rank_file(self.layout.rank)
-        blob = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(self.device)}
+        model_state, optimizer_state = (local_state_dicts(model, optimizer) if self.sharded
+                                        else (model.state_dict(), optimizer.state_dict()))
+        blob = {"model": model_state, "optimizer": optimizer_state, "rng": _rng_state(self.device)}
         entry = None
         try:
             with open(path, "wb") as f:
@@ -284,8 +300,11 @@ class Checkpointer:
         if _any_rank(problem is not None, self.layout, self.device):
             raise UserError(problem or f"checkpoint {folder} failed verification on another rank (see its error)")
         blob = torch.load(path, map_location=self.device, weights_only=True)
-        model.load_state_dict(blob["model"])
-        optimizer.load_state_dict(blob["optimizer"])
+        if self.sharded:
+            load_local_state_dicts(model, optimizer, blob["model"], blob["optimizer"])
+        else:
+            model.load_state_dict(blob["model"])
+            optimizer.load_state_dict(blob["optimizer"])
         _set_rng_state(blob["rng"], self.device)
         if self.layout.is_main:
             print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
@@ -303,6 +322,10 @@ class Checkpointer:
             raise UserError(f"checkpoint {folder} was written by {meta['world_size']} ranks with EP={meta['ep_size']}; "
                             f"resume it with the same world size and ep_size, not {self.layout.world_size} and "
                             f"{self.layout.ep_size}")
+        saved_sharding = meta["config"].get("train", {}).get("sharding", "none")
+        if self.layout.world_size > 1 and saved_sharding != cfg.train.sharding:
+            raise UserError(f"checkpoint {folder} was written with train.sharding {saved_sharding}, which lays out "
+                            f"its files differently; resume it with --sharding {saved_sharding}")
         if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
             raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
                             f"resume with the config it was written with ({folder / META})")

@@ -22,7 +22,9 @@ layer plus one for the embeddings and head, with the sharded index. The experts 
 are gathered to rank 0 one expert at a time and written before the next layer is gathered,
 so rank 0 holds at most its own shard plus one layer's experts, never the model twice. The
 folder is written under a temporary name and renamed when complete; weights that are not
-finite are refused before anything is written.
+finite are refused before anything is written. Sharded by FSDP (`train.sharding: fsdp`),
+every rank first gathers each tensor whole (`DTensor.full_tensor`), one at a time, so the
+export holds the same bits as an unsharded run's.
 """
 
 import dataclasses
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import validate, validate_model
@@ -56,7 +59,7 @@ _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+
 
 def resolve_model_path(name: str) -> Path:
     """The local folder of a checkpoint: `name` itself, or a hub id downloaded to the hub cache
-    (configs, tokenizer and safetensors only; every rank may call this, the hub client locks
+    (configs, tokenizer, chat template and safetensors only; every rank may call this, the hub client locks
     its cache, and a cached snapshot returns at once)."""
     path = Path(name).expanduser()
     if path.exists() or name.startswith(("/", ".", "~")):
@@ -68,7 +71,7 @@ def resolve_model_path(name: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.jinja", "*.safetensors"]))
     except Exception as e:
         raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "
                         f"({first_line(e)}); offline, pass a local checkpoint folder") from None
@@ -287,7 +290,8 @@ def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> Non
     """tokenizer.json, and the tokenizer_config.json that lets `AutoTokenizer` read it: the
     one beside the tokenizer's source file when there is one, else a minimal one."""
     (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
-    companions = ("tokenizer_config.json", "special_tokens_map.json")
+    # chat_template.jinja: where transformers v5 saves a chat template, which chat fine-tunes need again.
+    companions = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
     tokenizer_source = Path(tokenizer_path).expanduser() if tokenizer_path else None
     if tokenizer_source is not None and tokenizer_source.is_file():
         tokenizer_source = tokenizer_source.parent
@@ -309,18 +313,20 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
 
     Every rank must call this (all check the weights are finite); the first replica's EP
     group sends its experts, the other replicas hold copies of the same weights and return
-    once the check is done. `tokenizer` is a
+    once the check is done (sharded, they stay to gather each tensor whole). `tokenizer` is a
     `te_mixtral.data.tokenizer.Tokenizer`; `model_source` is the checkpoint folder the weights came
     from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
     carried over.
     """
     out_dir = Path(out_dir).expanduser()
     require_finite_weights(model, layout, f"the Hugging Face export {out_dir}")
-    if layout.rank >= layout.ep_size:
-        return None
-    m = model.config
     # The `hf` tier wraps transformers' model, whose v5 in-memory names are ours under `hf.`.
     params = {name.removeprefix("hf."): p for name, p in model.named_parameters()}
+    sharded = any(isinstance(p, DTensor) for p in params.values())
+    sends = layout.rank < layout.ep_size  # the first replica's EP group
+    if not (sends or sharded):
+        return None
+    m = model.config
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     writer = None
     if layout.is_main:
@@ -334,19 +340,26 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     def cpu(tensor):
         return tensor.detach().to("cpu", dtype).contiguous()
 
+    def whole(name):  # sharded: a collective, which every rank runs for every tensor in one order
+        p = params[name].detach()
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
     try:
+        # named_parameters lists a tied head once, under the embedding: HF re-ties it on load.
+        tensors = {name: whole(name) for name in ("model.embed_tokens.weight", "model.norm.weight",
+                                                  "lm_head.weight") if name in params}
         if writer:
-            # named_parameters lists a tied head once, under the embedding: HF re-ties it on load.
-            writer.write({name: cpu(params[name]) for name in ("model.embed_tokens.weight", "model.norm.weight",
-                                                               "lm_head.weight") if name in params})
+            writer.write({name: cpu(t) for name, t in tensors.items()})
         for index in range(m.num_hidden_layers):
             prefix = f"model.layers.{index}"
-            gate_up = _gather_experts(params[f"{prefix}.mlp.experts.gate_up_proj"], layout, dtype)
-            down = _gather_experts(params[f"{prefix}.mlp.experts.down_proj"], layout, dtype)
+            stacks = [whole(f"{prefix}.mlp.experts.{part}") for part in ("gate_up_proj", "down_proj")]
+            dense = {name: whole(name) for name in params if name.startswith(prefix + ".") and not is_expert_param(name)}
+            if not sends:
+                continue
+            gate_up, down = (_gather_experts(stack, layout, dtype) for stack in stacks)
             if not writer:
                 continue
-            tensors = {name.replace(".mlp.", ".block_sparse_moe."): cpu(p) for name, p in params.items()
-                       if name.startswith(prefix + ".") and not is_expert_param(name)}
+            tensors = {name.replace(".mlp.", ".block_sparse_moe."): cpu(t) for name, t in dense.items()}
             ffn = m.intermediate_size
             for expert in range(len(gate_up)):
                 stem = f"{prefix}.block_sparse_moe.experts.{expert}"

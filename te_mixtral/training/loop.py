@@ -63,6 +63,7 @@ from te_mixtral.training.optimizer import (
     learning_rate,
     make_optimizer,
     optimizer_step,
+    split_masters,
 )
 from te_mixtral.training.outputs import check_outputs
 
@@ -153,8 +154,10 @@ def train(cfg: RunConfig) -> TrainResult:
         check_reference(reference, cfg.train.steps, ran_on.get("precision", cfg.precision), cfg.loss_check)
     if cfg.generate is not None:
         encode_prompt(data.tokenizer, cfg.generate, cfg.model.max_position_embeddings)
+    remainders = split_masters(model, cfg)  # master_adamw: bf16 parameters, split before sharding
     parallelize(model, layout, cfg.train.sharding)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg, remainders)
+    del remainders  # the optimizer holds what it needs (its shards)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
     export_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32

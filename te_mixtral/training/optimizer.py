@@ -9,6 +9,7 @@
   (te_mixtral/optim/): 10 bytes per parameter with bf16 moments, 14 with fp32 moments.
   Written here rather than taken from TE: TE's FusedAdam with the same state runs at about
   half the memory-bandwidth floor (benchmarks/optimizer_step.py measures both).
+  Under `train.sharding: fsdp` it steps each rank's shards (te_mixtral/optim/master_adamw.py).
 
 Norms and other vectors get no weight decay in either.
 """
@@ -20,20 +21,38 @@ from torch import nn
 
 from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import clip_factor, clip_grad_norm
+from te_mixtral.distributed.parallelize import shard_like
 from te_mixtral.optim import MasterAdamW
+from te_mixtral.optim.master_adamw import split_to_bf16
 
 MOMENT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """The run's optimizer; `master_adamw` turns the model's fp32 parameters into bf16 ones
-    in place, its masters equal to the fp32 values bit for bit."""
+def split_masters(model: nn.Module, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
+    """For `master_adamw`: turn the model's fp32 parameters into bf16 ones in place and return
+    their int16 remainders by name, for `make_optimizer`. Called before `parallelize`: FSDP
+    cannot change the dtype of a parameter it has sharded. None for `adamw`."""
+    if cfg.train.optimizer != "master_adamw":
+        return None
+    return {name: split_to_bf16(p) for name, p in model.named_parameters()}
+
+
+def make_optimizer(model: nn.Module, cfg: RunConfig,
+                   remainders: dict[str, torch.Tensor] | None = None) -> torch.optim.Optimizer:
+    """The run's optimizer. For `master_adamw`, `remainders` are what `split_masters` returned
+    (the model may have been sharded since: each is sharded like its parameter); without them
+    the model's fp32 parameters are split here. Either way the masters equal the fp32 values
+    bit for bit."""
     t = cfg.train
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
     if t.optimizer == "master_adamw":
-        return MasterAdamW.from_fp32(groups, lr=t.lr, betas=(t.beta1, t.beta2), moment_dtype=MOMENT_DTYPES[t.moment_dtype])
+        options = {"lr": t.lr, "betas": (t.beta1, t.beta2), "moment_dtype": MOMENT_DTYPES[t.moment_dtype]}
+        if remainders is None:
+            return MasterAdamW.from_fp32(groups, **options)
+        return MasterAdamW(groups, **options, remainders={p: shard_like(remainders[name], p)
+                                                          for name, p in model.named_parameters()})
     fused = next(model.parameters()).is_cuda
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
 

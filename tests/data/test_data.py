@@ -241,14 +241,14 @@ def test_packed_epoch_covers_true_windows(tmp_path, rng):
     eos = packed.tokenizer.eos_id
 
     # The stream is every document, in order, each closed by one eos.
-    stream = packed.tokens.tolist()
+    stream = packed.stream.tokens.tolist()
     assert stream[-1] == eos and stream.count(eos) == len(documents)
     ends = [i for i, t in enumerate(stream) if t == eos]
     pieces = [stream[a + 1 : b] for a, b in zip([-1] + ends, ends)]
     assert [packed.tokenizer.backend.decode(piece) for piece in pieces] == documents
 
     # Every sample is a window stream[i*S : i*S + S + 1], labels shifted by one, -100 after eos.
-    windows = packed.tokens.unfold(0, seq_len + 1, seq_len)
+    windows = packed.stream.tokens.unfold(0, seq_len + 1, seq_len)
     assert packed.num_samples == len(windows)
     expected = Counter(
         (tuple(w[:-1]), tuple(-100 if t == eos else n for t, n in zip(w[:-1], w[1:]))) for w in windows.tolist()
