@@ -149,7 +149,8 @@ class RunConfig:
     # A tier's own options (tier, ep_size, mxfp8_mode) are not the workload: they are what a
     # results page compares.
     tier: str = setting("loop", workload=False, headline=True,
-                        help="expert FFN tier (loop, grouped_linear, custom_grouped, device_mxfp8) or the whole-model baseline hf")
+                        help="expert FFN tier (loop, grouped_linear, custom_grouped, device_mxfp8) or a whole-model "
+                        "baseline: hf (transformers' Mixtral as its users run it) or hf_eager (its per-expert loop)")
     ep_size: int = setting(1, workload=False, headline=True,
                            help="expert-parallel group size: ranks that split each layer's experts")
     backend: str = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
@@ -164,6 +165,11 @@ class RunConfig:
     mxfp8_mode: str = setting("auto", workload=False,
                               help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
                               "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
+    tensorboard: bool = setting(False, workload=False, resumable=True,
+                                help="also write each step's scalars for TensorBoard into output_dir (needs the "
+                                "tensorboard package: pip install 'te_mixtral[tensorboard]')")
+    plots: bool = setting(True, workload=False, resumable=True,
+                          help="draw loss.png and step_time.png beside results.json at the end (needs matplotlib)")
     profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
                                    "own (te_mixtral/measure/phases.py)")
     model_path: str | None = setting(None, help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub "

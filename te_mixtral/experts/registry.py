@@ -3,8 +3,10 @@
 Two kinds of name. An expert tier (`EXPERT_TIERS`) is an `ExpertTier` the MoE block calls
 for its expert FFN; the rest of te_mixtral's model is the same whichever runs. A baseline
 (`BASELINES`) replaces the whole model: `hf` runs transformers' `MixtralForCausalLM` as
-is, single-process (te_mixtral/model/hf_model.py builds it; the model layer sits above
-this package, so it is named here, not imported).
+is, single-process, with the experts implementation transformers picks by default
+(`grouped_mm`), as its users run it; `hf_eager` the same model with transformers' per-expert
+loop (`eager`). te_mixtral/model/hf_model.py builds both; the model layer sits above this
+package, so it is named here, not imported.
 
 The tier modules import Transformer Engine and Triton only when a tier runs, so this
 registry imports on a machine with neither.
@@ -25,8 +27,15 @@ EXPERT_TIERS: dict[str, type[ExpertTier]] = {tier.name: tier for tier in (
     DeviceMXFP8Tier,
 )}
 
-# name -> what runs, as the run header records it.
-BASELINES = {"hf": {"backend": "transformers", "experts": "transformers eager loop"}}
+# name -> what runs, as the run header records it; "experts" is transformers' own name of
+# its experts implementation (`experts_implementation`), which hf_model.py passes on.
+BASELINES = {
+    "hf": {"backend": "transformers", "experts": "grouped_mm"},
+    "hf_eager": {"backend": "transformers", "experts": "eager"},
+}
+
+# The baseline results pages measure every run against: what transformers' users run.
+DEFAULT_BASELINE = "hf"
 
 # Every name `--tier` accepts, baselines first: the order results pages list runs in.
 RUN_NAMES = (*BASELINES, *EXPERT_TIERS)

@@ -66,6 +66,7 @@ from pathlib import Path
 from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import RECOMPUTE, validate_model
 from te_mixtral.errors import UserError
+from te_mixtral.experts.registry import BASELINES
 from te_mixtral.measure.report import format_table
 
 GiB = 2**30
@@ -251,7 +252,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     m, ep = cfg.model, cfg.ep_size
     device = device or cfg.resolved_device()
     precision = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
-    backend = "torch" if cfg.tier == "hf" else _backend(cfg, device)
+    backend = "torch" if cfg.tier in BASELINES else _backend(cfg, device)
     p_bytes, g_bytes, s_bytes = OPTIMIZERS[optimizer]
     a = 2 if precision == "bf16" or p_bytes == 2 else 4  # compute dtype
     r = p_bytes  # residual stream: the embedding's dtype, fp32 + bf16 stays fp32

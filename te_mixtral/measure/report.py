@@ -33,8 +33,10 @@ from te_mixtral.files import require_writable, write_failure, write_text_atomic
 
 RESULTS_FILE = "results.json"
 CORE_KEYS = ("header", "summary", "losses")
-# The header keys the timing table prints, in order; the rest of the header (versions,
-# the full config) goes to results.json only.
+# The distributions whose versions every results header records (besides Python's).
+VERSIONED = ("torch", "transformers", "triton", "transformer_engine")
+# The header keys the timing table prints, in order, its versions on a line under it; the
+# rest of the header (the full config) goes to results.json only.
 TABLE_HEADER_KEYS = (
     ("tier", "tier"),
     ("device", "device"),
@@ -70,6 +72,15 @@ def package_version(distribution: str) -> str | None:
         return None
 
 
+def software_versions() -> dict[str, str]:
+    """The versions a result depends on; "not installed" for what is absent (Transformer
+    Engine and Triton on many machines), so a header says so rather than leaving it out."""
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
+        versions[name] = package_version(name) or "not installed"
+    return versions
+
+
 def run_header(cfg: RunConfig, device_name: str, world_size: int) -> dict:
     """What a result needs to be read later: when, on what, with which versions and config."""
     return {
@@ -79,17 +90,14 @@ def run_header(cfg: RunConfig, device_name: str, world_size: int) -> dict:
         "world_size": world_size,
         "ep_size": cfg.ep_size,
         "precision": cfg.precision,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": package_version("torch"),
-            "transformer_engine": package_version("transformer_engine"),
-        },
+        "versions": software_versions(),
         "config": to_dict(cfg),
     }
 
 
 def timing_table(summary: dict, header: dict) -> str:
-    """The end-of-run table: what ran where, then how fast (from `metrics.summarize`)."""
+    """The end-of-run table: what ran where, then how fast (from `metrics.summarize`), and
+    the software versions under it."""
     mfu = summary["mfu"]
     rows = [(label, str(header[key])) for key, label in TABLE_HEADER_KEYS]
     rows += [
@@ -102,7 +110,8 @@ def timing_table(summary: dict, header: dict) -> str:
         ("peak memory", f"{summary['peak_memory_gib']:.2f} GiB"),
         ("timed steps", str(summary["timed_steps"])),
     ]
-    return format_table(rows, header=("metric", "value"))
+    versions = ", ".join(f"{name} {version}" for name, version in header["versions"].items())
+    return format_table(rows, header=("metric", "value")) + f"\nversions: {versions}"
 
 
 def write_results(

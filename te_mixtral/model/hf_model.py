@@ -1,8 +1,12 @@
 """The `hf` baseline: Hugging Face `MixtralForCausalLM` as is, the whole model every tier is
 measured against (te_mixtral/experts/registry.py lists it under `BASELINES`).
 
-It runs in a single process with transformers' own attention (SDPA) and its own eager
-experts loop. It starts from the very weights our model would start from (same seed, same
+It runs in a single process with transformers' own attention (SDPA) and the experts
+implementation a transformers user gets by default, `grouped_mm` (`torch.nn.functional.
+grouped_mm` over the stacked expert weights; transformers falls back to a loop of per-expert
+matmuls where the kernel cannot run, e.g. a GPU older than sm_80). Its per-expert Python loop,
+`eager`, stays available as the run name `hf_eager` (te_mixtral/experts/registry.py).
+It starts from the very weights our model would start from (same seed, same
 initialisation, copied by name), so its losses are comparable step by step.
 Packed documents: passing position_ids that restart at 0 makes transformers build a
 document-separating causal mask itself.
@@ -28,24 +32,26 @@ from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_los
 
 
 class HFMixtral(nn.Module):
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, experts: str = "grouped_mm"):
+        """`experts`: transformers' `experts_implementation`, "grouped_mm" or "eager"."""
         super().__init__()
         from transformers import MixtralForCausalLM
 
         cfg = hf_config(m)
         cfg._attn_implementation = "sdpa"
-        cfg._experts_implementation = "eager"
+        cfg._experts_implementation = experts
         self.config = m
         self.hf = MixtralForCausalLM(cfg)
         self.routing: RouterStats | None = None  # the latest forward's
         self.aux_loss: torch.Tensor | None = None  # transformers' load_balancing_loss_func, the latest forward's
 
     @classmethod
-    def from_model(cls, ours: nn.Module) -> "HFMixtral":
-        """An HF model holding the same weights as `ours` (a single-rank te_mixtral model)."""
+    def from_model(cls, ours: nn.Module, experts: str = "grouped_mm") -> "HFMixtral":
+        """An HF model holding the same weights as `ours` (a single-rank te_mixtral model),
+        its experts run by transformers' `experts` implementation."""
         device = next(ours.parameters()).device
         with torch.device(device):
-            wrapped = cls(ours.config)
+            wrapped = cls(ours.config, experts)
         wrapped.hf.load_state_dict(ours.state_dict())
         return wrapped
 

@@ -289,7 +289,7 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
     md.write_text(page.markdown)
     written = [md]
     if plots:
-        from te_mixtral.results import plots as draw
+        from te_mixtral.measure import plots as draw
 
         runs = page.runs
         # A figure travels without its page: it names the GPU, date, versions and where the

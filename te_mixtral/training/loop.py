@@ -44,6 +44,7 @@ from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_losses, check_reference
 from te_mixtral.measure.memory import check_fits
 from te_mixtral.measure.phases import profile_phases
+from te_mixtral.measure.run_log import RunLog, check_tensorboard
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
@@ -71,11 +72,11 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
                 model_dir: Path | None = None) -> tuple[nn.Module, dict]:
     """The model of the run's tier, with the weights of `model_dir` (an HF checkpoint) or
     initialised from the run's seed; and what it runs on."""
-    if cfg.tier in BASELINES:  # `hf`, the one baseline: our model built only for its weights
+    if cfg.tier in BASELINES:  # transformers' model: ours built only for its weights
         with torch.device(device):
             ours = MixtralForCausalLM(cfg.model, TORCH, layout, LoopTier())
         initialise(ours, cfg, layout, model_dir)
-        return HFMixtral.from_model(ours), dict(BASELINES[cfg.tier])
+        return HFMixtral.from_model(ours, BASELINES[cfg.tier]["experts"]), dict(BASELINES[cfg.tier])
     tier = make_tier(cfg.tier, cfg)
     tier.check_available(device)
     backend = resolve_backend(cfg.backend, device.type)
@@ -97,15 +98,6 @@ def initialise(model: MixtralForCausalLM, cfg: RunConfig, layout: Layout, model_
 def due(step: int, every: int, total: int) -> bool:
     """Whether something done every `every` steps (0: never) and at the end is due after `step`."""
     return step == total or (every > 0 and step % every == 0)
-
-
-def progress_line(step: int, total: int, loss: float, lr: float, step_s: float, aux: float) -> str:
-    """`loss` is the LM loss; `aux` the load-balancing loss, unweighted."""
-    width = 20
-    done = width * (step + 1) // total
-    bar = "#" * done + "." * (width - done)
-    return (f"[{bar}] step {step + 1:>4}/{total}  loss {loss:.4f}  aux {aux:.4f}  lr {lr:.2e}  "
-            f"{step_s * 1e3:7.1f} ms")
 
 
 def stop_on_interrupt(state: TrainState, checkpointer: Checkpointer | None, total: int) -> None:
@@ -143,6 +135,7 @@ def train(cfg: RunConfig) -> TrainResult:
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
     check_outputs(cfg, model_dir)
+    check_tensorboard(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
     layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)
@@ -189,6 +182,7 @@ def train(cfg: RunConfig) -> TrainResult:
     timer = metrics.StepTimer(device)
     flops_per_step = []
     first_step = state.step + 1  # counted from 1; a resumed run starts later
+    run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps)  # rank 0's; inert elsewhere
     run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     stopped = None  # why the run stopped early (a Diverged error), if it did
     for step in range(state.step, cfg.train.steps):
@@ -229,6 +223,7 @@ def train(cfg: RunConfig) -> TrainResult:
         state.grad_norms.append(norm)
         state.router.append(expert_load.step_record(global_aux, global_z, step_load_YE))
         if not (math.isfinite(global_loss) and math.isfinite(norm)):  # the same two numbers on every rank
+            run_log.step(step + 1, state, lr, None, metrics.peak_memory_bytes(device), print_line=False)
             stopped = Diverged(f"the loss became {global_loss} and the gradient norm {norm} at step {step + 1}; "
                                f"stopped without applying that step")
             break
@@ -239,16 +234,14 @@ def train(cfg: RunConfig) -> TrainResult:
         state.step = step + 1
         run_load_YE = step_load_YE if run_load_YE is None else run_load_YE + step_load_YE
         flops_per_step.append(totals[1].item())
-        if layout.is_main and due(state.step, cfg.train.log_every, cfg.train.steps):
-            print(progress_line(step, cfg.train.steps, state.losses[-1], lr, step_s, global_aux), flush=True)
-            print(expert_load.load_line(state.router[-1], cfg.ep_size), flush=True)
+        run_log.step(state.step, state, lr, step_s, metrics.peak_memory_bytes(device),
+                     print_line=due(state.step, cfg.train.log_every, cfg.train.steps))
 
         # --- between steps: evaluate, checkpoint, export (not timed) ---------------------
         if eval_batches and due(state.step, cfg.train.eval_every, cfg.train.steps):
             evaluation = evaluate(model, eval_batches, state.step, layout, device, autocast)
             state.evals.append(asdict(evaluation))
-            if layout.is_main:
-                print(evaluation.line(cfg.train.steps), flush=True)
+            run_log.evaluation(evaluation)
         try:  # each save refuses non-finite weights, on every rank
             if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
                 checkpointer.save(state, model, optimizer, cfg)
@@ -300,6 +293,8 @@ def train(cfg: RunConfig) -> TrainResult:
             save_config(cfg, output_dir / "config.yaml")
         except OSError as e:
             raise write_failure(f"{output_dir / 'config.yaml'}", e) from None
+        run_log.finish(losses, first_step, timer.times, timing_warmup,
+                       f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}")
         if summary:
             print(report.timing_table(summary, header))
         if state.evals:

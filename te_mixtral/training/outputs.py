@@ -2,7 +2,9 @@
 what is already there unless that is plainly its own to replace, or the user said so
 (`overwrite`).
 
-- `output_dir`: a folder that already holds a run's results.json is another run's record.
+- `output_dir`: a folder that already holds a run's results.json is another run's record;
+  one that holds a steps.jsonl (measure/run_log.py) without it, the log of a run that did
+  not finish, which `resume` continues.
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save.
 - `save_hf`: the export replaces the whole folder. It may replace an earlier te_mixtral
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
+from te_mixtral.measure.run_log import STEPS_FILE
 
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
 
@@ -27,6 +30,10 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None) -> None:
     if cfg.output_dir and (Path(cfg.output_dir).expanduser() / "results.json").exists() and not cfg.overwrite:
         raise UserError(f"output_dir {cfg.output_dir} already holds a run's results.json; choose another folder, "
                         f"or pass --overwrite to replace it")
+    if (cfg.output_dir and (Path(cfg.output_dir).expanduser() / STEPS_FILE).exists() and not cfg.overwrite
+            and not cfg.resume):
+        raise UserError(f"output_dir {cfg.output_dir} holds the {STEPS_FILE} of a run that did not finish; pass "
+                        f"--resume to continue it, --overwrite to replace it, or choose another folder")
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")

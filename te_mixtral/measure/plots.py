@@ -1,8 +1,10 @@
-"""The pictures of a results page: step time per tier, the loss curves overlaid, and for a
-run that recorded it, its expert load as a layer x expert heatmap.
+"""The pictures of a run and of a results page: step time per tier, the loss curves
+overlaid, a run's step time step by step, and for a run that recorded it, its expert load
+as a layer x expert heatmap. A training run draws its own loss and step-time plots beside
+its results.json (te_mixtral/measure/run_log.py); the offline results pages draw the rest.
 
-matplotlib is imported inside each function, so the training code never pays for it and a
-machine without it can still train (`pip install matplotlib` to draw). Figures are built
+matplotlib is imported inside each function, so importing this module costs nothing and a
+machine without matplotlib can still train (`pip install matplotlib` to draw). Figures are built
 on `matplotlib.figure.Figure` directly rather than through `pyplot`: pyplot keeps global
 state (a current figure, a backend picked at first use, which on a machine with a display
 may be an interactive one); a bare `Figure` always renders with Agg to a file and leaves
@@ -13,6 +15,7 @@ with the same matplotlib gives the same bytes and a regenerated page shows no sp
 diff.
 """
 
+import statistics
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +67,32 @@ def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: s
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=8)
+    fig.savefig(path, metadata=PNG_METADATA)
+    return path
+
+
+def step_times_png(first_step: int, step_ms: Sequence[float], timing_warmup: int, path: Path, title: str) -> Path:
+    """One run's step time at every step it ran (counted from `first_step`), its first
+    `timing_warmup` steps marked as the warm-up the statistics leave out, and the median of
+    the others as a line."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _figure()
+    steps = list(range(first_step, first_step + len(step_ms)))
+    ax.plot(steps, step_ms, color="#4c72b0", marker="o", markersize=3, linewidth=1.2, label="step")
+    if timing_warmup:
+        ax.plot(steps[:timing_warmup], step_ms[:timing_warmup], color="#c44e52", marker="o", markersize=3,
+                linewidth=0, label="warm-up (not in the statistics)")
+    if step_ms[timing_warmup:]:
+        median = statistics.median(step_ms[timing_warmup:])
+        ax.axhline(median, color="#555555", linewidth=1, linestyle="--", label=f"median {median:.1f} ms")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0, max(step_ms) * 1.1 if step_ms else 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.savefig(path, metadata=PNG_METADATA)
     return path
 

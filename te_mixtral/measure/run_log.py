@@ -1,0 +1,206 @@
+"""The run as it goes: one JSON line per step, TensorBoard when asked for, a progress bar,
+and at the end the loss and step-time plots beside results.json.
+
+results.json is written once, at the end, so a run that is killed, hangs or diverges
+halfway would leave nothing to look at but its console. Rank 0 therefore also writes
+`steps.jsonl` into the output folder, one line per optimizer step, flushed as it is
+written: `tail -f`, `pandas.read_json(path, lines=True)` or another process can follow the
+run. Each line holds
+
+    step             optimizer steps completed, counted from 1 (a resumed run counts on)
+    loss             the global LM loss, as results.json's "losses"
+    aux_loss         the load-balancing loss, global and unweighted ("aux_losses")
+    z_loss           the router z-loss, global and unweighted ("z_losses")
+    lr               the step's learning rate
+    grad_norm        the global gradient norm before clipping ("grad_norms")
+    step_ms          the step's wall time (metrics.StepTimer); null for a step that diverged
+                     and was not applied (the run's last)
+    tokens_per_s     the step's global tokens (batch_size x seq_len) over step_ms
+    peak_memory_gib  rank 0's peak memory so far (metrics.peak_memory_bytes: on CUDA the
+                     most the allocator handed out; on CPU the process's peak resident set,
+                     Python and the data included)
+    expert_load      {"max_over_mean", "busiest_rank_over_mean": {EP size: ratio}}, as
+                     results.json's "expert_load" holds them (measure/expert_load.py)
+
+None of it costs a device synchronisation of its own: the losses and the norm are the
+numbers the loop already brings to the host in one `.tolist()` per step, the load ratios
+`expert_load.step_record`'s, the memory an allocator counter. Non-finite values are written
+as results.json writes them (`NaN`, `Infinity`: Python's json and pandas read them back,
+strict JSON tools such as `jq` do not).
+
+At the end (`plots`, on by default) the run draws `loss.png` and `step_time.png` beside
+results.json with measure/plots.py; without matplotlib it says so in one line and trains on.
+
+`tensorboard: true` writes the same scalars (and the held-out loss of each evaluation)
+with `torch.utils.tensorboard` into the output folder itself, so `tensorboard --logdir runs`
+shows every run under its folder's name. The writer is flushed every step, like the JSONL.
+
+The progress bar is tqdm's, on stderr, and only when stderr is a terminal: in a log file
+or a test's captured output a redrawn bar is noise, and the plain line printed every
+`train.log_every` steps (`progress_line`) says the same.
+
+Files: a fresh run writes a new `steps.jsonl` (training/outputs.py has refused a folder
+holding another run's, unless `overwrite`); `resume` keeps the lines of the steps before
+the one it resumes from and appends, so a run continued into its own folder keeps one log.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from te_mixtral.config import RunConfig
+from te_mixtral.errors import UserError
+from te_mixtral.files import write_failure, write_text_atomic
+from te_mixtral.measure import expert_load, plots
+from te_mixtral.measure.metrics import GIB
+
+STEPS_FILE = "steps.jsonl"
+LOSS_PLOT = "loss.png"
+STEP_TIME_PLOT = "step_time.png"
+
+
+def check_tensorboard(cfg: RunConfig) -> None:
+    """Refuse `tensorboard: true` in one line where the tensorboard package is missing
+    (every rank checks, before the first collective)."""
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("tensorboard: true needs the tensorboard package: pip install 'te_mixtral[tensorboard]'")
+
+
+def progress_line(step: int, total: int, loss: float, lr: float, step_s: float, aux: float) -> str:
+    """The console line of a logged step; `loss` is the LM loss, `aux` the load-balancing
+    loss, unweighted."""
+    return f"step {step:>4}/{total}  loss {loss:.4f}  aux {aux:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms"
+
+
+def step_record(step: int, loss: float, router: dict, grad_norm: float, lr: float, step_s: float | None,
+                tokens_per_step: int, memory_bytes: int) -> dict:
+    """One line of steps.jsonl (see the module docstring); `router` is the step's
+    `expert_load.step_record`."""
+    return {"step": step, "loss": loss, "aux_loss": router["aux"], "z_loss": router["z"], "lr": lr,
+            "grad_norm": grad_norm, "step_ms": None if step_s is None else step_s * 1e3,
+            "tokens_per_s": None if step_s is None else tokens_per_step / step_s,
+            "peak_memory_gib": memory_bytes / GIB,
+            "expert_load": {"max_over_mean": router["max_over_mean"],
+                            "busiest_rank_over_mean": router["busiest_rank_over_mean"]}}
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    """A steps.jsonl record as TensorBoard tags, grouped by their prefix."""
+    load = record["expert_load"]
+    scalars = {"loss/train": record["loss"], "loss/aux": record["aux_loss"], "loss/z": record["z_loss"],
+               "optim/lr": record["lr"], "optim/grad_norm": record["grad_norm"], "speed/step_ms": record["step_ms"],
+               "speed/tokens_per_s": record["tokens_per_s"], "memory/peak_gib": record["peak_memory_gib"],
+               "expert_load/max_over_mean": load["max_over_mean"]}
+    scalars.update({f"expert_load/busiest_rank_over_mean_ep{p}": ratio
+                    for p, ratio in load["busiest_rank_over_mean"].items()})
+    return {tag: value for tag, value in scalars.items() if value is not None}
+
+
+def _kept_lines(path: Path, first_step: int) -> str:
+    """The lines of an earlier steps.jsonl before `first_step`; a line cut short by a killed
+    run is dropped with the rest."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < first_step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return "".join(kept)
+
+
+class RunLog:
+    """The run log of rank 0; on the other ranks (`output_dir` None) every method does nothing.
+
+    `first_step` is the first step this process runs, counted from 1; `total` the run's last.
+    """
+
+    def __init__(self, output_dir: Path | None, cfg: RunConfig, first_step: int, total: int):
+        self.output_dir = output_dir
+        self.cfg = cfg
+        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        self._file = self._tensorboard = self._bar = None
+        if output_dir is None:
+            return
+        path = output_dir / STEPS_FILE
+        try:
+            if cfg.resume and path.exists():
+                write_text_atomic(path, _kept_lines(path, first_step))
+                self._file = path.open("a")
+            else:
+                self._file = path.open("w")
+        except OSError as e:
+            raise write_failure(str(path), e) from None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(output_dir))
+        # disable=None: no bar where stderr is not a terminal (a log, a pipe).
+        self._bar = tqdm(total=total, initial=first_step - 1, unit="step", file=sys.stderr, disable=None,
+                         dynamic_ncols=True)
+
+    def write(self, line: str) -> None:
+        """Print a line to stdout, above the progress bar."""
+        if self._bar is None:
+            return
+        with self._bar.external_write_mode(file=sys.stdout):
+            print(line, flush=True)
+
+    def step(self, step: int, state, lr: float, step_s: float | None, memory_bytes: int,
+             print_line: bool) -> None:
+        """Log step `step` from the training state (training/checkpoint.TrainState, which
+        holds its loss, gradient norm and router record last); with `print_line`, print the
+        console lines too. `step_s` is None for a step that diverged."""
+        if self._file is None:
+            return
+        record = step_record(step, state.losses[-1], state.router[-1], state.grad_norms[-1], lr, step_s,
+                             self.tokens_per_step, memory_bytes)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for tag, value in _scalars(record).items():
+                self._tensorboard.add_scalar(tag, value, step)
+            self._tensorboard.flush()
+        if step_s is None:
+            return
+        self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", refresh=False)
+        self._bar.update(1)
+        if print_line:
+            self.write(progress_line(step, self.cfg.train.steps, record["loss"], lr, step_s, record["aux_loss"])
+                       + "\n" + expert_load.load_line(state.router[-1], self.cfg.ep_size))
+
+    def evaluation(self, evaluation) -> None:
+        """Print a held-out evaluation (training/evaluate.Evaluation) and send its loss to TensorBoard."""
+        if self._file is None:
+            return
+        self.write(evaluation.line(self.cfg.train.steps))
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar("loss/eval", evaluation.loss, evaluation.step)
+            self._tensorboard.flush()
+
+    def finish(self, losses: list[float], first_step: int, step_times_s: list[float], timing_warmup: int,
+               title: str) -> None:
+        """Close the log and, with `plots`, draw the run's plots beside results.json: its
+        loss at every step (a resumed run's earlier steps too) and the times of this
+        process's steps (from `first_step`). Without matplotlib, say so in one line."""
+        if self._file is None:
+            return
+        self._bar.close()
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if not self.cfg.plots:
+            return
+        if importlib.util.find_spec("matplotlib") is None:
+            print("te_mixtral: matplotlib is not installed, so no plots (pip install matplotlib)", flush=True)
+            return
+        try:
+            plots.loss_png([(self.cfg.tier, losses)], self.output_dir / LOSS_PLOT, title)
+            if step_times_s:
+                plots.step_times_png(first_step, [s * 1e3 for s in step_times_s], timing_warmup,
+                                     self.output_dir / STEP_TIME_PLOT, title)
+        except OSError as e:  # the results are saved; a plot is not worth failing the run for
+            print(f"te_mixtral: note: {write_failure('the plots', e)}", flush=True)

@@ -1,0 +1,159 @@
+"""The run log (te_mixtral/measure/run_log.py): steps.jsonl written as the run goes and equal
+to results.json, TensorBoard's scalars, the plots, the console lines and the versions in
+the header; all from one short run, read while it trains and after. Then the log's file
+rules and its missing-package paths, in process."""
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+import triton
+from conftest import REPO
+
+from te_mixtral.config import load_config
+from te_mixtral.errors import UserError
+from te_mixtral.measure import run_log
+from te_mixtral.training.optimizer import learning_rate
+from te_mixtral.training.outputs import check_outputs
+
+STEPS, SEQ_LEN, BATCH = 6, 64, 4
+ARGS = ["--steps", str(STEPS), "--timing_warmup_steps", "2", "--seq_len", str(SEQ_LEN), "--batch_size", str(BATCH),
+        "--log_every", "2", "--eval-fraction", "0.05", "--eval-every", "3"]
+FIELDS = {"step", "loss", "aux_loss", "z_loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "peak_memory_gib",
+          "expert_load"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The short run; what steps.jsonl held when step 2's line was printed; its stdout."""
+    out = tmp_path_factory.mktemp("run")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "run_finetune_ep.py"), *ARGS, "--tensorboard", "--output-dir",
+                             str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, during = [], None
+    for line in proc.stdout:
+        stdout.append(line)
+        if during is None and line.startswith(f"step    2/{STEPS}"):
+            # Steps 3..6, an evaluation, results.json and the plots are still to come.
+            during = {"lines": (out / run_log.STEPS_FILE).read_text().splitlines(),
+                      "results": (out / "results.json").exists()}
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    return out, during, "".join(stdout), stderr
+
+
+def test_steps_jsonl_is_written_as_the_run_goes(run):
+    _, during, _, _ = run
+    assert during is not None and not during["results"]
+    assert [json.loads(line)["step"] for line in during["lines"]][:2] == [1, 2]
+
+
+def test_steps_jsonl_has_every_step_and_equals_results(run):
+    out, _, _, _ = run
+    records = [json.loads(line) for line in (out / run_log.STEPS_FILE).read_text().splitlines()]
+    results = json.loads((out / "results.json").read_text())
+    cfg = load_config(REPO / "configs" / "tiny.yaml", {key.lstrip("-"): value for key, value in zip(ARGS[::2], ARGS[1::2])})
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(set(r) == FIELDS for r in records)
+    assert [r["loss"] for r in records] == results["losses"]
+    assert [r["aux_loss"] for r in records] == results["aux_losses"]
+    assert [r["z_loss"] for r in records] == results["z_losses"]
+    assert [r["grad_norm"] for r in records] == results["grad_norms"]
+    load = results["expert_load"]
+    assert [r["expert_load"]["max_over_mean"] for r in records] == load["max_over_mean"]
+    for p, ratios in load["busiest_rank_over_mean"].items():
+        assert [r["expert_load"]["busiest_rank_over_mean"][p] for r in records] == ratios
+    assert [r["lr"] for r in records] == [learning_rate(step, cfg) for step in range(STEPS)]
+    # The step times are the ones the summary's statistics are made of.
+    step_ms = [r["step_ms"] for r in records]
+    assert statistics.median(step_ms[2:]) == pytest.approx(results["summary"]["median_step_ms"], rel=1e-12)
+    for r in records:
+        assert r["tokens_per_s"] * r["step_ms"] / 1e3 == pytest.approx(BATCH * SEQ_LEN, rel=1e-9)
+    memory = [r["peak_memory_gib"] for r in records]
+    assert 0 < memory[0] and memory == sorted(memory)  # a peak so far never goes down
+    assert memory[-1] <= results["summary"]["peak_memory_gib"]
+
+
+def test_tensorboard_holds_the_same_scalars(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _, _, _ = run
+    records = [json.loads(line) for line in (out / run_log.STEPS_FILE).read_text().splitlines()]
+    results = json.loads((out / "results.json").read_text())
+    events = EventAccumulator(str(out))
+    events.Reload()
+    for tag, field in (("loss/train", "loss"), ("loss/aux", "aux_loss"), ("optim/lr", "lr"),
+                       ("optim/grad_norm", "grad_norm"), ("speed/step_ms", "step_ms")):
+        scalars = events.Scalars(tag)
+        assert [s.step for s in scalars] == list(range(1, STEPS + 1)), tag
+        assert [s.value for s in scalars] == pytest.approx([r[field] for r in records], rel=1e-6), tag  # float32
+    assert "expert_load/busiest_rank_over_mean_ep2" in events.Tags()["scalars"]
+    evals = events.Scalars("loss/eval")
+    assert [(s.step, pytest.approx(s.value, rel=1e-6)) for s in evals] == [(e["step"], e["loss"])
+                                                                         for e in results["evals"]]
+
+
+def test_plots_console_and_versions(run):
+    out, _, stdout, stderr = run
+    for name in (run_log.LOSS_PLOT, run_log.STEP_TIME_PLOT):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    # Every log_every steps a plain line; no bar: stderr is not a terminal.
+    assert [line.split()[1] for line in stdout.splitlines() if line.startswith("step ")] == ["2/6", "4/6", "6/6"]
+    assert "step/s" not in stderr and "s/step" not in stderr
+    versions = json.loads((out / "results.json").read_text())["header"]["versions"]
+    te = "not installed" if importlib.util.find_spec("transformer_engine") is None else versions["transformer_engine"]
+    assert versions == {"python": versions["python"], "torch": torch.__version__,
+                        "transformers": transformers.__version__, "triton": triton.__version__,
+                        "transformer_engine": te}
+    assert f"transformers {transformers.__version__}, triton {triton.__version__}" in stdout
+    assert f"transformer_engine {te}" in stdout
+
+
+# --- in process: the file rules and the missing packages --------------------------------------
+
+
+def fake_state(loss: float):
+    router = {"aux": 1.0, "z": 2.0, "max_over_mean": 1.5, "busiest_rank_over_mean": {"2": 1.25}}
+    return SimpleNamespace(losses=[loss], router=[router], grad_norms=[0.5])
+
+
+def test_resume_keeps_the_earlier_steps_and_drops_the_rest(tmp_path):
+    cfg = load_config(None, {"steps": "5", "output_dir": str(tmp_path)})
+    log = run_log.RunLog(tmp_path, cfg, first_step=1, total=5)
+    for step in (1, 2, 3):
+        log.step(step, fake_state(10.0 - step), 1e-3, 0.1, 2**30, print_line=False)
+        # Flushed line by line: another reader sees each step as soon as it is logged.
+        assert len((tmp_path / run_log.STEPS_FILE).read_text().splitlines()) == step
+    with open(tmp_path / run_log.STEPS_FILE, "a") as f:
+        f.write('{"step": 4, "lo')  # the line a killed run was writing
+    with pytest.raises(UserError, match="steps.jsonl of a run that did not finish"):
+        check_outputs(cfg, None)
+    cfg.resume = True
+    check_outputs(cfg, None)
+    resumed = run_log.RunLog(tmp_path, cfg, first_step=3, total=5)  # from the checkpoint after step 2
+    resumed.step(3, fake_state(0.25), 1e-3, None, 2**30, print_line=False)
+    records = [json.loads(line) for line in (tmp_path / run_log.STEPS_FILE).read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 9.0), (2, 8.0), (3, 0.25)]
+    assert records[-1]["step_ms"] is None and records[-1]["tokens_per_s"] is None  # a diverged step
+
+
+def test_missing_packages(tmp_path, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("tensorboard", "matplotlib") else real(name, *a))
+    with pytest.raises(UserError, match=r"tensorboard: true needs the tensorboard package: pip install"):
+        run_log.check_tensorboard(load_config(None, {"tensorboard": "true"}))
+    cfg = load_config(None, {"output_dir": str(tmp_path)})
+    log = run_log.RunLog(tmp_path, cfg, first_step=1, total=1)
+    log.step(1, fake_state(1.0), 1e-3, 0.1, 2**30, print_line=False)
+    log.finish([1.0], 1, [0.1], 0, "title")
+    assert "matplotlib is not installed, so no plots" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run_log.STEPS_FILE]
