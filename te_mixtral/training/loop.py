@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+import datasets
 import torch
 from torch import nn
 
@@ -143,6 +144,8 @@ def train(cfg: RunConfig) -> TrainResult:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(cfg.train.seed)
 
+    if not layout.is_main:
+        datasets.disable_progress_bars()  # datasets' tokenizing bars: rank 0's is enough
     data = PackedData(cfg.data, cfg.train.batch_size, layout.rank, layout.world_size, cfg.train.seed,
                       cfg.train.grad_accum_steps)
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
