@@ -20,7 +20,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an sm_100+ GPU"))
 
 
-@pytest.fixture(autouse=True)
-def _tokenizer_cache(tmp_path_factory, monkeypatch):
-    # One tokenizer cache per test session: trained once, never in the user's home.
-    monkeypatch.setenv("TE_MIXTRAL_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+@pytest.fixture(scope="session", autouse=True)
+def _tokenizer_cache(tmp_path_factory):
+    # One tokenizer cache per test session: trained once, never in the user's home. Session
+    # scope, so that module fixtures which launch runs see it too.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TE_MIXTRAL_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launch_cache(tmp_path_factory, _tokenizer_cache):
+    # Runs that several tests launch alike (same arguments, ranks and environment) run once.
+    import launch  # here, not at the top: launch imports this module
+
+    launch.RUN_CACHE_DIR = tmp_path_factory.mktemp("launched_runs")
+    yield
+    launch.RUN_CACHE_DIR = None
+    launch._cached_runs.clear()

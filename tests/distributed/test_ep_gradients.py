@@ -35,12 +35,16 @@ def gradients(tmp_path_factory):
     def run(model_args: list[str], nproc: int, ep: int):
         key = (tuple(model_args), nproc, ep)
         if key not in runs:
-            out = tmp_path_factory.mktemp(f"w{nproc}-ep{ep}")
-            results, _, reduced = launch.train_and_save(out, [*COMMON, *model_args, "--ep-size", str(ep)], nproc)
-            run.summaries[key] = results["summary"]
-            clipped = [torch.load(out / "weights" / f"clipped{r}.pt") for r in range(nproc)]
-            assert [len(g) for g in reduced] == [len(g) for g in clipped] == [1] * nproc
-            runs[key] = [(r[0], c[0]) for r, c in zip(reduced, clipped)]
+            # The first single-process run brings every model's, in one launch.
+            keys = [key] if nproc > 1 else [(tuple(model), 1, 1) for model in (SIX_TOP3, FOUR_TOP2)]
+            outs = [tmp_path_factory.mktemp(f"w{nproc}-ep{ep}") for _ in keys]
+            trained = launch.train_and_save_many(
+                [(out, [*COMMON, *model, "--ep-size", str(ep)]) for out, (model, _, _) in zip(outs, keys)], nproc)
+            for each_key, out, (results, _, reduced) in zip(keys, outs, trained):
+                run.summaries[each_key] = results["summary"]
+                clipped = [torch.load(out / "weights" / f"clipped{r}.pt") for r in range(nproc)]
+                assert [len(g) for g in reduced] == [len(g) for g in clipped] == [1] * nproc
+                runs[each_key] = [(r[0], c[0]) for r, c in zip(reduced, clipped)]
         return runs[key]
 
     run.summaries = {}

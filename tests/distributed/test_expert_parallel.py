@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from launch import EP_STEPS, train_ep
+from launch import EP_STEPS, train_ep, train_ep_many
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -31,12 +31,18 @@ def test_ep2_equals_ep1(tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Both four-rank layouts, trained in one launch."""
+    return train_ep_many(tmp_path_factory.mktemp("four_ranks"), 4, {"w4ep2": (2,), "w4ep4": (4,)})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
-def test_four_ranks_equal_one(tmp_path, ep):
+def test_four_ranks_equal_one(tmp_path, four_ranks, ep):
     """World 4 in both layouts the 8-GPU runs use: EP=2 x DP=2 (replicas of the experts) and EP=4."""
     ep1_losses, (ep1,) = train_ep(tmp_path, "ep1", nproc=1, ep=1)
-    losses, shards = train_ep(tmp_path, f"w4ep{ep}", nproc=4, ep=ep)
+    losses, shards = four_ranks[f"w4ep{ep}"]
     for a, b in zip(losses, ep1_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ep1_losses)
     for rank, shard in enumerate(shards):

@@ -3,7 +3,7 @@ the counts are all-reduced, each rank's share of the probabilities carries the g
 
 import pytest
 import torch
-from launch import EP_ARGS, train_and_save
+from launch import EP_ARGS, train_and_save, train_and_save_many
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -17,10 +17,20 @@ def run(tmp_path, name, nproc, *extra):
     return results, weights
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The single-process runs, with the router losses and without them, in one launch."""
+    folder = tmp_path_factory.mktemp("one_process")
+    (want, (full,), _), (_, (plain,), _) = train_and_save_many(
+        [(folder / name, [*EP_ARGS, "--ep-size", "1", *args]) for name, args in
+         (("ep1", ROUTER_ARGS), ("plain", ROUTER_ARGS[:4]))], 1)
+    return want, full, plain
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 3])
-def test_ep_router_losses_equal_one_process(tmp_path, ep):
-    want, (full,) = run(tmp_path, "ep1", 1, *ROUTER_ARGS)
+def test_ep_router_losses_equal_one_process(tmp_path, one_process, ep):
+    want, full, plain = one_process
     got, shards = run(tmp_path, f"ep{ep}", ep, *ROUTER_ARGS)
     for key in ("losses", "aux_losses", "z_losses"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
@@ -35,6 +45,5 @@ def test_ep_router_losses_equal_one_process(tmp_path, ep):
             torch.testing.assert_close(shard[name], expected, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
 
     # And the losses trained the routers: without them the routers end elsewhere.
-    _, (plain,) = run(tmp_path, "plain", 1, *ROUTER_ARGS[:4])
     moved = [(full[n] - plain[n]).abs().max().item() for n in full if n.endswith("mlp.gate.weight")]
     assert min(moved) > 1e-3, moved

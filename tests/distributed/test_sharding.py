@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from launch import EP_STEPS, train_ep
+from launch import EP_STEPS, train_ep_many
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -13,15 +13,27 @@ WORLD = 4
 ADAMW_STATE_BYTES = 8  # fp32 exp_avg and exp_avg_sq per parameter
 
 
-def optimizer_bytes(tmp_path, name):
-    return [json.loads((tmp_path / name / "weights" / f"optimizer{r}.json").read_text()) for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every four-rank run of this module, trained in one launch: (folder, {name: (losses, weights)})."""
+    folder = tmp_path_factory.mktemp("sharding")
+    return folder, train_ep_many(folder, WORLD, {
+        "none-ep2": (2,), "fsdp-ep2": (2, "--sharding", "fsdp"),
+        "none-ep4": (4,), "fsdp-ep4": (4, "--sharding", "fsdp"),
+        "none-batch8": (2, "--batch_size", "8"),
+        "fsdp-accum": (2, "--batch_size", "8", "--sharding", "fsdp", "--grad_accum_steps", "2")})
+
+
+def optimizer_bytes(folder, name):
+    return [json.loads((folder / name / "weights" / f"optimizer{r}.json").read_text()) for r in range(WORLD)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
-def test_fsdp_equals_unsharded(tmp_path, ep):
-    ref_losses, ref = train_ep(tmp_path, "none", WORLD, ep)
-    losses, sharded = train_ep(tmp_path, "fsdp", WORLD, ep, "--sharding", "fsdp")
+def test_fsdp_equals_unsharded(runs, ep):
+    folder, trained = runs
+    ref_losses, ref = trained[f"none-ep{ep}"]
+    losses, sharded = trained[f"fsdp-ep{ep}"]
 
     assert len(losses) == EP_STEPS
     for a, b in zip(losses, ref_losses):
@@ -38,8 +50,8 @@ def test_fsdp_equals_unsharded(tmp_path, ep):
     # Sharded, the dense state is split over the world and each expert's over its W/EP replicas.
     dense = sum(t.numel() for name, t in ref[0].items() if not is_expert_param(name))
     experts = sum(t.numel() for name, t in ref[0].items() if is_expert_param(name))
-    assert optimizer_bytes(tmp_path, "none") == [ADAMW_STATE_BYTES * (dense + experts)] * WORLD
-    state = optimizer_bytes(tmp_path, "fsdp")
+    assert optimizer_bytes(folder, f"none-ep{ep}") == [ADAMW_STATE_BYTES * (dense + experts)] * WORLD
+    state = optimizer_bytes(folder, f"fsdp-ep{ep}")
     assert sum(state) == ADAMW_STATE_BYTES * (dense + experts * ep)  # the shards partition it
     share = ADAMW_STATE_BYTES * (dense / WORLD + experts / (WORLD // ep))
     for rank_bytes in state:  # uneven dim-0 splits of small tensors leave a little over
@@ -47,12 +59,12 @@ def test_fsdp_equals_unsharded(tmp_path, ep):
 
 
 @pytest.mark.slow
-def test_fsdp_with_accumulation_equals_one_unsharded_batch(tmp_path):
+def test_fsdp_with_accumulation_equals_one_unsharded_batch(runs):
     """Under fsdp, only a step's last micro-batch reduce-scatters; the earlier ones add into
     FSDP's gradients, so two micro-batches train like one batch of both."""
-    ref_losses, ref = train_ep(tmp_path, "none", WORLD, 2, "--batch_size", "8")
-    losses, sharded = train_ep(tmp_path, "fsdp-accum", WORLD, 2, "--batch_size", "8", "--sharding", "fsdp",
-                                     "--grad_accum_steps", "2")
+    _, trained = runs
+    ref_losses, ref = trained["none-batch8"]
+    losses, sharded = trained["fsdp-accum"]
     for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     for rank, (got, want) in enumerate(zip(sharded, ref)):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import REPO
-from launch import train_ep
+from launch import train_ep_many
 
 from te_mixtral.config import load_config
 from te_mixtral.data.packing import batch_from_windows
@@ -109,9 +109,8 @@ def test_ep2_trains_alike_with_and_without_recompute(tmp_path):
     """EP=2 over gloo: full recompute runs the all-to-alls again in the backward; the losses,
     the trained weights and the expert rows each rank records come out the same."""
     runs = {}
-    for recompute in MODES:
-        losses, weights = train_ep(tmp_path, recompute, 2, 2, "--recompute", recompute,
-                                         "--profile_phases", "true")
+    trained = train_ep_many(tmp_path, 2, {mode: (2, "--recompute", mode, "--profile_phases", "true") for mode in MODES})
+    for recompute, (losses, weights) in trained.items():
         rows = json.loads((tmp_path / recompute / "results.json").read_text())["expert_rows_per_rank"]
         runs[recompute] = losses, weights, rows
     want_losses, want_weights, want_rows = runs["none"]

@@ -13,20 +13,25 @@ import torch
 STEPS = 2
 COMMON = ["--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", "8", "--seq_len", "64",
           "--log_every", "1"]
+# The micro-batch counts each layout (nproc, ep) trains: its reference (1) and those it is compared with.
+ACCUMS = {(1, 1): (1, 2, 4), (2, 2): (1, 2, 4), (4, 2): (1, 2)}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """`trained(nproc, ep, accum)`: one run's (results, weights, gradients), each run once per module."""
+    """`trained(nproc, ep, accum)`: one run's (results, weights, gradients), each run once per
+    module; the first run of a layout brings all of that layout's, in one launch."""
     runs = {}
 
     def run(nproc: int, ep: int, accum: int):
-        key = (nproc, ep, accum)
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"w{nproc}-ep{ep}-n{accum}")
-            runs[key] = launch.train_and_save(
-                out, [*COMMON, "--ep-size", str(ep), "--grad_accum_steps", str(accum)], nproc)
-        return runs[key]
+        if (nproc, ep, accum) not in runs:
+            keys = [(nproc, ep, n) for n in ACCUMS[(nproc, ep)]]
+            outs = [tmp_path_factory.mktemp(f"w{nproc}-ep{ep}-n{n}") for _, _, n in keys]
+            trained = launch.train_and_save_many(
+                [(out, [*COMMON, "--ep-size", str(ep), "--grad_accum_steps", str(n)])
+                 for out, (_, _, n) in zip(outs, keys)], nproc)
+            runs.update(zip(keys, trained))
+        return runs[(nproc, ep, accum)]
 
     return run
 
