@@ -37,7 +37,10 @@ def test_loop_matches_float64_reference():
     got = torch.autograd.grad(y, (x, gate_up, down), grad_out)
     want = torch.autograd.grad(y_ref, (x, gate_up, down), grad_out.double())
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-6)
+        # Weight gradients sum over rows in fp32: an element that cancels to near zero keeps the
+        # rounding of its largest terms, so the absolute tolerance scales with the tensor's size
+        # (over 300 seeds the worst error was 7e-7 of the largest element).
+        torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-5 * w.abs().max().item())
     assert got[1][1].abs().sum() == 0 and got[1][4].abs().sum() == 0  # zero-token experts: zero gradient
 
 
