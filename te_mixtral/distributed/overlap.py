@@ -68,21 +68,22 @@ class GradientReducer:
 
     def __init__(self, model: nn.Module, layout: Layout, bucket_bytes: int = BUCKET_BYTES):
         mesh = init_device_mesh(layout.mesh.device_type, tuple(layout.mesh.shape), mesh_dim_names=("replica", "ep"))
-        groups = {False: dist.new_group(), True: mesh.get_group("replica") if mesh.size(0) > 1 else None}
-        self.queues = {expert: _Queue() for expert, group in groups.items() if group is not None}
+        # Experts of an EP group as wide as the world have no replicas: nothing to sum.
+        groups = {"dense": dist.new_group(), "experts": mesh.get_group("replica") if mesh.size(0) > 1 else None}
+        self.queues = {kind: _Queue() for kind, group in groups.items() if group is not None}
         self.sync = True
-        filling: dict[tuple[bool, torch.dtype], _Bucket] = {}
+        filling: dict[tuple[str, torch.dtype], _Bucket] = {}
         for name, param in reversed(list(model.named_parameters())):
-            expert = is_expert_param(name)
-            if not param.requires_grad or expert not in self.queues:
+            kind = "experts" if is_expert_param(name) else "dense"
+            if not param.requires_grad or kind not in self.queues:
                 continue
-            bucket = filling.get((expert, param.dtype))
-            if bucket is None or (bucket.nbytes + param.nbytes > bucket_bytes and bucket.params):
-                bucket = filling[(expert, param.dtype)] = _Bucket([], groups[expert])
-                self.queues[expert].buckets.append(bucket)
+            bucket = filling.get((kind, param.dtype))
+            if bucket is None or bucket.nbytes + param.nbytes > bucket_bytes:
+                bucket = filling[(kind, param.dtype)] = _Bucket([], groups[kind])
+                self.queues[kind].buckets.append(bucket)
             bucket.params.append(param)
             bucket.nbytes += param.nbytes
-            param.register_post_accumulate_grad_hook(partial(self._gradient_ready, self.queues[expert], bucket))
+            param.register_post_accumulate_grad_hook(partial(self._gradient_ready, self.queues[kind], bucket))
 
     @property
     def buckets(self) -> list[_Bucket]:

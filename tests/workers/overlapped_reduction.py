@@ -38,7 +38,7 @@ reducer = GradientReducer(model, layout, bucket_bytes=2048)  # a bucket or two p
 packed = PackedSequences(torch.arange(16).expand(2, 16), torch.tensor([0, 16, 32], dtype=torch.int32), 16)
 gen = torch.Generator().manual_seed(100 + layout.rank)
 steps = [[torch.randint(0, 64, (2, 17), generator=gen) for _ in range(2)], [torch.randint(0, 64, (2, 17), generator=gen)]]
-record = {"buckets": {str(expert): len(queue.buckets) for expert, queue in reducer.queues.items()},
+record = {"buckets": {kind: len(queue.buckets) for kind, queue in reducer.queues.items()},
           "launched": [], "reference": [], "overlapped": []}
 for micro_batches in steps:
     for m in (reference, model):
