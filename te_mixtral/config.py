@@ -129,7 +129,7 @@ class TrainConfig:
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
     sharding: str = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
-                            "state; gradients all-reduced after backward) or fsdp (FSDP2 shards them over the ranks, "
+                            "state; gradients all-reduced in buckets during backward) or fsdp (FSDP2 shards them over the ranks, "
                             "experts over their replicas; te_mixtral/distributed/parallelize.py)")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")

@@ -1,7 +1,8 @@
 """Sharded parameters, gradients and optimizer state (`train.sharding: fsdp`), by FSDP2.
 
 With `train.sharding: none` every rank holds every dense weight, its gradient and its AdamW
-moments, and `reduce_gradients` all-reduces each gradient after backward (layout.py). With
+moments, and a `GradientReducer` (overlap.py) sums the gradients in buckets during the
+backward; `reduce_gradients` waits for those sums. With
 `fsdp`, torch's `fully_shard` (FSDP2, the engine torchtitan uses) shards them instead, on
 the layout's DeviceMesh:
 
@@ -50,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from te_mixtral.distributed.layout import Layout, all_reduce_gradients
+from te_mixtral.distributed.overlap import GradientReducer
 
 
 def is_sharded(layout: Layout, sharding: str) -> bool:
@@ -58,12 +60,16 @@ def is_sharded(layout: Layout, sharding: str) -> bool:
 
 
 def parallelize(model: nn.Module, layout: Layout, sharding: str) -> nn.Module:
-    """Shard `model` in place as the module docstring says (a no-op unless `is_sharded`).
+    """Shard `model` in place as the module docstring says, or, unsharded, give it a
+    `GradientReducer` (`model.gradient_reducer`); a no-op in a single process.
 
     Call it after the weights are initialised or loaded (they are split as they stand) and
     before the optimizer is built (it must see the sharded parameters).
     """
+    if layout.world_size == 1:
+        return model
     if not is_sharded(layout, sharding):
+        model.gradient_reducer = GradientReducer(model, layout)
         return model
     device_type = layout.mesh.device_type
     dense_mesh = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
@@ -81,19 +87,30 @@ def parallelize(model: nn.Module, layout: Layout, sharding: str) -> nn.Module:
     return model
 
 
+def gradient_reducer(model: nn.Module) -> GradientReducer | None:
+    """The reducer `parallelize` gave an unsharded model of several ranks, else None."""
+    return getattr(model, "gradient_reducer", None)
+
+
 def reduce_gradients(model: nn.Module, layout: Layout, sharding: str) -> None:
-    """Sum the gradients over the ranks after backward; FSDP has already reduce-scattered them."""
-    if not is_sharded(layout, sharding):
+    """After the step's last backward, the gradients summed over the ranks: the reducer's
+    sums, which that backward started, awaited; FSDP's reduce-scatters are done already. A
+    model `parallelize` did not see is all-reduced here, one parameter at a time."""
+    reducer = gradient_reducer(model)
+    if reducer is not None:
+        reducer.finish()
+    elif not is_sharded(layout, sharding):
         all_reduce_gradients(model, layout)
 
 
 def set_gradient_sync(model: nn.Module, layout: Layout, sharding: str, enabled: bool) -> None:
-    """Under fsdp, whether the next backward reduce-scatters its gradients: only the last
-    micro-batch of a step does, so gradients travel once per step (the earlier micro-batches
-    add into FSDP's unsharded gradients). A no-op without sharding, whose all-reduce runs after
-    the last micro-batch anyway."""
+    """Whether the next backward communicates its gradients: only the last micro-batch of a
+    step does, so gradients travel once per step (the earlier micro-batches add into `.grad`,
+    FSDP's unsharded gradients under fsdp). A no-op in a single process."""
     if is_sharded(layout, sharding):
         model.set_requires_gradient_sync(enabled)
+    elif (reducer := gradient_reducer(model)) is not None:
+        reducer.sync = enabled
 
 
 def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ and backward, on the very inputs it received in the last step:
     experts    the expert tier on its sorted rows
     combine    all-to-all back, un-permute, weighted sum of each token's k outputs
     head       final norm + LM head + cross-entropy
-    all-reduce the gradient sums over ranks (te_mixtral/distributed/layout.py; only with several ranks)
-    all-gather instead of all-reduce when FSDP shards the model (train.sharding fsdp): gathering
+    all-reduce with several ranks, unsharded: what the gradient sums add to a forward and
+               backward (one with them minus one without); the overlap hides the rest
+    all-gather instead, when FSDP shards the model (train.sharding fsdp): gathering
                every unit's weights once, as each forward does (and each backward again)
     clip       the global gradient norm, and scaling by it (MasterAdamW scales as it steps)
     optimizer  the AdamW step
@@ -25,12 +26,14 @@ is reported too: the rows each rank's experts received in the profiled step, all
 
 Pitfalls. A phase run alone loses the overlap of its launches with its neighbours', and the
 allocator sees a different pattern, so the phases need not add up to the step time: the
-table shows the step's median beside their sum. Under FSDP the gradients are reduce-scattered
-inside the backward and the weights gathered ahead of each layer, overlapped with compute:
-here the compute phases run on gathered weights with no communication, so the step's median
-minus the sum of the phases is the communication left exposed (plus the lost overlap of
-launches, as above). The optimizer is stepped for real while it
-is timed, so this runs after everything else that reads the weights.
+table shows the step's median beside their sum. With several ranks the gradients are summed
+inside the backward, overlapped with it: all-reduced in buckets (te_mixtral/distributed/
+overlap.py), or reduce-scattered under FSDP, which also gathers the weights ahead of each
+layer. The compute phases run with no communication (on gathered weights under FSDP). The
+all-reduce phase is what the sums leave exposed; under FSDP the step's median minus the sum
+of the phases is (plus the lost overlap of launches, as above). The optimizer
+is stepped for real while it is timed, so this runs after everything else that reads the
+weights.
 """
 
 import statistics
@@ -38,10 +41,8 @@ import statistics
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from te_mixtral.distributed.layout import (
-    all_reduce_gradients,
-    all_reduce_max,
-)
+from te_mixtral.distributed.layout import all_reduce_max
+from te_mixtral.distributed.parallelize import gradient_reducer
 from te_mixtral.measure.metrics import StepTimer
 from te_mixtral.model.mixtral import causal_lm_loss
 
@@ -93,13 +94,15 @@ def _capture_inputs(model, step_fn):
     return captured
 
 
-def _fsdp_communicates(units: list, root, communicate: bool) -> None:
-    """Off: gather every FSDP unit's weights and keep them gathered, with no reduce-scatter
-    after a backward, so that the phases time compute alone. On: FSDP's defaults again."""
+def _communicates(model, units: list, communicate: bool) -> None:
+    """Off: no gradient sums after a backward, and every FSDP unit's weights gathered and
+    kept so, so that the phases time compute alone. On: as in training again."""
+    if (reducer := gradient_reducer(model)) is not None:
+        reducer.sync = communicate
     for unit in units:
         unit.set_requires_gradient_sync(communicate, recurse=False)
         unit.set_reshard_after_backward(communicate, recurse=False)
-        unit.set_reshard_after_forward(communicate and unit is not root, recurse=False)
+        unit.set_reshard_after_forward(communicate and unit is not model, recurse=False)
         if communicate:
             unit.reshard()
         else:
@@ -113,25 +116,37 @@ def profile_phases(model, clip, optimizer_step, step_fn, batch, num_targets, aut
     `optimizer_step(...)` takes (training/optimizer.py's `clip_gradients` and `optimizer_step`)."""
     device = next(model.parameters()).device
     captured = _capture_inputs(model, step_fn)
+    reducer = gradient_reducer(model)
+    if reducer is not None:
+        reducer.finish()  # the sums that step's backward started, awaited as the loop does
 
     def ms(fn) -> float:
         return _median_ms(fn, device)
 
-    # First, while the step's gradients are there. Repeating the all-reduce compounds the
-    # sums and the optimizer really steps: neither changes what they cost.
+    # First, while the step's gradients are there. The optimizer really steps: that does not
+    # change what it costs.
     update_ms = {}
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     if units:
         update_ms["all-gather"] = ms(lambda: [unit.unshard() for unit in units] + [unit.reshard() for unit in units])
-    elif layout.world_size > 1:
-        update_ms["all-reduce"] = ms(lambda: all_reduce_gradients(model, layout))
+    if reducer is not None:
+        def step(sync):
+            def run():
+                model.zero_grad(set_to_none=True)
+                reducer.sync = sync
+                step_fn()
+                if sync:
+                    reducer.finish()
+            return run
+        # Noise can make the difference of two medians negative where the overlap hid it all.
+        update_ms["all-reduce"] = max(ms(step(True)) - ms(step(False)), 0.0)
     update_ms["clip"] = ms(clip)
     grad_scale = clip()
     update_ms["optimizer"] = ms(lambda: optimizer_step(grad_scale))
     packed = batch.packed
     rotary = model.model.rotary(packed.position_ids_BS)
     totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head"), 0.0)
-    _fsdp_communicates(units, model, False)
+    _communicates(model, units, False)
     expert_rows = 0
     with autocast:
         for index, layer in enumerate(model.model.layers):
@@ -158,7 +173,7 @@ def profile_phases(model, clip, optimizer_step, step_fn, batch, num_targets, aut
     # Forward and backward run once per micro-batch of a step; the update phases once.
     totals = {name: ms * cfg.train.grad_accum_steps for name, ms in totals.items()}
     totals.update(update_ms)
-    _fsdp_communicates(units, model, True)
+    _communicates(model, units, True)
     model.zero_grad(set_to_none=True)
     rows_per_rank = [expert_rows]
     if layout.world_size > 1:  # the slowest rank bounds the step (routing is rarely balanced)

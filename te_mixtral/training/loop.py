@@ -217,7 +217,7 @@ def train(cfg: RunConfig) -> TrainResult:
             (loss + router.weighted(cfg.model) / len(micro_batches)).backward()
             step_losses += torch.stack([loss, router.aux / len(micro_batches), router.z / len(micro_batches)]).detach()
             step_load_YE = step_load_YE + router.tokens_per_expert_YE
-        # Once per optimizer step, after the last micro-batch: one communication of the sums.
+        # Once per optimizer step: the sums the last micro-batch's backward started, awaited.
         reduce_gradients(model, layout, cfg.train.sharding)
         grad_norm, grad_scale = clip_gradients(optimizer, model, cfg.train.grad_clip, layout)  # global norm
         global_loss, global_aux, global_z, norm = torch.cat(
