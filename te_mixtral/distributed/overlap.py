@@ -30,7 +30,10 @@ experts again over another, and `replicate` (torch.distributed._composable, a pr
 turns every parameter into a DTensor, which unsharded checkpoints, the HF export, gradient
 clipping and both optimizers would all have to learn, for the same all-reduces.
 
-The flat copies cost one gradient-sized buffer per step at most, freed by `finish`.
+Memory. A bucket's gradients move into its flat tensor rather than being copied: the
+originals are dropped at launch and `finish` hands the sums back as views of the flat
+tensor. So the buckets cost no more than one bucket's concatenation in flight (as DDP's
+`gradient_as_bucket_view`), which matters where the full model only just fits.
 """
 
 from dataclasses import dataclass, field
@@ -104,11 +107,13 @@ class GradientReducer:
     def _launch(bucket: _Bucket) -> None:
         bucket.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                  for p in bucket.params])
+        for param in bucket.params:
+            param.grad = None  # the flat tensor holds it now (see Memory in the module docstring)
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's sum (launching those the backward did not complete, in
-        order) and write it into the gradients; ready for the next step's backward."""
+        order) and make it the gradients; ready for the next step's backward."""
         for queue in self.queues.values():
             for bucket in queue.buckets[queue.launched:]:
                 self._launch(bucket)
@@ -116,8 +121,5 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.work.wait()
             for param, summed in zip(bucket.params, bucket.flat.split([p.numel() for p in bucket.params])):
-                if param.grad is None:
-                    param.grad = summed.view_as(param).clone()  # not a view: `flat` is freed
-                else:
-                    param.grad.copy_(summed.view_as(param.grad))
+                param.grad = summed.view_as(param)
             bucket.ready, bucket.flat, bucket.work = 0, None, None
