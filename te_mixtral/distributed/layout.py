@@ -80,8 +80,14 @@ def mesh_layout(ep_size: int, device: str) -> Layout:
     return Layout(dist.get_rank(), world, ep_size, mesh.get_group("ep"), mesh.get_group("replica"), mesh)
 
 
-def shutdown() -> None:
+def shutdown(wait_for_peers: bool = False) -> None:
+    """Tear the process groups down. After a run that ended well on every rank, wait for the
+    peers first: a rank that tears gloo down while a peer still writes its outputs can abort
+    that peer at exit ("terminate called without an active exception", exit -6). Not after
+    an error, where a peer may never arrive."""
     if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ from te_mixtral.distributed.layout import (
     all_reduce_max,
     all_reduce_sum,
     init_layout,
+    shutdown,
     world_size_from_env,
 )
 from te_mixtral.distributed.parallelize import (
@@ -322,7 +323,9 @@ def _lost_a_peer(e: RuntimeError) -> bool:
 
 def main(cfg: RunConfig) -> int:
     try:
-        return train(cfg).exit_code
+        exit_code = train(cfg).exit_code  # the same on every rank: the loss check is global
+        shutdown(wait_for_peers=True)
+        return exit_code
     except UserError as e:
         return report_error(e, world_size_from_env())
     except RuntimeError as e:

@@ -47,4 +47,4 @@ for name, routing in routings.items():
     dist.barrier()
     if layout.rank == 0:
         print(f"ok: {name}", flush=True)
-shutdown()
+shutdown(wait_for_peers=True)

@@ -73,4 +73,4 @@ if layout.is_main:
     torch.save(logits, out_dir / "logits.pt")
 if save_weights:
     torch.save(weights, out_dir / f"weights{layout.rank}.pt")
-shutdown()
+shutdown(wait_for_peers=True)

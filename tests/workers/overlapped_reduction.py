@@ -55,4 +55,4 @@ for micro_batches in steps:
         record[key].append({name: p.grad.clone() for name, p in m.named_parameters()})
 out_dir.mkdir(parents=True, exist_ok=True)
 torch.save(record, out_dir / f"rank{layout.rank}.pt")
-shutdown()
+shutdown(wait_for_peers=True)

@@ -157,4 +157,4 @@ for ep, moments in ((2, "bf16"), (4, "fp32")):
     record["continued"], record["resumed"] = state_of(b, opt_b), state_of(c, opt_c)
 
     torch.save(record, folder / f"rank{layout.rank}.pt")
-shutdown()
+shutdown(wait_for_peers=True)

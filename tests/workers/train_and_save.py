@@ -89,5 +89,5 @@ loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrap
 loop.clip_gradients = recording_clip_gradients
 loop.init_layout = init_layout_once
 exit_codes = [train_and_save(Path(weights_dir), argv) for weights_dir, argv in runs]
-shutdown()
+shutdown(wait_for_peers=True)
 sys.exit(max(exit_codes))

@@ -32,5 +32,5 @@ with torch.no_grad(), autocast:
     logits = result.model(ids, packed)
 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
     torch.save({"ids": ids.cpu(), "logits": logits.float().cpu()}, out)
-shutdown()
+shutdown(wait_for_peers=True)
 sys.exit(result.exit_code)
