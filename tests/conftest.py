@@ -33,8 +33,40 @@ def _tokenizer_cache(tmp_path_factory):
 def _launch_cache(tmp_path_factory, _tokenizer_cache):
     # Runs that several tests launch alike (same arguments, ranks and environment) run once.
     import launch  # here, not at the top: launch imports this module
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    # The environment is part of a run's key, and torch sets TORCHINDUCTOR_CACHE_DIR in this
+    # process the first time a test compiles; set it now, to the folder torch would, so the
+    # runs launched before and after that test share their keys.
+    cache_dir()
     launch.RUN_CACHE_DIR = tmp_path_factory.mktemp("launched_runs")
     yield
     launch.RUN_CACHE_DIR = None
     launch._cached_runs.clear()
+
+
+@pytest.fixture(scope="session")
+def launch_planned(request, tmp_path_factory, _launch_cache):
+    """`launch_planned(nproc)`: train, in ONE launch, every `nproc`-rank run that the collected
+    test modules list in their module-level `PLANNED_RUNS` ({nproc: [arguments, ...]}, the
+    arguments as given to `launch.train_and_save_many`). A module's own `train_and_save*` calls
+    then find their runs in the session cache, so modules that each need a few runs on the
+    same rank count share one start-up. Call it before those calls; a run it did not plan, or
+    planned under another environment, is simply launched by the call as before."""
+    import launch
+
+    launched = set()
+
+    def run(nproc: int) -> None:
+        if nproc in launched:
+            return
+        launched.add(nproc)
+        modules = {item.module for item in request.session.items if getattr(item, "module", None)}
+        planned = {tuple(args) for module in sorted(modules, key=lambda m: m.__name__)
+                   for args in getattr(module, "PLANNED_RUNS", {}).get(nproc, [])}
+        if planned:
+            folder = tmp_path_factory.mktemp(f"planned{nproc}")
+            launch.train_and_save_many([(folder / str(i), list(args)) for i, args in enumerate(sorted(planned))],
+                                       nproc)
+
+    return run

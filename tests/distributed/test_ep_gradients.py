@@ -24,10 +24,20 @@ COMMON = ["--steps", "1", "--timing_warmup_steps", "0", "--batch_size", "12", "-
           "--grad_clip", str(GRAD_CLIP)]
 SIX_TOP3 = ["--model.num_experts", "6", "--model.num_experts_per_tok", "3"]
 FOUR_TOP2 = ["--model.num_experts", "4", "--model.num_experts_per_tok", "2"]
+LAYOUTS = [(SIX_TOP3, 2, 2), (SIX_TOP3, 3, 3), (FOUR_TOP2, 4, 2)]  # (model, nproc, ep)
+
+
+def run_args(model_args: list[str], ep: int) -> list[str]:
+    return [*COMMON, *model_args, "--ep-size", str(ep)]
+
+
+# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
+PLANNED_RUNS = {1: [run_args(model, 1) for model in (SIX_TOP3, FOUR_TOP2)],
+                **{nproc: [run_args(model, ep)] for model, nproc, ep in LAYOUTS}}  # one layout per rank count
 
 
 @pytest.fixture(scope="module")
-def gradients(tmp_path_factory):
+def gradients(tmp_path_factory, launch_planned):
     """`gradients(model_args, nproc, ep)`: per rank, (reduced, clipped) gradients of step 1;
     `gradients.summaries[(model_args, nproc, ep)]`: the run's throughput summary."""
     runs = {}
@@ -38,8 +48,9 @@ def gradients(tmp_path_factory):
             # The first single-process run brings every model's, in one launch.
             keys = [key] if nproc > 1 else [(tuple(model), 1, 1) for model in (SIX_TOP3, FOUR_TOP2)]
             outs = [tmp_path_factory.mktemp(f"w{nproc}-ep{ep}") for _ in keys]
+            launch_planned(nproc)
             trained = launch.train_and_save_many(
-                [(out, [*COMMON, *model, "--ep-size", str(ep)]) for out, (model, _, _) in zip(outs, keys)], nproc)
+                [(out, run_args(model, ep)) for out, (model, _, _) in zip(outs, keys)], nproc)
             for each_key, out, (results, _, reduced) in zip(keys, outs, trained):
                 run.summaries[each_key] = results["summary"]
                 clipped = [torch.load(out / "weights" / f"clipped{r}.pt") for r in range(nproc)]
@@ -91,8 +102,7 @@ def test_four_experts_ep2_dp2(gradients):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_args,nproc,ep", [(SIX_TOP3, 2, 2), (SIX_TOP3, 3, 3), (FOUR_TOP2, 4, 2)],
-                         ids=["ep2", "ep3", "ep2xdp2"])
+@pytest.mark.parametrize("model_args,nproc,ep", LAYOUTS, ids=["ep2", "ep3", "ep2xdp2"])
 def test_summary_counts_the_whole_global_step(gradients, model_args, nproc, ep):
     """tokens/s and TFLOP/s per GPU, times the step time they were computed with, give back
     the global step's tokens and the single process's model FLOPs: the same work is counted

@@ -2,13 +2,19 @@
 
 import pytest
 import torch
-from launch import EP_STEPS, train_ep, train_ep_many
+from launch import EP_ARGS, EP_STEPS, train_ep, train_ep_many
 
 from te_mixtral.distributed.layout import is_expert_param
 
+# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
+PLANNED_RUNS = {1: [[*EP_ARGS, "--ep-size", "1"]], 2: [[*EP_ARGS, "--ep-size", "2"]],
+                4: [[*EP_ARGS, "--ep-size", str(ep)] for ep in (2, 4)]}
+
 
 @pytest.mark.slow
-def test_ep2_equals_ep1(tmp_path):
+def test_ep2_equals_ep1(tmp_path, launch_planned):
+    launch_planned(1)
+    launch_planned(2)
     ep1_losses, (ep1,) = train_ep(tmp_path, "ep1", nproc=1, ep=1)
     ep2_losses, (rank0, rank1) = train_ep(tmp_path, "ep2", nproc=2, ep=2)
 
@@ -32,15 +38,17 @@ def test_ep2_equals_ep1(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
+def four_ranks(tmp_path_factory, launch_planned):
     """Both four-rank layouts, trained in one launch."""
+    launch_planned(4)
     return train_ep_many(tmp_path_factory.mktemp("four_ranks"), 4, {"w4ep2": (2,), "w4ep4": (4,)})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
-def test_four_ranks_equal_one(tmp_path, four_ranks, ep):
+def test_four_ranks_equal_one(tmp_path, four_ranks, launch_planned, ep):
     """World 4 in both layouts the 8-GPU runs use: EP=2 x DP=2 (replicas of the experts) and EP=4."""
+    launch_planned(1)
     ep1_losses, (ep1,) = train_ep(tmp_path, "ep1", nproc=1, ep=1)
     losses, shards = four_ranks[f"w4ep{ep}"]
     for a, b in zip(losses, ep1_losses):

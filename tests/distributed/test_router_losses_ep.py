@@ -12,25 +12,35 @@ from te_mixtral.distributed.layout import is_expert_param
 ROUTER_ARGS = ["--num_experts", "6", "--batch_size", "6", "--router_aux_loss_coef", "0.5", "--router_z_loss_coef", "0.05"]
 
 
+def run_args(ep: int, *extra: str) -> list[str]:
+    return [*EP_ARGS, "--ep-size", str(ep), *extra]
+
+
+# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
+PLANNED_RUNS = {1: [run_args(1, *ROUTER_ARGS), run_args(1, *ROUTER_ARGS[:4])],
+                **{ep: [run_args(ep, *ROUTER_ARGS)] for ep in (2, 3)}}
+
+
 def run(tmp_path, name, nproc, *extra):
-    results, weights, _ = train_and_save(tmp_path / name, [*EP_ARGS, "--ep-size", str(nproc), *extra], nproc)
+    results, weights, _ = train_and_save(tmp_path / name, run_args(nproc, *extra), nproc)
     return results, weights
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, launch_planned):
     """The single-process runs, with the router losses and without them, in one launch."""
     folder = tmp_path_factory.mktemp("one_process")
+    launch_planned(1)
     (want, (full,), _), (_, (plain,), _) = train_and_save_many(
-        [(folder / name, [*EP_ARGS, "--ep-size", "1", *args]) for name, args in
-         (("ep1", ROUTER_ARGS), ("plain", ROUTER_ARGS[:4]))], 1)
+        [(folder / name, args) for name, args in zip(("ep1", "plain"), PLANNED_RUNS[1])], 1)
     return want, full, plain
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [2, 3])
-def test_ep_router_losses_equal_one_process(tmp_path, one_process, ep):
+def test_ep_router_losses_equal_one_process(tmp_path, one_process, launch_planned, ep):
     want, full, plain = one_process
+    launch_planned(ep)
     got, shards = run(tmp_path, f"ep{ep}", ep, *ROUTER_ARGS)
     for key in ("losses", "aux_losses", "z_losses"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), key

@@ -5,23 +5,28 @@ import json
 
 import pytest
 import torch
-from launch import EP_STEPS, train_ep_many
+from launch import EP_ARGS, EP_STEPS, train_ep_many
 
 from te_mixtral.distributed.layout import is_expert_param
 
 WORLD = 4
 ADAMW_STATE_BYTES = 8  # fp32 exp_avg and exp_avg_sq per parameter
 
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every four-rank run of this module, trained in one launch: (folder, {name: (losses, weights)})."""
-    folder = tmp_path_factory.mktemp("sharding")
-    return folder, train_ep_many(folder, WORLD, {
-        "none-ep2": (2,), "fsdp-ep2": (2, "--sharding", "fsdp"),
+# name: (ep, *extra arguments), as train_ep_many takes them.
+RUNS = {"none-ep2": (2,), "fsdp-ep2": (2, "--sharding", "fsdp"),
         "none-ep4": (4,), "fsdp-ep4": (4, "--sharding", "fsdp"),
         "none-batch8": (2, "--batch_size", "8"),
-        "fsdp-accum": (2, "--batch_size", "8", "--sharding", "fsdp", "--grad_accum_steps", "2")})
+        "fsdp-accum": (2, "--batch_size", "8", "--sharding", "fsdp", "--grad_accum_steps", "2")}
+# Launched with the other modules' four-rank runs (conftest.py's launch_planned).
+PLANNED_RUNS = {WORLD: [[*EP_ARGS, "--ep-size", str(ep), *extra] for ep, *extra in RUNS.values()]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, launch_planned):
+    """Every four-rank run of this module, trained in one launch: (folder, {name: (losses, weights)})."""
+    folder = tmp_path_factory.mktemp("sharding")
+    launch_planned(WORLD)
+    return folder, train_ep_many(folder, WORLD, RUNS)
 
 
 def optimizer_bytes(folder, name):

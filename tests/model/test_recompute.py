@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import REPO
-from launch import train_ep_many
+from launch import EP_ARGS, train_ep_many
 
 from te_mixtral.config import load_config
 from te_mixtral.data.packing import batch_from_windows
@@ -20,6 +20,9 @@ from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_we
 
 SINGLE = Layout(0, 1, 1, None, None)
 MODES = ("none", "selective", "full")
+EP2_RUNS = {mode: (2, "--recompute", mode, "--profile_phases", "true") for mode in MODES}
+# Launched with the other modules' two-rank runs (conftest.py's launch_planned).
+PLANNED_RUNS = {2: [[*EP_ARGS, "--ep-size", str(ep), *extra] for ep, *extra in EP2_RUNS.values()]}
 
 
 class CountingTier(ExpertTier):
@@ -105,11 +108,12 @@ def test_recompute_key_is_checked():
 
 
 @pytest.mark.slow
-def test_ep2_trains_alike_with_and_without_recompute(tmp_path):
+def test_ep2_trains_alike_with_and_without_recompute(tmp_path, launch_planned):
     """EP=2 over gloo: full recompute runs the all-to-alls again in the backward; the losses,
     the trained weights and the expert rows each rank records come out the same."""
     runs = {}
-    trained = train_ep_many(tmp_path, 2, {mode: (2, "--recompute", mode, "--profile_phases", "true") for mode in MODES})
+    launch_planned(2)
+    trained = train_ep_many(tmp_path, 2, EP2_RUNS)
     for recompute, (losses, weights) in trained.items():
         rows = json.loads((tmp_path / recompute / "results.json").read_text())["expert_rows_per_rank"]
         runs[recompute] = losses, weights, rows

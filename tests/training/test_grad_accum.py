@@ -17,8 +17,16 @@ COMMON = ["--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", "
 ACCUMS = {(1, 1): (1, 2, 4), (2, 2): (1, 2, 4), (4, 2): (1, 2)}
 
 
+def run_args(ep: int, accum: int) -> list[str]:
+    return [*COMMON, "--ep-size", str(ep), "--grad_accum_steps", str(accum)]
+
+
+# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
+PLANNED_RUNS = {nproc: [run_args(ep, n) for n in accums] for (nproc, ep), accums in ACCUMS.items()}
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, launch_planned):
     """`trained(nproc, ep, accum)`: one run's (results, weights, gradients), each run once per
     module; the first run of a layout brings all of that layout's, in one launch."""
     runs = {}
@@ -27,9 +35,9 @@ def trained(tmp_path_factory):
         if (nproc, ep, accum) not in runs:
             keys = [(nproc, ep, n) for n in ACCUMS[(nproc, ep)]]
             outs = [tmp_path_factory.mktemp(f"w{nproc}-ep{ep}-n{n}") for _, _, n in keys]
-            trained = launch.train_and_save_many(
-                [(out, [*COMMON, "--ep-size", str(ep), "--grad_accum_steps", str(n)])
-                 for out, (_, _, n) in zip(outs, keys)], nproc)
+            launch_planned(nproc)
+            trained = launch.train_and_save_many([(out, run_args(ep, n)) for out, (_, _, n) in zip(outs, keys)],
+                                                 nproc)
             runs.update(zip(keys, trained))
         return runs[(nproc, ep, accum)]
 
