@@ -62,11 +62,15 @@ def launch_planned(request, tmp_path_factory, _launch_cache):
             return
         launched.add(nproc)
         modules = {item.module for item in request.session.items if getattr(item, "module", None)}
-        planned = {tuple(args) for module in sorted(modules, key=lambda m: m.__name__)
-                   for args in getattr(module, "PLANNED_RUNS", {}).get(nproc, [])}
+        planned = {tuple(args) for module in modules for args in getattr(module, "PLANNED_RUNS", {}).get(nproc, [])}
         if planned:
             folder = tmp_path_factory.mktemp(f"planned{nproc}")
-            launch.train_and_save_many([(folder / str(i), list(args)) for i, args in enumerate(sorted(planned))],
-                                       nproc)
+            try:
+                launch.train_and_save_many([(folder / str(i), list(args)) for i, args in enumerate(sorted(planned))],
+                                           nproc)
+            except AssertionError:
+                # One failing run fails the whole launch, and nothing of it is cached: each
+                # module then launches its own runs, so the test whose run fails reports it.
+                pass
 
     return run
