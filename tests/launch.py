@@ -4,6 +4,7 @@ property tested needs no process of its own, run the same command line in this o
 import contextlib
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -62,6 +63,7 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
         torch.random.set_rng_state(rng)
         signal.signal(signal.SIGINT, sigint)  # training/loop.py installs its Ctrl-C handler
         sys.argv = argv
+        _unbind_log_handlers({id(stdout): "stdout", id(stderr): "stderr"})
     # One process runs without torch.distributed; a group left behind would change later tests.
     assert not torch.distributed.is_initialized()
     return subprocess.CompletedProcess(["run_cli", *args], code, stdout.getvalue(), stderr.getvalue())
@@ -76,6 +78,29 @@ def _warn_as_python_does() -> None:
         warnings.simplefilter("ignore", category, append=True)
     warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
         warnings.formatwarning(message, category, filename, lineno, line))
+
+
+class _CurrentStream:
+    """Writes to whatever sys.stdout or sys.stderr is when written to."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def write(self, text: str) -> int:
+        return getattr(sys, self.name).write(text)
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+
+def _unbind_log_handlers(captured: dict[int, str]) -> None:
+    """A library first imported during a run (datasets, huggingface_hub) made its log handler
+    then, holding that run's captured stream: point it at the current one instead, so that
+    later runs capture what it logs and nothing is written into a finished run's buffer."""
+    for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in captured:
+                handler.setStream(_CurrentStream(captured[id(handler.stream)]))
 
 
 def assert_one_line_error(proc, *fragments):
