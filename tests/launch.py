@@ -1,12 +1,20 @@
-"""Start the app the way users do: `python run_finetune_ep.py` or `torchrun`."""
+"""Start the app the way users do: `python run_finetune_ep.py` or `torchrun`; or, where the
+property tested needs no process of its own, run the same command line in this one (`run_cli`)."""
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import traceback
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 from conftest import REPO
@@ -20,6 +28,79 @@ def run_app(args: list[str], nproc: int = 1, timeout: float = 300, script: str =
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(launcher + [str(REPO / script), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    """`run_app(args)` without a new process: `te_mixtral.cli.main(args)` in this one, as
+    `python run_finetune_ep.py` would run it (same cwd, OMP_NUM_THREADS=1, what it prints and
+    its exit code captured), then this process's state put back as it was.
+
+    Starting Python, torch and datasets costs seconds; a short run a fraction of that. Use
+    `run_app` where a test needs the process itself: several ranks, signals, the entry script."""
+    from te_mixtral.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    threads, rng, argv = torch.get_num_threads(), torch.random.get_rng_state(), sys.argv
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with (mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), contextlib.chdir(REPO),
+              contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings()):
+            torch.set_num_threads(1)
+            sys.argv = [str(REPO / "run_finetune_ep.py"), *args]
+            _warn_as_python_does()
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse, or anything calling sys.exit
+                code = e.code or 0
+                if not isinstance(code, int):  # sys.exit("message"): printed, exit code 1
+                    print(code, file=sys.stderr)
+                    code = 1
+            except Exception:  # what the interpreter would print on its way out
+                traceback.print_exc()
+                code = 1
+    finally:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+        signal.signal(signal.SIGINT, sigint)  # training/loop.py installs its Ctrl-C handler
+        sys.argv = argv
+        _unbind_log_handlers({id(stdout): "stdout", id(stderr): "stderr"})
+    # One process runs without torch.distributed; a group left behind would change later tests.
+    assert not torch.distributed.is_initialized()
+    return subprocess.CompletedProcess(["run_cli", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+def _warn_as_python_does() -> None:
+    """Inside `warnings.catch_warnings()`: show warnings on (the captured) stderr, filtered as a
+    fresh interpreter filters them, not as pytest does (which records them for its summary)."""
+    warnings.resetwarnings()
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.simplefilter("ignore", category, append=True)
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+        warnings.formatwarning(message, category, filename, lineno, line))
+
+
+class _CurrentStream:
+    """Writes to whatever sys.stdout or sys.stderr is when written to."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def write(self, text: str) -> int:
+        return getattr(sys, self.name).write(text)
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+
+def _unbind_log_handlers(captured: dict[int, str]) -> None:
+    """A library first imported during a run (datasets, huggingface_hub) made its log handler
+    then, holding that run's captured stream: point it at the current one instead, so that
+    later runs capture what it logs and nothing is written into a finished run's buffer."""
+    for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in captured:
+                handler.setStream(_CurrentStream(captured[id(handler.stream)]))
 
 
 def assert_one_line_error(proc, *fragments):

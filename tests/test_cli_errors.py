@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO
-from launch import assert_one_line_error, run_app
+from launch import assert_one_line_error, run_app, run_cli
 from safetensors.torch import load_file
 
 from te_mixtral.errors import ExitCode
@@ -30,14 +30,16 @@ from te_mixtral.errors import ExitCode
     (["--loss-check", "no/such/results.json"], "does not exist"),
 ])
 def test_bad_input_is_one_line(args, fragment, tmp_path):
-    proc = run_app([*args, "--output-dir", str(tmp_path)])
+    proc = run_cli([*args, "--output-dir", str(tmp_path)])
     assert proc.returncode == ExitCode.BAD_INPUT
     assert_one_line_error(proc, fragment)
 
 
 def test_tier_this_machine_cannot_run():
-    # CI machines have no CUDA: the TE tier must refuse, not quietly run something else.
+    # CI machines have no CUDA: the TE tier must refuse, not quietly run something else. A real
+    # launch, so that the entry script's own exit code and stderr are proven (the rest run_cli).
     proc = run_app(["--tier", "grouped_linear"])
+    assert proc.returncode == ExitCode.BAD_INPUT
     assert_one_line_error(proc, "grouped_linear")
 
 
@@ -57,7 +59,7 @@ def test_hf_tier_is_single_process():
 
 def test_diverging_loss_stops_with_the_step(tmp_path):
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"
-    proc = run_app(["--steps", "6", "--lr", "1e6", "--grad_clip", "1e9", "--output-dir", str(tmp_path / "out"),
+    proc = run_cli(["--steps", "6", "--lr", "1e6", "--grad_clip", "1e9", "--output-dir", str(tmp_path / "out"),
                     "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--save-hf", str(export),
                     "--save-every", "1"])
     assert proc.returncode == ExitCode.DIVERGED
@@ -83,7 +85,7 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
 def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp_path):
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"losses": []}))
-    proc = run_app([*[str(empty) if a == "EMPTY" else a for a in args], "--steps", "2", "--timing_warmup_steps", "1",
+    proc = run_cli([*[str(empty) if a == "EMPTY" else a for a in args], "--steps", "2", "--timing_warmup_steps", "1",
                     "--log_every", "1", "--output-dir", str(tmp_path / "out")])
     assert proc.returncode == ExitCode.BAD_INPUT
     assert_one_line_error(proc, fragment)
@@ -92,9 +94,9 @@ def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp
 
 def test_resuming_with_data_that_trains_another_tokenizer_is_refused(tmp_path):
     args = ["--seq_len", "64", "--timing_warmup_steps", "0", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = run_app([*args, "--steps", "1", "--max_documents", "40", "--output-dir", str(tmp_path / "a")])
+    first = run_cli([*args, "--steps", "1", "--max_documents", "40", "--output-dir", str(tmp_path / "a")])
     assert first.returncode == 0, first.stderr[-2000:]
-    proc = run_app([*args, "--steps", "2", "--max_documents", "30", "--resume", "--output-dir", str(tmp_path / "b")])
+    proc = run_cli([*args, "--steps", "2", "--max_documents", "30", "--resume", "--output-dir", str(tmp_path / "b")])
     assert_one_line_error(proc, "was trained with a different tokenizer")
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 from conftest import REPO
-from launch import run_app
+from launch import run_cli
 
 from te_mixtral.config import (
     load_config,
@@ -108,7 +108,7 @@ def help_rows(stdout: str) -> dict[str, tuple[str, str, str]]:
 
 
 def test_help_lists_every_key_with_its_value_default_and_meaning():
-    proc = run_app(["--help"], timeout=60)
+    proc = run_cli(["--help"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Fine-tune a Mixtral-style MoE model" in proc.stdout
     assert not re.search(r"step\s+\d+/\d+", proc.stdout)  # help only: nothing trained
@@ -120,7 +120,7 @@ def test_help_lists_every_key_with_its_value_default_and_meaning():
     assert rows["model.hidden_size"][1] == "4096"  # the default, beside tiny.yaml's value
     assert rows["train.min_lr"][:2] == ("0.0003", "lr/10")  # a default that follows another key
 
-    proc = run_app(["--config", "configs/mixtral-8x7b-2layer.yaml", "--lr", "0.5", "--help"], timeout=60)
+    proc = run_cli(["--config", "configs/mixtral-8x7b-2layer.yaml", "--lr", "0.5", "--help"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = help_rows(proc.stdout)
     assert rows["model.hidden_size"][0] == "4096" and rows["train.lr"][0] == "0.5"

@@ -365,8 +365,7 @@ def capacity(cfg: RunConfig, device: str) -> tuple[int | None, str]:
 
         if not torch.cuda.is_available():
             return None, ""
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        props = torch.cuda.get_device_properties(index)
+        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
         return props.total_memory, props.name
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     shared = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""

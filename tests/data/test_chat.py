@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import REPO
-from launch import assert_one_line_error, run_app
+from launch import assert_one_line_error, run_cli
 
 from te_mixtral.config import DataConfig, load_config
 from te_mixtral.data.chat import render_batch
@@ -313,7 +313,7 @@ def test_subset_and_split_go_to_the_hub(monkeypatch):
 def test_chat_example_trains_and_exports_its_template(tmp_path):
     """The example config as a newcomer runs it, shortened: the loss falls, and the export
     keeps the chat template."""
-    proc = run_app(["--config", "configs/tiny-chat.yaml", "--steps", "4", "--timing_warmup_steps", "1",
+    proc = run_cli(["--config", "configs/tiny-chat.yaml", "--steps", "4", "--timing_warmup_steps", "1",
                     "--warmup_steps", "1", "--seq_len", "64", "--output_dir", str(tmp_path / "run"),
                     "--save_hf", str(tmp_path / "hf")])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -324,6 +324,6 @@ def test_chat_example_trains_and_exports_its_template(tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
-    proc = run_app(["--config", "configs/tiny-chat.yaml", "--dataset", str(bad), "--output_dir", str(tmp_path / "x")])
+    proc = run_cli(["--config", "configs/tiny-chat.yaml", "--dataset", str(bad), "--output_dir", str(tmp_path / "x")])
     assert_one_line_error(proc, "chat record 0, message 0: role 'bot'")
     assert proc.returncode == 2

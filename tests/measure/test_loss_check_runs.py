@@ -4,7 +4,7 @@ import json
 
 import pytest
 from conftest import REPO
-from launch import run_app
+from launch import run_cli
 
 import te_mixtral.training.loop
 from te_mixtral.config import load_config
@@ -16,13 +16,13 @@ ARGS = ["--steps", "8", "--timing_warmup_steps", "2", "--seq_len", "64"]
 @pytest.fixture(scope="module")
 def loop_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("loop")
-    proc = run_app([*ARGS, "--tier", "loop", "--output-dir", str(out)])
+    proc = run_cli([*ARGS, "--tier", "loop", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out / "results.json"
 
 
 def test_hf_passes_against_loop(loop_results, tmp_path):
-    proc = run_app([*ARGS, "--tier", "hf", "--output-dir", str(tmp_path), "--loss-check", str(loop_results)])
+    proc = run_cli([*ARGS, "--tier", "hf", "--output-dir", str(tmp_path), "--loss-check", str(loop_results)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "loss check passed" in proc.stdout
 
@@ -44,7 +44,7 @@ def test_wrong_tier_fails_the_check(loop_results, tmp_path, monkeypatch, capsys)
 
 def test_mxfp8_numerics_within_their_tolerance(loop_results, tmp_path):
     """MXFP8-quantised expert GEMMs (emulated on the CPU) against the fp32 loop."""
-    proc = run_app([*ARGS, "--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--output-dir",
+    proc = run_cli([*ARGS, "--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--output-dir",
                     str(tmp_path), "--loss-check", str(loop_results)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "loss check passed" in proc.stdout and "mean" in proc.stdout and "(<= 5e-02)" in proc.stdout

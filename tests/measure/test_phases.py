@@ -3,14 +3,14 @@
 import json
 
 import pytest
-from launch import run_app
+from launch import run_app, run_cli
 
 PHASES = {"attention", "router", "dispatch", "experts", "combine", "head", "clip", "optimizer"}
 
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_phase_profile_is_reported(tmp_path, accum):
-    proc = run_app(["--steps", "4", "--timing_warmup_steps", "1", "--seq_len", "64", "--profile_phases", "true",
+    proc = run_cli(["--steps", "4", "--timing_warmup_steps", "1", "--seq_len", "64", "--profile_phases", "true",
                     "--grad_accum_steps", str(accum), "--output-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from launch import assert_one_line_error, run_app
+from launch import assert_one_line_error, run_app, run_cli
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -234,9 +234,9 @@ def test_the_app_refuses_a_bad_checkpoint_in_one_line(tmp_path):
     MixtralForCausalLM(MixtralConfig(**{**SMALL, "vocab_size": 512}, sliding_window=64)).save_pretrained(folder)
     args = ["--model", str(folder), "--steps", "2", "--timing_warmup_steps", "0", "--batch_size", "2",
             "--tokenizer_vocab_size", "300", "--max_documents", "50", "--output-dir", str(tmp_path / "run")]
-    assert_one_line_error(run_app([*args, "--seq_len", "65"]), "'sliding_window' 64 is shorter", "(65 tokens")
+    assert_one_line_error(run_cli([*args, "--seq_len", "65"]), "'sliding_window' 64 is shorter", "(65 tokens")
 
     tensors = load_file(folder / "model.safetensors")
     tensors["model.norm.weight"] = torch.ones(1)
     rewrite(folder, tensors)
-    assert_one_line_error(run_app([*args, "--seq_len", "64"]), "'model.norm.weight'", "has shape [1]", "needs [16]")
+    assert_one_line_error(run_cli([*args, "--seq_len", "64"]), "'model.norm.weight'", "has shape [1]", "needs [16]")

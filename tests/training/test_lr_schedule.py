@@ -12,7 +12,7 @@ import re
 
 import pytest
 from conftest import REPO
-from launch import run_app
+from launch import run_cli
 
 from te_mixtral.config import load_config
 from te_mixtral.training.optimizer import learning_rate
@@ -58,7 +58,7 @@ def test_schedule_without_warmup():
 
 def test_run_steps_with_the_schedule(tmp_path):
     """The loop's progress lines print each step's lr (3 significant digits)."""
-    proc = run_app(["--steps", "6", "--warmup_steps", "4", "--lr", str(LR), "--min_lr", str(MIN_LR),
+    proc = run_cli(["--steps", "6", "--warmup_steps", "4", "--lr", str(LR), "--min_lr", str(MIN_LR),
                     "--batch_size", "2", "--seq_len", "32", "--log_every", "1", "--timing_warmup_steps", "1",
                     "--output-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 to replace or the user passes --overwrite; refusals come before any training."""
 
 import pytest
-from launch import assert_one_line_error, run_app
+from launch import assert_one_line_error, run_cli
 
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
@@ -21,19 +21,19 @@ def test_export_keeps_a_folder_of_user_files_and_replaces_only_an_earlier_export
     folder = tmp_path / "export"
     folder.mkdir()
     (folder / "notes.txt").write_text("mine")
-    refused(run_app([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "a")]),
+    refused(run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "a")]),
             "not an earlier te_mixtral export")
     assert (folder / "notes.txt").read_text() == "mine" and len(list(folder.iterdir())) == 1
 
     (folder / "notes.txt").unlink()
     for out in ("b", "c"):  # an empty folder, then the earlier export itself, may be written
-        proc = run_app([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / out)])
+        proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / out)])
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert (folder / EXPORT_MARKER).is_file() and (folder / "config.json").is_file()
 
     (folder / "notes.txt").write_text("mine")
     (folder / EXPORT_MARKER).unlink()
-    proc = run_app([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "d"), "--overwrite"])
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "d"), "--overwrite"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (folder / "notes.txt").exists()  # replaced, as asked
 
@@ -53,22 +53,22 @@ def test_export_never_replaces_the_current_checkpoint_or_model_folder(tmp_path, 
 @pytest.mark.slow
 def test_a_new_run_keeps_an_earlier_runs_checkpoints(tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc = run_app([*SHORT, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "a")])
+    proc = run_cli([*SHORT, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "a")])
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = sorted(p.name for p in ckpt.iterdir())
-    refused(run_app([*SHORT, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "b")]),
+    refused(run_cli([*SHORT, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "b")]),
             "holds an earlier run's checkpoints", "--resume")
     assert sorted(p.name for p in ckpt.iterdir()) == saved
-    proc = run_app([*SHORT, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "c"), "--overwrite"])
+    proc = run_cli([*SHORT, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "c"), "--overwrite"])
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_an_output_folder_holding_a_run_is_kept(tmp_path):
     out = tmp_path / "out"
-    assert run_app([*SHORT, "--output-dir", str(out)]).returncode == 0
+    assert run_cli([*SHORT, "--output-dir", str(out)]).returncode == 0
     before = (out / "results.json").read_bytes()
-    refused(run_app([*SHORT, "--output-dir", str(out), "--lr", "1e-3"]), "already holds a run's results.json")
+    refused(run_cli([*SHORT, "--output-dir", str(out), "--lr", "1e-3"]), "already holds a run's results.json")
     assert (out / "results.json").read_bytes() == before
-    assert run_app([*SHORT, "--output-dir", str(out), "--lr", "1e-3", "--overwrite"]).returncode == 0
+    assert run_cli([*SHORT, "--output-dir", str(out), "--lr", "1e-3", "--overwrite"]).returncode == 0
     assert (out / "results.json").read_bytes() != before
