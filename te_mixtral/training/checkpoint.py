@@ -77,6 +77,7 @@ from te_mixtral.files import (
     write_failure,
     write_text_atomic,
 )
+from te_mixtral.measure.memory import OPTIMIZERS, optimizer_mode
 from te_mixtral.saved_config import flatten, upgrade_saved
 
 FORMAT_VERSION = 1
@@ -179,18 +180,19 @@ class Checkpointer:
         self.device = device
         self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
         self.sharded = is_sharded(layout, cfg.train.sharding)
+        self.state_bytes = OPTIMIZERS[optimizer_mode(cfg)][2]  # the optimizer's state per parameter
         require_writable(self.dir, "checkpoint directory")
 
     def check_free_space(self, model: torch.nn.Module) -> None:
         """Refuse to start when the checkpoints cannot fit, rather than fail at a save.
 
-        A save writes a new checkpoint (weights and AdamW's two moments, all ranks) while the
-        `keep` newest stay on disk, and prunes only after: at its peak the folder holds
-        `keep + 1` checkpoints. Those already here (a resumed run's) are on disk, so they
+        A save writes a new checkpoint (weights and the optimizer's state: AdamW's two moments,
+        and master_adamw's remainders; all ranks) while the `keep` newest stay on disk, and
+        prunes only after: at its peak the folder holds `keep + 1` checkpoints. Those already here (a resumed run's) are on disk, so they
         count as written; the leftovers of an interrupted save are deleted first, so they
         count as free.
         """
-        local = sum(_local(p).numel() * p.element_size() for p in model.parameters()) * 3
+        local = sum(_local(p).numel() * (p.element_size() + self.state_bytes) for p in model.parameters())
         one = int(all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), self.layout).item())
         complete = [p for p in self.dir.iterdir() if _STEP_FOLDER.fullmatch(p.name)]
         needed = (self.keep + 1 - min(len(complete), self.keep)) * one

@@ -18,6 +18,7 @@ from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
+from te_mixtral.training import checkpoint
 from te_mixtral.training.checkpoint import Checkpointer, TrainState
 from te_mixtral.training.optimizer import make_optimizer
 
@@ -68,3 +69,24 @@ def test_restored_optimizer_makes_the_saved_runs_next_update(tmp_path, name):
         assert torch.equal(got, want), f"{name}: {key} after the step that follows the restore"
         moved |= not torch.equal(want, before)
     assert moved, "the step after the restore changed nothing, so the comparison proves nothing"
+
+
+@pytest.mark.parametrize("name, moments", [("adamw", "bf16"), ("master_adamw", "bf16"), ("master_adamw", "fp32")])
+def test_free_space_check_sizes_what_a_save_writes(tmp_path, monkeypatch, name, moments):
+    """The up-front check counts each optimizer's real state: master_adamw's remainders and
+    moments (bf16 or fp32) beside its bf16 weights, adamw's two fp32 moments."""
+    cfg = load_config(None, {
+        "checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "512", "hidden_size": "64", "intermediate_size": "96",
+        "num_hidden_layers": "2", "num_attention_heads": "4", "num_key_value_heads": "2", "head_dim": "16",
+        "num_experts": "4", "tokenizer_vocab_size": "512", "steps": "10", "optimizer": name,
+        "moment_dtype": moments, "checkpoint_keep": "1", **OPTIMIZERS[name]})
+    model, optimizer = make(cfg, seed=1, steps=1)
+    ckpt = Checkpointer(cfg, SINGLE, CPU, "a" * 64)
+    asked = []
+    monkeypatch.setattr(checkpoint, "require_free_space", lambda folder, needed, *rest: asked.append(needed))
+    ckpt.check_free_space(model)
+    written = ckpt.save(TrainState(1, [1.0], []), model, optimizer, cfg)
+    one_checkpoint = asked[0] / 2  # keep 1, plus the one being written
+    size = sum(f.stat().st_size for f in written.rglob("*") if f.is_file())
+    # The check leaves out only file headers, the config and the RNG state: a few percent here.
+    assert 0.9 * size <= one_checkpoint <= size, (one_checkpoint, size)
