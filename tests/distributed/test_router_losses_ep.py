@@ -47,8 +47,10 @@ def test_ep_router_losses_equal_one_process(tmp_path, one_process, launch_planne
     # The same routing, counted over every rank's tokens, on the first step at least (later
     # steps may flip a near-tie as rounding differs).
     assert got["expert_load"]["max_over_mean"][0] == want["expert_load"]["max_over_mean"][0]
-    assert got["expert_load"]["busiest_rank_over_mean"] == pytest.approx(
-        want["expert_load"]["busiest_rank_over_mean"], rel=1e-5)
+    got_ranks, want_ranks = (run["expert_load"]["busiest_rank_over_mean"] for run in (got, want))
+    assert got_ranks.keys() == want_ranks.keys()
+    for ep_size in want_ranks:  # approx takes no nested dicts (pytest >= 9.2)
+        assert got_ranks[ep_size] == pytest.approx(want_ranks[ep_size], rel=1e-5), ep_size
     for rank, shard in enumerate(shards):
         for name, weight in full.items():
             expected = weight.chunk(ep)[rank] if is_expert_param(name) else weight
