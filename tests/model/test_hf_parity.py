@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM
+from hf_reference import random_hf_mixtral
 
 from te_mixtral.data.packing import batch_from_windows
 from te_mixtral.distributed.layout import Layout
@@ -20,15 +20,9 @@ EOS = 0
 @pytest.fixture
 def hf_and_ours(tmp_path):
     # Odd sizes: 6 experts, top-3, GQA ratio 3, a head_dim that is not hidden / heads.
-    cfg = MixtralConfig(vocab_size=101, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                        num_attention_heads=6, num_key_value_heads=2, head_dim=12, num_local_experts=6,
-                        num_experts_per_tok=3, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                        attn_implementation="eager")
-    hf = MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF's init leaves norms at one: perturb them so a swapped norm would show
-        for name, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
+    hf = random_hf_mixtral(vocab_size=101, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=12, num_local_experts=6,
+                           num_experts_per_tok=3, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     hf.save_pretrained(tmp_path)
     ours = Ours(model_config_from_hf(tmp_path), TORCH, SINGLE, LoopTier())
     load_hf_weights(ours, tmp_path, SINGLE)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from hf_reference import random_hf_mixtral
 from launch import assert_one_line_error, run_app, run_cli
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -32,11 +33,7 @@ def checkpoints(tmp_path_factory):
     the stacked layout (v5's in-memory names) split over two files with an index."""
     root = tmp_path_factory.mktemp("hf_in")
     torch.manual_seed(0)
-    hf = MixtralForCausalLM(MixtralConfig(**TINY, attn_implementation="eager")).eval()
-    with torch.no_grad():  # HF's init leaves norms at one: perturb them so a swapped norm would show
-        for p in hf.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
+    hf = random_hf_mixtral(**TINY)
     per_expert, stacked = root / "per_expert", root / "stacked"
     hf.save_pretrained(per_expert)
     stacked.mkdir()

@@ -9,8 +9,8 @@ rank's slice.
 
 import pytest
 import torch
+from hf_reference import random_hf_mixtral
 from launch import run_app
-from transformers import MixtralConfig, MixtralForCausalLM
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -23,11 +23,7 @@ NPROC, EP = 4, 2
 @pytest.mark.slow
 def test_every_rank_of_every_replica_loads_its_share(tmp_path):
     torch.manual_seed(0)
-    hf = MixtralForCausalLM(MixtralConfig(**SMALL, attn_implementation="eager")).eval()
-    with torch.no_grad():  # HF's init leaves norms at one: perturb them so a swapped norm would show
-        for p in hf.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
+    hf = random_hf_mixtral(**SMALL)
     hf.save_pretrained(tmp_path / "hf")  # per-expert tensors on disk
     want = hf.state_dict()  # the stacked in-memory names, which ours follow
 
