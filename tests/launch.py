@@ -41,10 +41,11 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
 
     stdout, stderr = io.StringIO(), io.StringIO()
     threads, rng, argv = torch.get_num_threads(), torch.random.get_rng_state(), sys.argv
-    sigint = signal.getsignal(signal.SIGINT)
+    sigint, cwd = signal.getsignal(signal.SIGINT), os.getcwd()
     try:
-        with (mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), contextlib.chdir(REPO),
-              contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings()):
+        os.chdir(REPO)  # not contextlib.chdir: that is Python 3.11+, the project supports 3.10
+        with (mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), contextlib.redirect_stdout(stdout),
+              contextlib.redirect_stderr(stderr), warnings.catch_warnings()):
             torch.set_num_threads(1)
             sys.argv = [str(REPO / "run_finetune_ep.py"), *args]
             _warn_as_python_does()
@@ -63,6 +64,7 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
         torch.random.set_rng_state(rng)
         signal.signal(signal.SIGINT, sigint)  # training/loop.py installs its Ctrl-C handler
         sys.argv = argv
+        os.chdir(cwd)
         _unbind_log_handlers({id(stdout): "stdout", id(stderr): "stderr"})
     # One process runs without torch.distributed; a group left behind would change later tests.
     assert not torch.distributed.is_initialized()
