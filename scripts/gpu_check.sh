@@ -68,8 +68,8 @@ wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # --- CUDA tests ------------------------------------------------------------------------
 if wanted tests; then
-step "pytest -m cuda tests/gpu"
-python3 -m pytest -m cuda tests/gpu -q -rfEs 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || failed+=("pytest")
+step "pytest -m cuda tests"
+python3 -m pytest -m cuda tests -q -rfEs 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || failed+=("pytest")
 fi
 
 # --- expert FFN benchmark --------------------------------------------------------------

@@ -16,7 +16,7 @@ mkdir -p "$out"
 failed=()
 
 echo "=== pytest -m multigpu"
-python3 -m pytest -m multigpu tests/gpu -q -rfEs 2>&1 | tee "$out/pytest_multigpu.log" || failed+=(pytest)
+python3 -m pytest -m multigpu tests -q -rfEs 2>&1 | tee "$out/pytest_multigpu.log" || failed+=(pytest)
 
 config=configs/mixtral-8x7b-2layer.yaml
 steps=(--steps 12 --timing_warmup_steps 4)

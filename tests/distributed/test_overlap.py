@@ -1,17 +1,29 @@
 """`GradientReducer` (te_mixtral/distributed/overlap.py): the bucketed all-reduce starts inside
 the backward of a step's last micro-batch, not before, and sums exactly what the
-per-parameter all-reduce after backward sums (2 gloo ranks, tests/workers/overlapped_reduction.py)."""
+per-parameter all-reduce after backward sums (2 ranks, tests/workers/overlapped_reduction.py):
+gloo on the CPU, and NCCL on two GPUs, where the buckets launch from the backward's stream."""
 
 import pytest
 import torch
 from launch import run_app
 
 WORLD = 2
+DEVICES = [pytest.param("cpu", marks=pytest.mark.slow),
+           pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.multigpu])]
 
 
-@pytest.mark.slow
-def test_overlapped_reduction_equals_all_reduce_after_backward(tmp_path):
-    proc = run_app([str(tmp_path)], nproc=WORLD, script="tests/workers/overlapped_reduction.py")
+def same(got: torch.Tensor, want: torch.Tensor, device: str) -> bool:
+    # Two ranks: each sum is a + b in one order or the other. On the CPU the two models' local
+    # gradients are the same bits too; on CUDA the backward's atomic accumulations (embedding,
+    # expert scatter) may round them apart, but never by a factor or a missing rank's share.
+    if device == "cpu":
+        return torch.equal(got, want)
+    return bool((got - want).norm() <= 1e-6 * want.norm())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapped_reduction_equals_all_reduce_after_backward(tmp_path, device):
+    proc = run_app([str(tmp_path), device], nproc=WORLD, script="tests/workers/overlapped_reduction.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     for record in records:
@@ -23,8 +35,7 @@ def test_overlapped_reduction_equals_all_reduce_after_backward(tmp_path):
         for step, (want, got) in enumerate(zip(record["reference"], record["overlapped"])):
             assert want.keys() == got.keys()
             for name in want:
-                # Two ranks: each sum is a + b in one order or the other, the same bits.
-                assert torch.equal(got[name], want[name]), f"step {step}: {name}"
+                assert same(got[name], want[name], device), f"step {step}: {name}"
     # Summed, not left local: every rank holds the same gradients, which its own data alone
     # would not give (the ranks read different tokens).
     for name, grad in records[0]["overlapped"][0].items():

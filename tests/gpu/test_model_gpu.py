@@ -78,13 +78,18 @@ def test_grouped_linear_matches_loop_over_10_steps(tmp_path):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_ep2_over_nccl_equals_ep1(tmp_path, precision):
+def test_ep2_over_nccl_equals_ep1(tmp_path, precision, sharding):
     # fp32 on the PyTorch backend (TE's fused attention has no fp32) must agree to rounding;
-    # bf16 on the default backend within the bf16 loss tolerance.
+    # bf16 on the default backend (with the bf16-master optimizer under fsdp) within the bf16
+    # loss tolerance. `none` sums the dense gradients in overlapped buckets (distributed/
+    # overlap.py); `fsdp` shards them and their optimizer state with FSDP2.
     extra = ["--batch_size", "2"] + (["--dtype", "fp32", "--backend", "torch"] if precision == "fp32" else [])
+    if precision == "bf16" and sharding == "fsdp":
+        extra += ["--optimizer", "master_adamw"]
     ep1, _ = train(tmp_path, "ep1", "loop", 1, *extra)
-    ep2, _ = train(tmp_path, "ep2", "loop", 2, "--ep-size", "2", *extra)
+    ep2, _ = train(tmp_path, "ep2", "loop", 2, "--ep-size", "2", "--sharding", sharding, *extra)
     losses1, losses2 = (json.loads(p.read_text())["losses"] for p in (ep1, ep2))
     if precision == "fp32":
         for a, b in zip(losses2, losses1):
