@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The load-balancing loss on and off at Mixtral-8x7B shapes: 100 steps each of
-# configs/mixtral-8x7b-8layer.yaml on one GPU, router_aux_loss_coef 0.02 (Mixtral's) and 0,
-# then the expert load (busiest/mean as EP=2, 4 and 8 would place the experts), the step
-# time and the LM-loss difference over the run. Usage: scripts/aux_loss_run.sh OUT [extra keys...]
+# The load-balancing loss on and off at Mixtral-8x7B shapes: 100 steps each, router_aux_loss_coef
+# 0.02 (Mixtral's) and 0, then the expert load (busiest/mean as EP=2, 4 and 8 would place the
+# experts), the step time and the LM-loss difference over the run.
+#   scripts/aux_loss_run.sh OUT [extra keys...]     configs/mixtral-8x7b-8layer.yaml on one GPU
+#   NGPU=2 CONFIG=configs/mixtral-8x7b-16layer-ep2.yaml scripts/aux_loss_run.sh OUT   EP=2 on two
 set -euo pipefail
 out=${1:?usage: scripts/aux_loss_run.sh OUT [--key value ...]}
 shift
 cd "$(dirname "$0")/.."
 config=${CONFIG:-configs/mixtral-8x7b-8layer.yaml}  # CONFIG=configs/tiny.yaml: a quick CPU check of the script
+ngpu=${NGPU:-1}
+launch=(python3 run_finetune_ep.py)
+[ "$ngpu" -gt 1 ] && launch=(torchrun --standalone --nproc_per_node="$ngpu" run_finetune_ep.py --ep-size "$ngpu")
 for coef in 0.02 0; do
-  python run_finetune_ep.py --config "$config" --steps 100 --log_every 10 \
+  "${launch[@]}" --config "$config" --steps 100 --log_every 10 \
     --model.router_aux_loss_coef "$coef" --output-dir "$out/aux-$coef" --overwrite true "$@"
 done
-python - "$out" <<'PY'
+python3 - "$out" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
