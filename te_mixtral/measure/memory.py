@@ -373,16 +373,22 @@ def capacity(cfg: RunConfig, device: str) -> tuple[int | None, str]:
 
 
 def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> MemoryEstimate:
-    """Refuse, with the table, a run whose estimate exceeds what one rank may use; `options`
-    go to `estimate_memory` (optimizer, recompute, shard_optimizer_state)."""
+    """Refuse, with the table, a run whose estimate exceeds what one rank may use; else say
+    the estimate in one line, to read beside the measured peak. `options` go to
+    `estimate_memory` (optimizer, recompute, shard_optimizer_state)."""
     estimate = estimate_memory(cfg, world_size, device=device, **options)
     limit, name = capacity(cfg, device)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     if limit is not None and not estimate.fits(limit):
-        if int(os.environ.get("RANK", "0")) == 0:
+        if main_rank:
             print(estimate.table(limit, name), flush=True)
         raise UserError(f"this run needs about {_gib(estimate.required())} GiB per rank but {name} has "
                         f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch, "
                         f"more micro-batches (train.grad_accum_steps) or more EP ranks would help)")
+    if main_rank:
+        room = f" of {_gib(limit)} GiB on {name}" if limit is not None else ""
+        print(f"memory estimate: peak {_gib(estimate.total)} GiB per rank, {_gib(estimate.required())} GiB "
+              f"needed{room} (--estimate-memory prints the table)", flush=True)
     return estimate
 
 
