@@ -16,13 +16,15 @@ configs, so that the two can be timed in the same session on the same GPU:
   fused attention with a `padding_causal` mask. Tokens are random; the row is one causal
   document per sample, or documents of `--doc-len` tokens (labels of each document's
   first token set to -100, as its collator's `separator_id` does);
-- step: its `finetune_model` with the accelerate `Accelerator(mixed_precision="bf16")` it
-  wraps the model in (autocast; outputs converted to fp32), transformers' causal-LM loss
-  inside the forward, `accelerator.backward`, then every step torch's
+- step: as its `finetune_model` runs one, in the accelerate `Accelerator(mixed_precision=
+  "bf16")` it wraps the model in (autocast; outputs converted to fp32): transformers'
+  causal-LM loss inside the forward, `accelerator.backward`, then every step torch's
   `AdamW(fused=True, foreach=False)` over the bf16 parameters (its `build_adamw` at EP 1:
-  moments in bf16 too, no fp32 master; its defaults otherwise), its linear warm-up schedule
-  and `zero_grad`, no gradient clipping. Learning rate and warm-up come from our config. The tutorial's `utils.py` is not
-  imported: it needs `datasets` and a hub download at import time and run time.
+  moments in bf16 too, no fp32 master; its defaults otherwise), its linear warm-up
+  schedule and `zero_grad`; no gradient clipping. Learning rate and warm-up come from our
+  config. Its `utils.py` is not imported: it needs `datasets` at import time and a hub
+  download to build the model. Its `_attn_implementation = "flash_attention_2"` is left
+  out too: only transformers' attention reads it, not TE's, and flash-attn may be absent.
 
 Timing and figures use our own code (te_mixtral/measure/metrics.py): each step between
 synchronised host clocks (`StepTimer`), the first `--warmup` steps left out, median step

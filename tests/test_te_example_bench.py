@@ -30,13 +30,13 @@ def _fake_example(folder, body="TEMixtralForCausalLM = Marker"):
 def test_missing_example_dir_is_refused_in_one_line_before_heavy_imports():
     result = _bench("--example-dir", "/nonexistent")
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.splitlines() == [
+    assert result.stderr.splitlines() == [(
         "te_example: error: --example-dir /nonexistent lacks hf_to_te_weights.py, te_mixtral.py: copy TE's example "
-        "there first (scripts/fetch_te_example.sh TE_REPO /nonexistent)"]
+        "there first (scripts/fetch_te_example.sh TE_REPO /nonexistent)")]
+    script = ("import sys; from benchmarks.te_example import main; code = main(['--example-dir', '/nonexistent']); "
+              "print(code, sorted(m for m in ('torch', 'transformers', 'transformer_engine') if m in sys.modules))")
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys; from benchmarks.te_example import main; "
-         "code = main(['--example-dir', '/nonexistent']); "
-         "print(code, sorted(m for m in ('torch', 'transformers', 'transformer_engine') if m in sys.modules))"],
+        [sys.executable, "-c", script],
         cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert probe.stdout.split("\n")[0] == "2 []", probe.stdout + probe.stderr
 
