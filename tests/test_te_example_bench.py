@@ -1,0 +1,84 @@
+"""benchmarks/te_example.py, the parts that run without a GPU: refusing bad arguments in one
+line before importing anything heavy, loading the example's files beside our own te_mixtral
+package, and packing a batch the way the example's collator does. Training TE's model needs
+CUDA and Transformer Engine; that part runs on GPU machines only."""
+
+import subprocess
+import sys
+
+import torch
+from conftest import REPO
+
+from benchmarks.te_example import load_example, packed_batch
+from te_mixtral.measure.metrics import causal_pairs
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "benchmarks/te_example.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def _fake_example(folder, body="TEMixtralForCausalLM = Marker"):
+    folder.mkdir()
+    (folder / "hf_to_te_weights.py").write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n"
+        "@dataclass\nclass Marker:\n    rows: int = 0\n")
+    (folder / "te_mixtral.py").write_text(f"from hf_to_te_weights import Marker\n{body}\n")
+    return folder
+
+
+def test_missing_example_dir_is_refused_in_one_line_before_heavy_imports():
+    result = _bench("--example-dir", "/nonexistent")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [(
+        "te_example: error: --example-dir /nonexistent lacks hf_to_te_weights.py, te_mixtral.py: copy TE's example "
+        "there first (scripts/fetch_te_example.sh TE_REPO /nonexistent)")]
+    script = ("import sys; from benchmarks.te_example import main; code = main(['--example-dir', '/nonexistent']); "
+              "print(code, sorted(m for m in ('torch', 'transformers', 'transformer_engine') if m in sys.modules))")
+    probe = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert probe.stdout.split("\n")[0] == "2 []", probe.stdout + probe.stderr
+
+
+def test_bad_config_and_warmup_are_refused_in_one_line(tmp_path):
+    example = _fake_example(tmp_path / "example")
+    for args, message in [
+        (["--config", "configs/missing.yaml"], "te_example: error: cannot read config configs/missing.yaml"),
+        (["--steps", "5", "--warmup", "5"], "te_example: error: --warmup 5 must leave some of the --steps 5"),
+    ]:
+        result = _bench("--example-dir", str(example), *args)
+        assert result.returncode == 2 and result.stdout == "", result.stderr
+        assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(message), result.stderr
+
+
+def test_example_loads_under_its_own_name_beside_our_package(tmp_path):
+    import te_mixtral
+
+    try:
+        module = load_example(_fake_example(tmp_path / "example"))
+        assert module.__name__ == "te_example_mixtral"
+        assert module.TEMixtralForCausalLM is sys.modules["hf_to_te_weights"].Marker
+        assert module.TEMixtralForCausalLM(rows=3).rows == 3
+        assert sys.modules["te_mixtral"] is te_mixtral  # ours, not the example's file of that name
+    finally:
+        sys.modules.pop("te_example_mixtral", None)
+        sys.modules.pop("hf_to_te_weights", None)
+
+
+def test_packed_batch_matches_the_collator_layout():
+    generator = torch.Generator().manual_seed(0)
+    batch = packed_batch(vocab_size=50, samples=2, seq_len=8, doc_len=3, generator=generator, device="cpu")
+    assert batch["input_ids"].shape == (1, 16) and int(batch["input_ids"].max()) < 50
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 6, 8, 11, 14, 16]
+    assert batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"] and batch["cu_seq_lens_q"].dtype == torch.int32
+    assert batch["max_length_q"] == batch["max_length_k"] == 3
+    # The first token of every document but the first is not a target, as the collator's separator_id does.
+    ignored = (batch["labels"][0] == -100).nonzero().flatten().tolist()
+    assert ignored == [3, 6, 8, 11, 14]
+    kept = batch["labels"][0] != -100
+    assert torch.equal(batch["labels"][0][kept], batch["input_ids"][0][kept])
+    assert causal_pairs(batch["cu_seq_lens_q"]) == 2 * (6 + 6 + 3)  # per sample: documents of 3, 3 and 2 tokens
+
+    one_document = packed_batch(50, 1, 8, 8, generator, "cpu")
+    assert one_document["cu_seq_lens_q"].tolist() == [0, 8] and (one_document["labels"] != -100).all()
