@@ -13,9 +13,11 @@ configs, so that the two can be timed in the same session on the same GPU:
   no network;
 - input: what its `DataCollatorWithFlattening` yields, one packed THD row (`input_ids`,
   `labels`, `cu_seq_lens_q/k`, `max_length_q/k`) of `batch_size * seq_len` tokens, TE's
-  fused attention with a `padding_causal` mask. Tokens are random; the row is one causal
-  document per sample, or documents of `--doc-len` tokens (labels of each document's
-  first token set to -100, as its collator's `separator_id` does);
+  fused attention with a `padding_causal` mask. By default the rows are our own run's:
+  the tokens and document edges our data pipeline (te_mixtral/data/packing.py) gives each
+  step of the config, so both models do the same attention work on the same text; with
+  `--doc-len`, random tokens in documents of that length instead (labels of each
+  document's first token set to -100, as its collator's `separator_id` does);
 - step: as its `finetune_model` runs one, in the accelerate `Accelerator(mixed_precision=
   "bf16")` it wraps the model in (autocast; outputs converted to fp32): transformers'
   causal-LM loss inside the forward, `accelerator.backward`, then every step torch's
@@ -30,9 +32,7 @@ Timing and figures use our own code (te_mixtral/measure/metrics.py): each step b
 synchronised host clocks (`StepTimer`), the first `--warmup` steps left out, median step
 time, model TFLOP/s per GPU from `train_flops` (the same formula, attention counted per
 document, so the figure compares with our runs'), tokens/s, and peak memory
-(`torch.cuda.max_memory_allocated`, over the whole run). Our runs on real text pack several
-documents into each row, so their attention does less work than one 8192-token document:
-compare TFLOP/s, or give `--doc-len` the length of our documents, before comparing step times.
+(`torch.cuda.max_memory_allocated`, over the whole run).
 
 Copy the example first (no network needed at bench time), then, from the repository root,
 on a CUDA machine with Transformer Engine, transformers and accelerate:
@@ -89,19 +89,40 @@ def build_model(example, m, device):
     return model
 
 
-def packed_batch(vocab_size: int, samples: int, seq_len: int, doc_len: int, generator, device) -> dict:
-    """One THD row as the example's `DataCollatorWithFlattening` packs it, of random tokens."""
+def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
+    """One THD row as the example's `DataCollatorWithFlattening` packs it."""
     import torch
 
+    labels = input_ids.clone()  # transformers' loss shifts them itself
+    labels[:, cu_seqlens[1:-1].long()] = -100  # no predicting one document's first token from the last
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids),
+            "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
+            "max_length_k": max_length}
+
+
+def our_rows(cfg, steps: int, device) -> list[dict]:
+    """The rows our run of this config trains on at each step: same tokens, same documents."""
+    from te_mixtral.data.packing import PackedData
+
+    data = PackedData(cfg.data, cfg.train.batch_size, 0, 1, cfg.train.seed)
+    rows = []
+    for step in range(steps):
+        (batch,) = data.micro_batches(step)
+        rows.append(thd_row(batch.input_ids.reshape(1, -1).to(device),
+                            batch.packed.cu_seqlens.to(device), batch.packed.max_seqlen))
+    return rows
+
+
+def random_rows(cfg, steps: int, doc_len: int, generator, device) -> list[dict]:
+    """Rows of random tokens in documents of `doc_len` tokens."""
+    import torch
+
+    samples, seq_len = cfg.train.batch_size, cfg.data.seq_len
     tokens = samples * seq_len
     starts = [s * seq_len + d for s in range(samples) for d in range(0, seq_len, doc_len)]
     cu_seqlens = torch.tensor(starts + [tokens], dtype=torch.int32, device=device)
-    input_ids = torch.randint(vocab_size, (1, tokens), generator=generator, device=device)
-    labels = input_ids.clone()
-    labels[:, cu_seqlens[1:-1].long()] = -100  # no predicting one document's first token from the last
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids),
-            "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
-            "max_length_q": min(doc_len, seq_len), "max_length_k": min(doc_len, seq_len)}
+    return [thd_row(torch.randint(cfg.model.vocab_size, (1, tokens), generator=generator, device=device),
+                    cu_seqlens, min(doc_len, seq_len)) for _ in range(steps)]
 
 
 def run(args, cfg) -> dict:
@@ -122,7 +143,6 @@ def run(args, cfg) -> dict:
     from te_mixtral.te_support import require_te
 
     m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
-    doc_len = args.doc_len or seq_len
     if not torch.cuda.is_available():
         raise UserError("the TE example needs a CUDA GPU, and none is visible")
     require_te()
@@ -139,8 +159,11 @@ def run(args, cfg) -> dict:
     model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
     model.train()
 
-    generator = torch.Generator(device).manual_seed(cfg.train.seed)
-    batches = [packed_batch(m.vocab_size, samples, seq_len, doc_len, generator, device) for _ in range(args.steps)]
+    if args.doc_len is None:
+        batches = our_rows(cfg, args.steps, device)
+    else:
+        batches = random_rows(cfg, args.steps, args.doc_len, torch.Generator(device).manual_seed(cfg.train.seed),
+                              device)
     flops = [train_flops(m, b["cu_seq_lens_q"].cpu(), samples * seq_len) for b in batches]
 
     # --- training: warm-up and timed steps are the same step
@@ -162,7 +185,7 @@ def run(args, cfg) -> dict:
                    "te_example_commit": commit_file.read_text().strip() if commit_file.is_file() else None,
                    "example_dir": str(args.example_dir)},
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step":
-                     samples * seq_len, "doc_len": doc_len, "steps": args.steps, "timing_warmup_steps": args.warmup,
+                     samples * seq_len, "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents", "steps": args.steps, "timing_warmup_steps": args.warmup,
                      "lr": cfg.train.lr, "optimizer": "torch.optim.AdamW(fused=True, foreach=False), bf16 parameters",
                      "expert_ffn_mode": "grouped_op"},
         "summary": summary,
@@ -178,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/mixtral-8x7b-8layer.yaml")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    parser.add_argument("--doc-len", type=int, default=None, help="tokens per document (default: seq_len)")
+    parser.add_argument("--doc-len", type=int, default=None, help="random tokens in documents of this length (default: our run's rows)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     try:

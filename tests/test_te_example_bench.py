@@ -1,6 +1,6 @@
 """benchmarks/te_example.py, the parts that run without a GPU: refusing bad arguments in one
 line before importing anything heavy, loading the example's files beside our own te_mixtral
-package, and packing a batch the way the example's collator does. Training TE's model needs
+package, packing rows the way the example's collator does, and taking our own run's rows. Training TE's model needs
 CUDA and Transformer Engine; that part runs on GPU machines only."""
 
 import subprocess
@@ -9,7 +9,9 @@ import sys
 import torch
 from conftest import REPO
 
-from benchmarks.te_example import load_example, packed_batch
+from benchmarks.te_example import load_example, our_rows, random_rows
+from te_mixtral.config import load_config
+from te_mixtral.data.packing import PackedData
 from te_mixtral.measure.metrics import causal_pairs
 
 
@@ -66,9 +68,10 @@ def test_example_loads_under_its_own_name_beside_our_package(tmp_path):
         sys.modules.pop("hf_to_te_weights", None)
 
 
-def test_packed_batch_matches_the_collator_layout():
+def test_random_rows_match_the_collator_layout():
+    cfg = load_config(None, {"seq_len": "8", "batch_size": "2", "vocab_size": "50", "tokenizer_vocab_size": "50"})
     generator = torch.Generator().manual_seed(0)
-    batch = packed_batch(vocab_size=50, samples=2, seq_len=8, doc_len=3, generator=generator, device="cpu")
+    (batch,) = random_rows(cfg, 1, 3, generator, "cpu")
     assert batch["input_ids"].shape == (1, 16) and int(batch["input_ids"].max()) < 50
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 6, 8, 11, 14, 16]
     assert batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"] and batch["cu_seq_lens_q"].dtype == torch.int32
@@ -80,5 +83,14 @@ def test_packed_batch_matches_the_collator_layout():
     assert torch.equal(batch["labels"][0][kept], batch["input_ids"][0][kept])
     assert causal_pairs(batch["cu_seq_lens_q"]) == 2 * (6 + 6 + 3)  # per sample: documents of 3, 3 and 2 tokens
 
-    one_document = packed_batch(50, 1, 8, 8, generator, "cpu")
-    assert one_document["cu_seq_lens_q"].tolist() == [0, 8] and (one_document["labels"] != -100).all()
+
+def test_our_rows_are_what_our_run_trains_on():
+    cfg = load_config(None, {"seq_len": "2048", "batch_size": "2", "max_position_embeddings": "2048"})
+    rows = our_rows(cfg, 3, "cpu")
+    data = PackedData(cfg.data, 2, 0, 1, cfg.train.seed)
+    for step, row in enumerate(rows):
+        (batch,) = data.micro_batches(step)
+        assert torch.equal(row["input_ids"], batch.input_ids.reshape(1, -1))
+        assert torch.equal(row["cu_seq_lens_q"], batch.packed.cu_seqlens)
+        assert row["max_length_q"] == batch.packed.max_seqlen
+    assert len(rows[0]["cu_seq_lens_q"]) > 3  # real text: several documents in a row
