@@ -56,21 +56,24 @@ def test_gradients_equal_no_recompute_bf16(backend, tier, recompute):
         assert (got - want).norm() <= 1e-3 * want.norm(), name
 
 
-# Not yet within 5 % on an H200 (the first GPU run of this test): the torch path with no or
-# selective recompute held 35.7 MB where the estimate says 37.6 MB (CUDA's SDPA keeps less than
-# the CPU's, which the estimate follows), and te/full fell outside too. Strict: a fix shows up.
-KNOWN_GAPS = {("torch", "none"), ("torch", "selective"), ("te", "full")}
+# The estimate counts what SDPA's fused kernels keep (the softmax statistics). Where Transformer
+# Engine is installed, importing it loads its own cuDNN, older than the one torch was built
+# against; torch's cuDNN attention then refuses ("cuDNN version incompatibility"), and this
+# masked GQA attention falls back to SDPA's math path, which keeps the [B, H, S, S]
+# probabilities as well (2 x 67 MB here, seen among the saved tensors). Strict: a TE build
+# that matches torch's cuDNN shows up as a pass.
+SDPA_MATH_WITH_TE = {("torch", "none"), ("torch", "selective")}
 
 
 def estimate_cases():
     for backend in BACKENDS:
         for recompute in ("none", "selective", "full"):
-            marks = ([pytest.mark.xfail(strict=True, reason="estimate vs CUDA memory, see KNOWN_GAPS")]
-                     if (backend.name, recompute) in KNOWN_GAPS else [])
+            gap = te_available() and (backend.name, recompute) in SDPA_MATH_WITH_TE
+            marks = [pytest.mark.xfail(strict=True, reason="SDPA's math path under TE's cuDNN")] if gap else []
             yield pytest.param(backend, recompute, marks=marks, id=f"{backend.name}-{recompute}")
 
 
-@pytest.mark.parametrize("backend, recompute", estimate_cases())
+@pytest.mark.parametrize("backend, recompute", list(estimate_cases()))
 def test_forward_keeps_what_the_estimate_says(backend, recompute):
     cfg, model, batch = setup(backend, "loop", recompute, 1024)
     loss_of(model, batch).backward()  # GEMM workspaces and caches exist before the count
