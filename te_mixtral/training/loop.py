@@ -261,14 +261,19 @@ def train(cfg: RunConfig) -> TrainResult:
                  if cfg.generate is not None and not stopped else None)
     losses = state.losses
     timing_warmup = min(cfg.train.timing_warmup_steps, len(timer.times) - 1)  # a resumed run has fewer steps
-    peak_memory = all_reduce_max(torch.tensor(metrics.peak_memory_bytes(device), device=device), layout).item()
+    # Each rank's peak in its own slot, so the maximum over the world gathers them all.
+    peaks = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
+    peaks[layout.rank] = metrics.peak_memory_bytes(device)
+    peaks_by_rank = all_reduce_max(peaks, layout).tolist()
+    peak_memory = max(peaks_by_rank)
     summary = metrics.summarize(
         timer.times, timing_warmup, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
         metrics.peak_flops(header["device"]), peak_memory,
     ) if timer.times else {}  # none when the first step diverged
     exit_code = ExitCode.OK
     # The estimate beside the measured peak, so that every run checks the estimate.
-    extra = {"estimated_peak_gib": estimate.total / 2**30, "grad_norms": state.grad_norms,
+    extra = {"estimated_peak_gib": estimate.total / 2**30, "peak_memory_gib_by_rank": [p / 2**30 for p in peaks_by_rank],
+             "grad_norms": state.grad_norms,
              **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
              **expert_load.results_entries(state.router, run_load_YE, (first_step, cfg.train.steps))}
     if cfg.profile_phases and not stopped:  # last: it steps the optimizer while timing it

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from launch import EP_ARGS, EP_STEPS, train_ep, train_ep_many
+from launch import EP_ARGS, EP_STEPS, train_and_save, train_ep, train_ep_many
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -35,6 +35,15 @@ def test_ep2_equals_ep1(tmp_path, launch_planned):
             # in Adam's eps regime, where the rounding of a two-rank sum moves the update a little
             # (measured 1.5e-6); a missing or mis-scaled gradient moves weights by whole steps.
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_results_hold_each_ranks_peak_memory(tmp_path, launch_planned):
+    launch_planned(2)
+    results, _, _ = train_and_save(tmp_path / "ep2", [*EP_ARGS, "--ep-size", "2"], 2)
+    by_rank = results["peak_memory_gib_by_rank"]
+    assert len(by_rank) == 2 and all(peak > 0 for peak in by_rank)
+    assert max(by_rank) == results["summary"]["peak_memory_gib"]  # the summary's is the fullest rank's
 
 
 @pytest.fixture(scope="module")
