@@ -21,7 +21,8 @@ between forward and backward whatever the forward saved for the backward: per de
     dispatch      the R = T*K dispatched rows (R x D), the expert tier's input
     experts       the expert FFN's hidden rows: gate_up output (R x 2F), and for every tier
                   but custom_grouped on CUDA also silu(gate) and the SwiGLU output (R x F each)
-    combine       the expert outputs in fp32 for the routing-weighted sum (R x D x 4)
+    combine       the expert outputs for the routing-weighted sum: in fp32 (R x D x 4) on
+                  PyTorch, as they are on TE (its fused unpermute)
 
 Activation recompute (`train.recompute`, te_mixtral/model/recompute.py) changes what a layer
 keeps: selective drops the expert FFN's hidden rows and the experts' weight copies (the tier
@@ -59,7 +60,6 @@ micro-batch's logits go when the next forward returns, before its head backward.
 
 import importlib.util
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,22 +67,8 @@ from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import RECOMPUTE, validate_model
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import BASELINES
+from te_mixtral.measure.capacity import GiB, capacity
 from te_mixtral.measure.report import format_table
-
-GiB = 2**30
-
-# Usable capacity of each GPU as CUDA reports it (`torch.cuda.get_device_properties(i)
-# .total_memory`, what PyTorch's out-of-memory message calls "total capacity"), below the
-# marketing figures (80 GB, 141 GB, 180 GB) and below nvidia-smi's total:
-#   H100 80GB HBM3  85,017,493,504 bytes (79.18 GiB), read on one;
-#   H200            139.8 GiB: nvidia-smi's 143,771 MiB less the ~480 MiB that the H100 shows
-#                   between nvidia-smi (81,559 MiB) and CUDA (81,079 MiB), rounded down;
-#   B200            178.35 GiB, CUDA's totalGlobalMem as quoted in pytorch/ao#4002.
-GPUS = {
-    "h100": 85_017_493_504,
-    "h200": int(139.8 * GiB),
-    "b200": int(178.35 * GiB),
-}
 
 # (parameter, gradient, optimizer state) bytes per parameter. adamw_fp32: fp32 weights,
 # gradients and two fp32 moments. The master modes keep bf16 weights and gradients and carry
@@ -278,10 +264,13 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # PyTorch norm's fp32 output, once for each of the four linears (TE's norm emits bf16).
     linear_inputs = (4 if backend == "torch" and r != a else 2) * a * T * D
     mask = a * batch * S * S if backend == "torch" else 0
+    # The combine keeps the expert output rows for its backward: TE's unpermute as they are,
+    # PyTorch's weighted sum an fp32 copy (distributed/dispatch.py); so is its gradient made.
+    combine = a if backend == "te" else 4
     dense_layer = (2 * norm + linear_inputs
                    + a * T * Hd * (2 * H + 2 * G) + 4 * T * H + mask  # attention
                    + 4 * T * E + 32 * T * K + 4 * T  # routing: probs; indices and weights
-                   + a * R * D + 4 * R * D)  # dispatched rows; fp32 combine
+                   + a * R * D + combine * R * D)  # dispatched rows; combine
     expert_hidden = a * R * hidden
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
     layer_copies = dense_copies + expert_copies
@@ -297,10 +286,10 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     logits = a * T * V  # referenced by the training loop until the next step
     head_copy = copy * V * D
 
-    # The expert backward in flight: gradients of its input and output rows, the fp32 gradient
-    # of the weighted combine, and the hidden's gradient (custom_grouped writes it over h and
+    # The expert backward in flight: gradients of its input and output rows, the gradient of
+    # the weighted combine, and the hidden's gradient (custom_grouped writes it over h and
     # re-creates only the SwiGLU output).
-    expert_bwd = R * (2 * a * D + 4 * D + a * (F if fused else 2 * F))
+    expert_bwd = R * (2 * a * D + combine * D + a * (F if fused else 2 * F))
     one_layer = dense_layer + expert_hidden  # a recomputed layer saves as much as a kept one
 
     replicas_dense, replicas_experts = (world_size, world_size // ep) if shard_optimizer_state else (1, 1)
@@ -326,50 +315,6 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
                 f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {optimizer}, recompute {recompute}")
     return MemoryEstimate(phases, L * (layer_saved + saved_copies) + head + head_copy, params, device, describe)
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|tib|tb)\s*$", re.IGNORECASE)
-_UNITS = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
-
-
-def parse_capacity(text: str) -> int:
-    """Bytes of a GPU name (`h100`, `H200`, `b200`) or a size (`80GiB`, `141GB`, `24 GB`)."""
-    name = text.strip().lower()
-    if name in GPUS:
-        return GPUS[name]
-    match = _SIZE.match(name)
-    if not match:
-        raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def available_ram() -> int:
-    """MemAvailable from /proc/meminfo: what the kernel can give without swapping."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def capacity(cfg: RunConfig, device: str) -> tuple[int | None, str]:
-    """What one rank may use, and its name: `cfg.gpu` if set, else this device's memory (the
-    CUDA device's total, or on the CPU the available RAM shared by this machine's ranks);
-    None when planning for a GPU this machine does not have."""
-    if cfg.gpu is not None:
-        return parse_capacity(cfg.gpu), cfg.gpu
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return None, ""
-        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
-        return props.total_memory, props.name
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    shared = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""
-    return available_ram() // local_ranks, f"this machine's available RAM{shared}"
 
 
 def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> MemoryEstimate:

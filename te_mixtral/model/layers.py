@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from te_mixtral.distributed.dispatch import TorchPermute
+from te_mixtral.distributed.te_permute import TEPermute
 from te_mixtral.errors import UserError
 
 
@@ -96,6 +98,7 @@ class Backend:
     linear: type
     rmsnorm: type
     attention: type
+    permute: type  # token dispatch's local permute and weighted combine (distributed/dispatch.py)
 
 
 def _torch_linear(in_features: int, out_features: int) -> nn.Module:
@@ -114,8 +117,8 @@ def _te_rmsnorm(dim: int, eps: float) -> nn.Module:
     return te.RMSNorm(dim, eps=eps)
 
 
-TORCH = Backend("torch", _torch_linear, RMSNorm, TorchAttention)
-TE = Backend("te", _te_linear, _te_rmsnorm, TEAttention)
+TORCH = Backend("torch", _torch_linear, RMSNorm, TorchAttention, TorchPermute)
+TE = Backend("te", _te_linear, _te_rmsnorm, TEAttention, TEPermute)
 
 
 def resolve_backend(name: str, device: str) -> Backend:

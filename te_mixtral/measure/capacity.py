@@ -1,0 +1,69 @@
+"""What one rank may use: a named GPU's memory, a size given as text, this CUDA device's, or
+on the CPU the RAM this machine's ranks share. The other side of measure/memory.py's
+estimate, which `check_fits` holds against it."""
+
+import os
+import re
+from pathlib import Path
+
+from te_mixtral.config import RunConfig
+from te_mixtral.errors import UserError
+
+GiB = 2**30
+
+# Usable capacity of each GPU as CUDA reports it (`torch.cuda.get_device_properties(i)
+# .total_memory`, what PyTorch's out-of-memory message calls "total capacity"), below the
+# marketing figures (80 GB, 141 GB, 180 GB) and below nvidia-smi's total:
+#   H100 80GB HBM3  85,017,493,504 bytes (79.18 GiB), read on one;
+#   H200            139.8 GiB: nvidia-smi's 143,771 MiB less the ~480 MiB that the H100 shows
+#                   between nvidia-smi (81,559 MiB) and CUDA (81,079 MiB), rounded down;
+#   B200            178.35 GiB, CUDA's totalGlobalMem as quoted in pytorch/ao#4002.
+GPUS = {
+    "h100": 85_017_493_504,
+    "h200": int(139.8 * GiB),
+    "b200": int(178.35 * GiB),
+}
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|tib|tb)\s*$", re.IGNORECASE)
+_UNITS = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
+
+
+def parse_capacity(text: str) -> int:
+    """Bytes of a GPU name (`h100`, `H200`, `b200`) or a size (`80GiB`, `141GB`, `24 GB`)."""
+    name = text.strip().lower()
+    if name in GPUS:
+        return GPUS[name]
+    match = _SIZE.match(name)
+    if not match:
+        raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo: what the kernel can give without swapping."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def capacity(cfg: RunConfig, device: str) -> tuple[int | None, str]:
+    """What one rank may use, and its name: `cfg.gpu` if set, else this device's memory (the
+    CUDA device's total, or on the CPU the available RAM shared by this machine's ranks);
+    None when planning for a GPU this machine does not have."""
+    if cfg.gpu is not None:
+        return parse_capacity(cfg.gpu), cfg.gpu
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, ""
+        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+        return props.total_memory, props.name
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    shared = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""
+    return available_ram() // local_ranks, f"this machine's available RAM{shared}"
