@@ -8,7 +8,8 @@ import torch
 from te_mixtral.distributed.dispatch import AllToAllDispatcher, TorchPermute
 from te_mixtral.te_support import te_available
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not te_available(), reason="needs Transformer Engine")]
+# Every test but the last needs a GPU and TE; that one checks the PyTorch backend's wiring on the CPU.
+on_te = pytest.mark.skipif(not (torch.cuda.is_available() and te_available()), reason="needs a CUDA GPU and TE")
 TOKENS, HIDDEN, EXPERTS, TOP_K = 300, 64, 6, 2
 
 
@@ -39,6 +40,8 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.cuda
+@on_te
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_te_permute_equals_torch_permute(dtype, tol):
     from te_mixtral.distributed.te_permute import TEPermute
@@ -54,6 +57,8 @@ def test_te_permute_equals_torch_permute(dtype, tol):
     assert rel(w_grad_te, w_grad) < tol
 
 
+@pytest.mark.cuda
+@on_te
 def test_te_permute_sorts_rows_in_the_same_order():
     """A stable sort both ways: each expert's rows in token order, so TE and PyTorch runs route
     identically."""
@@ -65,15 +70,31 @@ def test_te_permute_sorts_rows_in_the_same_order():
     assert torch.equal(sorted_te, sorted_torch)
 
 
+@pytest.mark.cuda
+@on_te
 def test_te_backend_dispatches_with_te_permute():
+    from te_mixtral.distributed.te_permute import TEPermute
+    from te_mixtral.model.layers import TE
+
+    assert {type(p) for p in tiny_model_permutes(TE, "cuda")} == {TEPermute}
+
+
+def test_torch_backend_dispatches_with_torch_permute():
+    from te_mixtral.model.layers import TORCH
+
+    assert {type(p) for p in tiny_model_permutes(TORCH, "cpu")} == {TorchPermute}
+
+
+def tiny_model_permutes(backend, device):
+    """The local permute of every layer's dispatcher in configs/tiny.yaml's model."""
+    from conftest import REPO
+
     from te_mixtral.config import load_config
     from te_mixtral.distributed.layout import Layout
-    from te_mixtral.distributed.te_permute import TEPermute
     from te_mixtral.experts.loop import LoopTier
-    from te_mixtral.model.layers import TE
     from te_mixtral.model.mixtral import MixtralForCausalLM
 
-    cfg = load_config(None, {})
-    with torch.device("cuda"):
-        model = MixtralForCausalLM(cfg.model, TE, Layout(0, 1, 1, None, None), LoopTier())
-    assert all(isinstance(layer.mlp.dispatcher.permute, TEPermute) for layer in model.model.layers)
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {})
+    with torch.device(device):
+        model = MixtralForCausalLM(cfg.model, backend, Layout(0, 1, 1, None, None), LoopTier())
+    return [layer.mlp.dispatcher.permute for layer in model.model.layers]

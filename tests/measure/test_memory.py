@@ -213,7 +213,7 @@ def recorded_runs():
         yield pytest.param(json.loads(path.read_text()), id=f"{path.parent.parent.name}/{path.parent.name}")
 
 
-@pytest.mark.parametrize("result", recorded_runs())
+@pytest.mark.parametrize("result", list(recorded_runs()))
 def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
     header, raw = result["header"], upgrade_saved(result["header"]["config"])
     cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
