@@ -8,7 +8,8 @@ import torch
 from te_mixtral.distributed.dispatch import AllToAllDispatcher, TorchPermute
 from te_mixtral.te_support import te_available
 
-# Every test but the last needs a GPU and TE; that one checks the PyTorch backend's wiring on the CPU.
+# Every test needs a GPU and TE but test_torch_backend_dispatches_with_torch_permute, which checks
+# the PyTorch backend's wiring (and the helper the TE test uses) on the CPU.
 on_te = pytest.mark.skipif(not (torch.cuda.is_available() and te_available()), reason="needs a CUDA GPU and TE")
 TOKENS, HIDDEN, EXPERTS, TOP_K = 300, 64, 6, 2
 
@@ -17,7 +18,7 @@ def routed_inputs(dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x_TD = torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen).to(dtype).requires_grad_()
     scores = torch.rand(TOKENS, EXPERTS, device="cuda", generator=gen)
-    scores[:, 5] -= 2  # one expert gets no token: an empty group in the middle of the sort
+    scores[:, 5] -= 2  # the last expert gets no token: an empty group at the end of the sort
     weights_TK, experts_TK = torch.topk(scores.softmax(-1), TOP_K, dim=-1)
     return x_TD, experts_TK, (weights_TK / weights_TK.sum(-1, keepdim=True)).requires_grad_()
 
