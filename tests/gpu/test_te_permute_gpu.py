@@ -65,7 +65,7 @@ def test_te_permute_sorts_rows_in_the_same_order():
     identically."""
     from te_mixtral.distributed.te_permute import TEPermute
 
-    x_TD, experts_TK, weights_TK = routed_inputs(torch.float32, seed=4)
+    x_TD, experts_TK, _ = routed_inputs(torch.float32, seed=4)
     sorted_te, _ = TEPermute().sort(x_TD, experts_TK)
     sorted_torch, _ = TorchPermute().sort(x_TD, experts_TK)
     assert torch.equal(sorted_te, sorted_torch)
