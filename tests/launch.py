@@ -125,7 +125,11 @@ _cached_runs: dict[tuple, Path] = {}
 
 
 def _run_key(args: list[str], nproc: int) -> tuple:
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"))
+    # Left out: variables pytest and torch set in this process for themselves. torch.compile sets
+    # _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR (an address) for good the first time a test compiles;
+    # keyed on it, every run planned before that test would be launched again after it.
+    env = tuple(sorted((k, v) for k, v in os.environ.items()
+                       if k != "PYTEST_CURRENT_TEST" and not k.startswith("_TORCHINDUCTOR_")))
     return nproc, tuple(args), env
 
 
