@@ -20,7 +20,11 @@ from te_mixtral.config import (
     settings,
     to_dict,
 )
-from te_mixtral.distributed.layout import shutdown, world_size_from_env
+from te_mixtral.distributed.layout import (
+    main_rank_from_env,
+    shutdown,
+    world_size_from_env,
+)
 from te_mixtral.errors import ExitCode, UserError, report_error
 from te_mixtral.experts.registry import check_tier
 from te_mixtral.saved_config import flatten
@@ -134,7 +138,7 @@ def _run(argv: list[str]) -> int:
     if args.help:
         print(help_text(cfg, args.config))
         return 0
-    if launch and os.environ.get("RANK", "0") == "0":
+    if launch and main_rank_from_env():
         print(describe(launch), flush=True)
     from te_mixtral.training.loop import (
         main as train_main,  # after validation: a bad flag fails fast

@@ -59,6 +59,12 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def main_rank_from_env() -> bool:
+    """Whether this process is rank 0 (or alone), before torch.distributed is initialised:
+    where a message printed on every rank would be printed once per rank."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
     """Start torch.distributed when launched by torchrun (gloo on CPU, NCCL on CUDA)."""
     world = world_size_from_env()

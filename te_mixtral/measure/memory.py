@@ -59,12 +59,12 @@ micro-batch's logits go when the next forward returns, before its head backward.
 """
 
 import importlib.util
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import RECOMPUTE, validate_model
+from te_mixtral.distributed.layout import main_rank_from_env
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.measure.capacity import GiB, capacity
@@ -323,14 +323,13 @@ def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> Memor
     `estimate_memory` (optimizer, recompute, shard_optimizer_state)."""
     estimate = estimate_memory(cfg, world_size, device=device, **options)
     limit, name = capacity(cfg, device)
-    main_rank = int(os.environ.get("RANK", "0")) == 0
     if limit is not None and not estimate.fits(limit):
-        if main_rank:
+        if main_rank_from_env():
             print(estimate.table(limit, name), flush=True)
         raise UserError(f"this run needs about {_gib(estimate.required())} GiB per rank but {name} has "
                         f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch, "
                         f"more micro-batches (train.grad_accum_steps) or more EP ranks would help)")
-    if main_rank:
+    if main_rank_from_env():
         room = f" of {_gib(limit)} GiB on {name}" if limit is not None else ""
         print(f"memory estimate: peak {_gib(estimate.total)} GiB per rank, {_gib(estimate.required())} GiB "
               f"needed{room} (--estimate-memory prints the table)", flush=True)
@@ -347,6 +346,6 @@ def print_estimate(cfg: RunConfig, world_size: int) -> int:
     # --gpu names a GPU: estimate a GPU run even from a machine without one.
     device = "cuda" if cfg.gpu is not None and cfg.device != "cpu" else cfg.resolved_device()
     estimate = estimate_memory(cfg, world_size, device=device)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if main_rank_from_env():
         print(estimate.table(*capacity(cfg, device)), flush=True)
     return 0
