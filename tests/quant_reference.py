@@ -46,9 +46,10 @@ def mlp_inputs(gen, num_experts=4, d=64, f=96, max_rows=50):
 
 def scaled_grouped_mm_stand_in(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
     """What `torch._scaled_grouped_mm` computes with rowwise scales (PyTorch 2.11, CUDA), in
-    float64 on the CPU, with the layout checks its CUDA kernel makes."""
-    assert mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn
-    assert scale_a.dtype == scale_b.dtype == torch.float32 and out_dtype == torch.bfloat16
+    float64 on the CPU, with the layout checks its CUDA kernel makes. float32 operands and
+    output are let through for the tests that run the FP8 data flow with unrounded values."""
+    assert mat_a.dtype == mat_b.dtype and mat_a.dtype in (torch.float8_e4m3fn, torch.float32)
+    assert scale_a.dtype == scale_b.dtype == torch.float32 and out_dtype in (torch.bfloat16, torch.float32)
     assert mat_a.stride(-1) == 1, "mat_a must be row-major"
     assert mat_b.stride(-2) == 1, "mat_b must be column-major"
     assert mat_a.shape[-1] % 16 == 0 and mat_b.shape[-2] % 16 == 0 and mat_b.shape[-1] % 16 == 0

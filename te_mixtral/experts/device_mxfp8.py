@@ -10,8 +10,9 @@ the tier says which one ran (`describe()`, for the run header and results JSON).
 | `mxfp8-te`       | Blackwell (sm_100-110) | TE `GroupedLinear`, `MXFP8BlockScaling`: MXFP8 on tensor |
 |                  | with TE                | cores. Not run on hardware here (quant/te_mxfp8.py).     |
 | `fp8-hopper`     | Hopper (sm_90)         | FP8 E4M3 on tensor cores, one scale per row and column,  |
-|                  |                        | fwd and bwd (quant/fp8_hopper.py). Not MXFP8: Hopper has |
-|                  |                        | no block-scaled FP8.                                     |
+|                  |                        | fwd and bwd (quant/fp8_hopper.py), SwiGLU fused into the |
+|                  |                        | casts (quant/fp8_swiglu.py). Not MXFP8: Hopper has no    |
+|                  |                        | block-scaled FP8.                                        |
 | `mxfp8-emulated` | anywhere (CPU, CI)     | MXFP8 numerics exactly per the OCP spec, GEMMs in        |
 |                  |                        | fp32/bf16 on the dequantised values (quant/mxfp8.py).    |
 
@@ -34,7 +35,7 @@ import torch
 from te_mixtral.errors import TierUnavailable, UserError
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.quant import te_mxfp8
-from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
 from te_mixtral.experts.quant.mxfp8 import MXFP8EmulatedGemms
 from te_mixtral.experts.quant.padding import (
     PaddedRows,
@@ -111,7 +112,7 @@ def check_dims(mode: str, hidden_size: int, intermediate_size: int) -> None:
 
 
 class _GemmsMLP:
-    """The expert MLP from a set of grouped GEMMs (the two modes built in this project)."""
+    """The expert MLP from a set of grouped GEMMs (`scaled_grouped.scaled_grouped_swiglu`)."""
 
     def __init__(self, gemms: GroupedGemms):
         self.gemms = gemms
@@ -125,7 +126,7 @@ class _GemmsMLP:
 # What runs each mode: an object with `mlp`, `recipe`, `kernel`, `row_align` and `min_rows`.
 _MODE_RUNNERS = {
     "mxfp8-emulated": lambda: _GemmsMLP(MXFP8EmulatedGemms()),
-    "fp8-hopper": lambda: _GemmsMLP(FP8HopperGemms()),
+    "fp8-hopper": FP8SwiGLUExperts,
     "mxfp8-te": te_mxfp8.TEGroupedExperts,
 }
 

@@ -20,7 +20,8 @@ between forward and backward whatever the forward saved for the backward: per de
     routing       router probabilities (fp32, T x E), top-k indices and weights
     dispatch      the R = T*K dispatched rows (R x D), the expert tier's input
     experts       the expert FFN's hidden rows: gate_up output (R x 2F), and for every tier
-                  but custom_grouped on CUDA also silu(gate) and the SwiGLU output (R x F each)
+                  but custom_grouped and device_mxfp8 on CUDA also silu(gate) and the SwiGLU
+                  output (R x F each); device_mxfp8's FP8 weight copies (see "weight copies")
     combine       the expert outputs for the routing-weighted sum: in fp32 (R x D x 4) on
                   PyTorch, as they are on TE (its fused unpermute)
 
@@ -254,8 +255,11 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     R = round(T * K * (ROUTING_IMBALANCE if ep > 1 else 1))
     # The expert FFN's hidden rows per routed row, in elements: custom_grouped's CUDA kernel
     # keeps gate_up's output only; autograd paths also keep silu(gate) and the SwiGLU output.
-    fused = cfg.tier == "custom_grouped" and device == "cuda"
+    fused = cfg.tier in ("custom_grouped", "device_mxfp8") and device == "cuda"
     hidden = 2 * F if fused else 4 * F
+    # device_mxfp8 on a GPU keeps its experts' weights in FP8, one byte per element in each of
+    # two orientations, from a layer's first forward until the optimizer step, recompute or not.
+    fp8_weights = 2 * params.experts_per_layer if cfg.tier == "device_mxfp8" and device == "cuda" else 0
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
     # from a bf16 one) and the normalised rows in the residual dtype.
@@ -273,12 +277,12 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                    + a * R * D + combine * R * D)  # dispatched rows; combine
     expert_hidden = a * R * hidden
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
-    layer_copies = dense_copies + expert_copies
+    layer_copies = dense_copies + expert_copies + fp8_weights
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
     # the experts' weight copies; full keeps the layer's input alone.
     layer_saved, saved_copies = {"none": (dense_layer + expert_hidden, layer_copies),
-                                 "selective": (dense_layer, dense_copies),
-                                 "full": (r * T * D, 0)}[recompute]
+                                 "selective": (dense_layer, dense_copies + fp8_weights),
+                                 "full": (r * T * D, fp8_weights)}[recompute]
     head = norm + a * T * D + 4 * T * V + 8 * T + 2 * 4 * batch * S * Hd  # + ids, rotary tables
     head += m.num_hidden_layers * (12 * E + 4)  # router statistics: picks (int64), prob sums, z sum
     if recompute == "full":
@@ -290,6 +294,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # the weighted combine, and the hidden's gradient (custom_grouped writes it over h and
     # re-creates only the SwiGLU output).
     expert_bwd = R * (2 * a * D + combine * D + a * (F if fused else 2 * F))
+    if fp8_weights:  # d(h) beside d(gate_up), and the FP8 copies of both and of h the GEMMs read
+        expert_bwd += R * (2 * a * F + 5 * F)
     one_layer = dense_layer + expert_hidden  # a recomputed layer saves as much as a kept one
 
     replicas_dense, replicas_experts = (world_size, world_size // ep) if shard_optimizer_state else (1, 1)

@@ -112,7 +112,7 @@ def test_no_synchronising_op_in_forward_and_backward(gemms):
     if gemms == "mxfp8-emulated":
         tier = DeviceMXFP8Tier("mxfp8-emulated")
     else:
-        hopper_gemms = FP8HopperGemms(_shape_only_kernel, compile=False)
+        hopper_gemms = FP8HopperGemms(_shape_only_kernel)
 
         def tier(x_RD, counts, gate_up, down):
             padded = padded_rows(counts, x_RD.shape[0], hopper_gemms.row_align, hopper_gemms.min_rows)

@@ -33,10 +33,16 @@ from quant_reference import (
 )
 
 from te_mixtral.errors import TierUnavailable
-from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
-from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, _GemmsMLP
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant import fp8_cast
+from te_mixtral.experts.quant.fp8_hopper import (
+    FP8HopperGemms,
+    quantize_columns_per_group,
+    quantize_rowwise,
+)
+from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.te_mxfp8 import MIN_TE_VERSION, TEGroupedExperts
 from te_mixtral.te_support import te_available
@@ -44,8 +50,7 @@ from te_mixtral.te_support import te_available
 pytestmark = pytest.mark.cuda
 
 # The real kernel and the float64 stand-in on the same FP8 operands differ by the bf16
-# rounding of the output (2^-9 relative) and, rarely, a compiled quantiser rounding one
-# element into the neighbouring E4M3 value.
+# rounding of the output (2^-9 relative) and accumulation order.
 SAME_OPERANDS_RTOL = 1e-2
 # TE's Float8CurrentScaling is one scale per tensor, E5M2 gradients (HYBRID format): looser
 # than rowwise. This checks the wiring (wrong weights or splits give errors near 1).
@@ -116,14 +121,38 @@ def test_fp8_gemms_compute_what_scaled_grouped_mm_documents():
     x_QI = pad_rows(torch.randn(357, 256, device="cuda", generator=gen).bfloat16(), padded)
     dy_QN = pad_rows(torch.randn(357, 384, device="cuda", generator=gen).bfloat16(), padded)
     w_GNI = torch.randn(E, 384, 256, device="cuda", generator=gen).bfloat16()
-    real = FP8HopperGemms()
-    documented = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
+    real = FP8SwiGLUExperts().gemms
+    documented = FP8HopperGemms(scaled_grouped_mm_stand_in)
     for op, operands in (("fprop", (x_QI, w_GNI)), ("dgrad", (dy_QN, w_GNI)), ("wgrad", (dy_QN, x_QI))):
-        got = getattr(real, op)(*operands, padded.offsets_L)
-        expected = getattr(documented, op)(*operands, padded.offsets_L)
+        got_operands, expected_operands = operands, operands
+        if op != "wgrad":
+            got_operands, expected_operands = (operands[0], real.weight(w_GNI)), (operands[0], documented.weight(w_GNI))
+        got = getattr(real, op)(*got_operands, padded.offsets_L)
+        expected = getattr(documented, op)(*expected_operands, padded.offsets_L)
         print(op, f"{rel_err(got, expected):.2e}")
         assert got.shape == expected.shape and got.dtype == torch.bfloat16
         assert rel_err(got, expected) < SAME_OPERANDS_RTOL, op
+
+
+@hopper
+def test_triton_quantisers_equal_the_torch_reference_bit_for_bit():
+    """quant/fp8_cast.py against fp8_hopper.py's PyTorch quantisers, in FP8 on the GPU
+    (the CPU interpreter checks the same kernels before the cast)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for cols in (4096, 28672):  # a row in one block, and one of several blocks
+        x = torch.randn(48, cols, device="cuda", generator=gen).bfloat16() * 3
+        x[5] = 0
+        q, scale = fp8_cast.quantize_rows(x)
+        ref_q, ref_scale = quantize_rowwise(x)
+        assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), cols
+    ends = torch.tensor([48, 48, 1040, 1088], device="cuda", dtype=torch.int32)
+    x = torch.randn(1088, 640, device="cuda", generator=gen).bfloat16()
+    q, scale = fp8_cast.quantize_columns(x, ends)
+    ref_q, ref_scale = quantize_columns_per_group(x, ends)
+    assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    w = torch.randn(4, 384, 256, device="cuda", generator=gen).bfloat16()
+    for got, expected in zip(fp8_cast.quantize_weight(w), (quantize_rowwise(w), quantize_rowwise(w.transpose(-2, -1)))):
+        assert torch.equal(got[1], expected[1]) and torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
 
 
 @hopper
@@ -218,13 +247,13 @@ def _fp8_gemms_only(gemms, x, gate_up, down, counts):
     """The six FP8 GEMMs of one step on operands quantised beforehand: the floor."""
     padded = padded_rows(counts, x.shape[0], gemms.row_align, gemms.min_rows)
     x_QD, offs = pad_rows(x, padded), padded.offsets_L
-    rows, cols = gemms._quantize_rows, gemms._quantize_columns
+    rows, cols = gemms.rows, gemms.columns
     h = torch.randn(padded.rows_Q, MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
     dh = torch.randn(padded.rows_Q, 2 * MIXTRAL_F, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(padded.rows_Q, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
     calls = []
     for a, w in ((x_QD, gate_up), (h, down), (dy, down.transpose(-2, -1)), (dh, gate_up.transpose(-2, -1))):
-        (a_q, a_s), (w_q, w_s) = rows(a), rows(w)  # fprop and dgrad: 2-D x 3-D
+        (a_q, a_s), (w_q, w_s) = rows(a), rows(w.contiguous())  # fprop and dgrad: 2-D x 3-D
         calls.append((a_q, w_q.transpose(-2, -1), a_s, w_s))
     for g, a in ((dy, h), (dh, x_QD)):  # wgrad: 2-D x 2-D
         (g_q, g_s), (a_q, a_s) = cols(g, offs), cols(a, offs)
@@ -232,7 +261,7 @@ def _fp8_gemms_only(gemms, x, gate_up, down, counts):
 
     def step():
         for a, b, scale_a, scale_b in calls:
-            gemms._gemm(a, b, scale_a, scale_b, offs)
+            gemms.gemm(a, b, scale_a, scale_b, offs)
 
     return step
 
@@ -244,7 +273,9 @@ def test_timing_fp8_hopper_vs_bf16_grouped_mm(tokens_per_expert):
     """Forward + backward of the expert MLP at Mixtral-8x7B shapes, 4 local experts, equal
     splits, bf16 weights. 'bf16 grouped_mm' is the project's grouped_mm reference
     (`custom_grouped.grouped_mm_swiglu`). The fp8 rows include padding, all quantisation
-    and the SwiGLU; 'fp8 GEMMs only' is the six FP8 GEMMs on operands quantised beforehand."""
+    (the weights' once per step, as with one micro-batch per step; 'later micro-batch'
+    reuses them) and the SwiGLU; 'fp8 GEMMs only' is the six FP8 GEMMs on operands
+    quantised beforehand."""
     torch.manual_seed(0)
     rows = BENCH_EXPERTS * tokens_per_expert
     x = torch.randn(rows, MIXTRAL_D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -254,24 +285,36 @@ def test_timing_fp8_hopper_vs_bf16_grouped_mm(tokens_per_expert):
     counts = torch.full((BENCH_EXPERTS,), tokens_per_expert, device="cuda", dtype=torch.int64)
     dy = torch.randn(rows, MIXTRAL_D, device="cuda", dtype=torch.bfloat16)
 
-    def train_step(mlp):
+    step_optimizer = torch.optim.SGD([torch.zeros(1, device="cuda", requires_grad=True)], lr=0.0)
+
+    def train_step(mlp, optimizer_step=True):
+        """One micro-batch; `optimizer_step` ends it with an (empty) optimizer step, which
+        makes the FP8 weights be quantised again, as they are once per training step."""
         def step():
             x.grad = gate_up.grad = down.grad = None
             mlp().backward(dy)
+            if optimizer_step:
+                step_optimizer.step()
         return step
 
-    def tier_step(compile_quantisers):
+    def tier(runner=None):
         tier = DeviceMXFP8Tier("fp8-hopper")
         tier.check_available(torch.device("cuda"))
-        tier._runner.gemms = FP8HopperGemms(compile=compile_quantisers)
-        return train_step(lambda: tier(x, counts, gate_up, down))
+        if runner is not None:
+            tier._runner = runner
+        return lambda: tier(x, counts, gate_up, down)
 
+    triton_casts = FP8SwiGLUExperts().gemms  # the Triton casts, without the fused SwiGLU
+    triton_casts = (triton_casts.rows, triton_casts.columns, triton_casts._quantize_weight)
     variants = {  # name -> a function that builds the step, so each holds memory only while timed
         "bf16 grouped_mm": lambda: train_step(lambda: grouped_mm_swiglu(x, counts, gate_up, down)),
-        "fp8-hopper tier": lambda: tier_step(compile_quantisers=True),
-        "fp8-hopper, eager quantisers": lambda: tier_step(compile_quantisers=False),
+        "custom_grouped (bf16)": lambda: train_step(lambda: CustomGroupedTier()(x, counts, gate_up, down)),
+        "fp8-hopper tier": lambda: train_step(tier()),
+        "fp8-hopper tier, later micro-batch": lambda: train_step(tier(), optimizer_step=False),
+        "fp8 unfused SwiGLU": lambda: train_step(tier(_GemmsMLP(FP8HopperGemms(quantizers=triton_casts)))),
+        "fp8 unfused, PyTorch casts": lambda: train_step(tier(_GemmsMLP(FP8HopperGemms()))),
         "fp8 GEMMs only": lambda: _fp8_gemms_only(
-            FP8HopperGemms(), x.detach(), gate_up.detach(), down.detach(), counts
+            FP8HopperGemms(quantizers=triton_casts), x.detach(), gate_up.detach(), down.detach(), counts
         ),
     }
     flops = 18 * rows * MIXTRAL_D * MIXTRAL_F  # 3 GEMMs per projection, 2 projections of 3RDF

@@ -216,6 +216,9 @@ def recorded_runs():
 @pytest.mark.parametrize("result", list(recorded_runs()))
 def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
     header, raw = result["header"], upgrade_saved(result["header"]["config"])
+    if raw["tier"] == "device_mxfp8" and "once per optimizer step" not in header["ran"]["kernel"]:
+        pytest.skip("recorded by the FP8 tier before its fused SwiGLU and weight cache, which the estimate "
+                    "no longer describes")
     cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
                     tier=raw["tier"], ep_size=raw["ep_size"])
     cfg.backend = "torch" if header["ran"]["backend"] == "transformers" else header["ran"]["backend"]

@@ -12,7 +12,7 @@ every operand column (B) gets its own scale, taken over the GEMM's reduction dim
     dgrad  dx = dy w    dy: one per row (over N);       w: one per expert and input channel
     wgrad  dw = dy^T x  dy, x: one per expert and channel, over that expert's rows only
 
-Each scale is amax / 448, so the largest value of its row lands on E4M3's largest finite
+Each scale is amax / 448 (computed as amax * (1 / 448)), so the largest value of its row lands on E4M3's largest finite
 value (an all-zero row gets a tiny scale instead of a division by zero). All operands are
 E4M3, in backward too: this kernel takes no E5M2, and per-row scales leave gradients less
 need of E5M2's range than one scale per tensor would. Accumulation is float32 in the
@@ -32,12 +32,19 @@ Everything stays on the device: the kernel reads `offs` on the GPU, so no split 
 reaches the host.
 """
 
+import weakref
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 E4M3_MAX = 448.0
+# scale = amax * (1 / 448), a product rather than a division: PyTorch's CUDA division by a
+# number multiplies by its reciprocal, which rounds unlike a true division, while a product
+# rounds the same everywhere, so the Triton quantisers (fp8_cast.py) match these bit for bit.
+INV_E4M3_MAX = 1.0 / E4M3_MAX
 # Rows whose amax is 0 would get scale 0 and divide by it; any positive scale quantises
 # zeros to zeros.
-_MIN_AMAX = 1e-12
+MIN_AMAX = 1e-12
 _ROWS_PER_CHUNK = 16
 
 
@@ -45,7 +52,7 @@ def quantize_rowwise(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torc
     """E4M3 values of `x` (made contiguous) and float32 scales, one per slice along `dim`
     (that dim removed). x may be a transposed view: the copy happens in 8 bits."""
     x32 = x.float()
-    scale = x32.abs().amax(dim, keepdim=True).clamp(min=_MIN_AMAX) / E4M3_MAX
+    scale = x32.abs().amax(dim, keepdim=True).clamp(min=MIN_AMAX) * INV_E4M3_MAX
     values = (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return values.contiguous(), scale.squeeze(dim)
 
@@ -67,52 +74,96 @@ def quantize_columns_per_group(x_QC: torch.Tensor, offsets_G: torch.Tensor) -> t
     amax_GC = chunks.new_zeros(num_groups, cols_C).scatter_reduce_(
         0, group_of_chunk[:, None].expand(-1, cols_C), chunks.abs().amax(1), reduce="amax"
     )
-    scale_GC = amax_GC.clamp(min=_MIN_AMAX) / E4M3_MAX
+    scale_GC = amax_GC.clamp(min=MIN_AMAX) * INV_E4M3_MAX
     values = (chunks / scale_GC[group_of_chunk][:, None, :]).clamp(-E4M3_MAX, E4M3_MAX)
     values_CQ = values.to(torch.float8_e4m3fn).reshape(rows_Q, cols_C).t().contiguous()
     return values_CQ, scale_GC.reshape(-1)
+
+
+class _WeightCache:
+    """FP8 copies of the expert weights, made once per optimizer step.
+
+    A weight is read by every micro-batch's forward, again by a recomputed forward, and by
+    every backward's dgrad; quantising it each time would cost a pass over every expert
+    weight per GEMM. An entry is the weight's FP8 operands, valid while it is the same
+    tensor (a weak reference, so a freed tensor whose memory is reused cannot match) at the
+    same version (an in-place write through PyTorch bumps it). Kernels that write
+    parameters in place without bumping the version exist (our Triton AdamW, FSDP's
+    all-gather), so every `torch.optim.Optimizer.step` also empties the cache, through
+    torch's global post-step hook. Held: one byte per weight element per orientation.
+    """
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+        this = weakref.ref(self)
+        handle = register_optimizer_step_post_hook(lambda *_: this() and this().clear())
+        weakref.finalize(self, handle.remove)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, w: torch.Tensor, make):
+        entry = self._entries.get(id(w))
+        if entry is not None and entry[0]() is w and entry[1] == w._version:
+            return entry[2]
+        value = make(w)
+        self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
+        self._entries[id(w)] = (weakref.ref(w), w._version, value)
+        return value
 
 
 class FP8HopperGemms:
     """The three GEMMs of a grouped linear in FP8 E4M3 with rowwise scales, on sm_90.
 
     `scaled_grouped_mm` is the kernel, `torch._scaled_grouped_mm` unless a test passes a
-    stand-in with its semantics. `compile` runs the quantisers through `torch.compile`:
-    each is a reduction and an elementwise pass that eager PyTorch spreads over about
-    six kernels and float32 temporaries the size of the operand, which would cost a good
-    part of what FP8 saves (docs/results/2026-11-21-fp8-hopper-notes.md has both timings).
+    stand-in with its semantics. `quantizers` is three functions with the signatures of
+    `fp8_cast.quantize_rows`, `quantize_columns` and `quantize_weight`: those Triton kernels on
+    the GPU (`fp8_swiglu.hopper_gemms`), this module's PyTorch reference by default.
+    `out_dtype` is the GEMMs' output dtype (bf16; float32 lets a test run the data flow
+    exactly, with unrounded values in place of FP8 ones).
     """
 
     recipe = "fp8-rowwise"
     row_align = _ROWS_PER_CHUNK
     min_rows = _ROWS_PER_CHUNK
 
-    def __init__(self, scaled_grouped_mm=None, compile: bool = True):
+    def __init__(self, scaled_grouped_mm=None, quantizers=None, out_dtype=torch.bfloat16):
         self._mm = scaled_grouped_mm or torch._scaled_grouped_mm
-        self._quantize_rows, self._quantize_columns = quantize_rowwise, quantize_columns_per_group
-        if compile:
-            self._quantize_rows = torch.compile(quantize_rowwise, dynamic=True)
-            self._quantize_columns = torch.compile(quantize_columns_per_group, dynamic=True)
+        self.rows, self.columns, self._quantize_weight = quantizers or (
+            quantize_rowwise, quantize_columns_per_group, _reference_quantize_weight)
+        self.out_dtype = out_dtype
+        self._weights = _WeightCache()
 
     @property
     def kernel(self) -> str:
-        return "torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise), E4M3 in fprop, dgrad and wgrad"
+        return ("torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise), E4M3 in fprop, dgrad and wgrad; "
+                "weights quantised once per optimizer step")
 
-    def _gemm(self, a, b, scale_a, scale_b, offsets_G):
-        return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=torch.bfloat16, use_fast_accum=False)
+    def gemm(self, a, b, scale_a, scale_b, offsets_G):
+        return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype, use_fast_accum=False)
 
-    def fprop(self, x_QI, w_GNI, offsets_G):
-        x_q, x_scale_Q = self._quantize_rows(x_QI)
-        w_q, w_scale_GN = self._quantize_rows(w_GNI)
-        return self._gemm(x_q, w_q.transpose(-2, -1), x_scale_Q, w_scale_GN, offsets_G)
+    def weight(self, w_GNI):
+        """w's FP8 operands: (w_q, scale_GN) along I for fprop, (wt_q [G, I, N], scale_GI)
+        along N for dgrad; cached for the optimizer step."""
+        return self._weights.get(w_GNI, self._quantize_weight)
 
-    def dgrad(self, dy_QN, w_GNI, offsets_G):
-        dy_q, dy_scale_Q = self._quantize_rows(dy_QN)
-        # B must be column-major [G, N, I]: quantise w^T ([G, I, N], made contiguous) along N.
-        wt_q, wt_scale_GI = self._quantize_rows(w_GNI.transpose(-2, -1))
-        return self._gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_Q, wt_scale_GI, offsets_G)
+    def fprop(self, x_QI, weight, offsets_G):
+        x_q, x_scale_Q = self.rows(x_QI)
+        (w_q, w_scale_GN), _ = weight
+        return self.gemm(x_q, w_q.transpose(-2, -1), x_scale_Q, w_scale_GN, offsets_G)
+
+    def dgrad(self, dy_QN, weight, offsets_G):
+        dy_q, dy_scale_Q = self.rows(dy_QN)
+        _, (wt_q, wt_scale) = weight  # B must be column-major [G, N, I]: w^T [G, I, N] contiguous
+        return self.gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_Q, wt_scale, offsets_G)
 
     def wgrad(self, dy_QN, x_QI, offsets_G):
-        dy_NQ, dy_scale_GN = self._quantize_columns(dy_QN, offsets_G)
-        x_IQ, x_scale_GI = self._quantize_columns(x_QI, offsets_G)
-        return self._gemm(dy_NQ, x_IQ.t(), dy_scale_GN, x_scale_GI, offsets_G)
+        dy_NQ, dy_scale_GN = self.columns(dy_QN, offsets_G)
+        x_IQ, x_scale_GI = self.columns(x_QI, offsets_G)
+        return self.gemm(dy_NQ, x_IQ.t(), dy_scale_GN, x_scale_GI, offsets_G)
+
+
+def _reference_quantize_weight(w_GNI):
+    """`fp8_cast.quantize_weight` in PyTorch: both orientations of w, each by its own pass."""
+    w_GNI = w_GNI.detach()
+    return quantize_rowwise(w_GNI), quantize_rowwise(w_GNI.transpose(-2, -1))

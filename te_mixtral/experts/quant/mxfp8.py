@@ -140,6 +140,10 @@ class MXFP8EmulatedGemms:
     def kernel(self) -> str:
         return "torch.nn.functional.grouped_mm on MXFP8-dequantised operands"
 
+    def weight(self, w_GNI):
+        """Each GEMM quantises the weight itself: emulation is for numerics, not speed."""
+        return w_GNI
+
     def fprop(self, x_QI, w_GNI, offsets_G):
         dtype = _compute_dtype(x_QI)
         return F.grouped_mm(

@@ -18,14 +18,16 @@ graph would reuse the forward's quantised operands in backward, scaled along the
 
 The gradient is straight-through: backward treats the quantisation as the identity and
 returns the gradient of the unquantised product, computed with the recipe's dgrad and
-wgrad GEMMs. Forward saves x and w in their own precision and backward quantises them
-again (simple; a memory-lean version would save the quantised copies instead).
+wgrad GEMMs. The weight reaches fprop and dgrad in the form `gemms.weight(w)` returns,
+made in the forward and kept for the backward (a recipe may quantise it there, once per
+optimizer step); forward saves x in its own precision and backward quantises it again
+along its rows for wgrad.
 
 The recipes: `mxfp8.MXFP8EmulatedGemms` (MXFP8 numerics on any device) and
 `fp8_hopper.FP8HopperGemms` (FP8 tensor cores on sm_90).
 """
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,9 +47,12 @@ class GroupedGemms(Protocol):
     row_align: int
     min_rows: int
 
-    def fprop(self, x_QI: torch.Tensor, w_GNI: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+    def weight(self, w_GNI: torch.Tensor) -> Any:
+        """The weight as fprop and dgrad take it (the recipe's own form, e.g. quantised)."""
 
-    def dgrad(self, dy_QN: torch.Tensor, w_GNI: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
+    def fprop(self, x_QI: torch.Tensor, weight: Any, offsets_G: torch.Tensor) -> torch.Tensor: ...
+
+    def dgrad(self, dy_QN: torch.Tensor, weight: Any, offsets_G: torch.Tensor) -> torch.Tensor: ...
 
     def wgrad(self, dy_QN: torch.Tensor, x_QI: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor: ...
 
@@ -55,24 +60,25 @@ class GroupedGemms(Protocol):
 class _ScaledGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_QI, w_GNI, offsets_G, gemms):
-        ctx.save_for_backward(x_QI, w_GNI, offsets_G)
-        ctx.gemms = gemms
         # The recipe picks every operand's precision itself; an outer autocast must not
-        # recast them. It gets detached tensors: nothing differentiates through it, and a
-        # torch.compile'd quantiser would otherwise compile once per requires_grad flag.
+        # recast them. Grad mode is off in here: the recipe's tensors need no graph.
         with torch.autocast(x_QI.device.type, enabled=False):
-            return gemms.fprop(x_QI.detach(), w_GNI.detach(), offsets_G).to(x_QI.dtype)
+            weight = gemms.weight(w_GNI)
+            y_QN = gemms.fprop(x_QI.detach(), weight, offsets_G).to(x_QI.dtype)
+        ctx.save_for_backward(x_QI, offsets_G)
+        ctx.gemms, ctx.weight, ctx.w_dtype = gemms, weight, w_GNI.dtype
+        return y_QN
 
     @staticmethod
     def backward(ctx, dy_QN):
-        x_QI, w_GNI, offsets_G = (t.detach() for t in ctx.saved_tensors)
+        x_QI, offsets_G = (t.detach() for t in ctx.saved_tensors)
         dy_QN = dy_QN.contiguous()  # autograd may hand over a broadcast view
         dx_QI = dw_GNI = None
         with torch.autocast(dy_QN.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dx_QI = ctx.gemms.dgrad(dy_QN, w_GNI, offsets_G).to(x_QI.dtype)
+                dx_QI = ctx.gemms.dgrad(dy_QN, ctx.weight, offsets_G).to(x_QI.dtype)
             if ctx.needs_input_grad[1]:
-                dw_GNI = ctx.gemms.wgrad(dy_QN, x_QI, offsets_G).to(w_GNI.dtype)
+                dw_GNI = ctx.gemms.wgrad(dy_QN, x_QI, offsets_G).to(ctx.w_dtype)
         return dx_QI, dw_GNI, None, None
 
 

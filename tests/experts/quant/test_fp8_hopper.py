@@ -5,6 +5,10 @@ Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows,
 GEMM's input and output width).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from quant_reference import (
@@ -16,12 +20,14 @@ from quant_reference import (
     scaled_grouped_mm_stand_in,
 )
 
+from te_mixtral.experts.base import swiglu
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.quant.fp8_hopper import (
     FP8HopperGemms,
     quantize_columns_per_group,
     quantize_rowwise,
 )
+from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.scaled_grouped import scaled_grouped_swiglu
 
@@ -49,9 +55,11 @@ def test_fp8_hopper_gemms_layouts_and_scales_on_cpu():
     x_QI = pad_rows(torch.randn(int(counts.sum()), 64, generator=gen), padded)
     w_GNI = torch.randn(3, 48, 64, generator=gen)
     dy_QN = pad_rows(torch.randn(int(counts.sum()), 48, generator=gen), padded)
-    gemms = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
+    gemms = FP8HopperGemms(scaled_grouped_mm_stand_in)
     offsets = padded.offsets_L
-    y, dx, dw = gemms.fprop(x_QI, w_GNI, offsets), gemms.dgrad(dy_QN, w_GNI, offsets), gemms.wgrad(dy_QN, x_QI, offsets)
+    weight = gemms.weight(w_GNI)
+    y, dx = gemms.fprop(x_QI, weight, offsets), gemms.dgrad(dy_QN, weight, offsets)
+    dw = gemms.wgrad(dy_QN, x_QI, offsets)
     x64, w64, dy64 = x_QI.double(), w_GNI.double(), dy_QN.double()
     for g, (start, end) in enumerate(group_bounds(offsets)):
         if end - start and x64[start:end].abs().sum():
@@ -66,7 +74,7 @@ def test_fp8_hopper_mlp_on_cpu_close_to_fp32():
     gen = torch.Generator().manual_seed(8)
     x_RD, counts, gate_up, down = mlp_inputs(gen, d=64, f=96)
     padded = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
-    gemms = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=False)
+    gemms = FP8HopperGemms(scaled_grouped_mm_stand_in)
     y = unpad_rows(scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, gemms), padded)
     y_ref = LoopTier()(x_RD, counts, gate_up, down)
     dy = torch.randn(y.shape, generator=gen)
@@ -78,17 +86,170 @@ def test_fp8_hopper_mlp_on_cpu_close_to_fp32():
         assert rel_err(grad, grad_ref) < FP8_ROWWISE_MLP_RTOL
 
 
-@pytest.mark.slow
-def test_compiled_quantisers_match_eager_ones():
-    """The tier runs the quantisers through torch.compile on the GPU; same numbers here."""
-    gen = torch.Generator().manual_seed(9)
-    x_RD, counts, gate_up, down = mlp_inputs(gen, d=64, f=96)
+
+# --- the weight cache ------------------------------------------------------------------------
+
+
+def _counting_gemms():
+    gemms = FP8HopperGemms(scaled_grouped_mm_stand_in)
+    made = []  # shapes only: holding the weights would keep them alive
+    quantize = gemms._quantize_weight
+    gemms._quantize_weight = lambda w: made.append(w.shape) or quantize(w)
+    return gemms, made
+
+
+class _UnversionedSGD(torch.optim.Optimizer):
+    """Writes the parameters as a kernel would, without bumping their version counters
+    (MasterAdamW's Triton kernel on the GPU, FSDP's all-gather)."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self):
+        for p in self.param_groups[0]["params"]:
+            p.data.sub_(p.grad)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "unversioned"])
+def test_weights_are_quantised_once_per_optimizer_step(optimizer):
+    w = torch.nn.Parameter(torch.randn(2, 32, 16))
+    gemms, made = _counting_gemms()
+    first = gemms.weight(w)
+    assert gemms.weight(w) is first and len(made) == 1  # micro-batches, recompute and dgrad share it
+    assert torch.equal(first[0][0].float(), quantize_rowwise(w.detach())[0].float())
+
+    w.grad = torch.randn_like(w)
+    opt = torch.optim.AdamW([w], lr=0.1) if optimizer == "adamw" else _UnversionedSGD([w])
+    version = w._version
+    opt.step()
+    assert (w._version == version) == (optimizer == "unversioned")
+    second = gemms.weight(w)
+    assert len(made) == 2 and not torch.equal(second[0][0].float(), first[0][0].float())
+    assert torch.equal(second[0][0].float(), quantize_rowwise(w.detach())[0].float())
+
+
+def test_weight_cache_sees_in_place_writes_and_never_a_freed_tensor():
+    gemms, made = _counting_gemms()
+    w = torch.randn(2, 32, 16)
+    gemms.weight(w)
+    with torch.no_grad():
+        w.mul_(2)  # bumps w's version
+    assert torch.equal(gemms.weight(w)[0][1], quantize_rowwise(w)[1]) and len(made) == 2
+
+    # A fresh tensor (autocast's cast of fp32 master weights, made every forward) is a miss
+    # even if it lands on the freed one's memory with the same version.
+    address = w.data_ptr()
+    del w
+    fresh = torch.randn(2, 32, 16)
+    gemms.weight(fresh)
+    assert len(made) == 3, f"stale hit (same address: {fresh.data_ptr() == address})"
+    assert len(gemms._weights._entries) == 1  # the freed tensor's entry is gone
+
+
+# --- the Triton quantisers, run by the interpreter in a fresh process --------------------------
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
+def test_triton_quantisers_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreter"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def _scaled(x, scale):
+    """What the kernels store before the FP8 cast: the reference's values, unrounded."""
+    return (x.float() / scale).clamp(-448.0, 448.0)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("row_block", [None, 16])  # one block per row; rows of several blocks
+def test_interpreter_quantize_rows_matches_reference(monkeypatch, row_block):
+    from te_mixtral.experts.quant import fp8_cast
+
+    if row_block:
+        monkeypatch.setattr(fp8_cast, "_MAX_ROW_BLOCK", row_block)
+    x = torch.randn(3, 20, 48) * torch.rand(3, 20, 1) * 10
+    x[1, 4] = 0
+    q, scale = fp8_cast.quantize_rows(x, out_dtype=torch.float32)
+    ref_q, ref_scale = quantize_rowwise(x)
+    assert scale.shape == (3, 20) and torch.equal(scale, ref_scale)
+    assert torch.equal(q, _scaled(x, ref_scale[..., None]))
+    strided = torch.randn(20, 80)[:, :48]  # rows with a stride
+    assert torch.equal(fp8_cast.quantize_rows(strided, out_dtype=torch.float32)[1], quantize_rowwise(strided)[1])
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+def test_interpreter_quantize_columns_matches_reference():
+    from te_mixtral.experts.quant import fp8_cast
+
+    # Groups of 16-row multiples that straddle the kernel's 64-row tiles, one empty group,
+    # and columns that are not a multiple of its 64-column tiles.
+    ends = torch.tensor([48, 48, 176, 192], dtype=torch.int32)
+    x = torch.randn(192, 80) * torch.rand(1, 80) * 5
+    q_CQ, scale = fp8_cast.quantize_columns(x, ends, out_dtype=torch.float32)
+    ref_q, ref_scale = quantize_columns_per_group(x, ends)
+    assert torch.equal(scale, ref_scale)
+    scale_GC = ref_scale.reshape(4, 80)
+    for g, (start, end) in enumerate(group_bounds(ends)):
+        assert torch.equal(q_CQ[:, start:end], _scaled(x[start:end], scale_GC[g]).t())
+
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+def test_interpreter_quantize_weight_gives_both_orientations():
+    from te_mixtral.experts.quant import fp8_cast
+
+    w = torch.randn(3, 80, 48) * torch.rand(3, 1, 48)  # dims not multiples of the 64-wide tiles
+    w[1, :, 5] = 0
+    (q_GNI, scale_GN), (q_GIN, scale_GI) = fp8_cast.quantize_weight(w, out_dtype=torch.float32)
+    ref_scale_GN, ref_scale_GI = quantize_rowwise(w)[1], quantize_rowwise(w.transpose(-2, -1))[1]
+    assert torch.equal(scale_GN, ref_scale_GN) and torch.equal(scale_GI, ref_scale_GI)
+    assert torch.equal(q_GNI, _scaled(w, ref_scale_GN[..., None]))
+    assert torch.equal(q_GIN, _scaled(w.transpose(-2, -1), ref_scale_GI[..., None]))
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+def test_interpreter_swiglu_casts_match_swiglu_then_reference():
+    from te_mixtral.experts.quant import fp8_cast
+
+    ends = torch.tensor([16, 16, 80], dtype=torch.int32)
+    gu = torch.randn(80, 2 * 40) * 2
+    h = swiglu(gu)
+    q, scale = fp8_cast.quantize_rows(gu, swiglu=True, out_dtype=torch.float32)
+    ref_scale = quantize_rowwise(h)[1]
+    assert torch.allclose(scale, ref_scale, rtol=1e-6) and torch.allclose(q, _scaled(h, scale[:, None]), rtol=1e-6)
+    q_CQ, col_scale = fp8_cast.quantize_columns(gu, ends, swiglu=True, out_dtype=torch.float32)
+    assert q_CQ.shape == (40, 80) and torch.allclose(col_scale, quantize_columns_per_group(h, ends)[1], rtol=1e-6)
+
+    dh = torch.randn(80, 40)
+    dgu, dgu_q, dgu_scale = fp8_cast.swiglu_backward_rows(dh, gu, out_dtype=torch.float32)
+    gu_leaf = gu.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(swiglu(gu_leaf), gu_leaf, dh)
+    assert torch.allclose(dgu, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(dgu_scale, quantize_rowwise(dgu)[1]) and torch.equal(dgu_q, _scaled(dgu, dgu_scale[:, None]))
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("counts", [[5, 0, 37, 20], [0, 0, 40, 0]])
+def test_interpreter_fused_fp8_mlp_data_flow_equals_the_unquantised_mlp(counts):
+    """The fused FP8 MLP with every FP8 value left unrounded (float32) computes exactly the
+    MLP: forward and all three gradients against the loop tier, to float32 rounding."""
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.tensor(counts)
+    _, _, gate_up, down = mlp_inputs(gen, d=32, f=48)
+    x_RD = torch.randn(int(counts.sum()), 32, generator=gen, requires_grad=True)
     padded = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
-    dy_QD = torch.randn(padded.rows_Q, 64, generator=gen)
-    outputs = []
-    for compiled in (False, True):
-        gemms = FP8HopperGemms(scaled_grouped_mm_stand_in, compile=compiled)
-        y = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, gemms)
-        outputs.append((y, *torch.autograd.grad(y, (x_RD, gate_up, down), dy_QD)))
-    for eager, compiled in zip(*outputs):
-        assert torch.equal(eager, compiled)
+    experts = FP8SwiGLUExperts(scaled_grouped_mm_stand_in, value_dtype=torch.float32, out_dtype=torch.float32)
+    y = unpad_rows(experts.mlp(pad_rows(x_RD, padded), padded, gate_up, down), padded)
+    y_ref = LoopTier()(x_RD, counts, gate_up, down)
+    dy = torch.randn(y.shape, generator=gen)
+    grads = torch.autograd.grad(y, (x_RD, gate_up, down), dy)
+    grads_ref = torch.autograd.grad(y_ref, (x_RD, gate_up, down), dy)
+    assert rel_err(y, y_ref) < 1e-5
+    for name, grad, grad_ref in zip(("dx", "d_gate_up", "d_down"), grads, grads_ref):
+        assert grad.dtype == grad_ref.dtype and rel_err(grad, grad_ref) < 1e-5, name

@@ -1,0 +1,259 @@
+"""Triton kernels that cast operands to FP8 E4M3 with the scales of `fp8_hopper.py`, and
+fuse the expert MLP's SwiGLU into those casts.
+
+Shape suffixes: see te_mixtral/experts/base.py (Q padded rows, C columns, G groups).
+
+`fp8_hopper.quantize_rowwise` and `quantize_columns_per_group` say what is computed, in
+PyTorch, and stay the reference these kernels are tested against (bit for bit on the GPU).
+PyTorch spreads each over several kernels with float32 temporaries the size of the operand;
+here each reads its operand once or twice and writes the FP8 values once:
+
+- `quantize_rows`: one program per row; a row that fits one block is read once and kept
+  in registers, a longer one is read twice (amax, then cast; the second read hits L2).
+- `quantize_columns`: one scale per column per group of rows, values written transposed
+  (the wgrad operands). Two kernels over the same
+  [BLOCK_R, BLOCK_C] tiles: the first folds each tile's column maxima into the group's with
+  an atomic max, the second casts and stores the tile transposed. A tile may hold rows of
+  several groups, so each row finds its group by counting the group ends at or before it.
+
+With `swiglu=True` both read gate_up rows [Q, 2C] (gate | up) and quantise
+h = silu(gate) * up, computed in float32 on the way: the SwiGLU output is never written
+(`fp8_swiglu.py` uses this for the down projection's fprop and wgrad operands).
+`swiglu_backward_rows` writes d(gate_up) from d(h) and gate_up and its row-wise FP8 copy in
+one program per row. `quantize_weight` makes both of a weight's FP8 copies (scaled along
+each of its dims) from two reads of it.
+
+Scales are float32 amax * (1 / 448) (448 is E4M3's largest finite value); an all-zero
+slice gets 1e-12 / 448. Values are divided by the scale with IEEE rounding (`tl.div_rn`,
+as PyTorch divides two tensors). `q` may be float32 instead of FP8: then the kernels store
+the scaled values before the cast, which is how the CPU interpreter (whose FP8 conversion
+does not round like the GPU's) tests their indexing and scaling.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from te_mixtral.experts.quant.fp8_hopper import INV_E4M3_MAX, MIN_AMAX
+
+_E4M3_MAX = tl.constexpr(448.0)
+_INV_MAX = tl.constexpr(INV_E4M3_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+_MAX_ROW_BLOCK = 8192  # elements of a row one program holds in registers at once
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.maximum(amax, _MIN_AMAX) * _INV_MAX
+
+
+@triton.jit
+def _cast(v, scale, q_ptr):
+    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -_E4M3_MAX), _E4M3_MAX)
+    return q.to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _load(ptrs, mask, C, SWIGLU: tl.constexpr):
+    """Float32 values at `ptrs`, or silu(gate) * up with gate at `ptrs`, up C further."""
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(ptrs + C, mask=mask, other=0.0).to(tl.float32)
+        v = v * tl.sigmoid(v) * up
+    return v
+
+
+@triton.jit
+def _rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_row, SWIGLU: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_row, q_ptr + row * K
+    cols = tl.arange(0, BLOCK_K)
+    if K <= BLOCK_K:  # the row fits: one read
+        v = _load(x_row + cols, cols < K, K, SWIGLU)
+        scale = _scale_of(tl.max(tl.abs(v), 0))
+        tl.store(q_row + cols, _cast(v, scale, q_ptr), mask=cols < K)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(_load(x_row + k + cols, k + cols < K, K, SWIGLU)))
+        scale = _scale_of(tl.max(amax, 0))
+        for k in range(0, K, BLOCK_K):
+            v = _load(x_row + k + cols, k + cols < K, K, SWIGLU)
+            tl.store(q_row + k + cols, _cast(v, scale, q_ptr), mask=k + cols < K)
+    tl.store(scale_ptr + row, scale)
+
+
+def _row_block(K: int) -> int:
+    return min(triton.next_power_of_2(K), _MAX_ROW_BLOCK)
+
+
+def quantize_rows(x_MK: torch.Tensor, *, swiglu: bool = False,
+                  out_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q contiguous, scale): each row scaled by its own amax. x's last dim must be
+    contiguous; leading dims are flattened (a [G, N, K] weight gives scales [G, N]).
+    With `swiglu`, rows of x are gate | up and q holds silu(gate) * up (half as wide)."""
+    if x_MK.stride(-1) != 1:
+        raise ValueError("quantize_rows needs rows with a contiguous last dim")
+    lead, K = x_MK.shape[:-1], x_MK.shape[-1] // (2 if swiglu else 1)
+    x2 = x_MK.reshape(-1, x_MK.shape[-1])
+    q = torch.empty(x2.shape[0], K, dtype=out_dtype, device=x2.device)
+    scale = torch.empty(x2.shape[0], dtype=torch.float32, device=x2.device)
+    if x2.shape[0]:
+        block = _row_block(K)
+        _rows_kernel[(x2.shape[0],)](x2, q, scale, K, x2.stride(0), SWIGLU=swiglu, BLOCK_K=block,
+                                    num_warps=8 if block >= 4096 else 4)
+    return q.view(*lead, K), scale.view(lead)
+
+
+@triton.jit
+def _swiglu_bwd_rows_kernel(dh_ptr, gu_ptr, dgu_ptr, q_ptr, scale_ptr, F, BLOCK_F: tl.constexpr):
+    """d(gate) = dh * up * silu'(gate), d(up) = dh * silu(gate), stored, then cast with the
+    scale of the whole [d(gate) | d(up)] row (read back from the stored values)."""
+    row = tl.program_id(0).to(tl.int64)
+    dh_row, gu_row, dgu_row, q_row = dh_ptr + row * F, gu_ptr + row * 2 * F, dgu_ptr + row * 2 * F, q_ptr + row * 2 * F
+    cols = tl.arange(0, BLOCK_F)
+    amax = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for k in range(0, F, BLOCK_F):
+        mask = k + cols < F
+        dh = tl.load(dh_row + k + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gu_row + k + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_row + F + k + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        d_gate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgu_ptr.dtype.element_ty)
+        d_up = (dh * gate * sig).to(dgu_ptr.dtype.element_ty)
+        tl.store(dgu_row + k + cols, d_gate, mask=mask)
+        tl.store(dgu_row + F + k + cols, d_up, mask=mask)
+        amax = tl.maximum(amax, tl.maximum(tl.abs(d_gate.to(tl.float32)), tl.abs(d_up.to(tl.float32))))
+    scale = _scale_of(tl.max(amax, 0))
+    tl.debug_barrier()  # this program's stores, visible to all its threads before the read-back
+    for k in range(0, 2 * F, BLOCK_F):
+        v = tl.load(dgu_row + k + cols, mask=k + cols < 2 * F, other=0.0).to(tl.float32)
+        tl.store(q_row + k + cols, _cast(v, scale, q_ptr), mask=k + cols < 2 * F)
+    tl.store(scale_ptr + row, scale)
+
+
+def swiglu_backward_rows(dh_QF: torch.Tensor, gate_up_Q2F: torch.Tensor, out_dtype=torch.float8_e4m3fn):
+    """(d_gate_up_Q2F in gate_up's dtype, its row-wise q, scale_Q) for SwiGLU's backward."""
+    Q, F = dh_QF.shape
+    if not (dh_QF.is_contiguous() and gate_up_Q2F.is_contiguous()):
+        raise ValueError("swiglu_backward_rows needs contiguous operands")
+    dgu = torch.empty_like(gate_up_Q2F)
+    q = torch.empty(Q, 2 * F, dtype=out_dtype, device=dh_QF.device)
+    scale = torch.empty(Q, dtype=torch.float32, device=dh_QF.device)
+    if Q:
+        block = min(_row_block(F), 2048)
+        _swiglu_bwd_rows_kernel[(Q,)](dh_QF, gate_up_Q2F, dgu, q, scale, F, BLOCK_F=block, num_warps=8)
+    return dgu, q, scale
+
+
+@triton.jit
+def _group_of_rows(rows, ends_ptr, G, BLOCK_G: tl.constexpr):
+    """The group of each row: how many group ends are at or before it (at most G - 1)."""
+    g = tl.arange(0, BLOCK_G)
+    ends = tl.load(ends_ptr + g, mask=g < G, other=2**31 - 1)
+    return tl.minimum(tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), 1), G - 1)
+
+
+@triton.jit
+def _column_amax_kernel(x_ptr, ends_ptr, amax_bits_ptr, Q, C, G, stride_row, SWIGLU: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok, col_ok = rows < Q, cols < C
+    v = _load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+              row_ok[:, None] & col_ok[None, :], C, SWIGLU)
+    group = _group_of_rows(rows, ends_ptr, G, BLOCK_G)
+    first, last = tl.min(tl.where(row_ok, group, G), 0), tl.max(tl.where(row_ok, group, 0), 0)
+    for g in range(first, last + 1):
+        in_g = (group == g) & row_ok
+        amax = tl.max(tl.where(in_g[:, None], tl.abs(v), 0.0), 0)
+        # amax >= 0, and non-negative floats order like their bits as int32.
+        tl.atomic_max(amax_bits_ptr + g * C + cols, amax.to(tl.int32, bitcast=True), mask=col_ok)
+
+
+@triton.jit
+def _column_cast_kernel(x_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, SWIGLU: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < Q)[:, None] & (cols < C)[None, :]
+    v = _load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask, C, SWIGLU)
+    group = _group_of_rows(rows, ends_ptr, G, BLOCK_G).to(tl.int64)
+    scale = tl.load(scale_ptr + group[:, None] * C + cols[None, :], mask=mask, other=1.0)
+    tl.store(q_ptr + cols[None, :].to(tl.int64) * Q + rows[:, None], _cast(v, scale, q_ptr), mask=mask)
+
+
+def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, swiglu: bool = False,
+                     out_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_CQ, the transpose of x, and scale_GC flattened, group-major): one scale per column
+    per group of rows, the groups ending at `ends_G` (int32, on the device), as the wgrad
+    GEMM takes them. With `swiglu`, rows of x are gate | up and the columns quantised are
+    silu(gate) * up.
+    """
+    Q, C = x_QC.shape[0], x_QC.shape[1] // (2 if swiglu else 1)
+    G = ends_G.numel()
+    if x_QC.stride(1) != 1:
+        raise ValueError("quantize_columns needs rows with a contiguous last dim")
+    amax_bits = torch.zeros(G, C, dtype=torch.int32, device=x_QC.device)
+    q = torch.empty(C, Q, dtype=out_dtype, device=x_QC.device)
+    if Q == 0 or G == 0:
+        return q, _scale_from_bits(amax_bits).reshape(-1)
+    block_r, block_c, block_g = 64, 64, max(triton.next_power_of_2(G), 2)
+    grid = (triton.cdiv(Q, block_r), triton.cdiv(C, block_c))
+    tiles = dict(SWIGLU=swiglu, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_G=block_g)
+    _column_amax_kernel[grid](x_QC, ends_G, amax_bits, Q, C, G, x_QC.stride(0), **tiles)
+    scale_GC = _scale_from_bits(amax_bits)
+    _column_cast_kernel[grid](x_QC, ends_G, scale_GC, q, Q, C, G, x_QC.stride(0), **tiles)
+    return q, scale_GC.reshape(-1)
+
+
+@triton.jit
+def _weight_amax_kernel(w_ptr, row_bits_ptr, col_bits_ptr, N, I, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    g = tl.program_id(2).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    n_ok, i_ok = n < N, i < I
+    v = tl.abs(tl.load(w_ptr + g * N * I + n[:, None] * I + i[None, :],
+                       mask=n_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32))
+    # Non-negative floats order like their bits as int32 (see _column_amax_kernel).
+    tl.atomic_max(row_bits_ptr + g * N + n, tl.max(v, 1).to(tl.int32, bitcast=True), mask=n_ok)
+    tl.atomic_max(col_bits_ptr + g * I + i, tl.max(v, 0).to(tl.int32, bitcast=True), mask=i_ok)
+
+
+@triton.jit
+def _weight_cast_kernel(w_ptr, row_scale_ptr, col_scale_ptr, q_ptr, qt_ptr, N, I,
+                        BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    g = tl.program_id(2).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    n_ok, i_ok = n < N, i < I
+    mask = n_ok[:, None] & i_ok[None, :]
+    v = tl.load(w_ptr + g * N * I + n[:, None] * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
+    row_scale = tl.load(row_scale_ptr + g * N + n, mask=n_ok, other=1.0)
+    col_scale = tl.load(col_scale_ptr + g * I + i, mask=i_ok, other=1.0)
+    tl.store(q_ptr + g * N * I + n[:, None] * I + i[None, :], _cast(v, row_scale[:, None], q_ptr), mask=mask)
+    tl.store(qt_ptr + g * N * I + i[None, :] * N + n[:, None], _cast(v, col_scale[None, :], qt_ptr), mask=mask)
+
+
+def quantize_weight(w_GNI: torch.Tensor, out_dtype=torch.float8_e4m3fn):
+    """Both FP8 orientations of a stacked weight in two passes (amax, cast) instead of one
+    `quantize_rows` and one `quantize_columns`: ((q_GNI, scale_GN) scaled along I, for
+    fprop; (q_GIN, scale_GI) scaled along N, for dgrad)."""
+    G, N, I = w_GNI.shape
+    w = w_GNI.contiguous()
+    row_bits = torch.zeros(G, N, dtype=torch.int32, device=w.device)
+    col_bits = torch.zeros(G, I, dtype=torch.int32, device=w.device)
+    q = torch.empty(G, N, I, dtype=out_dtype, device=w.device)
+    qt = torch.empty(G, I, N, dtype=out_dtype, device=w.device)
+    if w.numel() == 0:
+        return (q, _scale_from_bits(row_bits)), (qt, _scale_from_bits(col_bits))
+    block_n, block_i = 64, 64
+    grid = (triton.cdiv(N, block_n), triton.cdiv(I, block_i), G)
+    _weight_amax_kernel[grid](w, row_bits, col_bits, N, I, BLOCK_N=block_n, BLOCK_I=block_i)
+    row_scale, col_scale = _scale_from_bits(row_bits), _scale_from_bits(col_bits)
+    _weight_cast_kernel[grid](w, row_scale, col_scale, q, qt, N, I, BLOCK_N=block_n, BLOCK_I=block_i)
+    return (q, row_scale), (qt, col_scale)
+
+
+def _scale_from_bits(amax_bits_GC: torch.Tensor) -> torch.Tensor:
+    return amax_bits_GC.view(torch.float32).clamp(min=MIN_AMAX) * INV_E4M3_MAX
