@@ -3,18 +3,18 @@
 Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows, I input and N
 output features, G groups = local experts).
 
-One step of a 3-sequence-per-GPU EP=4 run of `device_mxfp8` took many times longer than
-its others (docs/results/2026-11-21-h200-x4-larger-all-tiers.md). Its quantisers are
-`torch.compile`d with dynamic shapes, so the suspect was a recompile when the rows grow
-past a size the compiled kernels were guarded on. This script checks it: the three FP8 GEMMs of
-a gate/up projection (fprop, dgrad, wgrad) at Mixtral-8x7B sizes (I 4096, N 2 x 14336, 2
-local experts as at EP=4), called twice per row count, each call timed on its own. The
-counts grow past 2**31 elements of one operand, then one smaller count checks that the
-kernels compiled for the larger ones serve it. Run with `TORCH_LOGS=recompiles` to see the
-guard that failed. The answer, measured on an H100 (yes, once per process), and its log are
-in docs/results/2026-11-21-fp8-hopper-notes.md.
+One step of a 3-sequence-per-GPU EP=4 run of `device_mxfp8` once took many times longer than
+its others (docs/results/2026-11-21-h200-x4-larger-all-tiers.md): its quantisers were then
+`torch.compile`d with dynamic shapes, and they compiled again when an operand grew past
+2**31 elements. The casts are now Triton kernels (quant/fp8_cast.py), which compile once per
+shape of their fixed dims: the row count is an argument, and Triton specialises an integer
+argument only on being a multiple of 16, which every padded row count is. This script
+checks it: the three FP8 GEMMs of a gate/up projection (fprop, dgrad, wgrad) at
+Mixtral-8x7B sizes (I 4096, N 2 x 14336, 2 local experts as at EP=4), called twice per row
+count, each call timed on its own. The counts grow past 2**31 elements of one operand, then
+one smaller count checks that the kernels compiled for the larger ones serve it.
 
-    TORCH_LOGS=recompiles python3 -m benchmarks.fp8_row_counts
+    python3 -m benchmarks.fp8_row_counts
 
 Needs an sm_90 GPU (Hopper's FP8 tensor cores through `torch._scaled_grouped_mm`).
 """
@@ -24,6 +24,7 @@ import time
 import torch
 
 from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
 
 I, N, G = 4096, 2 * 14336, 2
 ROW_COUNTS = (16384, 32768, 49152, 65536, 73728, 81920, 98304, 90112, 114688)
@@ -35,15 +36,16 @@ def timed_call(gemms: FP8HopperGemms, rows: int, w_GNI: torch.Tensor) -> float:
     offsets_G = torch.tensor([rows // 2, rows], device="cuda", dtype=torch.int32)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    gemms.fprop(x_QI, w_GNI, offsets_G)
-    gemms.dgrad(dy_QN, w_GNI, offsets_G)
+    weight = gemms.weight(w_GNI)  # quantised on the first call only: the weight does not change
+    gemms.fprop(x_QI, weight, offsets_G)
+    gemms.dgrad(dy_QN, weight, offsets_G)
     gemms.wgrad(dy_QN, x_QI, offsets_G)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def main() -> None:
-    gemms = FP8HopperGemms()
+    gemms = FP8SwiGLUExperts().gemms  # the tier's GEMMs, with its Triton casts
     w_GNI = torch.randn(G, N, I, device="cuda", dtype=torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; I {I}, N {N}, G {G}")
     print(f"{'rows Q':>8} {'Q x N elements':>15} {'first call (s)':>15} {'second call (s)':>16}")

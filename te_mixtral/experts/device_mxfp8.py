@@ -16,6 +16,10 @@ the tier says which one ran (`describe()`, for the run header and results JSON).
 | `mxfp8-emulated` | anywhere (CPU, CI)     | MXFP8 numerics exactly per the OCP spec, GEMMs in        |
 |                  |                        | fp32/bf16 on the dequantised values (quant/mxfp8.py).    |
 
+In mode `fp8-hopper` a call with fewer rows per local expert than `fp8_min_rows_per_expert`
+(a config key; 0 turns it off) runs the BF16 `custom_grouped` kernels instead: there FP8
+is slower than BF16 (docs/precision.md), and `describe()` says so.
+
 `mode="auto"` (the config's `mxfp8_mode` default) picks the hardware path: sm_90 runs
 `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. The CPU, any other GPU, or a mode the
 device cannot run (say `mxfp8-te` on Hopper, or on Blackwell without TE), is a
@@ -34,6 +38,7 @@ import torch
 
 from te_mixtral.errors import TierUnavailable, UserError
 from te_mixtral.experts.base import ExpertTier
+from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.quant import te_mxfp8
 from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
 from te_mixtral.experts.quant.mxfp8 import MXFP8EmulatedGemms
@@ -131,6 +136,9 @@ _MODE_RUNNERS = {
 }
 
 
+_BF16_BELOW = CustomGroupedTier()  # what fp8-hopper runs under its break-even size
+
+
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
@@ -142,20 +150,23 @@ class DeviceMXFP8Tier(ExpertTier):
 
     name = "device_mxfp8"
 
-    def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None):
+    def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, bf16_below: int = 0):
         """`model_dims` (hidden size, expert FFN size), when given, are checked against the
-        mode that runs (`check_dims`) by `check_available`, before the model is built."""
+        mode that runs (`check_dims`) by `check_available`, before the model is built.
+        `bf16_below`: in mode `fp8-hopper`, a call with fewer rows per local expert runs
+        the BF16 `custom_grouped` kernels instead (the config's `fp8_min_rows_per_expert`)."""
         if mode not in MODES:
             raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.requested_mode = mode
         self.model_dims = model_dims
+        self.bf16_below = bf16_below
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
         self._runner = None
 
     @classmethod
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
-        return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size))
+        return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size), cfg.fp8_min_rows_per_expert)
 
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)
@@ -178,12 +189,23 @@ class DeviceMXFP8Tier(ExpertTier):
         """What runs: {"recipe", "kernel", "device"}, for the run header and results JSON."""
         if self._runner is None:
             raise RuntimeError("DeviceMXFP8Tier.describe() needs check_available(device) first")
-        return {"recipe": self._runner.recipe, "kernel": self._runner.kernel, "device": _device_name(self._device),
+        kernel = self._runner.kernel
+        if self._bf16_below_here():
+            kernel += f"; BF16 custom_grouped kernels for calls under {self.bf16_below} rows per local expert"
+        return {"recipe": self._runner.recipe, "kernel": kernel, "device": _device_name(self._device),
                 "precision": "fp8" if self.mode == "fp8-hopper" else "mxfp8"}
+
+    def _bf16_below_here(self) -> bool:
+        return self.mode == "fp8-hopper" and self.bf16_below > 0
 
     def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
         if x_RD.device != self._device:
             self.check_available(x_RD.device)
+        # Below the break-even size the FP8 casts and the weights' quantisation cost more than
+        # the FP8 GEMMs save (docs/precision.md has the measurements). Rows and experts are
+        # shapes, known on the host: the choice needs no sync.
+        if self._bf16_below_here() and x_RD.shape[0] < self.bf16_below * tokens_per_expert_L.numel():
+            return _BF16_BELOW(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
         runner = self._runner
         padded = padded_rows(tokens_per_expert_L, x_RD.shape[0], runner.row_align, runner.min_rows)
         y_QD = runner.mlp(pad_rows(x_RD, padded), padded, gate_up_L2FD, down_LDF)

@@ -57,6 +57,8 @@ def check_tier(cfg, world_size: int) -> None:
         raise UserError(f"unknown tier '{cfg.tier}' (tiers: {', '.join(RUN_NAMES)})")
     if cfg.mxfp8_mode not in MXFP8_MODES:
         raise UserError(f"mxfp8_mode must be one of {', '.join(MXFP8_MODES)}, got '{cfg.mxfp8_mode}'")
+    if cfg.fp8_min_rows_per_expert < 0:
+        raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {cfg.fp8_min_rows_per_expert}")
     if cfg.tier in BASELINES and cfg.profile_phases:
         raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
     if cfg.tier in BASELINES and cfg.train.recompute != "none":

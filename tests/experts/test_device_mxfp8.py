@@ -21,7 +21,7 @@ from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 from te_mixtral.experts.quant.mxfp8 import fake_quantize
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.scaled_grouped import scaled_grouped_swiglu
-from te_mixtral.experts.registry import make_tier
+from te_mixtral.experts.registry import check_tier, make_tier
 
 
 def test_emulated_tier_forward_matches_float64_on_the_quantised_operands():
@@ -168,3 +168,17 @@ def test_tier_from_the_registry_describes_what_runs():
         DeviceMXFP8Tier("fp8-hopper").check_available("cpu")
     with pytest.raises(UserError, match="mode must be one of"):
         DeviceMXFP8Tier("fp8")
+
+
+def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
+    cfg = load_config(None, {"mxfp8_mode": "mxfp8-emulated", "fp8_min_rows_per_expert": "100000"})
+    tier = make_tier("device_mxfp8", cfg)
+    assert tier.bf16_below == 100000 and load_config(None, {}).fp8_min_rows_per_expert == 3072
+    tier.check_available(torch.device("cpu"))
+    assert "BF16" not in tier.describe()["kernel"]  # emulation is for numerics: MXFP8 at every size
+    gen = torch.Generator().manual_seed(12)
+    x_RD, counts, gate_up, down = mlp_inputs(gen)
+    y = tier(x_RD, counts, gate_up, down)
+    assert not torch.equal(y, make_tier("custom_grouped")(x_RD, counts, gate_up, down))
+    with pytest.raises(UserError, match="fp8_min_rows_per_expert must be 0 or more"):
+        check_tier(load_config(None, {"tier": "device_mxfp8", "fp8_min_rows_per_expert": "-1"}), 1)

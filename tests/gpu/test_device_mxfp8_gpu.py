@@ -163,6 +163,19 @@ def test_fp8_hopper_tier_close_to_fp32(split):
 
 
 @hopper
+def test_fp8_hopper_runs_bf16_custom_grouped_below_its_break_even_size():
+    inputs = make_inputs(SPLITS["uneven"], seed=6)  # 432 rows over 4 experts: 108 per expert
+    bf16 = run(CustomGroupedTier(), *inputs)
+    for bf16_below, expect_bf16 in ((109, True), (108, False)):
+        tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=bf16_below)
+        tier.check_available(torch.device("cuda"))
+        got = run(tier, *inputs)
+        assert "BF16 custom_grouped kernels for calls under" in tier.describe()["kernel"]
+        assert all(torch.equal(a, b) for a, b in zip(got, bf16)) == expect_bf16, bf16_below
+        assert_close(got, reference(*inputs), FP8_ROWWISE_MLP_RTOL)
+
+
+@hopper
 def test_fp8_hopper_tier_under_autocast_with_fp32_master_weights():
     x, counts, gate_up, down, dy = make_inputs(SPLITS["uneven"], seed=2, param_dtype=torch.float32)
     with torch.autocast("cuda", torch.bfloat16):
@@ -268,7 +281,7 @@ def _fp8_gemms_only(gemms, x, gate_up, down, counts):
 
 @hopper
 @pytest.mark.skipif(os.environ.get("TE_MIXTRAL_BENCH") != "1", reason="timing: set TE_MIXTRAL_BENCH=1")
-@pytest.mark.parametrize("tokens_per_expert", [4096, 8192])
+@pytest.mark.parametrize("tokens_per_expert", [64, 512, 2048, 4096, 8192])
 def test_timing_fp8_hopper_vs_bf16_grouped_mm(tokens_per_expert):
     """Forward + backward of the expert MLP at Mixtral-8x7B shapes, 4 local experts, equal
     splits, bf16 weights. 'bf16 grouped_mm' is the project's grouped_mm reference

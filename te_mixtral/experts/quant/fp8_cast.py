@@ -39,7 +39,7 @@ from te_mixtral.experts.quant.fp8_hopper import INV_E4M3_MAX, MIN_AMAX
 _E4M3_MAX = tl.constexpr(448.0)
 _INV_MAX = tl.constexpr(INV_E4M3_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
-_MAX_ROW_BLOCK = 8192  # elements of a row one program holds in registers at once
+_MAX_ROW_BLOCK = 16384  # elements of a row one program holds in registers at once (F = 14336 fits)
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def quantize_rows(x_MK: torch.Tensor, *, swiglu: bool = False,
     if x2.shape[0]:
         block = _row_block(K)
         _rows_kernel[(x2.shape[0],)](x2, q, scale, K, x2.stride(0), SWIGLU=swiglu, BLOCK_K=block,
-                                    num_warps=8 if block >= 4096 else 4)
+                                    num_warps=max(4, min(16, block // 512)))  # <= 32 values per thread
     return q.view(*lead, K), scale.view(lead)
 
 
@@ -178,9 +178,16 @@ def _column_cast_kernel(x_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, 
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < Q)[:, None] & (cols < C)[None, :]
     v = _load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask, C, SWIGLU)
-    group = _group_of_rows(rows, ends_ptr, G, BLOCK_G).to(tl.int64)
-    scale = tl.load(scale_ptr + group[:, None] * C + cols[None, :], mask=mask, other=1.0)
-    tl.store(q_ptr + cols[None, :].to(tl.int64) * Q + rows[:, None], _cast(v, scale, q_ptr), mask=mask)
+    group = _group_of_rows(rows, ends_ptr, G, BLOCK_G)
+    first, last = tl.min(tl.where(rows < Q, group, G), 0), tl.max(tl.where(rows < Q, group, 0), 0)
+    # One [BLOCK_C] row of scales per group in the tile (almost always one group), rather
+    # than a [BLOCK_R, BLOCK_C] gather as large as the tile itself.
+    q = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for g in range(first, last + 1):
+        scale = tl.load(scale_ptr + g * C + cols, mask=cols < C, other=1.0)
+        q = tl.where((group == g)[:, None], tl.div_rn(v, scale[None, :]), q)
+    q = tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + cols[None, :].to(tl.int64) * Q + rows[:, None], q, mask=mask)
 
 
 def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, swiglu: bool = False,
