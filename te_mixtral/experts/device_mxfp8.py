@@ -23,7 +23,7 @@ is slower than BF16 (docs/precision.md), and `describe()` says so.
 `mode="auto"` (the config's `mxfp8_mode` default) picks the hardware path: sm_90 runs
 `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. The CPU, any other GPU, or a mode the
 device cannot run (say `mxfp8-te` on Hopper, or on Blackwell without TE), is a
-`TierUnavailable` with one line saying why. Nothing ever falls back to BF16, and
+`TierUnavailable` with one line saying why. A mode never falls back to another, and
 emulation runs only where it was asked for by name (`--mxfp8_mode mxfp8-emulated`).
 
 All modes share the frame below: pad every expert's rows to the mode's alignment on the
