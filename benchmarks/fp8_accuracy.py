@@ -1,0 +1,113 @@
+"""How far each 8-bit expert FFN lands from float64: ours on Hopper beside TE's FP8 recipes.
+
+Shape suffixes: see te_mixtral/experts/base.py.
+
+The expert SwiGLU MLP at Mixtral-8x7B sizes (D 4096, F 14336) over 4 local experts, with
+bf16 inputs and weights, forward and backward. The reference is the `loop` tier run in
+float64 on the same values; each column's output and three gradients are compared with it
+as relative Frobenius errors, ||got - ref|| / ||ref||. Columns:
+
+- `custom_grouped`: our BF16 kernels, the error BF16 itself brings;
+- `device_mxfp8` in mode `fp8-hopper` (E4M3, a scale per row and per column), FP8 at every size;
+- TE `GroupedLinear` under `Float8CurrentScaling`, `Float8BlockScaling` and
+  `DelayedScaling` (through `quant/te_mxfp8.TEGroupedExperts`, which runs TE's grouped
+  linear under any recipe), each where this TE build runs it.
+
+Every column runs four times on the same inputs and the last is measured, so that
+`DelayedScaling` works from an amax history rather than its initial scale.
+
+    python3 -m benchmarks.fp8_accuracy [--tokens-per-expert 1024]
+
+Needs a Hopper GPU; the TE columns need Transformer Engine.
+"""
+
+import argparse
+
+import torch
+
+from te_mixtral.experts.custom_grouped import CustomGroupedTier
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
+from te_mixtral.measure.report import format_table
+
+D, F, L = 4096, 14336, 4
+RUNS = 4
+NAMES = ("y", "dx", "d_gate_up", "d_down")
+
+
+def inputs(tokens_per_expert: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    rows = L * tokens_per_expert
+    counts = torch.full((L,), tokens_per_expert, device="cuda", dtype=torch.int64)
+    return (randn(rows, D), counts, randn(L, 2 * F, D, scale=D**-0.5), randn(L, D, F, scale=F**-0.5),
+            randn(rows, D))
+
+
+def outputs(ffn, x, counts, gate_up, down, dy):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, gate_up, down)]
+    y = ffn(leaves[0], counts, leaves[1], leaves[2])
+    return (y.detach(), *torch.autograd.grad(y, leaves, dy.to(y.dtype)))
+
+
+def te_column(recipe):
+    from te_mixtral.experts.quant.te_mxfp8 import TEGroupedExperts
+
+    experts = TEGroupedExperts(recipe)
+
+    def ffn(x_RD, counts, gate_up, down):
+        padded = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)
+        return unpad_rows(experts.mlp(pad_rows(x_RD, padded), padded, gate_up, down), padded)
+
+    return ffn
+
+
+def columns() -> tuple[dict, dict]:
+    fp8 = DeviceMXFP8Tier("fp8-hopper")  # bf16_below=0: FP8 at every size
+    fp8.check_available(torch.device("cuda"))
+    found, skipped = {"custom_grouped": CustomGroupedTier(), "device_mxfp8 (fp8-rowwise)": fp8}, {}
+    try:
+        from transformer_engine.common import recipe
+    except ImportError as error:
+        return found, {"TE": f"Transformer Engine is not installed ({error})"}
+    for name in ("Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling"):
+        if not hasattr(recipe, name):
+            skipped[f"TE {name}"] = "not in this TE build"
+            continue
+        found[f"TE {name}"] = te_column(getattr(recipe, name)())
+    return found, skipped
+
+
+def rel_err(got, ref) -> float:
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens-per-expert", type=int, default=1024)
+    args = parser.parse_args()
+    x, counts, gate_up, down, dy = inputs(args.tokens_per_expert)
+    ref = outputs(LoopTier(), x.double(), counts, gate_up.double(), down.double(), dy.double())
+    found, skipped = columns()
+    rows = []
+    for name, ffn in found.items():
+        try:
+            for _ in range(RUNS):
+                got = outputs(ffn, x, counts, gate_up, down, dy)
+        except Exception as error:  # noqa: BLE001 - one recipe this build cannot run must not end the run
+            skipped[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            continue
+        rows.append([name, *(f"{rel_err(g, r):.2e}" for g, r in zip(got, ref))])
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {L} experts x {args.tokens_per_expert} "
+          f"tokens, D={D}, F={F}, bf16 inputs and weights; relative error against float64 `loop`")
+    print(format_table(rows, ["column", *NAMES]))
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+
+
+if __name__ == "__main__":
+    main()
