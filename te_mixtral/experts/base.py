@@ -64,6 +64,17 @@ class ExpertTier(abc.ABC):
         """What runs, beyond the tier's name (recipe, kernel, ...): merged into the run header."""
         return {}
 
+    def recomputes_hidden(self, x_RD: torch.Tensor) -> bool:
+        """Whether `recompute_hidden` runs for these rows. Selective recompute
+        (model/recompute.py) calls it where it does, and otherwise runs the whole tier again
+        in the backward under torch's checkpoint."""
+        return False
+
+    def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF) -> torch.Tensor:
+        """`__call__` keeping only its inputs for the backward, which computes again only what
+        it needs of the hidden rows (a tier that can do better than re-running itself)."""
+        raise NotImplementedError(f"tier {self.name} is recomputed by torch's checkpoint")
+
     @abc.abstractmethod
     def __call__(
         self,

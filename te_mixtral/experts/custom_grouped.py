@@ -37,11 +37,24 @@ class CustomGroupedTier(ExpertTier):
     def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
         if not x_RD.is_cuda:
             return grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+        return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=True)
+
+    def recomputes_hidden(self, x_RD) -> bool:
+        return x_RD.is_cuda
+
+    def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+        """Selective recompute inside the op: its backward runs the gate_up GEMM again, not
+        the down projection, whose output the backward does not need (a checkpoint of the
+        whole op would run both)."""
+        return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=False)
+
+    @staticmethod
+    def _kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden):
         from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
-        return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+        return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden)
 
 
 def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):

@@ -36,10 +36,13 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts_per_rank, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(experts_per_rank, hidden_size, intermediate_size))
 
-    def forward(self, tier: ExpertTier, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
-        """`tier` over these experts. A forward of their own, so that FSDP, which shards the
-        experts apart from the dense weights (distributed/parallelize.py), gathers them here."""
-        return tier(x_RD, tokens_per_expert_L, self.gate_up_proj, self.down_proj)
+    def forward(self, tier: ExpertTier, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor,
+                keep_hidden: bool = True) -> torch.Tensor:
+        """`tier` over these experts (`keep_hidden=False`: the tier's own selective recompute).
+        A forward of their own, so that FSDP, which shards the experts apart from the dense
+        weights (distributed/parallelize.py), gathers them here."""
+        run = tier if keep_hidden else tier.recompute_hidden
+        return run(x_RD, tokens_per_expert_L, self.gate_up_proj, self.down_proj)
 
 
 class MoEBlock(nn.Module):
@@ -79,7 +82,11 @@ class MoEBlock(nn.Module):
     def run_experts(self, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
         """The expert tier over this rank's sorted rows: [R, D] in, [R, D] out."""
         inputs = (self.tier, x_RD, tokens_per_expert_L)
-        return recomputed(self.experts, *inputs) if self.recompute_experts else self.experts(*inputs)
+        if not self.recompute_experts:
+            return self.experts(*inputs)
+        if self.tier.recomputes_hidden(x_RD):
+            return self.experts(*inputs, keep_hidden=False)
+        return recomputed(self.experts, *inputs)
 
     def combine(self, y_RD: torch.Tensor, routed: DispatchOutput) -> torch.Tensor:
         """Send the rows back to their tokens and sum each token's k outputs, weighted: [T, D]."""

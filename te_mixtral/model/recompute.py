@@ -8,7 +8,9 @@ forward again in the backward instead (`train.recompute`).
                forward and computed again in the backward. Routing and dispatch are not
                run again: the tier's inputs (the dispatched rows and their per-expert
                counts) are what is kept, so the recompute cannot route differently. Costs
-               one more expert forward per step.
+               one more expert forward per step; `custom_grouped` on CUDA recomputes inside
+               its op (`ExpertTier.recompute_hidden`) and runs only the gate_up GEMM again,
+               two thirds of an expert forward.
     full       each decoder layer keeps only its input; its whole forward (norms, attention,
                routing, dispatch, experts, combine) runs again in its backward. Costs one
                more forward of every layer.

@@ -66,16 +66,18 @@ SDPA_MATH_WITH_TE = {("torch", "none"), ("torch", "selective")}
 
 
 def estimate_cases():
-    for backend in BACKENDS:
-        for recompute in ("none", "selective", "full"):
+    # loop in every mode; custom_grouped where it recomputes inside its own op.
+    for tier, recompute in [("loop", "none"), ("loop", "selective"), ("loop", "full"),
+                            ("custom_grouped", "selective")]:
+        for backend in BACKENDS:
             gap = te_available() and (backend.name, recompute) in SDPA_MATH_WITH_TE
             marks = [pytest.mark.xfail(strict=True, reason="SDPA's math path under TE's cuDNN")] if gap else []
-            yield pytest.param(backend, recompute, marks=marks, id=f"{backend.name}-{recompute}")
+            yield pytest.param(backend, tier, recompute, marks=marks, id=f"{backend.name}-{tier}-{recompute}")
 
 
-@pytest.mark.parametrize("backend, recompute", list(estimate_cases()))
-def test_forward_keeps_what_the_estimate_says(backend, recompute):
-    cfg, model, batch = setup(backend, "loop", recompute, 1024)
+@pytest.mark.parametrize("backend, tier, recompute", list(estimate_cases()))
+def test_forward_keeps_what_the_estimate_says(backend, tier, recompute):
+    cfg, model, batch = setup(backend, tier, recompute, 1024)
     loss_of(model, batch).backward()  # GEMM workspaces and caches exist before the count
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()

@@ -119,7 +119,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma):
+    def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma, keep_hidden):
         R, D = x_RD.shape
         L, F = down_LDF.shape[0], down_LDF.shape[2]
         dtype = x_RD.dtype
@@ -139,8 +139,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
                       cfg=cfgs["gate_up"], use_tma=use_tma, epilogue=EPI_SWIGLU, h=h_R2F)
             rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_icontig=True,
                       cfg=cfgs["down"], use_tma=use_tma)
-        ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF)
-        ctx.cfgs, ctx.use_tma, ctx.h_consumed = cfgs, use_tma, False
+        if keep_hidden:
+            ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF)
+        else:  # the weights as they came: a cast copy is made again in the backward
+            ctx.save_for_backward(x_RD, counts_L, gate_up_L2FD, down_LDF)
+        ctx.cfgs, ctx.use_tma, ctx.h_consumed, ctx.keep_hidden = cfgs, use_tma, False, keep_hidden
         ctx.w_dtypes = (gate_up_L2FD.dtype, down_LDF.dtype)
         return y_RD
 
@@ -152,9 +155,19 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 "custom_grouped: backward ran twice through one forward; the saved "
                 "pre-activations were overwritten by the first (retain_graph is unsupported)"
             )
-        ctx.h_consumed = True
-        x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF = ctx.saved_tensors
+        ctx.h_consumed = ctx.keep_hidden
         cfgs, use_tma = ctx.cfgs, ctx.use_tma
+        if ctx.keep_hidden:
+            x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF = ctx.saved_tensors
+        else:  # recompute the pre-activations: the gate_up GEMM again, not the down one
+            x_RD, counts_L, gate_up_L2FD, down_LDF = ctx.saved_tensors
+            w1_L2FD = gate_up_L2FD.to(x_RD.dtype).contiguous()
+            w2_LDF = down_LDF.to(x_RD.dtype).contiguous()
+            h_R2F = x_RD.new_empty(x_RD.shape[0], w1_L2FD.shape[1])
+            if x_RD.shape[0] > 0:
+                rows_gemm(x_RD, w1_L2FD, counts_L, x_RD.new_empty(x_RD.shape[0], w2_LDF.shape[2]),
+                          n=w2_LDF.shape[2], b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
+                          epilogue=EPI_SWIGLU, h=h_R2F)
         R, D = x_RD.shape
         F = w2_LDF.shape[2]
         dy_RD = dy_RD.to(x_RD.dtype).contiguous()
@@ -162,7 +175,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         d_w2 = torch.empty(w2_LDF.shape, dtype=ctx.w_dtypes[1], device=x_RD.device)
         dx_RD = torch.empty_like(x_RD)
         if R == 0:
-            return dx_RD, None, d_w1.zero_(), d_w2.zero_(), None, None
+            return dx_RD, None, d_w1.zero_(), d_w2.zero_(), None, None, None
 
         # 3: dh overwrites h; act comes back for 4, then is freed.
         act_RF = x_RD.new_empty(R, F)
@@ -174,15 +187,19 @@ class _GroupedSwiGLU(torch.autograd.Function):
         rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
                   cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
         wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma)
-        return dx_RD, None, d_w1, d_w2, None, None
+        return dx_RD, None, d_w1, d_w2, None, None, None
 
 
 def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs=None,
-                   use_tma=None):
+                   use_tma=None, keep_hidden=True):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep uses it); `use_tma` forces
     the descriptor path on or off (default: on where the tensors allow it).
+    `keep_hidden=False` is selective recompute done inside the op: the forward keeps only
+    its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
+    is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
+    projection too, whose output the backward does not need.
     """
     return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF,
-                                configs or CONFIGS, use_tma)
+                                configs or CONFIGS, use_tma, keep_hidden)
