@@ -258,8 +258,11 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     fused = cfg.tier in ("custom_grouped", "device_mxfp8") and device == "cuda"
     hidden = 2 * F if fused else 4 * F
     # device_mxfp8 on a GPU keeps its experts' weights in FP8, one byte per element in each of
-    # two orientations, from a layer's first forward until the optimizer step, recompute or not.
-    fp8_weights = 2 * params.experts_per_layer if cfg.tier == "device_mxfp8" and device == "cuda" else 0
+    # two orientations, from a layer's first forward until the optimizer step, recompute or not;
+    # under its break-even size it runs custom_grouped's BF16 kernels, which keep none.
+    fp8 = (cfg.tier == "device_mxfp8" and device == "cuda"
+           and R >= cfg.fp8_min_rows_per_expert * (E // ep))
+    fp8_weights = 2 * params.experts_per_layer if fp8 else 0
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
     # from a bf16 one) and the normalised rows in the residual dtype.

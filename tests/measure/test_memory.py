@@ -220,7 +220,10 @@ def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
         pytest.skip("recorded by the FP8 tier before its fused SwiGLU and weight cache, which the estimate "
                     "no longer describes")
     cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
-                    tier=raw["tier"], ep_size=raw["ep_size"])
+                    tier=raw["tier"], ep_size=raw["ep_size"],
+                    fp8_min_rows_per_expert=raw.get("fp8_min_rows_per_expert", 3072))
+    if raw["tier"] == "device_mxfp8" and "BF16 custom_grouped kernels" not in header["ran"]["kernel"]:
+        cfg.fp8_min_rows_per_expert = 0  # recorded before the break-even rule: FP8 at every size
     cfg.backend = "torch" if header["ran"]["backend"] == "transformers" else header["ran"]["backend"]
     estimate = estimate_memory(cfg, header["world_size"], device="cuda")
     assert estimate.total / GiB == pytest.approx(result["summary"]["peak_memory_gib"], rel=0.15)
@@ -268,3 +271,17 @@ def test_a_run_that_cannot_fit_refuses_before_allocating():
     assert time.monotonic() - start < 60
     # The child never held more than libraries' worth of memory (ru_maxrss is in KiB on Linux).
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 2 * GiB
+
+
+def test_fp8_weight_copies_are_counted_only_where_fp8_runs():
+    """device_mxfp8 on a GPU holds each expert weight in FP8 twice (two orientations) until
+    the optimizer step; under fp8_min_rows_per_expert it runs the BF16 kernels and holds none."""
+    def total(min_rows, tier="device_mxfp8"):
+        cfg = tiny(tier, fp8_min_rows_per_expert=str(min_rows), dtype="bf16")
+        return estimate_memory(cfg, 1, device="cuda")
+
+    fp8, bf16 = total(0), total(10**9)
+    assert bf16.total == total(0, tier="custom_grouped").total
+    m = tiny().model
+    copies = 2 * count_parameters(m).experts_per_layer * m.num_hidden_layers
+    assert fp8.phases["head backward"]["weight copies"] - bf16.phases["head backward"]["weight copies"] == copies
