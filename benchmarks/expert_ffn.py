@@ -3,14 +3,18 @@
 Shape suffixes: see te_mixtral/experts/base.py.
 
 What is timed: y = SwiGLU expert FFN over R rows and L = 4 local experts at Mixtral-8x7B
-sizes (D = 4096, F = 14336), then the gradients of x and both stacked weights (one
-`torch.autograd.grad` call, so no `.grad` accumulation is timed). Columns:
+sizes (D = 4096, F = 14336; `--family 8x22b`: D = 6144, F = 16384), then the gradients of x
+and both stacked weights (one `torch.autograd.grad` call, so no `.grad` accumulation is
+timed). Columns:
 
 - each registered tier (`te_mixtral.experts.registry.EXPERT_TIERS`) whose module exists and whose
   `check_available` passes here; the others are listed with the reason they were skipped;
 - `grouped_mm`: `torch.nn.functional.grouped_mm` with plain autograd (the custom_grouped
   tier's CPU path, `grouped_mm_swiglu`, called directly), the PyTorch-native grouped GEMM
-  as a reference point.
+  as a reference point;
+- the 8-bit peers of `benchmarks/peers.py` (TE's FP8 recipes, torchao's FP8 row-wise MoE
+  GEMM), on CUDA, where their library runs. `device_mxfp8` is built as
+  `DeviceMXFP8Tier()`: FP8 at every size (no break-even switch to BF16).
 
 The `loop` column is slow at small R on purpose: at 64 rows per expert each of its GEMMs is
 tiny and the Python loop, the launches and the host sync dominate, which is what grouped
@@ -32,7 +36,7 @@ The matmul peak (8192^3, random bf16) and copy bandwidth are measured in the sam
 
 Run from the repository root, with te_mixtral installed (`pip install -e .`):
 
-    python3 -m benchmarks.expert_ffn [--json results.json] [--quick]
+    python3 -m benchmarks.expert_ffn [--json results.json] [--quick] [--family 8x7b|8x22b]
 
 `--quick` runs small sizes (seconds on a GPU, a minute on a CPU, where host clocks replace
 CUDA events) to check that the script works, not to measure anything.
@@ -51,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.peers import FP8_PEERS
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.registry import EXPERT_TIERS, make_tier
@@ -69,7 +74,8 @@ class Sizes:
     copy_bytes: int  # the bandwidth copy reads and writes this many bytes each
 
 
-FULL = Sizes(4096, 14336, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)
+FULL = Sizes(4096, 14336, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)  # Mixtral-8x7B
+FULL_8X22B = Sizes(6144, 16384, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)  # Mixtral-8x22B
 QUICK = Sizes(128, 256, (16, 64), 256, 512, 2**24)
 LOCAL_EXPERTS = 4  # L
 SKEW = (0.70, 0.20, 0.09, 0.01)  # share of the rows per expert in the skewed case
@@ -127,6 +133,14 @@ def available_columns(device: torch.device) -> tuple[dict, dict]:
         columns["grouped_mm"] = grouped_mm_swiglu
     else:
         skipped["grouped_mm"] = f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    if device.type == "cuda":
+        for name, build in FP8_PEERS.items():
+            try:
+                columns[name] = build()
+            except Exception as error:  # noqa: BLE001 - a library this machine lacks is a skipped column
+                skipped[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    else:
+        skipped.update(dict.fromkeys(FP8_PEERS, "8-bit peers run on CUDA only"))
     return columns, skipped
 
 
@@ -202,11 +216,16 @@ def time_cell(ffn, case: Case, weights, sizes: Sizes, device: torch.device) -> d
     tokens_per_expert_L = torch.tensor(case.splits, dtype=torch.int64, device=device)
     buffers = input_sets(sum(case.splits), sizes, device)
     counter = iter(range(10**9))
+    # An (empty) optimizer step ends every timed step, as one micro-batch per training step
+    # would: what caches a quantised weight until the weights change (device_mxfp8) pays for
+    # quantising it in every step, as the TE recipes do.
+    optimizer = torch.optim.SGD([torch.zeros(1, device=device, requires_grad=True)], lr=0.0)
 
     def step():
         x_RD, dy_RD = buffers[next(counter) % len(buffers)]
         y_RD = ffn(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
         torch.autograd.grad(y_RD, (x_RD, gate_up_L2FD, down_LDF), dy_RD)
+        optimizer.step()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -237,7 +256,7 @@ def run_header(device: torch.device, sizes: Sizes) -> dict:
 
 def table_row(r: dict, peak: float) -> list[str]:
     if "ms" not in r:
-        return [r["case"], str(r["rows"]), r["column"], r["error"], "", "", "", "", ""]
+        return [r["case"], str(r["rows"]), r["column"], r["error"], "", "", "", "", "", ""]
     return [
         r["case"],
         str(r["rows"]),
@@ -246,6 +265,7 @@ def table_row(r: dict, peak: float) -> list[str]:
         f"{r['tflops']:.0f}" if r["tflops"] >= 100 else f"{r['tflops']:.3g}",
         f"{100 * r['tflops'] / peak:.0f}%",
         f"{r['x_best_grouped']:.2f}" if r["x_best_grouped"] else "-",
+        f"{r['x_best_8bit_peer']:.2f}" if r["x_best_8bit_peer"] else "-",
         f"{r['floor_ms']:.3f}",
         f"{r['extra_gib']:.2f}" if r["extra_gib"] is not None else "-",
     ]
@@ -256,13 +276,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the numbers to this file")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--family", choices=("8x7b", "8x22b"), default="8x7b",
+                        help="expert shapes: Mixtral-8x7B (D 4096, F 14336) or 8x22B (D 6144, F 16384)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type != "cuda" and not args.quick:
         parser.error("the full sizes need a CUDA GPU; use --quick to smoke-test on the CPU")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    sizes = QUICK if args.quick else FULL
+    sizes = QUICK if args.quick else {"8x7b": FULL, "8x22b": FULL_8X22B}[args.family]
     torch.manual_seed(0)
 
     # --- ceilings, measured in this run
@@ -307,9 +329,11 @@ def main() -> None:
     for case in cases:
         case_results = [cells[case.name, column] for column in order]
         best = [r["ms"] for r in case_results if "ms" in r and r["column"] in ("grouped_linear", "grouped_mm")]
+        best_8bit = [r["ms"] for r in case_results if "ms" in r and r["column"] in FP8_PEERS]
         for r in case_results:
             if "ms" in r:
                 r["x_best_grouped"] = r["ms"] / min(best) if best else None
+                r["x_best_8bit_peer"] = r["ms"] / min(best_8bit) if best_8bit else None
         results += case_results
 
     # --- report
@@ -318,10 +342,11 @@ def main() -> None:
           f"TE {header['transformer_engine']}  triton {header['triton']}  python {header['python']}")
     print(f"D={D} F={F_} L={L}, bf16 parameters, no autocast.  Measured bf16 matmul peak {peak:.0f} TFLOP/s "
           f"(datasheet {header['datasheet_peak_bf16_tflops'] or 'n/a'}), copy {bandwidth:.0f} GB/s")
-    header_row = ["case", "rows", "column", "ms", "TFLOP/s", "% peak", "x best", "floor ms", "extra GiB"]
+    header_row = ["case", "rows", "column", "ms", "TFLOP/s", "% peak", "x best", "x best 8-bit", "floor ms",
+                  "extra GiB"]
     print(format_table([table_row(r, peak) for r in results], header_row))
-    print("x best: time over the faster of grouped_linear and grouped_mm in that case.  "
-          "floor: max(FLOPs / peak, 3 x weight bytes / bandwidth).")
+    print("x best: time over the faster of grouped_linear and grouped_mm in that case; x best 8-bit: over the "
+          "fastest 8-bit peer (TE's FP8 recipes, torchao).  floor: max(FLOPs / peak, 3 x weight bytes / bandwidth).")
     print("extra GiB: peak memory above what was held before the cell (activations, gradients, workspaces).")
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")

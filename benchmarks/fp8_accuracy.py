@@ -9,9 +9,9 @@ as relative Frobenius errors, ||got - ref|| / ||ref||. Columns:
 
 - `custom_grouped`: our BF16 kernels, the error BF16 itself brings;
 - `device_mxfp8` in mode `fp8-hopper` (E4M3, a scale per row and per column), FP8 at every size;
-- TE `GroupedLinear` under `Float8CurrentScaling`, `Float8BlockScaling` and
-  `DelayedScaling` (through `quant/te_mxfp8.TEGroupedExperts`, which runs TE's grouped
-  linear under any recipe), each where this TE build runs it.
+- the 8-bit peers of `benchmarks/peers.py`: TE `GroupedLinear` under `Float8CurrentScaling`,
+  `Float8BlockScaling` and `DelayedScaling`, and torchao's FP8 row-wise MoE GEMM, each where
+  this machine runs it.
 
 Every column runs four times on the same inputs and the last is measured, so that
 `DelayedScaling` works from an amax history rather than its initial scale.
@@ -25,10 +25,10 @@ import argparse
 
 import torch
 
+from benchmarks.peers import FP8_PEERS
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.measure.report import format_table
 
 D, F, L = 4096, 14336, 4
@@ -54,31 +54,15 @@ def outputs(ffn, x, counts, gate_up, down, dy):
     return (y.detach(), *torch.autograd.grad(y, leaves, dy.to(y.dtype)))
 
 
-def te_column(recipe):
-    from te_mixtral.experts.quant.te_mxfp8 import TEGroupedExperts
-
-    experts = TEGroupedExperts(recipe)
-
-    def ffn(x_RD, counts, gate_up, down):
-        padded = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)
-        return unpad_rows(experts.mlp(pad_rows(x_RD, padded), padded, gate_up, down), padded)
-
-    return ffn
-
-
 def columns() -> tuple[dict, dict]:
     fp8 = DeviceMXFP8Tier("fp8-hopper")  # bf16_below=0: FP8 at every size
     fp8.check_available(torch.device("cuda"))
     found, skipped = {"custom_grouped": CustomGroupedTier(), "device_mxfp8 (fp8-rowwise)": fp8}, {}
-    try:
-        from transformer_engine.common import recipe
-    except ImportError as error:
-        return found, {"TE": f"Transformer Engine is not installed ({error})"}
-    for name in ("Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling"):
-        if not hasattr(recipe, name):
-            skipped[f"TE {name}"] = "not in this TE build"
-            continue
-        found[f"TE {name}"] = te_column(getattr(recipe, name)())
+    for name, build in FP8_PEERS.items():
+        try:
+            found[name] = build()
+        except Exception as error:  # noqa: BLE001 - a library this machine lacks is a skipped column
+            skipped[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
     return found, skipped
 
 
