@@ -97,3 +97,18 @@ def test_ep2_over_nccl_equals_ep1(tmp_path, precision, sharding):
     else:  # bf16: the first step is the forward alone; later steps drift apart chaotically
         assert abs(losses2[0] - losses1[0]) / losses1[0] < 1e-3, (losses2, losses1)
         assert abs(sum(losses2) - sum(losses1)) / sum(losses1) < 3e-2, (losses2, losses1)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="fp8-hopper needs a Hopper GPU")
+def test_fp8_hopper_trains_like_loop_at_ep2_under_fsdp(tmp_path):
+    """The FP8 tier over NCCL with FSDP2 (experts gathered for each forward, parameters
+    written by the sharded optimizer, its FP8 weight copies refilled after every step, which
+    tests/experts/quant/test_fp8_hopper.py checks on its own) trains within the 8-bit loss
+    bounds of `loop` in the same layout."""
+    extra = ["--batch_size", "2", "--optimizer", "master_adamw", "--lr", "3e-3"]
+    reference, _ = train(tmp_path, "loop", "loop", 2, "--ep-size", "2", "--sharding", "fsdp", *extra)
+    _, stdout = train(tmp_path, "fp8", "device_mxfp8", 2, "--ep-size", "2", "--sharding", "fsdp",
+                      "--fp8_min_rows_per_expert", "0", "--loss-check", str(reference), *extra)
+    assert "fp8-rowwise" in stdout and "loss check passed" in stdout, stdout[-3000:]
