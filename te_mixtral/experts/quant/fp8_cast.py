@@ -11,9 +11,9 @@ here each reads its operand once or twice and writes the FP8 values once:
 - `quantize_rows`: one program per row; a row that fits one block is read once and kept
   in registers, a longer one is read twice (amax, then cast; the second read hits L2).
 - `quantize_columns`: one scale per column per group of rows, values written transposed
-  (the wgrad operands). Two kernels over the same
-  [BLOCK_R, BLOCK_C] tiles: the first folds each tile's column maxima into the group's with
-  an atomic max, the second casts and stores the tile transposed. A tile may hold rows of
+  (the wgrad operands). Two kernels over the same [BLOCK_R, BLOCK_C] tiles: the first
+  folds each tile's column maxima into the group's with an atomic max, the second casts
+  and stores the tile transposed. A tile may hold rows of
   several groups, so each row finds its group by counting the group ends at or before it.
 
 With `swiglu=True` both read gate_up rows [Q, 2C] (gate | up) and quantise

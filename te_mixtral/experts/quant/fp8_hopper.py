@@ -12,11 +12,11 @@ every operand column (B) gets its own scale, taken over the GEMM's reduction dim
     dgrad  dx = dy w    dy: one per row (over N);       w: one per expert and input channel
     wgrad  dw = dy^T x  dy, x: one per expert and channel, over that expert's rows only
 
-Each scale is amax / 448 (computed as amax * (1 / 448)), so the largest value of its row lands on E4M3's largest finite
-value (an all-zero row gets a tiny scale instead of a division by zero). All operands are
-E4M3, in backward too: this kernel takes no E5M2, and per-row scales leave gradients less
-need of E5M2's range than one scale per tensor would. Accumulation is float32 in the
-tensor cores (`use_fast_accum=False`), the output bfloat16.
+Each scale is amax / 448 (computed as amax * (1 / 448)), so the largest value of its row
+lands on E4M3's largest finite value (an all-zero row gets a tiny scale instead of a
+division by zero). All operands are E4M3, in backward too: this kernel takes no E5M2, and
+per-row scales leave gradients less need of E5M2's range than one scale per tensor would.
+Accumulation is float32 in the tensor cores (`use_fast_accum=False`), the output bfloat16.
 
 What `torch._scaled_grouped_mm` (PyTorch 2.11, CUDA) requires, and where we meet it:
 - A row-major, B column-major (`w_GNI.transpose(-2, -1)` of a contiguous w is).
@@ -118,7 +118,8 @@ class FP8HopperGemms:
     `scaled_grouped_mm` is the kernel, `torch._scaled_grouped_mm` unless a test passes a
     stand-in with its semantics. `quantizers` is three functions with the signatures of
     `fp8_cast.quantize_rows`, `quantize_columns` and `quantize_weight`: those Triton kernels on
-    the GPU (`fp8_swiglu.hopper_gemms`), this module's PyTorch reference by default.
+    the GPU (`fp8_swiglu.FP8SwiGLUExperts` passes them), this module's PyTorch reference by
+    default.
     `out_dtype` is the GEMMs' output dtype (bf16; float32 lets a test run the data flow
     exactly, with unrounded values in place of FP8 ones).
     """
