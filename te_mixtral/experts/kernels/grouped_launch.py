@@ -71,32 +71,37 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 # --- split-K ----------------------------------------------------------------------------
 
 # Every split runs at least MIN_SPLIT_BLOCKS reduction blocks, so the pipeline's fill
-# (num_stages loads before the first dot) stays a small part of its loop. At most
-# MAX_SPLIT_K splits: each adds 4 bytes written and 4 read per output element; at 8
-# splits and 64 rows per expert that is already a seventh of the weight bytes at
-# Mixtral-8x7B's I = 14336 (8 * 8 * 64 bytes per 2 * 14336).
+# (num_stages loads before the first dot) stays a small part of its loop; and at most
+# MAX_SPLIT_K, since past a full machine more splits only add workspace traffic.
 MIN_SPLIT_BLOCKS = 8
 MAX_SPLIT_K = 8
-# A smaller split count within this factor of the best modelled time wins: it moves less
-# workspace, which the model leaves out.
-SPLIT_SLACK = 1.1
+# More splits must beat fewer by more than this factor: the model below leaves out each
+# split's pipeline fill and the summing kernel's launch.
+SPLIT_SLACK = 1.05
 SUM_BLOCK = 1024
 
 
 def split_k(R: int, L: int, n: int, I: int, cfg: dict, programs: int) -> int:
     """SPLIT_K for a plain-epilogue rows GEMM out [R, n] = A [R, I] @ B_e, from shapes alone.
 
-    With T output tiles and P resident programs, split s makes T * s tiles of 1/s the work
-    each, so every program runs ceil(T * s / P) of them and the GEMM takes time in
-    proportion to ceil(T * s / P) / s. That is 1 for s = 1 and stays 1 whenever T >= P
-    (every SM is busy already); when T < P it drops as splits fill the idle SMs. T is
-    counted from the mean rows per expert, R / L: the split sizes are on the device, and
-    uneven routing changes the count only by a tile or so per expert.
+    A model of its time, in units of the GEMM streaming its weights on every SM at once.
+    With T output tiles and P resident programs, split s makes T * s tiles of 1/s the work,
+    run in ceil(T * s / P) rounds: time ceil(T * s / P) * P / (T * s), which is 1 when the
+    rounds are full and P / T when T < P tiles leave SMs idle. A split also writes and
+    reads an fp32 partial per output element, 8 * s * R * n bytes against the weights'
+    2 * L * n * I: 4 * s * R / (L * I) more. The fewest splits within SPLIT_SLACK of the
+    cheapest win. T is counted from the mean rows per expert, R / L: the split sizes are
+    on the device, and uneven routing changes the count by about a tile per expert.
     """
     tiles = L * math.ceil(R / L / cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     most = min(MAX_SPLIT_K, triton.cdiv(I, cfg["BLOCK_I"]) // MIN_SPLIT_BLOCKS)
-    time = {s: math.ceil(tiles * s / programs) / s for s in range(1, max(most, 1) + 1)}
-    return min(s for s, t in time.items() if t <= SPLIT_SLACK * min(time.values()))
+
+    def cost(s):
+        rounds = math.ceil(tiles * s / programs) * programs / (tiles * s)
+        return rounds + (4 * s * R / (L * I) if s > 1 else 0.0)
+
+    costs = {s: cost(s) for s in range(1, max(most, 1) + 1)}
+    return min(s for s, c in costs.items() if c <= SPLIT_SLACK * min(costs.values()))
 
 
 # --- launchers ------------------------------------------------------------------------
