@@ -235,10 +235,12 @@ def small_m(experts, tokens, out, budget_s):
                 for op, I in zip(PLAIN_OPS, (F, 2 * F)):
                     c = shipped[op]
                     picked = gl.split_k(per_expert * L, L, D, I, c, sms * c["PROGS_PER_SM"])
-                    log(out, f"  {op}: split_k picks {picked} for the shipped tile; fastest {best[op]}")
+                    log(out, f"  {op}: split_k picks {picked} for the shipped tile; "
+                             f"fastest {best[op]}")
                 inputs = make_inputs(per_expert, L, D, F, requires_grad=True)
-                ms = {name: bench(fwd_bwd(lambda *a, c=c: gs.grouped_swiglu(*a, configs=c), *inputs))
-                      for name, c in (("shipped", None), ("winners", {"small": best}))}
+                ms = {name: bench(fwd_bwd(lambda *a, c=c: gs.grouped_swiglu(*a, configs=c),
+                                          *inputs))
+                      for name, c in (("shipped", None), ("winners", dict.fromkeys(gs.CONFIGS, best)))}
                 ms["grouped_mm"] = bench(fwd_bwd(grouped_mm_swiglu, *inputs))
                 log(out, "  fwd+bwd ms: " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
                     + f"  | x grouped_mm: shipped {ms['grouped_mm'] / ms['shipped']:.2f}, "

@@ -3,8 +3,8 @@
 Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, I
 are that GEMM's own dims and BM/BN/BI its tile.
 
-Two kernels (and a split-K sum) cover the six GEMMs of the expert FFN's forward and backward
-(`grouped_swiglu.py` composes them):
+Two kernels (and a split-K sum) cover the six GEMMs of the expert FFN's forward and
+backward (`grouped_swiglu.py` composes them):
 
 * `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, I] is split
   by rows; B_e is one expert's slice of a stacked weight, stored either I-contiguous
@@ -32,8 +32,9 @@ No host synchronisation. The grid and SPLIT_K are fixed by shapes alone (one or 
 programs per SM, fewer when R allows fewer tiles), so a CUDA graph captured at one split
 replays at any other with the same R. Every program loads `tokens_per_expert_L` itself,
 builds per-expert row and tile offsets with a cumsum in registers, and walks the tiles
-t = pid, pid + num_programs, ... up to a total that it computed on the device. A tile finds its expert by counting how many tile-ranges end at
-or before it: a [BLOCK_L] vector compare-and-sum, no search loop.
+t = pid, pid + num_programs, ... up to a total that it computed on the device. A tile
+finds its expert by counting how many tile-ranges end at or before it: a [BLOCK_L]
+vector compare-and-sum, no search loop.
 
 Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-built
 tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
