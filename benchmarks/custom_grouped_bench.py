@@ -1,7 +1,6 @@
 """Benchmark the custom_grouped expert op (forward + backward) against torch grouped_mm.
 
     python benchmarks/custom_grouped_bench.py [--sweep] [--out DIR]
-    python benchmarks/custom_grouped_bench.py --small-m [--experts 1,2,4,8] [--tokens 16,64]
 
 Shape letters as in te_mixtral/experts/base.py (L local experts, R rows, D model dim, F
 expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_expert * L.
@@ -18,12 +17,6 @@ each run, warm-up excluded) on random data.
 
 --sweep first times candidate tile configs per GEMM and per row count, then runs the table with
 the winners and prints them as JSON (to copy into grouped_swiglu.CONFIGS).
-
---small-m sweeps only the small regime, where the op is weight-bandwidth bound: for 8x7B and
-8x22B, each --experts count and each --tokens per expert, it times every small candidate of
-each GEMM (split-K counts and small-M tiles among them), prints the split `split_k` would
-choose beside the fastest, then times the whole op with the shipped table and with the
-winners against grouped_mm, and writes the winners to small_m.json.
 """
 
 import argparse
@@ -39,12 +32,9 @@ from triton.testing import do_bench
 
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_gemm as gg
-from te_mixtral.experts.kernels import grouped_launch as gl
 from te_mixtral.experts.kernels import grouped_swiglu as gs
 
 OPS = ("gate_up", "down", "down_dgrad", "down_wgrad", "gate_up_dgrad", "gate_up_wgrad")
-PLAIN_OPS = ("down", "gate_up_dgrad")  # the GEMMs that can split K
-MODELS = {"8x7B": (4096, 14336), "8x22B": (6144, 16384)}  # D, F
 FLOP_UNITS = {"gate_up": 4, "down": 2, "down_dgrad": 2, "down_wgrad": 2,
               "gate_up_dgrad": 4, "gate_up_wgrad": 4}  # times R·D·F
 DEVICE = "cuda"
@@ -61,18 +51,11 @@ cfg = gs._cfg
 # programs on an SM where registers (<= 255 x 128 threads each) and shared memory
 # (<= 113 KB each) allow, so one program's epilogue overlaps the other's main loop;
 # GROUP_M=16 halves how often a large rows-GEMM streams the weights from DRAM.
-# Small regime: the plain-epilogue GEMMs try each split-K count on a few tiles (1 is no
-# split); 32-row tiles leave half the shared memory and registers of 64-row ones, room for a
-# deeper pipeline when an expert has 32 rows or fewer (they compile to mma.sync, not wgmma).
 PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
-SPLIT_TILES = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (32, 64, 128, 4, 6)]
 CANDIDATES = {
     "small": {
-        "rows": [cfg(*t, split=k) for t in SPLIT_TILES for k in (1, 2, 4, 8)],
-        "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2),
-                    cfg(32, 64, 128, 4, 5, parts=2)],  # 6 stages of gate+up overflow smem
-        "down_dgrad": [cfg(64, 64, 64, 4, 4, progs=2, parts=2), cfg(64, 64, 128, 4, 4),
-                       cfg(32, 64, 128, 4, 6, parts=2)],
+        "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2)],
+        "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
         "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(64, 256, 64, 4, 2, progs=2)],
     },
     "medium": {
@@ -134,30 +117,29 @@ def op_runner(op, per_expert, L, D, F, c, write_act=True):
     y = torch.empty(R, D, device=DEVICE, dtype=x.dtype)
     tma = True
     return {
-        "gate_up": lambda: gl.rows_gemm(x, w1, counts, act, n=F, b_icontig=True, cfg=c,
+        "gate_up": lambda: gg.rows_gemm(x, w1, counts, act, n=F, b_icontig=True, cfg=c,
                                         use_tma=tma, epilogue=gg.EPI_SWIGLU, h=h),
-        "down": lambda: gl.rows_gemm(act, w2, counts, y, n=D, b_icontig=True, cfg=c,
+        "down": lambda: gg.rows_gemm(act, w2, counts, y, n=D, b_icontig=True, cfg=c,
                                      use_tma=tma),
-        "down_dgrad": lambda: gl.rows_gemm(dy, w2, counts, act if write_act else None, n=F,
+        "down_dgrad": lambda: gg.rows_gemm(dy, w2, counts, act if write_act else None, n=F,
                                            b_icontig=False, cfg=c, use_tma=tma,
                                            epilogue=gg.EPI_SWIGLU_BWD, h=h),
-        "down_wgrad": lambda: gl.wgrad_gemm(dy, act, counts, torch.empty_like(w2), cfg=c,
+        "down_wgrad": lambda: gg.wgrad_gemm(dy, act, counts, torch.empty_like(w2), cfg=c,
                                             use_tma=tma),
-        "gate_up_dgrad": lambda: gl.rows_gemm(h, w1, counts, y, n=D, b_icontig=False, cfg=c,
+        "gate_up_dgrad": lambda: gg.rows_gemm(h, w1, counts, y, n=D, b_icontig=False, cfg=c,
                                               use_tma=tma),
-        "gate_up_wgrad": lambda: gl.wgrad_gemm(h, x, counts, torch.empty_like(w1), cfg=c,
+        "gate_up_wgrad": lambda: gg.wgrad_gemm(h, x, counts, torch.empty_like(w1), cfg=c,
                                                use_tma=tma),
     }[op]
 
 
 def _compile(job):
-    """In a worker process: compile one (GEMM, config, L) by running it on tiny inputs whose
-    integer arguments specialise exactly like the real shapes' (multiples of 16 and 64, and
-    L itself: it sets BLOCK_L, and 1 is specialised), so the real run finds the kernel in
-    Triton's on-disk cache."""
-    op, c, L = job
+    """In a worker process: compile one (GEMM, config) by running it on tiny inputs whose
+    integer arguments specialise exactly like the real shapes' (multiples of 16 and 64),
+    so the real run finds the kernel in Triton's on-disk cache."""
+    op, c = job
     try:
-        op_runner(op, 64, L, 256, 512, c)()
+        op_runner(op, 64, 4, 256, 512, c)()
         torch.cuda.synchronize()
         return None
     except Exception as e:
@@ -167,9 +149,7 @@ def _compile(job):
 def precompile(jobs, out):
     """Triton compiles on one CPU core per kernel; a pool of processes uses them all."""
     t0 = time.time()
-    # SPLIT_K is a runtime argument: every count above 1 runs one kernel (fp32 partials).
-    unique = list({json.dumps((op, dict(c, SPLIT_K=min(c.get("SPLIT_K", 1), 2)), L),
-                              sort_keys=True): (op, c, L) for op, c, L in jobs}.values())
+    unique = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
     with multiprocessing.get_context("spawn").Pool(min(12, os.cpu_count() or 1)) as pool:
         for err in pool.imap_unordered(_compile, unique):
             if err:
@@ -177,79 +157,36 @@ def precompile(jobs, out):
     log(out, f"precompiled {len(unique)} kernels in {time.time() - t0:.0f} s")
 
 
-def fastest(op, per_expert, L, D, F, configs, out, deadline):
-    """Time each config of one GEMM (until the deadline); the fastest, or None if none ran."""
-    results = []
-    for c in configs:
-        if time.time() > deadline:
-            break
-        try:
-            run = op_runner(op, per_expert, L, D, F, c)
-            k = run()
-            ms = bench(run, rep=50)
-        except Exception as e:  # a config the compiler or the SM cannot hold
-            log(out, f"  rows/L={per_expert} {op} {c} failed: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        tflops = FLOP_UNITS[op] * per_expert * L * D * F / ms / 1e9
-        results.append((ms, c))
-        res = (f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
-               f"smem {getattr(getattr(k, 'metadata', None), 'shared', 0) // 1024} KB")
-        log(out, f"  rows/L={per_expert:5d} {op:14s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  {res}  {c}")
-        torch.cuda.empty_cache()
-    return min(results, key=lambda r: r[0])[1] if results else None
-
-
-def plain_split_jobs(table, L):
-    """Compile jobs for a table's plain-epilogue GEMMs without a fixed SPLIT_K: `split_k`
-    may pick 1 or more at the real shapes, two different kernels."""
-    return [(op, dict(table[op], SPLIT_K=k), L) for op in PLAIN_OPS for k in (1, 2)]
-
-
 def sweep(L, D, F, out, budget_s):
     """Best config per GEMM per swept row count: {per_expert: {op: cfg}}."""
-    precompile([(op, c, L) for regime in SWEEP_ROWS.values() for op in OPS
+    precompile([(op, c) for regime in SWEEP_ROWS.values() for op in OPS
                 for c in candidates(regime, op)], out)
     t0, best = time.time(), {}
     for per_expert, regime in SWEEP_ROWS.items():
-        # Out of budget or nothing ran: the shipped table's choice.
-        best[per_expert] = {op: fastest(op, per_expert, L, D, F, candidates(regime, op), out,
-                                        t0 + budget_s) or gs.CONFIGS[regime][op] for op in OPS}
+        best[per_expert] = {}
+        for op in OPS:
+            results = []
+            for c in candidates(regime, op):
+                if time.time() - t0 > budget_s:
+                    break
+                try:
+                    run = op_runner(op, per_expert, L, D, F, c)
+                    k = run()
+                    ms = bench(run, rep=50)
+                except Exception as e:  # a config the compiler or the SM cannot hold
+                    log(out, f"  rows/L={per_expert} {op} {c} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                tflops = FLOP_UNITS[op] * per_expert * L * D * F / ms / 1e9
+                results.append((ms, c))
+                res = (f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
+                       f"smem {getattr(getattr(k, 'metadata', None), 'shared', 0) // 1024} KB")
+                log(out, f"  rows/L={per_expert:5d} {op:14s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s  {res}  {c}")
+                torch.cuda.empty_cache()
+            # Out of budget or nothing ran: the shipped table's choice.
+            best[per_expert][op] = (min(results, key=lambda r: r[0])[1] if results
+                           else gs.CONFIGS[gs.regime(per_expert * L, L)][op])
     log(out, f"sweep took {time.time() - t0:.0f} s")
     return best
-
-
-def small_m(experts, tokens, out, budget_s):
-    """The small-regime sweep of --small-m: {"model L=.. rows/L=..": {op: fastest cfg}}."""
-    shipped = gs.CONFIGS["small"]
-    precompile([job for L in experts for job in plain_split_jobs(shipped, L)]
-               + [(op, c, L) for L in experts for op in OPS
-                  for c in candidates("small", op) + [shipped[op]]], out)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    t0, winners = time.time(), {}
-    for model, (D, F) in MODELS.items():
-        for L in experts:
-            for per_expert in tokens:
-                log(out, f"{model} L={L} rows/L={per_expert}:")
-                best = {op: fastest(op, per_expert, L, D, F, candidates("small", op), out,
-                                    t0 + budget_s) or shipped[op] for op in OPS}
-                for op, I in zip(PLAIN_OPS, (F, 2 * F)):
-                    c = shipped[op]
-                    picked = gl.split_k(per_expert * L, L, D, I, c, sms * c["PROGS_PER_SM"])
-                    log(out, f"  {op}: split_k picks {picked} for the shipped tile; "
-                             f"fastest {best[op]}")
-                inputs = make_inputs(per_expert, L, D, F, requires_grad=True)
-                ms = {name: bench(fwd_bwd(lambda *a, c=c: gs.grouped_swiglu(*a, configs=c),
-                                          *inputs))
-                      for name, c in (("shipped", None), ("winners", dict.fromkeys(gs.CONFIGS, best)))}
-                ms["grouped_mm"] = bench(fwd_bwd(grouped_mm_swiglu, *inputs))
-                log(out, "  fwd+bwd ms: " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
-                    + f"  | x grouped_mm: shipped {ms['grouped_mm'] / ms['shipped']:.2f}, "
-                      f"winners {ms['grouped_mm'] / ms['winners']:.2f}")
-                winners[f"{model} L={L} rows/L={per_expert}"] = best
-                del inputs
-                torch.cuda.empty_cache()
-    log(out, f"small-M sweep took {time.time() - t0:.0f} s after compiling")
-    return winners
 
 
 def nearest(best, per_expert):
@@ -340,33 +277,18 @@ def table(shapes, best, L, peak, bw, out):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--small-m", action="store_true", help="the small-regime sweep only")
     p.add_argument("--sweep-budget", type=float, default=240.0, help="seconds")
-    p.add_argument("--tokens", default=None,
-                   help="rows per expert (default 64,256,1024,4096,8192; 16,64 with --small-m)")
-    p.add_argument("--experts", default=None,
-                   help="local experts (default 4; with --small-m a list, default 1,2,4,8)")
+    p.add_argument("--tokens", default="64,256,1024,4096,8192")
+    p.add_argument("--experts", type=int, default=4)
     p.add_argument("--out", default=None, help="folder for bench.log and configs.json")
     args = p.parse_args()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    out = args.out
-    experts = [int(n) for n in (args.experts or ("1,2,4,8" if args.small_m else "4")).split(",")]
-    tokens = [int(n) for n in (args.tokens or ("16,64" if args.small_m else
-                                               "64,256,1024,4096,8192")).split(",")]
-    if len(experts) > 1 and not args.small_m:
-        p.error("--experts takes one count unless --small-m")
+    L, out = args.experts, args.out
 
     log(out, f"# custom_grouped vs grouped_mm, {datetime.date.today()}, "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-             f"triton {triton.__version__}, local experts {experts}")
-    if args.small_m:
-        winners = small_m(experts, tokens, out, args.sweep_budget)
-        if out:
-            with open(os.path.join(out, "small_m.json"), "w") as f:
-                json.dump(winners, f, indent=1)
-        return
-    L = experts[0]
+             f"triton {triton.__version__}, {L} local experts")
     peak, bw = ceilings(out)
     best = None
     if args.sweep:
@@ -376,8 +298,8 @@ def main():
                 json.dump(best, f, indent=1)
         log(out, "best configs: " + json.dumps(best))
     breakdown(best, L, out)
-    shapes = [("8x7B", t, *MODELS["8x7B"]) for t in tokens]
-    shapes += [("8x22B", t, *MODELS["8x22B"]) for t in (64, 1024)]
+    shapes = [("8x7B", int(t), 4096, 14336) for t in args.tokens.split(",")]
+    shapes += [("8x22B", 64, 6144, 16384), ("8x22B", 1024, 6144, 16384)]
     table(shapes, best, L, peak, bw, out)
 
 

@@ -119,21 +119,6 @@ def test_cpu_path_bf16_activations_keep_weight_grad_dtype():
 # --- the Triton kernels, run by the interpreter in a fresh process ------------------
 
 
-def test_split_k_only_where_output_tiles_leave_sms_idle():
-    """The host's split-K choice, for an H100's 132 SMs at Mixtral-8x7B's down projection
-    (out [R, 4096], I = 14336) with 64 x 64 x 128 tiles."""
-    from te_mixtral.experts.kernels.grouped_launch import MAX_SPLIT_K, split_k
-
-    tile = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_I=128)
-    assert split_k(64, 1, 4096, 14336, tile, 132) == 2  # 64 tiles -> 128
-    assert split_k(64, 1, 4096, 14336, dict(tile, BLOCK_N=128), 132) == 4  # 32 -> 128
-    assert split_k(16, 1, 4096, 14336, tile, 132) == 2  # rows under one tile: the same
-    assert split_k(512, 8, 4096, 14336, tile, 132) == 1  # 512 tiles fill every SM
-    assert split_k(64, 1, 4096, 14336, tile, 264) == 4  # two programs per SM
-    assert split_k(64, 1, 4096, 512, tile, 132) == 1  # 4 I blocks: too short to split
-    assert split_k(1, 1, 64, 2**20, tile, 132) == MAX_SPLIT_K  # one tile: as many as allowed
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 def test_triton_kernels_in_interpreter():
@@ -163,13 +148,6 @@ INTERPRETER_CASES = {
     # D and F that are not multiples of 4: row strides that are not 16-byte multiples, the
     # tails masked in every tile (and on the grouped_mm path, the padded shapes).
     "unaligned": ([13, 0, 22], 18, 10, TINY, False),
-    # Split-K on the plain-epilogue GEMMs (down: I = F; gate_up's dgrad: I = 2F), with
-    # experts of no rows and R not a multiple of BLOCK_M. F 36: down's 3 I blocks split 2
-    # ways end in a partial split, gate_up's 5 blocks too; 4 ways leaves one split past I
-    # (a zero partial). F 32, 3 ways: whole blocks, one split empty.
-    "split_k_2_tails": ([21, 0, 0, 34, 1], 20, 36, dict(TINY, SPLIT_K=2), False),
-    "split_k_4_tma": ([21, 0, 0, 34, 1], 20, 36, dict(TINY, SPLIT_K=4), True),
-    "split_k_3_even": ([0, 40, 7], 16, 32, dict(TINY, SPLIT_K=3), True),
 }
 
 
@@ -197,15 +175,16 @@ def test_interpreter_recomputing_the_hidden_rows_changes_nothing(splits):
     """keep_hidden=False (selective recompute inside the op) keeps only the inputs and runs
     the gate_up GEMM again in the backward: the same kernels, so the same numbers, bit for
     bit, and a second backward through one forward is fine, since nothing saved is consumed."""
-    from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
+    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
 
+    configs = {regime: {op: TINY for op in CONFIGS["large"]} for regime in CONFIGS}
     x, counts, gate_up, down, dy = make_inputs(splits, 20, 36, seed=3)
-    kept, recomputed = (run(lambda *a, keep=keep: grouped_swiglu(*a, keep_hidden=keep),
+    kept, recomputed = (run(lambda *a, keep=keep: grouped_swiglu(*a, configs=configs, keep_hidden=keep),
                             x, counts, gate_up, down, dy) for keep in (True, False))
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
     gate_up.requires_grad_()
-    y = grouped_swiglu(x, counts, gate_up, down, keep_hidden=False)
+    y = grouped_swiglu(x, counts, gate_up, down, configs=configs, keep_hidden=False)
     first = torch.autograd.grad(y, gate_up, dy, retain_graph=True)[0]
     assert torch.equal(first, torch.autograd.grad(y, gate_up, dy)[0])
 

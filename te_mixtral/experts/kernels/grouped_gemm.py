@@ -3,8 +3,8 @@
 Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, I
 are that GEMM's own dims and BM/BN/BI its tile.
 
-Two kernels (and a split-K sum) cover the six GEMMs of the expert FFN's forward and
-backward (`grouped_swiglu.py` composes them):
+Two kernels cover the six GEMMs of the expert FFN's forward and backward
+(`grouped_swiglu.py` composes them):
 
 * `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, I] is split
   by rows; B_e is one expert's slice of a stacked weight, stored either I-contiguous
@@ -16,25 +16,13 @@ backward (`grouped_swiglu.py` composes them):
 * `_wgrad_gemm`: dW_e = G[rows of e]^T @ X[rows of e], an I loop over a row range whose
   length is data (it can be 0: the tile is then written as zeros, never left stale).
 
-Split-K. With few rows and few output columns (the down projection's forward, out [R, D],
-and gate_up's dgrad) `_rows_gemm` has fewer output tiles than there are SMs, and the few
-programs that run stream all of the weights while the rest idle. With the plain epilogue
-it can cut the reduction dim I into SPLIT_K contiguous slices, one tile per slice: each
-writes an fp32 partial into a workspace [SPLIT_K, R, N] and `_sum_splits` adds them in a
-fixed order and casts. Not `tl.atomic_add` into one fp32 buffer: that needs a zeroing pass
-as well as the cast pass, and the order in which the partials land would change the bits
-from run to run; the workspace's extra traffic (4 bytes per split per output element,
-written and read once) is small beside the weights when this is worth doing. SwiGLU
-epilogues need the whole sum in the tile, so they never split (their N is 2F or F: many
-tiles anyway). `grouped_launch.py` chooses SPLIT_K from shapes alone.
-
-No host synchronisation. The grid and SPLIT_K are fixed by shapes alone (one or two
-programs per SM, fewer when R allows fewer tiles), so a CUDA graph captured at one split
-replays at any other with the same R. Every program loads `tokens_per_expert_L` itself,
-builds per-expert row and tile offsets with a cumsum in registers, and walks the tiles
-t = pid, pid + num_programs, ... up to a total that it computed on the device. A tile
-finds its expert by counting how many tile-ranges end at or before it: a [BLOCK_L]
-vector compare-and-sum, no search loop.
+No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
+fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
+other with the same R. Every
+program loads `tokens_per_expert_L` itself, builds per-expert row and tile offsets with
+a cumsum in registers, and walks the tiles t = pid, pid + num_programs, ... up to a total that it
+computed on the device. A tile finds its expert by counting how many tile-ranges end at
+or before it: a [BLOCK_L] vector compare-and-sum, no search loop.
 
 Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-built
 tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
@@ -44,10 +32,12 @@ shapes, and the CPU interpreter) plain pointer loads clamp rows into range for t
 effect and mask columns and the I tail. `_wgrad_gemm` is the exception: there the rows
 are the reduction dim, so rows past the expert's end must be zeros, not garbage; full BI
 blocks stream unmasked and the one partial block at the end is zeroed.
-
-The host side (grids, descriptors, the split-K choice) is in `grouped_launch.py`.
 """
 
+import ctypes
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -81,13 +71,10 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 # --- row-grouped GEMM with optional SwiGLU epilogues ----------------------------------
 
 
-# R changes every step under EP, and the host picks SPLIT_K from R: one compile for all
-# values of both, not one per R % 16 (Triton specialises integers on divisibility by 16
-# and on being 1).
-@triton.jit(do_not_specialize=["R", "SPLIT_K"])
+@triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
     a_src, b_src, counts_ptr, out_ptr, h_ptr,
-    R, N, I, L, b_rows_per_expert, SPLIT_K,
+    R, N, I, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -101,20 +88,13 @@ def _rows_gemm(
     first (gate rows [0, N), up rows [N, 2N)), stores both to h [R, 2N] and act to out.
     EPI_SWIGLU_BWD reads h, overwrites it in place with its gradient and, with WRITE_ACT,
     stores the recomputed act to out. SwiGLU epilogues run in EPI_PARTS column blocks.
-
-    Split-K (EPI_PLAIN only; SPLIT_K is 1 otherwise): every output tile becomes SPLIT_K
-    tiles, split s summing over I in [s * k_span, (s + 1) * k_span) and storing its fp32
-    partial to rows [s * R, (s + 1) * R) of out, then a workspace [SPLIT_K * R, N] that
-    `_sum_splits` reduces afterwards.
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    # Whole I blocks per split, so only the last block of I is ever partial.
-    k_span = tl.cdiv(tl.cdiv(I, BLOCK_I), SPLIT_K) * BLOCK_I
     idx = tl.arange(0, BLOCK_L)
     counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
     row_ends = tl.cumsum(counts, 0)
-    tiles = tl.cdiv(counts, BLOCK_M) * n_tiles * SPLIT_K
+    tiles = tl.cdiv(counts, BLOCK_M) * n_tiles
     tile_ends = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
     ri = tl.arange(0, BLOCK_I)
@@ -126,21 +106,16 @@ def _rows_gemm(
         count = _pick(counts, idx, e)
         row_start = _pick(row_ends, idx, e) - count
         local = t - (_pick(tile_ends, idx, e) - _pick(tiles, idx, e))
-        # Split outermost: programs running side by side share the split's A slice in L2.
-        m_tiles = tl.cdiv(count, BLOCK_M)
-        split = local // (m_tiles * n_tiles)
-        pid_m, pid_n = _swizzle(local % (m_tiles * n_tiles), m_tiles, n_tiles, GROUP_M)
+        pid_m, pid_n = _swizzle(local, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
         m0 = row_start + pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         b_row0 = e * b_rows_per_expert
-        k_lo = split * k_span  # past I if I has fewer blocks than splits: a zero partial
-        k_hi = tl.minimum(k_lo + k_span, I)
 
         # Rows past this expert's count and columns past N are never stored.
         rm = tl.arange(0, BLOCK_M)
         row_ok = (pid_m * BLOCK_M + rm < count)[:, None]
         h_tile = h_ptr + m0.to(tl.int64) * (2 * N)  # h rows are [gate | up]
-        out_tile = out_ptr + (split * R + m0).to(tl.int64) * N
+        out_tile = out_ptr + m0.to(tl.int64) * N
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if EPILOGUE == EPI_SWIGLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -150,19 +125,18 @@ def _rows_gemm(
             # hide its contiguity from the compiler and cost the vectorised async copies.
             ra = tl.minimum(tl.arange(0, BLOCK_M), R - 1 - m0)
             rn = n0 + tl.arange(0, BLOCK_N)
-            rk = k_lo + ri
-            a_ptrs = a_src + m0.to(tl.int64) * I + (ra[:, None] * I + rk[None, :])
+            a_ptrs = a_src + m0.to(tl.int64) * I + (ra[:, None] * I + ri[None, :])
             b_cols_ok = (rn < N)[None, :]
             if B_ICONTIG:
-                b_ptrs = b_src + b_row0.to(tl.int64) * I + (rk[:, None] + rn[None, :] * I)
+                b_ptrs = b_src + b_row0.to(tl.int64) * I + (ri[:, None] + rn[None, :] * I)
                 b_step = BLOCK_I
                 up_skip = N * I  # one expert's gate block; < 2**31 for any real expert
             else:
-                b_ptrs = b_src + b_row0.to(tl.int64) * N + (rk[:, None] * N + rn[None, :])
+                b_ptrs = b_src + b_row0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
                 b_step = BLOCK_I * N
                 up_skip = 0  # unused: SwiGLU's gate_up is always I-contiguous
 
-        for i0 in range(k_lo, k_hi, BLOCK_I):
+        for i0 in range(0, I, BLOCK_I):
             if USE_TMA:
                 a = a_src.load([m0, i0])
                 if B_ICONTIG:
@@ -250,17 +224,6 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
     tl.store(gate_ptrs, d_gate.to(gate_ptrs.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["numel", "SPLIT_K"])
-def _sum_splits(ws_ptr, out_ptr, numel, SPLIT_K, BLOCK: tl.constexpr):
-    """out[j] = sum over s of ws[s * numel + j], added in split order in fp32, then cast."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, SPLIT_K):
-        acc += tl.load(ws_ptr + s * numel.to(tl.int64) + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 # --- weight-gradient GEMM: an I loop over one expert's rows ----------------------------
 
 
@@ -323,3 +286,102 @@ def _wgrad_gemm(
         out_e = out_ptr + e.to(tl.int64) * M * N
         tl.store(out_e + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)
+
+
+# --- launchers ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _max_programs(device: torch.device) -> int:
+    # The interpreter runs programs one after another: a few exercise the persistent loop.
+    return _sm_count(device.index or 0) if device.type == "cuda" else 3
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _ensure_cuda_context(device: torch.device) -> None:
+    """Make the device's primary context current on this thread.
+
+    Autograd runs the backward on a thread of its own, and the CUDA runtime binds a
+    context to a thread only at that thread's first runtime call. Triton encodes host-side
+    TMA descriptors through the driver before its launcher binds one, so a backward whose
+    first CUDA work is ours failed on an H100 with 'Failed to create tensor map descriptor:
+    invalid device context'. This does what Triton's launcher does for the launch itself.
+    """
+    if device.type != "cuda":
+        return
+    lib, ctx = _libcuda(), ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        return
+    dev = ctypes.c_int()
+    lib.cuDeviceGet(ctypes.byref(dev), device.index or 0)
+    lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    lib.cuCtxSetCurrent(ctx)
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: three tf32 products recover ~fp32 accuracy at tensor-core speed.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
+              epilogue=EPI_PLAIN, h=None):
+    """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
+    b_icontig, else [L, I, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
+    Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
+    _ensure_cuda_context(a_RI.device)
+    R, I = a_RI.shape
+    L = w.shape[0]
+    bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
+    w2d = w.reshape(L * w.shape[1], w.shape[2])
+    if use_tma:
+        a_src = _descriptor(a_RI, [bm, bi])
+        b_src = _descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
+    else:
+        a_src, b_src = a_RI, w2d
+    # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
+    tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn)
+    grid = (max(1, min(_max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound)),)
+    return _rows_gemm[grid](
+        a_src, b_src, counts_L, h if out is None else out, a_RI if h is None else h,
+        R, n, I, L, w.shape[1],
+        EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None,
+        USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=_dot_prec(a_RI.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
+        BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
+        EPI_PARTS=cfg.get("EPI_PARTS", 4),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
+    """Launch `_wgrad_gemm`: out_LMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
+    _ensure_cuda_context(g_RM.device)
+    L, M, N = out_LMN.shape
+    bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
+    if use_tma:
+        g_src, x_src = _descriptor(g_RM, [bi, bm]), _descriptor(x_RN, [bi, bn])
+    else:
+        g_src, x_src = g_RM, x_RN
+    tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (max(1, min(_max_programs(g_RM.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
+    return _wgrad_gemm[grid](
+        g_src, x_src, counts_L, out_LMN, M, N, L,
+        USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
+        BLOCK_L=triton.next_power_of_2(L),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

@@ -48,8 +48,12 @@ in fp32, not meaningful in bf16).
 import torch
 from torch.autograd.function import once_differentiable
 
-from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD
-from te_mixtral.experts.kernels.grouped_launch import rows_gemm, wgrad_gemm
+from te_mixtral.experts.kernels.grouped_gemm import (
+    EPI_SWIGLU,
+    EPI_SWIGLU_BWD,
+    rows_gemm,
+    wgrad_gemm,
+)
 
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
@@ -59,14 +63,9 @@ from te_mixtral.experts.kernels.grouped_launch import rows_gemm, wgrad_gemm
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
 # accumulators from spilling; 2 is cheaper for small tiles).
-# Split-K: the plain-epilogue GEMMs (down, gate_up_dgrad) split their reduction when
-# their output tiles cannot fill the SMs (few rows, out [R, D]); how many splits depends
-# on L and R as well as the tile, so `grouped_launch.split_k` picks it per call unless a
-# config fixes SPLIT_K (the sweep does, to measure each count).
-def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, split=None):
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
-               num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts)
-    return cfg if split is None else dict(cfg, SPLIT_K=split)
+def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
+                num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts)
 
 
 _PINGPONG = _cfg(128, 128, 64, 4, 3, progs=2)
@@ -106,7 +105,6 @@ def regime(rows: int, experts: int) -> str:
 # fp32 inputs (no autocast): a correctness path, not a tuned one. tf32x3 dots split every
 # operand in three, so tiles that suit bf16 spill; this one does not.
 _FP32 = _cfg(64, 64, 32, 4, 3)
-FP32_CONFIGS = {name: dict.fromkeys(table, _FP32) for name, table in CONFIGS.items()}
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -132,6 +130,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         act_RF = x_RD.new_empty(R, F)
         y_RD = x_RD.new_empty(R, D)
         cfgs = configs[regime(R, L)]
+        if dtype == torch.float32:
+            cfgs = dict.fromkeys(cfgs, _FP32)
         if use_tma is None:
             use_tma = _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
@@ -194,15 +194,12 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
                    use_tma=None, keep_hidden=True):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
-    `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
-    it; by default CONFIGS, or FP32_CONFIGS for fp32 inputs); `use_tma` forces the
-    descriptor path on or off (default: on where the tensors allow it).
+    `configs` overrides the tile table (the benchmark's sweep uses it); `use_tma` forces
+    the descriptor path on or off (default: on where the tensors allow it).
     `keep_hidden=False` is selective recompute done inside the op: the forward keeps only
     its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
     is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
     projection too, whose output the backward does not need.
     """
-    if configs is None:
-        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else CONFIGS
     return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF,
-                                configs, use_tma, keep_hidden)
+                                configs or CONFIGS, use_tma, keep_hidden)
