@@ -175,16 +175,15 @@ def test_interpreter_recomputing_the_hidden_rows_changes_nothing(splits):
     """keep_hidden=False (selective recompute inside the op) keeps only the inputs and runs
     the gate_up GEMM again in the backward: the same kernels, so the same numbers, bit for
     bit, and a second backward through one forward is fine, since nothing saved is consumed."""
-    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
+    from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
-    configs = {regime: {op: TINY for op in CONFIGS["large"]} for regime in CONFIGS}
     x, counts, gate_up, down, dy = make_inputs(splits, 20, 36, seed=3)
-    kept, recomputed = (run(lambda *a, keep=keep: grouped_swiglu(*a, configs=configs, keep_hidden=keep),
+    kept, recomputed = (run(lambda *a, keep=keep: grouped_swiglu(*a, keep_hidden=keep),
                             x, counts, gate_up, down, dy) for keep in (True, False))
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
     gate_up.requires_grad_()
-    y = grouped_swiglu(x, counts, gate_up, down, configs=configs, keep_hidden=False)
+    y = grouped_swiglu(x, counts, gate_up, down, keep_hidden=False)
     first = torch.autograd.grad(y, gate_up, dy, retain_graph=True)[0]
     assert torch.equal(first, torch.autograd.grad(y, gate_up, dy)[0])
 

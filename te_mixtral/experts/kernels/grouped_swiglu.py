@@ -105,6 +105,7 @@ def regime(rows: int, experts: int) -> str:
 # fp32 inputs (no autocast): a correctness path, not a tuned one. tf32x3 dots split every
 # operand in three, so tiles that suit bf16 spill; this one does not.
 _FP32 = _cfg(64, 64, 32, 4, 3)
+FP32_CONFIGS = {name: dict.fromkeys(table, _FP32) for name, table in CONFIGS.items()}
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -130,8 +131,6 @@ class _GroupedSwiGLU(torch.autograd.Function):
         act_RF = x_RD.new_empty(R, F)
         y_RD = x_RD.new_empty(R, D)
         cfgs = configs[regime(R, L)]
-        if dtype == torch.float32:
-            cfgs = dict.fromkeys(cfgs, _FP32)
         if use_tma is None:
             use_tma = _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
@@ -194,12 +193,15 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
                    use_tma=None, keep_hidden=True):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
-    `configs` overrides the tile table (the benchmark's sweep uses it); `use_tma` forces
-    the descriptor path on or off (default: on where the tensors allow it).
+    `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
+    it; by default CONFIGS, or FP32_CONFIGS for fp32 inputs); `use_tma` forces the
+    descriptor path on or off (default: on where the tensors allow it).
     `keep_hidden=False` is selective recompute done inside the op: the forward keeps only
     its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
     is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
     projection too, whose output the backward does not need.
     """
+    if configs is None:
+        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else CONFIGS
     return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF,
-                                configs or CONFIGS, use_tma, keep_hidden)
+                                configs, use_tma, keep_hidden)
