@@ -64,6 +64,11 @@ class ExpertTier(abc.ABC):
         """What runs, beyond the tier's name (recipe, kernel, ...): merged into the run header."""
         return {}
 
+    def calls(self) -> dict[str, int]:
+        """How many calls ran each of the tier's paths, for a tier that has more than one
+        (results.json's `tier_calls`); empty for a tier with one."""
+        return {}
+
     def recomputes_hidden(self, x_RD: torch.Tensor) -> bool:
         """Whether `recompute_hidden` runs for these rows. Selective recompute
         (model/recompute.py) calls it where it does, and otherwise runs the whole tier again

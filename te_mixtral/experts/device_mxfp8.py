@@ -18,7 +18,8 @@ the tier says which one ran (`describe()`, for the run header and results JSON).
 
 In mode `fp8-hopper` a call with fewer rows per local expert than `fp8_min_rows_per_expert`
 (a config key; 0 turns it off) runs the BF16 `custom_grouped` kernels instead: there FP8
-is slower than BF16 (docs/precision.md), and `describe()` says so.
+is slower than BF16 (docs/precision.md): `describe()` says so, and `calls()` (results.json's
+`tier_calls`) counts the calls that ran each path.
 
 `mode="auto"` (the config's `mxfp8_mode` default) picks the hardware path: sm_90 runs
 `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. The CPU, any other GPU, or a mode the
@@ -33,6 +34,8 @@ checks every op the tier issues, tests/gpu runs it under
 `torch.cuda.set_sync_debug_mode("error")`. `mxfp8-te` is sync-free only where TE takes
 its grouped-tensor path (`describe()["kernel"]` says whether it does).
 """
+
+from collections import Counter
 
 import torch
 
@@ -160,6 +163,7 @@ class DeviceMXFP8Tier(ExpertTier):
         self.requested_mode = mode
         self.model_dims = model_dims
         self.bf16_below = bf16_below
+        self._calls: Counter[str] = Counter()  # calls per path: the mode, or BF16 under the break-even size
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
         self._runner = None
@@ -195,6 +199,9 @@ class DeviceMXFP8Tier(ExpertTier):
         return {"recipe": self._runner.recipe, "kernel": kernel, "device": _device_name(self._device),
                 "precision": "fp8" if self.mode == "fp8-hopper" else "mxfp8"}
 
+    def calls(self) -> dict[str, int]:
+        return dict(self._calls)
+
     def _bf16_below_here(self) -> bool:
         return self.mode == "fp8-hopper" and self.bf16_below > 0
 
@@ -205,7 +212,9 @@ class DeviceMXFP8Tier(ExpertTier):
         # the FP8 GEMMs save (docs/precision.md has the measurements). Rows and experts are
         # shapes, known on the host: the choice needs no sync.
         if self._bf16_below_here() and x_RD.shape[0] < self.bf16_below * tokens_per_expert_L.numel():
+            self._calls["bf16 custom_grouped"] += 1
             return _BF16_BELOW(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+        self._calls[self.mode] += 1
         runner = self._runner
         padded = padded_rows(tokens_per_expert_L, x_RD.shape[0], runner.row_align, runner.min_rows)
         y_QD = runner.mlp(pad_rows(x_RD, padded), padded, gate_up_L2FD, down_LDF)

@@ -114,6 +114,7 @@ class MixtralForCausalLM(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str = "none"):
         super().__init__()
         self.config = m
+        self.tier = tier  # every MoE layer's; read by the training loop for its `calls()`
         self.model = MixtralBody(m, backend, layout, tier, recompute)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:

@@ -276,6 +276,9 @@ def train(cfg: RunConfig) -> TrainResult:
              "grad_norms": state.grad_norms,
              **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
              **expert_load.results_entries(state.router, run_load_YE, (first_step, cfg.train.steps))}
+    tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
+    if tier_calls:  # on this rank, evaluation included: which of the tier's paths ran
+        extra["tier_calls"] = tier_calls
     if cfg.profile_phases and not stopped:  # last: it steps the optimizer while timing it
         last = micro_batches[-1]
 

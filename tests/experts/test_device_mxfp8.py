@@ -182,3 +182,29 @@ def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
     assert not torch.equal(y, make_tier("custom_grouped")(x_RD, counts, gate_up, down))
     with pytest.raises(UserError, match="fp8_min_rows_per_expert must be 0 or more"):
         check_tier(load_config(None, {"tier": "device_mxfp8", "fp8_min_rows_per_expert": "-1"}), 1)
+
+
+def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_path():
+    """The switch itself, on the CPU: a tier told its mode is fp8-hopper (as check_available
+    would on an H100) runs custom_grouped under the threshold; at it and above, the FP8
+    runner runs (a stand-in here: FP8 GEMMs need the GPU)."""
+    gen = torch.Generator().manual_seed(13)
+    x_RD, counts, gate_up, down = mlp_inputs(gen, num_experts=4, max_rows=50)  # <= 200 rows
+    rows_per_expert = x_RD.shape[0] / 4
+    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=int(rows_per_expert) + 1)
+    tier.mode, tier._device = "fp8-hopper", x_RD.device
+
+    class FP8StandIn:  # zeros for output: nothing else returns them here
+        recipe, kernel, row_align, min_rows = "fp8-rowwise", "fp8 stand-in", 16, 16
+
+        def mlp(self, x_QD, padded, gate_up_L2FD, down_LDF):
+            return torch.zeros_like(x_QD)
+
+    tier._runner = FP8StandIn()
+    assert torch.equal(tier(x_RD, counts, gate_up, down), make_tier("custom_grouped")(x_RD, counts, gate_up, down))
+    assert tier.calls() == {"bf16 custom_grouped": 1}
+    assert "BF16 custom_grouped kernels for calls under" in tier.describe()["kernel"]
+
+    tier.bf16_below = int(rows_per_expert)  # now at or above the threshold: the FP8 runner
+    assert torch.equal(tier(x_RD, counts, gate_up, down), torch.zeros_like(x_RD))
+    assert tier.calls() == {"bf16 custom_grouped": 1, "fp8-hopper": 1}

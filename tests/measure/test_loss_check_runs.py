@@ -50,4 +50,8 @@ def test_mxfp8_numerics_within_their_tolerance(loop_results, tmp_path):
     assert "loss check passed" in proc.stdout and "mean" in proc.stdout and "(<= 5e-02)" in proc.stdout
     assert "'recipe': 'mxfp8-emulated'" in proc.stdout
     # ... and the quantisation really happened: the losses are not the fp32 ones.
-    assert json.loads((tmp_path / "results.json").read_text())["loss_check"]["max_rel_diff"] > 1e-6
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["loss_check"]["max_rel_diff"] > 1e-6
+    # Every layer call ran the emulation: one per layer per step (8 steps, one micro-batch).
+    layers = results["header"]["config"]["model"]["num_hidden_layers"]
+    assert results["tier_calls"] == {"mxfp8-emulated": 8 * layers}
