@@ -142,6 +142,12 @@ _MODE_RUNNERS = {
 _BF16_BELOW = CustomGroupedTier()  # what fp8-hopper runs under its break-even size
 
 
+def runs_fp8(rows: int, local_experts: int, min_rows_per_expert: int) -> bool:
+    """fp8-hopper's break-even rule (also the memory estimate's): FP8 unless the rows give
+    each local expert fewer than `min_rows_per_expert` on average (0: FP8 always)."""
+    return rows >= min_rows_per_expert * local_experts
+
+
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
@@ -211,7 +217,7 @@ class DeviceMXFP8Tier(ExpertTier):
         # Below the break-even size the FP8 casts and the weights' quantisation cost more than
         # the FP8 GEMMs save (docs/precision.md has the measurements). Rows and experts are
         # shapes, known on the host: the choice needs no sync.
-        if self._bf16_below_here() and x_RD.shape[0] < self.bf16_below * tokens_per_expert_L.numel():
+        if self.mode == "fp8-hopper" and not runs_fp8(x_RD.shape[0], tokens_per_expert_L.numel(), self.bf16_below):
             self._calls["bf16 custom_grouped"] += 1
             return _BF16_BELOW(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
         self._calls[self.mode] += 1

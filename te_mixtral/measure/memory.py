@@ -67,6 +67,7 @@ from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import RECOMPUTE, validate_model
 from te_mixtral.distributed.layout import main_rank_from_env
 from te_mixtral.errors import UserError
+from te_mixtral.experts.device_mxfp8 import runs_fp8
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.measure.capacity import GiB, capacity
 from te_mixtral.measure.report import format_table
@@ -261,8 +262,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # of two orientations, from a layer's first forward until the optimizer step, recompute or
     # not; under its break-even size it runs custom_grouped's BF16 kernels, which keep none.
     # (Blackwell's TE path is counted the same way; it has not been measured.)
-    fp8 = (cfg.tier == "device_mxfp8" and device == "cuda"
-           and R >= cfg.fp8_min_rows_per_expert * (E // ep))
+    fp8 = cfg.tier == "device_mxfp8" and device == "cuda" and runs_fp8(R, E // ep, cfg.fp8_min_rows_per_expert)
     fp8_weights = 2 * params.experts_per_layer if fp8 else 0
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy

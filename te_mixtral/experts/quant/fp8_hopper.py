@@ -149,18 +149,26 @@ class FP8HopperGemms:
         return self._weights.get(w_GNI, self._quantize_weight)
 
     def fprop(self, x_QI, weight, offsets_G):
-        x_q, x_scale_Q = self.rows(x_QI)
+        return self.fprop_quantised(*self.rows(x_QI), weight, offsets_G)
+
+    def dgrad(self, dy_QN, weight, offsets_G):
+        return self.dgrad_quantised(*self.rows(dy_QN), weight, offsets_G)
+
+    def wgrad(self, dy_QN, x_QI, offsets_G):
+        return self.wgrad_quantised(*self.columns(dy_QN, offsets_G), *self.columns(x_QI, offsets_G), offsets_G)
+
+    # The same three GEMMs on operands already cast (fp8_swiglu.py casts some of them itself,
+    # fused with the SwiGLU): A as `rows` gives it, and for wgrad both as `columns` does.
+
+    def fprop_quantised(self, x_q, x_scale_Q, weight, offsets_G):
         (w_q, w_scale_GN), _ = weight
         return self.gemm(x_q, w_q.transpose(-2, -1), x_scale_Q, w_scale_GN, offsets_G)
 
-    def dgrad(self, dy_QN, weight, offsets_G):
-        dy_q, dy_scale_Q = self.rows(dy_QN)
+    def dgrad_quantised(self, dy_q, dy_scale_Q, weight, offsets_G):
         _, (wt_q, wt_scale) = weight  # B must be column-major [G, N, I]: w^T [G, I, N] contiguous
         return self.gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_Q, wt_scale, offsets_G)
 
-    def wgrad(self, dy_QN, x_QI, offsets_G):
-        dy_NQ, dy_scale_GN = self.columns(dy_QN, offsets_G)
-        x_IQ, x_scale_GI = self.columns(x_QI, offsets_G)
+    def wgrad_quantised(self, dy_NQ, dy_scale_GN, x_IQ, x_scale_GI, offsets_G):
         return self.gemm(dy_NQ, x_IQ.t(), dy_scale_GN, x_scale_GI, offsets_G)
 
 

@@ -60,9 +60,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         with torch.autocast(x_QD.device.type, enabled=False):  # the recipe picks every precision
             gate_up, down = gemms.weight(gate_up_L2FD), gemms.weight(down_LDF)
             gu_Q2F = gemms.fprop(x_QD.detach(), gate_up, offsets_L)
-            h_q, h_scale = experts.rows(gu_Q2F, swiglu=True)
-            (down_q, down_scale), _ = down
-            y_QD = gemms.gemm(h_q, down_q.transpose(-2, -1), h_scale, down_scale, offsets_L)
+            y_QD = gemms.fprop_quantised(*experts.rows(gu_Q2F, swiglu=True), down, offsets_L)
         ctx.save_for_backward(x_QD, gu_Q2F, offsets_L)
         ctx.experts, ctx.weights = experts, (gate_up, down)
         ctx.dtypes = (x_QD.dtype, gate_up_L2FD.dtype, down_LDF.dtype)
@@ -78,13 +76,12 @@ class _FP8SwiGLU(torch.autograd.Function):
         with torch.autocast(dy_QD.device.type, enabled=False):
             dh_QF = gemms.dgrad(dy_QD, down, offsets_L)
             if ctx.needs_input_grad[2]:
-                dy_q, dy_scale = experts.columns(dy_QD, offsets_L)
-                h_q, h_scale = experts.columns(gu_Q2F, offsets_L, swiglu=True)
-                d_down = gemms.gemm(dy_q, h_q.t(), dy_scale, h_scale, offsets_L).to(down_dtype)
+                d_down = gemms.wgrad_quantised(*experts.columns(dy_QD, offsets_L),
+                                               *experts.columns(gu_Q2F, offsets_L, swiglu=True),
+                                               offsets_L).to(down_dtype)
             dgu_Q2F, dgu_q, dgu_scale = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
             if ctx.needs_input_grad[0]:
-                _, (wt_q, wt_scale) = gate_up
-                dx = gemms.gemm(dgu_q, wt_q.transpose(-2, -1), dgu_scale, wt_scale, offsets_L).to(x_dtype)
+                dx = gemms.dgrad_quantised(dgu_q, dgu_scale, gate_up, offsets_L).to(x_dtype)
             if ctx.needs_input_grad[1]:
                 d_gate_up = gemms.wgrad(dgu_Q2F, x_QD, offsets_L).to(gate_up_dtype)
         return dx, d_gate_up, d_down, None, None
