@@ -11,49 +11,24 @@ single-tensor AdamW by up to 9.1 U, and each of them is up to 17.3 U (ours) and 
 those numbers. Mutations tried on the update (eps inside the square root, no weight
 decay, a group's betas ignored, the gradient doubled) each fail several of these tests.
 
-The Triton kernel is checked against the torch path bit for bit by running this file's
-`interpreter` tests in a subprocess with TRITON_INTERPRET=1 (the interpreter must be on
-before triton is first imported); run directly, those tests are skipped.
+The Triton kernel's own tests are in test_adamw_kernel.py; the shared helpers in
+tests/adamw_reference.py.
 """
 
 import io
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from adamw_reference import CLIP, U, bf16_grads, bits, error_in_u, fp32_weights
 
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_torch
 from te_mixtral.optim.bits import join_master, round_to_bf16, split_master
 
-U = 2.0**-23
 STEPS = 10
 MASTER_TOL_U = 16  # after STEPS steps, vs torch's AdamW (measured up to 12.3 U)
 F64_TOL_U = 24  # after STEPS steps, vs float64 AdamW (measured up to 17.3 U; torch's: 13.8)
 FIRST_STEP_TOL_U = 2  # one step (measured up to 1.9 U; torch fused vs single: the same)
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view of a float tensor's bits, for bit-for-bit comparisons."""
-    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(t.dtype, t.dtype))
-
-
-def error_in_u(x: torch.Tensor, ref: torch.Tensor, lr: float) -> float:
-    return ((x.double() - ref.double()).abs() / (U * (ref.double().abs() + lr))).max().item()
-
-
-def fp32_weights(n: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.02
-
-
-def bf16_grads(steps: int, n: int, seed: int) -> list[torch.Tensor]:
-    """Random fp32 gradients rounded to bf16: both optimizers see the same values."""
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, generator=gen) * 1e-3).bfloat16() for _ in range(steps)]
 
 
 # --- the bit layout ---------------------------------------------------------------------
@@ -242,9 +217,6 @@ def test_fp32_grads_give_the_same_update():
     assert all(torch.equal(x, y) for x, y in zip(*states))
 
 
-CLIP = torch.tensor(0.37)  # a gradient scale as clipping passes it: not 1, so its path is exercised
-
-
 def test_grad_scale_is_a_clip_applied_as_the_gradient_is_read():
     """step(grad_scale=s) on bf16 gradients is the step on those gradients times s in fp32,
     bit for bit: the clip factor folded into the update, not applied twice or inverted."""
@@ -320,97 +292,3 @@ def test_state_dict_round_trip_is_bit_exact(moment_dtype):
         step(resumed_ps, resumed, g)
     for p, q in zip(ps, resumed_ps):
         assert torch.equal(bits(resumed.master(q)), bits(opt.master(p)))
-
-
-# --- the Triton kernel -----------------------------------------------------------------------
-
-
-def kernel_case(n: int, grad_dtype, moment_dtype, seed: int):
-    """Random state with special values: NaN/inf gradients, inf and NaN parameters."""
-    gen = torch.Generator().manual_seed(seed)
-    param_bits, remainder = split_master(torch.randn(n, generator=gen))
-    grad = torch.randn(n, generator=gen).to(grad_dtype)
-    m = (torch.randn(n, generator=gen) * 1e-2).to(moment_dtype)
-    v = (torch.rand(n, generator=gen) * 1e-4).to(moment_dtype)
-    if n > 8:
-        grad[3], grad[4] = float("nan"), float("inf")
-        master = join_master(param_bits, remainder)
-        master[5], master[6], master[7] = float("inf"), float("nan"), torch.finfo(torch.float32).max
-        param_bits, remainder = split_master(master)
-    return [param_bits.view(torch.bfloat16), remainder, grad, m, v]
-
-
-@interpreter_only
-@pytest.mark.parametrize("n", [0, 1, 7, 2047, 2049, 5001])
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float32])
-def test_interpreter_kernel_equals_torch_path(n, grad_dtype, moment_dtype):
-    from te_mixtral.optim.adamw_kernel import adamw_update_triton
-
-    case = kernel_case(n, grad_dtype, moment_dtype, seed=n)
-    by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
-    for step in (1, 2, 9):
-        scalars = StepScalars.for_step(3e-3, 0.1, 0.9, 0.999, 1e-8, step)
-        adamw_update_torch(*by_torch, scalars, CLIP)
-        adamw_update_triton(*by_kernel, scalars, CLIP)
-    for x, y in zip(by_torch, by_kernel):
-        assert torch.equal(bits(x), bits(y))
-
-
-@interpreter_only
-def test_interpreter_optimizer_impls_agree():
-    w = fp32_weights(3000, 14)
-    shapes = [(7, 100), (0,), (3, 7, 31), (17,)]
-    results = []
-    for impl in ("torch", "triton"):
-        params, start = [], 0
-        for shape in shapes:
-            size = torch.Size(shape).numel()
-            params.append(torch.nn.Parameter(w[start:start + size].view(shape).clone()))
-            start += size
-        opt = MasterAdamW.from_fp32(params, lr=1e-3, moment_dtype=torch.bfloat16, impl=impl)
-        for g in bf16_grads(3, start, 15):
-            offset = 0
-            for p in params:
-                p.grad, offset = g[offset:offset + p.numel()].view(p.shape), offset + p.numel()
-            opt.step()
-        results.append([bits(opt.master(p)) for p in params])
-    assert all(torch.equal(x, y) for x, y in zip(*results))
-
-
-@pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
-def test_triton_kernel_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float32])
-def test_cuda_kernel_matches_torch_path(moment_dtype):
-    """One step from the same state, at several step numbers. On the GPU the kernel may fuse
-    multiply-adds, so masters can differ from the torch path by about an ulp of the weight
-    or the update, and moments by an ulp of their dtype (more where m nearly cancels). (Over several steps bf16 moments
-    that rounded differently once make the paths drift apart, so each step starts afresh.)"""
-    from te_mixtral.optim.adamw_kernel import adamw_update_triton
-
-    lr = 3e-3
-    case = [t.cuda() for t in kernel_case(1 << 20, torch.bfloat16, moment_dtype, seed=16)]
-    for step in (1, 2, 9):
-        by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
-        scalars = StepScalars.for_step(lr, 0.1, 0.9, 0.999, 1e-8, step)
-        adamw_update_torch(*by_torch, scalars, CLIP.cuda())
-        adamw_update_triton(*by_kernel, scalars, CLIP.cuda())
-        masters = [join_master(p.view(torch.int16), r) for p, r, *_ in (by_torch, by_kernel)]
-        finite = masters[0].isfinite()
-        assert torch.equal(finite, masters[1].isfinite())
-        assert error_in_u(masters[1][finite], masters[0][finite], lr) <= 4
-        for x, y in zip(by_torch[3:], by_kernel[3:]):  # m near cancellation: atol
-            atol = 8 * U * x[x.isfinite()].abs().max().item()
-            rtol = 2**-7 if moment_dtype == torch.bfloat16 else 4 * U
-            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, equal_nan=True)
