@@ -144,7 +144,7 @@ def profile_phases(model, clip, optimizer_step, step_fn, batch, num_targets, aut
     grad_scale = clip()
     update_ms["optimizer"] = ms(lambda: optimizer_step(grad_scale))
     packed = batch.packed
-    rotary = model.model.rotary(packed.position_ids_BS)
+    rotary = model.model.rotary(packed)
     totals = dict.fromkeys(("attention", "router", "dispatch", "experts", "combine", "head"), 0.0)
     _communicates(model, units, False)
     expert_rows = 0

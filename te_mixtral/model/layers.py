@@ -3,6 +3,12 @@
 Both give the same parameter names and shapes (`weight` of [out, in] for a linear layer,
 `weight` of [D] for RMSNorm), so one checkpoint loads into either.
 
+Rotary position embedding: Hugging Face Mixtral's rotate-half RoPE, positions restarting at
+each document. The PyTorch path computes it in float32 from the position ids; the TE path
+runs TE's fused RoPE kernel over the same documents (their `cu_seqlens`), which computes in
+float32 too: one kernel for what PyTorch spends a cat, a negation and five elementwise
+passes on.
+
 Attention over packed samples. A sample holds several documents back to back, and a token
 must attend only to earlier tokens *of its own document*:
 - TE path: the batch is flattened to THD (total tokens, heads, head dim) and TE's fused
@@ -61,6 +67,46 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class TorchRotary:
+    """Tables: cos and sin of every token's angles, [B, S, 1, head_dim] float32."""
+
+    @staticmethod
+    def tables(inv_freq: torch.Tensor, packed: PackedSequences):
+        freqs = packed.position_ids_BS[..., None].float() * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # broadcast over heads
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def apply(x_BSHd: torch.Tensor, tables, packed: PackedSequences) -> torch.Tensor:
+        cos, sin = tables
+        x32 = x_BSHd.float()
+        return (x32 * cos + _rotate_half(x32) * sin).to(x_BSHd.dtype)
+
+
+class TERotary:
+    """Tables: the angles of positions 0 .. max_seqlen - 1, [max_seqlen, 1, 1, head_dim]
+    float32; TE's kernel takes each document's positions from `cu_seqlens`, which is where
+    the position ids restart (te_mixtral/data/packing.py)."""
+
+    @staticmethod
+    def tables(inv_freq: torch.Tensor, packed: PackedSequences):
+        freqs = torch.arange(packed.max_seqlen, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    @staticmethod
+    def apply(x_BSHd: torch.Tensor, tables, packed: PackedSequences) -> torch.Tensor:
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+        x_THd = apply_rotary_pos_emb(x_BSHd.flatten(0, 1), tables, tensor_format="thd", fused=True,
+                                     cu_seqlens=packed.cu_seqlens)
+        return x_THd.view_as(x_BSHd)
+
+
 class TorchAttention(nn.Module):
     # Same constructor as TEAttention so the model builds either; SDPA needs none of it.
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -98,6 +144,7 @@ class Backend:
     linear: type
     rmsnorm: type
     attention: type
+    rotary: type  # TorchRotary or TERotary
     permute: type  # token dispatch's local permute and weighted combine (distributed/dispatch.py)
 
 
@@ -117,8 +164,8 @@ def _te_rmsnorm(dim: int, eps: float) -> nn.Module:
     return te.RMSNorm(dim, eps=eps)
 
 
-TORCH = Backend("torch", _torch_linear, RMSNorm, TorchAttention, TorchPermute)
-TE = Backend("te", _te_linear, _te_rmsnorm, TEAttention, TEPermute)
+TORCH = Backend("torch", _torch_linear, RMSNorm, TorchAttention, TorchRotary, TorchPermute)
+TE = Backend("te", _te_linear, _te_rmsnorm, TEAttention, TERotary, TEPermute)
 
 
 def resolve_backend(name: str, device: str) -> Backend:

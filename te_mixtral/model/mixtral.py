@@ -35,26 +35,18 @@ from te_mixtral.model.recompute import recomputed
 from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_losses
 
 
-def rotate_half(x):
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
+    """The rotary tables of one forward, made once for every layer, in the form the
+    backend's RoPE takes (te_mixtral/model/layers.py)."""
+
+    def __init__(self, head_dim: int, theta: float, backend: Backend):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary = backend.rotary
 
-    def forward(self, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids_BS[..., None].float() * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # broadcast over heads
-        return angles.cos(), angles.sin()
-
-
-def apply_rotary(x_BSHd, cos, sin):
-    x32 = x_BSHd.float()
-    return (x32 * cos + rotate_half(x32) * sin).to(x_BSHd.dtype)
+    def forward(self, packed: PackedSequences):
+        return self.rotary.tables(self.inv_freq, packed)
 
 
 class Attention(nn.Module):
@@ -66,13 +58,14 @@ class Attention(nn.Module):
         self.v_proj = backend.linear(m.hidden_size, self.kv_heads * self.head_dim)
         self.o_proj = backend.linear(self.heads * self.head_dim, m.hidden_size)
         self.core = backend.attention(self.heads, self.kv_heads, self.head_dim)
+        self.rotary = backend.rotary
 
     def forward(self, x_BSD, rotary, packed: PackedSequences):
         batch, seq, _ = x_BSD.shape
         q = self.q_proj(x_BSD).view(batch, seq, self.heads, self.head_dim)
         k = self.k_proj(x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
         v = self.v_proj(x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = self.rotary.apply(q, rotary, packed), self.rotary.apply(k, rotary, packed)
         return self.o_proj(self.core(q, k, v, packed).reshape(batch, seq, -1))
 
 
@@ -107,7 +100,7 @@ class MixtralBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(m, backend, layout, tier, recompute)
                                     for _ in range(m.num_hidden_layers))
         self.norm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
-        self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta)
+        self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta, backend)
 
 
 class MixtralForCausalLM(nn.Module):
@@ -124,7 +117,7 @@ class MixtralForCausalLM(nn.Module):
     def forward(self, input_ids_BS, packed: PackedSequences) -> torch.Tensor:
         """Logits [B, S, V] for a packed batch; the routing statistics go to `self.routing`."""
         x_BSD = self.model.embed_tokens(input_ids_BS)
-        rotary = self.model.rotary(packed.position_ids_BS)
+        rotary = self.model.rotary(packed)
         layer_stats = []
         for layer in self.model.layers:
             x_BSD, stats = layer(x_BSD, rotary, packed)
