@@ -67,11 +67,13 @@ CANDIDATES = {
     },
     "large": {
         "rows": [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), PINGPONG,
-                 cfg(128, 256, 64, 8, 3, group=16), cfg(256, 128, 64, 8, 3, group=16)],
+                 cfg(128, 256, 64, 8, 3, group=16), cfg(256, 128, 64, 8, 3, group=16),
+                 cfg(128, 256, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, flatten=True)],
         "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
                     cfg(128, 128, 64, 8, 4, group=16), cfg(128, 128, 64, 8, 4, parts=2)],
         "down_dgrad": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
-                       cfg(128, 128, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, group=16)],
+                       cfg(128, 128, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, group=16),
+                       cfg(128, 256, 64, 8, 3, group=16, flatten=True)],
         "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(128, 256, 64, 8, 3, group=16)],
     },
 }

@@ -57,15 +57,18 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
-# on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers). The regime comes from the mean rows per
+# on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers), the large regime's
+# dgrads and down projection since retimed on an H200 at training shapes (docs/kernels.md). The regime comes from the mean rows per
 # expert, R / L, which the host knows from shapes alone; the split stays on the device.
 # PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
-# accumulators from spilling; 2 is cheaper for small tiles).
-def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4):
+# accumulators from spilling; 2 is cheaper for small tiles); FLATTEN (see `_rows_gemm`) pays
+# where the epilogue is heavy, as the SwiGLU backward's: it reads two values per output and
+# writes three.
+def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
-                num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts)
+                num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten)
 
 
 _PINGPONG = _cfg(128, 128, 64, 4, 3, progs=2)
@@ -88,10 +91,10 @@ CONFIGS = {
     },
     "large": {
         "gate_up": _cfg(128, 128, 64, 8, 4, group=16),
-        "down": _cfg(128, 256, 64, 8, 3, group=16),
-        "down_dgrad": _cfg(128, 128, 64, 8, 4),
+        "down": _cfg(128, 256, 64, 8, 4, group=16),
+        "down_dgrad": _cfg(128, 256, 64, 8, 3, group=16, flatten=True),
         "down_wgrad": _cfg(128, 256, 64, 8, 3),
-        "gate_up_dgrad": _cfg(128, 256, 64, 8, 3),
+        "gate_up_dgrad": _cfg(128, 256, 64, 8, 3, flatten=True),
         "gate_up_wgrad": _cfg(128, 256, 64, 8, 3, group=16),
     },
 }
