@@ -138,9 +138,11 @@ def clip_factor(model: torch.nn.Module, max_norm: float, layout: Layout) -> tupl
     each rank holds a distinct shard of the experts of its replica, so their squares are
     summed over the EP group. Sharded by FSDP (distributed/parallelize.py), every rank holds
     a distinct shard of every gradient, dense and expert alike, so the squares of the local
-    shards are summed over the world. The norms use PyTorch's multi-tensor kernels: one pass
-    over the gradients, no temporaries of their size; they accumulate in fp32 whatever the
-    gradients' dtype (a norm rounded to bf16 is up to 0.4 % off, and a sharded one differently).
+    shards are summed over the world. One norm kernel per gradient: one pass, no temporaries
+    of its size, accumulated in fp32 whatever the gradients' dtype (a norm rounded to bf16 is
+    up to 0.4 % off, and a sharded one differently). Not `torch._foreach_norm`: over the
+    gradients of 8 layers of Mixtral-8x7B on an H200 it took 10.4 ms, one `vector_norm` per
+    tensor 6.7 ms (a copy of the same bytes reads them at 4.3 TB/s: 5.5 ms).
     """
     dense, experts = [], []
     for name, param in model.named_parameters():
@@ -150,8 +152,9 @@ def clip_factor(model: torch.nn.Module, max_norm: float, layout: Layout) -> tupl
     if sharded:  # DTensors of two meshes do not mix: work on the local shards (views)
         dense, experts = [grad.to_local() for grad in dense + experts], []
     device = next(model.parameters()).device
-    squares = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-                           .to(device) ** 2 if grads else torch.zeros((), device=device) for grads in (dense, experts)])
+    squares = torch.stack([torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
+                           .square().sum().to(device) if grads else torch.zeros((), device=device)
+                           for grads in (dense, experts)])
     if sharded:
         all_reduce_sum(squares, layout)
     elif layout.ep_group is not None and layout.ep_size > 1:
