@@ -1,0 +1,80 @@
+"""Each of custom_grouped's six GEMMs at training shapes, against cuBLAS on the same shapes.
+
+    python3 -m benchmarks.custom_grouped_gemms [--cases 8x2048,4x4096] [--json OUT]
+
+A case `LxR` is L local experts of R rows each at Mixtral-8x7B width (8x2048 is one GPU
+holding all 8 experts of a layer with one 8192-token sequence, top-2; 4x4096 a rank at
+EP=2 with two sequences). For each GEMM it times the tile table's config
+(`grouped_swiglu.CONFIGS`), a few alternatives (the candidates of
+benchmarks/custom_grouped_bench.py's large regime), and cuBLAS (`torch.mm` once per expert,
+the plain GEMM without our fused SwiGLU epilogues): the ceiling a tile change aims at, and the
+place a fused epilogue costs more than it saves. Medians of `triton.testing.do_bench`.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+from benchmarks import custom_grouped_bench as cb
+from te_mixtral.experts.kernels import grouped_swiglu as gs
+
+D, F = 4096, 14336
+# (M, K, N) of one expert's plain GEMM, rows R = per-expert rows.
+CUBLAS_SHAPES = {"gate_up": lambda r: (r, D, 2 * F), "down": lambda r: (r, F, D), "down_dgrad": lambda r: (r, D, F),
+                 "gate_up_dgrad": lambda r: (r, 2 * F, D), "down_wgrad": lambda r: (D, r, F),
+                 "gate_up_wgrad": lambda r: (2 * F, r, D)}
+
+
+def configs(op: str) -> dict[str, dict]:
+    table = gs.CONFIGS["large"][op]
+    out = {"table": table}
+    for c in cb.candidates("large", op):
+        if c != table:
+            out[f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_I']} w{c['num_warps']} s{c['num_stages']} "
+                f"g{c['GROUP_M']}{' p2' if c['PROGS_PER_SM'] == 2 else ''}{' flat' if c.get('FLATTEN') else ''}"] = c
+    return out
+
+
+def cublas_ms(op: str, experts: int, rows: int) -> float:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, k, n = CUBLAS_SHAPES[op](rows)
+    a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(experts)]
+    b = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(experts)]
+    return cb.bench(lambda: [torch.mm(x, y) for x, y in zip(a, b, strict=True)], rep=50)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="8x2048,4x4096", help="LxR: local experts x rows per expert")
+    parser.add_argument("--json", default=None, help="also write the times here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("custom_grouped_gemms: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
+        return 2
+    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
+    cb.precompile([(op, c) for op in cb.OPS for c in configs(op).values()], None)
+    print(f"custom_grouped GEMMs on {torch.cuda.get_device_name()}: ms (TFLOP/s)")
+    times = {}
+    for experts, rows in cases:
+        for op in cb.OPS:
+            flops = 2 * experts * rows * D * F * cb.FLOP_UNITS[op] / 2  # FLOP_UNITS count R·D·F
+            cublas = cublas_ms(op, experts, rows)
+            cells = [f"{experts}x{rows} {op:14s} cuBLAS {cublas:6.3f} ({flops / cublas / 1e9:3.0f})"]
+            for name, c in configs(op).items():
+                run = cb.op_runner(op, rows, experts, D, F, c)
+                run()
+                ms = cb.bench(run, rep=50)
+                times[f"{experts}x{rows}/{op}/{name}"] = ms
+                cells.append(f"{name}: {ms:6.3f} ({flops / ms / 1e9:3.0f})")
+            times[f"{experts}x{rows}/{op}/cuBLAS"] = cublas
+            print(" | ".join(cells), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(times, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""CUDA kernel time per training step, by kind of kernel: our run of a config, or TE's example.
+
+Step timings say which model is faster; this says where. It trains a few steps under
+`torch.profiler` and reports, per optimizer step, the kernel time of steps 4-6 of 8 (the first
+two skipped, the third a profiler warm-up), grouped by kernel name into kinds (GEMMs,
+attention, optimizer, copies, ...), then the 40 longest kernels:
+
+    python3 -m benchmarks.kernel_profile ours [--config configs/mixtral-8x7b-8layer.yaml] [--tier custom_grouped]
+    python3 -m benchmarks.kernel_profile te --example-dir .peers/te_mixtral_example [--config ...]
+
+`te` trains TE's te_mixtral example through benchmarks/te_example.py (see there). Steps are
+counted by a global optimizer post-step hook, so both models are cut at the same points.
+Kernel time is what the GPU spent, not wall time: profiling slows the host, and the sum can
+fall short of a step where the GPU waits for it.
+"""
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+
+SKIPPED, WARMUP, ACTIVE = 2, 1, 3
+# First match wins: the name of a kernel says what it is.
+KINDS = [("attention", r"flash|fmha|cudnn|attn|sdpa"), ("optimizer", r"adam|multi_tensor|norm.*functor"),
+         ("nccl", r"nccl"), ("gemm", r"gemm|nvjet|sm90_xmma|cutlass|matmul"),
+         ("permute", r"permute|sort|scan|index|scatter|gather"), ("norm", r"rmsnorm|layernorm"),
+         ("softmax/topk", r"softmax|topk|logsumexp|cross_entropy|nll"),
+         ("copy/cast", r"copy|cast|convert|fill|memset|cat"), ("elementwise", r"elementwise|vectorized"),
+         ("reduce", r"reduce")]
+
+
+def report(prof, label: str) -> None:
+    rows = sorted(((e.key, e.self_device_time_total / 1e3 / ACTIVE, e.count // ACTIVE)
+                   for e in prof.key_averages() if e.self_device_time_total > 0), key=lambda r: -r[1])
+    kinds = defaultdict(float)
+    for name, ms, _ in rows:
+        kinds[next((kind for kind, pattern in KINDS if re.search(pattern, name, re.I)), "other")] += ms
+    print(f"=== {label}: {sum(r[1] for r in rows):.1f} ms of CUDA kernels per step")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:14s} {ms:8.1f} ms")
+    for name, ms, count in rows[:40]:
+        print(f"{ms:8.2f} ms {count:6d}x  {name[:150]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=("ours", "te"))
+    parser.add_argument("--config", default="configs/mixtral-8x7b-8layer.yaml")
+    parser.add_argument("--tier", default="custom_grouped", help="ours: the expert tier")
+    parser.add_argument("--example-dir", default=".peers/te_mixtral_example", help="te: a copy of TE's example")
+    parser.add_argument("--output-dir", default="/tmp/kernel_profile", help="ours: the run's folder (replaced)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    if not torch.cuda.is_available():
+        print("kernel_profile: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
+        return 2
+    steps = SKIPPED + WARMUP + ACTIVE + 2
+    if args.which == "ours":
+        from te_mixtral.cli import main as train
+        train_args = ["--config", args.config, "--tier", args.tier, "--steps", str(steps), "--timing_warmup_steps",
+                      "2", "--output-dir", args.output_dir, "--overwrite", "true", "--plots", "false"]
+    else:
+        from benchmarks.te_example import main as train
+        train_args = ["--example-dir", args.example_dir, "--config", args.config, "--steps", str(steps), "--warmup", "2"]
+
+    prof = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=SKIPPED, warmup=WARMUP, active=ACTIVE),
+                   on_trace_ready=lambda p: report(p, f"{args.which} ({args.config})"))
+    register_optimizer_step_post_hook(lambda *_: prof.step())
+    with prof:
+        return train(train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
