@@ -118,7 +118,8 @@ def test_fp8_hopper_trains_like_loop_at_ep2_under_fsdp(tmp_path):
 def test_te_rotary_equals_the_float32_rotary_over_packed_documents():
     """TE's fused RoPE, which finds each document's positions from cu_seqlens, rotates as the
     PyTorch path does from the position ids: forward and gradient within bf16 rounding of a
-    float64 reference, on rows of several documents (a position off by one fails at ~1e-1)."""
+    float64 reference, on rows of several documents (positions off by one are 0.2 off, and
+    positions that do not restart at each document 0.9)."""
     from te_mixtral.model.layers import TERotary, TorchRotary
 
     windows = torch.randint(1, 512, (2, 1025))
@@ -142,6 +143,6 @@ def test_te_rotary_equals_the_float32_rotary_over_packed_documents():
         out = rotary.apply(xr, rotary.tables(inv_freq, packed), packed)
         out.backward(grad_out)
         errors[rotary.__name__] = (rel_err(out, reference), rel_err(xr.grad, x64.grad))
-    for te_error, torch_error in zip(errors["TERotary"], errors["TorchRotary"]):
+    for te_error, torch_error in zip(errors["TERotary"], errors["TorchRotary"], strict=True):
         assert te_error < 2 * torch_error + 1e-4, errors
         assert te_error < 5e-3, errors

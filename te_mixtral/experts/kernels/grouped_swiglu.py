@@ -57,9 +57,10 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
-# on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers), the large regime's
-# dgrads and down projection since retimed on an H200 at training shapes (docs/kernels.md). The regime comes from the mean rows per
-# expert, R / L, which the host knows from shapes alone; the split stays on the device.
+# on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers); the large regime's
+# dgrads and down projection since retimed on an H200 at training shapes (docs/kernels.md,
+# v4). The regime comes from the mean rows per expert, R / L, which the host knows from
+# shapes alone; the split stays on the device.
 # PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
