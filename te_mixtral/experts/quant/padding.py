@@ -81,4 +81,22 @@ def pad_rows(x_RD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
 
 def unpad_rows(y_QD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
     """y_RD: the rows of y_QD that hold real rows, in input order (differentiable)."""
-    return y_QD.index_select(0, padded.dest_R)
+    return _UnpadRows.apply(y_QD, padded.dest_R)
+
+
+class _UnpadRows(torch.autograd.Function):
+    """`index_select`, whose backward copies the gradient rows back instead of adding them:
+    the rows are distinct, so a copy is exact, and it needs no atomics (torch's own backward,
+    `index_add`, took 0.59 ms where `index_copy` of the same [Q, D] rows took 0.22, at
+    4 experts x 4096 rows of Mixtral-8x7B on an H100)."""
+
+    @staticmethod
+    def forward(ctx, y_QD, dest_R):
+        ctx.save_for_backward(dest_R)
+        ctx.rows_Q = y_QD.shape[0]
+        return y_QD.index_select(0, dest_R)
+
+    @staticmethod
+    def backward(ctx, dy_RD):
+        (dest_R,) = ctx.saved_tensors
+        return dy_RD.new_zeros(ctx.rows_Q, *dy_RD.shape[1:]).index_copy_(0, dest_R, dy_RD), None

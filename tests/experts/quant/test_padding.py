@@ -45,3 +45,14 @@ def test_padding_is_differentiable_and_mxfp8_alignment_is_the_block():
     assert torch.equal(x_RD.grad, 2 * dy)
     assert MXFP8_ROW_ALIGN == mxfp8.BLOCK_SIZE == 32
     assert padded.splits_L.tolist()[:2] == [32, 0] and padded.splits_L[2] >= 64
+
+
+def test_unpadding_sends_each_gradient_row_back_to_its_padded_row():
+    padded = padded_rows(torch.tensor([5, 0, 17, 2]), 24, align=16)
+    y_QD = torch.randn(padded.rows_Q, 3, requires_grad=True)
+    dy_RD = torch.randn(24, 3)
+    unpad_rows(y_QD, padded).backward(dy_RD)
+    expected = torch.zeros(padded.rows_Q, 3).index_add_(0, padded.dest_R, dy_RD)  # torch's own backward
+    assert torch.equal(y_QD.grad, expected)
+    assert y_QD.grad.abs().sum(1).ne(0).sum() == 24  # padding rows get no gradient
+
