@@ -54,7 +54,9 @@ cfg = gs._cfg
 PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 CANDIDATES = {
     "small": {
-        "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2)],
+        "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2),
+                 # narrow tiles: with one or two local experts and an N of D, 64-wide tiles leave SMs idle
+                 cfg(64, 32, 128, 4, 6), cfg(64, 32, 256, 4, 4), cfg(64, 32, 128, 4, 4, progs=2)],
         "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
         "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(64, 256, 64, 4, 2, progs=2)],
     },
@@ -77,6 +79,7 @@ CANDIDATES = {
         "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(128, 256, 64, 8, 3, group=16)],
     },
 }
+CANDIDATES["small, 1-2 experts"] = CANDIDATES["small"]
 SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
 
 

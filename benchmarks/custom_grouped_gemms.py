@@ -4,11 +4,12 @@
 
 A case `LxR` is L local experts of R rows each at Mixtral-8x7B width (8x2048 is one GPU
 holding all 8 experts of a layer with one 8192-token sequence, top-2; 4x4096 a rank at
-EP=2 with two sequences). For each GEMM it times the tile table's config
-(`grouped_swiglu.CONFIGS`), a few alternatives (the candidates of
-benchmarks/custom_grouped_bench.py's large regime), and cuBLAS (`torch.mm` once per expert,
-the plain GEMM without our fused SwiGLU epilogues): the ceiling a tile change aims at, and the
-place a fused epilogue costs more than it saves. Medians of `triton.testing.do_bench`.
+EP=2 with two sequences; 1x64 a rank at EP=8 with few tokens). For each GEMM it times the
+tile table's config for that many rows per expert (`grouped_swiglu.CONFIGS`), the other
+candidates of that regime in benchmarks/custom_grouped_bench.py, and cuBLAS (`torch.mm`
+once per expert, the plain GEMM without our fused SwiGLU epilogues): the ceiling a tile
+change aims at, and the place a fused epilogue costs more than it saves. Medians of
+`triton.testing.do_bench`.
 """
 
 import argparse
@@ -27,10 +28,11 @@ CUBLAS_SHAPES = {"gate_up": lambda r: (r, D, 2 * F), "down": lambda r: (r, F, D)
                  "gate_up_wgrad": lambda r: (2 * F, r, D)}
 
 
-def configs(op: str) -> dict[str, dict]:
-    table = gs.CONFIGS["large"][op]
+def configs(op: str, experts: int, rows: int) -> dict[str, dict]:
+    regime = gs.regime(experts * rows, experts)
+    table = gs.CONFIGS[regime][op]
     out = {"table": table}
-    for c in cb.candidates("large", op):
+    for c in cb.candidates(regime, op):
         if c != table:
             out[f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_I']} w{c['num_warps']} s{c['num_stages']} "
                 f"g{c['GROUP_M']}{' p2' if c['PROGS_PER_SM'] == 2 else ''}{' flat' if c.get('FLATTEN') else ''}"] = c
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print("custom_grouped_gemms: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
-    cb.precompile([(op, c) for op in cb.OPS for c in configs(op).values()], None)
+    cb.precompile([(op, c) for experts, rows in cases for op in cb.OPS for c in configs(op, experts, rows).values()],
+                  None)
     print(f"custom_grouped GEMMs on {torch.cuda.get_device_name()}: ms (TFLOP/s)")
     times = {}
     for experts, rows in cases:
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             flops = 2 * experts * rows * D * F * cb.FLOP_UNITS[op] / 2  # FLOP_UNITS count R·D·F
             cublas = cublas_ms(op, experts, rows)
             cells = [f"{experts}x{rows} {op:14s} cuBLAS {cublas:6.3f} ({flops / cublas / 1e9:3.0f})"]
-            for name, c in configs(op).items():
+            for name, c in configs(op, experts, rows).items():
                 run = cb.op_runner(op, rows, experts, D, F, c)
                 run()
                 ms = cb.bench(run, rep=50)
