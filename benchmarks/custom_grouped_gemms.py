@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     times = {}
     for experts, rows in cases:
         for op in cb.OPS:
-            flops = 2 * experts * rows * D * F * cb.FLOP_UNITS[op] / 2  # FLOP_UNITS count R·D·F
+            flops = cb.FLOP_UNITS[op] * experts * rows * D * F  # FLOP_UNITS count R·D·F
             cublas = cublas_ms(op, experts, rows)
             cells = [f"{experts}x{rows} {op:14s} cuBLAS {cublas:6.3f} ({flops / cublas / 1e9:3.0f})"]
             for name, c in configs(op, experts, rows).items():
