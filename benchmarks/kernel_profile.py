@@ -9,7 +9,8 @@ attention, optimizer, copies, ...), then the 40 longest kernels:
     python3 -m benchmarks.kernel_profile te --example-dir .peers/te_mixtral_example [--config ...]
 
 `te` trains TE's te_mixtral example through benchmarks/te_example.py (see there). Steps are
-counted by a global optimizer post-step hook, so both models are cut at the same points.
+counted by a global optimizer post-step hook, which waits for the GPU before it cuts, so both
+models are cut at the same points and each window holds the kernels of its own steps.
 Kernel time is what the GPU spent, not wall time: profiling slows the host, and the sum can
 fall short of a step where the GPU waits for it.
 """
@@ -69,7 +70,15 @@ def main(argv: list[str] | None = None) -> int:
 
     prof = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=SKIPPED, warmup=WARMUP, active=ACTIVE),
                    on_trace_ready=lambda p: report(p, f"{args.which} ({args.config})"))
-    register_optimizer_step_post_hook(lambda *_: prof.step())
+
+    def next_step(*_):
+        # The host runs ahead of the GPU: without the wait, kernels launched before a step
+        # boundary but run after it are counted in the next step (a whole optimizer step of
+        # launches too many per window, measured).
+        torch.cuda.synchronize()
+        prof.step()
+
+    register_optimizer_step_post_hook(next_step)
     with prof:
         return train(train_args)
 
