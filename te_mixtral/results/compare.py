@@ -10,7 +10,10 @@ rather than a misleading ratio. Missing `hf` or `loop` runs are said so, not hid
 
 Loss checks are recomputed for the page: each run's losses against the same-workload `loop`
 run on it, by today's `te_mixtral/measure/loss_check.py` (first step, largest step, mean). Where the
-run's own recorded verdict differs, a note under the table says so.
+run's own recorded verdict differs, a note under the table says so. Activation recompute
+changes how much a step computes, not what it computes, so with no `loop` run of the same
+workload a run is checked against one that differs from it in `train.recompute` alone (where
+the full model's `loop` only fits with recompute), and the cell says so.
 """
 
 import math
@@ -84,6 +87,26 @@ def baseline_for(run: Run, tier: str, runs: list[Run]) -> Run | None:
     return min(candidates, key=lambda r: (r.ep_size != run.ep_size, -r.date.timestamp()))
 
 
+# Workload keys that change how a step is computed but not its losses.
+SAME_LOSSES = ("train.recompute",)
+
+
+def loss_reference(run: Run, runs: list[Run]) -> Run | None:
+    """The `loop` run a row's losses are checked against: of the same workload if there is
+    one, else one that differs from it only in `SAME_LOSSES`."""
+    reference = baseline_for(run, "loop", runs)
+    if reference is not None:
+        return reference
+
+    def losses_key(r: Run) -> dict:
+        return {k: v for k, v in workload(r).items() if k not in SAME_LOSSES}
+
+    candidates = [r for r in runs if r.tier == "loop" and losses_key(r) == losses_key(run)]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda r: (r.ep_size != run.ep_size, -r.date.timestamp()))
+
+
 def speedup(run: Run, baseline: Run | None) -> float | None:
     """How many times faster `run`'s median step is than `baseline`'s."""
     if baseline is None:
@@ -108,9 +131,13 @@ def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
     """
     if run.tier == "loop":
         return Verdict("reference", False, None)
-    reference = baseline_for(run, "loop", runs)
+    reference = loss_reference(run, runs)
     if reference is None:
         return Verdict("not checked: no `loop` run of this workload", False, None)
+    against = ""
+    if reference.workload != run.workload:
+        against = f" (against `loop` [{reference.workload}], {'; '.join(differences(workload(reference), workload(run)))})"
+
     # An 8-bit tier records the precision its experts ran in under `ran`; train.py checks it
     # at that precision's tolerance, and so does the page.
     precision = run.header.get("ran", {}).get("precision", run.header["precision"])
@@ -118,7 +145,7 @@ def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
     if math.isnan(check.max_rel_diff):
         cell = f"**FAILED**: non-finite loss at step {check.worst_step}"
     else:
-        cell = (f"{'passed' if check.passed else '**FAILED**'}: first {check.first_step_diff:.1e}, "
+        cell = (f"{'passed' if check.passed else '**FAILED**'}{against}: first {check.first_step_diff:.1e}, "
                 f"max {check.max_rel_diff:.1e} (step {check.worst_step}), mean {check.mean_diff:.1e}")
     recorded = run.results.get("loss_check")
     note = None
