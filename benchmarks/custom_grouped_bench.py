@@ -79,7 +79,7 @@ CANDIDATES = {
         "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(128, 256, 64, 8, 3, group=16)],
     },
 }
-CANDIDATES["small, 1-2 experts"] = CANDIDATES["small"]
+CANDIDATES["small, 1 expert"] = CANDIDATES["small"]
 SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
 
 
