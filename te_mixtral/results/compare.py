@@ -12,8 +12,8 @@ Loss checks are recomputed for the page: each run's losses against the same-work
 run on it, by today's `te_mixtral/measure/loss_check.py` (first step, largest step, mean). Where the
 run's own recorded verdict differs, a note under the table says so. Activation recompute
 changes how much a step computes, not what it computes, so with no `loop` run of the same
-workload a run is checked against one that differs from it in `train.recompute` alone (where
-the full model's `loop` only fits with recompute), and the cell says so.
+workload a run is checked against one that differs from it in `train.recompute` alone (`loop`
+keeps more for its backward and may only fit with recompute), and the cell says so.
 """
 
 import math
@@ -79,12 +79,16 @@ def assign_labels(runs: list[Run]) -> None:
             run.label += f" #{labels[:index].count(labels[index]) + 1}"
 
 
-def baseline_for(run: Run, tier: str, runs: list[Run]) -> Run | None:
-    """The `tier` run this row is compared with: same workload; same EP size if any; newest."""
-    candidates = [r for r in runs if r.tier == tier and r.workload == run.workload]
+def _nearest(run: Run, candidates: list[Run]) -> Run | None:
+    """Of `candidates`, the one with `run`'s EP size if any, newest first."""
     if not candidates:
         return None
     return min(candidates, key=lambda r: (r.ep_size != run.ep_size, -r.date.timestamp()))
+
+
+def baseline_for(run: Run, tier: str, runs: list[Run]) -> Run | None:
+    """The `tier` run this row is compared with: same workload; same EP size if any; newest."""
+    return _nearest(run, [r for r in runs if r.tier == tier and r.workload == run.workload])
 
 
 # Workload keys that change how a step is computed but not its losses.
@@ -101,10 +105,7 @@ def loss_reference(run: Run, runs: list[Run]) -> Run | None:
     def losses_key(r: Run) -> dict:
         return {k: v for k, v in workload(r).items() if k not in SAME_LOSSES}
 
-    candidates = [r for r in runs if r.tier == "loop" and losses_key(r) == losses_key(run)]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda r: (r.ep_size != run.ep_size, -r.date.timestamp()))
+    return _nearest(run, [r for r in runs if r.tier == "loop" and losses_key(r) == losses_key(run)])
 
 
 def speedup(run: Run, baseline: Run | None) -> float | None:
@@ -137,7 +138,6 @@ def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
     against = ""
     if reference.workload != run.workload:
         against = f" (against `loop` [{reference.workload}], {'; '.join(differences(workload(reference), workload(run)))})"
-
     # An 8-bit tier records the precision its experts ran in under `ran`; train.py checks it
     # at that precision's tolerance, and so does the page.
     precision = run.header.get("ran", {}).get("precision", run.header["precision"])
