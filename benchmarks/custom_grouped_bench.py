@@ -55,7 +55,7 @@ PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 CANDIDATES = {
     "small": {
         "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2),
-                 # narrow tiles: with one or two local experts and an N of D, 64-wide tiles leave SMs idle
+                 # narrow tiles: with one local expert and an N of D, 64-wide tiles leave SMs idle
                  cfg(64, 32, 128, 4, 6), cfg(64, 32, 256, 4, 4), cfg(64, 32, 128, 4, 4, progs=2)],
         "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
         "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(64, 256, 64, 4, 2, progs=2)],
