@@ -1,0 +1,87 @@
+"""Host time against GPU time of the custom_grouped op and of grouped_mm, fwd+bwd, at few rows.
+
+With few rows per expert a single op's GPU work is shorter than the host's work of launching
+it, and a timing loop of single ops (`do_bench`, as custom_grouped_bench.py uses) then
+measures the host. This script tells the two apart at Mixtral-8x7B shapes:
+
+- host: wall time a call of 200 in a row, the host launching as fast as it can;
+- GPU: time a call of 50 that the host queued behind a long spin kernel first, so the GPU
+  never waits for a launch.
+
+`--cprofile` adds a cProfile of 100 calls of ours at the first case: where the host time goes.
+
+    python3 -m benchmarks.custom_grouped_host_time [--cases 1x64,2x16,4x64] [--cprofile]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+from benchmarks.custom_grouped_bench import fwd_bwd, make_inputs
+from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
+from te_mixtral.experts.kernels import grouped_swiglu as gs
+
+D, F = 4096, 14336
+HOST_CALLS, GPU_CALLS = 200, 50
+SPIN_CYCLES = int(2e9)  # about a second: longer than the host needs to queue GPU_CALLS calls
+
+
+def host_ms(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e3 * host / HOST_CALLS
+
+
+def gpu_ms(fn) -> float:
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SPIN_CYCLES)
+    begin.record()
+    for _ in range(GPU_CALLS):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / GPU_CALLS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="1x64,2x16,4x64", help="LxR: local experts x rows per expert")
+    parser.add_argument("--cprofile", action="store_true", help="profile the host side of ours at the first case")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("custom_grouped_host_time: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
+        return 2
+    print(f"custom_grouped vs grouped_mm, fwd+bwd at 8x7B shapes, on {torch.cuda.get_device_name()}: ms a call")
+    for index, case in enumerate(args.cases.split(",")):
+        experts, rows = map(int, case.split("x"))
+        x, counts, w1, w2, dy = make_inputs(rows, experts, D, F, requires_grad=True)
+        for name, op in (("ours", gs.grouped_swiglu), ("grouped_mm", grouped_mm_swiglu)):
+            fn = fwd_bwd(op, x, counts, w1, w2, dy)
+            for _ in range(20):  # compile, warm up
+                fn()
+            print(f"  {case:>6} {name:<10} host {host_ms(fn):.3f}  GPU {gpu_ms(fn):.3f}", flush=True)
+        if args.cprofile and index == 0:
+            ours = fwd_bwd(gs.grouped_swiglu, x, counts, w1, w2, dy)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(100):
+                ours()
+            profiler.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+            print(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
