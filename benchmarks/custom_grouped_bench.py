@@ -80,6 +80,7 @@ CANDIDATES = {
     },
 }
 CANDIDATES["small, 1 expert"] = CANDIDATES["small"]
+CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
 SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
 
 
@@ -120,7 +121,7 @@ def op_runner(op, per_expert, L, D, F, c, write_act=True):
     h = torch.randn(R, 2 * F, device=DEVICE, dtype=x.dtype)
     act = torch.randn(R, F, device=DEVICE, dtype=x.dtype)
     y = torch.empty(R, D, device=DEVICE, dtype=x.dtype)
-    tma = True
+    tma = gs.uses_descriptors(R, L)  # as the op itself chooses
     return {
         "gate_up": lambda: gg.rows_gemm(x, w1, counts, act, n=F, b_icontig=True, cfg=c,
                                         use_tma=tma, epilogue=gg.EPI_SWIGLU, h=h),

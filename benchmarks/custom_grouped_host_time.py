@@ -6,15 +6,21 @@ measures the host. This script tells the two apart at Mixtral-8x7B shapes:
 
 - host: wall time a call of 200 in a row, the host launching as fast as it can;
 - GPU: time a call of 50 that the host queued behind a long spin kernel first, so the GPU
-  never waits for a launch.
+  never waits for a launch;
+- op: the median of `do_bench` over single calls, as custom_grouped_bench.py times the op.
 
+`--loads` adds ours with TMA descriptors forced on and off; `--tiles medium` adds ours with
+that regime's tile table at every case (the default picks one by rows per expert; repeat
+it for more tables);
 `--cprofile` adds a cProfile of 100 calls of ours at the first case: where the host time goes.
 
-    python3 -m benchmarks.custom_grouped_host_time [--cases 1x64,2x16,4x64] [--cprofile]
+    python3 -m benchmarks.custom_grouped_host_time [--cases 1x64,2x16,4x64] [--loads]
+        [--tiles small --tiles medium ...] [--cprofile]
 """
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import sys
@@ -22,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.custom_grouped_bench import fwd_bwd, make_inputs
+from benchmarks.custom_grouped_bench import bench, fwd_bwd, make_inputs
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_swiglu as gs
 
@@ -56,7 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="1x64,2x16,4x64", help="LxR: local experts x rows per expert")
     parser.add_argument("--cprofile", action="store_true", help="profile the host side of ours at the first case")
+    parser.add_argument("--loads", action="store_true", help="also ours with TMA descriptors forced on and off")
+    parser.add_argument("--tiles", action="append", default=[],
+                        help="also ours with this regime's tile table at every case (repeatable)")
     args = parser.parse_args(argv)
+    tiles = args.tiles
+    unknown = [name for name in tiles if name not in gs.CONFIGS]
+    if unknown:
+        print(f"custom_grouped_host_time: error: no tile table {unknown[0]!r}; the tables are "
+              f"{', '.join(gs.CONFIGS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("custom_grouped_host_time: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2
@@ -64,11 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     for index, case in enumerate(args.cases.split(",")):
         experts, rows = map(int, case.split("x"))
         x, counts, w1, w2, dy = make_inputs(rows, experts, D, F, requires_grad=True)
-        for name, op in (("ours", gs.grouped_swiglu), ("grouped_mm", grouped_mm_swiglu)):
+        ops = {"ours": gs.grouped_swiglu, "grouped_mm": grouped_mm_swiglu}
+        if args.loads:
+            ops["ours, TMA"] = functools.partial(gs.grouped_swiglu, use_tma=True)
+            ops["ours, pointers"] = functools.partial(gs.grouped_swiglu, use_tma=False)
+        for name in tiles:
+            ops[f"ours, {name} tiles"] = functools.partial(gs.grouped_swiglu,
+                                                           configs=dict.fromkeys(gs.CONFIGS, gs.CONFIGS[name]))
+        for name, op in ops.items():
             fn = fwd_bwd(op, x, counts, w1, w2, dy)
             for _ in range(20):  # compile, warm up
                 fn()
-            print(f"  {case:>6} {name:<10} host {host_ms(fn):.3f}  GPU {gpu_ms(fn):.3f}", flush=True)
+            print(f"  {case:>6} {name:<24} host {host_ms(fn):.3f}  GPU {gpu_ms(fn):.3f}  op {bench(fn):.3f}",
+                  flush=True)
         if args.cprofile and index == 0:
             ours = fwd_bwd(gs.grouped_swiglu, x, counts, w1, w2, dy)
             profiler = cProfile.Profile()

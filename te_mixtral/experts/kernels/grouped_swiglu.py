@@ -74,7 +74,7 @@ def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False):
 
 _PINGPONG = _cfg(128, 128, 64, 4, 3, progs=2)
 CONFIGS = {
-    "small": {  # <= 128 rows per expert: weight-bandwidth bound, one M tile per expert
+    "small": {  # few rows per expert (see `regime`): weight-bandwidth bound
         "gate_up": _cfg(64, 64, 128, 4, 4, parts=2),
         "down": _cfg(64, 64, 128, 4, 4),
         "down_dgrad": _cfg(64, 64, 64, 4, 4, progs=2, parts=2),
@@ -108,13 +108,37 @@ CONFIGS = {
 # gate_up_dgrad 0.184 against 0.240 narrow, down 0.104 against 0.126.
 CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4),
                               "gate_up_dgrad": _cfg(64, 32, 256, 4, 4)}
+# The same starvation one step up: at up to 512 rows in all, the medium table's 128x256
+# gate_up_dgrad tiles give at most 64 programs; 128x128 tiles double that, and down gains
+# from the same tile at one program per SM. On an H100 at 1 x 256 rows: gate_up_dgrad
+# 0.267 -> 0.181 ms, down 0.119 -> 0.097 (cuBLAS 0.105 and 0.064). At 2 x 512 rows (128
+# programs) the medium table wins again.
+CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _cfg(128, 128, 64, 8, 4),
+                               "gate_up_dgrad": _cfg(128, 128, 64, 8, 4)}
+
+
+def uses_descriptors(rows: int, experts: int) -> bool:
+    """Whether the GEMMs load through TMA descriptors (else plain pointer loads): from 129
+    rows per expert and 513 rows in all. Each TMA launch encodes its descriptors on the
+    host, 0.15-0.6 ms a fwd+bwd, and with little GPU work per call that host time is what a
+    call costs; below these sizes pointer loads keep the GPU about as fast, or faster. On an
+    H100, fwd+bwd GPU ms at 8x7B shapes (docs/kernels.md), TMA against pointers: 8 x 16
+    rows 3.53 against 3.15, 8 x 96 4.07 against 3.69, 2 x 256 1.24 against 1.24; pointers
+    lose at 1 x 16 (0.52 against 0.60) and 1 x 512 (0.99 against 1.05)."""
+    return rows > 512 and rows > 128 * max(experts, 1)
 
 
 def regime(rows: int, experts: int) -> str:
+    """The tile table for `rows` over `experts` local experts. From four experts on, the
+    medium tiles (128 rows) beat the small ones (64) from 65 rows per expert; with fewer
+    experts the small ones win up to 128. On an H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96
+    rows 3.68 against 3.99, 8 x 128 3.80 against 4.06; 1 x 128 0.57 small against 0.76."""
     per_expert = rows / max(experts, 1)
-    if per_expert <= 128:
+    if per_expert <= 64 or (per_expert <= 128 and experts < 4):
         return "small, 1 expert" if experts == 1 else "small"
-    return "medium" if per_expert <= 512 else "large"
+    if per_expert <= 512:
+        return "medium, few rows" if rows <= 512 else "medium"
+    return "large"
 
 
 # fp32 inputs (no autocast): a correctness path, not a tuned one. tf32x3 dots split every
@@ -147,7 +171,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         y_RD = x_RD.new_empty(R, D)
         cfgs = configs[regime(R, L)]
         if use_tma is None:
-            use_tma = _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
+            use_tma = uses_descriptors(R, L) and _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
             rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True,
                       cfg=cfgs["gate_up"], use_tma=use_tma, epilogue=EPI_SWIGLU, h=h_R2F)
@@ -210,7 +234,7 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
 
     `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
     it; by default CONFIGS, or FP32_CONFIGS for fp32 inputs); `use_tma` forces the
-    descriptor path on or off (default: on where the tensors allow it).
+    descriptor path on or off (default: `uses_descriptors`, where the tensors allow it).
     `keep_hidden=False` is selective recompute done inside the op: the forward keeps only
     its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
     is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
