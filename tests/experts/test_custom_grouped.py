@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from conftest import interpreter_runs_reduced_loop_bounds
 from expert_reference import reference_f64
 
 from te_mixtral.experts.registry import make_tier
@@ -121,6 +122,7 @@ def test_cpu_path_bf16_activations_keep_weight_grad_dtype():
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
+@interpreter_runs_reduced_loop_bounds
 def test_triton_kernels_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import interpreter_runs_reduced_loop_bounds
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
     group_bounds,
@@ -152,6 +153,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
+@interpreter_runs_reduced_loop_bounds
 def test_triton_quantisers_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
