@@ -118,14 +118,16 @@ CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _cfg(128, 128, 64, 8
 
 
 def uses_descriptors(rows: int, experts: int) -> bool:
-    """Whether the GEMMs load through TMA descriptors (else plain pointer loads): from 129
+    """Whether the GEMMs load through TMA descriptors (else plain pointer loads): from 97
     rows per expert and 513 rows in all. Each TMA launch encodes its descriptors on the
     host, 0.15-0.6 ms a fwd+bwd, and with little GPU work per call that host time is what a
-    call costs; below these sizes pointer loads keep the GPU about as fast, or faster. On an
-    H100, fwd+bwd GPU ms at 8x7B shapes (docs/kernels.md), TMA against pointers: 8 x 16
-    rows 3.53 against 3.15, 8 x 96 4.07 against 3.69, 2 x 256 1.24 against 1.24; pointers
-    lose at 1 x 16 (0.52 against 0.60) and 1 x 512 (0.99 against 1.05)."""
-    return rows > 512 and rows > 128 * max(experts, 1)
+    call costs; below these sizes pointer loads keep the GPU about as fast, or faster.
+    Fwd+bwd GPU ms at 8x7B shapes (docs/kernels.md), TMA against pointers: on an H100 8 x 16
+    rows 3.53 against 3.15, 8 x 96 4.07 against 3.69, 2 x 256 1.24 against 1.24; on an H200
+    8 x 96 3.44 against 3.13, and 8 x 128 3.05 against 3.20 (where TMA takes over; 3.76
+    against 3.77 on the H100). Pointers lose at 1 x 16 (0.52 against 0.60 on the H100) and by
+    3-5 % from 128 to 512 rows on the H200, where the host time they save is larger."""
+    return rows > 512 and rows > 96 * max(experts, 1)
 
 
 def regime(rows: int, experts: int) -> str:
