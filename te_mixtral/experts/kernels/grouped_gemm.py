@@ -28,8 +28,9 @@ Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-bu
 tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
 last expert and the I tail need no masks. A rows-tile may run into the next expert's rows;
 those rows produce garbage output rows that the masked store drops. Without TMA (odd
-shapes, and the CPU interpreter) plain pointer loads clamp rows into range for the same
-effect and mask columns and the I tail. `_wgrad_gemm` is the exception: there the rows
+shapes; calls with so few rows that building the descriptors on the host costs more than
+they save, see grouped_swiglu.uses_descriptors; the CPU interpreter) plain pointer loads
+clamp rows into range for the same effect and mask columns and the I tail. `_wgrad_gemm` is the exception: there the rows
 are the reduction dim, so rows past the expert's end must be zeros, not garbage; full BI
 blocks stream unmasked and the one partial block at the end is zeroed.
 """
