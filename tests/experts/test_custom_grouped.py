@@ -117,6 +117,21 @@ def test_cpu_path_bf16_activations_keep_weight_grad_dtype():
     assert d_gate_up.dtype == d_down.dtype == torch.float32
 
 
+def test_every_size_has_its_tile_table():
+    """The regime and load choices are measured thresholds; whatever they become, every row
+    and expert count must name a tile table that exists, for bf16 and for fp32, or some size
+    fails only on a GPU (a KeyError at that size). The benchmark's candidates too, or its
+    sweep cannot time that table."""
+    from benchmarks.custom_grouped_bench import CANDIDATES
+    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, FP32_CONFIGS, regime, uses_descriptors
+
+    names = {regime(rows, experts) for experts in (1, 2, 3, 4, 8, 16) for rows in range(0, 20000, 7)}
+    assert names <= CONFIGS.keys() == FP32_CONFIGS.keys() <= CANDIDATES.keys(), names
+    assert names == CONFIGS.keys()  # no table left unreachable
+    # Few rows load through pointers, many through TMA descriptors.
+    assert not uses_descriptors(64, 1) and uses_descriptors(16384, 8)
+
+
 # --- the Triton kernels, run by the interpreter in a fresh process ------------------
 
 
