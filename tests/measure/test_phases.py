@@ -3,9 +3,15 @@
 import json
 
 import pytest
-from launch import run_app, run_cli
+from launch import run_cli, train_and_save
 
 PHASES = {"attention", "router", "dispatch", "experts", "combine", "head", "clip", "optimizer"}
+SHORT = ["--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64",
+         "--profile_phases", "true"]
+EP2 = [*SHORT, "--ep-size", "2"]
+FSDP = [*SHORT, "--ep-size", "1", "--sharding", "fsdp"]
+# Launched with the other modules' two-rank runs (conftest.py's launch_planned).
+PLANNED_RUNS = {2: [EP2, FSDP]}
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -18,11 +24,9 @@ def test_phase_profile_is_reported(tmp_path, accum):
     assert "sum of phases" in proc.stdout
 
 
-def test_expert_rows_per_rank_cover_every_token_copy(tmp_path):
-    proc = run_app(["--ep-size", "2", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
-                    "--seq_len", "64", "--profile_phases", "true", "--output-dir", str(tmp_path)], nproc=2)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+def test_expert_rows_per_rank_cover_every_token_copy(tmp_path, launch_planned):
+    launch_planned(2)
+    results, _, _ = train_and_save(tmp_path, EP2, nproc=2)
     assert set(results["phases_ms"]) == PHASES | {"all-reduce"}
     rows = results["expert_rows_per_rank"]
     # Every token's top-2 copies land on exactly one rank, in each of the tiny model's 2 layers.
@@ -30,11 +34,8 @@ def test_expert_rows_per_rank_cover_every_token_copy(tmp_path):
 
 
 @pytest.mark.slow
-def test_phase_profile_under_fsdp(tmp_path):
+def test_phase_profile_under_fsdp(tmp_path, launch_planned):
     """Compute phases run on gathered weights; the gather is a phase of its own, no all-reduce."""
-    proc = run_app(["--ep-size", "1", "--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1",
-                    "--seq_len", "64", "--profile_phases", "true", "--sharding", "fsdp", "--output-dir", str(tmp_path)],
-                   nproc=2)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    phases = json.loads((tmp_path / "results.json").read_text())["phases_ms"]
+    launch_planned(2)
+    phases = train_and_save(tmp_path, FSDP, nproc=2)[0]["phases_ms"]
     assert set(phases) == PHASES | {"all-gather"} and all(ms > 0 for ms in phases.values())

@@ -29,6 +29,9 @@ SINGLE = Layout(0, 1, 1, None, None)
 TINY = {"vocab_size": "320", "hidden_size": "16", "intermediate_size": "24", "num_hidden_layers": "1",
         "num_attention_heads": "2", "num_key_value_heads": "1", "head_dim": "8", "num_experts": "2",
         "tokenizer_vocab_size": "300"}
+NORMS_RUN = ["--steps", "3", "--timing_warmup_steps", "1", "--seq_len", "64"]
+# Launched with the other modules' one-process runs (conftest.py's launch_planned).
+PLANNED_RUNS = {1: [NORMS_RUN]}
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +115,9 @@ def test_mxfp8_refuses_sizes_its_blocks_cannot_take_before_building(hidden, ffn,
                                                    "mxfp8_mode": "mxfp8-emulated"})).check_available("cpu")
 
 
-def test_results_record_the_global_gradient_norm_of_every_step(tmp_path):
-    results, _, grads = train_and_save(tmp_path, ["--steps", "3", "--timing_warmup_steps", "1", "--seq_len", "64"])
+def test_results_record_the_global_gradient_norm_of_every_step(tmp_path, launch_planned):
+    launch_planned(1)
+    results, _, grads = train_and_save(tmp_path, NORMS_RUN)
     # The norm of the gradients the loop held after reducing them, before clipping, in float64.
     expected = [math.sqrt(sum(g.double().square().sum().item() for g in step.values())) for step in grads[0]]
     assert len(results["grad_norms"]) == 3
