@@ -1,28 +1,23 @@
 """Shared test setup: markers skip GPU tests on machines without the hardware."""
 
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
 import torch
 
+from te_mixtral.measure.report import package_version
+from te_mixtral.te_support import _release
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _release(package: str) -> tuple[int, int]:
-    """(major, minor) of an installed package; (0, 0) when it is not installed."""
-    try:
-        return tuple(int(part) for part in version(package).split(".")[:2])
-    except PackageNotFoundError:
-        return (0, 0)
 
 
 # Triton before 3.7 turns a reduction's result into a Python int through a one-element NumPy
 # array, which NumPy 2.4 refuses (triton-lang/triton#9171): its interpreter then stops at
 # every loop whose bound is a reduction, as our grouped GEMMs' and casts' are. Where that is
 # the case (the GPU image: Triton 3.6), the GPU tests run the compiled kernels instead.
+_TRITON, _NUMPY = package_version("triton"), package_version("numpy")
 interpreter_runs_reduced_loop_bounds = pytest.mark.skipif(
-    (0, 0) < _release("triton") < (3, 7) and _release("numpy") >= (2, 4),
+    _TRITON is not None and _release(_TRITON) < (3, 7) and _release(_NUMPY) >= (2, 4),
     reason="Triton < 3.7's interpreter cannot run these kernels under NumPy >= 2.4 (triton-lang/triton#9171)")
 
 
