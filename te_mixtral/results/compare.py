@@ -105,7 +105,8 @@ def loss_reference(run: Run, runs: list[Run]) -> Run | None:
     def losses_key(r: Run) -> dict:
         return {k: v for k, v in workload(r).items() if k not in SAME_LOSSES}
 
-    return _nearest(run, [r for r in runs if r.tier == "loop" and losses_key(r) == losses_key(run)])
+    wanted = losses_key(run)
+    return _nearest(run, [r for r in runs if r.tier == "loop" and losses_key(r) == wanted])
 
 
 def speedup(run: Run, baseline: Run | None) -> float | None:
