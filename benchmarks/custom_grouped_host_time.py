@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", action="append", default=[],
                         help="also ours with this regime's tile table at every case (repeatable)")
     args = parser.parse_args(argv)
-    tiles = args.tiles
-    unknown = [name for name in tiles if name not in gs.CONFIGS]
+    unknown = [name for name in args.tiles if name not in gs.CONFIGS]
     if unknown:
         print(f"custom_grouped_host_time: error: no tile table {unknown[0]!r}; the tables are "
               f"{', '.join(gs.CONFIGS)}", file=sys.stderr)
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.loads:
             ops["ours, TMA"] = functools.partial(gs.grouped_swiglu, use_tma=True)
             ops["ours, pointers"] = functools.partial(gs.grouped_swiglu, use_tma=False)
-        for name in tiles:
+        for name in args.tiles:
             ops[f"ours, {name} tiles"] = functools.partial(gs.grouped_swiglu,
                                                            configs=dict.fromkeys(gs.CONFIGS, gs.CONFIGS[name]))
         for name, op in ops.items():
