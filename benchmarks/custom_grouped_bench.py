@@ -52,20 +52,23 @@ cfg = gs._cfg
 # (<= 113 KB each) allow, so one program's epilogue overlaps the other's main loop;
 # GROUP_M=16 halves how often a large rows-GEMM streams the weights from DRAM.
 PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
+# A weight gradient's EPI_PARTS is how many column blocks its store walks.
+WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
+                  cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
 CANDIDATES = {
     "small": {
         "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2),
                  # narrow tiles: with one local expert and an N of D, 64-wide tiles leave SMs idle
                  cfg(64, 32, 128, 4, 6), cfg(64, 32, 256, 4, 4), cfg(64, 32, 128, 4, 4, progs=2)],
         "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
-        "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(64, 256, 64, 4, 2, progs=2)],
+        "wgrad": WGRAD_FEW_ROWS,
     },
     "medium": {
         "rows": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
                  cfg(128, 128, 64, 8, 3, progs=2)],
         "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
                     cfg(128, 128, 64, 8, 4, parts=2)],
-        "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(64, 256, 64, 4, 2, progs=2)],
+        "wgrad": WGRAD_FEW_ROWS,
     },
     "large": {
         "rows": [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), PINGPONG,
@@ -76,7 +79,8 @@ CANDIDATES = {
         "down_dgrad": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
                        cfg(128, 128, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, group=16),
                        cfg(128, 256, 64, 8, 3, group=16, flatten=True)],
-        "wgrad": [cfg(128, 256, 64, 8, 3), PINGPONG, cfg(128, 256, 64, 8, 3, group=16)],
+        "wgrad": [cfg(128, 256, 64, 8, 3, parts=1), cfg(128, 256, 64, 8, 3, parts=2),
+                  cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2)],
     },
 }
 CANDIDATES["small, 1 expert"] = CANDIDATES["small"]

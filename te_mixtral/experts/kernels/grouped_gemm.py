@@ -234,7 +234,7 @@ def _wgrad_gemm(
     M, N, L,
     USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
 ):
     """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums."""
     pid = tl.program_id(0)
@@ -281,12 +281,18 @@ def _wgrad_gemm(
                 g_ptrs += BLOCK_I * M
                 x_ptrs += BLOCK_I * N
 
+        # The gradient is larger than L2 and not read again here: streaming stores (".cs")
+        # keep it from evicting the operand tiles that the next tiles re-read, and column
+        # blocks let one block's stores drain while the next is converted.
         rows = m0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
         out_e = out_ptr + e.to(tl.int64) * M * N
-        tl.store(out_e + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        W: tl.constexpr = BLOCK_N // EPI_PARTS
+        for part in tl.static_range(EPI_PARTS):
+            cols = n0 + part * W + tl.arange(0, W)
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            tl.store(out_e + rows[:, None] * N + cols[None, :],
+                     _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N).to(out_ptr.dtype.element_ty),
+                     mask=mask, cache_modifier=".cs")
 
 
 # --- launchers ------------------------------------------------------------------------
@@ -383,6 +389,6 @@ def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
         g_src, x_src, counts_L, out_LMN, M, N, L,
         USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
-        BLOCK_L=triton.next_power_of_2(L),
+        BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -64,7 +64,8 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 # PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
-# accumulators from spilling; 2 is cheaper for small tiles); FLATTEN (see `_rows_gemm`) pays
+# accumulators from spilling; 2 is cheaper for small tiles), or a weight gradient's store;
+# FLATTEN (see `_rows_gemm`) pays
 # where the epilogue is heavy, as the SwiGLU backward's: it reads two values per output and
 # writes three.
 def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False):
@@ -72,31 +73,35 @@ def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False):
                 num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten)
 
 
-_PINGPONG = _cfg(128, 128, 64, 4, 3, progs=2)
+# Weight gradients with few rows per expert write far more than they read: 128 x 128 tiles,
+# two programs per SM, stored in two column blocks. On an H100 at 8 x 128 rows down_wgrad
+# 0.538 -> 0.432 ms and gate_up_wgrad 0.997 -> 0.779 with streaming stores and this tile
+# (cuBLAS 0.395 and 0.887); at 2 x 16 rows both tie cuBLAS (docs/kernels.md, v7).
+_WGRAD_FEW_ROWS = _cfg(128, 128, 64, 4, 3, progs=2, parts=2)
 CONFIGS = {
     "small": {  # few rows per expert (see `regime`): weight-bandwidth bound
         "gate_up": _cfg(64, 64, 128, 4, 4, parts=2),
         "down": _cfg(64, 64, 128, 4, 4),
         "down_dgrad": _cfg(64, 64, 64, 4, 4, progs=2, parts=2),
-        "down_wgrad": _cfg(64, 256, 64, 4, 2, progs=2),
+        "down_wgrad": _WGRAD_FEW_ROWS,
         "gate_up_dgrad": _cfg(64, 128, 64, 4, 4),
-        "gate_up_wgrad": _PINGPONG,
+        "gate_up_wgrad": _WGRAD_FEW_ROWS,
     },
     "medium": {  # <= 512 rows per expert
         "gate_up": _cfg(128, 128, 64, 8, 4),
         "down": _cfg(128, 128, 64, 8, 3, progs=2),
         "down_dgrad": _cfg(128, 128, 64, 8, 4),
-        "down_wgrad": _PINGPONG,
+        "down_wgrad": _WGRAD_FEW_ROWS,
         "gate_up_dgrad": _cfg(128, 256, 64, 8, 3),
-        "gate_up_wgrad": _PINGPONG,
+        "gate_up_wgrad": _WGRAD_FEW_ROWS,
     },
     "large": {
         "gate_up": _cfg(128, 128, 64, 8, 4, group=16),
         "down": _cfg(128, 256, 64, 8, 4, group=16),
         "down_dgrad": _cfg(128, 256, 64, 8, 3, group=16, flatten=True),
-        "down_wgrad": _cfg(128, 256, 64, 8, 3),
+        "down_wgrad": _cfg(128, 256, 64, 8, 3, parts=1),
         "gate_up_dgrad": _cfg(128, 256, 64, 8, 3, flatten=True),
-        "gate_up_wgrad": _cfg(128, 256, 64, 8, 3, group=16),
+        "gate_up_wgrad": _cfg(128, 256, 64, 8, 3, group=16, parts=1),
     },
 }
 
