@@ -65,9 +65,8 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 # GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
 # EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
 # accumulators from spilling; 2 is cheaper for small tiles), or a weight gradient's store;
-# FLATTEN (see `_rows_gemm`) pays
-# where the epilogue is heavy, as the SwiGLU backward's: it reads two values per output and
-# writes three.
+# FLATTEN (see `_rows_gemm`) pays where the epilogue is heavy, as the SwiGLU backward's: it
+# reads two values per output and writes three.
 def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
                 num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten)
@@ -75,8 +74,8 @@ def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False):
 
 # Weight gradients with few rows per expert write far more than they read: 128 x 128 tiles,
 # two programs per SM, stored in two column blocks. On an H100 at 8 x 128 rows down_wgrad
-# 0.538 -> 0.432 ms and gate_up_wgrad 0.997 -> 0.779 with streaming stores and this tile
-# (cuBLAS 0.395 and 0.887); at 2 x 16 rows both tie cuBLAS (docs/kernels.md, v7).
+# 0.539 -> 0.421 ms and gate_up_wgrad 1.046 -> 0.810 with streaming stores and this tile
+# (cuBLAS 0.436 and 0.813); at 2 x 16 rows both tie cuBLAS (docs/kernels.md, v7).
 _WGRAD_FEW_ROWS = _cfg(128, 128, 64, 4, 3, progs=2, parts=2)
 CONFIGS = {
     "small": {  # few rows per expert (see `regime`): weight-bandwidth bound
