@@ -34,8 +34,10 @@ def configs(op: str, experts: int, rows: int) -> dict[str, dict]:
     out = {"table": table}
     for c in cb.candidates(regime, op):
         if c != table:
+            # e: EPI_PARTS, else two configs that differ only there would share a name
             out[f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_I']} w{c['num_warps']} s{c['num_stages']} "
-                f"g{c['GROUP_M']}{' p2' if c['PROGS_PER_SM'] == 2 else ''}{' flat' if c.get('FLATTEN') else ''}"] = c
+                f"g{c['GROUP_M']}{' p2' if c['PROGS_PER_SM'] == 2 else ''}{' flat' if c.get('FLATTEN') else ''}"
+                f" e{c['EPI_PARTS']}"] = c
     return out
 
 
