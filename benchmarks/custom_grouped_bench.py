@@ -55,6 +55,9 @@ PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 # A weight gradient's EPI_PARTS is how many column blocks its store walks.
 WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
                   cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
+SPLIT_K_FEW_ROWS = [cfg(64, 64, 128, 4, 4), cfg(64, 32, 256, 4, 4)] + [
+    cfg(*tile, split_k=k) for tile in ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4, 2))
+    for k in (2, 4, 8)]
 CANDIDATES = {
     "small": {
         "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2),
@@ -62,6 +65,9 @@ CANDIDATES = {
                  cfg(64, 32, 128, 4, 6), cfg(64, 32, 256, 4, 4), cfg(64, 32, 128, 4, 4, progs=2)],
         "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
         "wgrad": WGRAD_FEW_ROWS,
+        # N = D gives 64 tiles of 64 columns per expert: split the long reduction instead
+        "down": SPLIT_K_FEW_ROWS,
+        "gate_up_dgrad": SPLIT_K_FEW_ROWS,
     },
     "medium": {
         "rows": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
@@ -83,7 +89,7 @@ CANDIDATES = {
                   cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2)],
     },
 }
-CANDIDATES["small, 1 expert"] = CANDIDATES["small"]
+CANDIDATES["small, 1 expert"] = CANDIDATES["split-K, 1 expert"] = CANDIDATES["split-K, 2 experts"] = CANDIDATES["small"]
 CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
 SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
 

@@ -37,7 +37,7 @@ def configs(op: str, experts: int, rows: int) -> dict[str, dict]:
             # e: EPI_PARTS, else two configs that differ only there would share a name
             out[f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_I']} w{c['num_warps']} s{c['num_stages']} "
                 f"g{c['GROUP_M']}{' p2' if c['PROGS_PER_SM'] == 2 else ''}{' flat' if c.get('FLATTEN') else ''}"
-                f" e{c['EPI_PARTS']}"] = c
+                f" e{c['EPI_PARTS']}{' k' + str(c['SPLIT_K']) if c.get('SPLIT_K', 1) > 1 else ''}"] = c
     return out
 
 

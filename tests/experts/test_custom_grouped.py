@@ -165,7 +165,12 @@ INTERPRETER_CASES = {
     # D and F that are not multiples of 4: row strides that are not 16-byte multiples, the
     # tails masked in every tile (and on the grouped_mm path, the padded shapes).
     "unaligned": ([13, 0, 22], 18, 10, TINY, False),
+    # The plain GEMMs' reduction split in shares (SPLIT): with F = 36 every share holds
+    # I-blocks and the last ones are short; with F = 64 down's third share is empty.
+    "split_k": ([21, 0, 0, 34, 1], 20, 36, "split", False),
+    "split_k_tma": ([21, 0, 0, 34, 1], 24, 64, "split", True),
 }
+SPLIT = {"down": dict(TINY, SPLIT_K=3), "gate_up_dgrad": dict(TINY, SPLIT_K=2)}
 
 
 @interpreter_only
@@ -174,8 +179,9 @@ def test_interpreter_kernels_match_float64(case):
     from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
 
     splits, D, F_, tiles, use_tma = INTERPRETER_CASES[case]
-    configs = CONFIGS if tiles is None else {regime: {op: tiles for op in CONFIGS["large"]}
-                                              for regime in CONFIGS}
+    per_op = {op: TINY for op in CONFIGS["large"]} | SPLIT if tiles == "split" else \
+        dict.fromkeys(CONFIGS["large"], tiles)
+    configs = CONFIGS if tiles is None else dict.fromkeys(CONFIGS, per_op)
     inputs = make_inputs(splits, D, F_, seed=len(case))
 
     def op(*args):

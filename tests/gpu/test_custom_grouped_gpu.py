@@ -75,6 +75,8 @@ def test_bf16_at_least_as_accurate_as_grouped_mm(case):
 @pytest.mark.parametrize("model,D_,Fh,splits", [
     ("8x7B", 4096, 14336, [0, 100, 64, 92]),
     ("8x22B", 6144, 16384, [17, 0, 40]),
+    ("8x7B_split_k_one_expert", 4096, 14336, [16]),
+    ("8x7B_split_k_two_experts", 4096, 14336, [21, 0]),
 ])
 def test_model_shapes_at_small_token_counts(model, D_, Fh, splits):
     inputs = random_expert_inputs(splits, D_, Fh, seed=1)

@@ -80,7 +80,7 @@ def _rows_gemm(
     USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_PARTS: tl.constexpr,
+    EPI_PARTS: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """out[rows of e, :N] = epilogue(A[rows of e, :I] @ B_e), for all experts.
 
@@ -89,13 +89,15 @@ def _rows_gemm(
     first (gate rows [0, N), up rows [N, 2N)), stores both to h [R, 2N] and act to out.
     EPI_SWIGLU_BWD reads h, overwrites it in place with its gradient and, with WRITE_ACT,
     stores the recomputed act to out. SwiGLU epilogues run in EPI_PARTS column blocks.
+    SPLIT_K > 1 (plain epilogue only) cuts the I loop into SPLIT_K shares, each a tile of its
+    own, and out is float32 partial sums [SPLIT_K, R, N] that the launcher adds up.
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     idx = tl.arange(0, BLOCK_L)
     counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
     row_ends = tl.cumsum(counts, 0)
-    tiles = tl.cdiv(counts, BLOCK_M) * n_tiles
+    tiles = tl.cdiv(counts, BLOCK_M) * n_tiles * SPLIT_K
     tile_ends = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
     ri = tl.arange(0, BLOCK_I)
@@ -107,7 +109,13 @@ def _rows_gemm(
         count = _pick(counts, idx, e)
         row_start = _pick(row_ends, idx, e) - count
         local = t - (_pick(tile_ends, idx, e) - _pick(tiles, idx, e))
-        pid_m, pid_n = _swizzle(local, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
+        split = local % SPLIT_K
+        pid_m, pid_n = _swizzle(local // SPLIT_K, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
+        i_start, i_end = 0, I
+        if SPLIT_K > 1:  # this program's share of the reduction: whole BLOCK_I blocks
+            i_len = tl.cdiv(tl.cdiv(I, BLOCK_I), SPLIT_K) * BLOCK_I
+            i_start = split * i_len
+            i_end = tl.minimum(I, i_start + i_len)
         m0 = row_start + pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         b_row0 = e * b_rows_per_expert
@@ -116,7 +124,7 @@ def _rows_gemm(
         rm = tl.arange(0, BLOCK_M)
         row_ok = (pid_m * BLOCK_M + rm < count)[:, None]
         h_tile = h_ptr + m0.to(tl.int64) * (2 * N)  # h rows are [gate | up]
-        out_tile = out_ptr + m0.to(tl.int64) * N
+        out_tile = out_ptr + (split.to(tl.int64) * R + m0) * N  # SPLIT_K > 1: fp32 partials
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if EPILOGUE == EPI_SWIGLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -126,18 +134,18 @@ def _rows_gemm(
             # hide its contiguity from the compiler and cost the vectorised async copies.
             ra = tl.minimum(tl.arange(0, BLOCK_M), R - 1 - m0)
             rn = n0 + tl.arange(0, BLOCK_N)
-            a_ptrs = a_src + m0.to(tl.int64) * I + (ra[:, None] * I + ri[None, :])
+            a_ptrs = a_src + m0.to(tl.int64) * I + i_start + (ra[:, None] * I + ri[None, :])
             b_cols_ok = (rn < N)[None, :]
             if B_ICONTIG:
-                b_ptrs = b_src + b_row0.to(tl.int64) * I + (ri[:, None] + rn[None, :] * I)
+                b_ptrs = b_src + b_row0.to(tl.int64) * I + i_start + (ri[:, None] + rn[None, :] * I)
                 b_step = BLOCK_I
                 up_skip = N * I  # one expert's gate block; < 2**31 for any real expert
             else:
-                b_ptrs = b_src + b_row0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
+                b_ptrs = b_src + (b_row0 + i_start).to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
                 b_step = BLOCK_I * N
                 up_skip = 0  # unused: SwiGLU's gate_up is always I-contiguous
 
-        for i0 in range(0, I, BLOCK_I):
+        for i0 in range(i_start, i_end, BLOCK_I):
             if USE_TMA:
                 a = a_src.load([m0, i0])
                 if B_ICONTIG:
@@ -359,19 +367,27 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         b_src = _descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
     else:
         a_src, b_src = a_RI, w2d
+    split_k = cfg.get("SPLIT_K", 1)
+    if split_k > 1:
+        if epilogue != EPI_PLAIN:
+            raise ValueError("rows_gemm: SPLIT_K needs the plain epilogue (SwiGLU's needs whole sums)")
+        partials = torch.empty(split_k, R, n, dtype=torch.float32, device=a_RI.device)
     # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
-    tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn)
+    tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn) * split_k
     grid = (max(1, min(_max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound)),)
-    return _rows_gemm[grid](
-        a_src, b_src, counts_L, h if out is None else out, a_RI if h is None else h,
-        R, n, I, L, w.shape[1],
+    kernel = _rows_gemm[grid](
+        a_src, b_src, counts_L, partials if split_k > 1 else h if out is None else out,
+        a_RI if h is None else h, R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None,
         USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=_dot_prec(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
-        EPI_PARTS=cfg.get("EPI_PARTS", 4),
+        EPI_PARTS=cfg.get("EPI_PARTS", 4), SPLIT_K=split_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split_k > 1:  # summed in a fixed order, so results do not vary from run to run
+        out.copy_(partials.sum(0))
+    return kernel
 
 
 def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):

@@ -67,9 +67,10 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 # accumulators from spilling; 2 is cheaper for small tiles), or a weight gradient's store;
 # FLATTEN (see `_rows_gemm`) pays where the epilogue is heavy, as the SwiGLU backward's: it
 # reads two values per output and writes three.
-def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False):
+def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False, split_k=1):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
-                num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten)
+                num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten,
+                SPLIT_K=split_k)
 
 
 # Weight gradients with few rows per expert write far more than they read: 128 x 128 tiles,
@@ -117,6 +118,14 @@ CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4
 # from the same tile at one program per SM. On an H100 at 1 x 256 rows: gate_up_dgrad
 # 0.267 -> 0.181 ms, down 0.119 -> 0.097 (cuBLAS 0.105 and 0.064). At 2 x 512 rows (128
 # programs) the medium table wins again.
+# At up to 32 rows per expert with one or two experts even the narrow tiles leave SMs idle on
+# down and gate_up_dgrad, each program streaming a reduction of F or 2F: split it in k
+# shares (float32 partials, summed after; `rows_gemm`). Fwd+bwd GPU ms on an H100: 1 x 16
+# rows 0.603 -> 0.500 with 4 shares, 2 x 16 0.991 -> 0.900 with 2 (grouped_mm 0.556 and
+# 0.877); at 64 rows, or with four experts, no gain (docs/kernels.md, v8).
+_SPLIT_4, _SPLIT_2 = (_cfg(64, 128, 64, 4, 4, split_k=k) for k in (4, 2))
+CONFIGS["split-K, 1 expert"] = {**CONFIGS["small, 1 expert"], "down": _SPLIT_4, "gate_up_dgrad": _SPLIT_4}
+CONFIGS["split-K, 2 experts"] = {**CONFIGS["small"], "down": _SPLIT_2, "gate_up_dgrad": _SPLIT_2}
 CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _cfg(128, 128, 64, 8, 4),
                                "gate_up_dgrad": _cfg(128, 128, 64, 8, 4)}
 
@@ -140,6 +149,8 @@ def regime(rows: int, experts: int) -> str:
     experts the small ones win up to 128. On an H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96
     rows 3.68 against 3.99, 8 x 128 3.80 against 4.06; 1 x 128 0.57 small against 0.76."""
     per_expert = rows / max(experts, 1)
+    if per_expert <= 32 and experts <= 2:
+        return "split-K, 1 expert" if experts <= 1 else "split-K, 2 experts"
     if per_expert <= 64 or (per_expert <= 128 and experts < 4):
         return "small, 1 expert" if experts == 1 else "small"
     if per_expert <= 512:
