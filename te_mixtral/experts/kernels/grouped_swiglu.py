@@ -147,7 +147,8 @@ def regime(rows: int, experts: int) -> str:
     """The tile table for `rows` over `experts` local experts. From four experts on, the
     medium tiles (128 rows) beat the small ones (64) from 65 rows per expert; with fewer
     experts the small ones win up to 128. On an H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96
-    rows 3.68 against 3.99, 8 x 128 3.80 against 4.06; 1 x 128 0.57 small against 0.76."""
+    rows 3.68 against 3.99, 8 x 128 3.80 against 4.06; 1 x 128 0.57 small against 0.76.
+    With one or two experts and at most 32 rows each, the split-K tables (see above)."""
     per_expert = rows / max(experts, 1)
     if per_expert <= 32 and experts <= 2:
         return "split-K, 1 expert" if experts <= 1 else "split-K, 2 experts"
