@@ -167,8 +167,8 @@ INTERPRETER_CASES = {
     "unaligned": ([13, 0, 22], 18, 10, TINY, False),
     # The plain GEMMs' reduction split in shares (SPLIT): with F = 36 every share holds
     # I-blocks and the last ones are short; with F = 64 down's third share is empty.
-    "split_k": ([21, 0, 0, 34, 1], 20, 36, "split", False),
-    "split_k_tma": ([21, 0, 0, 34, 1], 24, 64, "split", True),
+    "split_k": ([9, 0, 20], 16, 36, "split", False),
+    "split_k_tma": ([9, 0, 20], 16, 64, "split", True),
 }
 SPLIT = {"down": dict(TINY, SPLIT_K=3), "gate_up_dgrad": dict(TINY, SPLIT_K=2)}
 
