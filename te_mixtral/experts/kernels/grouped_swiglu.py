@@ -122,10 +122,14 @@ CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4
 # down and gate_up_dgrad, each program streaming a reduction of F or 2F: split it in k
 # shares (float32 partials, summed after; `rows_gemm`). Fwd+bwd GPU ms on an H100: 1 x 16
 # rows 0.603 -> 0.500 with 4 shares, 2 x 16 0.991 -> 0.900 with 2 (grouped_mm 0.556 and
-# 0.877); at 64 rows, or with four experts, no gain (docs/kernels.md, v8).
+# 0.877); at 64 rows, or with four experts, no gain (docs/kernels.md, v8). down_dgrad
+# (whose SwiGLU epilogue needs whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
 _SPLIT_4, _SPLIT_2 = (_cfg(64, 128, 64, 4, 4, split_k=k) for k in (4, 2))
-CONFIGS["split-K, 1 expert"] = {**CONFIGS["small, 1 expert"], "down": _SPLIT_4, "gate_up_dgrad": _SPLIT_4}
-CONFIGS["split-K, 2 experts"] = {**CONFIGS["small"], "down": _SPLIT_2, "gate_up_dgrad": _SPLIT_2}
+_DOWN_DGRAD_FEW_ROWS = _cfg(64, 128, 64, 4, 4)
+CONFIGS["split-K, 1 expert"] = {**CONFIGS["small, 1 expert"], "down": _SPLIT_4, "gate_up_dgrad": _SPLIT_4,
+                                "down_dgrad": _DOWN_DGRAD_FEW_ROWS}
+CONFIGS["split-K, 2 experts"] = {**CONFIGS["small"], "down": _SPLIT_2, "gate_up_dgrad": _SPLIT_2,
+                                 "down_dgrad": _DOWN_DGRAD_FEW_ROWS}
 CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _cfg(128, 128, 64, 8, 4),
                                "gate_up_dgrad": _cfg(128, 128, 64, 8, 4)}
 
