@@ -35,12 +35,13 @@ are the reduction dim, so rows past the expert's end must be zeros, not garbage;
 blocks stream unmasked and the one partial block at the end is zeroed.
 """
 
-import ctypes
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 # Constexpr globals so the kernels can branch on them at compile time.
 EPI_PLAIN = tl.constexpr(0)
@@ -316,40 +317,9 @@ def _max_programs(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 3
 
 
-@functools.lru_cache(maxsize=None)
-def _libcuda():
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _ensure_cuda_context(device: torch.device) -> None:
-    """Make the device's primary context current on this thread.
-
-    Autograd runs the backward on a thread of its own, and the CUDA runtime binds a
-    context to a thread only at that thread's first runtime call. Triton encodes host-side
-    TMA descriptors through the driver before its launcher binds one, so a backward whose
-    first CUDA work is ours failed on an H100 with 'Failed to create tensor map descriptor:
-    invalid device context'. This does what Triton's launcher does for the launch itself.
-    """
-    if device.type != "cuda":
-        return
-    lib, ctx = _libcuda(), ctypes.c_void_p()
-    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
-        return
-    dev = ctypes.c_int()
-    lib.cuDeviceGet(ctypes.byref(dev), device.index or 0)
-    lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
-    lib.cuCtxSetCurrent(ctx)
-
-
 def _dot_prec(dtype: torch.dtype) -> str:
     # fp32 inputs: three tf32 products recover ~fp32 accuracy at tensor-core speed.
     return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block)
 
 
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
@@ -357,14 +327,14 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
     b_icontig, else [L, I, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
-    _ensure_cuda_context(a_RI.device)
+    ensure_cuda_context(a_RI.device)
     R, I = a_RI.shape
     L = w.shape[0]
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     w2d = w.reshape(L * w.shape[1], w.shape[2])
     if use_tma:
-        a_src = _descriptor(a_RI, [bm, bi])
-        b_src = _descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
+        a_src = descriptor(a_RI, [bm, bi])
+        b_src = descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
     else:
         a_src, b_src = a_RI, w2d
     split_k = cfg.get("SPLIT_K", 1)
@@ -392,11 +362,11 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
 
 def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
     """Launch `_wgrad_gemm`: out_LMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
-    _ensure_cuda_context(g_RM.device)
+    ensure_cuda_context(g_RM.device)
     L, M, N = out_LMN.shape
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     if use_tma:
-        g_src, x_src = _descriptor(g_RM, [bi, bm]), _descriptor(x_RN, [bi, bn])
+        g_src, x_src = descriptor(g_RM, [bi, bm]), descriptor(x_RN, [bi, bn])
     else:
         g_src, x_src = g_RM, x_RN
     tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
