@@ -179,8 +179,9 @@ def test_interpreter_kernels_match_float64(case):
     from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
 
     splits, D, F_, tiles, use_tma = INTERPRETER_CASES[case]
-    per_op = {op: TINY for op in CONFIGS["large"]} | SPLIT if tiles == "split" else \
-        dict.fromkeys(CONFIGS["large"], tiles)
+    per_op = dict.fromkeys(CONFIGS["large"], TINY if tiles == "split" else tiles)
+    if tiles == "split":
+        per_op |= SPLIT
     configs = CONFIGS if tiles is None else dict.fromkeys(CONFIGS, per_op)
     inputs = make_inputs(splits, D, F_, seed=len(case))
 
