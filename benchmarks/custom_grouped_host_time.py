@@ -47,15 +47,17 @@ def host_ms(fn) -> float:
     return 1e3 * host / HOST_CALLS
 
 
-def gpu_ms(fn) -> float:
+def gpu_ms(fn, calls: int = GPU_CALLS, spin_cycles: int = SPIN_CYCLES) -> float:
+    """GPU ms a call of `calls` queued behind a spin of `spin_cycles`, which must outlast
+    the host's queuing of them."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SPIN_CYCLES)
+    torch.cuda._sleep(spin_cycles)
     begin.record()
-    for _ in range(GPU_CALLS):
+    for _ in range(calls):
         fn()
     end.record()
     torch.cuda.synchronize()
-    return begin.elapsed_time(end) / GPU_CALLS
+    return begin.elapsed_time(end) / calls
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,7 +170,12 @@ class GroupedLinearTier(ExpertTier):
         # Differentiable casts, outside the Function: fp32 master weights get fp32 grads.
         gate_up_L2FD = gate_up_L2FD.to(dtype).contiguous()
         down_LDF = down_LDF.to(dtype).contiguous()
-        # Everything is in `dtype` now; keep autocast from recasting the SwiGLU.
-        with torch.autocast("cuda", enabled=False):
-            a_RF = swiglu(_GroupedMatmul.apply(x_RD, gate_up_L2FD, m_splits))
-            return _GroupedMatmul.apply(a_RF, down_LDF, m_splits)
+        return te_grouped_swiglu(x_RD, m_splits, gate_up_L2FD, down_LDF)
+
+
+def te_grouped_swiglu(x_RD, m_splits: list[int], gate_up_L2FD, down_LDF):
+    """The expert FFN through TE's grouped GEMM, all inputs in one dtype, the split sizes
+    already on the host: the tier's work after its sync (benchmarks call it directly)."""
+    with torch.autocast("cuda", enabled=False):  # keep autocast from recasting the SwiGLU
+        a_RF = swiglu(_GroupedMatmul.apply(x_RD, gate_up_L2FD, m_splits))
+        return _GroupedMatmul.apply(a_RF, down_LDF, m_splits)
