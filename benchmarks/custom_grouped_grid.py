@@ -9,30 +9,35 @@ shapes. The peers: TE's grouped GEMM as the `grouped_linear` tier runs it
 Each time is GPU time per call with the host's launches queued ahead of the GPU
 (`custom_grouped_host_time.gpu_ms`), so at few rows it compares kernels, not Python. TE gets
 its split sizes as a host list for free; the tier pays a device-to-host sync for them.
-A point's ratio is the best peer's time over ours: above 1 we are faster.
+A point's ratio is the best peer's time over ours: above 1 we are faster. Each point also
+prints how far any op's forward output lies from grouped_mm's (relative Frobenius), so a
+column that computed something else shows. `--tiles NAME` adds ours with one tile table at
+every point, to try a table against the one `regime` picks.
 
     python3 -m benchmarks.custom_grouped_grid --family 8x7b|8x22b [--experts 1,2,4,8]
-        [--tokens 16,32,...] [--splits uniform,skewed,empty] [--json FILE]
+        [--tokens 16,32,...] [--splits uniform,skewed,empty] [--tiles NAME ...] [--json FILE]
 """
 
 import argparse
+import datetime
 import functools
 import json
 import sys
 
 import torch
+import triton
 
 from benchmarks.custom_grouped_bench import fwd_bwd, make_inputs
 from benchmarks.custom_grouped_host_time import gpu_ms
 from benchmarks.expert_ffn import split_by_fractions
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
-from te_mixtral.te_support import TEUnavailable
+from te_mixtral.te_support import TEUnavailable, te_version
 
 FAMILIES = {"8x7b": (4096, 14336), "8x22b": (6144, 16384)}  # D, F
 TOKENS = "16,32,64,128,256,1024,4096,16384"
 SPLITS = ("uniform", "skewed", "empty")
-TARGET = 0.97  # the issue's "never behind": at least this fraction of the best peer's speed
+TARGET = 0.97  # "never behind": at least this fraction of the best peer's speed
 TIMED_GPU_S = 0.25  # GPU seconds per timed point, so large points take a few calls
 MAX_CALLS = 50
 SPIN_CYCLES = int(4e8)  # about 0.2 s: longer than the host needs to queue MAX_CALLS calls at few rows
@@ -124,7 +129,8 @@ def main(argv=None) -> int:
         print(f"TE skipped: {why_not}")
     print(f"custom_grouped against the best of {'grouped_mm' if te is None else 'TE and grouped_mm'}, fwd+bwd, "
           f"Mixtral-{args.family} (D {dims[0]}, F {dims[1]}), GPU ms a call with the host queued ahead, "
-          f"on {torch.cuda.get_device_name()}")
+          f"on {torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}, TE {te_version()}")
     results = []
     for kind in kinds:
         for tokens in token_counts:
