@@ -110,24 +110,27 @@ def bench(fn, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False):
-    R = per_expert * L
-    gen = torch.Generator(device=DEVICE).manual_seed(per_expert + L)
+def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False, sizes=None):
+    """x, counts, w1, w2, dy for L experts of `per_expert` rows each, or of `sizes` rows."""
+    sizes = [per_expert] * L if sizes is None else sizes
+    R = sum(sizes)
+    gen = torch.Generator(device=DEVICE).manual_seed(R + L)
     x = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
     w1 = (torch.randn(L, 2 * F, D, device=DEVICE, generator=gen) * D**-0.5).to(dtype)
     w2 = (torch.randn(L, D, F, device=DEVICE, generator=gen) * F**-0.5).to(dtype)
     dy = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
-    counts = torch.full((L,), per_expert, device=DEVICE, dtype=torch.int64)
+    counts = torch.tensor(sizes, device=DEVICE, dtype=torch.int64)
     if requires_grad:
         for t in (x, w1, w2):
             t.requires_grad_()
     return x, counts, w1, w2, dy
 
 
-def op_runner(op, per_expert, L, D, F, c, write_act=True):
-    """A zero-argument launcher of one of the six GEMMs with config c, on fresh data."""
-    x, counts, w1, w2, dy = make_inputs(per_expert, L, D, F)
-    R = per_expert * L
+def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):
+    """A zero-argument launcher of one of the six GEMMs with config c, on fresh data
+    (`sizes`: rows per expert where they differ, see `make_inputs`)."""
+    x, counts, w1, w2, dy = make_inputs(per_expert, L, D, F, sizes=sizes)
+    R = x.shape[0]
     h = torch.randn(R, 2 * F, device=DEVICE, dtype=x.dtype)
     act = torch.randn(R, F, device=DEVICE, dtype=x.dtype)
     y = torch.empty(R, D, device=DEVICE, dtype=x.dtype)

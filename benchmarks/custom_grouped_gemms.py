@@ -1,10 +1,11 @@
 """Each of custom_grouped's six GEMMs at training shapes, against cuBLAS on the same shapes.
 
-    python3 -m benchmarks.custom_grouped_gemms [--cases 8x2048,4x4096] [--json OUT]
+    python3 -m benchmarks.custom_grouped_gemms [--cases 8x2048,4x4096,179+77] [--json OUT]
 
 A case `LxR` is L local experts of R rows each at Mixtral-8x7B width (8x2048 is one GPU
 holding all 8 experts of a layer with one 8192-token sequence, top-2; 4x4096 a rank at
-EP=2 with two sequences; 1x64 a rank at EP=8 with few tokens). For each GEMM it times the
+EP=2 with two sequences; 1x64 a rank at EP=8 with few tokens); `R0+R1+...` gives each
+expert's rows, for uneven splits (179+77: 256 rows over two experts, 70/30). For each GEMM it times the
 tile table's config for that many rows per expert (`grouped_swiglu.CONFIGS`), the other
 candidates of that regime in benchmarks/custom_grouped_bench.py, and cuBLAS (`torch.mm`
 once per expert, the plain GEMM without our fused SwiGLU epilogues): the ceiling a tile
@@ -28,8 +29,8 @@ CUBLAS_SHAPES = {"gate_up": lambda r: (r, D, 2 * F), "down": lambda r: (r, F, D)
                  "gate_up_wgrad": lambda r: (2 * F, r, D)}
 
 
-def configs(op: str, experts: int, rows: int) -> dict[str, dict]:
-    regime = gs.regime(experts * rows, experts)
+def configs(op: str, sizes: list[int]) -> dict[str, dict]:
+    regime = gs.regime(sum(sizes), len(sizes))
     table = gs.CONFIGS[regime][op]
     out = {"table": table}
     for c in cb.candidates(regime, op):
@@ -41,12 +42,21 @@ def configs(op: str, experts: int, rows: int) -> dict[str, dict]:
     return out
 
 
-def cublas_ms(op: str, experts: int, rows: int) -> float:
+def cublas_ms(op: str, sizes: list[int]) -> float:
+    """One `torch.mm` per expert with rows (an expert with none has no GEMM to run)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    m, k, n = CUBLAS_SHAPES[op](rows)
-    a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(experts)]
-    b = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(experts)]
+    shapes = [CUBLAS_SHAPES[op](rows) for rows in sizes if rows]
+    a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m, k, _ in shapes]
+    b = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=gen) for _, k, n in shapes]
     return cb.bench(lambda: [torch.mm(x, y) for x, y in zip(a, b, strict=True)], rep=50)
+
+
+def parse_case(case: str) -> list[int]:
+    """`LxR` (L experts of R rows) or `R0+R1+...` (rows of each expert) as rows per expert."""
+    if "x" in case:
+        experts, rows = map(int, case.split("x"))
+        return [rows] * experts
+    return [int(rows) for rows in case.split("+")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,23 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("custom_grouped_gemms: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2
-    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
-    cb.precompile([(op, c) for experts, rows in cases for op in cb.OPS for c in configs(op, experts, rows).values()],
+    try:
+        cases = {case: parse_case(case) for case in args.cases.split(",")}
+    except ValueError:
+        print(f"custom_grouped_gemms: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
+              file=sys.stderr)
+        return 2
+    cb.precompile([(op, c) for sizes in cases.values() for op in cb.OPS for c in configs(op, sizes).values()],
                   None)
     print(f"custom_grouped GEMMs on {torch.cuda.get_device_name()}: ms (TFLOP/s)")
     times = {}
-    for experts, rows in cases:
+    for case, sizes in cases.items():
         for op in cb.OPS:
-            flops = cb.FLOP_UNITS[op] * experts * rows * D * F  # FLOP_UNITS count R·D·F
-            cublas = cublas_ms(op, experts, rows)
-            cells = [f"{experts}x{rows} {op:14s} cuBLAS {cublas:6.3f} ({flops / cublas / 1e9:3.0f})"]
-            for name, c in configs(op, experts, rows).items():
-                run = cb.op_runner(op, rows, experts, D, F, c)
+            flops = cb.FLOP_UNITS[op] * sum(sizes) * D * F  # FLOP_UNITS count R·D·F
+            cublas = cublas_ms(op, sizes)
+            cells = [f"{case} {op:14s} cuBLAS {cublas:6.3f} ({flops / cublas / 1e9:3.0f})"]
+            for name, c in configs(op, sizes).items():
+                run = cb.op_runner(op, None, len(sizes), D, F, c, sizes=sizes)
                 run()
                 ms = cb.bench(run, rep=50)
-                times[f"{experts}x{rows}/{op}/{name}"] = ms
+                times[f"{case}/{op}/{name}"] = ms
                 cells.append(f"{name}: {ms:6.3f} ({flops / ms / 1e9:3.0f})")
-            times[f"{experts}x{rows}/{op}/cuBLAS"] = cublas
+            times[f"{case}/{op}/cuBLAS"] = cublas
             print(" | ".join(cells), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -79,8 +79,7 @@ def time_op(fn) -> float:
 def point(ops: dict, te, tokens: int, sizes: list[int], dims) -> dict:
     """GPU ms of each op at one point, and the largest relative difference of an op's
     forward output from grouped_mm's (a check that every op computed the same thing)."""
-    x, _, w1, w2, dy = make_inputs(tokens, len(sizes), *dims, requires_grad=True)
-    counts = torch.tensor(sizes, device=x.device)
+    x, counts, w1, w2, dy = make_inputs(tokens, len(sizes), *dims, requires_grad=True, sizes=sizes)
     ops = dict(ops)
     if te is not None:
         ops["TE"] = lambda x, counts, w1, w2: te(x, sizes, w1, w2)
