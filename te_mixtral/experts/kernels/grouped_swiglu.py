@@ -78,13 +78,19 @@ def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False, sp
 # 0.539 -> 0.421 ms and gate_up_wgrad 1.046 -> 0.810 with streaming stores and this tile
 # (cuBLAS 0.436 and 0.813); at 2 x 16 rows both tie cuBLAS (docs/kernels.md, v7).
 _WGRAD_FEW_ROWS = _cfg(128, 128, 64, 4, 3, progs=2, parts=2)
+# The row GEMMs whose N is D (down, gate_up_dgrad) lose most when the rows are split unevenly:
+# an expert with more rows than the mean needs more row tiles than the table was chosen for,
+# each streaming its weight columns again. Two programs per SM take those extra tiles in the
+# same pass: no cost at even splits, and on an H100 the whole op at 2 experts x 128 rows split
+# 70/30 went 0.72 -> 0.80 of the best peer's speed (docs/kernels.md, v9).
+_ROWS_N_IS_D = _cfg(64, 128, 64, 4, 4, progs=2)
 CONFIGS = {
     "small": {  # few rows per expert (see `regime`): weight-bandwidth bound
         "gate_up": _cfg(64, 64, 128, 4, 4, parts=2),
-        "down": _cfg(64, 64, 128, 4, 4),
+        "down": _ROWS_N_IS_D,
         "down_dgrad": _cfg(64, 64, 64, 4, 4, progs=2, parts=2),
         "down_wgrad": _WGRAD_FEW_ROWS,
-        "gate_up_dgrad": _cfg(64, 128, 64, 4, 4),
+        "gate_up_dgrad": _ROWS_N_IS_D,
         "gate_up_wgrad": _WGRAD_FEW_ROWS,
     },
     "medium": {  # <= 512 rows per expert
@@ -130,8 +136,12 @@ CONFIGS["split-K, 1 expert"] = {**CONFIGS["small, 1 expert"], "down": _SPLIT_4, 
                                 "down_dgrad": _DOWN_DGRAD_FEW_ROWS}
 CONFIGS["split-K, 2 experts"] = {**CONFIGS["small"], "down": _SPLIT_2, "gate_up_dgrad": _SPLIT_2,
                                  "down_dgrad": _DOWN_DGRAD_FEW_ROWS}
+# At up to 512 rows in all, down_dgrad also runs faster as 128 x 128 tiles of 4 warps, two
+# programs per SM: per GEMM on an H100, 2 x 256 rows 0.173 -> 0.142 ms, 4 x 128 0.229 -> 0.203,
+# 1 x 512 0.153 -> 0.128 (docs/kernels.md, v9); with more rows the medium table's tile wins.
 CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _cfg(128, 128, 64, 8, 4),
-                               "gate_up_dgrad": _cfg(128, 128, 64, 8, 4)}
+                               "gate_up_dgrad": _cfg(128, 128, 64, 8, 4),
+                               "down_dgrad": _cfg(128, 128, 64, 4, 3, progs=2)}
 
 
 def uses_descriptors(rows: int, experts: int) -> bool:
