@@ -81,8 +81,8 @@ _WGRAD_FEW_ROWS = _cfg(128, 128, 64, 4, 3, progs=2, parts=2)
 # The row GEMMs whose N is D (down, gate_up_dgrad) lose most when the rows are split unevenly:
 # an expert with more rows than the mean needs more row tiles than the table was chosen for,
 # each streaming its weight columns again. Two programs per SM take those extra tiles in the
-# same pass: no cost at even splits, and on an H100 the whole op at 2 experts x 128 rows split
-# 70/30 went 0.72 -> 0.80 of the best peer's speed (docs/kernels.md, v9).
+# same pass. On an H100, down at 179 + 77 rows 0.191 -> 0.147 ms (cuBLAS 0.109), level at
+# 2 x 128; the whole op at that split 0.72 -> 0.77-0.80 of the best peer's speed (docs/kernels.md, v9).
 _ROWS_N_IS_D = _cfg(64, 128, 64, 4, 4, progs=2)
 CONFIGS = {
     "small": {  # few rows per expert (see `regime`): weight-bandwidth bound
