@@ -30,7 +30,7 @@ last expert and the I tail need no masks. A rows-tile may run into the next expe
 those rows produce garbage output rows that the masked store drops. Without TMA (odd
 shapes; calls with so few rows that building the descriptors on the host costs more than
 they save, see grouped_swiglu.uses_descriptors; the CPU interpreter) plain pointer loads
-clamp rows into range for the same effect and mask columns and the I tail. `_wgrad_gemm` is the exception: there the rows
+mask rows past R, columns and the I tail for the same effect. `_wgrad_gemm` is the exception: there the rows
 are the reduction dim, so rows past the expert's end must be zeros, not garbage; full BI
 blocks stream unmasked and the one partial block at the end is zeroed.
 """
@@ -130,10 +130,12 @@ def _rows_gemm(
         if EPILOGUE == EPI_SWIGLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if not USE_TMA:
-            # Rows past R are clamped into range (their results are dropped by the store's
-            # mask); columns past N are masked. Clamping the contiguous dim instead would
-            # hide its contiguity from the compiler and cost the vectorised async copies.
-            ra = tl.minimum(tl.arange(0, BLOCK_M), R - 1 - m0)
+            # Rows past R are masked (loaded as zeros, their results dropped by the store's
+            # mask), as are columns past N. A mask along rows keeps the copies along I
+            # vectorised. Clamping those rows onto row R - 1 instead sent every one of them
+            # to the same address, which cost the half-empty last tile far more than zeros.
+            ra = tl.arange(0, BLOCK_M)
+            a_rows_ok = (m0 + ra < R)[:, None]
             rn = n0 + tl.arange(0, BLOCK_N)
             a_ptrs = a_src + m0.to(tl.int64) * I + i_start + (ra[:, None] * I + ri[None, :])
             b_cols_ok = (rn < N)[None, :]
@@ -155,10 +157,10 @@ def _rows_gemm(
                     b = b_src.load([b_row0 + i0, n0])
             else:
                 if EVEN_I:
-                    a = tl.load(a_ptrs)
+                    a = tl.load(a_ptrs, mask=a_rows_ok, other=0.0)
                     b = tl.load(b_ptrs, mask=b_cols_ok, other=0.0)
                 else:
-                    a = tl.load(a_ptrs, mask=(i0 + ri)[None, :] < I, other=0.0)
+                    a = tl.load(a_ptrs, mask=a_rows_ok & ((i0 + ri)[None, :] < I), other=0.0)
                     b = tl.load(b_ptrs, mask=b_cols_ok & ((i0 + ri)[:, None] < I), other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if EPILOGUE == EPI_SWIGLU:
