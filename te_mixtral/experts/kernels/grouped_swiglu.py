@@ -152,8 +152,10 @@ def uses_descriptors(rows: int, experts: int) -> bool:
     Fwd+bwd GPU ms at 8x7B shapes (docs/kernels.md), TMA against pointers: on an H100 8 x 16
     rows 3.53 against 3.15, 8 x 96 4.07 against 3.69, 2 x 256 1.24 against 1.24; on an H200
     8 x 96 3.44 against 3.13, and 8 x 128 3.05 against 3.20 (where TMA takes over; 3.76
-    against 3.77 on the H100). Pointers lose at 1 x 16 (0.52 against 0.60 on the H100) and by
-    3-5 % from 128 to 512 rows on the H200, where the host time they save is larger."""
+    against 3.77 on the H100). Pointers lost at 1 x 16 (0.52 against 0.60 on the H100) and by
+    3-5 % from 128 to 512 rows on the H200, where the host time they save is larger. These
+    figures predate masked row loads (docs/kernels.md, v10), which made the pointer path
+    faster wherever a row tile runs past the last row: 1 x 16 took 0.434 ms after."""
     return rows > 512 and rows > 96 * max(experts, 1)
 
 
