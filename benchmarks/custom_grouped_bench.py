@@ -21,6 +21,7 @@ the winners and prints them as JSON (to copy into grouped_swiglu.CONFIGS).
 
 import argparse
 import datetime
+import functools
 import json
 import multiprocessing
 import os
@@ -124,6 +125,19 @@ def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False, 
         for t in (x, w1, w2):
             t.requires_grad_()
     return x, counts, w1, w2, dy
+
+
+def parse_case(case: str) -> list[int]:
+    """`LxR` (L experts of R rows) or `R0+R1+...` (rows of each expert) as rows per expert."""
+    if "x" in case:
+        experts, rows = map(int, case.split("x"))
+        return [rows] * experts
+    return [int(rows) for rows in case.split("+")]
+
+
+def with_table(name: str):
+    """The op with tile table `name` at every size, instead of the one `regime` picks."""
+    return functools.partial(gs.grouped_swiglu, configs=dict.fromkeys(gs.CONFIGS, gs.CONFIGS[name]))
 
 
 def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):

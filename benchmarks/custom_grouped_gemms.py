@@ -51,14 +51,6 @@ def cublas_ms(op: str, sizes: list[int]) -> float:
     return cb.bench(lambda: [torch.mm(x, y) for x, y in zip(a, b, strict=True)], rep=50)
 
 
-def parse_case(case: str) -> list[int]:
-    """`LxR` (L experts of R rows) or `R0+R1+...` (rows of each expert) as rows per expert."""
-    if "x" in case:
-        experts, rows = map(int, case.split("x"))
-        return [rows] * experts
-    return [int(rows) for rows in case.split("+")]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="8x2048,4x4096", help="LxR: local experts x rows per expert")
@@ -68,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print("custom_grouped_gemms: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2
     try:
-        cases = {case: parse_case(case) for case in args.cases.split(",")}
+        cases = {case: cb.parse_case(case) for case in args.cases.split(",")}
     except ValueError:
         print(f"custom_grouped_gemms: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
               file=sys.stderr)

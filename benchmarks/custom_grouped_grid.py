@@ -20,19 +20,20 @@ every point, to try a table against the one `regime` picks.
 
 import argparse
 import datetime
-import functools
 import json
 import sys
 
 import torch
 import triton
 
-from benchmarks.custom_grouped_bench import fwd_bwd, make_inputs
+from benchmarks.custom_grouped_bench import fwd_bwd, make_inputs, with_table
 from benchmarks.custom_grouped_host_time import gpu_ms
 from benchmarks.expert_ffn import split_by_fractions
+from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
+from te_mixtral.experts.grouped_linear import GroupedLinearTier, te_grouped_swiglu
 from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
-from te_mixtral.te_support import TEUnavailable, te_version
+from te_mixtral.te_support import te_version
 
 FAMILIES = {"8x7b": (4096, 14336), "8x22b": (6144, 16384)}  # D, F
 TOKENS = "16,32,64,128,256,1024,4096,16384"
@@ -55,11 +56,11 @@ def split_sizes(kind: str, experts: int, per_expert: int) -> list[int] | None:
 
 
 def te_peer():
-    """`te_grouped_swiglu` (host split sizes first), or None and the reason TE cannot run."""
+    """`te_grouped_swiglu` (host split sizes first), or None and the reason TE cannot run:
+    the `grouped_linear` tier's own check."""
     try:
-        from te_mixtral.experts.grouped_linear import _general_grouped_gemm, te_grouped_swiglu
-        _general_grouped_gemm()
-    except (TEUnavailable, ImportError) as error:
+        GroupedLinearTier().check_available(torch.device("cuda"))
+    except TierUnavailable as error:
         return None, str(error)
     return te_grouped_swiglu, None
 
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     dims = FAMILIES[args.family]
     ops = {"ours": grouped_swiglu, "grouped_mm": grouped_mm_swiglu}
     for name in args.tiles:
-        ops[f"ours, {name}"] = functools.partial(grouped_swiglu, configs=dict.fromkeys(CONFIGS, CONFIGS[name]))
+        ops[f"ours, {name}"] = with_table(name)
     te, why_not = te_peer()
     if te is None:
         print(f"TE skipped: {why_not}")

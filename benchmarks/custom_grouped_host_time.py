@@ -14,7 +14,7 @@ that regime's tile table at every case (the default picks one by rows per expert
 it for more tables);
 `--cprofile` adds a cProfile of 100 calls of ours at the first case: where the host time goes.
 
-    python3 -m benchmarks.custom_grouped_host_time [--cases 1x64,2x16,4x64] [--loads]
+    python3 -m benchmarks.custom_grouped_host_time [--cases 1x64,2x16,4x64,179+77] [--loads]
         [--tiles small --tiles medium ...] [--cprofile]
 """
 
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.custom_grouped_bench import bench, fwd_bwd, make_inputs
+from benchmarks.custom_grouped_bench import bench, fwd_bwd, make_inputs, parse_case, with_table
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_swiglu as gs
 
@@ -62,7 +62,8 @@ def gpu_ms(fn, calls: int = GPU_CALLS, spin_cycles: int = SPIN_CYCLES) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="1x64,2x16,4x64", help="LxR: local experts x rows per expert")
+    parser.add_argument("--cases", default="1x64,2x16,4x64",
+                        help="LxR (local experts x rows per expert) or R0+R1+... (rows of each expert)")
     parser.add_argument("--cprofile", action="store_true", help="profile the host side of ours at the first case")
     parser.add_argument("--loads", action="store_true", help="also ours with TMA descriptors forced on and off")
     parser.add_argument("--tiles", action="append", default=[],
@@ -76,17 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("custom_grouped_host_time: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2
+    try:
+        cases = {case: parse_case(case) for case in args.cases.split(",")}
+    except ValueError:
+        print(f"custom_grouped_host_time: error: --cases takes LxR or R0+R1+... joined by commas; got "
+              f"{args.cases}", file=sys.stderr)
+        return 2
     print(f"custom_grouped vs grouped_mm, fwd+bwd at 8x7B shapes, on {torch.cuda.get_device_name()}: ms a call")
-    for index, case in enumerate(args.cases.split(",")):
-        experts, rows = map(int, case.split("x"))
-        x, counts, w1, w2, dy = make_inputs(rows, experts, D, F, requires_grad=True)
+    for index, (case, sizes) in enumerate(cases.items()):
+        x, counts, w1, w2, dy = make_inputs(None, len(sizes), D, F, requires_grad=True, sizes=sizes)
         ops = {"ours": gs.grouped_swiglu, "grouped_mm": grouped_mm_swiglu}
         if args.loads:
             ops["ours, TMA"] = functools.partial(gs.grouped_swiglu, use_tma=True)
             ops["ours, pointers"] = functools.partial(gs.grouped_swiglu, use_tma=False)
         for name in args.tiles:
-            ops[f"ours, {name} tiles"] = functools.partial(gs.grouped_swiglu,
-                                                           configs=dict.fromkeys(gs.CONFIGS, gs.CONFIGS[name]))
+            ops[f"ours, {name} tiles"] = with_table(name)
         for name, op in ops.items():
             fn = fwd_bwd(op, x, counts, w1, w2, dy)
             for _ in range(20):  # compile, warm up
