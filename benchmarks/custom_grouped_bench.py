@@ -33,6 +33,7 @@ from triton.testing import do_bench
 
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_gemm as gg
+from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 from te_mixtral.experts.kernels import grouped_swiglu as gs
 
 OPS = ("gate_up", "down", "down_dgrad", "down_wgrad", "gate_up_dgrad", "gate_up_wgrad")
@@ -56,8 +57,9 @@ PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 # A weight gradient's EPI_PARTS is how many column blocks its store walks.
 WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
                   cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
+# The plain GEMMs may split their last round of tiles in up to TAIL_SPLIT shares (`_tail_split`).
 SPLIT_K_FEW_ROWS = [cfg(64, 64, 128, 4, 4), cfg(64, 32, 256, 4, 4)] + [
-    cfg(*tile, split_k=k) for tile in ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4, 2))
+    cfg(*tile, tail_split=k) for tile in ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4, 2))
     for k in (2, 4, 8)]
 CANDIDATES = {
     "small": {
@@ -90,7 +92,7 @@ CANDIDATES = {
                   cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2)],
     },
 }
-CANDIDATES["small, 1 expert"] = CANDIDATES["split-K, 1 expert"] = CANDIDATES["split-K, 2 experts"] = CANDIDATES["small"]
+CANDIDATES["small, 1 expert"] = CANDIDATES["split-K"] = CANDIDATES["small"]
 CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
 SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
 
@@ -157,12 +159,10 @@ def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):
         "down_dgrad": lambda: gg.rows_gemm(dy, w2, counts, act if write_act else None, n=F,
                                            b_icontig=False, cfg=c, use_tma=tma,
                                            epilogue=gg.EPI_SWIGLU_BWD, h=h),
-        "down_wgrad": lambda: gg.wgrad_gemm(dy, act, counts, torch.empty_like(w2), cfg=c,
-                                            use_tma=tma),
+        "down_wgrad": lambda: wgrad_gemm(dy, act, counts, torch.empty_like(w2), cfg=c, use_tma=tma),
         "gate_up_dgrad": lambda: gg.rows_gemm(h, w1, counts, y, n=D, b_icontig=False, cfg=c,
                                               use_tma=tma),
-        "gate_up_wgrad": lambda: gg.wgrad_gemm(h, x, counts, torch.empty_like(w1), cfg=c,
-                                               use_tma=tma),
+        "gate_up_wgrad": lambda: wgrad_gemm(h, x, counts, torch.empty_like(w1), cfg=c, use_tma=tma),
     }[op]
 
 

@@ -38,7 +38,7 @@ def configs(op: str, sizes: list[int]) -> dict[str, dict]:
             # e: EPI_PARTS, else two configs that differ only there would share a name
             out[f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_I']} w{c['num_warps']} s{c['num_stages']} "
                 f"g{c['GROUP_M']}{' p2' if c['PROGS_PER_SM'] == 2 else ''}{' flat' if c.get('FLATTEN') else ''}"
-                f" e{c['EPI_PARTS']}{' k' + str(c['SPLIT_K']) if c.get('SPLIT_K', 1) > 1 else ''}"] = c
+                f" e{c['EPI_PARTS']}{' k' + str(c['TAIL_SPLIT']) if c.get('TAIL_SPLIT', 1) > 1 else ''}"] = c
     return out
 
 

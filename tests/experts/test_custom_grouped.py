@@ -134,6 +134,18 @@ def test_every_size_has_its_tile_table():
 
 # --- the Triton kernels, run by the interpreter in a fresh process ------------------
 
+if INTERPRETING:  # triton must not be imported before the variable is set
+    import triton
+    import triton.language as tl
+
+    from te_mixtral.experts.kernels.grouped_gemm import _tail_split
+
+    @triton.jit
+    def _tail_split_probe(out_ptr, total, programs, LIMIT: tl.constexpr):
+        whole, shares = _tail_split(total, programs, LIMIT)
+        tl.store(out_ptr, whole)
+        tl.store(out_ptr + 1, shares)
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
@@ -165,12 +177,15 @@ INTERPRETER_CASES = {
     # D and F that are not multiples of 4: row strides that are not 16-byte multiples, the
     # tails masked in every tile (and on the grouped_mm path, the padded shapes).
     "unaligned": ([13, 0, 22], 18, 10, TINY, False),
-    # The plain GEMMs' reduction split in shares (SPLIT): with F = 36 every share holds
-    # I-blocks and the last ones are short; with F = 64 down's third share is empty.
-    "split_k": ([9, 0, 20], 16, 36, "split", False),
-    "split_k_tma": ([9, 0, 20], 16, 64, "split", True),
+    # The plain GEMMs' last round of tiles split in shares (SPLIT; the interpreter runs 3
+    # programs). 4 row tiles: 3 run whole, the fourth in 3 shares; with F = 36 every share
+    # holds I-blocks and the last one is short; with F = 64 down's third share is empty.
+    # 1 row tile: all in shares (at most 2 for gate_up_dgrad).
+    "split_tail": ([9, 0, 20, 5], 16, 36, "split", False),
+    "split_tail_tma": ([9, 0, 20, 5], 16, 64, "split", True),
+    "split_all": ([0, 11], 16, 36, "split", False),
 }
-SPLIT = {"down": dict(TINY, SPLIT_K=3), "gate_up_dgrad": dict(TINY, SPLIT_K=2)}
+SPLIT = {"down": dict(TINY, TAIL_SPLIT=4), "gate_up_dgrad": dict(TINY, TAIL_SPLIT=2)}
 
 
 @interpreter_only
@@ -191,6 +206,24 @@ def test_interpreter_kernels_match_float64(case):
     got = run(op, *inputs)
     assert_matches(got, reference_f64(inputs[0], splits, *inputs[2:]), splits, FP32_REL_TOL,
                    case)
+
+
+@interpreter_only
+@pytest.mark.parametrize("total,programs,limit,expected", [
+    (160, 132, 4, (132, 4)),  # 28 tiles left for the second round: each in 4 shares
+    (192, 132, 4, (132, 2)),  # 60 left: 2 shares fill 120 programs
+    (64, 132, 4, (0, 2)),     # one part-empty round: all in shares
+    (128, 132, 4, (0, 1)),    # a nearly full round: no split
+    (264, 132, 4, (264, 1)),  # whole rounds
+    (16, 132, 4, (0, 4)),     # never more shares than the limit
+    (160, 132, 1, (160, 1)),  # TAIL_SPLIT = 1: never
+])
+def test_interpreter_tail_split_schedule(total, programs, limit, expected):
+    """(whole, shares) of `_tail_split`: only the tiles of a last round that would leave
+    programs idle split, into as many shares as the programs hold, at most the limit."""
+    out = torch.zeros(2, dtype=torch.int32)
+    _tail_split_probe[(1,)](out, total, programs, LIMIT=limit)
+    assert tuple(out.tolist()) == expected
 
 
 @interpreter_only

@@ -4,7 +4,8 @@ Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, I
 are that GEMM's own dims and BM/BN/BI its tile.
 
 Two kernels cover the six GEMMs of the expert FFN's forward and backward
-(`grouped_swiglu.py` composes them):
+(`grouped_swiglu.py` composes them): `_rows_gemm` here, and the weight gradients'
+`_wgrad_gemm` in `wgrad_gemm.py`, which shares this module's schedule.
 
 * `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, I] is split
   by rows; B_e is one expert's slice of a stacked weight, stored either I-contiguous
@@ -12,9 +13,9 @@ Two kernels cover the six GEMMs of the expert FFN's forward and backward
   SwiGLU: `EPI_SWIGLU` computes gate and up tiles side by side (two accumulators sharing
   the A tile), stores both pre-activations and silu(gate) * up; `EPI_SWIGLU_BWD` turns the
   product tile d(act) into d(gate), d(up) using the saved pre-activations, and re-creates
-  act on the way for the down projection's weight gradient.
-* `_wgrad_gemm`: dW_e = G[rows of e]^T @ X[rows of e], an I loop over a row range whose
-  length is data (it can be 0: the tile is then written as zeros, never left stale).
+  act on the way for the down projection's weight gradient. With the plain epilogue it can
+  split the reduction of the tiles that would leave programs idle in the last round
+  (`TAIL_SPLIT`, `_tail_split`).
 
 No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
 fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
@@ -22,7 +23,8 @@ other with the same R. Every
 program loads `tokens_per_expert_L` itself, builds per-expert row and tile offsets with
 a cumsum in registers, and walks the tiles t = pid, pid + num_programs, ... up to a total that it
 computed on the device. A tile finds its expert by counting how many tile-ranges end at
-or before it: a [BLOCK_L] vector compare-and-sum, no search loop.
+or before it: a [BLOCK_L] vector compare-and-sum, no search loop. Split tiles add their
+shares up in a fixed order, so results do not vary from run to run.
 
 Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-built
 tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
@@ -30,9 +32,7 @@ last expert and the I tail need no masks. A rows-tile may run into the next expe
 those rows produce garbage output rows that the masked store drops. Without TMA (odd
 shapes; calls with so few rows that building the descriptors on the host costs more than
 they save, see grouped_swiglu.uses_descriptors; the CPU interpreter) plain pointer loads
-mask rows past R, columns and the I tail for the same effect. `_wgrad_gemm` is the exception: there the rows
-are the reduction dim, so rows past the expert's end must be zeros, not garbage; full BI
-blocks stream unmasked and the one partial block at the end is zeroed.
+mask rows past R, columns and the I tail for the same effect.
 """
 
 import functools
@@ -75,13 +75,13 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
-    a_src, b_src, counts_ptr, out_ptr, h_ptr,
+    a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr,
     R, N, I, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_PARTS: tl.constexpr, SPLIT_K: tl.constexpr,
+    EPI_PARTS: tl.constexpr, TAIL_SPLIT: tl.constexpr,
 ):
     """out[rows of e, :N] = epilogue(A[rows of e, :I] @ B_e), for all experts.
 
@@ -90,33 +90,39 @@ def _rows_gemm(
     first (gate rows [0, N), up rows [N, 2N)), stores both to h [R, 2N] and act to out.
     EPI_SWIGLU_BWD reads h, overwrites it in place with its gradient and, with WRITE_ACT,
     stores the recomputed act to out. SwiGLU epilogues run in EPI_PARTS column blocks.
-    SPLIT_K > 1 (plain epilogue only) cuts the I loop into SPLIT_K shares, each a tile of its
-    own, and out is float32 partial sums [SPLIT_K, R, N] that the launcher adds up.
+    TAIL_SPLIT > 1 (plain epilogue only) splits the last, partly filled round of tiles: see
+    `_tail_split`. scratch [num_programs, BLOCK_M, BLOCK_N] float32 holds the shares' partial
+    sums and arrivals [num_programs] int32, zeros, counts the shares of each split tile done.
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     idx = tl.arange(0, BLOCK_L)
     counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
     row_ends = tl.cumsum(counts, 0)
-    tiles = tl.cdiv(counts, BLOCK_M) * n_tiles * SPLIT_K
+    tiles = tl.cdiv(counts, BLOCK_M) * n_tiles
     tile_ends = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
+    whole, shares = _tail_split(total, tl.num_programs(0), TAIL_SPLIT)
     ri = tl.arange(0, BLOCK_I)
 
     # FLATTEN lets the compiler software-pipeline across tiles too, so the next tile's
     # loads overlap this tile's epilogue (at the cost of shared memory).
-    for t in tl.range(pid, total, tl.num_programs(0), flatten=FLATTEN):
+    units = whole + (total - whole) * shares
+    for u in tl.range(pid, units, tl.num_programs(0), flatten=FLATTEN):
+        t, i_start, i_end = u, 0, I
+        if TAIL_SPLIT > 1:
+            share, i_start, i_end = u * 0, u * 0, I + u * 0
+            if u >= whole:  # a tile of the last round: share `share` of its reduction
+                t = whole + (u - whole) // shares
+                share = (u - whole) % shares
+                i_len = tl.cdiv(tl.cdiv(I, BLOCK_I), shares) * BLOCK_I  # whole BLOCK_I blocks
+                i_start = share * i_len
+                i_end = tl.minimum(I, i_start + i_len)
         e = tl.sum((tile_ends <= t).to(tl.int32), 0)
         count = _pick(counts, idx, e)
         row_start = _pick(row_ends, idx, e) - count
         local = t - (_pick(tile_ends, idx, e) - _pick(tiles, idx, e))
-        split = local % SPLIT_K
-        pid_m, pid_n = _swizzle(local // SPLIT_K, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
-        i_start, i_end = 0, I
-        if SPLIT_K > 1:  # this program's share of the reduction: whole BLOCK_I blocks
-            i_len = tl.cdiv(tl.cdiv(I, BLOCK_I), SPLIT_K) * BLOCK_I
-            i_start = split * i_len
-            i_end = tl.minimum(I, i_start + i_len)
+        pid_m, pid_n = _swizzle(local, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
         m0 = row_start + pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         b_row0 = e * b_rows_per_expert
@@ -125,7 +131,7 @@ def _rows_gemm(
         rm = tl.arange(0, BLOCK_M)
         row_ok = (pid_m * BLOCK_M + rm < count)[:, None]
         h_tile = h_ptr + m0.to(tl.int64) * (2 * N)  # h rows are [gate | up]
-        out_tile = out_ptr + (split.to(tl.int64) * R + m0) * N  # SPLIT_K > 1: fp32 partials
+        out_tile = out_ptr + m0.to(tl.int64) * N
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if EPILOGUE == EPI_SWIGLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -179,9 +185,15 @@ def _rows_gemm(
         # --- epilogue: a 64-bit base per tile and 32-bit offsets inside it ([BM, BN]
         # tensors of int64 offsets would take two registers per element) ---
         if EPILOGUE == EPI_PLAIN:
+            rows = count
+            if TAIL_SPLIT > 1:
+                if u >= whole and shares > 1:  # only the share that finishes last stores
+                    acc, last = _sum_shares(acc, scratch_ptr, arrivals_ptr, t - whole, share,
+                                            shares, BLOCK_M, BLOCK_N)
+                    rows = tl.where(last, count, 0)
             cols = n0 + tl.arange(0, BLOCK_N)
-            tl.store(out_tile + rm[:, None] * N + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols < N)[None, :])
+            tl.store(out_tile + rm[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=(pid_m * BLOCK_M + rm < rows)[:, None] & (cols < N)[None, :])
         else:
             # SwiGLU epilogues walk the tile in EPI_PARTS column blocks: with whole-tile
             # fp32 temporaries the compiler spilled ~1 KB per thread; with blocks of at
@@ -202,6 +214,42 @@ def _rows_gemm(
                     tl.store(act_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
                     _swiglu_bwd_store(acc_part, gate_ptrs, act_ptrs, mask, N, WRITE_ACT)
+
+
+@triton.jit
+def _tail_split(total, programs, TAIL_SPLIT: tl.constexpr):
+    """(whole, shares) for `total` tiles on `programs` persistent programs. Tiles [0, whole)
+    fill whole rounds and run as they are. The tiles of the last round, fewer than the
+    programs, would leave the rest idle (the whole GEMM taking two rounds for 1.2 rounds of
+    work); so each of them splits its reduction into `shares` parts, as many as the
+    programs hold, at most TAIL_SPLIT (a share's fixed cost grows as it shortens)."""
+    if TAIL_SPLIT > 1:
+        whole = total // programs * programs
+        left = total - whole
+        shares = tl.where(left > 0, tl.maximum(1, tl.minimum(TAIL_SPLIT, programs // tl.maximum(left, 1))), 1)
+    else:
+        whole, shares = total, 1
+    return whole, shares
+
+
+@triton.jit
+def _sum_shares(acc, scratch_ptr, arrivals_ptr, slot, share, shares,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Share `share` of split tile `slot` leaves its float32 partial sum in scratch and
+    counts itself in. The share counted last adds all the partials in share order (so the
+    result does not depend on which finished first) and returns (sum, True); the others
+    return (their partial, False): nothing to store."""
+    size: tl.constexpr = BLOCK_M * BLOCK_N
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    first = scratch_ptr + (slot * shares).to(tl.int64) * size
+    tl.store(first + share * size + offs, acc)
+    tl.debug_barrier()  # every thread's part of the tile stored before the count goes up
+    arrived = tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    if arrived == shares - 1:  # summed into acc: a second accumulator costs registers
+        acc = tl.load(first + offs, cache_modifier=".cg")  # from L2, where the other SMs' stores are
+        for s in range(1, shares):
+            acc += tl.load(first + s * size + offs, cache_modifier=".cg")
+    return acc, arrived == shares - 1
 
 
 @triton.jit
@@ -234,76 +282,6 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
         tl.store(act_ptrs, (silu * u).to(act_ptrs.dtype.element_ty), mask=mask)
     d_gate = d_act * u * (s * (1.0 + g * (1.0 - s)))
     tl.store(gate_ptrs, d_gate.to(gate_ptrs.dtype.element_ty), mask=mask)
-
-
-# --- weight-gradient GEMM: an I loop over one expert's rows ----------------------------
-
-
-@triton.jit
-def _wgrad_gemm(
-    g_src, x_src, counts_ptr, out_ptr,
-    M, N, L,
-    USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
-):
-    """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums."""
-    pid = tl.program_id(0)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    per_expert = m_tiles * n_tiles
-    idx = tl.arange(0, BLOCK_L)
-    counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
-    row_ends = tl.cumsum(counts, 0)
-    ri = tl.arange(0, BLOCK_I)
-
-    for t in range(pid, L * per_expert, tl.num_programs(0)):
-        e = t // per_expert
-        pid_m, pid_n = _swizzle(t % per_expert, m_tiles, n_tiles, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        count = _pick(counts, idx, e)
-        r0 = _pick(row_ends, idx, e) - count
-        n_full = count // BLOCK_I
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-
-        if USE_TMA:
-            for i in range(n_full):
-                g = g_src.load([r0 + i * BLOCK_I, m0])
-                x = x_src.load([r0 + i * BLOCK_I, n0])
-                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
-            if count % BLOCK_I != 0:
-                # The last block reaches into the next expert's rows: zero them.
-                r_tail = r0 + n_full * BLOCK_I
-                keep = (ri < count - n_full * BLOCK_I)[:, None]
-                g = tl.where(keep, g_src.load([r_tail, m0]), 0.0)
-                x = tl.where(keep, x_src.load([r_tail, n0]), 0.0)
-                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
-        else:
-            rm = m0 + tl.arange(0, BLOCK_M)
-            rn = n0 + tl.arange(0, BLOCK_N)
-            g_ptrs = g_src + r0.to(tl.int64) * M + (ri[:, None] * M + rm[None, :])
-            x_ptrs = x_src + r0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
-            for i0 in range(0, count, BLOCK_I):
-                keep = (i0 + ri < count)[:, None]
-                g = tl.load(g_ptrs, mask=keep & (rm < M)[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=keep & (rn < N)[None, :], other=0.0)
-                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
-                g_ptrs += BLOCK_I * M
-                x_ptrs += BLOCK_I * N
-
-        # The gradient is larger than L2 and not read again here: streaming stores (".cs")
-        # keep it from evicting the operand tiles that the next tiles re-read. Storing in
-        # EPI_PARTS column blocks measured a few percent faster again (docs/kernels.md, v7).
-        rows = m0 + tl.arange(0, BLOCK_M)
-        out_e = out_ptr + e.to(tl.int64) * M * N
-        W: tl.constexpr = BLOCK_N // EPI_PARTS
-        for part in tl.static_range(EPI_PARTS):
-            cols = n0 + part * W + tl.arange(0, W)
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            tl.store(out_e + rows[:, None] * N + cols[None, :],
-                     _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N).to(out_ptr.dtype.element_ty),
-                     mask=mask, cache_modifier=".cs")
 
 
 # --- launchers ------------------------------------------------------------------------
@@ -339,44 +317,23 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         b_src = descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
     else:
         a_src, b_src = a_RI, w2d
-    split_k = cfg.get("SPLIT_K", 1)
-    if split_k > 1:
-        if epilogue != EPI_PLAIN:
-            raise ValueError("rows_gemm: SPLIT_K needs the plain epilogue (SwiGLU's needs whole sums)")
-        partials = torch.empty(split_k, R, n, dtype=torch.float32, device=a_RI.device)
+    # SwiGLU's epilogues need whole sums: only the plain one splits.
+    tail_split = cfg.get("TAIL_SPLIT", 1) if epilogue == EPI_PLAIN else 1
     # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
-    tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn) * split_k
-    grid = (max(1, min(_max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound)),)
-    kernel = _rows_gemm[grid](
-        a_src, b_src, counts_L, partials if split_k > 1 else h if out is None else out,
-        a_RI if h is None else h, R, n, I, L, w.shape[1],
+    tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn)
+    programs = max(1, min(_max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound * tail_split))
+    scratch = arrivals = None
+    if tail_split > 1:  # a split tile's shares take at most one slot per program
+        scratch = torch.empty(programs, bm, bn, dtype=torch.float32, device=a_RI.device)
+        arrivals = torch.zeros(programs, dtype=torch.int32, device=a_RI.device)
+    kernel = _rows_gemm[(programs,)](
+        a_src, b_src, counts_L, h if out is None else out,
+        a_RI if h is None else h, scratch, arrivals, R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None,
         USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=_dot_prec(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
-        EPI_PARTS=cfg.get("EPI_PARTS", 4), SPLIT_K=split_k,
+        EPI_PARTS=cfg.get("EPI_PARTS", 4), TAIL_SPLIT=tail_split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if split_k > 1:  # summed in a fixed order, so results do not vary from run to run
-        out.copy_(partials.sum(0))
     return kernel
-
-
-def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
-    """Launch `_wgrad_gemm`: out_LMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
-    ensure_cuda_context(g_RM.device)
-    L, M, N = out_LMN.shape
-    bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
-    if use_tma:
-        g_src, x_src = descriptor(g_RM, [bi, bm]), descriptor(x_RN, [bi, bn])
-    else:
-        g_src, x_src = g_RM, x_RN
-    tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (max(1, min(_max_programs(g_RM.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
-    return _wgrad_gemm[grid](
-        g_src, x_src, counts_L, out_LMN, M, N, L,
-        USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
-        BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )

@@ -6,7 +6,7 @@ Shape suffixes: see te_mixtral/experts/base.py.
     act_RF = silu(h_R2F[:, :F]) * h_R2F[:, F:]
     y_RD   = act_RF @ down_LDF[e].T
 
-Six grouped GEMMs run in all (kernels in `grouped_gemm.py`):
+Six grouped GEMMs run in all (kernels in `grouped_gemm.py` and `wgrad_gemm.py`):
 
     forward   1. h, act = swiglu(x @ gate_up.T)    SwiGLU fused into the epilogue
               2. y = act @ down.T
@@ -48,12 +48,8 @@ in fp32, not meaningful in bf16).
 import torch
 from torch.autograd.function import once_differentiable
 
-from te_mixtral.experts.kernels.grouped_gemm import (
-    EPI_SWIGLU,
-    EPI_SWIGLU_BWD,
-    rows_gemm,
-    wgrad_gemm,
-)
+from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
+from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
 
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
@@ -67,10 +63,10 @@ from te_mixtral.experts.kernels.grouped_gemm import (
 # accumulators from spilling; 2 is cheaper for small tiles), or a weight gradient's store;
 # FLATTEN (see `_rows_gemm`) pays where the epilogue is heavy, as the SwiGLU backward's: it
 # reads two values per output and writes three.
-def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False, split_k=1):
+def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False, tail_split=1):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
                 num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten,
-                SPLIT_K=split_k)
+                TAIL_SPLIT=tail_split)
 
 
 # Weight gradients with few rows per expert write far more than they read: 128 x 128 tiles,
@@ -125,22 +121,27 @@ CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4
 # 0.267 -> 0.181 ms, down 0.119 -> 0.097 (cuBLAS 0.105 and 0.064). At 2 x 512 rows (128
 # programs) the medium table wins again.
 # At up to 32 rows per expert with one or two experts even the narrow tiles leave SMs idle on
-# down and gate_up_dgrad, each program streaming a reduction of F or 2F: split it in k
-# shares (float32 partials, summed after; `rows_gemm`). Fwd+bwd GPU ms on an H100: 1 x 16
-# rows 0.603 -> 0.500 with 4 shares, 2 x 16 0.991 -> 0.900 with 2 (grouped_mm 0.556 and
-# 0.877); at 64 rows, or with four experts, no gain (docs/kernels.md, v8). down_dgrad
-# (whose SwiGLU epilogue needs whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
-_SPLIT_4, _SPLIT_2 = (_cfg(64, 128, 64, 4, 4, split_k=k) for k in (4, 2))
-_DOWN_DGRAD_FEW_ROWS = _cfg(64, 128, 64, 4, 4)
-CONFIGS["split-K, 1 expert"] = {**CONFIGS["small, 1 expert"], "down": _SPLIT_4, "gate_up_dgrad": _SPLIT_4,
-                                "down_dgrad": _DOWN_DGRAD_FEW_ROWS}
-CONFIGS["split-K, 2 experts"] = {**CONFIGS["small"], "down": _SPLIT_2, "gate_up_dgrad": _SPLIT_2,
-                                 "down_dgrad": _DOWN_DGRAD_FEW_ROWS}
+# down and gate_up_dgrad, each program streaming a reduction of F or 2F: TAIL_SPLIT lets the
+# kernel split the reduction of tiles that would leave programs idle (`_tail_split`: 4 shares
+# at 1 x 16 rows, 2 at 2 x 16). Fwd+bwd GPU ms on an H100 with those splits fixed: 1 x 16
+# rows 0.603 -> 0.500, 2 x 16 0.991 -> 0.900 (grouped_mm 0.556 and 0.877); at 64 rows, or
+# with four experts, no gain (docs/kernels.md, v8). down_dgrad (whose SwiGLU epilogue needs
+# whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
+_SPLIT_TAIL_FEW_ROWS = _cfg(64, 128, 64, 4, 4, tail_split=4)
+CONFIGS["split-K"] = {**CONFIGS["small"], "down": _SPLIT_TAIL_FEW_ROWS,
+                      "gate_up_dgrad": _SPLIT_TAIL_FEW_ROWS, "down_dgrad": _cfg(64, 128, 64, 4, 4)}
 # At up to 512 rows in all, down_dgrad also runs faster as 128 x 128 tiles of 4 warps, two
 # programs per SM: per GEMM on an H100, 2 x 256 rows 0.173 -> 0.142 ms, 4 x 128 0.229 -> 0.203,
 # 1 x 512 0.153 -> 0.128 (docs/kernels.md, v9); with more rows the medium table's tile wins.
-CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _cfg(128, 128, 64, 8, 4),
-                               "gate_up_dgrad": _cfg(128, 128, 64, 8, 4),
+# down and gate_up_dgrad here make 128 tiles at 2 x 256 rows, one round of an H100's 132
+# SMs; one expert, or an uneven split, leaves a round part-empty (1 x 256: 64 tiles; 358 +
+# 154 rows: 160 tiles, two rounds), so they split the tiles of the last round (TAIL_SPLIT).
+# Fwd+bwd GPU ms on an H100: 1 x 256 rows 0.698 -> 0.623, 358 + 154 1.563 -> 1.415,
+# 170 + 171 + 171 + 0 1.924 -> 1.796; where nothing splits the kernel is 1-1.5 % slower
+# (2 x 256, 512 + 0), and in the other tables it lost more than it gained (docs/kernels.md, v11).
+_SPLIT_TAIL_MEDIUM = _cfg(128, 128, 64, 8, 4, tail_split=4)
+CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _SPLIT_TAIL_MEDIUM,
+                               "gate_up_dgrad": _SPLIT_TAIL_MEDIUM,
                                "down_dgrad": _cfg(128, 128, 64, 4, 3, progs=2)}
 
 
@@ -164,10 +165,10 @@ def regime(rows: int, experts: int) -> str:
     medium tiles (128 rows) beat the small ones (64) from 65 rows per expert; with fewer
     experts the small ones win up to 128. On an H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96
     rows 3.68 against 3.99, 8 x 128 3.80 against 4.06; 1 x 128 0.57 small against 0.76.
-    With one or two experts and at most 32 rows each, the split-K tables (see above)."""
+    With one or two experts and at most 32 rows each, the split-K table (see above)."""
     per_expert = rows / max(experts, 1)
     if per_expert <= 32 and experts <= 2:
-        return "split-K, 1 expert" if experts <= 1 else "split-K, 2 experts"
+        return "split-K"
     if per_expert <= 64 or (per_expert <= 128 and experts < 4):
         return "small, 1 expert" if experts == 1 else "small"
     if per_expert <= 512:

@@ -1,0 +1,102 @@
+"""The weight-gradient GEMM of the expert FFN with split sizes on the device:
+dW_e = G[rows of e]^T @ X[rows of e] for every expert e.
+
+The rows are the reduction dim, and how many an expert has is data: each tile runs an I loop
+over its expert's row range, which can be empty (the tile is then written as zeros, never
+left stale). Rows past the expert's end must be zeros, not another expert's rows: full
+BLOCK_I blocks stream unmasked and the one partial block at the end is zeroed. The schedule
+helpers and launch rules are `grouped_gemm.py`'s.
+"""
+
+import triton
+import triton.language as tl
+
+from te_mixtral.experts.kernels.grouped_gemm import _column_part, _dot_prec, _max_programs, _pick, _swizzle
+from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
+
+
+@triton.jit
+def _wgrad_gemm(
+    g_src, x_src, counts_ptr, out_ptr,
+    M, N, L,
+    USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
+):
+    """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums."""
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_expert = m_tiles * n_tiles
+    idx = tl.arange(0, BLOCK_L)
+    counts = tl.load(counts_ptr + idx, mask=idx < L, other=0).to(tl.int32)
+    row_ends = tl.cumsum(counts, 0)
+    ri = tl.arange(0, BLOCK_I)
+
+    for t in range(pid, L * per_expert, tl.num_programs(0)):
+        e = t // per_expert
+        pid_m, pid_n = _swizzle(t % per_expert, m_tiles, n_tiles, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        count = _pick(counts, idx, e)
+        r0 = _pick(row_ends, idx, e) - count
+        n_full = count // BLOCK_I
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+
+        if USE_TMA:
+            for i in range(n_full):
+                g = g_src.load([r0 + i * BLOCK_I, m0])
+                x = x_src.load([r0 + i * BLOCK_I, n0])
+                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+            if count % BLOCK_I != 0:
+                # The last block reaches into the next expert's rows: zero them.
+                r_tail = r0 + n_full * BLOCK_I
+                keep = (ri < count - n_full * BLOCK_I)[:, None]
+                g = tl.where(keep, g_src.load([r_tail, m0]), 0.0)
+                x = tl.where(keep, x_src.load([r_tail, n0]), 0.0)
+                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+        else:
+            rm = m0 + tl.arange(0, BLOCK_M)
+            rn = n0 + tl.arange(0, BLOCK_N)
+            g_ptrs = g_src + r0.to(tl.int64) * M + (ri[:, None] * M + rm[None, :])
+            x_ptrs = x_src + r0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
+            for i0 in range(0, count, BLOCK_I):
+                keep = (i0 + ri < count)[:, None]
+                g = tl.load(g_ptrs, mask=keep & (rm < M)[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=keep & (rn < N)[None, :], other=0.0)
+                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+                g_ptrs += BLOCK_I * M
+                x_ptrs += BLOCK_I * N
+
+        # The gradient is larger than L2 and not read again here: streaming stores (".cs")
+        # keep it from evicting the operand tiles that the next tiles re-read. Storing in
+        # EPI_PARTS column blocks measured a few percent faster again (docs/kernels.md, v7).
+        rows = m0 + tl.arange(0, BLOCK_M)
+        out_e = out_ptr + e.to(tl.int64) * M * N
+        W: tl.constexpr = BLOCK_N // EPI_PARTS
+        for part in tl.static_range(EPI_PARTS):
+            cols = n0 + part * W + tl.arange(0, W)
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            tl.store(out_e + rows[:, None] * N + cols[None, :],
+                     _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N).to(out_ptr.dtype.element_ty),
+                     mask=mask, cache_modifier=".cs")
+
+
+def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
+    """Launch `_wgrad_gemm`: out_LMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
+    ensure_cuda_context(g_RM.device)
+    L, M, N = out_LMN.shape
+    bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
+    if use_tma:
+        g_src, x_src = descriptor(g_RM, [bi, bm]), descriptor(x_RN, [bi, bn])
+    else:
+        g_src, x_src = g_RM, x_RN
+    tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (max(1, min(_max_programs(g_RM.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
+    return _wgrad_gemm[grid](
+        g_src, x_src, counts_L, out_LMN, M, N, L,
+        USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
+        BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
