@@ -122,8 +122,8 @@ CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4
 # programs) the medium table wins again.
 # At up to 32 rows per expert with one or two experts even the narrow tiles leave SMs idle on
 # down and gate_up_dgrad, each program streaming a reduction of F or 2F: TAIL_SPLIT lets the
-# kernel split the reduction of tiles that would leave programs idle (`_tail_split`: 4 shares
-# at 1 x 16 rows, 2 at 2 x 16). Fwd+bwd GPU ms on an H100 with those splits fixed: 1 x 16
+# kernel split the reduction of tiles that would leave programs idle (`_tail_split`: at 8x7B
+# shapes 4 shares at 1 x 16 rows, 2 at 2 x 16). Fwd+bwd GPU ms on an H100 with those splits fixed: 1 x 16
 # rows 0.603 -> 0.500, 2 x 16 0.991 -> 0.900 (grouped_mm 0.556 and 0.877); at 64 rows, or
 # with four experts, no gain (docs/kernels.md, v8). down_dgrad (whose SwiGLU epilogue needs
 # whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
@@ -136,9 +136,9 @@ CONFIGS["split-K"] = {**CONFIGS["small"], "down": _SPLIT_TAIL_FEW_ROWS,
 # down and gate_up_dgrad here make 128 tiles at 2 x 256 rows, one round of an H100's 132
 # SMs; one expert, or an uneven split, leaves a round part-empty (1 x 256: 64 tiles; 358 +
 # 154 rows: 160 tiles, two rounds), so they split the tiles of the last round (TAIL_SPLIT).
-# Fwd+bwd GPU ms on an H100: 1 x 256 rows 0.698 -> 0.623, 358 + 154 1.563 -> 1.415,
-# 170 + 171 + 171 + 0 1.924 -> 1.796; where nothing splits the kernel is 1-1.5 % slower
-# (2 x 256, 512 + 0), and in the other tables it lost more than it gained (docs/kernels.md, v11).
+# Fwd+bwd GPU ms on an H100 at 8x7B shapes: 1 x 256 rows 0.698 -> 0.624, 358 + 154 1.565 ->
+# 1.438, 170 + 171 + 171 + 0 1.906 -> 1.805; where nothing splits, level to 3.5 % slower
+# (8x22B at 358 + 154), and in the other tables it lost as often as it gained (docs/kernels.md, v11).
 _SPLIT_TAIL_MEDIUM = _cfg(128, 128, 64, 8, 4, tail_split=4)
 CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _SPLIT_TAIL_MEDIUM,
                                "gate_up_dgrad": _SPLIT_TAIL_MEDIUM,
