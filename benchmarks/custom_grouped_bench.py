@@ -33,8 +33,8 @@ from triton.testing import do_bench
 
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_gemm as gg
-from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 from te_mixtral.experts.kernels import grouped_swiglu as gs
+from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
 OPS = ("gate_up", "down", "down_dgrad", "down_wgrad", "gate_up_dgrad", "gate_up_wgrad")
 FLOP_UNITS = {"gate_up": 4, "down": 2, "down_dgrad": 2, "down_wgrad": 2,

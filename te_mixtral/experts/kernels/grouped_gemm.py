@@ -226,7 +226,8 @@ def _tail_split(total, programs, TAIL_SPLIT: tl.constexpr):
     if TAIL_SPLIT > 1:
         whole = total // programs * programs
         left = total - whole
-        shares = tl.where(left > 0, tl.maximum(1, tl.minimum(TAIL_SPLIT, programs // tl.maximum(left, 1))), 1)
+        fit = tl.maximum(1, tl.minimum(TAIL_SPLIT, programs // tl.maximum(left, 1)))
+        shares = tl.where(left > 0, fit, 1)
     else:
         whole, shares = total, 1
     return whole, shares

@@ -123,10 +123,10 @@ CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4
 # At up to 32 rows per expert with one or two experts even the narrow tiles leave SMs idle on
 # down and gate_up_dgrad, each program streaming a reduction of F or 2F: TAIL_SPLIT lets the
 # kernel split the reduction of tiles that would leave programs idle (`_tail_split`: at 8x7B
-# shapes 4 shares at 1 x 16 rows, 2 at 2 x 16). Fwd+bwd GPU ms on an H100 with those splits fixed: 1 x 16
-# rows 0.603 -> 0.500, 2 x 16 0.991 -> 0.900 (grouped_mm 0.556 and 0.877); at 64 rows, or
-# with four experts, no gain (docs/kernels.md, v8). down_dgrad (whose SwiGLU epilogue needs
-# whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
+# shapes 4 shares at 1 x 16 rows, 2 at 2 x 16). Fwd+bwd GPU ms on an H100 with those splits
+# fixed: 1 x 16 rows 0.603 -> 0.500, 2 x 16 0.991 -> 0.900 (grouped_mm 0.556 and 0.877); at
+# 64 rows, or with four experts, no gain (docs/kernels.md, v8). down_dgrad (whose SwiGLU
+# epilogue needs whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
 _SPLIT_TAIL_FEW_ROWS = _cfg(64, 128, 64, 4, 4, tail_split=4)
 CONFIGS["split-K"] = {**CONFIGS["small"], "down": _SPLIT_TAIL_FEW_ROWS,
                       "gate_up_dgrad": _SPLIT_TAIL_FEW_ROWS, "down_dgrad": _cfg(64, 128, 64, 4, 4)}
