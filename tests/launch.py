@@ -20,14 +20,18 @@ import torch
 from conftest import REPO
 
 
-def run_app(args: list[str], nproc: int = 1, timeout: float = 300, script: str = "run_finetune_ep.py"):
-    """Run the entry point (or a test worker script) and return the CompletedProcess."""
+def app_command(args: list[str], nproc: int = 1, script: str = "run_finetune_ep.py") -> list[str]:
+    """The command line that starts `script` with `args` on `nproc` ranks, as users start it."""
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(launcher + [str(REPO / script), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return launcher + [str(REPO / script), *args]
+
+
+def run_app(args: list[str], nproc: int = 1, timeout: float = 300, script: str = "run_finetune_ep.py"):
+    """Run the entry point (or a test worker script) and return the CompletedProcess."""
+    return subprocess.run(app_command(args, nproc, script), cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
@@ -123,34 +127,82 @@ def assert_one_line_error(proc, *fragments):
 RUN_CACHE_DIR: Path | None = None
 _cached_runs: dict[tuple, Path] = {}
 
+# In the arguments of a planned run (or command), stands for the folder it writes to (a
+# training run's --output-dir), so that it can name paths inside it, `f"{RUN_DIR}/ckpt"`,
+# before that folder exists.
+RUN_DIR = "{run_dir}"
+# A planned run [WORKER, SCRIPT, *arguments] is no training run: it runs that worker script of
+# tests/workers (see `run_worker`).
+WORKER = "--worker"
 
-def _run_key(args: list[str], nproc: int) -> tuple:
+_inductor_cache_dir_fixed = False
+
+
+def fix_inductor_cache_dir() -> None:
+    """The environment is part of a run's key, and torch sets TORCHINDUCTOR_CACHE_DIR in this
+    process the first time a test compiles: set it before the first key is made, to the folder
+    torch would, so that runs launched before and after that test share their keys. (Not at
+    every session's start: importing inductor takes a second or two, which a session that
+    launches no runs, such as the Triton interpreter's, need not spend.)"""
+    global _inductor_cache_dir_fixed
+    if not _inductor_cache_dir_fixed:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        cache_dir()
+        _inductor_cache_dir_fixed = True
+
+
+def _run_key(args: list[str], nproc: int, environ: dict[str, str] | None = None) -> tuple:
+    fix_inductor_cache_dir()
     # Left out: variables pytest and torch set in this process for themselves. torch.compile sets
     # _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR (an address) for good the first time a test compiles;
     # keyed on it, every run planned before that test would be launched again after it.
-    env = tuple(sorted((k, v) for k, v in os.environ.items()
+    env = tuple(sorted((k, v) for k, v in (os.environ if environ is None else environ).items()
                        if k != "PYTEST_CURRENT_TEST" and not k.startswith("_TORCHINDUCTOR_")))
     return nproc, tuple(args), env
 
 
-def train_and_save_many(runs: list[tuple[Path, list[str]]], nproc: int = 1) -> list[tuple]:
-    """`train_and_save` for several runs at once: those not run before in this session train
-    one after another in a single launch (start-up is most of a short CPU run's time)."""
+def _job(args: tuple[str, ...], where: Path) -> list | dict:
+    """A run as tests/workers/train_and_save.py's RUNS.json lists it, writing into `where`."""
+    if args[:1] == (WORKER,):
+        _, script, *rest = args
+        return {"script": script, "argv": [a.replace(RUN_DIR, str(where / "out")) for a in rest],
+                "output": str(where)}
+    return [str(where / "weights"), [*(a.replace(RUN_DIR, str(where)) for a in args), "--output-dir", str(where)]]
+
+
+def _train_command(todo: dict[tuple, Path], spec_file: Path) -> list[str]:
+    """The launch of tests/workers/train_and_save.py that trains every run of `todo` ({key:
+    folder}, all of one rank count) into its folder, one after another."""
+    spec_file.write_text(json.dumps([_job(key[1], where) for key, where in todo.items()]))
+    nproc = next(iter(todo))[0]
+    return app_command(["--runs", str(spec_file)], nproc, "tests/workers/train_and_save.py")
+
+
+def launch_many(runs: list[tuple[Path, list[str]]], nproc: int) -> dict[tuple, Path]:
+    """Train the runs ([(folder, arguments)], training runs or WORKER scripts) not run before
+    in this session, one after another in a single launch (start-up is most of a short CPU
+    run's time), and cache them; {key: folder} of those it ran."""
     todo = {}
     for out, args in runs:
         key = _run_key(args, nproc)
         if key not in _cached_runs and key not in todo:
             todo[key] = out if RUN_CACHE_DIR is None else Path(tempfile.mkdtemp(dir=RUN_CACHE_DIR))
     if todo:
-        spec = [[str(where / "weights"), [*key[1], "--output-dir", str(where)]] for key, where in todo.items()]
         with tempfile.TemporaryDirectory() as scratch:
-            spec_file = Path(scratch) / "runs.json"
-            spec_file.write_text(json.dumps(spec))
-            proc = run_app(["--runs", str(spec_file)], nproc=nproc, timeout=300 * len(spec),
-                           script="tests/workers/train_and_save.py")
+            proc = subprocess.run(_train_command(todo, Path(scratch) / "runs.json"), cwd=REPO,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                                  timeout=300 * len(todo))
         assert proc.returncode == 0, proc.stderr[-3000:]
         if RUN_CACHE_DIR is not None:
             _cached_runs.update(todo)
+    return todo
+
+
+def train_and_save_many(runs: list[tuple[Path, list[str]]], nproc: int = 1) -> list[tuple]:
+    """`train_and_save` for several runs at once: those not run before in this session train
+    one after another in a single launch (`launch_many`)."""
+    todo = launch_many(runs, nproc)
     outputs = []
     for out, args in runs:
         where = todo.get(_run_key(args, nproc)) or _cached_runs[_run_key(args, nproc)]
@@ -161,6 +213,23 @@ def train_and_save_many(runs: list[tuple[Path, list[str]]], nproc: int = 1) -> l
         grads = [torch.load(out / "weights" / f"grads{r}.pt") for r in range(nproc)]
         outputs.append((results, weights, grads))
     return outputs
+
+
+def run_worker(out: Path, script: str, args: list[str], nproc: int, timeout: float = 300):
+    """`run_app(args, nproc, script=script)` for a worker script of tests/workers, RUN_DIR in
+    `args` standing for `out`. Where a module plans [WORKER, script, *args] on `nproc` ranks,
+    it ran in the session's planned launch: its folder is copied to `out`, and the answer's
+    stdout and stderr are each rank's, one after another (a launch that failed caches nothing,
+    so a failing script runs here again, alone, and reports)."""
+    key = _run_key([WORKER, script, *args], nproc)
+    if key not in _cached_runs:
+        return run_app([a.replace(RUN_DIR, str(out)) for a in args], nproc, timeout, script)
+    where = _cached_runs[key]
+    if (where / "out").exists():
+        shutil.copytree(where / "out", out, dirs_exist_ok=True)
+    stdout, stderr = ("".join((where / f"{name}{rank}").read_text() for rank in range(nproc))
+                      for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess([script, *args], 0, stdout, stderr)
 
 
 def train_and_save(out: Path, args: list[str], nproc: int = 1) -> tuple[dict, list[dict], list[list[dict]]]:

@@ -6,15 +6,33 @@ that raises fails the test and names itself. The notebook is committed without o
 """
 
 import json
+import sys
 
 import pytest
+from background import Command
 from conftest import REPO
+from launch import RUN_DIR
 
 # The test extra installs them; a GPU machine collecting `-m cuda tests` may lack them.
 nbformat = pytest.importorskip("nbformat")
-NotebookClient = pytest.importorskip("nbclient").NotebookClient
+pytest.importorskip("nbclient")
 
 NOTEBOOK = REPO / "docs" / "tutorial.ipynb"
+# Executes the notebook in a kernel started from the repository root; prints it, outputs and all.
+EXECUTE = """import os, sys, nbclient, nbformat
+os.mkdir(os.environ["TMPDIR"])
+notebook = nbformat.read(sys.argv[1], as_version=4)
+nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                        resources={"metadata": {"path": sys.argv[2]}}).execute()
+sys.stdout.write(nbformat.writes(notebook))
+"""
+# The kernel inherits this environment: the notebook's temporary folder lands in an empty
+# TMPDIR of the run's own (torch's compile cache elsewhere: it is torch's, meant to stay), and
+# matplotlib draws inline (as in Jupyter), not to a file.
+RUN = Command((sys.executable, "-c", EXECUTE, str(NOTEBOOK), str(REPO)),
+              (("TMPDIR", f"{RUN_DIR}/tmp"), ("TORCHINDUCTOR_CACHE_DIR", f"{RUN_DIR}/inductor"),
+               ("OMP_NUM_THREADS", "1"), ("MPLBACKEND", None)), timeout=900)
+PLANNED_COMMANDS = [RUN]  # run from the session's start (conftest.py's planned_command)
 
 
 def test_notebook_is_clean_json():
@@ -27,18 +45,10 @@ def test_notebook_is_clean_json():
 
 
 @pytest.mark.slow
-def test_notebook_runs_shows_its_figures_and_cleans_up(tmp_path, monkeypatch):
-    # The kernel inherits this environment: the notebook's temporary folder lands in an empty
-    # TMPDIR of this test's own (torch's compile cache elsewhere: it is torch's, meant to stay),
-    # and matplotlib draws inline (as in Jupyter), not to a file.
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("MPLBACKEND", raising=False)
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+def test_notebook_runs_shows_its_figures_and_cleans_up(planned_command):
+    proc, folder = planned_command(RUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # nbclient names the first cell that raised
+    notebook = nbformat.reads(proc.stdout, as_version=4)
 
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
@@ -46,4 +56,4 @@ def test_notebook_runs_shows_its_figures_and_cleans_up(tmp_path, monkeypatch):
     assert "| `loop` | 1 / 1 |" in text  # the results page made from its own runs
     figures = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.data]
     assert len(figures) >= 2, [o.output_type for o in outputs]  # the loss curves and the phase profile
-    assert list(scratch.iterdir()) == []  # its runs and results page removed by its last cell
+    assert list((folder / "tmp").iterdir()) == []  # its runs and results page removed by its last cell

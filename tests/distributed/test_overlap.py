@@ -5,9 +5,11 @@ gloo on the CPU, and NCCL on two GPUs, where the buckets launch from the backwar
 
 import pytest
 import torch
-from launch import run_app
+from launch import RUN_DIR, WORKER, run_worker
 
 WORLD = 2
+SCRIPT = "tests/workers/overlapped_reduction.py"
+PLANNED_RUNS = {WORLD: [[WORKER, SCRIPT, RUN_DIR, "cpu"]]}  # run in the session's two-rank launch
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow),
            pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.multigpu])]
 
@@ -22,8 +24,10 @@ def same(got: torch.Tensor, want: torch.Tensor, device: str) -> bool:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_overlapped_reduction_equals_all_reduce_after_backward(tmp_path, device):
-    proc = run_app([str(tmp_path), device], nproc=WORLD, script="tests/workers/overlapped_reduction.py")
+def test_overlapped_reduction_equals_all_reduce_after_backward(tmp_path, device, launch_planned):
+    if device == "cpu":
+        launch_planned(WORLD)
+    proc = run_worker(tmp_path, SCRIPT, [RUN_DIR, device], nproc=WORLD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     for record in records:

@@ -6,12 +6,14 @@ import filecmp
 
 import pytest
 import torch
-from launch import run_app
+from launch import RUN_DIR, WORKER, run_worker
 
 from te_mixtral.distributed.layout import is_expert_param
 
 WORLD = 4
 LAYOUTS = (2, 4)  # EP sizes; DP = WORLD / EP
+SCRIPT = "tests/workers/sharded_master_adamw.py"
+PLANNED_RUNS = {WORLD: [[WORKER, SCRIPT, RUN_DIR]]}  # run in the session's four-rank launch
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -27,8 +29,9 @@ def assert_same_bits(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_master_adamw(tmp_path):
-    proc = run_app([str(tmp_path)], nproc=WORLD, script="tests/workers/sharded_master_adamw.py")
+def test_sharded_master_adamw(tmp_path, launch_planned):
+    launch_planned(WORLD)
+    proc = run_worker(tmp_path, SCRIPT, [RUN_DIR], nproc=WORLD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for ep in LAYOUTS:
         for rank in range(WORLD):

@@ -12,11 +12,11 @@ exact in fp32 and meaningless in bf16, so those tests use fp32 and small odd sha
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from background import Command
 from conftest import interpreter_runs_reduced_loop_bounds
 from expert_reference import reference_f64
 
@@ -147,16 +147,16 @@ if INTERPRETING:  # triton must not be imported before the variable is set
         tl.store(out_ptr + 1, shares)
 
 
+INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
-def test_triton_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "test_interpreter"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+def test_triton_kernels_in_interpreter(planned_command):
+    result, _ = planned_command(INTERPRETER_RUN)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
 

@@ -7,12 +7,12 @@ is checked within an ulp (`cuda`). Units: see test_master_adamw.py.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from adamw_reference import CLIP, U, bf16_grads, bits, error_in_u, fp32_weights
+from background import Command
 
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_torch
@@ -75,14 +75,15 @@ def test_interpreter_optimizer_impls_agree():
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
+INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "interpreter"), (("TRITON_INTERPRET", "1"),))
+PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
-def test_triton_kernel_in_interpreter():
+def test_triton_kernel_in_interpreter(planned_command):
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
+    result, _ = planned_command(INTERPRETER_RUN)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
 

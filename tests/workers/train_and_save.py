@@ -7,7 +7,10 @@ Usage: torchrun ... tests/workers/train_and_save.py WEIGHTS_DIR [run_finetune_ep
    or: torchrun ... tests/workers/train_and_save.py --runs RUNS.json
 where RUNS.json lists [WEIGHTS_DIR, [arguments]] pairs: several runs, one after another, in
 one launch (start-up, not training, is most of a short CPU run's time). Each run builds its
-own model, optimizer and layout; only the process group is shared.
+own model, optimizer and layout; only the process group is shared. RUNS.json may also hold
+{"script": SCRIPT, "argv": [arguments], "output": DIR}: another worker script of tests/workers,
+run here as torchrun would run it alone (its layouts on the shared process group), what each
+rank prints kept in DIR/stdout{r} and DIR/stderr{r}; should it fail, this launch fails at once.
 
 Writes WEIGHTS_DIR/rank{r}.pt (the state dict) and WEIGHTS_DIR/grads{r}.pt: one dict of
 gradients per call of the loop's `reduce_gradients`, so the list's length is how many
@@ -16,8 +19,12 @@ of the loop's `clip_gradients`, times the clip factor the optimizer applies itse
 does): the gradients the optimizer stepped with.
 """
 
+import contextlib
 import json
+import os
+import runpy
 import sys
+import traceback
 from pathlib import Path
 from unittest.mock import patch
 
@@ -27,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
+from te_mixtral.distributed import layout as layout_module
 from te_mixtral.distributed.layout import init_layout, shutdown, world_size_from_env
 from te_mixtral.distributed.parallelize import reduce_gradients
 from te_mixtral.training import loop
@@ -54,10 +62,14 @@ def recording_clip_gradients(optimizer, model, max_norm, layout):
 
 def init_layout_once(ep_size, device, timeout_s):
     """The loop's `init_layout`, starting the process group only on the first run: later runs
-    build their layout (mesh and groups) on the same group. A group destroyed and started
-    again in one process can hang at its rendezvous."""
+    build their layout (mesh and groups) on the same group (a group destroyed and started
+    again in one process can hang at its rendezvous). Later runs meet at a barrier instead of
+    that rendezvous: making the mesh's groups does not wait for the peers, and a rank gone
+    ahead would start writing the run's outputs while a peer still checks that there are none
+    ("holds the steps.jsonl of a run that did not finish")."""
     if not dist.is_initialized():
         return init_layout(ep_size, device, timeout_s)
+    dist.barrier()
     with patch.object(dist, "init_process_group", lambda *args, **kwargs: None):
         return init_layout(ep_size, device, timeout_s)
 
@@ -66,6 +78,10 @@ def train_and_save(weights_dir: Path, argv: list[str]) -> int:
     reduced.clear()
     clipped.clear()
     args, overrides = parse_args(argv)
+    # No loss and step-time PNGs unless a run asks for them: the tests read these runs' numbers,
+    # and drawing costs rank 0 about a second a run while the other ranks wait (the app's own
+    # runs draw them: tests/measure/test_run_log.py).
+    overrides.setdefault("plots", "false")
     cfg = load_config(args.config, overrides, world_size=world_size_from_env())
     result = loop.train(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -81,6 +97,36 @@ def train_and_save(weights_dir: Path, argv: list[str]) -> int:
     return result.exit_code
 
 
+def keep_process_group(wait_for_peers: bool = False) -> None:
+    """The scripts' `shutdown`: the peers reach the end of the script, the group stays."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def run_script(script: str, argv: list[str], output: Path) -> int:
+    """Run a worker script as `torchrun ... SCRIPT ARGV` would, on this launch's process group,
+    which its `shutdown` leaves for the next run. Should it fail, exit now, as it would alone:
+    torchrun then stops the other ranks, which a failed collective could leave waiting."""
+    output.mkdir(parents=True, exist_ok=True)
+    rank = os.environ.get("RANK", "0")  # the group may not be started yet: the script starts it
+    sys.argv = [script, *argv]
+    try:
+        with (open(output / f"stdout{rank}", "w") as stdout, open(output / f"stderr{rank}", "w") as stderr,
+              contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr),
+              patch.object(layout_module, "init_layout", init_layout_once),
+              patch.object(layout_module, "shutdown", keep_process_group)):
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            print(f"{script} exited with {e.code}", file=sys.stderr, flush=True)
+            os._exit(1)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
+
+
 if sys.argv[1] == "--runs":
     runs = json.loads(Path(sys.argv[2]).read_text())
 else:
@@ -88,6 +134,7 @@ else:
 loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrapped
 loop.clip_gradients = recording_clip_gradients
 loop.init_layout = init_layout_once
-exit_codes = [train_and_save(Path(weights_dir), argv) for weights_dir, argv in runs]
+exit_codes = [run_script(run["script"], run["argv"], Path(run["output"])) if isinstance(run, dict)
+              else train_and_save(Path(run[0]), run[1]) for run in runs]
 shutdown(wait_for_peers=True)
 sys.exit(max(exit_codes))

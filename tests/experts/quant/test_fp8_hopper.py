@@ -6,11 +6,11 @@ GEMM's input and output width).
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from background import Command
 from conftest import interpreter_runs_reduced_loop_bounds
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
@@ -150,16 +150,15 @@ def test_weight_cache_sees_in_place_writes_and_never_a_freed_tensor():
 # --- the Triton quantisers, run by the interpreter in a fresh process --------------------------
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
-def test_triton_quantisers_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreter"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+def test_triton_quantisers_in_interpreter(planned_command):
+    result, _ = planned_command(INTERPRETER_RUN)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
 

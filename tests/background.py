@@ -1,0 +1,148 @@
+"""Work a session plans when it is collected, done in a thread of its own from its start while
+other tests run (conftest.py's `_planned_in_background`): the planned launches of training
+runs (`launch_planned`), then the commands modules list in `PLANNED_COMMANDS`. On a machine of
+a few cores this pays: a launch rarely keeps two cores busy (its launcher imports alone, gloo's
+ranks wait on each other), a single process keeps one, and so do most tests beside them.
+
+Each piece of work gets the environment this process had when it was planned, and is used
+only where this process's environment is still that one (else it is done again, when needed).
+"""
+
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import launch
+from conftest import REPO
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subprocess a test runs from the repository root: `argv`, with `env` set on top of
+    this process's environment (a None value unsets the variable). RUN_DIR in either stands for
+    an empty folder of the command's own. A module lists the commands its tests run in
+    `PLANNED_COMMANDS`, and its tests run them through conftest.py's `planned_command`."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str | None], ...] = ()
+    timeout: float = 600
+
+    def _argv(self, folder: Path) -> list[str]:
+        return [a.replace(launch.RUN_DIR, str(folder)) for a in self.argv]
+
+    def _environ(self, folder: Path, base: dict[str, str]) -> dict[str, str]:
+        env = dict(base)
+        for name, value in self.env:
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value.replace(launch.RUN_DIR, str(folder))
+        return env
+
+    def run(self, folder: Path) -> subprocess.CompletedProcess:
+        """Run it now, RUN_DIR standing for `folder`."""
+        return subprocess.run(self._argv(folder), cwd=REPO, env=self._environ(folder, dict(os.environ)),
+                              capture_output=True, text=True, timeout=self.timeout)
+
+
+class PlannedInBackground:
+    """The planned launches ({nproc: [arguments, ...]}) and commands, started one after another
+    in a thread of their own as soon as this is made (see the module)."""
+
+    def __init__(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path):
+        launch.fix_inductor_cache_dir()
+        self.environ = dict(os.environ)
+        self._launched = {nproc: threading.Event() for nproc in runs}
+        self._trained: dict[int, dict[tuple, Path]] = {}  # the launches that succeeded: {nproc: {key: folder}}
+        self._ran = {command: threading.Event() for command in commands}
+        self._outcomes: dict[Command, tuple[subprocess.CompletedProcess, Path]] = {}
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run_all, args=(runs, commands, folder), daemon=True)
+        self._thread.start()
+
+    def _start(self, argv: list[str], env: dict[str, str], stdout, stderr) -> subprocess.Popen | None:
+        with self._lock:
+            if self._stopping:
+                return None
+            self._proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
+            return self._proc
+
+    def _finish(self, proc: subprocess.Popen, timeout: float) -> int | None:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end(proc)
+            return None
+
+    def _run_all(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path) -> None:
+        try:
+            for nproc, planned in sorted(runs.items()):
+                todo = {launch._run_key(args, nproc, self.environ): folder / f"{nproc}-{i}"
+                        for i, args in enumerate(planned)}
+                for where in todo.values():
+                    where.mkdir()
+                argv = launch._train_command(todo, folder / f"runs{nproc}.json")
+                with open(folder / f"launch{nproc}.log", "w") as log:  # a failed launch's output, for whoever looks
+                    if (proc := self._start(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log)) is None:
+                        return
+                    if self._finish(proc, 300 * len(todo)) == 0:
+                        self._trained[nproc] = todo
+                self._launched[nproc].set()
+            for i, command in enumerate(commands):
+                where = folder / f"command{i}"
+                where.mkdir()
+                with open(folder / f"command{i}.out", "w") as out, open(folder / f"command{i}.err", "w") as err:
+                    proc = self._start(command._argv(where), command._environ(where, self.environ), out, err)
+                    if proc is None:
+                        return
+                    code = self._finish(proc, command.timeout)
+                if code is not None:
+                    done = subprocess.CompletedProcess(proc.args, code, (folder / f"command{i}.out").read_text(),
+                                                       (folder / f"command{i}.err").read_text())
+                    self._outcomes[command] = done, where
+                self._ran[command].set()
+        finally:
+            for event in [*self._launched.values(), *self._ran.values()]:
+                event.set()
+
+    def _same_environment(self) -> bool:
+        return launch._run_key([], 0) == launch._run_key([], 0, self.environ)
+
+    def wait(self, nproc: int) -> bool:
+        """Wait for the launch of `nproc` ranks and cache its runs (see the module); whether
+        there was one. A failed launch caches nothing: each test then launches its own runs."""
+        if nproc not in self._launched:
+            return False
+        self._launched[nproc].wait()
+        if nproc in self._trained and self._same_environment():
+            launch._cached_runs.update(self._trained[nproc])
+        return True
+
+    def command(self, command: Command) -> tuple[subprocess.CompletedProcess, Path] | None:
+        """Wait for `command` and give what it printed and its folder; None where it was not
+        planned, did not finish, or ran in another environment."""
+        if command not in self._ran:
+            return None
+        self._ran[command].wait()
+        return self._outcomes.get(command) if self._same_environment() else None
+
+    def stop(self) -> None:
+        """End what is still running, if anything (an interrupted session), and the thread."""
+        with self._lock:
+            self._stopping = True
+            if self._proc is not None and self._proc.poll() is None:
+                _end(self._proc)
+        self._thread.join()
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.terminate()  # torchrun passes SIGTERM on to its workers; SIGKILL would leave them running
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
