@@ -85,7 +85,8 @@ class PlannedInBackground:
                         for i, args in enumerate(planned)}
                 for where in todo.values():
                     where.mkdir()
-                argv = launch._train_command(todo, folder / f"runs{nproc}.json")
+                argv = launch.app_command(launch._runs_args(todo, folder / f"runs{nproc}.json"), nproc,
+                                          launch.TRAIN_WORKER)
                 with open(folder / f"launch{nproc}.log", "w") as log:  # a failed launch's output, for whoever looks
                     if (proc := self._start(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log)) is None:
                         return

@@ -171,12 +171,14 @@ def _job(args: tuple[str, ...], where: Path) -> list | dict:
     return [str(where / "weights"), [*(a.replace(RUN_DIR, str(where)) for a in args), "--output-dir", str(where)]]
 
 
-def _train_command(todo: dict[tuple, Path], spec_file: Path) -> list[str]:
-    """The launch of tests/workers/train_and_save.py that trains every run of `todo` ({key:
-    folder}, all of one rank count) into its folder, one after another."""
+TRAIN_WORKER = "tests/workers/train_and_save.py"
+
+
+def _runs_args(todo: dict[tuple, Path], spec_file: Path) -> list[str]:
+    """The arguments of TRAIN_WORKER that train every run of `todo` ({key: folder}) into its
+    folder, one after another, its RUNS.json written to `spec_file`."""
     spec_file.write_text(json.dumps([_job(key[1], where) for key, where in todo.items()]))
-    nproc = next(iter(todo))[0]
-    return app_command(["--runs", str(spec_file)], nproc, "tests/workers/train_and_save.py")
+    return ["--runs", str(spec_file)]
 
 
 def launch_many(runs: list[tuple[Path, list[str]]], nproc: int) -> dict[tuple, Path]:
@@ -190,9 +192,7 @@ def launch_many(runs: list[tuple[Path, list[str]]], nproc: int) -> dict[tuple, P
             todo[key] = out if RUN_CACHE_DIR is None else Path(tempfile.mkdtemp(dir=RUN_CACHE_DIR))
     if todo:
         with tempfile.TemporaryDirectory() as scratch:
-            proc = subprocess.run(_train_command(todo, Path(scratch) / "runs.json"), cwd=REPO,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                                  timeout=300 * len(todo))
+            proc = run_app(_runs_args(todo, Path(scratch) / "runs.json"), nproc, 300 * len(todo), TRAIN_WORKER)
         assert proc.returncode == 0, proc.stderr[-3000:]
         if RUN_CACHE_DIR is not None:
             _cached_runs.update(todo)
