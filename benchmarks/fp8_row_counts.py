@@ -16,7 +16,7 @@ one smaller count checks that the kernels compiled for the larger ones serve it.
 
     python3 -m benchmarks.fp8_row_counts
 
-Needs an sm_90 GPU (Hopper's FP8 tensor cores through `torch._scaled_grouped_mm`).
+Needs an sm_90 GPU (Hopper's FP8 tensor cores, through the tier's Triton GEMMs).
 """
 
 import time

@@ -10,7 +10,8 @@ the tier says which one ran (`describe()`, for the run header and results JSON).
 | `mxfp8-te`       | Blackwell (sm_100-110) | TE `GroupedLinear`, `MXFP8BlockScaling`: MXFP8 on tensor |
 |                  | with TE                | cores. Not run on hardware here (quant/te_mxfp8.py).     |
 | `fp8-hopper`     | Hopper (sm_90)         | FP8 E4M3 on tensor cores, one scale per row and column,  |
-|                  |                        | fwd and bwd (quant/fp8_hopper.py), SwiGLU fused into the |
+|                  |                        | fwd and bwd (quant/fp8_hopper.py), our Triton GEMMs      |
+|                  |                        | (kernels/scaled_grouped_mm.py), SwiGLU fused into the    |
 |                  |                        | casts (quant/fp8_swiglu.py). Not MXFP8: Hopper has no    |
 |                  |                        | block-scaled FP8.                                        |
 | `mxfp8-emulated` | anywhere (CPU, CI)     | MXFP8 numerics exactly per the OCP spec, GEMMs in        |

@@ -15,7 +15,8 @@ Two kernels cover the six GEMMs of the expert FFN's forward and backward
   product tile d(act) into d(gate), d(up) using the saved pre-activations, and re-creates
   act on the way for the down projection's weight gradient. With the plain epilogue it can
   split the reduction of the tiles that would leave programs idle in the last round
-  (`TAIL_SPLIT`, `_tail_split`).
+  (`TAIL_SPLIT`, `_tail_split`), and scale its sums by one factor per row of A and one per
+  column of B (`SCALED`: FP8 operands with row-wise scales, `scaled_grouped_mm.py`).
 
 No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
 fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
@@ -75,9 +76,9 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
-    a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr,
+    a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr,
     R, N, I, L, b_rows_per_expert,
-    EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr,
+    EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr, SCALED: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
@@ -93,6 +94,8 @@ def _rows_gemm(
     TAIL_SPLIT > 1 (plain epilogue only) splits the last, partly filled round of tiles: see
     `_tail_split`. scratch [num_programs, BLOCK_M, BLOCK_N] float32 holds the shares' partial
     sums and arrivals [num_programs] int32, zeros, counts the shares of each split tile done.
+    SCALED (plain epilogue only) multiplies row r's sums by a_scale[r] and expert e's column
+    c by b_scale[e, c] (float32, [R] and [L, N]) before the store.
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -192,6 +195,9 @@ def _rows_gemm(
                                             shares, BLOCK_M, BLOCK_N)
                     rows = tl.where(last, count, 0)
             cols = n0 + tl.arange(0, BLOCK_N)
+            if SCALED:
+                acc = _scaled(acc, a_scale_ptr + m0, pid_m * BLOCK_M + rm < count,
+                              b_scale_ptr + e * N + n0, cols < N, BLOCK_M, BLOCK_N)
             tl.store(out_tile + rm[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=(pid_m * BLOCK_M + rm < rows)[:, None] & (cols < N)[None, :])
         else:
@@ -254,6 +260,15 @@ def _sum_shares(acc, scratch_ptr, arrivals_ptr, slot, share, shares,
 
 
 @triton.jit
+def _scaled(acc, row_scale_ptr, row_ok, col_scale_ptr, col_ok, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """acc[r, c] * row_scale[r] * col_scale[c]: the scales of row-wise scaled operands."""
+    row_scale = tl.load(row_scale_ptr + tl.arange(0, BLOCK_M), mask=row_ok, other=0.0)
+    col_scale = tl.load(col_scale_ptr + tl.arange(0, BLOCK_N), mask=col_ok, other=0.0)
+    return acc * row_scale[:, None] * col_scale[None, :]
+
+
+@triton.jit
 def _column_part(t, part: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     """Column block `part` of PARTS (1, 2 or 4) of t [BLOCK_M, BLOCK_N]. Triton cannot
@@ -304,9 +319,10 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
-              epilogue=EPI_PLAIN, h=None):
+              epilogue=EPI_PLAIN, h=None, scales=None):
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
     b_icontig, else [L, I, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
+    `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands.
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
     ensure_cuda_context(a_RI.device)
     R, I = a_RI.shape
@@ -329,8 +345,8 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         arrivals = torch.zeros(programs, dtype=torch.int32, device=a_RI.device)
     kernel = _rows_gemm[(programs,)](
         a_src, b_src, counts_L, h if out is None else out,
-        a_RI if h is None else h, scratch, arrivals, R, n, I, L, w.shape[1],
-        EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None,
+        a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), R, n, I, L, w.shape[1],
+        EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
         USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=_dot_prec(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),

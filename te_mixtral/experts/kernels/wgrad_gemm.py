@@ -11,19 +11,25 @@ helpers and launch rules are `grouped_gemm.py`'s.
 import triton
 import triton.language as tl
 
-from te_mixtral.experts.kernels.grouped_gemm import _column_part, _dot_prec, _max_programs, _pick, _swizzle
+from te_mixtral.experts.kernels.grouped_gemm import _column_part, _dot_prec, _max_programs, _pick, _scaled, _swizzle
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # R, the row count, changes every step
 def _wgrad_gemm(
-    g_src, x_src, counts_ptr, out_ptr,
-    M, N, L,
-    USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    g_src, x_src, counts_ptr, out_ptr, g_scale_ptr, x_scale_ptr,
+    M, N, L, R,
+    USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, K_MAJOR: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
 ):
-    """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums."""
+    """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums.
+
+    G and X are [R, M] and [R, N], or with K_MAJOR their transposes [M, R] and [N, R]
+    (rows contiguous: Hopper's FP8 tensor cores take only operands contiguous along the
+    reduction). SCALED multiplies out[e, m, n] by g_scale[e, m] * x_scale[e, n] (float32),
+    the per-expert column scales of row-wise scaled FP8 operands.
+    """
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -45,33 +51,47 @@ def _wgrad_gemm(
 
         if USE_TMA:
             for i in range(n_full):
-                g = g_src.load([r0 + i * BLOCK_I, m0])
-                x = x_src.load([r0 + i * BLOCK_I, n0])
-                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+                g, x = _tma_tiles(g_src, x_src, r0 + i * BLOCK_I, m0, n0, K_MAJOR)
+                acc = tl.dot(g, x, acc, input_precision=DOT_PREC)
             if count % BLOCK_I != 0:
                 # The last block reaches into the next expert's rows: zero them.
-                r_tail = r0 + n_full * BLOCK_I
-                keep = (ri < count - n_full * BLOCK_I)[:, None]
-                g = tl.where(keep, g_src.load([r_tail, m0]), 0.0)
-                x = tl.where(keep, x_src.load([r_tail, n0]), 0.0)
-                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+                g, x = _tma_tiles(g_src, x_src, r0 + n_full * BLOCK_I, m0, n0, K_MAJOR)
+                keep = ri < count - n_full * BLOCK_I
+                g = tl.where(keep[None, :], g, tl.zeros_like(g))
+                x = tl.where(keep[:, None], x, tl.zeros_like(x))
+                acc = tl.dot(g, x, acc, input_precision=DOT_PREC)
         else:
             rm = m0 + tl.arange(0, BLOCK_M)
             rn = n0 + tl.arange(0, BLOCK_N)
-            g_ptrs = g_src + r0.to(tl.int64) * M + (ri[:, None] * M + rm[None, :])
-            x_ptrs = x_src + r0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
+            if K_MAJOR:
+                g_ptrs = g_src + r0 + (rm.to(tl.int64)[:, None] * R + ri[None, :])
+                x_ptrs = x_src + r0 + (rn.to(tl.int64)[:, None] * R + ri[None, :])
+                g_step, x_step = BLOCK_I, BLOCK_I
+            else:
+                g_ptrs = g_src + r0.to(tl.int64) * M + (ri[:, None] * M + rm[None, :])
+                x_ptrs = x_src + r0.to(tl.int64) * N + (ri[:, None] * N + rn[None, :])
+                g_step, x_step = BLOCK_I * M, BLOCK_I * N
             for i0 in range(0, count, BLOCK_I):
-                keep = (i0 + ri < count)[:, None]
-                g = tl.load(g_ptrs, mask=keep & (rm < M)[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=keep & (rn < N)[None, :], other=0.0)
-                acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
-                g_ptrs += BLOCK_I * M
-                x_ptrs += BLOCK_I * N
+                keep = i0 + ri < count
+                if K_MAJOR:
+                    g = tl.load(g_ptrs, mask=(rm < M)[:, None] & keep[None, :], other=0.0)
+                    x = tl.load(x_ptrs, mask=(rn < N)[:, None] & keep[None, :], other=0.0)
+                    acc = tl.dot(g, tl.trans(x), acc, input_precision=DOT_PREC)
+                else:
+                    g = tl.load(g_ptrs, mask=keep[:, None] & (rm < M)[None, :], other=0.0)
+                    x = tl.load(x_ptrs, mask=keep[:, None] & (rn < N)[None, :], other=0.0)
+                    acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+                g_ptrs += g_step
+                x_ptrs += x_step
+
+        rows = m0 + tl.arange(0, BLOCK_M)
+        if SCALED:
+            acc = _scaled(acc, g_scale_ptr + e * M + m0, rows < M, x_scale_ptr + e * N + n0,
+                          n0 + tl.arange(0, BLOCK_N) < N, BLOCK_M, BLOCK_N)
 
         # The gradient is larger than L2 and not read again here: streaming stores (".cs")
         # keep it from evicting the operand tiles that the next tiles re-read. Storing in
         # EPI_PARTS column blocks measured a few percent faster again (docs/kernels.md, v7).
-        rows = m0 + tl.arange(0, BLOCK_M)
         out_e = out_ptr + e.to(tl.int64) * M * N
         W: tl.constexpr = BLOCK_N // EPI_PARTS
         for part in tl.static_range(EPI_PARTS):
@@ -82,20 +102,33 @@ def _wgrad_gemm(
                      mask=mask, cache_modifier=".cs")
 
 
-def wgrad_gemm(g_RM, x_RN, counts_L, out_LMN, *, cfg, use_tma):
-    """Launch `_wgrad_gemm`: out_LMN[e] = g_RM[rows of e]^T @ x_RN[rows of e]."""
-    ensure_cuda_context(g_RM.device)
+@triton.jit
+def _tma_tiles(g_src, x_src, r, m0, n0, K_MAJOR: tl.constexpr):
+    """The [BLOCK_M, BLOCK_I] tile of G^T and the [BLOCK_I, BLOCK_N] tile of X from row r."""
+    if K_MAJOR:
+        g, x = g_src.load([m0, r]), tl.trans(x_src.load([n0, r]))
+    else:
+        g, x = tl.trans(g_src.load([r, m0])), x_src.load([r, n0])
+    return g, x
+
+
+def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None):
+    """Launch `_wgrad_gemm`: out_LMN[e] = g[rows of e]^T @ x[rows of e], with g [R, M] and
+    x [R, N], or with `k_major` g [M, R] and x [N, R]. `scales` is (g_scale_LM, x_scale_LN)."""
+    ensure_cuda_context(g.device)
     L, M, N = out_LMN.shape
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     if use_tma:
-        g_src, x_src = descriptor(g_RM, [bi, bm]), descriptor(x_RN, [bi, bn])
+        blocks = ([bm, bi], [bn, bi]) if k_major else ([bi, bm], [bi, bn])
+        g_src, x_src = descriptor(g, blocks[0]), descriptor(x, blocks[1])
     else:
-        g_src, x_src = g_RM, x_RN
+        g_src, x_src = g, x
     tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (max(1, min(_max_programs(g_RM.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
+    grid = (max(1, min(_max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
     return _wgrad_gemm[grid](
-        g_src, x_src, counts_L, out_LMN, M, N, L,
-        USE_TMA=use_tma, DOT_PREC=_dot_prec(g_RM.dtype),
+        g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
+        g.shape[1] if k_major else g.shape[0],
+        USE_TMA=use_tma, DOT_PREC=_dot_prec(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -29,10 +29,13 @@ What `torch._scaled_grouped_mm` (PyTorch 2.11, CUDA) requires, and where we meet
   starts a new TMA tile, 16-byte aligned in FP8, and CUTLASS rejects an empty group), a
   device-side assert, not a Python error. Hence `row_align = min_rows = 16`.
 Everything stays on the device: the kernel reads `offs` on the GPU, so no split size ever
-reaches the host.
+reaches the host. The `device_mxfp8` tier runs these GEMMs on the Triton kernels of
+`kernels/scaled_grouped_mm.py`, which take the same arguments and compute the same product
+with Hopper's native FP8 accumulation, faster (that module says by how much).
 """
 
 import weakref
+from functools import partial
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -115,11 +118,13 @@ class _WeightCache:
 class FP8HopperGemms:
     """The three GEMMs of a grouped linear in FP8 E4M3 with rowwise scales, on sm_90.
 
-    `scaled_grouped_mm` is the kernel, `torch._scaled_grouped_mm` unless a test passes a
-    stand-in with its semantics. `quantizers` is three functions with the signatures of
-    `fp8_cast.quantize_rows`, `quantize_columns` and `quantize_weight`: those Triton kernels on
-    the GPU (`fp8_swiglu.FP8SwiGLUExperts` passes them), this module's PyTorch reference by
-    default.
+    `scaled_grouped_mm` is the kernel: a function with `torch._scaled_grouped_mm`'s
+    arguments and results (less `use_fast_accum`), `kernel` its description. By default
+    `torch._scaled_grouped_mm` with exact accumulation; `fp8_swiglu.FP8SwiGLUExperts` passes
+    the faster Triton kernels of `kernels/scaled_grouped_mm.py`, tests a float64 stand-in.
+    `quantizers` is three functions with the signatures of `fp8_cast.quantize_rows`,
+    `quantize_columns` and `quantize_weight`: those Triton kernels on the GPU
+    (`fp8_swiglu.FP8SwiGLUExperts` passes them), this module's PyTorch reference by default.
     `out_dtype` is the GEMMs' output dtype (bf16; float32 lets a test run the data flow
     exactly, with unrounded values in place of FP8 ones).
     """
@@ -128,8 +133,9 @@ class FP8HopperGemms:
     row_align = _ROWS_PER_CHUNK
     min_rows = _ROWS_PER_CHUNK
 
-    def __init__(self, scaled_grouped_mm=None, quantizers=None, out_dtype=torch.bfloat16):
-        self._mm = scaled_grouped_mm or torch._scaled_grouped_mm
+    def __init__(self, scaled_grouped_mm=None, quantizers=None, out_dtype=torch.bfloat16, kernel=None):
+        self._mm = scaled_grouped_mm or partial(torch._scaled_grouped_mm, use_fast_accum=False)
+        self._kernel = kernel or "torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise, exact accumulation)"
         self.rows, self.columns, self._quantize_weight = quantizers or (
             quantize_rowwise, quantize_columns_per_group, _reference_quantize_weight)
         self.out_dtype = out_dtype
@@ -137,11 +143,10 @@ class FP8HopperGemms:
 
     @property
     def kernel(self) -> str:
-        return ("torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise), E4M3 in fprop, dgrad and wgrad; "
-                "weights quantised once per optimizer step")
+        return f"{self._kernel}; E4M3 in fprop, dgrad and wgrad; weights quantised once per optimizer step"
 
     def gemm(self, a, b, scale_a, scale_b, offsets_G):
-        return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype, use_fast_accum=False)
+        return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype)
 
     def weight(self, w_GNI):
         """w's FP8 operands: (w_q, scale_GN) along I for fprop, (wt_q [G, I, N], scale_GI)

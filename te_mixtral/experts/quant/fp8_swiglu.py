@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from te_mixtral.experts.kernels import scaled_grouped_mm as triton_gemms
 from te_mixtral.experts.quant import fp8_cast
 from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 
@@ -32,9 +33,10 @@ from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 class FP8SwiGLUExperts:
     """The `fp8-hopper` runner: `mlp` on padded rows, and what the tier reports.
 
-    `value_dtype` float32 (with a float32 `out_dtype` and a stand-in `scaled_grouped_mm`)
-    runs the same kernels and data flow with unrounded values, so a CPU test can check the
-    wiring against the unquantised MLP to float32 rounding.
+    The GEMMs are `kernels/scaled_grouped_mm.py`'s unless `scaled_grouped_mm` names another
+    function with its arguments (a test's float64 stand-in). `value_dtype` float32 (with a
+    float32 `out_dtype`) runs the same kernels and data flow with unrounded values, so a CPU
+    test can check the wiring against the unquantised MLP to float32 rounding.
     """
 
     def __init__(self, scaled_grouped_mm=None, value_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16):
@@ -42,7 +44,9 @@ class FP8SwiGLUExperts:
         self.columns = partial(fp8_cast.quantize_columns, out_dtype=value_dtype)
         self.swiglu_backward_rows = partial(fp8_cast.swiglu_backward_rows, out_dtype=value_dtype)
         weight = partial(fp8_cast.quantize_weight, out_dtype=value_dtype)
-        self.gemms = FP8HopperGemms(scaled_grouped_mm, (self.rows, self.columns, weight), out_dtype)
+        self.gemms = FP8HopperGemms(scaled_grouped_mm or triton_gemms.scaled_grouped_mm,
+                                    (self.rows, self.columns, weight), out_dtype,
+                                    kernel=None if scaled_grouped_mm else triton_gemms.KERNEL)
         self.recipe, self.row_align, self.min_rows = self.gemms.recipe, self.gemms.row_align, self.gemms.min_rows
 
     @property

@@ -8,9 +8,11 @@ Low-precision grouped GEMMs want every expert's row count rounded up:
   an expert's rows, so the activations and output gradients are scaled in blocks of 32
   *rows*. A block must not straddle two experts, so every expert starts on a multiple of
   32 (see `te_mxfp8.py` for where TE states this).
-- FP8 rowwise on Hopper (`torch._scaled_grouped_mm`): in the weight-gradient GEMM the
-  expert boundary moves along the FP8 operands' contiguous dim, which TMA needs 16-byte
-  aligned (16 FP8 values), and the CUTLASS kernel rejects an empty group there.
+- FP8 rowwise on Hopper (`torch._scaled_grouped_mm`, the recipe's reference GEMM): in the
+  weight-gradient GEMM the expert boundary moves along the FP8 operands' contiguous dim,
+  which its TMA loads need 16-byte aligned (16 FP8 values), and the CUTLASS kernel rejects
+  an empty group there. The tier's own Triton GEMMs and casts would take any split; it pads
+  all the same, so that both kernels run on the same rows.
 
 TE's own `Fp8Padding` takes the split sizes as a Python list, which means copying them to
 the host (a sync) every layer. Here the padded row positions are computed on the device. The one

@@ -22,6 +22,7 @@ from quant_reference import (
 )
 
 from te_mixtral.experts.base import swiglu
+from te_mixtral.experts.kernels.scaled_grouped_mm import scaled_grouped_mm as triton_scaled_grouped_mm
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.quant.fp8_hopper import (
     FP8HopperGemms,
@@ -236,16 +237,43 @@ def test_interpreter_swiglu_casts_match_swiglu_then_reference():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+def test_interpreter_triton_scaled_grouped_mm_computes_the_documented_product():
+    """kernels/scaled_grouped_mm.py on float32 values, both cases, against the float64
+    stand-in and a per-group loop: an empty group, groups that end mid-tile, and widths
+    that leave a partial tile along every dim (the CPU tile is 32)."""
+    gen = torch.Generator().manual_seed(5)
+    offs = torch.tensor([16, 16, 64, 112], dtype=torch.int32)
+    rows, k, n = 112, 48, 80
+    a, w = torch.randn(rows, k, generator=gen), torch.randn(len(offs), n, k, generator=gen)
+    scale_a, scale_b = torch.rand(rows, generator=gen) + 0.5, torch.rand(len(offs), n, generator=gen) + 0.5
+    got = triton_scaled_grouped_mm(a, w.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.float32)
+    expected = scaled_grouped_mm_stand_in(a, w.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.float32)
+    assert rel_err(got, expected) < 1e-6
+
+    dy, x = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
+    scale_dy, scale_x = torch.rand(len(offs) * n, generator=gen) + 0.5, torch.rand(len(offs) * k, generator=gen) + 0.5
+    got = triton_scaled_grouped_mm(dy.t().contiguous(), x.t().contiguous().t(), scale_dy, scale_x, offs,
+                                   out_dtype=torch.float32)
+    for g, (start, end) in enumerate(group_bounds(offs)):
+        expected = (dy[start:end].double().t() @ x[start:end].double()
+                    * scale_dy[g * n:(g + 1) * n, None].double() * scale_x[g * k:(g + 1) * k].double())
+        assert rel_err(got[g], expected) < 1e-6 if end > start else torch.equal(got[g], torch.zeros(n, k)), g
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("counts", [[5, 0, 37, 20], [0, 0, 40, 0]])
-def test_interpreter_fused_fp8_mlp_data_flow_equals_the_unquantised_mlp(counts):
+@pytest.mark.parametrize("gemms", ["triton", "stand-in"])
+def test_interpreter_fused_fp8_mlp_data_flow_equals_the_unquantised_mlp(counts, gemms):
     """The fused FP8 MLP with every FP8 value left unrounded (float32) computes exactly the
-    MLP: forward and all three gradients against the loop tier, to float32 rounding."""
+    MLP: forward and all three gradients against the loop tier, to float32 rounding, with
+    the tier's Triton GEMMs and with the float64 stand-in for torch._scaled_grouped_mm."""
     gen = torch.Generator().manual_seed(11)
     counts = torch.tensor(counts)
     _, _, gate_up, down = mlp_inputs(gen, d=32, f=48)
     x_RD = torch.randn(int(counts.sum()), 32, generator=gen, requires_grad=True)
     padded = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
-    experts = FP8SwiGLUExperts(scaled_grouped_mm_stand_in, value_dtype=torch.float32, out_dtype=torch.float32)
+    experts = FP8SwiGLUExperts(None if gemms == "triton" else scaled_grouped_mm_stand_in,
+                               value_dtype=torch.float32, out_dtype=torch.float32)
     y = unpad_rows(experts.mlp(pad_rows(x_RD, padded), padded, gate_up, down), padded)
     y_ref = LoopTier()(x_RD, counts, gate_up, down)
     dy = torch.randn(y.shape, generator=gen)

@@ -1,0 +1,62 @@
+"""FP8 grouped GEMMs with row-wise scales on this package's Triton kernels: the two cases of
+`torch._scaled_grouped_mm` that the expert FFN calls (`quant/fp8_hopper.py`), with the same
+arguments and results, run by `_rows_gemm` and `_wgrad_gemm` with their `SCALED` epilogue.
+
+Why not `torch._scaled_grouped_mm` (CUTLASS) itself, which the FP8 path used before: on an
+H100 at Mixtral-8x7B and 8x22B shapes, 4 experts x 4096 or 8192 rows, it took 1.18-1.45x
+these kernels' time on each of the six GEMMs in its exact mode (`python3 -m
+benchmarks.fp8_gemms`; docs/precision.md has the table). Most of that is accumulation:
+Triton multiplies FP8 on Hopper the way the tensor cores do natively, adding products in a
+narrower accumulator before they reach the fp32 sum, as CUTLASS does with
+`use_fast_accum=True`; the exact mode promotes every few products. In its fast mode CUTLASS
+took 0.96-1.26x these kernels' time, with the same error to two digits. That error is small
+beside FP8's own: a GEMM of already quantised operands lands 2.1-5.0e-3 off float64
+(growing with the reduction, 4096 to 32768), against 1.7e-3 for the bf16 rounding of its
+output alone, where E4M3 rounding puts the whole MLP 6.6e-2 off.
+
+Split sizes stay on the device, as in every kernel here: `offs` is read by the kernels.
+Rows past `offs[-1]` of a 2-D x 3-D product are left unwritten, and a group with no rows
+gets a zero weight gradient.
+"""
+
+import torch
+
+from te_mixtral.experts.kernels.grouped_gemm import rows_gemm
+from te_mixtral.experts.kernels.grouped_swiglu import _cfg, _tma_ok
+from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
+
+KERNEL = ("Triton grouped GEMMs (experts/kernels), E4M3 with row-wise scales, "
+          "Hopper's native FP8 accumulation")
+
+# One tile for all six GEMMs: in a sweep of five tiles on an H100, within 7 % of each GEMM's best.
+_FP8_TILE = _cfg(128, 256, 128, 8, 3)
+# float32 values (the tests' unrounded data flow): tiles small enough that test shapes
+# cross several blocks along every dim.
+_FP32_TILE = _cfg(32, 32, 32, 4, 2)
+
+
+def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16):
+    """`torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=...,
+    use_fast_accum=True)` for row-wise scales, in two cases:
+
+    - 2-D x 3-D (fprop, dgrad): mat_a [Q, K] row-major split by rows, mat_b [G, K, N]
+      column-major, scale_a [Q], scale_b [G, N]; returns [Q, N].
+    - 2-D x 2-D (wgrad): mat_a [M, Q] row-major and mat_b [Q, N] column-major, both split
+      along Q; scale_a [G * M] and scale_b [G * N], group-major; returns [G, M, N].
+    """
+    if mat_a.stride(-1) != 1 or mat_b.stride(-2) != 1:
+        raise ValueError("scaled_grouped_mm takes mat_a row-major and mat_b column-major")
+    counts_G = torch.diff(offs, prepend=offs.new_zeros(1))
+    tile = _FP32_TILE if mat_a.dtype == torch.float32 else _FP8_TILE
+    if mat_b.dim() == 3:
+        w_GNK = mat_b.transpose(-2, -1)
+        out = torch.empty(mat_a.shape[0], w_GNK.shape[1], dtype=out_dtype, device=mat_a.device)
+        rows_gemm(mat_a, w_GNK, counts_G, out, n=w_GNK.shape[1], b_icontig=True, cfg=tile,
+                  use_tma=_tma_ok(mat_a, w_GNK), scales=(scale_a, scale_b))
+        return out
+    x_NQ = mat_b.t()
+    out = torch.empty(offs.numel(), mat_a.shape[0], x_NQ.shape[0], dtype=out_dtype, device=mat_a.device)
+    wgrad_gemm(mat_a, x_NQ, counts_G, out, cfg=tile, use_tma=_tma_ok(mat_a, x_NQ), k_major=True,
+               scales=(scale_a, scale_b))
+    return out
+
