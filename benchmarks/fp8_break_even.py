@@ -1,0 +1,59 @@
+"""Where FP8 starts to pay: `device_mxfp8` (mode `fp8-hopper`, FP8 at every size) against the
+BF16 `custom_grouped` tier, expert FFN forward + backward, by rows per local expert.
+
+This picks `fp8_min_rows_per_expert`, the size under which the tier runs the BF16 kernels.
+The cell is `benchmarks/expert_ffn.py`'s: 4 local experts, uniform rows, bf16 inputs and
+weights, an (empty) optimizer step after every step, so the FP8 weights are made again in
+every step, as with one micro-batch per optimizer step. `x bf16` is the BF16 time over the
+FP8 time (above 1: FP8 is faster).
+
+    python3 -m benchmarks.fp8_break_even [--json results.json]
+
+Needs a Hopper GPU.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.expert_ffn import FULL, FULL_8X22B, LOCAL_EXPERTS, Case, run_header, time_cell
+from te_mixtral.experts.custom_grouped import CustomGroupedTier
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+from te_mixtral.measure.report import format_table
+
+ROWS_PER_EXPERT = (512, 1024, 1536, 2048, 2560, 3072, 4096)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
+    args = parser.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    fp8 = DeviceMXFP8Tier("fp8-hopper", bf16_below=0)
+    fp8.check_available(device)
+    columns = {"custom_grouped": CustomGroupedTier(), "device_mxfp8": fp8}
+    header, rows = run_header(device, FULL), []
+    print(f"FP8 break-even on {header['device']}, {header['date']}", flush=True)
+    for family, sizes in (("8x7b", FULL), ("8x22b", FULL_8X22B)):
+        L, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
+        weights = ((torch.randn(L, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_(),
+                   (torch.randn(L, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_())
+        for per_expert in ROWS_PER_EXPERT:
+            case = Case(f"uniform {per_expert}", [per_expert] * L)
+            ms = {name: time_cell(ffn, case, weights, sizes, device)["ms"] for name, ffn in columns.items()}
+            rows.append({"family": family, "rows_per_expert": per_expert, **ms,
+                         "x_bf16": ms["custom_grouped"] / ms["device_mxfp8"]})
+            print(f"  {family} {per_expert:5d} rows/expert  bf16 {ms['custom_grouped']:.2f} ms  "
+                  f"fp8 {ms['device_mxfp8']:.2f} ms", flush=True)
+        del weights
+    print(format_table([[r["family"], str(r["rows_per_expert"]), f"{r['custom_grouped']:.2f}",
+                         f"{r['device_mxfp8']:.2f}", f"{r['x_bf16']:.2f}"] for r in rows],
+                       ["family", "rows/expert", "custom_grouped ms", "device_mxfp8 ms", "x bf16"]))
+    if args.json:
+        args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
