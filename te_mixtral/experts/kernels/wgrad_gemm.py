@@ -51,15 +51,11 @@ def _wgrad_gemm(
 
         if USE_TMA:
             for i in range(n_full):
-                g, x = _tma_tiles(g_src, x_src, r0 + i * BLOCK_I, m0, n0, K_MAJOR)
-                acc = tl.dot(g, x, acc, input_precision=DOT_PREC)
+                acc = _tma_step(acc, g_src, x_src, r0 + i * BLOCK_I, m0, n0, ri, K_MAJOR, False, DOT_PREC)
             if count % BLOCK_I != 0:
                 # The last block reaches into the next expert's rows: zero them.
-                g, x = _tma_tiles(g_src, x_src, r0 + n_full * BLOCK_I, m0, n0, K_MAJOR)
                 keep = ri < count - n_full * BLOCK_I
-                g = tl.where(keep[None, :], g, tl.zeros_like(g))
-                x = tl.where(keep[:, None], x, tl.zeros_like(x))
-                acc = tl.dot(g, x, acc, input_precision=DOT_PREC)
+                acc = _tma_step(acc, g_src, x_src, r0 + n_full * BLOCK_I, m0, n0, keep, K_MAJOR, True, DOT_PREC)
         else:
             rm = m0 + tl.arange(0, BLOCK_M)
             rn = n0 + tl.arange(0, BLOCK_N)
@@ -103,13 +99,23 @@ def _wgrad_gemm(
 
 
 @triton.jit
-def _tma_tiles(g_src, x_src, r, m0, n0, K_MAJOR: tl.constexpr):
-    """The [BLOCK_M, BLOCK_I] tile of G^T and the [BLOCK_I, BLOCK_N] tile of X from row r."""
-    if K_MAJOR:
-        g, x = g_src.load([m0, r]), tl.trans(x_src.load([n0, r]))
-    else:
-        g, x = tl.trans(g_src.load([r, m0])), x_src.load([r, n0])
-    return g, x
+def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PREC: tl.constexpr):
+    """acc + G^T X over the BLOCK_I rows from row r; with MASKED, the rows where `keep` is
+    False count as zeros. Tiles are masked as loaded, before any transpose."""
+    if K_MAJOR:  # [BLOCK_M, BLOCK_I] and [BLOCK_N, BLOCK_I]
+        g, x = g_src.load([m0, r]), x_src.load([n0, r])
+        if MASKED:
+            g = tl.where(keep[None, :], g, tl.zeros_like(g))
+            x = tl.where(keep[None, :], x, tl.zeros_like(x))
+        acc = tl.dot(g, tl.trans(x), acc, input_precision=DOT_PREC)
+    else:  # [BLOCK_I, BLOCK_M] and [BLOCK_I, BLOCK_N]
+        g, x = g_src.load([r, m0]), x_src.load([r, n0])
+        if MASKED:
+            g = tl.where(keep[:, None], g, 0.0)
+            x = tl.where(keep[:, None], x, 0.0)
+        acc = tl.dot(tl.trans(g), x, acc, input_precision=DOT_PREC)
+    return acc
 
 
 def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None):
