@@ -83,7 +83,6 @@ def main() -> None:
                 rows.append(row)
                 print(f"  {family} {per_expert} {name}: " + "  ".join(
                     f"{k} {row[k]['ms']:.2f} ms" for k in kernels), flush=True)
-                del a, b, ref
     print(format_table(
         [[r["family"], str(r["rows_per_expert"]), r["gemm"],
           *(f"{r[k]['ms']:.2f}" for k in kernels), *(f"{r[k]['tflops']:.0f}" for k in kernels),
