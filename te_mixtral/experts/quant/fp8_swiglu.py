@@ -84,8 +84,10 @@ class _FP8SwiGLU(torch.autograd.Function):
                                                *experts.columns(gu_Q2F, offsets_L, swiglu=True),
                                                offsets_L).to(down_dtype)
             dgu_Q2F, dgu_q, dgu_scale = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
+            del dh_QF  # freed before the weight gradient's casts, as is d(gu)'s row-wise copy
             if ctx.needs_input_grad[0]:
                 dx = gemms.dgrad_quantised(dgu_q, dgu_scale, gate_up, offsets_L).to(x_dtype)
+            del dgu_q
             if ctx.needs_input_grad[1]:
                 d_gate_up = gemms.wgrad(dgu_Q2F, x_QD, offsets_L).to(gate_up_dtype)
         return dx, d_gate_up, d_down, None, None
