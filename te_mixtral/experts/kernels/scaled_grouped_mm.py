@@ -22,7 +22,7 @@ gets a zero weight gradient.
 import torch
 
 from te_mixtral.experts.kernels.grouped_gemm import rows_gemm
-from te_mixtral.experts.kernels.grouped_swiglu import _cfg, _tma_ok
+from te_mixtral.experts.kernels.grouped_swiglu import _FP32, _cfg, _tma_ok
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
 KERNEL = ("Triton grouped GEMMs (experts/kernels), E4M3 with row-wise scales, "
@@ -30,9 +30,6 @@ KERNEL = ("Triton grouped GEMMs (experts/kernels), E4M3 with row-wise scales, "
 
 # One tile for all six GEMMs: in a sweep of five tiles on an H100, within 7 % of each GEMM's best.
 _FP8_TILE = _cfg(128, 256, 128, 8, 3)
-# float32 values (the tests' unrounded data flow): tiles small enough that test shapes
-# cross several blocks along every dim.
-_FP32_TILE = _cfg(32, 32, 32, 4, 2)
 
 
 def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16):
@@ -47,7 +44,7 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bflo
     if mat_a.stride(-1) != 1 or mat_b.stride(-2) != 1:
         raise ValueError("scaled_grouped_mm takes mat_a row-major and mat_b column-major")
     counts_G = torch.diff(offs, prepend=offs.new_zeros(1))
-    tile = _FP32_TILE if mat_a.dtype == torch.float32 else _FP8_TILE
+    tile = _FP32 if mat_a.dtype == torch.float32 else _FP8_TILE  # float32: the tests' unrounded values
     if mat_b.dim() == 3:
         w_GNK = mat_b.transpose(-2, -1)
         out = torch.empty(mat_a.shape[0], w_GNK.shape[1], dtype=out_dtype, device=mat_a.device)
