@@ -29,7 +29,9 @@ device cannot run (say `mxfp8-te` on Hopper, or on Blackwell without TE), is a
 emulation runs only where it was asked for by name (`--mxfp8_mode mxfp8-emulated`).
 
 All modes share the frame below: pad every expert's rows to the mode's alignment on the
-device (quant/padding.py), run the expert MLP on the padded rows, drop the padding. No
+device (quant/padding.py), run the expert MLP on the padded rows, drop the padding.
+`fp8-hopper`'s kernels take any split, so it asks for no padding and its rows are not
+copied. No
 split size reaches the host in `fp8-hopper` and `mxfp8-emulated`: tests/experts/test_device_mxfp8.py
 checks every op the tier issues, tests/gpu runs it under
 `torch.cuda.set_sync_debug_mode("error")`. `mxfp8-te` is sync-free only where TE takes

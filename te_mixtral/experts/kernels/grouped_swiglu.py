@@ -186,8 +186,8 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     """The copy engine exists from Hopper (sm_90) on and needs 16-byte aligned base
     addresses and row strides."""
     return all(
-        t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
-        and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
+        t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9 and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
         for t in tensors
     )
 

@@ -16,7 +16,9 @@ output alone, where E4M3 rounding puts the whole MLP 6.6e-2 off.
 
 Split sizes stay on the device, as in every kernel here: `offs` is read by the kernels.
 Rows past `offs[-1]` of a 2-D x 3-D product are left unwritten, and a group with no rows
-gets a zero weight gradient.
+gets a zero weight gradient. Unlike torch's kernel these take a group of any row count; the
+2-D x 2-D operands may be views whose rows are padded to 16 bytes (as
+`quant/fp8_cast.quantize_columns` writes them), which keeps the TMA loads for any count.
 """
 
 import torch

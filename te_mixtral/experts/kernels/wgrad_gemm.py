@@ -4,7 +4,8 @@ dW_e = G[rows of e]^T @ X[rows of e] for every expert e.
 The rows are the reduction dim, and how many an expert has is data: each tile runs an I loop
 over its expert's row range, which can be empty (the tile is then written as zeros, never
 left stale). Rows past the expert's end must be zeros, not another expert's rows: full
-BLOCK_I blocks stream unmasked and the one partial block at the end is zeroed. The schedule
+BLOCK_I blocks stream unmasked and the one partial block at the end is zeroed (and with
+K_MAJOR a first block that starts before the expert's rows, see `_tma_k_major`). The schedule
 helpers and launch rules are `grouped_gemm.py`'s.
 """
 
@@ -15,10 +16,10 @@ from te_mixtral.experts.kernels.grouped_gemm import _column_part, _dot_prec, _ma
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 
-@triton.jit(do_not_specialize=["R"])  # R, the row count, changes every step
+@triton.jit(do_not_specialize=["stride_k"])  # with K_MAJOR, about the row count: it changes every step
 def _wgrad_gemm(
     g_src, x_src, counts_ptr, out_ptr, g_scale_ptr, x_scale_ptr,
-    M, N, L, R,
+    M, N, L, stride_k,
     USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, K_MAJOR: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
@@ -27,8 +28,9 @@ def _wgrad_gemm(
 
     G and X are [R, M] and [R, N], or with K_MAJOR their transposes [M, R] and [N, R]
     (rows contiguous: Hopper's FP8 tensor cores take only operands contiguous along the
-    reduction). SCALED multiplies out[e, m, n] by g_scale[e, m] * x_scale[e, n] (float32),
-    the per-expert column scales of row-wise scaled FP8 operands.
+    reduction), both with row stride `stride_k`, which only K_MAJOR without TMA reads.
+    SCALED multiplies out[e, m, n] by g_scale[e, m] * x_scale[e, n] (float32), the
+    per-expert column scales of row-wise scaled FP8 operands.
     """
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
@@ -49,7 +51,9 @@ def _wgrad_gemm(
         n_full = count // BLOCK_I
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
 
-        if USE_TMA:
+        if USE_TMA and K_MAJOR:
+            acc = _tma_k_major(acc, g_src, x_src, r0, count, m0, n0, ri, DOT_PREC, BLOCK_I)
+        elif USE_TMA:
             for i in range(n_full):
                 acc = _tma_step(acc, g_src, x_src, r0 + i * BLOCK_I, m0, n0, ri, K_MAJOR, False, DOT_PREC)
             if count % BLOCK_I != 0:
@@ -60,8 +64,8 @@ def _wgrad_gemm(
             rm = m0 + tl.arange(0, BLOCK_M)
             rn = n0 + tl.arange(0, BLOCK_N)
             if K_MAJOR:
-                g_ptrs = g_src + r0 + (rm.to(tl.int64)[:, None] * R + ri[None, :])
-                x_ptrs = x_src + r0 + (rn.to(tl.int64)[:, None] * R + ri[None, :])
+                g_ptrs = g_src + r0 + (rm.to(tl.int64)[:, None] * stride_k + ri[None, :])
+                x_ptrs = x_src + r0 + (rn.to(tl.int64)[:, None] * stride_k + ri[None, :])
                 g_step, x_step = BLOCK_I, BLOCK_I
             else:
                 g_ptrs = g_src + r0.to(tl.int64) * M + (ri[:, None] * M + rm[None, :])
@@ -99,6 +103,26 @@ def _wgrad_gemm(
 
 
 @triton.jit
+def _tma_k_major(acc, g_src, x_src, r0, count, m0, n0, ri, DOT_PREC: tl.constexpr, BLOCK_I: tl.constexpr):
+    """acc + G^T X over the `count` rows from row r0, which run along the operands'
+    contiguous dim. TMA loads start on a 16-byte boundary there (16 FP8 values), so an
+    expert whose rows start between two begins one block early, with the rows before r0
+    masked off; the rows past its end are masked off in its last block."""
+    head = tl.where(count > 0, r0 % 16, 0)
+    start, span = r0 - head, count + head
+    n_full = span // BLOCK_I
+    if head > 0:
+        acc = _tma_step(acc, g_src, x_src, start, m0, n0, (ri >= head) & (ri < span), True, True, DOT_PREC)
+    first_full = (head > 0).to(tl.int32)
+    for i in range(first_full, n_full):
+        acc = _tma_step(acc, g_src, x_src, start + i * BLOCK_I, m0, n0, ri, True, False, DOT_PREC)
+    if (span % BLOCK_I != 0) & (n_full >= first_full):  # a last block that the first did not cover
+        acc = _tma_step(acc, g_src, x_src, start + n_full * BLOCK_I, m0, n0, ri < span - n_full * BLOCK_I,
+                        True, True, DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED: tl.constexpr,
               DOT_PREC: tl.constexpr):
     """acc + G^T X over the BLOCK_I rows from row r; with MASKED, the rows where `keep` is
@@ -120,8 +144,11 @@ def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED:
 
 def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None):
     """Launch `_wgrad_gemm`: out_LMN[e] = g[rows of e]^T @ x[rows of e], with g [R, M] and
-    x [R, N], or with `k_major` g [M, R] and x [N, R]. `scales` is (g_scale_LM, x_scale_LN)."""
+    x [R, N], or with `k_major` g [M, R] and x [N, R] (rows contiguous, of one stride).
+    `scales` is (g_scale_LM, x_scale_LN)."""
     ensure_cuda_context(g.device)
+    if k_major and not (g.stride(1) == x.stride(1) == 1 and g.stride(0) == x.stride(0)):
+        raise ValueError("wgrad_gemm with k_major takes g and x with contiguous rows of one stride")
     L, M, N = out_LMN.shape
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     if use_tma:
@@ -133,7 +160,7 @@ def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=N
     grid = (max(1, min(_max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
     return _wgrad_gemm[grid](
         g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
-        g.shape[1] if k_major else g.shape[0],
+        g.stride(0),
         USE_TMA=use_tma, DOT_PREC=_dot_prec(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),

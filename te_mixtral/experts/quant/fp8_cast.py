@@ -176,7 +176,7 @@ def _column_amax_kernel(x_ptr, ends_ptr, amax_bits_ptr, Q, C, G, stride_row, SWI
 
 
 @triton.jit
-def _column_cast_kernel(x_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, SWIGLU: tl.constexpr,
+def _column_cast_kernel(x_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, stride_q, SWIGLU: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -191,14 +191,14 @@ def _column_cast_kernel(x_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, 
         scale = tl.load(scale_ptr + g * C + cols, mask=cols < C, other=1.0)
         q = tl.where((group == g)[:, None], tl.div_rn(v, scale[None, :]), q)
     q = tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + cols[None, :].to(tl.int64) * Q + rows[:, None], q, mask=mask)
+    tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_q + rows[:, None], q, mask=mask)
 
 
 def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, swiglu: bool = False,
                      out_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_CQ, the transpose of x, and scale_GC flattened, group-major): one scale per column
-    per group of rows, the groups ending at `ends_G` (int32, on the device), as the wgrad
-    GEMM takes them. With `swiglu`, rows of x are gate | up and the columns quantised are
+    """(q_CQ, the transpose of x with rows 16-byte aligned, and scale_GC flattened,
+    group-major): one scale per column per group of rows, the groups ending at `ends_G`
+    (int32, on the device), as the wgrad GEMM takes them. With `swiglu`, rows of x are gate | up and the columns quantised are
     silu(gate) * up.
     """
     Q, C = x_QC.shape[0], x_QC.shape[1] // (2 if swiglu else 1)
@@ -206,7 +206,9 @@ def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, swiglu: bool =
     if x_QC.stride(1) != 1:
         raise ValueError("quantize_columns needs rows with a contiguous last dim")
     amax_bits = torch.zeros(G, C, dtype=torch.int32, device=x_QC.device)
-    q = torch.empty(C, Q, dtype=out_dtype, device=x_QC.device)
+    # Rows of q start 16-byte aligned whatever Q is, as the GEMM's TMA loads need: q is the
+    # first Q columns of a buffer 16-aligned wide.
+    q = torch.empty(C, -(-Q // 16) * 16, dtype=out_dtype, device=x_QC.device)[:, :Q]
     if Q == 0 or G == 0:
         return q, _scale_from_bits(amax_bits).reshape(-1)
     (block_r, block_c, warps), block_g = COLUMN_TILE, max(triton.next_power_of_2(G), 2)
@@ -214,7 +216,7 @@ def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, swiglu: bool =
     tiles = dict(SWIGLU=swiglu, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_G=block_g, num_warps=warps)
     _column_amax_kernel[grid](x_QC, ends_G, amax_bits, Q, C, G, x_QC.stride(0), **tiles)
     scale_GC = _scale_from_bits(amax_bits)
-    _column_cast_kernel[grid](x_QC, ends_G, scale_GC, q, Q, C, G, x_QC.stride(0), **tiles)
+    _column_cast_kernel[grid](x_QC, ends_G, scale_GC, q, Q, C, G, x_QC.stride(0), q.stride(0), **tiles)
     return q, scale_GC.reshape(-1)
 
 

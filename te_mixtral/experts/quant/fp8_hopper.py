@@ -31,7 +31,8 @@ What `torch._scaled_grouped_mm` (PyTorch 2.11, CUDA) requires, and where we meet
 Everything stays on the device: the kernel reads `offs` on the GPU, so no split size ever
 reaches the host. The `device_mxfp8` tier runs these GEMMs on the Triton kernels of
 `kernels/scaled_grouped_mm.py`, which take the same arguments and compute the same product
-with Hopper's native FP8 accumulation, faster (that module says by how much).
+with Hopper's native FP8 accumulation, faster (that module says by how much), for any split:
+there it pads nothing.
 """
 
 import weakref

@@ -1,7 +1,8 @@
 """The expert SwiGLU MLP in FP8 on Hopper, with the SwiGLU fused into the FP8 casts: what
 the `device_mxfp8` tier runs in mode `fp8-hopper`.
 
-Shape suffixes: see te_mixtral/experts/base.py (Q padded rows).
+Shape suffixes: see te_mixtral/experts/base.py (Q the rows as the tier passes them, here
+unpadded with the package's kernels: see `row_align` below).
 
 The same six GEMMs as `scaled_grouped.scaled_grouped_swiglu` with `FP8HopperGemms` (that
 composition stays as the readable reference, and the CPU tests run it), with these
@@ -31,7 +32,7 @@ from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 
 
 class FP8SwiGLUExperts:
-    """The `fp8-hopper` runner: `mlp` on padded rows, and what the tier reports.
+    """The `fp8-hopper` runner: `mlp` on the tier's rows, and what the tier reports.
 
     The GEMMs are `kernels/scaled_grouped_mm.py`'s unless `scaled_grouped_mm` names another
     function with its arguments (a test's float64 stand-in). `value_dtype` float32 (with a
@@ -47,7 +48,10 @@ class FP8SwiGLUExperts:
         self.gemms = FP8HopperGemms(scaled_grouped_mm or triton_gemms.scaled_grouped_mm,
                                     (self.rows, self.columns, weight), out_dtype,
                                     kernel=None if scaled_grouped_mm else triton_gemms.KERNEL)
-        self.recipe, self.row_align, self.min_rows = self.gemms.recipe, self.gemms.row_align, self.gemms.min_rows
+        self.recipe = self.gemms.recipe
+        # Our kernels take any split (an expert's rows may start anywhere, or be none), so the
+        # tier pads nothing for them; another kernel gets torch._scaled_grouped_mm's padding.
+        self.row_align, self.min_rows = (self.gemms.row_align, self.gemms.min_rows) if scaled_grouped_mm else (1, 0)
 
     @property
     def kernel(self) -> str:

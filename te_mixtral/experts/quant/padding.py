@@ -8,11 +8,11 @@ Low-precision grouped GEMMs want every expert's row count rounded up:
   an expert's rows, so the activations and output gradients are scaled in blocks of 32
   *rows*. A block must not straddle two experts, so every expert starts on a multiple of
   32 (see `te_mxfp8.py` for where TE states this).
-- FP8 rowwise on Hopper (`torch._scaled_grouped_mm`, the recipe's reference GEMM): in the
-  weight-gradient GEMM the expert boundary moves along the FP8 operands' contiguous dim,
-  which its TMA loads need 16-byte aligned (16 FP8 values), and the CUTLASS kernel rejects
-  an empty group there. The tier's own Triton GEMMs and casts would take any split; it pads
-  all the same, so that both kernels run on the same rows.
+- FP8 rowwise on Hopper with `torch._scaled_grouped_mm` (the recipe's reference GEMM): in
+  the weight-gradient GEMM the expert boundary moves along the FP8 operands' contiguous
+  dim, which its TMA loads need 16-byte aligned (16 FP8 values), and the CUTLASS kernel
+  rejects an empty group there. The tier's own Triton GEMMs and casts take any split, so
+  the tier asks for no padding (`align` 1, `min_rows` 0), and then nothing is copied.
 
 TE's own `Fp8Padding` takes the split sizes as a Python list, which means copying them to
 the host (a sync) every layer. Here the padded row positions are computed on the device. The one
@@ -35,7 +35,7 @@ class PaddedRows:
     rows_Q: int  # padded row count: a host int, the same for any split
     splits_L: torch.Tensor  # int64 padded rows per expert; multiples of align; sum == rows_Q
     offsets_L: torch.Tensor  # int32 running end of each expert's rows (grouped_mm's `offs`)
-    dest_R: torch.Tensor  # int64 padded row that input row r moves to
+    dest_R: torch.Tensor | None  # int64 padded row that input row r moves to; None: it stays
 
 
 def _round_up(n, align: int):
@@ -51,6 +51,8 @@ def padded_rows(tokens_per_expert_L: torch.Tensor, rows_R: int, align: int, min_
     if align < 1 or min_rows < 0:
         raise ValueError(f"need align >= 1 and min_rows >= 0, got {align} and {min_rows}")
     counts_L = tokens_per_expert_L.to(torch.int64)
+    if align == 1 and min_rows == 0:  # every row stays where it is: no copy, no index
+        return PaddedRows(rows_R, counts_L, counts_L.cumsum(0).to(torch.int32), dest_R=None)
     num_experts = counts_L.numel()
     min_rows = _round_up(min_rows, align)
 
@@ -78,11 +80,15 @@ def padded_rows(tokens_per_expert_L: torch.Tensor, rows_R: int, align: int, min_
 
 def pad_rows(x_RD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
     """x_QD: the rows of x_RD at their padded places, zeros elsewhere (differentiable)."""
+    if padded.dest_R is None:
+        return x_RD
     return x_RD.new_zeros(padded.rows_Q, x_RD.shape[1]).index_copy(0, padded.dest_R, x_RD)
 
 
 def unpad_rows(y_QD: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
     """y_RD: the rows of y_QD that hold real rows, in input order (differentiable)."""
+    if padded.dest_R is None:
+        return y_QD
     return _UnpadRows.apply(y_QD, padded.dest_R)
 
 

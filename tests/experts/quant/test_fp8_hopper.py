@@ -239,11 +239,13 @@ def test_interpreter_swiglu_casts_match_swiglu_then_reference():
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
 def test_interpreter_triton_scaled_grouped_mm_computes_the_documented_product():
     """kernels/scaled_grouped_mm.py on float32 values, both cases, against the float64
-    stand-in and a per-group loop: an empty group, groups that end mid-tile, and widths
-    that leave a partial tile along every dim (float32 values run 64 x 64 x 32 tiles)."""
+    stand-in and a per-group loop: an empty group, groups that start and end mid-tile, and
+    widths that leave a partial tile along every dim (float32 values run 64 x 64 x 32
+    tiles). The wgrad operands are laid out as quantize_columns writes them, rows 16
+    aligned, with NaN in the slack: a read past a group's rows would show."""
     gen = torch.Generator().manual_seed(5)
-    offs = torch.tensor([16, 16, 64, 112], dtype=torch.int32)
-    rows, k, n = 112, 48, 80
+    offs = torch.tensor([5, 5, 61, 107], dtype=torch.int32)
+    rows, k, n = 107, 48, 80
     a, w = torch.randn(rows, k, generator=gen), torch.randn(len(offs), n, k, generator=gen)
     scale_a, scale_b = torch.rand(rows, generator=gen) + 0.5, torch.rand(len(offs), n, generator=gen) + 0.5
     got = triton_scaled_grouped_mm(a, w.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.float32)
@@ -252,12 +254,18 @@ def test_interpreter_triton_scaled_grouped_mm_computes_the_documented_product():
 
     dy, x = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
     scale_dy, scale_x = torch.rand(len(offs) * n, generator=gen) + 0.5, torch.rand(len(offs) * k, generator=gen) + 0.5
-    got = triton_scaled_grouped_mm(dy.t().contiguous(), x.t().contiguous().t(), scale_dy, scale_x, offs,
+    got = triton_scaled_grouped_mm(_rows_16_aligned(dy.t()), _rows_16_aligned(x.t()).t(), scale_dy, scale_x, offs,
                                    out_dtype=torch.float32)
     for g, (start, end) in enumerate(group_bounds(offs)):
         expected = (dy[start:end].double().t() @ x[start:end].double()
                     * scale_dy[g * n:(g + 1) * n, None].double() * scale_x[g * k:(g + 1) * k].double())
         assert rel_err(got[g], expected) < 1e-6 if end > start else torch.equal(got[g], torch.zeros(n, k)), g
+
+
+def _rows_16_aligned(t_CQ):
+    out = torch.full((t_CQ.shape[0], -(-t_CQ.shape[1] // 16) * 16), float("nan"))
+    out[:, :t_CQ.shape[1]] = t_CQ
+    return out[:, :t_CQ.shape[1]]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
@@ -271,9 +279,9 @@ def test_interpreter_fused_fp8_mlp_data_flow_equals_the_unquantised_mlp(counts, 
     counts = torch.tensor(counts)
     _, _, gate_up, down = mlp_inputs(gen, d=32, f=48)
     x_RD = torch.randn(int(counts.sum()), 32, generator=gen, requires_grad=True)
-    padded = padded_rows(counts, x_RD.shape[0], align=16, min_rows=16)
     experts = FP8SwiGLUExperts(None if gemms == "triton" else scaled_grouped_mm_stand_in,
                                value_dtype=torch.float32, out_dtype=torch.float32)
+    padded = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)  # none: rows as they come
     y = unpad_rows(experts.mlp(pad_rows(x_RD, padded), padded, gate_up, down), padded)
     y_ref = LoopTier()(x_RD, counts, gate_up, down)
     dy = torch.randn(y.shape, generator=gen)

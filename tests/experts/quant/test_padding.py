@@ -30,6 +30,7 @@ def test_padding_round_trip_with_fresh_random_splits(align, min_rows):
         x_RD = torch.randn(rows, 3, generator=gen)
         x_QD = pad_rows(x_RD, padded)
         assert torch.equal(unpad_rows(x_QD, padded), x_RD)
+        assert (x_QD is x_RD) == (align == 1 and min_rows == 0)  # nothing to pad: not even a copy
         starts = (padded.offsets_L.long() - splits).tolist()
         for e, (start, n) in enumerate(zip(starts, counts.tolist())):
             first = int(counts[:e].sum())
