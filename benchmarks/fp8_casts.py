@@ -40,13 +40,14 @@ def main() -> None:
     x_QD = torch.randn(Q, D, device="cuda", dtype=torch.bfloat16)
     ends = torch.arange(1, 5, device="cuda", dtype=torch.int32) * (Q // 4)
     w_L2FD = torch.randn(L, 2 * F, D, device="cuda", dtype=torch.bfloat16)
+    row_scale_Q = torch.rand(Q, device="cuda") + 0.5
     for tile in TILES:
         fp8_cast.COLUMN_TILE = tile
         ms = mean_ms(lambda: fp8_cast.quantize_columns(gate_up_Q2F, ends))
-        ms_swiglu = mean_ms(lambda: fp8_cast.quantize_columns(gate_up_Q2F, ends, swiglu=True))
         ms_x = mean_ms(lambda: fp8_cast.quantize_columns(x_QD, ends))
+        ms_x_scaled = mean_ms(lambda: fp8_cast.quantize_columns(x_QD, ends, row_scale_Q=row_scale_Q))
         print(f"columns {tile}: [Q, 2F] {ms:.3f} ms ({Q * 2 * F * 5 / ms / 1e6:.0f} GB/s)  "
-              f"SwiGLU of it {ms_swiglu:.3f} ms  [Q, D] {ms_x:.3f} ms", flush=True)
+              f"[Q, D] {ms_x:.3f} ms, its rows scaled {ms_x_scaled:.3f} ms", flush=True)
     for tile in TILES:
         fp8_cast.WEIGHT_TILE = tile
         ms = mean_ms(lambda: fp8_cast.quantize_weight(w_L2FD), reps=5)
@@ -55,7 +56,10 @@ def main() -> None:
     print(f"rows, [Q, D] {mean_ms(lambda: fp8_cast.quantize_rows(x_QD)):.3f} ms")
     dh_QF = torch.randn(Q, F, device="cuda", dtype=torch.bfloat16)
     ms = mean_ms(lambda: fp8_cast.swiglu_backward_rows(dh_QF, gate_up_Q2F))
-    print(f"SwiGLU backward with its row cast {ms:.3f} ms ({Q * F * 16 / ms / 1e6:.0f} GB/s)")
+    print(f"SwiGLU backward's row cast {ms:.3f} ms ({Q * F * 8 / ms / 1e6:.0f} GB/s)")
+    q_Q2F = fp8_cast.quantize_rows(gate_up_Q2F)[0]
+    ms = mean_ms(lambda: fp8_cast.transpose(q_Q2F))
+    print(f"transpose of an FP8 [Q, 2F] {ms:.3f} ms ({Q * 2 * F * 2 / ms / 1e6:.0f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Triton kernels that cast operands to FP8 E4M3 with the scales of `fp8_hopper.py`, and
 fuse the expert MLP's SwiGLU into those casts.
 
-Shape suffixes: see te_mixtral/experts/base.py (Q padded rows, C columns, G groups).
+Shape suffixes: see te_mixtral/experts/base.py (Q rows, C columns, G groups).
 
 `fp8_hopper.quantize_rowwise` and `quantize_columns_per_group` say what is computed, in
 PyTorch, and stay the reference these kernels are tested against (bit for bit on the GPU).
@@ -10,18 +10,22 @@ here each reads its operand once or twice and writes the FP8 values once:
 
 - `quantize_rows`: one program per row; a row that fits one block is read once and kept
   in registers, a longer one is read twice (amax, then cast; the second read hits L2).
+  With `swiglu=True` it reads gate_up rows [Q, 2C] (gate | up) and quantises
+  h = silu(gate) * up, computed in float32 on the way: the SwiGLU output is never written
+  (`fp8_swiglu.py` uses this for the down projection's fprop operand).
 - `quantize_columns`: one scale per column per group of rows, values written transposed
-  (the wgrad operands). Two kernels over the same [BLOCK_R, BLOCK_C] tiles: the first
-  folds each tile's column maxima into the group's with an atomic max, the second casts
-  and stores the tile transposed. A tile may hold rows of
-  several groups, so each row finds its group by counting the group ends at or before it.
-
-With `swiglu=True` both read gate_up rows [Q, 2C] (gate | up) and quantise
-h = silu(gate) * up, computed in float32 on the way: the SwiGLU output is never written
-(`fp8_swiglu.py` uses this for the down projection's fprop and wgrad operands).
-`swiglu_backward_rows` writes d(gate_up) from d(h) and gate_up and its row-wise FP8 copy in
-one program per row. `quantize_weight` makes both of a weight's FP8 copies (scaled along
-each of its dims) from two reads of it.
+  (the wgrad operands), optionally of x with each row multiplied by a factor first (how
+  `fp8_swiglu.py` moves the other wgrad operand's row scales onto this one). Two kernels
+  over the same [BLOCK_R, BLOCK_C] tiles: the first folds each tile's column maxima into
+  the group's with an atomic max, the second casts and stores the tile transposed. A tile
+  may hold rows of several groups, so each row finds its group by counting the group ends
+  at or before it.
+- `swiglu_backward_rows`: the row-wise FP8 copy of d(gate_up), computed from d(h) and
+  gate_up in one program per row, twice (amax, then cast) rather than written in bf16 and
+  read back.
+- `transpose`: an FP8 tensor transposed, for a wgrad operand that has a row-wise copy.
+- `quantize_weight`: both of a weight's FP8 copies (scaled along each of its dims) from
+  two reads of it.
 
 Scales are float32 amax * (1 / 448) (448 is E4M3's largest finite value); an all-zero
 slice gets 1e-12 / 448. Values are divided by the scale with IEEE rounding (`tl.div_rn`,
@@ -44,6 +48,7 @@ _MAX_ROW_BLOCK = 16384  # elements of a row one program holds in registers at on
 # sweep from 32 x 128 to 256 x 64 on an H100 (docs/precision.md).
 COLUMN_TILE = (64, 64, 4)
 WEIGHT_TILE = (64, 64, 4)
+TRANSPOSE_TILE = (128, 128, 4)
 
 
 @triton.jit
@@ -110,44 +115,48 @@ def quantize_rows(x_MK: torch.Tensor, *, swiglu: bool = False,
 
 
 @triton.jit
-def _swiglu_bwd_rows_kernel(dh_ptr, gu_ptr, dgu_ptr, q_ptr, scale_ptr, F, BLOCK_F: tl.constexpr):
-    """d(gate) = dh * up * silu'(gate), d(up) = dh * silu(gate), stored, then cast with the
-    scale of the whole [d(gate) | d(up)] row (read back from the stored values)."""
+def _swiglu_grads(dh_row, gu_row, k, cols, F):
+    """d(gate), d(up) in float32 for columns k + cols of one row: d(gate) = dh * up *
+    silu'(gate), d(up) = dh * silu(gate) (zeros past F)."""
+    mask = k + cols < F
+    dh = tl.load(dh_row + k + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gu_row + k + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_row + F + k + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    return dh * up * sig * (1.0 + gate * (1.0 - sig)), dh * gate * sig
+
+
+@triton.jit
+def _swiglu_bwd_rows_kernel(dh_ptr, gu_ptr, q_ptr, scale_ptr, F, BLOCK_F: tl.constexpr):
+    """The row-wise cast of [d(gate) | d(up)]: their amax over the row, then the same
+    gradients computed again and cast (the second read of the row hits L2)."""
     row = tl.program_id(0).to(tl.int64)
-    dh_row, gu_row, dgu_row, q_row = dh_ptr + row * F, gu_ptr + row * 2 * F, dgu_ptr + row * 2 * F, q_ptr + row * 2 * F
+    dh_row, gu_row, q_row = dh_ptr + row * F, gu_ptr + row * 2 * F, q_ptr + row * 2 * F
     cols = tl.arange(0, BLOCK_F)
     amax = tl.zeros([BLOCK_F], dtype=tl.float32)
     for k in range(0, F, BLOCK_F):
-        mask = k + cols < F
-        dh = tl.load(dh_row + k + cols, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(gu_row + k + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu_row + F + k + cols, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        d_gate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgu_ptr.dtype.element_ty)
-        d_up = (dh * gate * sig).to(dgu_ptr.dtype.element_ty)
-        tl.store(dgu_row + k + cols, d_gate, mask=mask)
-        tl.store(dgu_row + F + k + cols, d_up, mask=mask)
-        amax = tl.maximum(amax, tl.maximum(tl.abs(d_gate.to(tl.float32)), tl.abs(d_up.to(tl.float32))))
+        d_gate, d_up = _swiglu_grads(dh_row, gu_row, k, cols, F)
+        amax = tl.maximum(amax, tl.maximum(tl.abs(d_gate), tl.abs(d_up)))
     scale = _scale_of(tl.max(amax, 0))
-    tl.debug_barrier()  # this program's stores, visible to all its threads before the read-back
-    for k in range(0, 2 * F, BLOCK_F):
-        v = tl.load(dgu_row + k + cols, mask=k + cols < 2 * F, other=0.0).to(tl.float32)
-        tl.store(q_row + k + cols, _cast(v, scale, q_ptr), mask=k + cols < 2 * F)
+    for k in range(0, F, BLOCK_F):
+        d_gate, d_up = _swiglu_grads(dh_row, gu_row, k, cols, F)
+        tl.store(q_row + k + cols, _cast(d_gate, scale, q_ptr), mask=k + cols < F)
+        tl.store(q_row + F + k + cols, _cast(d_up, scale, q_ptr), mask=k + cols < F)
     tl.store(scale_ptr + row, scale)
 
 
 def swiglu_backward_rows(dh_QF: torch.Tensor, gate_up_Q2F: torch.Tensor, out_dtype=torch.float8_e4m3fn):
-    """(d_gate_up_Q2F in gate_up's dtype, its row-wise q, scale_Q) for SwiGLU's backward."""
+    """(q, scale_Q): the row-wise cast of d(gate_up) [Q, 2F] for SwiGLU's backward, from d(h)
+    and gate_up, without writing d(gate_up) itself."""
     Q, F = dh_QF.shape
     if not (dh_QF.is_contiguous() and gate_up_Q2F.is_contiguous()):
         raise ValueError("swiglu_backward_rows needs contiguous operands")
-    dgu = torch.empty_like(gate_up_Q2F)
     q = torch.empty(Q, 2 * F, dtype=out_dtype, device=dh_QF.device)
     scale = torch.empty(Q, dtype=torch.float32, device=dh_QF.device)
     if Q:
         block = min(_row_block(F), 2048)
-        _swiglu_bwd_rows_kernel[(Q,)](dh_QF, gate_up_Q2F, dgu, q, scale, F, BLOCK_F=block, num_warps=8)
-    return dgu, q, scale
+        _swiglu_bwd_rows_kernel[(Q,)](dh_QF, gate_up_Q2F, q, scale, F, BLOCK_F=block, num_warps=8)
+    return q, scale
 
 
 @triton.jit
@@ -159,13 +168,23 @@ def _group_of_rows(rows, ends_ptr, G, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
-def _column_amax_kernel(x_ptr, ends_ptr, amax_bits_ptr, Q, C, G, stride_row, SWIGLU: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+def _load_scaled_rows(x_ptr, rows, row_ok, cols, col_ok, stride_row, row_scale_ptr, ROW_SCALED: tl.constexpr):
+    """Float32 x[rows, cols] (zeros where masked), each row times row_scale[row] if ROW_SCALED."""
+    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if ROW_SCALED:
+        v = v * tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    return v
+
+
+@triton.jit
+def _column_amax_kernel(x_ptr, row_scale_ptr, ends_ptr, amax_bits_ptr, Q, C, G, stride_row,
+                        ROW_SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                        BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok, col_ok = rows < Q, cols < C
-    v = _load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-              row_ok[:, None] & col_ok[None, :], C, SWIGLU)
+    v = _load_scaled_rows(x_ptr, rows, row_ok, cols, col_ok, stride_row, row_scale_ptr, ROW_SCALED)
     group = _group_of_rows(rows, ends_ptr, G, BLOCK_G)
     first, last = tl.min(tl.where(row_ok, group, G), 0), tl.max(tl.where(row_ok, group, 0), 0)
     for g in range(first, last + 1):
@@ -176,12 +195,13 @@ def _column_amax_kernel(x_ptr, ends_ptr, amax_bits_ptr, Q, C, G, stride_row, SWI
 
 
 @triton.jit
-def _column_cast_kernel(x_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, stride_q, SWIGLU: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+def _column_cast_kernel(x_ptr, row_scale_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, stride_q,
+                        ROW_SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                        BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < Q)[:, None] & (cols < C)[None, :]
-    v = _load(x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask, C, SWIGLU)
+    v = _load_scaled_rows(x_ptr, rows, rows < Q, cols, cols < C, stride_row, row_scale_ptr, ROW_SCALED)
     group = _group_of_rows(rows, ends_ptr, G, BLOCK_G)
     first, last = tl.min(tl.where(rows < Q, group, G), 0), tl.max(tl.where(rows < Q, group, 0), 0)
     # One [BLOCK_C] row of scales per group in the tile (almost always one group), rather
@@ -194,30 +214,57 @@ def _column_cast_kernel(x_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, 
     tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_q + rows[:, None], q, mask=mask)
 
 
-def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, swiglu: bool = False,
+def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, row_scale_Q: torch.Tensor | None = None,
                      out_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_CQ, the transpose of x with rows 16-byte aligned, and scale_GC flattened,
     group-major): one scale per column per group of rows, the groups ending at `ends_G`
-    (int32, on the device), as the wgrad GEMM takes them. With `swiglu`, rows of x are gate | up and the columns quantised are
-    silu(gate) * up.
+    (int32, on the device), as the wgrad GEMM takes them. With `row_scale_Q` (float32)
+    what is quantised is x with row q multiplied by row_scale_Q[q].
     """
-    Q, C = x_QC.shape[0], x_QC.shape[1] // (2 if swiglu else 1)
+    Q, C = x_QC.shape
     G = ends_G.numel()
     if x_QC.stride(1) != 1:
         raise ValueError("quantize_columns needs rows with a contiguous last dim")
     amax_bits = torch.zeros(G, C, dtype=torch.int32, device=x_QC.device)
-    # Rows of q start 16-byte aligned whatever Q is, as the GEMM's TMA loads need: q is the
-    # first Q columns of a buffer 16-aligned wide.
-    q = torch.empty(C, -(-Q // 16) * 16, dtype=out_dtype, device=x_QC.device)[:, :Q]
+    q = _rows_16_aligned(C, Q, out_dtype, x_QC.device)
     if Q == 0 or G == 0:
         return q, _scale_from_bits(amax_bits).reshape(-1)
     (block_r, block_c, warps), block_g = COLUMN_TILE, max(triton.next_power_of_2(G), 2)
     grid = (triton.cdiv(Q, block_r), triton.cdiv(C, block_c))
-    tiles = dict(SWIGLU=swiglu, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_G=block_g, num_warps=warps)
-    _column_amax_kernel[grid](x_QC, ends_G, amax_bits, Q, C, G, x_QC.stride(0), **tiles)
+    tiles = dict(ROW_SCALED=row_scale_Q is not None, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_G=block_g,
+                 num_warps=warps)
+    _column_amax_kernel[grid](x_QC, row_scale_Q, ends_G, amax_bits, Q, C, G, x_QC.stride(0), **tiles)
     scale_GC = _scale_from_bits(amax_bits)
-    _column_cast_kernel[grid](x_QC, ends_G, scale_GC, q, Q, C, G, x_QC.stride(0), q.stride(0), **tiles)
+    _column_cast_kernel[grid](x_QC, row_scale_Q, ends_G, scale_GC, q, Q, C, G, x_QC.stride(0), q.stride(0), **tiles)
     return q, scale_GC.reshape(-1)
+
+
+def _rows_16_aligned(rows: int, cols: int, dtype, device) -> torch.Tensor:
+    """An empty [rows, cols] tensor whose rows start 16-byte aligned whatever `cols` is, as the
+    wgrad GEMM's TMA loads need: the first `cols` columns of a buffer 16-aligned wide."""
+    return torch.empty(rows, -(-cols // 16) * 16, dtype=dtype, device=device)[:, :cols]
+
+
+@triton.jit
+def _transpose_kernel(q_ptr, t_ptr, Q, C, stride_t, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < Q)[:, None] & (cols < C)[None, :]
+    v = tl.load(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask)
+    tl.store(t_ptr + cols[None, :].to(tl.int64) * stride_t + rows[:, None], v, mask=mask)
+
+
+def transpose(q_QC: torch.Tensor) -> torch.Tensor:
+    """q_CQ, the transpose of a contiguous q_QC, rows 16-byte aligned (see `quantize_columns`)."""
+    if not q_QC.is_contiguous():
+        raise ValueError("transpose needs a contiguous tensor")
+    Q, C = q_QC.shape
+    t = _rows_16_aligned(C, Q, q_QC.dtype, q_QC.device)
+    if q_QC.numel():
+        block_r, block_c, warps = TRANSPOSE_TILE
+        grid = (triton.cdiv(Q, block_r), triton.cdiv(C, block_c))
+        _transpose_kernel[grid](q_QC, t, Q, C, t.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return t
 
 
 @triton.jit

@@ -5,21 +5,32 @@ Shape suffixes: see te_mixtral/experts/base.py (Q the rows as the tier passes th
 unpadded with the package's kernels: see `row_align` below).
 
 The same six GEMMs as `scaled_grouped.scaled_grouped_swiglu` with `FP8HopperGemms` (that
-composition stays as the readable reference, and the CPU tests run it), with these
-differences, each one fewer pass over a [Q, F] or [Q, 2F] tensor:
+composition stays as the readable reference, and the CPU tests run it), with fewer passes
+over the [Q, F] and [Q, 2F] tensors:
 
     forward   gu = x @ gate_up^T           x cast row-wise; gate_up's FP8 copies cached
               y  = silu(gate) * up @ down^T the SwiGLU computed inside the row-wise cast
                                            of its output (fp8_cast, swiglu=True): h is
-                                           never written
+                                           never written in bf16, its FP8 copy h_q is kept
     backward  dh = dy @ down                dy cast row-wise
-              d(down) = dy^T @ h per expert h re-created inside its column-wise cast
-              d(gu) from dh and gu          one kernel writes d(gu) and its row-wise cast
+              d(down) = dy^T @ h per expert h_q transposed, dy cast column-wise
+              d(gu) from dh and gu          one kernel writes only d(gu)'s row-wise cast
               dx = d(gu) @ gate_up
-              d(gate_up) = d(gu)^T @ x per expert
+              d(gate_up) = d(gu)^T @ x      d(gu)'s cast transposed, x cast column-wise
 
-Saved for the backward: x and gu (in their own dtypes) and the weights' FP8 copies, where
-autograd through the unfused composition also keeps h, silu(gate) and the SwiGLU's inputs.
+The weight gradients reuse the row-wise FP8 copies that the forward and dx already made
+(transposed, one byte read and written per element) instead of casting h and d(gu)
+column-wise (two reads of two bytes each). A row-wise copy carries one scale per row q,
+which is the weight gradient's reduction dim, so it cannot go into the GEMM's epilogue;
+it moves onto the other operand instead, exactly: sum_q a[q] b[q] = sum_q (a[q] s[q])
+(b[q] / s[q]), and dy, x are cast column-wise after their rows are multiplied by s.
+So here h and d(gu) are quantised along their rows in the weight gradients too, where
+the reference quantises them along each expert's rows (columns): the same E4M3 rounding
+with other scales, and the errors beside TE's recipes are in docs/precision.md.
+
+Saved for the backward: x and gu (in their own dtypes), h_q with its row scales (one byte
+per element of h), and the weights' FP8 copies, where autograd through the unfused
+composition keeps h, silu(gate) and the SwiGLU's inputs.
 """
 
 from functools import partial
@@ -44,6 +55,7 @@ class FP8SwiGLUExperts:
         self.rows = partial(fp8_cast.quantize_rows, out_dtype=value_dtype)
         self.columns = partial(fp8_cast.quantize_columns, out_dtype=value_dtype)
         self.swiglu_backward_rows = partial(fp8_cast.swiglu_backward_rows, out_dtype=value_dtype)
+        self.transpose = fp8_cast.transpose
         weight = partial(fp8_cast.quantize_weight, out_dtype=value_dtype)
         self.gemms = FP8HopperGemms(scaled_grouped_mm or triton_gemms.scaled_grouped_mm,
                                     (self.rows, self.columns, weight), out_dtype,
@@ -68,15 +80,16 @@ class _FP8SwiGLU(torch.autograd.Function):
         with torch.autocast(x_QD.device.type, enabled=False):  # the recipe picks every precision
             gate_up, down = gemms.weight(gate_up_L2FD), gemms.weight(down_LDF)
             gu_Q2F = gemms.fprop(x_QD.detach(), gate_up, offsets_L)
-            y_QD = gemms.fprop_quantised(*experts.rows(gu_Q2F, swiglu=True), down, offsets_L)
-        ctx.save_for_backward(x_QD, gu_Q2F, offsets_L)
+            h_q, h_scale_Q = experts.rows(gu_Q2F, swiglu=True)
+            y_QD = gemms.fprop_quantised(h_q, h_scale_Q, down, offsets_L)
+        ctx.save_for_backward(x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L)
         ctx.experts, ctx.weights = experts, (gate_up, down)
         ctx.dtypes = (x_QD.dtype, gate_up_L2FD.dtype, down_LDF.dtype)
         return y_QD.to(x_QD.dtype)
 
     @staticmethod
     def backward(ctx, dy_QD):
-        x_QD, gu_Q2F, offsets_L = (t.detach() for t in ctx.saved_tensors)
+        x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L = (t.detach() for t in ctx.saved_tensors)
         experts, (gate_up, down) = ctx.experts, ctx.weights
         gemms, (x_dtype, gate_up_dtype, down_dtype) = experts.gemms, ctx.dtypes
         dy_QD = dy_QD.contiguous()  # autograd may hand over a broadcast view
@@ -84,14 +97,24 @@ class _FP8SwiGLU(torch.autograd.Function):
         with torch.autocast(dy_QD.device.type, enabled=False):
             dh_QF = gemms.dgrad(dy_QD, down, offsets_L)
             if ctx.needs_input_grad[2]:
-                d_down = gemms.wgrad_quantised(*experts.columns(dy_QD, offsets_L),
-                                               *experts.columns(gu_Q2F, offsets_L, swiglu=True),
-                                               offsets_L).to(down_dtype)
-            dgu_Q2F, dgu_q, dgu_scale = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
-            del dh_QF  # freed before the weight gradient's casts, as is d(gu)'s row-wise copy
+                d_down = _wgrad_from_rows(experts, dy_QD, h_q, h_scale_Q, offsets_L, rows_first=False)
+                d_down = d_down.to(down_dtype)
+            dgu_q, dgu_scale_Q = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
+            del dh_QF
             if ctx.needs_input_grad[0]:
-                dx = gemms.dgrad_quantised(dgu_q, dgu_scale, gate_up, offsets_L).to(x_dtype)
-            del dgu_q
+                dx = gemms.dgrad_quantised(dgu_q, dgu_scale_Q, gate_up, offsets_L).to(x_dtype)
             if ctx.needs_input_grad[1]:
-                d_gate_up = gemms.wgrad(dgu_Q2F, x_QD, offsets_L).to(gate_up_dtype)
+                d_gate_up = _wgrad_from_rows(experts, x_QD, dgu_q, dgu_scale_Q, offsets_L, rows_first=True)
+                d_gate_up = d_gate_up.to(gate_up_dtype)
         return dx, d_gate_up, d_down, None, None
+
+
+def _wgrad_from_rows(experts, other_QC, rows_q, rows_scale_Q, offsets_L, rows_first):
+    """Per expert rows_q^T @ other (rows_first) or other^T @ rows_q, where rows_q is an FP8
+    copy with one scale per row: that scale moves onto `other`, which is cast column-wise."""
+    other_q, other_scale = experts.columns(other_QC, offsets_L, row_scale_Q=rows_scale_Q)
+    rows_t = experts.transpose(rows_q)
+    ones = torch.ones(offsets_L.numel() * rows_t.shape[0], dtype=torch.float32, device=rows_t.device)
+    if rows_first:
+        return experts.gemms.wgrad_quantised(rows_t, ones, other_q, other_scale, offsets_L)
+    return experts.gemms.wgrad_quantised(other_q, other_scale, rows_t, ones, offsets_L)
