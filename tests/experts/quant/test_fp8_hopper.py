@@ -246,8 +246,12 @@ def test_interpreter_quantize_weight_gives_both_orientations():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
-def test_interpreter_swiglu_casts_match_swiglu_then_reference():
+@pytest.mark.parametrize("row_block", [None, 16])  # one block per row; rows of several blocks
+def test_interpreter_swiglu_casts_match_swiglu_then_reference(monkeypatch, row_block):
     from te_mixtral.experts.quant import fp8_cast
+
+    if row_block:
+        monkeypatch.setattr(fp8_cast, "_MAX_ROW_BLOCK", row_block)
 
     gu = torch.randn(80, 2 * 40) * 2
     h = swiglu(gu)
