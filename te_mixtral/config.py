@@ -165,7 +165,7 @@ class RunConfig:
     mxfp8_mode: str = setting("auto", workload=False,
                               help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
                               "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
-    fp8_min_rows_per_expert: int = setting(2048, workload=False,
+    fp8_min_rows_per_expert: int = setting(1024, workload=False,
                                            help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
                                            "expert runs the BF16 custom_grouped kernels, where FP8 is slower "
                                            "(docs/precision.md); 0: FP8 at every size")

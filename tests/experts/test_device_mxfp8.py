@@ -173,7 +173,7 @@ def test_tier_from_the_registry_describes_what_runs():
 def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
     cfg = load_config(None, {"mxfp8_mode": "mxfp8-emulated", "fp8_min_rows_per_expert": "100000"})
     tier = make_tier("device_mxfp8", cfg)
-    assert tier.bf16_below == 100000 and load_config(None, {}).fp8_min_rows_per_expert == 2048
+    assert tier.bf16_below == 100000 and load_config(None, {}).fp8_min_rows_per_expert == 1024
     tier.check_available(torch.device("cpu"))
     assert "BF16" not in tier.describe()["kernel"]  # emulation is for numerics: MXFP8 at every size
     gen = torch.Generator().manual_seed(12)

@@ -183,7 +183,7 @@ def _load_scaled_rows(x_ptr, rows, row_ok, cols, col_ok, stride_row, row_scale_p
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q"])  # the row count: one compile for any
 def _column_amax_kernel(x_ptr, row_scale_ptr, ends_ptr, amax_bits_ptr, Q, C, G, stride_row,
                         ROW_SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                         BLOCK_G: tl.constexpr):
@@ -200,7 +200,7 @@ def _column_amax_kernel(x_ptr, row_scale_ptr, ends_ptr, amax_bits_ptr, Q, C, G, 
         tl.atomic_max(amax_bits_ptr + g * C + cols, amax.to(tl.int32, bitcast=True), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q"])
 def _column_cast_kernel(x_ptr, row_scale_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, G, stride_row, stride_q,
                         ROW_SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                         BLOCK_G: tl.constexpr):
@@ -251,7 +251,7 @@ def _rows_16_aligned(rows: int, cols: int, dtype, device) -> torch.Tensor:
     return torch.empty(rows, -(-cols // 16) * 16, dtype=dtype, device=device)[:, :cols]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q"])
 def _transpose_kernel(q_ptr, t_ptr, Q, C, stride_t, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
