@@ -183,6 +183,14 @@ def _load_scaled_rows(x_ptr, rows, row_ok, cols, col_ok, stride_row, row_scale_p
     return v
 
 
+@triton.jit
+def _slack_mask(rows, cols, C, stride):
+    """Where a transposed store [cols, rows] may write: rows up to the output's row stride,
+    past the row count Q into the buffer's slack (zeros are stored there), so the mask is
+    the same for every 16 rows and the stores stay vectorised, Q a multiple of 16 or not."""
+    return (rows < stride)[:, None] & (cols < C)[None, :]
+
+
 @triton.jit(do_not_specialize=["Q"])  # the row count: one compile for any
 def _column_amax_kernel(x_ptr, row_scale_ptr, ends_ptr, amax_bits_ptr, Q, C, G, stride_row,
                         ROW_SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -206,7 +214,6 @@ def _column_cast_kernel(x_ptr, row_scale_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, 
                         BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < Q)[:, None] & (cols < C)[None, :]
     v = _load_scaled_rows(x_ptr, rows, rows < Q, cols, cols < C, stride_row, row_scale_ptr, ROW_SCALED)
     group = _group_of_rows(rows, ends_ptr, G, BLOCK_G)
     first, last = tl.min(tl.where(rows < Q, group, G), 0), tl.max(tl.where(rows < Q, group, 0), 0)
@@ -217,7 +224,8 @@ def _column_cast_kernel(x_ptr, row_scale_ptr, ends_ptr, scale_ptr, q_ptr, Q, C, 
         scale = tl.load(scale_ptr + g * C + cols, mask=cols < C, other=1.0)
         q = tl.where((group == g)[:, None], tl.div_rn(v, scale[None, :]), q)
     q = tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_q + rows[:, None], q, mask=mask)
+    tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_q + rows[:, None], q,
+             mask=_slack_mask(rows, cols, C, stride_q))
 
 
 def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, row_scale_Q: torch.Tensor | None = None,
@@ -246,8 +254,9 @@ def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, row_scale_Q: t
 
 
 def _rows_16_aligned(rows: int, cols: int, dtype, device) -> torch.Tensor:
-    """An empty [rows, cols] tensor whose rows start 16-byte aligned whatever `cols` is, as the
-    wgrad GEMM's TMA loads need: the first `cols` columns of a buffer 16-aligned wide."""
+    """An empty [rows, cols] tensor whose rows start every multiple of 16 elements (16 bytes in
+    FP8) whatever `cols` is, as the wgrad GEMM's TMA loads need: the first `cols` columns of a
+    buffer whose width is rounded up to 16."""
     return torch.empty(rows, -(-cols // 16) * 16, dtype=dtype, device=device)[:, :cols]
 
 
@@ -256,8 +265,9 @@ def _transpose_kernel(q_ptr, t_ptr, Q, C, stride_t, BLOCK_R: tl.constexpr, BLOCK
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < Q)[:, None] & (cols < C)[None, :]
-    v = tl.load(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask)
-    tl.store(t_ptr + cols[None, :].to(tl.int64) * stride_t + rows[:, None], v, mask=mask)
+    v = tl.load(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
+    tl.store(t_ptr + cols[None, :].to(tl.int64) * stride_t + rows[:, None], v,
+             mask=_slack_mask(rows, cols, C, stride_t))
 
 
 def transpose(q_QC: torch.Tensor) -> torch.Tensor:
