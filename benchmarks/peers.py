@@ -9,7 +9,7 @@ ours. Each builder raises ImportError (or TE's own error) where its library cann
 - `torchao_fp8_rowwise()`: torchao's FP8 MoE training GEMM
   (`torchao.prototype.moe_training._to_fp8_rowwise_then_scaled_grouped_mm`: row-wise E4M3
   through `torch._scaled_grouped_mm`, with its own Triton casts; rows padded to 16 per
-  expert as `device_mxfp8` pads them).
+  expert, as `torch._scaled_grouped_mm` needs them).
 """
 
 
@@ -38,7 +38,7 @@ def torchao_fp8_rowwise():
 
     def ffn(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
         # Its own padding of groups to 16 rows is not implemented in torchao 0.18: rows are
-        # padded here as device_mxfp8 pads them (16 per expert, 16 for an empty one).
+        # padded here as torch._scaled_grouped_mm needs (16 per expert, 16 for an empty one).
         padded = padded_rows(tokens_per_expert_L, x_RD.shape[0], 16, 16)
         # B operands per expert, column-major: the transpose of a row-major [L, N, I] weight.
         h_QF = swiglu(fp8_grouped_mm(pad_rows(x_RD, padded), gate_up_L2FD.transpose(-2, -1), padded.offsets_L,

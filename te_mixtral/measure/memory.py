@@ -279,7 +279,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                    + a * T * Hd * (2 * H + 2 * G) + 4 * T * H + mask  # attention
                    + 4 * T * E + 32 * T * K + 4 * T  # routing: probs; indices and weights
                    + a * R * D + combine * R * D)  # dispatched rows; combine
-    # The Hopper FP8 path also keeps h's FP8 copy (a byte per element) and its row scales.
+    # The FP8 path also keeps h's FP8 copy for the down weight gradient (a byte per element) and
+    # its row scales (measured on Hopper; Blackwell's TE path is counted the same).
     expert_hidden = a * R * hidden + (R * (F + 4) if fp8 else 0)
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
     layer_copies = dense_copies + expert_copies + fp8_weights

@@ -16,7 +16,7 @@ from te_mixtral.experts.kernels.grouped_gemm import _column_part, _dot_prec, _ma
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 
-@triton.jit(do_not_specialize=["stride_k"])  # with K_MAJOR, about the row count: it changes every step
+@triton.jit(do_not_specialize=["stride_k"])  # with K_MAJOR the row count rounded up: new every step
 def _wgrad_gemm(
     g_src, x_src, counts_ptr, out_ptr, g_scale_ptr, x_scale_ptr,
     M, N, L, stride_k,

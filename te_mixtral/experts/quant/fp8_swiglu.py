@@ -100,7 +100,7 @@ class _FP8SwiGLU(torch.autograd.Function):
                 d_down = _wgrad_from_rows(experts, dy_QD, h_q, h_scale_Q, offsets_L, rows_first=False)
                 d_down = d_down.to(down_dtype)
             dgu_q, dgu_scale_Q = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
-            del dh_QF
+            del dh_QF  # freed before dx's GEMM and the weight gradient's casts
             if ctx.needs_input_grad[0]:
                 dx = gemms.dgrad_quantised(dgu_q, dgu_scale_Q, gate_up, offsets_L).to(x_dtype)
             if ctx.needs_input_grad[1]:
