@@ -105,10 +105,12 @@ def _wgrad_gemm(
 @triton.jit
 def _tma_k_major(acc, g_src, x_src, r0, count, m0, n0, ri, DOT_PREC: tl.constexpr, BLOCK_I: tl.constexpr):
     """acc + G^T X over the `count` rows from row r0, which run along the operands'
-    contiguous dim. TMA loads start on a 16-byte boundary there (16 FP8 values), so an
-    expert whose rows start between two begins one block early, with the rows before r0
-    masked off; the rows past its end are masked off in its last block."""
-    head = tl.where(count > 0, r0 % 16, 0)
+    contiguous dim. Every load starts on a BLOCK_I boundary there (TMA needs 16 bytes; a
+    block that is not 128-byte aligned straddles cache lines, and the 8x7B gate_up weight
+    gradient over 4 experts of 4093-4099 rows took 3.99 ms that way against 3.25 aligned, on
+    an H100), so an expert whose rows start between two begins one block early, with the
+    rows before r0 masked off; the rows past its end are masked off in its last block."""
+    head = tl.where(count > 0, r0 % BLOCK_I, 0)
     start, span = r0 - head, count + head
     n_full = span // BLOCK_I
     if head > 0:
