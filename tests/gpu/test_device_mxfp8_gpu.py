@@ -307,7 +307,8 @@ def _fp8_gemms_only(gemms, x, gate_up, down, counts):
 def test_timing_fp8_hopper_vs_bf16_grouped_mm(tokens_per_expert):
     """Forward + backward of the expert MLP at Mixtral-8x7B shapes, 4 local experts, equal
     splits, bf16 weights. 'bf16 grouped_mm' is the project's grouped_mm reference
-    (`custom_grouped.grouped_mm_swiglu`). The fp8 rows include padding, all quantisation
+    (`custom_grouped.grouped_mm_swiglu`). The fp8 rows include padding where the variant
+    pads (the unfused ones, on torch._scaled_grouped_mm's terms), all quantisation
     (the weights' once per step, as with one micro-batch per step; 'later micro-batch'
     reuses them) and the SwiGLU; 'fp8 GEMMs only' is the six FP8 GEMMs on operands
     quantised beforehand."""
