@@ -66,3 +66,84 @@ def run_tier(tier, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, dy_RD, aut
 def rel_err(out, ref):
     """Relative error of `out` against a float64 reference, in the Frobenius norm."""
     return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def check_micro_batches_add_into_grad(op, micro_batches, gate_up_L2FD, down_LDF, monkeypatch):
+    """Train-style gradient accumulation through `op(x, counts, gate_up, down)`: one
+    `.backward()` per micro-batch (x_RD, tokens_per_expert_L, dy_RD) into the weights' `.grad`
+    (kernels/grad_accumulation.py). Checks, in float32 under Triton's interpreter:
+
+    - the first micro-batch writes a new gradient, every later one adds into `.grad` in the
+      weight-gradient kernel (seen by wrapping `wgrad_gemm` where the ops call it), and
+      `.grad` stays one tensor throughout (no copy);
+    - the post-accumulate hooks fire after each micro-batch and see the running sum;
+    - the sum equals, bit for bit, the micro-batches' gradients taken one by one with
+      `torch.autograd.grad` and added by torch, and lies within float32 rounding of float64;
+    - `torch.autograd.grad` while `.grad` holds a sum leaves it alone (the kernel writes a
+      new tensor), and so does a tensor hook on the weight, which must see this micro-batch's
+      gradient, not the sum.
+    """
+    from te_mixtral.experts.kernels import grouped_swiglu, scaled_grouped_mm, wgrad_gemm
+
+    adds = []
+
+    def spy(*args, accumulate=False, **kwargs):
+        adds.append(accumulate)
+        return wgrad_gemm.wgrad_gemm(*args, accumulate=accumulate, **kwargs)
+
+    for module in (grouped_swiglu, scaled_grouped_mm):
+        monkeypatch.setattr(module, "wgrad_gemm", spy)
+    weights = [torch.nn.Parameter(w.detach().clone()) for w in (gate_up_L2FD, down_LDF)]
+
+    def micro_batch_grads(x, counts, dy):
+        return torch.autograd.grad(op(x, counts, *weights), weights, dy)
+
+    one_by_one = [micro_batch_grads(*batch) for batch in micro_batches]
+    assert not any(adds) and all(w.grad is None for w in weights)
+    expected = [one_by_one[0][i] for i in range(2)]
+    for grads in one_by_one[1:]:
+        expected = [e + g for e, g in zip(expected, grads)]
+    f64 = [sum(reference_f64(x, counts.tolist(), *weights, dy)[2 + i] for x, counts, dy in micro_batches)
+           for i in range(2)]
+
+    seen = []
+    for w in weights:
+        w.register_post_accumulate_grad_hook(lambda w: seen.append(w.grad.clone()))
+    adds.clear()
+    for n, (x, counts, dy) in enumerate(micro_batches):
+        op(x, counts, *weights).backward(dy)
+        if n == 0:
+            buffers = [w.grad.data_ptr() for w in weights]
+    assert adds[:2] == [False, False] and adds[2:] and all(adds[2:])  # (an op may skip a batch without rows)
+    assert [w.grad.data_ptr() for w in weights] == buffers
+    for w, e, ref in zip(weights, expected, f64):
+        assert torch.equal(w.grad, e)
+        assert rel_err(w.grad, ref) < 1e-5
+    assert len(seen) == 2 * len(micro_batches) and torch.equal(seen[-1], expected[1])
+
+    summed = [w.grad.clone() for w in weights]
+    adds.clear()
+    again = micro_batch_grads(*micro_batches[0])
+    hooked = []
+    weights[0].register_hook(lambda g: hooked.append(g.clone()))
+    op(*micro_batches[0][:2], *weights).backward(micro_batches[0][2])
+    assert adds == [False, False, True, False]  # autograd.grad's two, then down adds, gate_up not
+    assert all(torch.equal(a, b) for a, b in zip(again, one_by_one[0]))
+    assert torch.equal(hooked[0], one_by_one[0][0])
+    assert torch.equal(weights[0].grad, summed[0] + one_by_one[0][0])
+    assert torch.equal(weights[1].grad, summed[1] + one_by_one[0][1])
+
+
+def accumulated_and_summed_grads(op, micro_batches, gate_up_L2FD, down_LDF):
+    """For both weights: `.grad` after one `.backward()` per micro-batch (x_RD,
+    tokens_per_expert_L, dy_RD) through `op(x, counts, gate_up, down)`, where the op may add
+    into `.grad` itself, and the micro-batches' gradients from `torch.autograd.grad` (where
+    it cannot) summed in float64."""
+    weights = [torch.nn.Parameter(w.detach().clone()) for w in (gate_up_L2FD, down_LDF)]
+    summed = [torch.zeros(w.shape, dtype=torch.float64, device=w.device) for w in weights]
+    for x, counts, dy in micro_batches:
+        for total, grad in zip(summed, torch.autograd.grad(op(x, counts, *weights), weights, dy)):
+            total += grad.double()
+    for x, counts, dy in micro_batches:
+        op(x, counts, *weights).backward(dy)
+    return [w.grad for w in weights], summed

@@ -261,3 +261,17 @@ def test_interpreter_no_rows_and_backward_twice():
     y.backward(dy, retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         y.backward(dy)
+
+
+@interpreter_only
+def test_interpreter_micro_batches_add_into_grad(monkeypatch):
+    from expert_reference import check_micro_batches_add_into_grad
+
+    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
+
+    configs = dict.fromkeys(CONFIGS, dict.fromkeys(CONFIGS["large"], TINY))
+    batches = [make_inputs(splits, 20, 36, seed) for seed, splits in enumerate(([21, 0, 0, 34, 1], [4, 9, 0, 0, 30],
+                                                                                 [0, 0, 0, 0, 0], [1, 2, 3, 4, 5]))]
+    check_micro_batches_add_into_grad(lambda *args: grouped_swiglu(*args, configs=configs),
+                                      [(x, counts, dy) for x, counts, _, _, dy in batches],
+                                      batches[0][2], batches[0][3], monkeypatch)

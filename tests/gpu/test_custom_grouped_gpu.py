@@ -18,6 +18,7 @@ import pytest
 import torch
 from expert_reference import (
     GPU_SPLITS,
+    accumulated_and_summed_grads,
     random_expert_inputs,
     reference_f64,
     rel_err,
@@ -115,6 +116,20 @@ def test_fp32_master_weights_under_autocast():
     assert got[1].dtype == got[2].dtype == got[3].dtype == torch.float32
     gmm = run_tier(grouped_mm_swiglu, x.bfloat16(), counts, gate_up, down, dy.bfloat16())
     check(got, ref, splits, "autocast", gmm=gmm)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_micro_batches_add_into_grad(param_dtype):
+    # Gradient accumulation as training runs it: from the second micro-batch the weight
+    # gradients are added into .grad by the kernel. Against the micro-batches' gradients
+    # summed apart, the only difference is one rounding to the parameters' dtype per addition.
+    batches = [random_expert_inputs(splits, D, F_, seed=20 + n, param_dtype=param_dtype)
+               for n, splits in enumerate((SPLITS["uneven"], SPLITS["zero_first"], [0] * E, SPLITS["one_expert"]))]
+    grads, summed = accumulated_and_summed_grads(
+        CustomGroupedTier(), [(x, counts, dy) for x, counts, _, _, dy in batches], *batches[0][2:4])
+    for name, grad, total in zip(("d_gate_up", "d_down"), grads, summed):
+        assert grad.dtype == param_dtype
+        assert rel_err(grad, total) <= (1e-2 if param_dtype == torch.bfloat16 else 1e-6), name
 
 
 def test_same_inputs_same_bits():

@@ -24,7 +24,7 @@ import statistics
 
 import pytest
 import torch
-from expert_reference import random_expert_inputs
+from expert_reference import accumulated_and_summed_grads, random_expert_inputs
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
     MXFP8_MLP_RTOL,
@@ -204,6 +204,28 @@ def test_fp8_hopper_tier_under_autocast_with_fp32_master_weights():
         got = run(DeviceMXFP8Tier(), x, counts, gate_up, down, dy)
     assert got[0].dtype == torch.bfloat16 and got[2].dtype == got[3].dtype == torch.float32
     assert_close(got, reference(x, counts, gate_up, down, dy), FP8_ROWWISE_MLP_RTOL)
+
+
+@hopper
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_hopper_micro_batches_add_into_grad(param_dtype):
+    # From the second micro-batch the FP8 wgrad kernel adds into .grad. Against the
+    # micro-batches' gradients summed apart, only roundings differ: the bf16 output of each
+    # wgrad there, one rounding to the parameters' dtype per addition here.
+    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=0)
+    tier.check_available(torch.device("cuda"))
+
+    def op(*args):
+        with torch.autocast("cuda", torch.bfloat16, enabled=param_dtype == torch.float32):
+            return tier(*args)
+
+    batches = [random_expert_inputs(SPLITS[name], D, F_HIDDEN, seed=30 + n, param_dtype=param_dtype)
+               for n, name in enumerate(SPLITS)]
+    grads, summed = accumulated_and_summed_grads(op, [(x, counts, dy) for x, counts, _, _, dy in batches],
+                                                 *batches[0][2:4])
+    assert tier.calls() == {"fp8-hopper": 2 * len(batches)}
+    for name, grad, total in zip(("d_gate_up", "d_down"), grads, summed):
+        assert grad.dtype == param_dtype and rel_err(grad, total) <= 1e-2, name
 
 
 @pytest.mark.parametrize("mode", ["fp8-hopper", "mxfp8-emulated"])

@@ -34,7 +34,9 @@ SwiGLU math runs in fp32 in registers. When the weights are fp32 masters and x i
 (torch.autocast), the weights are cast to bf16 once per forward and that copy is kept
 for the backward: one extra read of 4 and write of 2 bytes per weight, and 2 bytes per
 weight of memory until the backward. Weight gradients are written straight from the fp32
-accumulators in the parameters' dtype. fp32 inputs use `tf32x3` dots (about fp32 error).
+accumulators in the parameters' dtype, or added into the parameters' `.grad` where a
+micro-batch's gradient is summed with the ones before it (`grad_accumulation.py`). fp32
+inputs use `tf32x3` dots (about fp32 error).
 
 No host synchronisation: split sizes are read only by the kernels (see grouped_gemm.py),
 the grid and every allocation depend on shapes alone, so the op runs under
@@ -48,6 +50,7 @@ in fp32, not meaningful in bf16).
 import torch
 from torch.autograd.function import once_differentiable
 
+from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
 from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
@@ -217,7 +220,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         else:  # the weights as they came: a cast copy is made again in the backward
             ctx.save_for_backward(x_RD, counts_L, gate_up_L2FD, down_LDF)
         ctx.cfgs, ctx.use_tma, ctx.h_consumed, ctx.keep_hidden = cfgs, use_tma, False, keep_hidden
-        ctx.w_dtypes = (gate_up_L2FD.dtype, down_LDF.dtype)
+        ctx.weights = (gate_up_L2FD, down_LDF)  # the parameters, whose .grad the backward may add into
         return y_RD
 
     @staticmethod
@@ -244,22 +247,30 @@ class _GroupedSwiGLU(torch.autograd.Function):
         R, D = x_RD.shape
         F = w2_LDF.shape[2]
         dy_RD = dy_RD.to(x_RD.dtype).contiguous()
-        d_w1 = torch.empty(w1_L2FD.shape, dtype=ctx.w_dtypes[0], device=x_RD.device)
-        d_w2 = torch.empty(w2_LDF.shape, dtype=ctx.w_dtypes[1], device=x_RD.device)
+        # Each weight gradient is added into its weight's .grad where that is safe
+        # (grad_accumulation.py), else written to a new tensor in the weight's dtype.
+        into = [accumulation_target(w) for w in ctx.weights]
+        d_w1, d_w2 = (torch.empty(w.shape, dtype=w.dtype, device=w.device) if t is None else t
+                      for w, t in zip(ctx.weights, into))
         dx_RD = torch.empty_like(x_RD)
-        if R == 0:
-            return dx_RD, None, d_w1.zero_(), d_w2.zero_(), None, None, None
-
-        # 3: dh overwrites h; act comes back for 4, then is freed.
-        act_RF = x_RD.new_empty(R, F)
-        rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_icontig=False,
-                  cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F)
-        dh_R2F = h_R2F
-        wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma)
-        del act_RF
-        rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
-                  cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
-        wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma)
+        if R > 0:
+            # 3: dh overwrites h; act comes back for 4, then is freed.
+            act_RF = x_RD.new_empty(R, F)
+            rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_icontig=False,
+                      cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F)
+            dh_R2F = h_R2F
+            wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma,
+                       accumulate=into[1] is not None)
+            del act_RF
+            rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
+                      cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
+            wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma,
+                       accumulate=into[0] is not None)
+        else:  # no rows: zero gradients, or .grad as it was
+            for d, t in zip((d_w1, d_w2), into):
+                if t is None:
+                    d.zero_()
+        d_w1, d_w2 = (d if t is None else hand_over(w, d) for w, d, t in zip(ctx.weights, (d_w1, d_w2), into))
         return dx_RD, None, d_w1, d_w2, None, None, None
 
 

@@ -34,14 +34,16 @@ KERNEL = ("Triton grouped GEMMs (experts/kernels), E4M3 with row-wise scales, "
 _FP8_TILE = _cfg(128, 256, 128, 8, 3)
 
 
-def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16):
+def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16, add_into=None):
     """`torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=...,
     use_fast_accum=True)` for row-wise scales, in two cases:
 
     - 2-D x 3-D (fprop, dgrad): mat_a [Q, K] row-major split by rows, mat_b [G, K, N]
       column-major, scale_a [Q], scale_b [G, N]; returns [Q, N].
     - 2-D x 2-D (wgrad): mat_a [M, Q] row-major and mat_b [Q, N] column-major, both split
-      along Q; scale_a [G * M] and scale_b [G * N], group-major; returns [G, M, N].
+      along Q; scale_a [G * M] and scale_b [G * N], group-major; returns [G, M, N]. With
+      `add_into` (a contiguous [G, M, N] tensor of any float dtype, not in torch's
+      signature) it adds the product into that tensor and returns it.
     """
     if mat_a.stride(-1) != 1 or mat_b.stride(-2) != 1:
         raise ValueError("scaled_grouped_mm takes mat_a row-major and mat_b column-major")
@@ -54,8 +56,10 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bflo
                   use_tma=_tma_ok(mat_a, w_GNK), scales=(scale_a, scale_b))
         return out
     x_NQ = mat_b.t()
-    out = torch.empty(offs.numel(), mat_a.shape[0], x_NQ.shape[0], dtype=out_dtype, device=mat_a.device)
+    out = add_into
+    if out is None:
+        out = torch.empty(offs.numel(), mat_a.shape[0], x_NQ.shape[0], dtype=out_dtype, device=mat_a.device)
     wgrad_gemm(mat_a, x_NQ, counts_G, out, cfg=tile, use_tma=_tma_ok(mat_a, x_NQ), k_major=True,
-               scales=(scale_a, scale_b))
+               scales=(scale_a, scale_b), accumulate=add_into is not None)
     return out
 

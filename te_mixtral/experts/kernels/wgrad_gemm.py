@@ -21,7 +21,7 @@ def _wgrad_gemm(
     g_src, x_src, counts_ptr, out_ptr, g_scale_ptr, x_scale_ptr,
     M, N, L, stride_k,
     USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, K_MAJOR: tl.constexpr, SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
 ):
     """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums.
@@ -30,7 +30,8 @@ def _wgrad_gemm(
     (rows contiguous: Hopper's FP8 tensor cores take only operands contiguous along the
     reduction), both with row stride `stride_k`, which only K_MAJOR without TMA reads.
     SCALED multiplies out[e, m, n] by g_scale[e, m] * x_scale[e, n] (float32), the
-    per-expert column scales of row-wise scaled FP8 operands.
+    per-expert column scales of row-wise scaled FP8 operands. ACCUMULATE adds the sums
+    into out as it holds them (a gradient summed across micro-batches, grad_accumulation.py).
     """
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
@@ -89,17 +90,20 @@ def _wgrad_gemm(
             acc = _scaled(acc, g_scale_ptr + e * M + m0, rows < M, x_scale_ptr + e * N + n0,
                           n0 + tl.arange(0, BLOCK_N) < N, BLOCK_M, BLOCK_N)
 
-        # The gradient is larger than L2 and not read again here: streaming stores (".cs")
-        # keep it from evicting the operand tiles that the next tiles re-read. Storing in
-        # EPI_PARTS column blocks measured a few percent faster again (docs/kernels.md, v7).
+        # The gradient is larger than L2 and not read again here: streaming stores (".cs"),
+        # and evict-first loads where it is added into, keep it from evicting the operand
+        # tiles that the next tiles re-read. Storing in EPI_PARTS column blocks measured a
+        # few percent faster again (docs/kernels.md, v7).
         out_e = out_ptr + e.to(tl.int64) * M * N
         W: tl.constexpr = BLOCK_N // EPI_PARTS
         for part in tl.static_range(EPI_PARTS):
             cols = n0 + part * W + tl.arange(0, W)
             mask = (rows < M)[:, None] & (cols < N)[None, :]
-            tl.store(out_e + rows[:, None] * N + cols[None, :],
-                     _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N).to(out_ptr.dtype.element_ty),
-                     mask=mask, cache_modifier=".cs")
+            ptrs = out_e + rows[:, None] * N + cols[None, :]
+            value = _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+            if ACCUMULATE:
+                value += tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 @triton.jit
@@ -144,10 +148,10 @@ def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED:
     return acc
 
 
-def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None):
+def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None, accumulate=False):
     """Launch `_wgrad_gemm`: out_LMN[e] = g[rows of e]^T @ x[rows of e], with g [R, M] and
     x [R, N], or with `k_major` g [M, R] and x [N, R] (rows contiguous, of one stride).
-    `scales` is (g_scale_LM, x_scale_LN)."""
+    `scales` is (g_scale_LM, x_scale_LN); `accumulate` makes it out_LMN[e] += instead."""
     ensure_cuda_context(g.device)
     if k_major and not (g.stride(1) == x.stride(1) == 1 and g.stride(0) == x.stride(0)):
         raise ValueError("wgrad_gemm with k_major takes g and x with contiguous rows of one stride")
@@ -164,7 +168,7 @@ def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=N
         g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
         g.stride(0),
         USE_TMA=use_tma, DOT_PREC=_dot_prec(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
+        ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -146,8 +146,8 @@ class FP8HopperGemms:
     def kernel(self) -> str:
         return f"{self._kernel}; E4M3 in fprop, dgrad and wgrad; weights quantised once per optimizer step"
 
-    def gemm(self, a, b, scale_a, scale_b, offsets_G):
-        return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype)
+    def gemm(self, a, b, scale_a, scale_b, offsets_G, **options):
+        return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype, **options)
 
     def weight(self, w_GNI):
         """w's FP8 operands: (w_q, scale_GN) along I for fprop, (wt_q [G, I, N], scale_GI)
@@ -174,8 +174,9 @@ class FP8HopperGemms:
         _, (wt_q, wt_scale) = weight  # B must be column-major [G, N, I]: w^T [G, I, N] contiguous
         return self.gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_Q, wt_scale, offsets_G)
 
-    def wgrad_quantised(self, dy_NQ, dy_scale_GN, x_IQ, x_scale_GI, offsets_G):
-        return self.gemm(dy_NQ, x_IQ.t(), dy_scale_GN, x_scale_GI, offsets_G)
+    def wgrad_quantised(self, dy_NQ, dy_scale_GN, x_IQ, x_scale_GI, offsets_G, **options):
+        """`options` go to the kernel: `add_into` where it is `kernels/scaled_grouped_mm.py`'s."""
+        return self.gemm(dy_NQ, x_IQ.t(), dy_scale_GN, x_scale_GI, offsets_G, **options)
 
 
 def _reference_quantize_weight(w_GNI):

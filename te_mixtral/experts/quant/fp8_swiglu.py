@@ -38,6 +38,7 @@ from functools import partial
 import torch
 
 from te_mixtral.experts.kernels import scaled_grouped_mm as triton_gemms
+from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
 from te_mixtral.experts.quant import fp8_cast
 from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 
@@ -64,6 +65,8 @@ class FP8SwiGLUExperts:
         # Our kernels take any split (an expert's rows may start anywhere, or be none), so the
         # tier pads nothing for them; another kernel gets torch._scaled_grouped_mm's padding.
         self.row_align, self.min_rows = (self.gemms.row_align, self.gemms.min_rows) if scaled_grouped_mm else (1, 0)
+        # Our wgrad kernel can add into a weight's .grad (kernels/grad_accumulation.py).
+        self.adds_into_grad = scaled_grouped_mm is None
 
     @property
     def kernel(self) -> str:
@@ -84,37 +87,39 @@ class _FP8SwiGLU(torch.autograd.Function):
             y_QD = gemms.fprop_quantised(h_q, h_scale_Q, down, offsets_L)
         ctx.save_for_backward(x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L)
         ctx.experts, ctx.weights = experts, (gate_up, down)
-        ctx.dtypes = (x_QD.dtype, gate_up_L2FD.dtype, down_LDF.dtype)
+        ctx.parameters, ctx.x_dtype = (gate_up_L2FD, down_LDF), x_QD.dtype
         return y_QD.to(x_QD.dtype)
 
     @staticmethod
     def backward(ctx, dy_QD):
         x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L = (t.detach() for t in ctx.saved_tensors)
-        experts, (gate_up, down) = ctx.experts, ctx.weights
-        gemms, (x_dtype, gate_up_dtype, down_dtype) = experts.gemms, ctx.dtypes
+        experts, (gate_up, down), gemms = ctx.experts, ctx.weights, ctx.experts.gemms
         dy_QD = dy_QD.contiguous()  # autograd may hand over a broadcast view
         dx = d_gate_up = d_down = None
         with torch.autocast(dy_QD.device.type, enabled=False):
             dh_QF = gemms.dgrad(dy_QD, down, offsets_L)
             if ctx.needs_input_grad[2]:
-                d_down = _wgrad_from_rows(experts, dy_QD, h_q, h_scale_Q, offsets_L, rows_first=False)
-                d_down = d_down.to(down_dtype)
+                d_down = _wgrad_from_rows(experts, ctx.parameters[1], dy_QD, h_q, h_scale_Q, offsets_L,
+                                          rows_first=False)
             dgu_q, dgu_scale_Q = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
             del dh_QF  # freed before dx's GEMM and the weight gradient's casts
             if ctx.needs_input_grad[0]:
-                dx = gemms.dgrad_quantised(dgu_q, dgu_scale_Q, gate_up, offsets_L).to(x_dtype)
+                dx = gemms.dgrad_quantised(dgu_q, dgu_scale_Q, gate_up, offsets_L).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                d_gate_up = _wgrad_from_rows(experts, x_QD, dgu_q, dgu_scale_Q, offsets_L, rows_first=True)
-                d_gate_up = d_gate_up.to(gate_up_dtype)
+                d_gate_up = _wgrad_from_rows(experts, ctx.parameters[0], x_QD, dgu_q, dgu_scale_Q, offsets_L,
+                                             rows_first=True)
         return dx, d_gate_up, d_down, None, None
 
 
-def _wgrad_from_rows(experts, other_QC, rows_q, rows_scale_Q, offsets_L, rows_first):
-    """Per expert rows_q^T @ other (rows_first) or other^T @ rows_q, where rows_q is an FP8
-    copy with one scale per row: that scale moves onto `other`, which is cast column-wise."""
+def _wgrad_from_rows(experts, weight, other_QC, rows_q, rows_scale_Q, offsets_L, rows_first):
+    """The gradient to return for `weight`: per expert rows_q^T @ other (rows_first) or
+    other^T @ rows_q, where rows_q is an FP8 copy with one scale per row: that scale moves
+    onto `other`, which is cast column-wise. Added into weight.grad where that is safe."""
     other_q, other_scale = experts.columns(other_QC, offsets_L, row_scale_Q=rows_scale_Q)
     rows_t = experts.transpose(rows_q)
     ones = torch.ones(offsets_L.numel() * rows_t.shape[0], dtype=torch.float32, device=rows_t.device)
-    if rows_first:
-        return experts.gemms.wgrad_quantised(rows_t, ones, other_q, other_scale, offsets_L)
-    return experts.gemms.wgrad_quantised(other_q, other_scale, rows_t, ones, offsets_L)
+    operands = (rows_t, ones, other_q, other_scale) if rows_first else (other_q, other_scale, rows_t, ones)
+    into = accumulation_target(weight) if experts.adds_into_grad else None
+    if into is None:
+        return experts.gemms.wgrad_quantised(*operands, offsets_L).to(weight.dtype)
+    return hand_over(weight, experts.gemms.wgrad_quantised(*operands, offsets_L, add_into=into))

@@ -322,3 +322,24 @@ def test_interpreter_fused_fp8_mlp_data_flow_equals_the_unquantised_mlp(counts, 
     assert rel_err(y, y_ref) < 1e-5
     for name, grad, grad_ref in zip(("dx", "d_gate_up", "d_down"), grads, grads_ref):
         assert grad.dtype == grad_ref.dtype and rel_err(grad, grad_ref) < 1e-5, name
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+def test_interpreter_fused_fp8_mlp_micro_batches_add_into_grad(monkeypatch):
+    """The fused FP8 MLP's weight gradients, float32 values, added into .grad by its wgrad
+    kernel across micro-batches (expert_reference.check_micro_batches_add_into_grad)."""
+    from expert_reference import check_micro_batches_add_into_grad
+
+    gen = torch.Generator().manual_seed(13)
+    experts = FP8SwiGLUExperts(value_dtype=torch.float32, out_dtype=torch.float32)
+
+    def op(x_RD, counts, gate_up, down):
+        padded = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)
+        return unpad_rows(experts.mlp(pad_rows(x_RD, padded), padded, gate_up, down), padded)
+
+    batches = []
+    for counts in ([5, 0, 37, 20], [0, 0, 40, 0], [0, 0, 0, 0]):
+        rows = sum(counts)
+        batches.append((torch.randn(rows, 32, generator=gen), torch.tensor(counts), torch.randn(rows, 32, generator=gen)))
+    _, _, gate_up, down = mlp_inputs(gen, d=32, f=48)
+    check_micro_batches_add_into_grad(op, batches, gate_up, down, monkeypatch)
