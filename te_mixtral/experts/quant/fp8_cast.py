@@ -48,10 +48,13 @@ _MAX_ROW_BLOCK = 16384  # elements of a row one program holds in registers at on
 # sweep from 32 x 128 to 256 x 64 on an H100 (docs/precision.md).
 COLUMN_TILE = (64, 64, 4)
 WEIGHT_TILE = (64, 64, 4)
-# Row tiles one program of the weight's amax walks: 8 (512 rows) took its time on an H100 from
-# 0.95 to 0.69 ms for an 8x22B gate_up [4, 32768, 6144], 0.41 to 0.37 for its down; wider
-# tiles walked this way were slower.
-WEIGHT_AMAX_ROW_TILES = 8
+# The weight's amax: (rows, columns, warps) of a tile, and how many columns one program walks.
+# A program walking 512 columns of a 128-row block took an H100 0.376 ms for an 8x7B gate_up
+# [4, 28672, 4096] and 0.631 for an 8x22B one [4, 32768, 6144], against 0.414 and 0.695 for
+# 512-row walks down one 64-column block (row maxima folded per tile, the earlier kernel);
+# taller, wider and 2048-column variants were slower.
+WEIGHT_AMAX_TILE = (128, 64, 4)
+WEIGHT_AMAX_COLUMNS = 512
 # (rows, columns, warps) of the FP8 transpose's tiles: within 3 % of the best of eight tiles,
 # 64 x 64 to 256 x 128, on an H100 (a [16384, 32768] transpose at 2.8 TB/s).
 TRANSPOSE_TILE = (128, 128, 4)
@@ -286,25 +289,26 @@ def transpose(q_QC: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _weight_amax_kernel(w_ptr, row_bits_ptr, col_bits_ptr, N, I, ROWS_PER_PROGRAM,
+def _weight_amax_kernel(w_ptr, row_bits_ptr, col_bits_ptr, N, I, COLUMNS_PER_PROGRAM,
                         BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
-    """Row and column maxima of |w| by atomic max. A program walks ROWS_PER_PROGRAM rows of
-    one column block and folds its column maxima in once at the end: fewer atomics, which
-    took a 64 x 64 tile per program from 2.9 TB/s (reading alone) down to 1.7."""
+    """Row and column maxima of |w| by atomic max. A program walks COLUMNS_PER_PROGRAM
+    columns of one row block, keeps its row maxima in registers and folds them in once at
+    the end: every atomic costs bandwidth (a 64 x 64 tile per program with both maxima
+    folded per tile read at 1.7 TB/s, where reading alone ran at 2.9)."""
     g = tl.program_id(2).to(tl.int64)
-    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = i < I
-    n_start = tl.program_id(1) * ROWS_PER_PROGRAM
-    col_max = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for n0 in range(n_start, tl.minimum(n_start + ROWS_PER_PROGRAM, N), BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    i_start = tl.program_id(1) * COLUMNS_PER_PROGRAM
+    row_max = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i0 in range(i_start, tl.minimum(i_start + COLUMNS_PER_PROGRAM, I), BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        i_ok = i < I
         v = tl.abs(tl.load(w_ptr + g * N * I + n[:, None] * I + i[None, :],
                            mask=n_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32))
         # Non-negative floats order like their bits as int32 (see _column_amax_kernel).
-        tl.atomic_max(row_bits_ptr + g * N + n, tl.max(v, 1).to(tl.int32, bitcast=True), mask=n_ok)
-        col_max = tl.maximum(col_max, tl.max(v, 0))
-    tl.atomic_max(col_bits_ptr + g * I + i, col_max.to(tl.int32, bitcast=True), mask=i_ok)
+        tl.atomic_max(col_bits_ptr + g * I + i, tl.max(v, 0).to(tl.int32, bitcast=True), mask=i_ok)
+        row_max = tl.maximum(row_max, tl.max(v, 1))
+    tl.atomic_max(row_bits_ptr + g * N + n, row_max.to(tl.int32, bitcast=True), mask=n_ok)
 
 
 @triton.jit
@@ -334,14 +338,13 @@ def quantize_weight(w_GNI: torch.Tensor, out_dtype=torch.float8_e4m3fn):
     qt = torch.empty(G, I, N, dtype=out_dtype, device=w.device)
     if w.numel() == 0:
         return (q, _scale_from_bits(row_bits)), (qt, _scale_from_bits(col_bits))
-    block_n, block_i, warps = WEIGHT_TILE
-    tiles = dict(BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
-    rows_per_program = block_n * WEIGHT_AMAX_ROW_TILES
-    _weight_amax_kernel[(triton.cdiv(I, block_i), triton.cdiv(N, rows_per_program), G)](
-        w, row_bits, col_bits, N, I, rows_per_program, **tiles)
+    block_n, block_i, warps = WEIGHT_AMAX_TILE
+    _weight_amax_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, WEIGHT_AMAX_COLUMNS), G)](
+        w, row_bits, col_bits, N, I, WEIGHT_AMAX_COLUMNS, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
     row_scale, col_scale = _scale_from_bits(row_bits), _scale_from_bits(col_bits)
+    block_n, block_i, warps = WEIGHT_TILE
     _weight_cast_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, block_i), G)](
-        w, row_scale, col_scale, q, qt, N, I, **tiles)
+        w, row_scale, col_scale, q, qt, N, I, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
     return (q, row_scale), (qt, col_scale)
 
 

@@ -234,9 +234,13 @@ def test_interpreter_transpose_writes_rows_16_aligned():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
-def test_interpreter_quantize_weight_gives_both_orientations():
+@pytest.mark.parametrize("amax_walk", [None, ((16, 16, 4), 32)])  # shipped; several row blocks and walks
+def test_interpreter_quantize_weight_gives_both_orientations(monkeypatch, amax_walk):
     from te_mixtral.experts.quant import fp8_cast
 
+    if amax_walk:
+        monkeypatch.setattr(fp8_cast, "WEIGHT_AMAX_TILE", amax_walk[0])
+        monkeypatch.setattr(fp8_cast, "WEIGHT_AMAX_COLUMNS", amax_walk[1])
     w = torch.randn(3, 80, 48) * torch.rand(3, 1, 48)  # dims not multiples of the 64-wide tiles
     w[1, :, 5] = 0
     (q_GNI, scale_GN), (q_GIN, scale_GI) = fp8_cast.quantize_weight(w, out_dtype=torch.float32)
