@@ -33,6 +33,10 @@ inputs, three warm-up steps, then the median of many steps, each between CUDA ev
 Several (x, dy) buffer sets are rotated so that the inputs of consecutive steps are not
 already in L2 (together they exceed twice the L2 size); the weights are far larger than L2.
 The matmul peak (8192^3, random bf16) and copy bandwidth are measured in the same run.
+Every column is timed at one case before the next case starts, so the columns compared in
+a case ran minutes apart at most, not a whole run apart: a GPU slows as it warms (on an
+H100, custom_grouped at 8x7B, 4 x 4096 rows, took 25.0, 25.4, 26.1 and 26.4 ms in four
+rounds a few seconds apart), which would otherwise favour the columns timed first.
 
 Run from the repository root, with te_mixtral installed (`pip install -e .`):
 
@@ -80,7 +84,7 @@ QUICK = Sizes(128, 256, (16, 64), 256, 512, 2**24)
 LOCAL_EXPERTS = 4  # L
 SKEW = (0.70, 0.20, 0.09, 0.01)  # share of the rows per expert in the skewed case
 EMPTY_LAST = (1 / 3, 1 / 3, 1 / 3, 0.0)  # the case with an expert that gets no rows
-REFERENCE_COLUMNS = ("grouped_linear", "grouped_mm", "loop")  # timed first, see main()
+REFERENCE_COLUMNS = ("grouped_linear", "grouped_mm", "loop")  # timed first in each case, see main()
 WARMUP_STEPS = 3
 
 
@@ -301,13 +305,14 @@ def main() -> None:
     down_LDF = (torch.randn(L, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_()
     weight_bytes = 2 * (gate_up_L2FD.numel() + down_LDF.numel())
 
-    # --- every column x every case. The reference columns go first and other tiers last,
-    # so that a tier which breaks the CUDA context cannot take the reference numbers with it.
+    # --- every case x every column, the columns of one case together (see the docstring).
+    # In each case the reference columns go first and other tiers last, so that a tier which
+    # breaks the CUDA context cannot take that case's reference numbers with it.
     cases = make_cases(sizes)
     order = [c for c in REFERENCE_COLUMNS if c in columns] + [c for c in columns if c not in REFERENCE_COLUMNS]
     cells = {}
-    for column in order:
-        for case in cases:
+    for case in cases:
+        for column in order:
             rows = sum(case.splits)
             flops = gemm_flops(rows, sizes)
             r = {"case": case.name, "tokens_per_expert": case.splits, "rows": rows, "column": column,
