@@ -34,7 +34,7 @@ Several (x, dy) buffer sets are rotated so that the inputs of consecutive steps 
 already in L2 (together they exceed twice the L2 size); the weights are far larger than L2.
 The matmul peak (8192^3, random bf16) and copy bandwidth are measured in the same run.
 Every column is timed at one case before the next case starts, so the columns compared in
-a case ran minutes apart at most, not a whole run apart: a GPU slows as it warms (on an
+a case ran minutes apart at most, not a whole run apart: times drift over a run (on an
 H100, custom_grouped at 8x7B, 4 x 4096 rows, took 25.0, 25.4, 26.1 and 26.4 ms in four
 rounds a few seconds apart), which would otherwise favour the columns timed first.
 
