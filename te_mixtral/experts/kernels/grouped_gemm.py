@@ -132,7 +132,8 @@ def _rows_gemm(
 
         # Rows past this expert's count and columns past N are never stored.
         rm = tl.arange(0, BLOCK_M)
-        row_ok = (pid_m * BLOCK_M + rm < count)[:, None]
+        in_expert = pid_m * BLOCK_M + rm < count
+        row_ok = in_expert[:, None]
         h_tile = h_ptr + m0.to(tl.int64) * (2 * N)  # h rows are [gate | up]
         out_tile = out_ptr + m0.to(tl.int64) * N
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -196,7 +197,7 @@ def _rows_gemm(
                     rows = tl.where(last, count, 0)
             cols = n0 + tl.arange(0, BLOCK_N)
             if SCALED:
-                acc = _scaled(acc, a_scale_ptr + m0, pid_m * BLOCK_M + rm < count,
+                acc = _scaled(acc, a_scale_ptr + m0, in_expert,
                               b_scale_ptr + e * N + n0, cols < N, BLOCK_M, BLOCK_N)
             tl.store(out_tile + rm[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=(pid_m * BLOCK_M + rm < rows)[:, None] & (cols < N)[None, :])
