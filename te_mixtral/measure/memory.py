@@ -35,6 +35,9 @@ statistics and the log-probabilities in fp32 (T x V x 4: a large one). With fp32
 every matrix a GEMM reads is also cast to bf16 and that copy is saved until its layer's
 backward ("weight copies", 2 bytes per matrix parameter).
 
+Under `train.sharding: fsdp` a rank keeps shards of the weights, their gradients and the
+optimizer state, and FSDP holds some of them whole for a while (model_state.py, `held_fsdp`).
+
 Under expert parallelism every rank receives T*K rows on average; routing is assumed balanced
 and `ROUTING_IMBALANCE` is the margin kept for the busiest rank. The counts follow what the
 code of this package saves (checked tensor by tensor with `saved_tensors_hooks`, on the CPU in
@@ -63,13 +66,14 @@ import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from te_mixtral.config import ModelConfig, RunConfig
+from te_mixtral.config import RunConfig
 from te_mixtral.config_checks import RECOMPUTE, validate_model
 from te_mixtral.distributed.layout import main_rank_from_env
 from te_mixtral.errors import UserError
 from te_mixtral.experts.device_mxfp8 import runs_fp8
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.measure.capacity import GiB, capacity
+from te_mixtral.measure.model_state import ParamCounts, count_parameters, held_fsdp, held_unsharded, local_parameters
 from te_mixtral.measure.report import format_table
 
 # (parameter, gradient, optimizer state) bytes per parameter. adamw_fp32: fp32 weights,
@@ -96,39 +100,6 @@ ALLOCATOR_SLACK = 0.05
 PARTS = ("parameters", "gradients", "optimizer state", "weight copies", "activations", "workspace, transients")
 
 
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters one rank holds, by kind (experts: this rank's E / EP of them)."""
-
-    embedding: int
-    lm_head: int  # 0 when tied to the embedding
-    dense_per_layer: int  # attention, router, norms
-    experts_per_layer: int
-    final_norm: int
-    layers: int
-
-    @property
-    def dense(self) -> int:
-        return self.embedding + self.lm_head + self.final_norm + self.layers * self.dense_per_layer
-
-    @property
-    def experts(self) -> int:
-        return self.layers * self.experts_per_layer
-
-    @property
-    def total(self) -> int:
-        return self.dense + self.experts
-
-
-def count_parameters(m: ModelConfig, ep_size: int = 1) -> ParamCounts:
-    d, hd = m.hidden_size, m.head_dim
-    attention = d * m.num_attention_heads * hd * 2 + d * m.num_key_value_heads * hd * 2  # q, o; k, v
-    router, norms = d * m.num_experts, 2 * d
-    experts = (m.num_experts // ep_size) * 3 * m.intermediate_size * d  # gate, up, down
-    return ParamCounts(m.vocab_size * d, 0 if m.tie_word_embeddings else m.vocab_size * d,
-                       attention + router + norms, experts, d, m.num_hidden_layers)
-
-
 @dataclass
 class MemoryEstimate:
     """Per-rank bytes of each part at each phase of a step; the peak is the largest phase."""
@@ -136,6 +107,7 @@ class MemoryEstimate:
     phases: dict[str, dict[str, int]]  # phase -> part (PARTS) -> bytes
     forward_saved: int  # what one forward saves for the backward (activations and weight copies)
     params: ParamCounts
+    local_params: int  # what this rank holds of them: all, or its shards under fsdp
     device: str  # "cuda" or "cpu": what the estimate was made for
     describe: str  # the layout in words, for the table's title
 
@@ -185,7 +157,7 @@ class MemoryEstimate:
         names = list(self.phases)
         rows = [(part, *(f"{self.phases[n][part] / scale:.2f}" for n in names)) for part in PARTS]
         rows.append(("total", *(f"{sum(self.phases[n].values()) / scale:.2f}" for n in names)))
-        lines = [f"memory per rank: {self.describe}; {self.params.total / 1e6:,.1f} M parameters on this rank",
+        lines = [f"memory per rank: {self.describe}; {self.local_params / 1e6:,.1f} M parameters on this rank",
                  format_table(rows, header=(unit, *names)),
                  f"peak {self.total / scale:.2f} {unit} in the {self.peak_phase}"]
         if capacity_bytes is not None:
@@ -219,20 +191,18 @@ def optimizer_mode(cfg: RunConfig) -> str:
 
 
 def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str | None = None,
-                    shard_optimizer_state: bool | None = None, device: str | None = None) -> MemoryEstimate:
+                    fsdp: bool | None = None, device: str | None = None) -> MemoryEstimate:
     """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
 
-    `optimizer`, `recompute` and `shard_optimizer_state` default to the run's (`train.optimizer`,
-    `train.recompute`, `train.sharding`; see te_mixtral/model/recompute.py for the modes).
-    `shard_optimizer_state` divides the state by each parameter's replica count (dense: the
-    world; experts: world / EP); fsdp shards weights and gradients too, outside the layer in
-    flight, which this counts whole: an overestimate. `device` defaults to the config's
-    resolved device.
+    `optimizer`, `recompute` and `fsdp` default to the run's (`train.optimizer`,
+    `train.recompute`, `train.sharding == "fsdp"`; see te_mixtral/model/recompute.py for the
+    modes). With fsdp on several ranks, weights, gradients and optimizer state are held as
+    `held_fsdp` says. `device` defaults to the config's resolved device.
     """
     optimizer = optimizer or optimizer_mode(cfg)
     recompute = recompute or cfg.train.recompute
-    if shard_optimizer_state is None:
-        shard_optimizer_state = cfg.train.sharding == "fsdp"
+    if fsdp is None:
+        fsdp = cfg.train.sharding == "fsdp"
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer mode '{optimizer}' (modes: {', '.join(OPTIMIZERS)})")
     if recompute not in RECOMPUTE:
@@ -304,35 +274,37 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
         expert_bwd += R * (2 * a * F + 5 * F)
     one_layer = dense_layer + expert_hidden  # a recomputed layer saves as much as a kept one
 
-    replicas_dense, replicas_experts = (world_size, world_size // ep) if shard_optimizer_state else (1, 1)
-    state = s_bytes * (params.dense // replicas_dense + params.experts // replicas_experts)
-    weights, grads = p_bytes * params.total, g_bytes * params.total
-    grads_but_embedding = grads - (0 if m.tie_word_embeddings else g_bytes * params.embedding)
-    # The gradients the backward finds already there: the earlier micro-batches' sums.
-    head_grads, layer0_grads = (grads, grads) if accumulating else (0, grads_but_embedding)
+    sharded = fsdp and world_size > 1
+    held = (held_fsdp(params, world_size // ep, world_size, p_bytes, g_bytes, accumulating) if sharded
+            else held_unsharded(params, p_bytes, g_bytes, accumulating, m.tie_word_embeddings))
+    local = local_parameters(params, world_size // ep, world_size) if sharded else params.total
+    state = s_bytes * local
     L = m.num_hidden_layers
 
     workspace = WORKSPACE_BYTES if device == "cuda" else 0
 
-    def phase(gradients, copies, activations, transient):
-        return dict(zip(PARTS, (weights, gradients, state, copies, activations, workspace + transient)))
+    def phase(name, copies, activations, transient):
+        weights, gradients, in_flight = held[name]
+        return dict(zip(PARTS, (weights, gradients, state, copies, activations, workspace + transient + in_flight)))
 
     phases = {
-        "head backward": phase(head_grads, L * saved_copies + head_copy, L * layer_saved + head + logits,
+        "head backward": phase("head backward", L * saved_copies + head_copy, L * layer_saved + head + logits,
                                2 * 4 * T * V),
-        "layer 0 backward": phase(layer0_grads, layer_copies, one_layer + logits, expert_bwd),
-        "optimizer step": phase(grads, 0, logits, 0),
+        "layer 0 backward": phase("layer 0 backward", layer_copies, one_layer + logits, expert_bwd),
+        "optimizer step": phase("optimizer step", 0, logits, 0),
     }
     micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
-                f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {optimizer}, recompute {recompute}")
-    return MemoryEstimate(phases, L * (layer_saved + saved_copies) + head + head_copy, params, device, describe)
+                f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {optimizer}, recompute {recompute}"
+                + (f", sharded by fsdp ({params.total / 1e6:,.1f} M parameters unsharded)" if sharded else ""))
+    return MemoryEstimate(phases, L * (layer_saved + saved_copies) + head + head_copy, params, local, device,
+                          describe)
 
 
 def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> MemoryEstimate:
     """Refuse, with the table, a run whose estimate exceeds what one rank may use; else say
     the estimate in one line, to read beside the measured peak. `options` go to
-    `estimate_memory` (optimizer, recompute, shard_optimizer_state)."""
+    `estimate_memory` (optimizer, recompute, fsdp)."""
     estimate = estimate_memory(cfg, world_size, device=device, **options)
     limit, name = capacity(cfg, device)
     if limit is not None and not estimate.fits(limit):

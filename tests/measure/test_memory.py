@@ -26,7 +26,8 @@ from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import make_tier
 from te_mixtral.measure.capacity import GPUS, GiB, parse_capacity
-from te_mixtral.measure.memory import count_parameters, estimate_memory
+from te_mixtral.measure.memory import estimate_memory
+from te_mixtral.measure.model_state import count_parameters
 from te_mixtral.model.layers import TORCH, PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.saved_config import upgrade_saved
@@ -65,7 +66,7 @@ def test_sharded_state_divides_by_each_parameters_replicas():
     experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
     dense = sum(p.numel() for p in model.parameters()) - experts
     full = estimate_memory(cfg, 4, device="cpu")
-    sharded = estimate_memory(cfg, 4, device="cpu", shard_optimizer_state=True)
+    sharded = estimate_memory(cfg, 4, device="cpu", fsdp=True)
     assert full.optimizer_state == 8 * (dense + experts)
     # Dense weights have a replica on each of the 4 ranks; each expert on 4 / EP = 2 of them.
     assert sharded.optimizer_state == 8 * (dense // 4 + experts // 2)

@@ -1,7 +1,7 @@
 """torchrun worker: train like run_finetune_ep.py, then save this rank's weights, whole
 (sharded ones gathered: what the rank would hold without sharding), the gradients it held
 after each step's gradient reduction and after each step's clipping, and the bytes of its
-optimizer state as it holds them.
+parameters and optimizer state as it holds them.
 
 Usage: torchrun ... tests/workers/train_and_save.py WEIGHTS_DIR [run_finetune_ep.py arguments]
    or: torchrun ... tests/workers/train_and_save.py --runs RUNS.json
@@ -91,7 +91,9 @@ def train_and_save(weights_dir: Path, argv: list[str]) -> int:
     torch.save(weights, weights_dir / f"rank{rank}.pt")
     state = [value.to_local() if isinstance(value, DTensor) else value
              for per_param in result.optimizer.state.values() for value in per_param.values()]
-    (weights_dir / f"optimizer{rank}.json").write_text(json.dumps(sum(t.nbytes for t in state if t.dim() > 0)))
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in result.model.parameters()]
+    held = {"parameters": sum(p.nbytes for p in params), "optimizer state": sum(t.nbytes for t in state if t.dim() > 0)}
+    (weights_dir / f"held{rank}.json").write_text(json.dumps(held))
     torch.save(reduced, weights_dir / f"grads{rank}.pt")
     torch.save(clipped, weights_dir / f"clipped{rank}.pt")
     return result.exit_code
