@@ -131,6 +131,11 @@ class TrainConfig:
     sharding: str = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
                             "state; gradients all-reduced in buckets during backward) or fsdp (FSDP2 shards them over the ranks, "
                             "experts over their replicas; te_mixtral/distributed/parallelize.py)")
+    # Resumable: the same summed gradients either way (to rounding); only memory and traffic change.
+    fsdp_reduce: str = setting("step", resumable=True,
+                               help="with fsdp and grad_accum_steps > 1, when gradients are reduce-scattered: step "
+                               "(once, in the last micro-batch; until then FSDP keeps every whole gradient, in fp32) "
+                               "or micro_batch (after each micro-batch: N times the traffic, only shards kept)")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")
     eval_every: int = setting(0, workload=False,

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # annotations only: config imports this module
 DTYPES = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "master_adamw")
 SHARDINGS = ("none", "fsdp")
+FSDP_REDUCES = ("step", "micro_batch")
 MOMENT_DTYPES = ("bf16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 BACKENDS = ("auto", "torch", "te")
@@ -45,6 +46,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _check(t.recompute in RECOMPUTE,
            f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
     _check(t.sharding in SHARDINGS, f"train.sharding must be one of {', '.join(SHARDINGS)}, got '{t.sharding}'")
+    _check(t.fsdp_reduce in FSDP_REDUCES,
+           f"train.fsdp_reduce must be one of {', '.join(FSDP_REDUCES)}, got '{t.fsdp_reduce}'")
+    _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",
+           "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp (unsharded gradients are whole "
+           "either way, so reducing them after every micro-batch would only cost traffic)")
     _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(d.format in DATA_FORMATS, f"data.format must be one of {', '.join(DATA_FORMATS)}, got '{d.format}'")

@@ -28,6 +28,8 @@ from te_mixtral.errors import UserError
     ("rms_norm_eps", "-1e-5", "model.rms_norm_eps must be finite and above 0"),
     ("rope_theta", "0", "model.rope_theta must be finite and above 0"),
     ("initializer_range", ".nan", "model.initializer_range must be finite and above 0"),
+    ("fsdp_reduce", "sometimes", "train.fsdp_reduce must be one of step, micro_batch"),
+    ("fsdp_reduce", "micro_batch", "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp"),
 ])
 def test_bad_setting_is_refused_in_one_line(key, value, fragment):
     with pytest.raises(UserError) as raised:

@@ -104,9 +104,11 @@ def reduce_gradients(model: nn.Module, layout: Layout, sharding: str) -> None:
 
 
 def set_gradient_sync(model: nn.Module, layout: Layout, sharding: str, enabled: bool) -> None:
-    """Whether the next backward communicates its gradients: only the last micro-batch of a
-    step does, so gradients travel once per step (the earlier micro-batches add into `.grad`,
-    FSDP's unsharded gradients under fsdp). A no-op in a single process."""
+    """Whether the next backward communicates its gradients. The loop enables it for a step's
+    last micro-batch, so gradients travel once per step (the earlier micro-batches add into
+    `.grad`, under fsdp into FSDP's whole gradients, kept in fp32), or under fsdp with
+    `train.fsdp_reduce: micro_batch` for every micro-batch (FSDP adds each reduce-scattered
+    shard into the sharded gradient: only shards are kept). A no-op in a single process."""
     if is_sharded(layout, sharding):
         model.set_requires_gradient_sync(enabled)
     elif (reducer := gradient_reducer(model)) is not None:

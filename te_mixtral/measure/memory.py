@@ -275,7 +275,9 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     one_layer = dense_layer + expert_hidden  # a recomputed layer saves as much as a kept one
 
     sharded = fsdp and world_size > 1
-    held = (held_fsdp(params, world_size // ep, world_size, p_bytes, g_bytes, accumulating) if sharded
+    whole_until_last = accumulating and cfg.train.fsdp_reduce == "step"
+    held = (held_fsdp(params, world_size // ep, world_size, p_bytes, g_bytes, accumulating, whole_until_last)
+            if sharded
             else held_unsharded(params, p_bytes, g_bytes, accumulating, m.tie_word_embeddings))
     local = local_parameters(params, world_size // ep, world_size) if sharded else params.total
     state = s_bytes * local

@@ -58,7 +58,7 @@ def held_unsharded(params: ParamCounts, p_bytes: int, g_bytes: int, accumulating
 
 
 def held_fsdp(params: ParamCounts, expert_replicas: int, world_size: int, p_bytes: int, g_bytes: int,
-               accumulating: bool) -> dict:
+              accumulating: bool, whole_until_last: bool) -> dict:
     """Phase -> (weights, gradients, transient bytes) under FSDP2 (distributed/parallelize.py),
     as torch.distributed.fsdp._fully_shard holds them: a rank keeps its shards of weights and
     gradients. Each unit (a layer's experts, a layer's dense weights, the root: embeddings,
@@ -66,8 +66,9 @@ def held_fsdp(params: ParamCounts, expert_replicas: int, world_size: int, p_byte
     the next unit's gather issued while one runs; the root stays gathered from the forward
     to the end of the backward, and so do its whole gradients. A unit's backward leaves its
     whole gradient, copied into an fp32 buffer for the reduce-scatter (the reduce dtype), whose
-    fp32 shard is then stored in the weights' dtype. A micro-batch that does not reduce keeps
-    every whole gradient, in fp32."""
+    fp32 shard is then added into the sharded gradient in the weights' dtype.
+    `whole_until_last`: micro-batches that do not reduce (`train.fsdp_reduce: step`) keep
+    every whole gradient, in fp32, until the last one's backward."""
     local = local_parameters(params, expert_replicas, world_size)
     weights, grads = p_bytes * local, g_bytes * local
     root = params.embedding + params.lm_head + params.final_norm
@@ -75,17 +76,18 @@ def held_fsdp(params: ParamCounts, expert_replicas: int, world_size: int, p_byte
     # In an expert unit's backward: its weights, its layer's dense ones and the next layer's
     # (prefetched) gathered, and the root's.
     gathered = p_bytes * (root + experts + 2 * params.dense_per_layer)
-    if accumulating:
+    if whole_until_last:
         whole = 4 * params.total  # fp32, every unit's, the earlier micro-batches' sums
         backward = (whole, g_bytes * experts)  # and the expert unit's new gradient, added in after
         head = whole
     else:
-        # The shards made so far (counted all, but for the embedding's), the root's whole
-        # gradients; the expert unit's whole gradient, its fp32 copy and the fp32 shard.
+        # The shards made so far (all of them with accumulation; else all but the embedding's,
+        # made last), the root's whole gradients; the expert unit's whole gradient, its fp32
+        # copy and the fp32 shard.
         root_whole = root - (params.embedding if params.lm_head else 0)  # a tied embedding is the head
-        made = grads - g_bytes * (params.embedding // world_size) + g_bytes * root_whole
-        backward = (made, (g_bytes + 4) * experts + 4 * experts // expert_replicas)
-        head = 0
+        shards = grads if accumulating else grads - g_bytes * (params.embedding // world_size)
+        backward = (shards + g_bytes * root_whole, (g_bytes + 4) * experts + 4 * experts // expert_replicas)
+        head = grads if accumulating else 0
     return {"head backward": (weights + p_bytes * (root + params.dense_per_layer), head, 0),
             "layer 0 backward": (weights + gathered, *backward),
             "optimizer step": (weights, grads, 0)}

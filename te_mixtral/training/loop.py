@@ -210,7 +210,8 @@ def train(cfg: RunConfig) -> TrainResult:
         step_losses = torch.zeros(3, dtype=torch.float64, device=device)
         step_load_YE = 0
         for micro in micro_batches:  # gradients add up in .grad, one micro-batch after another
-            set_gradient_sync(model, layout, cfg.train.sharding, micro is micro_batches[-1])
+            set_gradient_sync(model, layout, cfg.train.sharding,
+                              micro is micro_batches[-1] or cfg.train.fsdp_reduce == "micro_batch")
             with autocast:
                 logits = model(micro.input_ids, micro.packed)
             loss = causal_lm_loss(logits, micro.labels, totals[0])

@@ -19,7 +19,9 @@ ADAMW_STATE_BYTES = 8  # fp32 exp_avg and exp_avg_sq per parameter
 RUNS = {"none-ep2": (2,), "fsdp-ep2": (2, "--sharding", "fsdp"),
         "none-ep4": (4,), "fsdp-ep4": (4, "--sharding", "fsdp"),
         "none-batch8": (2, "--batch_size", "8"),
-        "fsdp-accum": (2, "--batch_size", "8", "--sharding", "fsdp", "--grad_accum_steps", "2")}
+        "fsdp-accum": (2, "--batch_size", "8", "--sharding", "fsdp", "--grad_accum_steps", "2"),
+        "fsdp-accum-each": (2, "--batch_size", "8", "--sharding", "fsdp", "--grad_accum_steps", "2",
+                            "--fsdp_reduce", "micro_batch")}
 # Launched with the other modules' four-rank runs (conftest.py's launch_planned).
 PLANNED_RUNS = {WORLD: [[*EP_ARGS, "--ep-size", str(ep), *extra] for ep, *extra in RUNS.values()]}
 
@@ -33,7 +35,8 @@ def runs(tmp_path_factory, launch_planned):
 
 
 def held_bytes(folder, name, part):
-    """What each rank held of `part` ("parameters" or "optimizer state") after training."""
+    """What each rank held of `part` ("parameters" or "optimizer state") after training, or
+    its "syncs": whether each micro-batch's backward communicated."""
     return [json.loads((folder / name / "weights" / f"held{r}.json").read_text())[part] for r in range(WORLD)]
 
 
@@ -72,29 +75,32 @@ def test_fsdp_equals_unsharded(runs, ep):
 
 
 @pytest.mark.slow
-def test_fsdp_with_accumulation_equals_one_unsharded_batch(runs):
-    """Under fsdp, only a step's last micro-batch reduce-scatters; the earlier ones add into
-    FSDP's gradients, so two micro-batches train like one batch of both."""
-    _, trained = runs
+@pytest.mark.parametrize("name, syncs", [("fsdp-accum", [False, True]), ("fsdp-accum-each", [True, True])],
+                         ids=["reduce-once-a-step", "reduce-every-micro-batch"])
+def test_fsdp_with_accumulation_equals_one_unsharded_batch(runs, name, syncs):
+    """Under fsdp with `fsdp_reduce: step`, only a step's last micro-batch reduce-scatters and
+    the earlier ones add into FSDP's whole gradients; with `micro_batch` each one reduce-scatters
+    and FSDP adds the shards. Either way two micro-batches train like one batch of both."""
+    folder, trained = runs
+    assert held_bytes(folder, name, "syncs") == [syncs * EP_STEPS] * WORLD
     ref_losses, ref = trained["none-batch8"]
-    losses, sharded = trained["fsdp-accum"]
+    losses, sharded = trained[name]
     for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     for rank, (got, want) in enumerate(zip(sharded, ref)):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {key}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [2, 4], ids=["ep2xdp2", "ep4"])
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
-def test_memory_estimate_counts_what_each_rank_holds(runs, ep, sharding):
+@pytest.mark.parametrize("name", ["none-ep2", "fsdp-ep2", "none-ep4", "fsdp-ep4", "fsdp-accum", "fsdp-accum-each"])
+def test_memory_estimate_counts_what_each_rank_holds(runs, name):
     """The estimate's weights, gradients and optimizer state at the optimizer step against
     the bytes each rank of a real four-rank run held, its own shards where FSDP shards."""
     folder, _ = runs
-    name = f"{sharding}-ep{ep}"
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"ep_size": str(ep)}, WORLD)
-    cfg.train.sharding = sharding
+    ep, *extra = RUNS[name]
+    overrides = {"ep_size": str(ep), **dict(zip(extra[::2], extra[1::2]))}
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {k.lstrip("-"): v for k, v in overrides.items()}, WORLD)
     step = estimate_memory(cfg, WORLD, device="cpu").phases["optimizer step"]
     gradients = [sum(g.nbytes for g in torch.load(folder / name / "weights" / f"grads{r}.pt")[-1].values())
                  for r in range(WORLD)]

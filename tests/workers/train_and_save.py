@@ -36,11 +36,11 @@ from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
 from te_mixtral.distributed import layout as layout_module
 from te_mixtral.distributed.layout import init_layout, shutdown, world_size_from_env
-from te_mixtral.distributed.parallelize import reduce_gradients
+from te_mixtral.distributed.parallelize import reduce_gradients, set_gradient_sync
 from te_mixtral.training import loop
 from te_mixtral.training.optimizer import clip_gradients
 
-reduced, clipped = [], []
+reduced, clipped, syncs = [], [], []
 
 
 def local_grads(model) -> dict:
@@ -51,6 +51,11 @@ def local_grads(model) -> dict:
 def recording_reduce_gradients(model, layout, sharding):
     reduce_gradients(model, layout, sharding)
     reduced.append(local_grads(model))
+
+
+def recording_set_gradient_sync(model, layout, sharding, enabled):
+    syncs.append(enabled)
+    set_gradient_sync(model, layout, sharding, enabled)
 
 
 def recording_clip_gradients(optimizer, model, max_norm, layout):
@@ -77,6 +82,7 @@ def init_layout_once(ep_size, device, timeout_s):
 def train_and_save(weights_dir: Path, argv: list[str]) -> int:
     reduced.clear()
     clipped.clear()
+    syncs.clear()
     args, overrides = parse_args(argv)
     # No loss and step-time PNGs unless a run asks for them: the tests read these runs' numbers,
     # and drawing costs rank 0 about a second a run while the other ranks wait (the app's own
@@ -92,7 +98,8 @@ def train_and_save(weights_dir: Path, argv: list[str]) -> int:
     state = [value.to_local() if isinstance(value, DTensor) else value
              for per_param in result.optimizer.state.values() for value in per_param.values()]
     params = [p.to_local() if isinstance(p, DTensor) else p for p in result.model.parameters()]
-    held = {"parameters": sum(p.nbytes for p in params), "optimizer state": sum(t.nbytes for t in state if t.dim() > 0)}
+    held = {"parameters": sum(p.nbytes for p in params), "optimizer state": sum(t.nbytes for t in state if t.dim() > 0),
+            "syncs": syncs}
     (weights_dir / f"held{rank}.json").write_text(json.dumps(held))
     torch.save(reduced, weights_dir / f"grads{rank}.pt")
     torch.save(clipped, weights_dir / f"clipped{rank}.pt")
@@ -135,6 +142,7 @@ else:
     runs = [(sys.argv[1], sys.argv[2:])]
 loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrapped
 loop.clip_gradients = recording_clip_gradients
+loop.set_gradient_sync = recording_set_gradient_sync
 loop.init_layout = init_layout_once
 exit_codes = [run_script(run["script"], run["argv"], Path(run["output"])) if isinstance(run, dict)
               else train_and_save(Path(run[0]), run[1]) for run in runs]
