@@ -174,6 +174,11 @@ class RunConfig:
                                            help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
                                            "expert runs the BF16 custom_grouped kernels, where FP8 is slower "
                                            "(docs/precision.md); 0: FP8 at every size")
+    fp8_weight_cache: bool = setting(True, workload=False,
+                                     help="device_mxfp8 on Hopper: keep each expert weight's FP8 copies (a byte "
+                                     "per element per orientation, every layer) from its first use to the "
+                                     "optimizer step; false: quantise it at every use, so that with recompute "
+                                     "only the layer in flight holds them")
     tensorboard: bool = setting(False, workload=False, resumable=True,
                                 help="also write each step's scalars for TensorBoard into output_dir (needs the "
                                 "tensorboard package: pip install 'te_mixtral[tensorboard]')")

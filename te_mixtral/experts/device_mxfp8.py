@@ -134,11 +134,12 @@ class _GemmsMLP:
         return scaled_grouped_swiglu(x_QD, padded.offsets_L, gate_up_L2FD, down_LDF, self.gemms)
 
 
-# What runs each mode: an object with `mlp`, `recipe`, `kernel`, `row_align` and `min_rows`.
+# What runs each mode, made from the tier's options: an object with `mlp`, `recipe`,
+# `kernel`, `row_align` and `min_rows`.
 _MODE_RUNNERS = {
-    "mxfp8-emulated": lambda: _GemmsMLP(MXFP8EmulatedGemms()),
-    "fp8-hopper": FP8SwiGLUExperts,
-    "mxfp8-te": te_mxfp8.TEGroupedExperts,
+    "mxfp8-emulated": lambda tier: _GemmsMLP(MXFP8EmulatedGemms()),
+    "fp8-hopper": lambda tier: FP8SwiGLUExperts(cache_weights=tier.cache_weights),
+    "mxfp8-te": lambda tier: te_mxfp8.TEGroupedExperts(),
 }
 
 
@@ -162,16 +163,20 @@ class DeviceMXFP8Tier(ExpertTier):
 
     name = "device_mxfp8"
 
-    def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, bf16_below: int = 0):
+    def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, bf16_below: int = 0,
+                 cache_weights: bool = True):
         """`model_dims` (hidden size, expert FFN size), when given, are checked against the
         mode that runs (`check_dims`) by `check_available`, before the model is built.
         `bf16_below`: in mode `fp8-hopper`, a call with fewer rows per local expert runs
-        the BF16 `custom_grouped` kernels instead (the config's `fp8_min_rows_per_expert`)."""
+        the BF16 `custom_grouped` kernels instead (the config's `fp8_min_rows_per_expert`).
+        `cache_weights` off: `fp8-hopper` quantises the expert weights at every use instead
+        of once per optimizer step (the config's `fp8_weight_cache`; fp8_hopper.py)."""
         if mode not in MODES:
             raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.requested_mode = mode
         self.model_dims = model_dims
         self.bf16_below = bf16_below
+        self.cache_weights = cache_weights
         self._calls: Counter[str] = Counter()  # calls per path: the mode, or BF16 under the break-even size
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
@@ -179,7 +184,8 @@ class DeviceMXFP8Tier(ExpertTier):
 
     @classmethod
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
-        return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size), cfg.fp8_min_rows_per_expert)
+        return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size), cfg.fp8_min_rows_per_expert,
+                   cfg.fp8_weight_cache)
 
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)
@@ -194,8 +200,11 @@ class DeviceMXFP8Tier(ExpertTier):
         mode = select_mode(self.requested_mode, device.type, capability, te_mxfp8.unavailable_reason)
         if self.model_dims is not None:
             check_dims(mode, *self.model_dims)
+        if not self.cache_weights and mode != "fp8-hopper":
+            raise UserError(f"fp8_weight_cache false is mode fp8-hopper's; mode '{mode}' runs here, which does "
+                            "not keep the weights' 8-bit copies that way: leave fp8_weight_cache true")
         if mode != self.mode:
-            self._runner = _MODE_RUNNERS[mode]()
+            self._runner = _MODE_RUNNERS[mode](self)
         self.mode, self._device = mode, device
 
     def describe(self) -> dict:

@@ -234,6 +234,10 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # (Blackwell's TE path is counted the same way; it has not been measured.)
     fp8 = cfg.tier == "device_mxfp8" and device == "cuda" and runs_fp8(R, E // ep, cfg.fp8_min_rows_per_expert)
     fp8_weights = 2 * params.experts_per_layer if fp8 else 0
+    # With fp8_weight_cache off they are made at every use: a kept layer saves one orientation
+    # (dgrad's) for its backward, a recomputed one nothing; both while the layer runs.
+    cached_fp8 = fp8_weights if cfg.fp8_weight_cache else 0
+    saved_fp8 = fp8_weights if cfg.fp8_weight_cache else fp8_weights // 2
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
     # from a bf16 one) and the normalised rows in the residual dtype.
@@ -256,9 +260,9 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     layer_copies = dense_copies + expert_copies + fp8_weights
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
     # the experts' weight copies; full keeps the layer's input alone.
-    layer_saved, saved_copies = {"none": (dense_layer + expert_hidden, layer_copies),
-                                 "selective": (dense_layer, dense_copies + fp8_weights),
-                                 "full": (r * T * D, fp8_weights)}[recompute]
+    layer_saved, saved_copies = {"none": (dense_layer + expert_hidden, dense_copies + expert_copies + saved_fp8),
+                                 "selective": (dense_layer, dense_copies + cached_fp8),
+                                 "full": (r * T * D, cached_fp8)}[recompute]
     head = norm + a * T * D + 4 * T * V + 8 * T + 2 * 4 * batch * S * Hd  # + ids, rotary tables
     head += m.num_hidden_layers * (12 * E + 4)  # router statistics: picks (int64), prob sums, z sum
     if recompute == "full":
@@ -292,8 +296,10 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     phases = {
         "head backward": phase("head backward", L * saved_copies + head_copy, L * layer_saved + head + logits,
                                2 * 4 * T * V),
-        "layer 0 backward": phase("layer 0 backward", layer_copies, one_layer + logits, expert_bwd),
-        "optimizer step": phase("optimizer step", 0, logits, 0),
+        # The cache keeps every layer's FP8 weights through the backward and the step.
+        "layer 0 backward": phase("layer 0 backward", layer_copies + (L - 1) * cached_fp8, one_layer + logits,
+                                  expert_bwd),
+        "optimizer step": phase("optimizer step", L * cached_fp8, logits, 0),
     }
     micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "

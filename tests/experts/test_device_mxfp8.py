@@ -184,6 +184,16 @@ def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
         check_tier(load_config(None, {"tier": "device_mxfp8", "fp8_min_rows_per_expert": "-1"}), 1)
 
 
+def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off():
+    assert load_config(None, {}).fp8_weight_cache
+    cfg = load_config(None, {"mxfp8_mode": "mxfp8-emulated", "fp8_weight_cache": "false"})
+    tier = make_tier("device_mxfp8", cfg)
+    assert tier.cache_weights is False
+    with pytest.raises(UserError, match="fp8_weight_cache false is mode fp8-hopper's") as error:
+        tier.check_available(torch.device("cpu"))  # emulation keeps no such copies: not ignored silently
+    assert "\n" not in str(error.value)
+
+
 def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_path():
     """The switch itself, on the CPU: a tier told its mode is fp8-hopper (as check_available
     would on an H100) runs custom_grouped under the threshold; at it and above, the FP8

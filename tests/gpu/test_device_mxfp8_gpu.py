@@ -21,9 +21,11 @@ Relative errors are Frobenius: ||out - ref|| / ||ref||.
 
 import os
 import statistics
+import weakref
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from expert_reference import accumulated_and_summed_grads, random_expert_inputs
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
@@ -195,6 +197,42 @@ def test_fp8_hopper_runs_bf16_custom_grouped_below_its_break_even_size():
         assert "BF16 custom_grouped kernels for calls under" in tier.describe()["kernel"]
         assert all(torch.equal(a, b) for a, b in zip(got, bf16)) == expect_bf16, bf16_below
         assert_close(got, reference(*inputs), FP8_ROWWISE_MLP_RTOL)
+
+
+@hopper
+def test_fp8_hopper_without_the_weight_cache_computes_the_same_bits():
+    # Quantising the weights at every use instead of once per step changes what is held, not
+    # the values: the same quantiser on the same weights, so the same bits everywhere.
+    inputs = make_inputs(SPLITS["uneven"], seed=7)
+    cached, uncached = DeviceMXFP8Tier("fp8-hopper"), DeviceMXFP8Tier("fp8-hopper", cache_weights=False)
+    for tier in (cached, uncached):
+        tier.check_available(torch.device("cuda"))
+    assert "weights quantised at every use" in uncached.describe()["kernel"]
+    assert all(torch.equal(a, b) for a, b in zip(run(uncached, *inputs), run(cached, *inputs)))
+
+
+@hopper
+def test_without_the_weight_cache_a_recomputed_call_keeps_no_fp8_weights():
+    # With fp8_weight_cache off, torch's checkpoint drops the FP8 weights the forward made
+    # (saved tensors, like the rest) and the recompute makes them again: none outlive the
+    # forward, which is what lets a recomputed layer hold them only while it runs.
+    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=0, cache_weights=False)
+    tier.check_available(torch.device("cuda"))
+    gemms, made = tier._runner.gemms, []
+    quantize = gemms._quantize_weight
+
+    def remembered(w):
+        value = quantize(w)
+        made.extend(weakref.ref(t) for orientation in value for t in orientation)
+        return value
+
+    gemms._quantize_weight = remembered
+    x, counts, gate_up, down, dy = make_inputs(SPLITS["uneven"], seed=8)
+    y = checkpoint(tier, x, counts, gate_up, down, use_reentrant=False)
+    assert len(made) == 8 and all(ref() is None for ref in made)  # 2 weights x 2 orientations x (q, scale)
+    grads = torch.autograd.grad(y, (x, gate_up, down), dy)
+    assert len(made) == 16  # made again by the recompute
+    assert all(torch.equal(a, b) for a, b in zip((y, *grads), run(tier, x, counts, gate_up, down, dy)))
 
 
 @hopper

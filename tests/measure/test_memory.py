@@ -217,12 +217,14 @@ def recorded_runs():
 @pytest.mark.parametrize("result", list(recorded_runs()))
 def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
     header, raw = result["header"], upgrade_saved(result["header"]["config"])
-    if raw["tier"] == "device_mxfp8" and "once per optimizer step" not in header["ran"]["kernel"]:
+    kernel = header["ran"].get("kernel", "")
+    if raw["tier"] == "device_mxfp8" and not any(w in kernel for w in ("once per optimizer step", "at every use")):
         pytest.skip("recorded by the FP8 tier before its fused SwiGLU and weight cache, which the estimate "
                     "no longer describes")
     cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
                     tier=raw["tier"], ep_size=raw["ep_size"],
-                    fp8_min_rows_per_expert=raw.get("fp8_min_rows_per_expert", 2048))
+                    fp8_min_rows_per_expert=raw.get("fp8_min_rows_per_expert", 2048),
+                    fp8_weight_cache=raw.get("fp8_weight_cache", True))
     if raw["tier"] == "device_mxfp8" and "BF16 custom_grouped kernels" not in header["ran"]["kernel"]:
         cfg.fp8_min_rows_per_expert = 0  # recorded before the break-even rule: FP8 at every size
     cfg.backend = "torch" if header["ran"]["backend"] == "transformers" else header["ran"]["backend"]
@@ -286,3 +288,24 @@ def test_fp8_weight_copies_are_counted_only_where_fp8_runs():
     m = tiny().model
     copies = 2 * count_parameters(m).experts_per_layer * m.num_hidden_layers
     assert fp8.phases["head backward"]["weight copies"] - bf16.phases["head backward"]["weight copies"] == copies
+
+
+@pytest.mark.parametrize("recompute, saved_share", [("none", 0.5), ("selective", 0), ("full", 0)])
+def test_fp8_weight_copies_without_the_cache_live_with_their_layer(recompute, saved_share):
+    """fp8_weight_cache false: a kept layer saves its FP8 weights' dgrad orientation for its
+    backward (half of what the cache holds); a recomputed one makes them again, so only the
+    layer whose backward runs holds them."""
+    def phases(cache):
+        cfg = tiny("device_mxfp8", fp8_min_rows_per_expert="0", dtype="bf16", recompute=recompute,
+                   fp8_weight_cache=str(cache).lower())
+        return estimate_memory(cfg, 1, device="cuda").phases
+
+    cached, uncached = phases(True), phases(False)
+    m = tiny().model
+    per_layer = 2 * count_parameters(m).experts_per_layer
+    held = uncached["head backward"]["weight copies"] - (cached["head backward"]["weight copies"]
+                                                         - per_layer * m.num_hidden_layers)
+    assert held == saved_share * per_layer * m.num_hidden_layers
+    # Later, the cache still holds every layer's; without it only the layer in flight has them.
+    for phase, layers in (("layer 0 backward", m.num_hidden_layers - 1), ("optimizer step", m.num_hidden_layers)):
+        assert cached[phase]["weight copies"] - uncached[phase]["weight copies"] == per_layer * layers, phase

@@ -134,24 +134,30 @@ class FP8HopperGemms:
     row_align = _ROWS_PER_CHUNK
     min_rows = _ROWS_PER_CHUNK
 
-    def __init__(self, scaled_grouped_mm=None, quantizers=None, out_dtype=torch.bfloat16, kernel=None):
+    def __init__(self, scaled_grouped_mm=None, quantizers=None, out_dtype=torch.bfloat16, kernel=None,
+                 cache_weights=True):
         self._mm = scaled_grouped_mm or partial(torch._scaled_grouped_mm, use_fast_accum=False)
         self._kernel = kernel or "torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise, exact accumulation)"
         self.rows, self.columns, self._quantize_weight = quantizers or (
             quantize_rowwise, quantize_columns_per_group, _reference_quantize_weight)
         self.out_dtype = out_dtype
-        self._weights = _WeightCache()
+        self._weights = _WeightCache() if cache_weights else None
 
     @property
     def kernel(self) -> str:
-        return f"{self._kernel}; E4M3 in fprop, dgrad and wgrad; weights quantised once per optimizer step"
+        weights = "once per optimizer step" if self._weights is not None else "at every use"
+        return f"{self._kernel}; E4M3 in fprop, dgrad and wgrad; weights quantised {weights}"
 
     def gemm(self, a, b, scale_a, scale_b, offsets_G, **options):
         return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype, **options)
 
     def weight(self, w_GNI):
         """w's FP8 operands: (w_q, scale_GN) along I for fprop, (wt_q [G, I, N], scale_GI)
-        along N for dgrad; cached for the optimizer step."""
+        along N for dgrad; cached for the optimizer step unless `cache_weights` is off: then
+        made at every call, and held only by their caller (with recompute, only while a
+        layer runs)."""
+        if self._weights is None:
+            return self._quantize_weight(w_GNI)
         return self._weights.get(w_GNI, self._quantize_weight)
 
     def fprop(self, x_QI, weight, offsets_G):

@@ -9,6 +9,7 @@ composition stays as the readable reference, and the CPU tests run it), with few
 over the [Q, F] and [Q, 2F] tensors:
 
     forward   gu = x @ gate_up^T           x cast row-wise; gate_up's FP8 copies cached
+                                           (unless fp8_weight_cache is off)
               y  = silu(gate) * up @ down^T the SwiGLU computed inside the row-wise cast
                                            of its output (fp8_cast, swiglu=True): h is
                                            never written in bf16, its FP8 copy h_q is kept
@@ -29,8 +30,8 @@ the reference quantises them along each expert's rows (columns): the same E4M3 r
 with other scales, and the errors beside TE's recipes are in docs/precision.md.
 
 Saved for the backward: x and gu (in their own dtypes), h_q with its row scales (one byte
-per element of h), and the weights' FP8 copies, where autograd through the unfused
-composition keeps h, silu(gate) and the SwiGLU's inputs.
+per element of h), and the weights' FP8 copies in their dgrad orientation, where autograd
+through the unfused composition keeps h, silu(gate) and the SwiGLU's inputs.
 """
 
 from functools import partial
@@ -50,9 +51,11 @@ class FP8SwiGLUExperts:
     function with its arguments (a test's float64 stand-in). `value_dtype` float32 (with a
     float32 `out_dtype`) runs the same kernels and data flow with unrounded values, so a CPU
     test can check the wiring against the unquantised MLP to float32 rounding.
+    `cache_weights`: see `FP8HopperGemms.weight` (the config's `fp8_weight_cache`).
     """
 
-    def __init__(self, scaled_grouped_mm=None, value_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16):
+    def __init__(self, scaled_grouped_mm=None, value_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16,
+                 cache_weights=True):
         self.rows = partial(fp8_cast.quantize_rows, out_dtype=value_dtype)
         self.columns = partial(fp8_cast.quantize_columns, out_dtype=value_dtype)
         self.swiglu_backward_rows = partial(fp8_cast.swiglu_backward_rows, out_dtype=value_dtype)
@@ -60,7 +63,8 @@ class FP8SwiGLUExperts:
         weight = partial(fp8_cast.quantize_weight, out_dtype=value_dtype)
         self.gemms = FP8HopperGemms(scaled_grouped_mm or triton_gemms.scaled_grouped_mm,
                                     (self.rows, self.columns, weight), out_dtype,
-                                    kernel=None if scaled_grouped_mm else triton_gemms.KERNEL)
+                                    kernel=None if scaled_grouped_mm else triton_gemms.KERNEL,
+                                    cache_weights=cache_weights)
         self.recipe = self.gemms.recipe
         # Our kernels take any split (an expert's rows may start anywhere, or be none), so the
         # tier pads nothing for them; another kernel gets torch._scaled_grouped_mm's padding.
@@ -85,15 +89,18 @@ class _FP8SwiGLU(torch.autograd.Function):
             gu_Q2F = gemms.fprop(x_QD.detach(), gate_up, offsets_L)
             h_q, h_scale_Q = experts.rows(gu_Q2F, swiglu=True)
             y_QD = gemms.fprop_quantised(h_q, h_scale_Q, down, offsets_L)
-        ctx.save_for_backward(x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L)
-        ctx.experts, ctx.weights = experts, (gate_up, down)
-        ctx.parameters, ctx.x_dtype = (gate_up_L2FD, down_LDF), x_QD.dtype
+        # The backward reads each weight in its dgrad orientation only. Saved as tensors, not
+        # on ctx, so that a recompute (torch's checkpoint) drops them with the rest and makes
+        # them again: without the weight cache only the layer in flight holds them.
+        ctx.save_for_backward(x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L, *gate_up[1], *down[1])
+        ctx.experts, ctx.parameters, ctx.x_dtype = experts, (gate_up_L2FD, down_LDF), x_QD.dtype
         return y_QD.to(x_QD.dtype)
 
     @staticmethod
     def backward(ctx, dy_QD):
-        x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L = (t.detach() for t in ctx.saved_tensors)
-        experts, (gate_up, down), gemms = ctx.experts, ctx.weights, ctx.experts.gemms
+        x_QD, gu_Q2F, h_q, h_scale_Q, offsets_L, *dgrad_weights = (t.detach() for t in ctx.saved_tensors)
+        gate_up, down = (None, tuple(dgrad_weights[:2])), (None, tuple(dgrad_weights[2:]))
+        experts, gemms = ctx.experts, ctx.experts.gemms
         dy_QD = dy_QD.contiguous()  # autograd may hand over a broadcast view
         dx = d_gate_up = d_down = None
         with torch.autocast(dy_QD.device.type, enabled=False):

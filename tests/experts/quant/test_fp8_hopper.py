@@ -132,6 +132,18 @@ def test_weights_are_quantised_once_per_optimizer_step(optimizer):
     assert torch.equal(second[0][0].float(), quantize_rowwise(w.detach())[0].float())
 
 
+def test_without_the_cache_weights_are_quantised_at_every_use():
+    gemms = FP8HopperGemms(scaled_grouped_mm_stand_in, cache_weights=False)
+    made = []
+    quantize = gemms._quantize_weight
+    gemms._quantize_weight = lambda w: made.append(w.shape) or quantize(w)
+    w = torch.randn(2, 32, 16)
+    first, second = gemms.weight(w), gemms.weight(w)
+    assert len(made) == 2 and first is not second and "weights quantised at every use" in gemms.kernel
+    for a, b in zip(first, second):
+        assert all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
+
+
 def test_weight_cache_sees_in_place_writes_and_never_a_freed_tensor():
     gemms, made = _counting_gemms()
     w = torch.randn(2, 32, 16)
