@@ -192,6 +192,11 @@ def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off(
     with pytest.raises(UserError, match="fp8_weight_cache false is mode fp8-hopper's") as error:
         tier.check_available(torch.device("cpu"))  # emulation keeps no such copies: not ignored silently
     assert "\n" not in str(error.value)
+    # Named where the config loads, before any data is read: another tier, or a mode that is not Hopper's.
+    for overrides in ({"tier": "custom_grouped"}, {"tier": "device_mxfp8", "mxfp8_mode": "mxfp8-te"}):
+        with pytest.raises(UserError, match="fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper"):
+            check_tier(load_config(None, {**overrides, "fp8_weight_cache": "false"}), 1)
+    check_tier(load_config(None, {"tier": "device_mxfp8", "fp8_weight_cache": "false"}), 1)  # auto: Hopper's
 
 
 def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_path():
