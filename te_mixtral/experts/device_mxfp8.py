@@ -143,6 +143,12 @@ _MODE_RUNNERS = {
 }
 
 
+def weight_cache_refusal(what: str) -> UserError:
+    """The one-line error for `fp8_weight_cache false` where `what` (a tier or a mode) runs."""
+    return UserError("fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper), whose "
+                     f"FP8 weight copies it drops; {what} keeps none that way")
+
+
 _BF16_BELOW = CustomGroupedTier()  # what fp8-hopper runs under its break-even size
 
 
@@ -201,8 +207,7 @@ class DeviceMXFP8Tier(ExpertTier):
         if self.model_dims is not None:
             check_dims(mode, *self.model_dims)
         if not self.cache_weights and mode != "fp8-hopper":
-            raise UserError(f"fp8_weight_cache false is mode fp8-hopper's; mode '{mode}' runs here, which does "
-                            "not keep the weights' 8-bit copies that way: leave fp8_weight_cache true")
+            raise weight_cache_refusal(f"mode '{mode}', which runs here,")
         if mode != self.mode:
             self._runner = _MODE_RUNNERS[mode](self)
         self.mode, self._device = mode, device

@@ -16,7 +16,7 @@ from te_mixtral.errors import UserError
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import MODES as MXFP8_MODES
-from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, weight_cache_refusal
 from te_mixtral.experts.grouped_linear import GroupedLinearTier
 from te_mixtral.experts.loop import LoopTier
 
@@ -60,9 +60,7 @@ def check_tier(cfg, world_size: int) -> None:
     if cfg.fp8_min_rows_per_expert < 0:
         raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {cfg.fp8_min_rows_per_expert}")
     if not cfg.fp8_weight_cache and (cfg.tier != "device_mxfp8" or cfg.mxfp8_mode not in ("auto", "fp8-hopper")):
-        runs = f"tier '{cfg.tier}'" if cfg.tier != "device_mxfp8" else f"mode '{cfg.mxfp8_mode}'"
-        raise UserError("fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper), whose "
-                        f"FP8 weight copies it drops; {runs} keeps none that way")
+        raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != "device_mxfp8" else f"mode '{cfg.mxfp8_mode}'")
     if cfg.tier in BASELINES and cfg.profile_phases:
         raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
     if cfg.tier in BASELINES and cfg.train.recompute != "none":

@@ -229,8 +229,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     fused = cfg.tier in ("custom_grouped", "device_mxfp8") and device == "cuda"
     hidden = 2 * F if fused else 4 * F
     # device_mxfp8's Hopper path keeps its experts' weights in FP8, one byte per element in each
-    # of two orientations, from a layer's first forward until the optimizer step, recompute or
-    # not; under its break-even size it runs custom_grouped's BF16 kernels, which keep none.
+    # of two orientations, cached from a layer's first forward until the optimizer step,
+    # recompute or not; under its break-even size it runs custom_grouped's BF16 kernels, which keep none.
     # (Blackwell's TE path is counted the same way; it has not been measured.)
     fp8 = cfg.tier == "device_mxfp8" and device == "cuda" and runs_fp8(R, E // ep, cfg.fp8_min_rows_per_expert)
     fp8_weights = 2 * params.experts_per_layer if fp8 else 0

@@ -189,7 +189,7 @@ def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off(
     cfg = load_config(None, {"mxfp8_mode": "mxfp8-emulated", "fp8_weight_cache": "false"})
     tier = make_tier("device_mxfp8", cfg)
     assert tier.cache_weights is False
-    with pytest.raises(UserError, match="fp8_weight_cache false is mode fp8-hopper's") as error:
+    with pytest.raises(UserError, match="fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper") as error:
         tier.check_available(torch.device("cpu"))  # emulation keeps no such copies: not ignored silently
     assert "\n" not in str(error.value)
     # Named where the config loads, before any data is read: another tier, or a mode that is not Hopper's.
