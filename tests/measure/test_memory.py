@@ -303,9 +303,8 @@ def test_fp8_weight_copies_without_the_cache_live_with_their_layer(recompute, sa
     cached, uncached = phases(True), phases(False)
     m = tiny().model
     per_layer = 2 * count_parameters(m).experts_per_layer
-    held = uncached["head backward"]["weight copies"] - (cached["head backward"]["weight copies"]
-                                                         - per_layer * m.num_hidden_layers)
-    assert held == saved_share * per_layer * m.num_hidden_layers
+    dropped = cached["head backward"]["weight copies"] - uncached["head backward"]["weight copies"]
+    assert dropped == (1 - saved_share) * per_layer * m.num_hidden_layers
     # Later, the cache still holds every layer's; without it only the layer in flight has them.
     for phase, layers in (("layer 0 backward", m.num_hidden_layers - 1), ("optimizer step", m.num_hidden_layers)):
         assert cached[phase]["weight copies"] - uncached[phase]["weight copies"] == per_layer * layers, phase
