@@ -309,6 +309,41 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                           describe)
 
 
+def _lighter(cfg: RunConfig) -> list[tuple[str, dict, dict]]:
+    """(command-line setting, train overrides, run overrides) for each setting that holds less
+    than the run's own, at some cost in time; recompute from the least to the most."""
+    t = cfg.train
+    lighter = [(f"--recompute {mode}", {"recompute": mode}, {})
+               for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:]]  # RECOMPUTE goes from most kept to least
+    if cfg.tier == "device_mxfp8" and cfg.fp8_weight_cache:
+        lighter.append(("--fp8_weight_cache false", {}, {"fp8_weight_cache": False}))
+    if t.sharding == "fsdp" and t.grad_accum_steps > 1 and t.fsdp_reduce == "step":
+        lighter.append(("--fsdp_reduce micro_batch", {"fsdp_reduce": "micro_batch"}, {}))
+    return lighter
+
+
+def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
+    """Which of `_lighter`'s settings would each make the run fit ('--x (N GiB) or --y (M
+    GiB) would fit'); else whether all of them together would (the most recompute); or ''."""
+    def required(train: dict, run: dict) -> int | None:
+        estimate = estimate_memory(replace(cfg, train=replace(cfg.train, **train), **run), world_size, device=device)
+        return estimate.required() if estimate.fits(limit) else None
+
+    options = _lighter(cfg)
+    alone = [f"{setting} ({_gib(need)} GiB)" for setting, train, run in options
+             if (need := required(train, run)) is not None]
+    if alone:
+        return f"alone, {' or '.join(alone)} would fit"
+    recomputes = [option for option in options if "recompute" in option[1]]
+    together = recomputes[-1:] + [option for option in options if "recompute" not in option[1]]
+    if len(together) > 1:
+        train = {key: value for _, overrides, _ in together for key, value in overrides.items()}
+        run = {key: value for _, _, overrides in together for key, value in overrides.items()}
+        if (need := required(train, run)) is not None:
+            return f"together, {' '.join(setting for setting, _, _ in together)} would fit ({_gib(need)} GiB)"
+    return ""
+
+
 def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> MemoryEstimate:
     """Refuse, with the table, a run whose estimate exceeds what one rank may use; else say
     the estimate in one line, to read beside the measured peak. `options` go to
@@ -320,7 +355,8 @@ def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> Memor
             print(estimate.table(limit, name), flush=True)
         raise UserError(f"this run needs about {_gib(estimate.required())} GiB per rank but {name} has "
                         f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch, "
-                        f"more micro-batches (train.grad_accum_steps) or more EP ranks would help)")
+                        f"more micro-batches (train.grad_accum_steps) or more EP ranks would help)"
+                        + (f"; {hint}" if not options and (hint := _would_fit(cfg, world_size, device, limit)) else ""))
     if main_rank_from_env():
         room = f" of {_gib(limit)} GiB on {name}" if limit is not None else ""
         print(f"memory estimate: peak {_gib(estimate.total)} GiB per rank, {_gib(estimate.required())} GiB "
@@ -338,6 +374,9 @@ def print_estimate(cfg: RunConfig, world_size: int) -> int:
     # --gpu names a GPU: estimate a GPU run even from a machine without one.
     device = "cuda" if cfg.gpu is not None and cfg.device != "cpu" else cfg.resolved_device()
     estimate = estimate_memory(cfg, world_size, device=device)
+    limit, name = capacity(cfg, device)
     if main_rank_from_env():
-        print(estimate.table(*capacity(cfg, device)), flush=True)
+        print(estimate.table(limit, name), flush=True)
+        if limit is not None and not estimate.fits(limit) and (hint := _would_fit(cfg, world_size, device, limit)):
+            print(hint[0].upper() + hint[1:], flush=True)
     return 0

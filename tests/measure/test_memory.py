@@ -26,7 +26,7 @@ from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import make_tier
 from te_mixtral.measure.capacity import GPUS, GiB, parse_capacity
-from te_mixtral.measure.memory import estimate_memory
+from te_mixtral.measure.memory import check_fits, estimate_memory
 from te_mixtral.measure.model_state import count_parameters
 from te_mixtral.model.layers import TORCH, PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
@@ -274,6 +274,30 @@ def test_a_run_that_cannot_fit_refuses_before_allocating():
     assert time.monotonic() - start < 60
     # The child never held more than libraries' worth of memory (ru_maxrss is in KiB on Linux).
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 2 * GiB
+
+
+def test_a_refusal_names_the_settings_that_would_fit(capsys):
+    """Each lighter setting that alone would make the run fit, with what it would need; where
+    none does alone, all of them together (the most recompute) if that fits."""
+    def full_model(**overrides):
+        return load_config(str(REPO / "configs" / "mixtral-8x7b.yaml"),
+                           {"ep_size": "4", "batch_size": "4", "optimizer": "master_adamw", "dtype": "bf16",
+                            "gpu": "h200", **overrides}, 4)
+
+    with pytest.raises(UserError) as refused:
+        check_fits(full_model(tier="custom_grouped"), 4, "cuda")
+    message = str(refused.value)
+    assert "; alone, --recompute selective (" in message and " or --recompute full (" in message
+    assert "\n" not in message
+    for setting in ("selective", "full"):  # what it names does fit
+        check_fits(full_model(tier="custom_grouped", recompute=setting), 4, "cuda")
+    with pytest.raises(UserError, match="; together, --recompute full --fp8_weight_cache false would fit"):
+        check_fits(full_model(tier="device_mxfp8"), 4, "cuda")
+    check_fits(full_model(tier="device_mxfp8", recompute="full", fp8_weight_cache="false"), 4, "cuda")
+    with pytest.raises(UserError) as refused:  # nothing to suggest: no lighter setting fits 24 GB
+        check_fits(full_model(tier="custom_grouped", recompute="full", gpu="24GB"), 4, "cuda")
+    assert "would fit" not in str(refused.value)
+    capsys.readouterr()
 
 
 def test_fp8_weight_copies_are_counted_only_where_fp8_runs():
