@@ -309,12 +309,14 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                           describe)
 
 
-def _lighter(cfg: RunConfig) -> list[tuple[str, dict, dict]]:
+def _lighter(cfg: RunConfig, device: str) -> list[tuple[str, dict, dict]]:
     """(command-line setting, train overrides, run overrides) for each setting that holds less
     than the run's own, at some cost in time; recompute from the least to the most."""
     t = cfg.train
     lighter = [(f"--recompute {mode}", {"recompute": mode}, {})
                for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:]]  # RECOMPUTE goes from most kept to least
+    if t.optimizer == "adamw" and device == "cuda":  # master_adamw keeps bf16 parameters: GPU runs only
+        lighter.append(("--optimizer master_adamw --dtype bf16", {"optimizer": "master_adamw", "dtype": "bf16"}, {}))
     if cfg.tier == "device_mxfp8" and cfg.fp8_weight_cache:
         lighter.append(("--fp8_weight_cache false", {}, {"fp8_weight_cache": False}))
     if t.sharding == "fsdp" and t.grad_accum_steps > 1 and t.fsdp_reduce == "step":
@@ -329,7 +331,7 @@ def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
         estimate = estimate_memory(replace(cfg, train=replace(cfg.train, **train), **run), world_size, device=device)
         return estimate.required() if estimate.fits(limit) else None
 
-    options = _lighter(cfg)
+    options = _lighter(cfg, device)
     alone = [f"{setting} ({_gib(need)} GiB)" for setting, train, run in options
              if (need := required(train, run)) is not None]
     if alone:

@@ -294,6 +294,10 @@ def test_a_refusal_names_the_settings_that_would_fit(capsys):
     with pytest.raises(UserError, match="; together, --recompute full --fp8_weight_cache false would fit"):
         check_fits(full_model(tier="device_mxfp8"), 4, "cuda")
     check_fits(full_model(tier="device_mxfp8", recompute="full", fp8_weight_cache="false"), 4, "cuda")
+    # The config as it ships (fp32 AdamW, no recompute): master_adamw and the most recompute.
+    with pytest.raises(UserError, match="; together, --recompute full --optimizer master_adamw --dtype bf16 would fit"):
+        check_fits(load_config(str(REPO / "configs" / "mixtral-8x7b.yaml"),
+                               {"ep_size": "4", "batch_size": "4", "gpu": "h200"}, 4), 4, "cuda")
     with pytest.raises(UserError) as refused:  # nothing to suggest: no lighter setting fits 24 GB
         check_fits(full_model(tier="custom_grouped", recompute="full", gpu="24GB"), 4, "cuda")
     assert "would fit" not in str(refused.value)
