@@ -313,11 +313,11 @@ def _lighter(cfg: RunConfig, device: str) -> list[tuple[str, dict, dict]]:
     """(command-line setting, train overrides, run overrides) for each setting that holds less
     than the run's own, at some cost in time; recompute from the least to the most."""
     t = cfg.train
-    lighter = [(f"--recompute {mode}", {"recompute": mode}, {})
-               for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:]]  # RECOMPUTE goes from most kept to least
+    lighter = [(f"--recompute {mode}", {"recompute": mode}, {})  # RECOMPUTE goes from most kept to least
+               for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:] if cfg.tier not in BASELINES]
     if t.optimizer == "adamw" and device == "cuda":  # master_adamw keeps bf16 parameters: GPU runs only
         lighter.append(("--optimizer master_adamw --dtype bf16", {"optimizer": "master_adamw", "dtype": "bf16"}, {}))
-    if cfg.tier == "device_mxfp8" and cfg.fp8_weight_cache:
+    if cfg.tier == "device_mxfp8" and cfg.mxfp8_mode in ("auto", "fp8-hopper") and cfg.fp8_weight_cache:
         lighter.append(("--fp8_weight_cache false", {}, {"fp8_weight_cache": False}))
     if t.sharding == "fsdp" and t.grad_accum_steps > 1 and t.fsdp_reduce == "step":
         lighter.append(("--fsdp_reduce micro_batch", {"fsdp_reduce": "micro_batch"}, {}))
