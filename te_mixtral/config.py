@@ -141,9 +141,41 @@ class TrainConfig:
     eval_every: int = setting(0, workload=False,
                               help="evaluate on the held-out samples every N steps (0: at the end only)")
     save_every: int = setting(0, workload=False, resumable=True,
-                              help="also export to save_hf every N steps (0: at the end only)")
+                              help="also export to save_hf and save_adapter every N steps (0: at the end only)")
     checkpoint_every: int = setting(0, workload=False, resumable=True,
                                     help="steps between training checkpoints (0: at the end only)")
+
+
+# The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
+# `target_parameters` (experts: each stacked weight is one target) give them.
+LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters over a frozen base (te_mixtral/model/lora.py); rank 0 trains every weight."""
+
+    rank: int = setting(0, help="rank r of every adapter; 0: no adapters, every weight trains (full fine-tuning)")
+    alpha: float = setting(16.0, help="adapter scale numerator: the update is alpha / r * B @ A (alpha / sqrt(r) "
+                           "with rslora)")
+    dropout: float = setting(0.0, help="dropout on each adapter's input while training (the base path sees none)")
+    rslora: bool = setting(False, help="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
+    targets: str = setting(",".join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS),
+                           help="comma-separated projections to adapt, as PEFT names them: attention's "
+                           f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
+                           f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+    def target_list(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
 @dataclass
@@ -151,6 +183,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # A tier's own options (tier, ep_size, mxfp8_mode) are not the workload: they are what a
     # results page compares.
     tier: str = setting("loop", workload=False, headline=True,
@@ -191,6 +224,10 @@ class RunConfig:
                                      "used when data.tokenizer is unset")
     save_hf: str | None = setting(None, workload=False, resumable=True,
                                   help="export the fine-tuned model to this folder as an HF checkpoint")
+    save_adapter: str | None = setting(None, workload=False, resumable=True,
+                                       help="with lora: export the adapters to this folder in PEFT's format "
+                                       "(adapter_config.json + adapter_model.safetensors; peft loads them onto "
+                                       "transformers' Mixtral); save_hf exports the model with them merged")
     checkpoint_dir: str | None = setting(None, workload=False, resumable=True,
                                          help="folder of training checkpoints (per-rank shards) for resume")
     checkpoint_keep: int = setting(2, workload=False, resumable=True,
@@ -221,7 +258,7 @@ class RunConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRAConfig}
 assert tuple(SECTIONS) == SECTION_NAMES
 
 def _field_types(cls) -> dict[str, object]:

@@ -91,14 +91,39 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            "train.eval_every needs held-out data: set data.eval_fraction (e.g. 0.05)")
     for key in ("save_every", "checkpoint_every"):
         _check(getattr(t, key) >= 0, f"train.{key} must be 0 or positive, got {getattr(t, key)}")
-    _check(t.save_every == 0 or cfg.save_hf is not None, "train.save_every needs save_hf (the folder to export to)")
+    _check(t.save_every == 0 or cfg.save_hf is not None or cfg.save_adapter is not None,
+           "train.save_every needs save_hf or save_adapter (the folder to export to)")
     _check(cfg.checkpoint_dir is not None or (t.checkpoint_every == 0 and not cfg.resume),
            "train.checkpoint_every and resume need checkpoint_dir")
     _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep must be at least 1, got {cfg.checkpoint_keep}")
     _check(cfg.generate_tokens > 0, f"generate_tokens must be positive, got {cfg.generate_tokens}")
     _check(cfg.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {cfg.dist_timeout_s}")
+    validate_lora(cfg)
     if cfg.model_path is None:  # else the checkpoint's config.json replaces the model section, checked then
         validate_model(cfg)
+
+
+def validate_lora(cfg: RunConfig) -> None:
+    """The checks of the lora section, and of what LoRA leaves out."""
+    from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS
+
+    lora, t = cfg.lora, cfg.train
+    _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
+    _check(cfg.save_adapter is None or lora.enabled, "save_adapter exports LoRA adapters: set lora.rank (e.g. 16)")
+    if not lora.enabled:
+        return
+    _check(0 < lora.alpha < math.inf, f"lora.alpha must be finite and above 0, got {lora.alpha}")
+    _check(0 <= lora.dropout < 1, f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    known = LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS
+    targets = lora.target_list()
+    _check(bool(targets), "lora.targets names no projection: give one or more of " + ", ".join(known))
+    for target in targets:
+        _check(target in known, f"lora.targets: unknown projection '{target}' (known: {', '.join(known)})")
+    _check(len(set(targets)) == len(targets), f"lora.targets names a projection twice: {lora.targets}")
+    _check(t.optimizer == "adamw", "lora trains small fp32 adapters with train.optimizer adamw; master_adamw "
+           "(bf16 parameters) is for full fine-tuning")
+    _check(t.sharding == "none", "lora keeps the frozen base whole on each rank (experts split by EP); "
+           "train.sharding fsdp is for full fine-tuning")
 
 
 def validate_model(cfg: RunConfig) -> None:

@@ -8,7 +8,7 @@ moved or was renamed still loads, compares with today's runs on a results page a
 
 from te_mixtral.errors import UserError
 
-SECTION_NAMES = ("model", "data", "train")
+SECTION_NAMES = ("model", "data", "train", "lora")
 
 
 def flatten(config: dict, where: str = "the config") -> dict[str, object]:

@@ -26,6 +26,10 @@ Hugging Face transformers v5 stores `MixtralExperts.gate_up_proj`. All tiers rea
 two stacked parameters (the one parameter layout), so a checkpoint trained with one tier
 loads into any other.
 
+With LoRA, the tier also gets the experts' low-rank adapters (`adapters`, an
+`ExpertAdapters`: te_mixtral/experts/adapters.py) and adds their deltas to both projections;
+the base weights are then frozen. A tier that cannot run adapters says so (`takes_adapters`).
+
 Rows arrive sorted by local expert: rows [0, n_0) belong to expert 0, the next n_1 to
 expert 1, and so on, with `tokens_per_expert_L` = (n_0, ..., n_{L-1}) an int64 tensor on
 the rows' device. Experts with zero rows, and R == 0, are valid inputs.
@@ -35,6 +39,8 @@ import abc
 
 import torch
 import torch.nn.functional as F
+
+from te_mixtral.experts.adapters import ExpertAdapters
 
 
 def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
@@ -51,6 +57,7 @@ class ExpertTier(abc.ABC):
     """
 
     name: str  # the name the registry lists it under (te_mixtral/experts/registry.py)
+    takes_adapters: bool = False  # whether `__call__` runs LoRA adapters (lora.rank > 0)
 
     @classmethod
     def from_config(cls, cfg) -> "ExpertTier":
@@ -75,7 +82,7 @@ class ExpertTier(abc.ABC):
         in the backward under torch's checkpoint."""
         return False
 
-    def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF) -> torch.Tensor:
+    def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None) -> torch.Tensor:
         """`__call__` keeping only its inputs for the backward, which computes again only what
         it needs of the hidden rows (a tier that can do better than re-running itself)."""
         raise NotImplementedError(f"tier {self.name} is recomputed by torch's checkpoint")
@@ -87,5 +94,6 @@ class ExpertTier(abc.ABC):
         tokens_per_expert_L: torch.Tensor,
         gate_up_L2FD: torch.Tensor,
         down_LDF: torch.Tensor,
+        adapters: ExpertAdapters | None = None,
     ) -> torch.Tensor:
-        """Return y_RD, differentiable with respect to x and both weights."""
+        """Return y_RD, differentiable with respect to x, both weights and the adapters."""

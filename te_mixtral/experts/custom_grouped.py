@@ -14,11 +14,13 @@ Under `torch.autocast` on CUDA the activations are cast to the autocast dtype an
 """
 
 import importlib.util
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts.adapters import with_adapter
 from te_mixtral.experts.base import ExpertTier, swiglu
 
 
@@ -34,9 +36,9 @@ class CustomGroupedTier(ExpertTier):
                 "or choose tier grouped_linear or loop"
             )
 
-    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         if not x_RD.is_cuda:
-            return grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+            return grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters)
         return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=True)
 
     def recomputes_hidden(self, x_RD) -> bool:
@@ -57,34 +59,34 @@ class CustomGroupedTier(ExpertTier):
         return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden)
 
 
-def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
-    """The expert FFN through `F.grouped_mm` (CPU or CUDA), differentiable by autograd.
-
-    grouped_mm wants int32 cumulative row ends as offsets and 16-byte aligned row strides;
-    odd D or F are zero-padded (padding that contributes exactly zero), a no-op for real
-    model shapes.
-    """
+def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
+    """The expert FFN through `F.grouped_mm` (CPU or CUDA), differentiable by autograd, its
+    adapters (if any) through the same grouped GEMM."""
     if x_RD.shape[0] == 0:
         # grouped_mm's backward rejects zero rows; zeros that still reach every input give
         # the right (zero) gradients.
-        return x_RD * 0 + 0 * (gate_up_L2FD.sum() + down_LDF.sum()).to(x_RD.dtype)
+        weights = [gate_up_L2FD, down_LDF, *(adapters.tensors() if adapters else ())]
+        return x_RD * 0 + 0 * sum(w.sum() for w in weights).to(x_RD.dtype)
+    matmul = partial(grouped_matmul, offs_L=torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32))
     dtype = x_RD.dtype
-    D, F2 = x_RD.shape[1], gate_up_L2FD.shape[1]
-    align = max(1, 16 // x_RD.element_size())
-    pad_d, pad_f = -D % align, -(F2 // 2) % align
-    offs_L = torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)
+    act_RF = swiglu(with_adapter(matmul(x_RD, gate_up_L2FD.to(dtype)), adapters, "gate_up", x_RD, matmul))
+    y_RD = with_adapter(matmul(act_RF, down_LDF.to(dtype)), adapters, "down", act_RF, matmul)
+    return _ContiguousGrad.apply(y_RD)
 
-    w1_L2FD, w2_LDF = gate_up_L2FD.to(dtype), down_LDF.to(dtype)
-    if pad_d or pad_f:
-        gate_LFD, up_LFD = w1_L2FD.chunk(2, dim=1)
-        w1_L2FD = torch.cat([F.pad(gate_LFD, (0, pad_d, 0, pad_f)),
-                             F.pad(up_LFD, (0, pad_d, 0, pad_f))], dim=1)
-        w2_LDF = F.pad(w2_LDF, (0, pad_f, 0, pad_d))
-        x_RD = F.pad(x_RD, (0, pad_d))
 
-    act_RF = swiglu(F.grouped_mm(x_RD, w1_L2FD.transpose(-2, -1), offs=offs_L))
-    y_RD = F.grouped_mm(act_RF, w2_LDF.transpose(-2, -1), offs=offs_L)
-    return _ContiguousGrad.apply(y_RD[:, :D] if pad_d else y_RD)
+def grouped_matmul(x_RI, w_LNI, offs_L):
+    """x_RI @ w_LNI[e].T over each expert e's rows, by `F.grouped_mm`, which wants int32
+    cumulative row ends as offsets and 16-byte aligned row strides: an odd I or N is
+    zero-padded (padding that contributes exactly zero), a no-op for real model shapes."""
+    align = max(1, 16 // x_RI.element_size())
+    n = w_LNI.shape[1]
+    pad_i, pad_n = -x_RI.shape[1] % align, -n % align
+    if pad_i:
+        x_RI, w_LNI = F.pad(x_RI, (0, pad_i)), F.pad(w_LNI, (0, pad_i))
+    if pad_n:
+        w_LNI = F.pad(w_LNI, (0, 0, 0, pad_n))
+    y_RN = F.grouped_mm(x_RI, w_LNI.transpose(-2, -1), offs=offs_L)
+    return y_RN[:, :n] if pad_n else y_RN
 
 
 class _ContiguousGrad(torch.autograd.Function):

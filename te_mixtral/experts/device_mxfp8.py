@@ -228,7 +228,8 @@ class DeviceMXFP8Tier(ExpertTier):
     def _bf16_below_here(self) -> bool:
         return self.mode == "fp8-hopper" and self.bf16_below > 0
 
-    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
+        assert adapters is None, "the registry refuses lora for a tier that does not take adapters"
         if x_RD.device != self._device:
             self.check_available(x_RD.device)
         # Below the break-even size the FP8 casts and the weights' quantisation cost more than

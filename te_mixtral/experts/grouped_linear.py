@@ -56,6 +56,7 @@ import functools
 import torch
 
 from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts.adapters import with_adapter
 from te_mixtral.experts.base import ExpertTier, swiglu
 from te_mixtral.te_support import TEUnavailable, require_te
 
@@ -158,7 +159,9 @@ class GroupedLinearTier(ExpertTier):
                 f"tier '{self.name}' needs NVIDIA Transformer Engine on a CUDA GPU: {reason}"
             )
 
-    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+    takes_adapters = True
+
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         m_splits = tokens_per_expert_L.tolist()  # the one host sync, see the module docstring
         if len(m_splits) != gate_up_L2FD.shape[0] or sum(m_splits) != x_RD.shape[0]:
             raise ValueError(
@@ -170,12 +173,16 @@ class GroupedLinearTier(ExpertTier):
         # Differentiable casts, outside the Function: fp32 master weights get fp32 grads.
         gate_up_L2FD = gate_up_L2FD.to(dtype).contiguous()
         down_LDF = down_LDF.to(dtype).contiguous()
-        return te_grouped_swiglu(x_RD, m_splits, gate_up_L2FD, down_LDF)
+        return te_grouped_swiglu(x_RD, m_splits, gate_up_L2FD, down_LDF, adapters)
 
 
-def te_grouped_swiglu(x_RD, m_splits: list[int], gate_up_L2FD, down_LDF):
+def te_grouped_swiglu(x_RD, m_splits: list[int], gate_up_L2FD, down_LDF, adapters=None):
     """The expert FFN through TE's grouped GEMM, all inputs in one dtype, the split sizes
-    already on the host: the tier's work after its sync (benchmarks call it directly)."""
+    already on the host: the tier's work after its sync (benchmarks call it directly). The
+    adapters' GEMMs are TE grouped GEMMs over the same splits."""
+    def matmul(x_RI, w_LNI):
+        return _GroupedMatmul.apply(x_RI, w_LNI.contiguous(), m_splits)
+
     with torch.autocast("cuda", enabled=False):  # keep autocast from recasting the SwiGLU
-        a_RF = swiglu(_GroupedMatmul.apply(x_RD, gate_up_L2FD, m_splits))
-        return _GroupedMatmul.apply(a_RF, down_LDF, m_splits)
+        a_RF = swiglu(with_adapter(matmul(x_RD, gate_up_L2FD), adapters, "gate_up", x_RD, matmul))
+        return with_adapter(matmul(a_RF, down_LDF), adapters, "down", a_RF, matmul)

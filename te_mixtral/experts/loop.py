@@ -20,16 +20,19 @@ Shape suffixes: see te_mixtral/experts/base.py.
 import torch
 import torch.nn.functional as F
 
+from te_mixtral.experts.adapters import with_adapter
 from te_mixtral.experts.base import ExpertTier, swiglu
 
 
 class LoopTier(ExpertTier):
     name = "loop"  # plain PyTorch: the default check_available (runs everywhere) holds
+    takes_adapters = True
 
-    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
-        gate_ups = gate_up_L2FD.unbind(0)
-        downs = down_LDF.unbind(0)
-        outputs = []
-        for x_ND, gate_up_2FD, down_DF, in zip(x_RD.split(tokens_per_expert_L.tolist()), gate_ups, downs):
-            outputs.append(F.linear(swiglu(F.linear(x_ND, gate_up_2FD)), down_DF))
-        return torch.cat(outputs)
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
+        splits = tokens_per_expert_L.tolist()
+
+        def matmul(x_RI, w_LNI):  # x_RI @ w_LNI[e].T over each expert's rows
+            return torch.cat([F.linear(x_NI, w_NI) for x_NI, w_NI in zip(x_RI.split(splits), w_LNI.unbind(0))])
+
+        act_RF = swiglu(with_adapter(matmul(x_RD, gate_up_L2FD), adapters, "gate_up", x_RD, matmul))
+        return with_adapter(matmul(act_RF, down_LDF), adapters, "down", act_RF, matmul)

@@ -61,6 +61,10 @@ def check_tier(cfg, world_size: int) -> None:
         raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {cfg.fp8_min_rows_per_expert}")
     if not cfg.fp8_weight_cache and (cfg.tier != "device_mxfp8" or cfg.mxfp8_mode not in ("auto", "fp8-hopper")):
         raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != "device_mxfp8" else f"mode '{cfg.mxfp8_mode}'")
+    if cfg.lora.enabled and (cfg.tier in BASELINES or not EXPERT_TIERS[cfg.tier].takes_adapters):
+        takers = ", ".join(name for name, tier in EXPERT_TIERS.items() if tier.takes_adapters)
+        raise UserError(f"tier '{cfg.tier}' does not run LoRA adapters (lora.rank {cfg.lora.rank}); tiers that do: "
+                        f"{takers}")
     if cfg.tier in BASELINES and cfg.profile_phases:
         raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
     if cfg.tier in BASELINES and cfg.train.recompute != "none":

@@ -59,14 +59,20 @@ class Attention(nn.Module):
         self.o_proj = backend.linear(self.heads * self.head_dim, m.hidden_size)
         self.core = backend.attention(self.heads, self.kv_heads, self.head_dim)
         self.rotary = backend.rotary
+        self.adapters = nn.ModuleDict()  # LoRA's, by projection name (model/lora.py); empty without
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The projection `name` of x, with its LoRA adapter's delta where it has one."""
+        y = getattr(self, name)(x)
+        return y + self.adapters[name](x) if name in self.adapters else y
 
     def forward(self, x_BSD, rotary, packed: PackedSequences):
         batch, seq, _ = x_BSD.shape
-        q = self.q_proj(x_BSD).view(batch, seq, self.heads, self.head_dim)
-        k = self.k_proj(x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
-        v = self.v_proj(x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
+        q = self.project("q_proj", x_BSD).view(batch, seq, self.heads, self.head_dim)
+        k = self.project("k_proj", x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
+        v = self.project("v_proj", x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
         q, k = self.rotary.apply(q, rotary, packed), self.rotary.apply(k, rotary, packed)
-        return self.o_proj(self.core(q, k, v, packed).reshape(batch, seq, -1))
+        return self.project("o_proj", self.core(q, k, v, packed).reshape(batch, seq, -1))
 
 
 class DecoderLayer(nn.Module):

@@ -23,6 +23,7 @@ from torch import nn
 
 from te_mixtral.distributed.dispatch import DispatchOutput, TokenDispatcher
 from te_mixtral.experts.base import ExpertTier
+from te_mixtral.model.lora import expert_adapters
 from te_mixtral.model.recompute import recomputed
 from te_mixtral.model.router_losses import RouterStats
 
@@ -35,6 +36,7 @@ class StackedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts_per_rank, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(experts_per_rank, hidden_size, intermediate_size))
+        self.adapters = nn.ModuleDict()  # LoRA's, by stacked weight name (model/lora.py); empty without
 
     def forward(self, tier: ExpertTier, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor,
                 keep_hidden: bool = True) -> torch.Tensor:
@@ -42,7 +44,8 @@ class StackedExperts(nn.Module):
         A forward of their own, so that FSDP, which shards the experts apart from the dense
         weights (distributed/parallelize.py), gathers them here."""
         run = tier if keep_hidden else tier.recompute_hidden
-        return run(x_RD, tokens_per_expert_L, self.gate_up_proj, self.down_proj)
+        adapters = expert_adapters(self.adapters, self.training) if self.adapters else None
+        return run(x_RD, tokens_per_expert_L, self.gate_up_proj, self.down_proj, adapters)
 
 
 class MoEBlock(nn.Module):

@@ -52,6 +52,7 @@ from te_mixtral.files import (
     write_failure,
 )
 from te_mixtral.model.hf_config import hf_config, model_config_from_hf
+from te_mixtral.model.lora import is_adapter_param, lora_adapters, merged
 from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.outputs import EXPORT_MARKER
 
@@ -223,7 +224,7 @@ def _check_complete(params, loaded, num_local, tied) -> None:
 # --- out --------------------------------------------------------------------------------
 
 
-def _gather_experts(stacked_L: torch.Tensor, layout: Layout, dtype: torch.dtype) -> list[torch.Tensor] | None:
+def gather_experts(stacked_L: torch.Tensor, layout: Layout, dtype: torch.dtype) -> list[torch.Tensor] | None:
     """Every expert of one stacked parameter, on rank 0's CPU in global order; None elsewhere.
 
     One gather per local expert index: rank r sends its expert `i`, which is global expert
@@ -340,9 +341,13 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     def cpu(tensor):
         return tensor.detach().to("cpu", dtype).contiguous()
 
+    adapters = lora_adapters(model)
+
     def whole(name):  # sharded: a collective, which every rank runs for every tensor in one order
         p = params[name].detach()
-        return p.full_tensor() if isinstance(p, DTensor) else p
+        p = p.full_tensor() if isinstance(p, DTensor) else p
+        # LoRA: the weight with its adapter merged in, one tensor at a time.
+        return merged(p, adapters[name].A, adapters[name].B, adapters[name].scale) if name in adapters else p
 
     try:
         # named_parameters lists a tied head once, under the embedding: HF re-ties it on load.
@@ -353,10 +358,11 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
         for index in range(m.num_hidden_layers):
             prefix = f"model.layers.{index}"
             stacks = [whole(f"{prefix}.mlp.experts.{part}") for part in ("gate_up_proj", "down_proj")]
-            dense = {name: whole(name) for name in params if name.startswith(prefix + ".") and not is_expert_param(name)}
+            dense = {name: whole(name) for name in params if name.startswith(prefix + ".") and not is_expert_param(name)
+                     and not is_adapter_param(name)}
             if not sends:
                 continue
-            gate_up, down = (_gather_experts(stack, layout, dtype) for stack in stacks)
+            gate_up, down = (gather_experts(stack, layout, dtype) for stack in stacks)
             if not writer:
                 continue
             tensors = {name.replace(".mlp.", ".block_sparse_moe."): cpu(t) for name, t in dense.items()}
@@ -395,6 +401,7 @@ def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     out_dir = Path(out_dir).expanduser().absolute()
     require_writable(out_dir.parent, "save_hf's parent folder")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in model.named_parameters())
+    numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in model.named_parameters()
+                if not is_adapter_param(name))
     require_free_space(out_dir.parent, numel * itemsize, "the Hugging Face export",
                        folder_bytes(out_dir.with_name(out_dir.name + ".tmp")))

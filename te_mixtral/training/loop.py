@@ -49,6 +49,7 @@ from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog, check_tensorboard
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
+from te_mixtral.model.lora import add_adapters, freeze_base
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
 from te_mixtral.training.evaluate import evaluate, evaluations_table
@@ -68,6 +69,7 @@ from te_mixtral.training.optimizer import (
     split_masters,
 )
 from te_mixtral.training.outputs import check_outputs
+from te_mixtral.training.peft_adapters import save_adapter
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -85,6 +87,9 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     with torch.device(device):
         model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute)
     initialise(model, cfg, layout, model_dir)
+    if cfg.lora.enabled:
+        add_adapters(model, cfg.lora, cfg.train.seed, layout)
+        freeze_base(model, torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
 
 
@@ -95,6 +100,12 @@ def initialise(model: MixtralForCausalLM, cfg: RunConfig, layout: Layout, model_
         load_hf_weights(model, model_dir, layout)
     else:
         init_weights(model, cfg.train.seed, layout)
+
+
+def trained_note(model: nn.Module) -> str:
+    """How many of the parameters train (LoRA's adapters), as the start line says it."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f" ({trained / 1e6:.2f} M of them LoRA adapters, trained)"
 
 
 def due(step: int, every: int, total: int) -> bool:
@@ -179,7 +190,8 @@ def train(cfg: RunConfig) -> TrainResult:
               f"model section)", flush=True)
     if layout.is_main:
         print(f"te_mixtral: tier {cfg.tier} on {header['device']} x{layout.world_size} (EP={cfg.ep_size}), "
-              f"{cfg.precision}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on rank 0, "
+              f"{cfg.precision}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on rank 0"
+              f"{trained_note(model) if cfg.lora.enabled else ''}, "
               f"ran: {ran_on}", flush=True)
 
     # --- steps -------------------------------------------------------------------------
@@ -253,6 +265,8 @@ def train(cfg: RunConfig) -> TrainResult:
             if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
                 save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir,
                                    cfg.data.tokenizer)
+            if cfg.save_adapter and due(state.step, cfg.train.save_every, cfg.train.steps):
+                save_adapter(model, cfg.save_adapter, cfg, layout)
         except Diverged as e:
             stopped = Diverged(f"after step {state.step}: {e}")
             break

@@ -44,8 +44,9 @@ def make_optimizer(model: nn.Module, cfg: RunConfig,
     the model's fp32 parameters are split here. Either way the masters equal the fp32 values
     bit for bit."""
     t = cfg.train
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    matrices = [p for p in trained if p.dim() >= 2]
+    vectors = [p for p in trained if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
     if t.optimizer == "master_adamw":
         options = {"lr": t.lr, "betas": (t.beta1, t.beta2), "moment_dtype": MOMENT_DTYPES[t.moment_dtype]}

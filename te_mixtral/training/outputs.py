@@ -7,7 +7,7 @@ what is already there unless that is plainly its own to replace, or the user sai
   not finish, which `resume` continues.
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save.
-- `save_hf`: the export replaces the whole folder. It may replace an earlier te_mixtral
+- `save_hf` and `save_adapter`: the export replaces the whole folder. It may replace an earlier te_mixtral
   export (marked by `EXPORT_MARKER`), never the current folder, the checkpoint folder or
   the `--model` folder (nor a folder holding one of them), and other files only with
   `overwrite`.
@@ -37,23 +37,26 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None) -> None:
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
-    if cfg.save_hf:
-        _check_export_folder(Path(cfg.save_hf).expanduser(), cfg.overwrite,
-                             {"the current folder": Path.cwd(), "the checkpoint folder": ckpt,
-                              "the --model folder": model_dir})
+    protected = {"the current folder": Path.cwd(), "the checkpoint folder": ckpt, "the --model folder": model_dir}
+    for key in ("save_hf", "save_adapter"):
+        if getattr(cfg, key):
+            _check_export_folder(key, Path(getattr(cfg, key)).expanduser(), cfg.overwrite, protected)
+    if cfg.save_hf and cfg.save_adapter and Path(cfg.save_hf).expanduser().resolve() == \
+            Path(cfg.save_adapter).expanduser().resolve():
+        raise UserError(f"save_hf and save_adapter name one folder ({cfg.save_hf}): give each its own")
 
 
 def _holds_checkpoints(folder: Path) -> bool:
     return folder.is_dir() and any(p.name == "latest" or p.name.startswith("step-") for p in folder.iterdir())
 
 
-def _check_export_folder(folder: Path, overwrite: bool, protected: dict[str, Path | None]) -> None:
+def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dict[str, Path | None]) -> None:
     resolved = folder.resolve()
     for what, path in protected.items():
         if path is not None and (resolved == path.resolve() or resolved in path.resolve().parents):
-            raise UserError(f"save_hf {folder} would replace {what} ({path}): export to a folder of its own")
+            raise UserError(f"{key} {folder} would replace {what} ({path}): export to a folder of its own")
     if folder.exists() and not folder.is_dir():
-        raise UserError(f"save_hf {folder} is a file, not a folder")
+        raise UserError(f"{key} {folder} is a file, not a folder")
     if folder.is_dir() and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file() and not overwrite:
-        raise UserError(f"save_hf {folder} holds files that are not an earlier te_mixtral export, and the export "
+        raise UserError(f"{key} {folder} holds files that are not an earlier te_mixtral export, and the export "
                         f"replaces the whole folder; choose a new folder, or pass --overwrite to replace them")

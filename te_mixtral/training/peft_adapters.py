@@ -1,0 +1,114 @@
+"""LoRA adapters out, in PEFT's format, for transformers' `MixtralForCausalLM`.
+
+`save_adapter` writes `adapter_config.json` and `adapter_model.safetensors` as
+`PeftModel.save_pretrained` does, so that
+
+    PeftModel.from_pretrained(MixtralForCausalLM.from_pretrained(base), folder)
+
+gives our model's logits. How our adapters map onto PEFT's (te_mixtral/model/lora.py has ours):
+
+- attention: PEFT's `target_modules`; `...self_attn.q_proj.lora_A.weight` is our `A` [r, in],
+  `lora_B.weight` our `B` [out, r].
+- experts: PEFT's `target_parameters` (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`),
+  one adapter per expert on a stacked weight. PEFT keeps all experts' A in one matrix
+  [E*r, in] (expert-major: rows e*r .. e*r+r-1 are expert e's A), and all B in [out, r*E]
+  with the expert as the *fastest* index (column j*E + e is expert e's column j). Two
+  targets on one module nest: PEFT wraps the first listed innermost, so its keys gain one
+  `base_layer.` per target listed after it.
+
+What PEFT cannot express: dropout on a parameter target (PEFT refuses it: x cannot be
+factored out of a stacked weight's product). Dropout acts only while training, so the
+adapters are the same without it; with expert targets the saved `lora_dropout` is 0.
+
+Adapters are saved in the dtype they train in (fp32). The experts' adapters are gathered from the EP group to rank 0 one expert at a time, as the
+Hugging Face export gathers the experts (hf_checkpoint.py).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+
+from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, RunConfig
+from te_mixtral.distributed.layout import Layout
+from te_mixtral.files import fsync_path, publish_folder, write_failure
+from te_mixtral.training.checkpoint import require_finite_weights
+from te_mixtral.training.hf_checkpoint import gather_experts
+from te_mixtral.training.outputs import EXPORT_MARKER
+
+PREFIX = "base_model.model."  # PeftModel's name of the wrapped transformers model
+
+
+def peft_config(cfg: RunConfig) -> dict:
+    """The adapter_config.json PEFT reads for these adapters (its LoraConfig's fields)."""
+    lora, targets = cfg.lora, cfg.lora.target_list()
+    expert_targets = [f"mlp.experts.{t}" for t in LORA_EXPERT_TARGETS if t in targets]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": cfg.model_path,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0 if expert_targets else lora.dropout,
+        "use_rslora": lora.rslora,
+        "target_modules": [t for t in LORA_DENSE_TARGETS if t in targets],
+        "target_parameters": expert_targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def expert_key(layer: int, target: str, targets: list[str], factor: str) -> str:
+    """PEFT's key of one expert target's lora_A or lora_B (`factor`), nesting included."""
+    nesting = "base_layer." * (len(targets) - 1 - targets.index(f"mlp.experts.{target}"))
+    return f"{PREFIX}model.layers.{layer}.mlp.experts.{nesting}{factor}.weight"
+
+
+def peft_expert_tensors(a_ErI: torch.Tensor, b_EOr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our stacked A [E, r, I] and B [E, O, r] as PEFT's lora_A [E*r, I] and lora_B [O, r*E]."""
+    experts, rank, _ = a_ErI.shape
+    return a_ErI.reshape(experts * rank, -1), b_EOr.permute(1, 2, 0).reshape(b_EOr.shape[1], rank * experts)
+
+
+@torch.no_grad()
+def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, layout: Layout) -> Path | None:
+    """Write the model's adapters to `out_dir` in PEFT's format (module docstring); the folder
+    on rank 0, None elsewhere. Every rank calls it."""
+    out_dir = Path(out_dir).expanduser()
+    require_finite_weights(model, layout, f"the adapters {out_dir}")
+    config = peft_config(cfg)
+    tensors = {}
+    for index, layer in enumerate(model.model.layers):
+        stem = f"{PREFIX}model.layers.{index}"
+        for target, adapter in layer.self_attn.adapters.items():
+            tensors[f"{stem}.self_attn.{target}.lora_A.weight"] = adapter.A.detach().cpu()
+            tensors[f"{stem}.self_attn.{target}.lora_B.weight"] = adapter.B.detach().cpu()
+        for target, adapter in layer.mlp.experts.adapters.items():
+            a_E, b_E = (gather_experts(w, layout, w.dtype) for w in (adapter.A, adapter.B))
+            if layout.is_main:
+                a, b = peft_expert_tensors(torch.stack(a_E), torch.stack(b_E))
+                targets = config["target_parameters"]
+                tensors[expert_key(index, target, targets, "lora_A")] = a
+                tensors[expert_key(index, target, targets, "lora_B")] = b
+    if not layout.is_main:
+        return None
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    try:
+        if tmp.exists():  # left by a run that died while exporting
+            for path in tmp.iterdir():
+                path.unlink()
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in tensors.items()}, tmp / "adapter_model.safetensors")
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
+        for path in tmp.iterdir():
+            fsync_path(path)
+        publish_folder(tmp, out_dir)
+    except (OSError, SafetensorError) as e:
+        raise write_failure(f"the adapter export {out_dir}", e) from None
+    return out_dir
