@@ -147,3 +147,37 @@ def accumulated_and_summed_grads(op, micro_batches, gate_up_L2FD, down_LDF):
     for x, counts, dy in micro_batches:
         op(x, counts, *weights).backward(dy)
     return [w.grad for w in weights], summed
+
+
+def random_adapters(splits, D, F, rank, seed, device="cpu", dtype=torch.float32, targets=("gate_up", "down")):
+    """Fresh random LoRA adapters for the experts (B too, so that every A gets a gradient):
+    {"gate_up": (A [L, r, D], B [L, 2F, r]), "down": (A [L, r, F], B [L, D, r])} for `targets`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shapes = {"gate_up": (D, 2 * F), "down": (F, D)}
+    L = len(splits)
+    return {name: (torch.randn(L, rank, shapes[name][0], generator=g, device=device).to(dtype) / shapes[name][0] ** 0.5,
+                   torch.randn(L, shapes[name][1], rank, generator=g, device=device).to(dtype) * 0.1)
+            for name in targets}
+
+
+def reference_lora_f64(x_RD, splits, gate_up_L2FD, down_LDF, adapters, scale, dy_RD):
+    """y and the gradients of x and of every adapter tensor (in `adapters`' order, A then B),
+    in float64, one expert at a time by plain autograd, the base weights frozen."""
+    x = x_RD.detach().double().requires_grad_()
+    pairs = {name: tuple(t.detach().double().requires_grad_() for t in pair) for name, pair in adapters.items()}
+    gate_up, down = gate_up_L2FD.double(), down_LDF.double()
+
+    def project(name, x_NI, weight, e):
+        out = x_NI @ weight[e].T
+        if name in pairs:
+            a, b = pairs[name]
+            out = out + scale * (x_NI @ a[e].T) @ b[e].T
+        return out
+
+    outputs = []
+    for e, x_ND in enumerate(x.split(splits)):
+        gate_NF, up_NF = project("gate_up", x_ND, gate_up, e).chunk(2, dim=-1)
+        outputs.append(project("down", F.silu(gate_NF) * up_NF, down, e))
+    y = torch.cat(outputs)
+    leaves = [x, *(t for pair in pairs.values() for t in pair)]
+    return (y.detach(), *torch.autograd.grad(y, leaves, dy_RD.double()))

@@ -22,10 +22,20 @@ import torch.nn.functional as F
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import with_adapter
 from te_mixtral.experts.base import ExpertTier, swiglu
+from te_mixtral.experts.grouped_mm import grouped_matmul
 
 
 class CustomGroupedTier(ExpertTier):
     name = "custom_grouped"
+    takes_adapters = True
+
+    def __init__(self, down_adapter_dropout: float = 0.0):
+        self.down_adapter_dropout = down_adapter_dropout
+
+    @classmethod
+    def from_config(cls, cfg) -> "CustomGroupedTier":
+        adapts_down = cfg.lora.enabled and "down_proj" in cfg.lora.target_list()
+        return cls(cfg.lora.dropout if adapts_down else 0.0)
 
     def check_available(self, device: torch.device) -> None:
         if torch.device(device).type != "cuda":
@@ -35,28 +45,50 @@ class CustomGroupedTier(ExpertTier):
                 "tier custom_grouped needs Triton on CUDA; pip install triton, "
                 "or choose tier grouped_linear or loop"
             )
+        if self.down_adapter_dropout:
+            raise TierUnavailable(
+                "tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output "
+                "never leaves them): set lora.dropout 0, or leave down_proj out of lora.targets"
+            )
 
     def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         if not x_RD.is_cuda:
             return grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters)
-        return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=True)
+        return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, True, adapters)
 
     def recomputes_hidden(self, x_RD) -> bool:
         return x_RD.is_cuda
 
-    def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+    def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         """Selective recompute inside the op: its backward runs the gate_up GEMM again, not
         the down projection, whose output the backward does not need (a checkpoint of the
-        whole op would run both)."""
-        return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=False)
+        whole op would run both). Not with adapters (the model checkpoints the op then)."""
+        return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, False, adapters)
 
     @staticmethod
-    def _kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden):
-        from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
-
+    def _kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden, adapters):
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
+        return kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden)
+
+
+def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None, keep_hidden=True):
+    """The expert FFN through the Triton op (te_mixtral/experts/kernels/grouped_swiglu.py), with
+    LoRA's adapters: the gate_up delta enters the first GEMM's epilogue, the down adapter's A
+    is applied to act inside the op, and its B product is added here. Their small GEMMs are
+    `F.grouped_mm` calls over the same device-side splits."""
+    from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
+
+    if adapters is None:
         return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden)
+    matmul = partial(grouped_matmul, offs_L=torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32))
+    h_add_R2F = adapters.delta("gate_up", x_RD, matmul)
+    if adapters.down is None:
+        return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, h_add_R2F=h_add_R2F)
+    a_LrF, b_LDr = (w.to(x_RD.dtype) for w in adapters.down)
+    y_RD, u_Rr = grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, h_add_R2F=h_add_R2F,
+                                a_down_LrF=a_LrF)
+    return y_RD + matmul(u_Rr, b_LDr) * adapters.scale
 
 
 def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
@@ -72,21 +104,6 @@ def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapter
     act_RF = swiglu(with_adapter(matmul(x_RD, gate_up_L2FD.to(dtype)), adapters, "gate_up", x_RD, matmul))
     y_RD = with_adapter(matmul(act_RF, down_LDF.to(dtype)), adapters, "down", act_RF, matmul)
     return _ContiguousGrad.apply(y_RD)
-
-
-def grouped_matmul(x_RI, w_LNI, offs_L):
-    """x_RI @ w_LNI[e].T over each expert e's rows, by `F.grouped_mm`, which wants int32
-    cumulative row ends as offsets and 16-byte aligned row strides: an odd I or N is
-    zero-padded (padding that contributes exactly zero), a no-op for real model shapes."""
-    align = max(1, 16 // x_RI.element_size())
-    n = w_LNI.shape[1]
-    pad_i, pad_n = -x_RI.shape[1] % align, -n % align
-    if pad_i:
-        x_RI, w_LNI = F.pad(x_RI, (0, pad_i)), F.pad(w_LNI, (0, pad_i))
-    if pad_n:
-        w_LNI = F.pad(w_LNI, (0, 0, 0, pad_n))
-    y_RN = F.grouped_mm(x_RI, w_LNI.transpose(-2, -1), offs=offs_L)
-    return y_RN[:, :n] if pad_n else y_RN
 
 
 class _ContiguousGrad(torch.autograd.Function):

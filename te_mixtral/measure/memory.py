@@ -66,14 +66,21 @@ import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from te_mixtral.config import RunConfig
+from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, RunConfig
 from te_mixtral.config_checks import RECOMPUTE, validate_model
 from te_mixtral.distributed.layout import main_rank_from_env
 from te_mixtral.errors import UserError
 from te_mixtral.experts.device_mxfp8 import runs_fp8
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.measure.capacity import GiB, capacity
-from te_mixtral.measure.model_state import ParamCounts, count_parameters, held_fsdp, held_unsharded, local_parameters
+from te_mixtral.measure.model_state import (
+    ParamCounts,
+    count_adapters,
+    count_parameters,
+    held_fsdp,
+    held_unsharded,
+    local_parameters,
+)
 from te_mixtral.measure.report import format_table
 
 # (parameter, gradient, optimizer state) bytes per parameter. adamw_fp32: fp32 weights,
@@ -212,6 +219,9 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     precision = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     backend = "torch" if cfg.tier in BASELINES else _backend(cfg, device)
     p_bytes, g_bytes, s_bytes = OPTIMIZERS[optimizer]
+    lora = cfg.lora
+    if lora.enabled:  # the base frozen in the compute dtype, no gradient or state; the adapters' below
+        p_bytes, g_bytes, s_bytes = (2 if precision == "bf16" else 4), 0, 0
     a = 2 if precision == "bf16" or p_bytes == 2 else 4  # compute dtype
     r = p_bytes  # residual stream: the embedding's dtype, fp32 + bf16 stays fp32
     copy = 2 if a == 2 and p_bytes == 4 else 0  # autocast's bf16 copy of an fp32 matrix
@@ -256,6 +266,11 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # The FP8 path also keeps h's FP8 copy for the down weight gradient (a byte per element) and
     # its row scales (measured on Hopper; Blackwell's TE path is counted the same).
     expert_hidden = a * R * hidden + (R * (F + 4) if fp8 else 0)
+    # LoRA: each adapter keeps its rank-r product of the rows it reads (its input is kept
+    # anyway) for B's gradient: per row of its layer, T for attention's, R for the experts'.
+    targets = lora.target_list() if lora.enabled else ()
+    dense_layer += a * lora.rank * T * sum(t in targets for t in LORA_DENSE_TARGETS)
+    expert_hidden += a * lora.rank * R * sum(t in targets for t in LORA_EXPERT_TARGETS)
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
     layer_copies = dense_copies + expert_copies + fp8_weights
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
@@ -288,10 +303,15 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     L = m.num_hidden_layers
 
     workspace = WORKSPACE_BYTES if device == "cuda" else 0
+    # LoRA's adapters: fp32 weights, gradients and AdamW moments, a bf16 copy under autocast.
+    adapters = count_adapters(m, ep, lora)
+    adapter_grads = {"head backward": 4 * adapters if accumulating else 0}
 
     def phase(name, copies, activations, transient):
         weights, gradients, in_flight = held[name]
-        return dict(zip(PARTS, (weights, gradients, state, copies, activations, workspace + transient + in_flight)))
+        return dict(zip(PARTS, (weights + 4 * adapters, gradients + adapter_grads.get(name, 4 * adapters),
+                                state + 8 * adapters, copies + (2 * adapters if a == 2 else 0), activations,
+                                workspace + transient + in_flight)))
 
     phases = {
         "head backward": phase("head backward", L * saved_copies + head_copy, L * layer_saved + head + logits,
@@ -302,8 +322,10 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
         "optimizer step": phase("optimizer step", L * cached_fp8, logits, 0),
     }
     micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
+    trains = (f"LoRA r={lora.rank} on a frozen {'bf16' if p_bytes == 2 else 'fp32'} base "
+              f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer)
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
-                f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {optimizer}, recompute {recompute}"
+                f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {trains}, recompute {recompute}"
                 + (f", sharded by fsdp ({params.total / 1e6:,.1f} M parameters unsharded)" if sharded else ""))
     return MemoryEstimate(phases, L * (layer_saved + saved_copies) + head + head_copy, params, local, device,
                           describe)

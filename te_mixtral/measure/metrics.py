@@ -44,7 +44,7 @@ from contextlib import contextmanager
 
 import torch
 
-from te_mixtral.config import ModelConfig
+from te_mixtral.config import LoRAConfig, ModelConfig
 
 # Dense BF16 tensor-core peak FLOP/s per GPU, matched against the CUDA device name
 # (e.g. "NVIDIA H100 80GB HBM3"). First match wins, so a name that contains another must
@@ -92,7 +92,20 @@ def causal_pairs(cu_seqlens: torch.Tensor) -> int:
     return int((lengths * (lengths + 1) // 2).sum())
 
 
-def train_flops(m: ModelConfig, cu_seqlens: torch.Tensor, num_tokens: int) -> float:
+def adapter_params_per_token(m: ModelConfig, lora: LoRAConfig) -> int:
+    """LoRA's adapter parameters one token passes through: r * (in + out) per adapted dense
+    projection, and per adapted expert weight for each of its top-k experts."""
+    D, hd = m.hidden_size, m.head_dim
+    dense = {"q_proj": (D, m.num_attention_heads * hd), "k_proj": (D, m.num_key_value_heads * hd),
+             "v_proj": (D, m.num_key_value_heads * hd), "o_proj": (m.num_attention_heads * hd, D)}
+    experts = {"gate_up_proj": (D, 2 * m.intermediate_size), "down_proj": (m.intermediate_size, D)}
+    targets = lora.target_list()
+    per_layer = (sum(sum(dense[t]) for t in targets if t in dense)
+                 + m.num_experts_per_tok * sum(sum(experts[t]) for t in targets if t in experts))
+    return m.num_hidden_layers * lora.rank * per_layer
+
+
+def train_flops(m: ModelConfig, cu_seqlens: torch.Tensor, num_tokens: int, lora: LoRAConfig | None = None) -> float:
     """Model FLOPs of one training step (forward + backward) over one batch:
 
         6 * active_params_per_token(m) * num_tokens
@@ -102,8 +115,17 @@ def train_flops(m: ModelConfig, cu_seqlens: torch.Tensor, num_tokens: int) -> fl
     (`[0, L_0, L_0 + L_1, ...]`). Pass the CPU copy: reading a CUDA tensor here would force
     a device sync in the middle of the timed step. For a step over several ranks, sum the
     ranks' values: that global number is what `summarize` expects.
+
+    With LoRA (`lora.rank` > 0) only the FLOPs that run count: a frozen weight's GEMMs run
+    forward and for the input's gradient, not for its own (4 FLOPs per parameter and token,
+    not 6), and the adapters train (6 each). Layer 0's q, k and v projections get no input
+    gradient either (the frozen embedding needs none); they are counted as if they did, a
+    fraction of a percent of a step.
     """
-    matmuls = 6 * active_params_per_token(m) * num_tokens
+    frozen = lora is not None and lora.enabled
+    matmuls = (4 if frozen else 6) * active_params_per_token(m) * num_tokens
+    if frozen:
+        matmuls += 6 * adapter_params_per_token(m, lora) * num_tokens
     attention_forward = m.num_hidden_layers * 2 * (2 * m.num_attention_heads * m.head_dim) * causal_pairs(cu_seqlens)
     return float(matmuls + 3 * attention_forward)
 

@@ -4,7 +4,7 @@ The memory estimate (memory.py) builds on these; the phases are its."""
 
 from dataclasses import dataclass
 
-from te_mixtral.config import ModelConfig
+from te_mixtral.config import LoRAConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,20 @@ def count_parameters(m: ModelConfig, ep_size: int = 1) -> ParamCounts:
     experts = (m.num_experts // ep_size) * 3 * m.intermediate_size * d  # gate, up, down
     return ParamCounts(m.vocab_size * d, 0 if m.tie_word_embeddings else m.vocab_size * d,
                        attention + router + norms, experts, d, m.num_hidden_layers)
+
+
+def count_adapters(m: ModelConfig, ep_size: int, lora: LoRAConfig) -> int:
+    """LoRA's adapter parameters one rank holds (its E / EP experts' adapters); 0 without LoRA."""
+    if not lora.enabled:
+        return 0
+    d, hd, f = m.hidden_size, m.head_dim, m.intermediate_size
+    dense = {"q_proj": d + m.num_attention_heads * hd, "k_proj": d + m.num_key_value_heads * hd,
+             "v_proj": d + m.num_key_value_heads * hd, "o_proj": m.num_attention_heads * hd + d}
+    experts = {"gate_up_proj": d + 2 * f, "down_proj": f + d}
+    targets = lora.target_list()
+    per_layer = (sum(dense[t] for t in targets if t in dense)
+                 + (m.num_experts // ep_size) * sum(experts[t] for t in targets if t in experts))
+    return m.num_hidden_layers * lora.rank * per_layer
 
 
 def local_parameters(params: ParamCounts, expert_replicas: int, dense_replicas: int) -> int:

@@ -28,9 +28,10 @@ weights are (te_mixtral/distributed/layout.py). The tier runs them inside its gr
 Initialisation, like the base's (model/mixtral.py), does not depend on the EP layout: every
 expert's adapter comes from a generator seeded by (seed, layer, global expert).
 
-Precision: the frozen base is stored in the run's compute dtype (bf16 on a GPU: 2 bytes per
-parameter, not the 4 of an fp32 master that nothing updates); the adapters are fp32 and
-train with AdamW, cast to bf16 for their GEMMs by autocast (or by the tier).
+Precision: the frozen base is made in the run's compute dtype (bf16 on a GPU: 2 bytes per
+parameter, not the 4 of an fp32 master that nothing updates: training/loop.py builds it so);
+the adapters are fp32 and train with AdamW, cast to bf16 for their GEMMs by autocast (or by
+the tier).
 """
 
 import math
@@ -52,7 +53,8 @@ class LowRank(nn.Module):
         self.A = nn.Parameter(torch.empty(lora.rank, in_features))
         self.B = nn.Parameter(torch.zeros(out_features, lora.rank))
         self.scale = lora.scale
-        self.dropout = nn.Dropout(lora.dropout)
+        # Not Dropout(0): that still copies its input, and the copy is what A's GEMM keeps.
+        self.dropout = nn.Dropout(lora.dropout) if lora.dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(self.dropout(x), self.A), self.B) * self.scale
@@ -130,15 +132,11 @@ def lora_adapters(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-@torch.no_grad()
-def freeze_base(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every weight but the adapters' stops training and is stored in `dtype`."""
+def freeze_base(model: nn.Module) -> None:
+    """Every weight but the adapters' stops training."""
     for name, param in model.named_parameters():
         if not is_adapter_param(name):
             param.requires_grad_(False)
-            # In place of the parameter's storage, as `Module.to` does: the same Parameter
-            # object, so a tied head stays tied and names still find it.
-            param.data = param.data.to(dtype)
 
 
 @torch.no_grad()

@@ -84,13 +84,27 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     tier = make_tier(cfg.tier, cfg)
     tier.check_available(device)
     backend = resolve_backend(cfg.backend, device.type)
-    with torch.device(device):
+    # LoRA's frozen base is made in the compute dtype: an fp32 copy of the whole model first
+    # would need twice the memory the run does.
+    base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
+    with torch.device(device), default_dtype(base_dtype):
         model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute)
     initialise(model, cfg, layout, model_dir)
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)
-        freeze_base(model, torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        freeze_base(model)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """The dtype new floating-point tensors get, for the time of a `with` block."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def initialise(model: MixtralForCausalLM, cfg: RunConfig, layout: Layout, model_dir: Path | None) -> None:
@@ -203,7 +217,7 @@ def train(cfg: RunConfig) -> TrainResult:
     stopped = None  # why the run stopped early (a Diverged error), if it did
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
-        step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens)
+        step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens, cfg.lora)
                          for micro in micro_batches)
         micro_batches = [micro.to(device) for micro in micro_batches]
         lr = learning_rate(step, cfg)

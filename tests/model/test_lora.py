@@ -46,7 +46,7 @@ def adapted(folder, lora: LoRAConfig, tier=None, dtype=torch.float64, seed=7):
     ours = Ours(model_config_from_hf(folder), TORCH, SINGLE, tier or LoopTier())
     load_hf_weights(ours, folder, SINGLE)
     add_adapters(ours, lora, seed, SINGLE)
-    freeze_base(ours, dtype)
+    freeze_base(ours)
     ours.to(dtype)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -76,9 +76,10 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
-    a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr,
+    a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr, add_ptr,
     R, N, I, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr, SCALED: tl.constexpr,
+    ADD: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
@@ -96,6 +97,9 @@ def _rows_gemm(
     sums and arrivals [num_programs] int32, zeros, counts the shares of each split tile done.
     SCALED (plain epilogue only) multiplies row r's sums by a_scale[r] and expert e's column
     c by b_scale[e, c] (float32, [R] and [L, N]) before the store.
+    ADD (SwiGLU epilogues only) adds a tensor to the sums before the activation: under
+    EPI_SWIGLU one laid out as h [R, 2N] (LoRA's gate_up delta), under EPI_SWIGLU_BWD one
+    laid out as act [R, N] (the down adapter's share of d(act)).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -215,11 +219,18 @@ def _rows_gemm(
                 if EPILOGUE == EPI_SWIGLU:
                     g = acc_part
                     u = _column_part(acc_up, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+                    if ADD:
+                        add_ptrs = add_ptr + m0.to(tl.int64) * (2 * N) + rm[:, None] * (2 * N) + cols[None, :]
+                        g += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
+                        u += tl.load(add_ptrs + N, mask=mask, other=0.0).to(tl.float32)
                     tl.store(gate_ptrs, g.to(h_ptr.dtype.element_ty), mask=mask)
                     tl.store(gate_ptrs + N, u.to(h_ptr.dtype.element_ty), mask=mask)
                     act = g * tl.sigmoid(g) * u
                     tl.store(act_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
+                    if ADD:
+                        add_ptrs = add_ptr + m0.to(tl.int64) * N + rm[:, None] * N + cols[None, :]
+                        acc_part += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
                     _swiglu_bwd_store(acc_part, gate_ptrs, act_ptrs, mask, N, WRITE_ACT)
 
 
@@ -320,10 +331,11 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
-              epilogue=EPI_PLAIN, h=None, scales=None):
+              epilogue=EPI_PLAIN, h=None, scales=None, add=None):
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
     b_icontig, else [L, I, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
-    `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands.
+    `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands; `add`
+    (SwiGLU epilogues), a contiguous tensor added to the sums (the kernel's ADD).
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
     ensure_cuda_context(a_RI.device)
     R, I = a_RI.shape
@@ -346,8 +358,9 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         arrivals = torch.zeros(programs, dtype=torch.int32, device=a_RI.device)
     kernel = _rows_gemm[(programs,)](
         a_src, b_src, counts_L, h if out is None else out,
-        a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), R, n, I, L, w.shape[1],
+        a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add, R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
+        ADD=add is not None,
         USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=_dot_prec(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),

@@ -50,6 +50,7 @@ in fp32, not meaningful in bf16).
 import torch
 from torch.autograd.function import once_differentiable
 
+from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad
 from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
 from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
@@ -197,7 +198,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma, keep_hidden):
+    def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF):
         R, D = x_RD.shape
         L, F = down_LDF.shape[0], down_LDF.shape[2]
         dtype = x_RD.dtype
@@ -211,21 +212,24 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if use_tma is None:
             use_tma = uses_descriptors(R, L) and _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
-            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True,
-                      cfg=cfgs["gate_up"], use_tma=use_tma, epilogue=EPI_SWIGLU, h=h_R2F)
+            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
+                      epilogue=EPI_SWIGLU, h=h_R2F, add=None if h_add_R2F is None else h_add_R2F.contiguous())
             rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_icontig=True,
                       cfg=cfgs["down"], use_tma=use_tma)
+        outputs = (y_RD,)
+        if a_down_LrF is not None:  # LoRA's down adapter reads act, which only lives in here
+            outputs += (grouped_matmul(act_RF, a_down_LrF, _offsets(counts_L)),)
         if keep_hidden:
-            ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF)
+            ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF)
         else:  # the weights as they came: a cast copy is made again in the backward
-            ctx.save_for_backward(x_RD, counts_L, gate_up_L2FD, down_LDF)
+            ctx.save_for_backward(x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF)
         ctx.cfgs, ctx.use_tma, ctx.h_consumed, ctx.keep_hidden = cfgs, use_tma, False, keep_hidden
         ctx.weights = (gate_up_L2FD, down_LDF)  # the parameters, whose .grad the backward may add into
-        return y_RD
+        return outputs if len(outputs) > 1 else y_RD
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy_RD):
+    def backward(ctx, dy_RD, du_Rr=None):
         if ctx.h_consumed:
             raise RuntimeError(
                 "custom_grouped: backward ran twice through one forward; the saved "
@@ -234,9 +238,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         ctx.h_consumed = ctx.keep_hidden
         cfgs, use_tma = ctx.cfgs, ctx.use_tma
         if ctx.keep_hidden:
-            x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF = ctx.saved_tensors
+            x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF = ctx.saved_tensors
         else:  # recompute the pre-activations: the gate_up GEMM again, not the down one
-            x_RD, counts_L, gate_up_L2FD, down_LDF = ctx.saved_tensors
+            x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF = ctx.saved_tensors
             w1_L2FD = gate_up_L2FD.to(x_RD.dtype).contiguous()
             w2_LDF = down_LDF.to(x_RD.dtype).contiguous()
             h_R2F = x_RD.new_empty(x_RD.shape[0], w1_L2FD.shape[1])
@@ -246,36 +250,58 @@ class _GroupedSwiGLU(torch.autograd.Function):
                           epilogue=EPI_SWIGLU, h=h_R2F)
         R, D = x_RD.shape
         F = w2_LDF.shape[2]
+        needs_x, _, needs_w1, needs_w2 = ctx.needs_input_grad[:4]
         dy_RD = dy_RD.to(x_RD.dtype).contiguous()
+        # LoRA's down adapter: its share of d(act) joins the SwiGLU gradient's epilogue.
+        lora_down = a_down_LrF is not None and du_Rr is not None
+        d_act_add = grouped_matmul(du_Rr.to(x_RD.dtype), a_down_LrF.transpose(1, 2), _offsets(counts_L)) \
+            if lora_down else None
         # Each weight gradient is added into its weight's .grad where that is safe
-        # (grad_accumulation.py), else written to a new tensor in the weight's dtype.
-        into = [accumulation_target(w) for w in ctx.weights]
-        d_w1, d_w2 = (torch.empty(w.shape, dtype=w.dtype, device=w.device) if t is None else t
-                      for w, t in zip(ctx.weights, into))
-        dx_RD = torch.empty_like(x_RD)
+        # (grad_accumulation.py), else written to a new tensor in the weight's dtype. A frozen
+        # weight (LoRA's base) gets none, and its GEMM does not run.
+        into = [accumulation_target(w) if needs else None for w, needs in zip(ctx.weights, (needs_w1, needs_w2))]
+        d_w1, d_w2 = (torch.empty(w.shape, dtype=w.dtype, device=w.device) if t is None and needs else t
+                      for w, t, needs in zip(ctx.weights, into, (needs_w1, needs_w2)))
+        dx_RD = torch.empty_like(x_RD) if needs_x else None
+        d_a_down = None
         if R > 0:
-            # 3: dh overwrites h; act comes back for 4, then is freed.
-            act_RF = x_RD.new_empty(R, F)
+            # 3: dh overwrites h; act comes back for 4 (and the down adapter's A), then is freed.
+            act_RF = x_RD.new_empty(R, F) if needs_w2 or lora_down else None
             rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_icontig=False,
-                      cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F)
+                      cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F, add=d_act_add)
             dh_R2F = h_R2F
-            wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma,
-                       accumulate=into[1] is not None)
+            if needs_w2:
+                wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma,
+                           accumulate=into[1] is not None)
+            if lora_down:
+                d_a_down = grouped_wgrad(du_Rr.to(x_RD.dtype), act_RF, _offsets(counts_L))
             del act_RF
-            rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
-                      cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
-            wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma,
-                       accumulate=into[0] is not None)
+            if needs_x:
+                rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
+                          cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
+            if needs_w1:
+                wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma,
+                           accumulate=into[0] is not None)
         else:  # no rows: zero gradients, or .grad as it was
+            dh_R2F = h_R2F
+            if needs_x:
+                dx_RD.zero_()
             for d, t in zip((d_w1, d_w2), into):
-                if t is None:
+                if d is not None and t is None:
                     d.zero_()
+            if lora_down:
+                d_a_down = torch.zeros_like(a_down_LrF)
         d_w1, d_w2 = (d if t is None else hand_over(w, d) for w, d, t in zip(ctx.weights, (d_w1, d_w2), into))
-        return dx_RD, None, d_w1, d_w2, None, None, None
+        d_h_add = dh_R2F if ctx.needs_input_grad[7] else None
+        return dx_RD, None, d_w1, d_w2, None, None, None, d_h_add, d_a_down
+
+
+def _offsets(counts_L: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts_L, 0, dtype=torch.int32)
 
 
 def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs=None,
-                   use_tma=None, keep_hidden=True):
+                   use_tma=None, keep_hidden=True, h_add_R2F=None, a_down_LrF=None):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
@@ -285,8 +311,17 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
     is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
     projection too, whose output the backward does not need.
+
+    LoRA (te_mixtral/experts/adapters.py): `h_add_R2F`, the gate_up adapter's delta, is added
+    to the pre-activations in the first GEMM's epilogue (its gradient is dh). `a_down_LrF`,
+    the down adapter's A in x's dtype, makes the op return (y_RD, u_Rr) with u = act @ A[e].T
+    per expert: the caller adds its B product to y, and act, which the adapter's gradient
+    needs, is re-created in the backward's SwiGLU epilogue rather than kept. Neither works
+    with `keep_hidden=False` (the recompute would need h_add again).
     """
     if configs is None:
         configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else CONFIGS
+    if not keep_hidden and (h_add_R2F is not None or a_down_LrF is not None):
+        raise ValueError("grouped_swiglu recomputes no adapter: keep_hidden must be True with LoRA")
     return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF,
-                                configs, use_tma, keep_hidden)
+                                configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF)

@@ -1,0 +1,48 @@
+"""LoRA's expert adapters in every tier that takes them, on the CPU: forward and the gradients
+of x and of every A and B against a float64 loop over experts (expert_reference.py), with
+the base weights frozen (they must get no gradient). The GPU paths are checked in tests/gpu;
+the custom_grouped Triton op's, also in Triton's interpreter (test_custom_grouped.py)."""
+
+import pytest
+import torch
+from expert_reference import random_adapters, reference_lora_f64
+from experts.test_custom_grouped import FP32_REL_TOL, SPLITS, make_inputs
+
+from te_mixtral.experts.adapters import ExpertAdapters
+from te_mixtral.experts.registry import EXPERT_TIERS, make_tier
+
+TIERS_ON_CPU = ["loop", "custom_grouped"]
+
+
+def run_with_adapters(tier_call, x, counts, gate_up, down, pairs, scale, dy):
+    """y and the gradients of x and of every adapter tensor, the base weights frozen."""
+    x = x.detach().clone().requires_grad_()
+    leaves = {name: tuple(t.detach().clone().requires_grad_() for t in pair) for name, pair in pairs.items()}
+    adapters = ExpertAdapters(leaves.get("gate_up"), leaves.get("down"), scale, 0.0)
+    y = tier_call(x, counts, gate_up, down, adapters)
+    flat = [t for pair in leaves.values() for t in pair]
+    return (y, *torch.autograd.grad(y, [x, *flat], dy))
+
+
+def assert_close(got, want, what):
+    for i, (out, ref) in enumerate(zip(got, want)):
+        assert out.shape == ref.shape, f"{what} output {i}: shape {tuple(out.shape)}"
+        err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+        assert err <= FP32_REL_TOL, f"{what} output {i}: error {err:.2e}"
+
+
+@pytest.mark.parametrize("tier", TIERS_ON_CPU)
+@pytest.mark.parametrize("targets", [("gate_up", "down"), ("gate_up",), ("down",)], ids=["both", "gate_up", "down"])
+@pytest.mark.parametrize("case", ["uneven", "zero_middle"])
+def test_tier_with_adapters_matches_float64(tier, targets, case):
+    splits = SPLITS[case]
+    x, counts, gate_up, down, dy = make_inputs(splits, 20, 12, seed=len(case) + len(targets))
+    pairs = random_adapters(splits, 20, 12, rank=3, seed=5, targets=targets)
+    got = run_with_adapters(make_tier(tier), x, counts, gate_up, down, pairs, 1.7, dy)
+    assert_close(got, reference_lora_f64(x, splits, gate_up, down, pairs, 1.7, dy), f"{tier} {targets} {case}")
+
+
+def test_the_tiers_that_take_adapters_say_so():
+    """The registry refuses lora for the others (test_config_validation); these run them."""
+    assert {name for name, tier in EXPERT_TIERS.items() if tier.takes_adapters} == \
+        {"loop", "grouped_linear", "custom_grouped"}

@@ -1,0 +1,62 @@
+"""What a forward keeps for the backward on a GPU (TE layers, the custom_grouped kernels),
+full fine-tuning and LoRA, against the memory estimate's count; the held storages are
+listed by size when they differ, which names the tensor the estimate misses."""
+
+import pytest
+import torch
+from measure.test_memory import _CreatedStorages, random_batch, tiny
+from measure.test_memory_lora import TARGETS
+
+from te_mixtral.distributed.layout import Layout
+from te_mixtral.experts.registry import make_tier
+from te_mixtral.measure.memory import estimate_memory
+from te_mixtral.model.layers import resolve_backend
+from te_mixtral.model.lora import add_adapters, freeze_base
+from te_mixtral.model.layers import PackedSequences
+from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.training.loop import default_dtype
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+SINGLE = Layout(0, 1, 1, None, None)
+SHAPES = {"hidden_size": "256", "intermediate_size": "512", "num_attention_heads": "4", "num_key_value_heads": "2",
+          "head_dim": "64", "vocab_size": "2048", "seq_len": "512", "batch_size": "2", "dtype": "bf16",
+          "device": "cuda", "tier": "custom_grouped"}
+
+
+def held_storages(model, run):
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with _CreatedStorages() as mode:
+        loss = run()
+    held = {ptr: nbytes for ref, ptr, nbytes in mode.created if not ref.expired() and ptr not in params}
+    del loss
+    return held
+
+
+@pytest.mark.parametrize("lora", [None, "all", "experts"])
+def test_forward_keeps_what_the_estimate_counts(lora):
+    overrides = dict(SHAPES, optimizer="adamw" if lora else "master_adamw")
+    if lora:
+        overrides |= {"lora.rank": "16", "lora.targets": TARGETS[lora]}
+    cfg = tiny(**overrides)
+    backend = resolve_backend("auto", "cuda")
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
+        model = MixtralForCausalLM(cfg.model, backend, SINGLE, make_tier(cfg.tier, cfg), "none")
+        init_weights(model, 1, SINGLE)
+    if lora:
+        add_adapters(model, cfg.lora, 2, SINGLE)
+        freeze_base(model)
+    ids, packed = random_batch(cfg)
+    ids, packed = ids.cuda(), packed.to("cuda")
+
+    def forward_loss():  # as the training loop's, on copies of the inputs (tests/measure/test_memory.py)
+        copies = PackedSequences(packed.position_ids_BS.clone(), packed.cu_seqlens.clone(), packed.max_seqlen)
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = model(ids.clone(), copies)
+        return causal_lm_loss(logits, ids, torch.tensor(1.0, device="cuda"))
+
+    held = held_storages(model, forward_loss)
+    estimate = estimate_memory(cfg, 1, device="cuda").forward_saved
+    listing = sorted(held.values(), reverse=True)
+    print(f"lora {lora}: measured {sum(listing)}, estimate {estimate}; T={cfg.train.batch_size * cfg.data.seq_len} "
+          f"D={cfg.model.hidden_size} F={cfg.model.intermediate_size}; held: {listing[:40]}")
+    assert estimate == pytest.approx(sum(listing), rel=0.05)

@@ -1,0 +1,56 @@
+"""The memory estimate of a LoRA run against what really exists: the frozen base's bytes, the
+adapters' weights, gradients and AdamW state after a step, and every tensor a forward keeps
+for the backward (measured as test_memory.py measures a full fine-tune's)."""
+
+import pytest
+import torch
+from measure.test_memory import SINGLE, build, forward_loss, held_after_forward, random_batch, tiny
+
+from te_mixtral.measure.memory import estimate_memory
+from te_mixtral.model.lora import add_adapters, freeze_base
+from te_mixtral.model.mixtral import causal_lm_loss, init_weights
+from te_mixtral.training.loop import default_dtype
+from te_mixtral.training.optimizer import make_optimizer
+
+TARGETS = {"all": "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj", "experts": "gate_up_proj,down_proj",
+           "v-down": "v_proj,down_proj"}
+
+
+def lora_model(cfg):
+    with default_dtype(torch.bfloat16 if cfg.precision == "bf16" else torch.float32):
+        model = build(cfg.model, tier=cfg.tier, recompute=cfg.train.recompute)
+        init_weights(model, 1, SINGLE)
+    add_adapters(model, cfg.lora, 2, SINGLE)
+    freeze_base(model)
+    return model
+
+
+def lora_cfg(tier="loop", targets="all", **overrides):
+    return tiny(tier, **{"lora.rank": "4", "lora.targets": TARGETS[targets], **overrides})
+
+
+@pytest.mark.parametrize("targets", TARGETS)
+def test_frozen_base_adapters_and_their_adamw_state_are_exact(targets):
+    cfg = lora_cfg(targets=targets)
+    model = lora_model(cfg)
+    optimizer = make_optimizer(model, cfg)
+    ids, packed = random_batch(cfg)
+    causal_lm_loss(model(ids, packed), ids, torch.tensor(float(ids.numel()))).backward()
+    optimizer.step()
+    estimate = estimate_memory(cfg, 1, device="cpu")
+    assert estimate.parameters == sum(p.nbytes for p in model.parameters())
+    assert estimate.gradients == sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    moments = sum(s[k].nbytes for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    assert estimate.optimizer_state == moments
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("tier", ["loop", "custom_grouped"])
+@pytest.mark.parametrize("targets", TARGETS)
+def test_activation_estimate_is_what_the_forward_keeps(targets, tier, precision, recompute):
+    cfg = lora_cfg(tier, targets, recompute=recompute, dtype=precision)
+    model = lora_model(cfg)
+    ids, packed = random_batch(cfg)
+    measured = held_after_forward(model, lambda: forward_loss(model, cfg, ids, packed))
+    assert estimate_memory(cfg, 1, device="cpu").forward_saved == pytest.approx(measured, rel=1e-3)
