@@ -35,6 +35,12 @@ statistics and the log-probabilities in fp32 (T x V x 4: a large one). With fp32
 every matrix a GEMM reads is also cast to bf16 and that copy is saved until its layer's
 backward ("weight copies", 2 bytes per matrix parameter).
 
+LoRA (`lora.rank` > 0): the base is frozen in the compute dtype, with no gradient and no
+optimizer state; the adapters are fp32 with fp32 gradients and AdamW moments. Activations
+are counted as a full fine-tune's plus each adapter's rank-r product: an upper bound, since
+a frozen weight's GEMM keeps no input for its own gradient (tests/measure/test_memory_lora.py
+measures how far above).
+
 Under `train.sharding: fsdp` a rank keeps shards of the weights, their gradients and the
 optimizer state, and FSDP holds some of them whole for a while (model_state.py, `held_fsdp`).
 

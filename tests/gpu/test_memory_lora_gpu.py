@@ -1,11 +1,11 @@
 """What a forward keeps for the backward on a GPU (TE layers, the custom_grouped kernels),
-full fine-tuning and LoRA, against the memory estimate's count; the held storages are
-listed by size when they differ, which names the tensor the estimate misses."""
+full fine-tuning and LoRA, against the memory estimate's count (for LoRA, an upper bound);
+the held storages are printed by size, which names a tensor the estimate misses."""
 
 import pytest
 import torch
 from measure.test_memory import _CreatedStorages, random_batch, tiny
-from measure.test_memory_lora import TARGETS
+from measure.test_memory_lora import TARGETS, UPPER_BOUND_SLACK
 
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.registry import make_tier
@@ -32,9 +32,16 @@ def held_storages(model, run):
     return held
 
 
+# One decoder layer of Mixtral-8x7B at a full-model rank's load: one 8192-token sequence.
+REAL = dict(SHAPES, hidden_size="4096", intermediate_size="14336", num_attention_heads="32",
+            num_key_value_heads="8", head_dim="128", vocab_size="32000", seq_len="8192", batch_size="1",
+            num_hidden_layers="1", num_experts="8", max_position_embeddings="8192")
+
+
 @pytest.mark.parametrize("lora", [None, "all", "experts"])
-def test_forward_keeps_what_the_estimate_counts(lora):
-    overrides = dict(SHAPES, optimizer="adamw" if lora else "master_adamw")
+@pytest.mark.parametrize("shapes", [SHAPES, REAL], ids=["small", "8x7b-layer"])
+def test_forward_keeps_what_the_estimate_counts(lora, shapes):
+    overrides = dict(shapes, optimizer="adamw" if lora else "master_adamw")
     if lora:
         overrides |= {"lora.rank": "16", "lora.targets": TARGETS[lora]}
     cfg = tiny(**overrides)
@@ -59,4 +66,15 @@ def test_forward_keeps_what_the_estimate_counts(lora):
     listing = sorted(held.values(), reverse=True)
     print(f"lora {lora}: measured {sum(listing)}, estimate {estimate}; T={cfg.train.batch_size * cfg.data.seq_len} "
           f"D={cfg.model.hidden_size} F={cfg.model.intermediate_size}; held: {listing[:40]}")
-    assert estimate == pytest.approx(sum(listing), rel=0.05)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = forward_loss()
+    after_forward = torch.cuda.memory_allocated() - before
+    loss.backward()
+    print(f"    held after forward {after_forward}, fwd+bwd peak above the start "
+          f"{torch.cuda.max_memory_allocated() - before}")
+    if lora is None:
+        assert estimate == pytest.approx(sum(listing), rel=0.05)
+    else:  # an upper bound (tests/measure/test_memory_lora.py says why)
+        assert sum(listing) <= estimate <= UPPER_BOUND_SLACK * sum(listing)
