@@ -55,8 +55,9 @@ def optimizer_bytes(folder, name):
 def assert_same_first_gradients(folder, name, ref_name):
     """The first step's gradients, after the reduction, on each rank of run `name` (its own
     shards where FSDP shards) equal the same entries of reference run `ref_name`'s: both start
-    from the same weights, so they differ only in the order of their sums, within 1e-6 of each
-    tensor's largest entry (measured 5e-7). A sharded parameter is its dim-0 chunk: dense ones
+    from the same weights, so they differ only in the order of their sums: within 1e-5 of each
+    tensor's largest entry (measured 5e-7), where a lost, doubled or halved micro-batch moves
+    entries by a good part of it. A sharded parameter is its dim-0 chunk: dense ones
     over the world, experts over the W / EP replicas of their EP rank (rank = replica * EP + ep_rank)."""
     ep = RUNS[name][0]
     for rank in range(WORLD):
@@ -68,7 +69,7 @@ def assert_same_first_gradients(folder, name, ref_name):
             if got[key].shape != whole.shape:  # sharded
                 whole = torch.chunk(whole, shards, dim=0)[index]
             scale = want[key].abs().max().item()
-            torch.testing.assert_close(got[key], whole, rtol=0, atol=1e-6 * scale, msg=f"rank {rank}: {key}")
+            torch.testing.assert_close(got[key], whole, rtol=0, atol=1e-5 * scale, msg=f"rank {rank}: {key}")
 
 
 @pytest.mark.slow
