@@ -63,7 +63,8 @@ def first_step_router_gradients(tmp_path, monkeypatch, accum: int, z_coef: str) 
 
     def recording_reduce_gradients(model, layout, sharding):
         reduce_gradients(model, layout, sharding)
-        recorded.append({name: p.grad.clone() for name, p in model.named_parameters() if name.endswith(".mlp.gate.weight")})
+        recorded.append({name: p.grad.clone() for name, p in model.named_parameters()
+                         if name.endswith(".mlp.gate.weight")})
 
     monkeypatch.setattr(loop, "reduce_gradients", recording_reduce_gradients)
     train(load_config("configs/tiny.yaml", {
@@ -85,6 +86,7 @@ def test_router_gradient_of_accumulated_micro_batches_is_one_batchs(tmp_path, mo
     assert one.keys() == two.keys() == lm_only.keys() and len(one) == 2
     for name, want in one.items():
         scale = want.abs().max().item()
-        torch.testing.assert_close(two[name], want, rtol=0, atol=1e-6 * scale, msg=name)
-        # The z-loss's share is most of the gradient, so that counting it twice would show.
+        # Only the order of the sums differs.
+        torch.testing.assert_close(two[name], want, rtol=0, atol=1e-5 * scale, msg=name)
+        # The z-loss is most of the gradient, so that counting it twice would show.
         assert (want - lm_only[name]).abs().max().item() > 0.5 * scale
