@@ -23,4 +23,11 @@ class TEPermute:
     def unsort(self, y_sorted: torch.Tensor, row_id_map: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         from transformer_engine.pytorch import moe_unpermute
 
+        if weights_TK.requires_grad and not y_sorted.requires_grad:
+            # TE's unpermute backward (its autograd.Function `_moe_unpermute_index_map`)
+            # computes the weights' gradient in the kernel that computes the rows', and runs
+            # it only when the rows need a gradient: rows that need none (frozen experts and
+            # inputs) would leave the router with no gradient, silently. Rows that ask for one
+            # keep the weights' gradient; theirs goes nowhere.
+            y_sorted = y_sorted.detach().requires_grad_()
         return moe_unpermute(y_sorted, row_id_map, merging_probs=weights_TK.float(), map_type="index")

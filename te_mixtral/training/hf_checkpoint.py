@@ -205,19 +205,28 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
                     bytes_read += tensor.nbytes
         except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {file}: {first_line(e)}") from None
-    _check_complete(params, loaded, num_local, model.config.tie_word_embeddings)
+    _check_complete(params, loaded, seen, num_experts, model.config.tie_word_embeddings)
     return bytes_read
 
 
-def _check_complete(params, loaded, num_local, tied) -> None:
+def _check_complete(params, loaded, keys, num_experts, tied) -> None:
+    """Refuse a checkpoint that lacks a tensor the model needs, naming it: a parameter nothing
+    was copied into keeps whatever memory it was built on. Experts are checked for all of
+    them, not only this rank's, against the checkpoint's tensor names (`keys`), so that every
+    rank refuses alike; the per-expert layout's name is given where the layer is stored that way."""
     for name in params:
         if is_expert_param(name):
-            complete = all((name, i, "stacked") in loaded or
-                           all((name, i, p) in loaded for p in (("w1", "w3") if "gate_up" in name else ("w2",)))
-                           for i in range(num_local))
-        else:
-            complete = name in loaded or (tied and name == "lm_head.weight")
-        if not complete:
+            if (name, 0, "stacked") in loaded:  # read whole, every local expert at once
+                continue
+            prefix, stack = name.rsplit(".mlp.experts.", 1)
+            stem = f"{prefix}.block_sparse_moe.experts"
+            per_expert = [f"{stem}.{e}.{w}.weight" for e in range(num_experts)
+                          for w in (("w1", "w3") if stack == "gate_up_proj" else ("w2",))]
+            missing = [key for key in per_expert if key not in keys]
+            if missing:
+                raise UserError(f"the checkpoint has no weights for "
+                                f"'{missing[0] if len(missing) < len(per_expert) else name}'")
+        elif not (name in loaded or (tied and name == "lm_head.weight")):
             raise UserError(f"the checkpoint has no weights for '{name}'")
 
 

@@ -137,6 +137,41 @@ def test_router_gradient_includes_aux_against_float64():
     torch.testing.assert_close(aux_grads[-1], weight.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_router_gradient_includes_z_loss_against_float64():
+    """With `model.router_z_loss_coef` set, the z-loss trains every router: the gradient of the
+    LM loss plus what `weighted` adds, less that of the LM loss alone, is coef times the
+    z-loss's own gradient. The last layer's router reaches the z-loss through its own logits
+    only, so its share has a float64 reference from its input: d/dW of sum_t lse(x_t W^T)^2 /
+    (Y * N). A zero coefficient adds no gradient at all."""
+    coef = 0.5
+    cfg = tiny(router_z_loss_coef=coef)
+    model, batch = build(cfg, dtype=torch.float64), random_batch(cfg, 7)
+    gate = model.model.layers[-1].mlp.gate
+    captured = []
+    gate.register_forward_hook(lambda module, args, out: captured.append(args[0].detach()))
+
+    def gradients(model, with_router_losses: bool):
+        model.zero_grad(set_to_none=True)
+        targets = (batch.labels != -100).sum().double()
+        loss = causal_lm_loss(model(batch.input_ids, batch.packed), batch.labels, targets)
+        router = model.router_losses(SINGLE).weighted(model.config)
+        (loss + router if with_router_losses else loss).backward()
+        return [layer.mlp.gate.weight.grad.clone() for layer in model.model.layers]
+
+    with_z, without = gradients(model, True), gradients(model, False)
+    z_grads = [(a - b) / coef for a, b in zip(with_z, without)]
+    assert all(g.abs().max() > 1e-3 for g in z_grads)  # every router gets the z-loss term
+
+    rows = cfg.model.num_hidden_layers * batch.input_ids.numel()
+    weight = gate.weight.detach().clone().requires_grad_()
+    ((captured[-1] @ weight.T).logsumexp(-1).square().sum() / rows).backward()
+    torch.testing.assert_close(z_grads[-1], weight.grad, rtol=1e-4, atol=1e-6)
+
+    off = build(tiny(router_z_loss_coef=0.0), dtype=torch.float64)
+    for got, want in zip(gradients(off, True), without):
+        assert torch.equal(got, want)
+
+
 def test_full_recompute_counts_once():
     """The routers run twice per layer under full recompute (the forward hooks show it), but
     the routing statistics, the losses and the routers' gradients are those of one forward."""

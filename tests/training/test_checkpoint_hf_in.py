@@ -156,22 +156,54 @@ def test_a_wrong_shaped_tensor_is_refused_naming_tensor_file_and_shapes(small_ch
     refused(folder, f"'{key}'", "model.safetensors", f"has shape {shape}", f"needs {expected}")
 
 
-def test_a_stacked_tensor_with_other_experts_than_the_config_is_refused_on_every_rank(small_checkpoint):
-    folder, tensors = small_checkpoint
+def stacked_layout(tensors: dict) -> dict:
+    """The small checkpoint's tensors with its experts in the stacked layout."""
     stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
     w1, w3, w2 = ([tensors[f"model.layers.0.block_sparse_moe.experts.{e}.{p}.weight"] for e in range(4)]
                   for p in ("w1", "w3", "w2"))
-    gate_up = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
     stacked["model.layers.0.mlp.experts.down_proj"] = torch.stack(list(w2))
-    stacked["model.layers.0.mlp.experts.gate_up_proj"] = gate_up
+    stacked["model.layers.0.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
+    return stacked
+
+
+def test_a_stacked_tensor_with_other_experts_than_the_config_is_refused_on_every_rank(small_checkpoint):
+    folder, tensors = small_checkpoint
+    stacked = stacked_layout(tensors)
     rewrite(folder, stacked)
     load_small(folder)
     # Eight experts where the config says four: rank 1 of EP=2 would read experts 2-3 of 8.
+    gate_up = stacked["model.layers.0.mlp.experts.gate_up_proj"]
     stacked["model.layers.0.mlp.experts.gate_up_proj"] = torch.cat([gate_up, gate_up])
     rewrite(folder, stacked)
     for rank in (0, 1):
         refused(folder, "'model.layers.0.mlp.experts.gate_up_proj'", "has shape [8, 48, 16]", "needs [4, 48, 16]",
                 layout=Layout(rank, 2, 2, None, None))
+
+
+EVERY_RANK = [SINGLE, Layout(0, 2, 2, None, None), Layout(1, 2, 2, None, None)]
+
+
+@pytest.mark.parametrize("missing, stacked", [
+    ("model.layers.0.block_sparse_moe.experts.0.w1.weight", False),
+    ("model.layers.0.block_sparse_moe.experts.2.w3.weight", False),  # EP=2: rank 1's, rank 0 refuses too
+    ("model.layers.0.block_sparse_moe.experts.3.w2.weight", False),
+    ("model.layers.0.mlp.experts.down_proj", True),
+    ("model.layers.0.mlp.experts.gate_up_proj", True),
+])
+def test_a_missing_expert_projection_is_refused_naming_it_on_every_rank(small_checkpoint, missing, stacked):
+    """Without the check, the experts the tensor was to fill keep the memory they were built
+    on; every rank refuses, not only the one whose experts are missing."""
+    folder, tensors = small_checkpoint
+    tensors = stacked_layout(tensors) if stacked else tensors
+    rewrite(folder, {k: v for k, v in tensors.items() if k != missing})
+    for layout in EVERY_RANK:
+        refused(folder, f"the checkpoint has no weights for '{missing}'", layout=layout)
+
+
+def test_a_missing_dense_tensor_is_refused_naming_it(small_checkpoint):
+    folder, tensors = small_checkpoint
+    rewrite(folder, {k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.k_proj.weight"})
+    refused(folder, "the checkpoint has no weights for 'model.layers.0.self_attn.k_proj.weight'")
 
 
 def test_experts_and_layers_beyond_the_config_are_refused(small_checkpoint):

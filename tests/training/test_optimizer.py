@@ -1,12 +1,17 @@
 """Clipping and stepping as the training loop does it, for both optimizers: the norm is the
 global gradient norm, and the step sees the gradients times the clip factor (MasterAdamW reads
-the factor inside its step instead of scaling the gradients first)."""
+the factor inside its step instead of scaling the gradients first); and weight decay reaches
+the weight matrices only."""
 
 import pytest
 import torch
+from conftest import REPO
 
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import Layout
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.training.optimizer import clip_gradients, make_optimizer, optimizer_step
 
@@ -68,3 +73,43 @@ def test_master_adamw_reads_the_clip_factor_in_its_step(scale):
     assert factors[0] == pytest.approx(factors[1], rel=2**-8)
     for a, b in zip(*masters):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * 2**-8 * max(1.0, scale))
+
+
+def mixtral(cfg) -> torch.nn.Module:
+    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, LoopTier())
+    init_weights(model, 0, SINGLE)
+    return model
+
+
+MODELS = {"mixtral": mixtral, "linear-layernorm": lambda cfg: model_with_grads(2, 1.0)}
+
+
+@pytest.mark.parametrize("optimizer, dtype", [("adamw", "fp32"), ("master_adamw", "bf16")])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_weight_decay_shrinks_the_matrices_and_no_vector(optimizer, dtype, model_name):
+    """Every parameter of two dimensions or more (projections, experts, embeddings) decays and
+    no vector does (norm weights, biases), told apart by shape, never by name: the second
+    model's LayerNorm weight is called `1.weight`. With zero gradients Adam's update is
+    0 / (0 + eps) = 0, so one step at lr 1 multiplies a decayed parameter by 1 - weight_decay
+    and leaves any other exactly as it was."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"optimizer": optimizer, "dtype": dtype,
+                                                           "weight_decay": "0.5", "lr": "1.0"})
+    model = MODELS[model_name](cfg)
+    opt = make_optimizer(model, cfg)
+    params = dict(model.named_parameters())
+
+    def values():  # master_adamw: the exact fp32 masters its bf16 parameters are the top half of
+        return {name: (opt.master(p) if isinstance(opt, MasterAdamW) else p.detach().clone())
+                for name, p in params.items()}
+
+    before = values()
+    for p in params.values():
+        p.grad = torch.zeros_like(p)
+    optimizer_step(opt, None)
+    after = values()
+    assert any(p.dim() == 1 for p in params.values()) and any(p.dim() >= 2 for p in params.values())
+    for name, p in params.items():
+        if p.dim() >= 2:
+            torch.testing.assert_close(after[name], before[name] * 0.5, rtol=1e-6, atol=0, msg=f"{name} did not decay")
+        else:
+            assert torch.equal(after[name], before[name]), f"{name} (a vector) decayed"
