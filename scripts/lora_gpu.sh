@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# LoRA on one GPU, in one go: the adapter tests, then 8 layers of Mixtral-8x7B fine-tuned
-# in full and with LoRA (same tier, tokens and GPU), then all 32 layers with LoRA where the
-# bf16 base fits (an H200: `--estimate-memory` says so first).
+# LoRA on GPUs, in one go: the adapter tests, then Mixtral-8x7B runs named on the command line.
 #
-# Usage: scripts/lora_gpu.sh OUT_DIR [TIER] [STEPS]
-#   TIER   expert tier of the runs (default custom_grouped)
-#   STEPS  optimizer steps of each run (default 30)
+# Usage: scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]
+#   RUN is one of
+#     tests          the GPU tests of the adapters and of the kernels they run in
+#     full-8layer    8 layers, every weight trained (bf16 parameters, master_adamw)
+#     lora-8layer    8 layers, LoRA r=16 on every target
+#     lora-32layer   all 32 layers, LoRA r=16, selective recompute (one H200 holds it)
+#     lora-32layer-ep2   all 32 layers, LoRA r=16, EP=2 on two GPUs, no recompute (two H200s hold it)
+# Every run: custom_grouped, one packed 8192-token sequence per GPU per step, 30 steps.
 # Transformer Engine and `datasets` must be importable (see scripts/gpu_check.sh).
 set -uo pipefail
-OUT_DIR=${1:?usage: scripts/lora_gpu.sh OUT_DIR [TIER] [STEPS]}
-TIER=${2:-custom_grouped}
-STEPS=${3:-30}
+OUT_DIR=${1:?usage: scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]}
+shift
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
@@ -19,31 +21,33 @@ export PYTHONUNBUFFERED=1
 failed=()
 step() { echo; echo "=== $1 ==="; }
 
-step "versions"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || failed+=("nvidia-smi")
-
-step "tests"
-python3 -m pytest -q -x tests/gpu/test_lora_gpu.py tests/gpu/test_custom_grouped_gpu.py \
-    tests/gpu/test_grouped_linear_gpu.py 2>&1 | tee "$OUT_DIR/tests.log" | tail -15 || failed+=("tests")
-
-COMMON=(--tier "$TIER" --steps "$STEPS" --timing_warmup_steps 5 --warmup_steps 3 --lr 2e-5 --batch_size 1
-        --seq_len 8192 --dtype bf16 --plots false)
-run() {  # name, extra arguments
-    local name=$1; shift
+COMMON=(--config configs/mixtral-8x7b.yaml --tier custom_grouped --steps 30 --timing_warmup_steps 5
+        --warmup_steps 3 --lr 2e-5 --seq_len 8192 --dtype bf16 --plots false)
+LORA=(--lora.rank 16)
+train() {  # name, GPUs, extra arguments
+    local name=$1 nproc=$2; shift 2
     step "$name"
-    python3 run_finetune_ep.py --config configs/mixtral-8x7b.yaml "${COMMON[@]}" "$@" \
-        --output-dir "$OUT_DIR/$name" 2>&1 | tee "$OUT_DIR/$name.log" | grep -v "^step " | tail -22 \
-        || failed+=("$name")
+    local launch=(python3)
+    [ "$nproc" -gt 1 ] && launch=(torchrun --standalone --nproc_per_node="$nproc")
+    "${launch[@]}" run_finetune_ep.py "${COMMON[@]}" --batch_size "$nproc" "$@" --output-dir "$OUT_DIR/$name" \
+        2>&1 | tee "$OUT_DIR/$name.log" | grep -v "^step \|router:" | tail -18 || failed+=("$name")
 }
-run full-8layer --model.num_hidden_layers 8 --optimizer master_adamw
-run lora-8layer --model.num_hidden_layers 8 --lora.rank 16
-if python3 run_finetune_ep.py --config configs/mixtral-8x7b.yaml "${COMMON[@]}" --lora.rank 16 \
-        --recompute selective --estimate-memory 1 | tail -1 | grep -q "^fits"; then
-    run lora-32layer --lora.rank 16 --recompute selective
-else
-    echo "the 32-layer bf16 base does not fit this GPU (--estimate-memory above): skipped"
-fi
 
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || failed+=("nvidia-smi")
+for run in "$@"; do
+    case $run in
+        tests)
+            step tests
+            python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
+                tests/gpu/test_custom_grouped_gpu.py tests/gpu/test_grouped_linear_gpu.py \
+                tests/gpu/test_te_permute_gpu.py 2>&1 | tee "$OUT_DIR/tests.log" | tail -8 || failed+=(tests) ;;
+        full-8layer) train "$run" 1 --model.num_hidden_layers 8 --optimizer master_adamw ;;
+        lora-8layer) train "$run" 1 --model.num_hidden_layers 8 "${LORA[@]}" ;;
+        lora-32layer) train "$run" 1 "${LORA[@]}" --recompute selective ;;
+        lora-32layer-ep2) train "$run" 2 "${LORA[@]}" --ep-size 2 ;;
+        *) echo "unknown run '$run'"; failed+=("$run") ;;
+    esac
+done
 echo
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_mixtral.config import (
     DataConfig,
+    LoRAConfig,
     ModelConfig,
     RunConfig,
     TrainConfig,
@@ -222,7 +223,7 @@ def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
         pytest.skip("recorded by the FP8 tier before its fused SwiGLU and weight cache, which the estimate "
                     "no longer describes")
     cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
-                    tier=raw["tier"], ep_size=raw["ep_size"],
+                    LoRAConfig(**raw.get("lora", {})), tier=raw["tier"], ep_size=raw["ep_size"],
                     fp8_min_rows_per_expert=raw.get("fp8_min_rows_per_expert", 2048),
                     fp8_weight_cache=raw.get("fp8_weight_cache", True))
     if raw["tier"] == "device_mxfp8" and "BF16 custom_grouped kernels" not in header["ran"]["kernel"]:

@@ -1,6 +1,7 @@
 """Resume: a run stopped after N of 2N steps and resumed from its checkpoint trains exactly
 like the run that was never stopped (CPU, EP=2 over two gloo ranks), with fp32 parameters and
-torch's AdamW, and with bf16 parameters whose fp32 master lives in MasterAdamW's remainders."""
+torch's AdamW, with bf16 parameters whose fp32 master lives in MasterAdamW's remainders, and
+with LoRA adapters (dropout on) over a frozen base."""
 
 import json
 import shutil
@@ -14,7 +15,9 @@ COMMON = ["--ep-size", "2", "--steps", str(2 * N), "--timing_warmup_steps", "1",
           "--checkpoint-every", str(N)]
 
 
-OPTIMIZERS = {"fp32-adamw": [], "bf16-master-adamw": ["--dtype", "bf16", "--optimizer", "master_adamw"]}
+# LoRA with dropout: the adapters' AdamW state and the dropout RNG must both carry over.
+OPTIMIZERS = {"fp32-adamw": [], "bf16-master-adamw": ["--dtype", "bf16", "--optimizer", "master_adamw"],
+              "lora": ["--lora.rank", "4", "--lora.dropout", "0.1"]}
 
 
 def whole_run(optimizer: str) -> list[str]:
