@@ -23,8 +23,9 @@ def test_lora_under_ep_equals_one_process(tmp_path, launch_planned, nproc):
 
     for a, b in zip(losses, one_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, one_losses)
-    assert one_losses[-1] < one_losses[0]  # the adapters learned, so equal adapters say something
     adapters = [name for name in one if is_adapter_param(name)]
+    # Every B starts at zero: one that moved trained, so equal adapters say something.
+    assert all(one[name].abs().max() > 0 for name in adapters if name.endswith(".B"))
     assert any(is_expert_param(name) for name in adapters) and not all(is_expert_param(name) for name in adapters)
     for rank, weights in enumerate(ranks):
         assert weights.keys() == one.keys()
