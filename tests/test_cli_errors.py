@@ -35,6 +35,17 @@ def test_bad_input_is_one_line(args, fragment, tmp_path):
     assert_one_line_error(proc, fragment)
 
 
+@pytest.mark.parametrize("args", [["--no_such_key", "1"], ["--train.steps", "many"], ["--ep-size", "3"]])
+def test_a_bad_flag_is_refused_before_torch_is_imported(args):
+    # Importing torch takes seconds; a typo should not wait for it. -X importtime lists every
+    # module the entry script imported, on stderr.
+    proc = subprocess.run([sys.executable, "-X", "importtime", "run_finetune_ep.py", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "te_mixtral.config" in imported and "torch" not in imported
+
+
 def test_tier_this_machine_cannot_run():
     # CI machines have no CUDA: the TE tier must refuse, not quietly run something else. A real
     # launch, so that the entry script's own exit code and stderr are proven (the rest run_cli).
