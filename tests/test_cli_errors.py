@@ -26,6 +26,10 @@ from te_mixtral.errors import ExitCode
     (["--grad_accum_steps", "0"], "train.grad_accum_steps must be at least 1, got 0"),
     (["--seq_len", "4096"], "exceeds model.max_position_embeddings"),
     (["--tier", "fastest"], "unknown tier 'fastest'"),
+    (["--tier", "hf", "--hidden_size", "70"],
+     "model.hidden_size 70 not a multiple of 4 (4-byte parameters); use --tier hf_eager"),
+    (["--tier", "hf", "--intermediate_size", "98", "--optimizer", "master_adamw", "--dtype", "bf16"],
+     "model.intermediate_size 98 not a multiple of 8 (2-byte parameters); use --tier hf_eager"),
     (["--config", "configs/missing.yaml"], "cannot read config"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
 ])
