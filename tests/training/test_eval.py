@@ -13,13 +13,14 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 from te_mixtral.config import DataConfig
 from te_mixtral.data.packing import PackedData, held_out_records
+from te_mixtral.data.tokenizer import load_tokenizer
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
-from te_mixtral.training.generate import greedy_generate
+from te_mixtral.training.generate import encode_prompt, greedy_generate
 from te_mixtral.training.hf_checkpoint import load_hf_weights
 
 SINGLE = Layout(0, 1, 1, None, None)
@@ -98,3 +99,15 @@ def test_greedy_generation_equals_transformers(tmp_path):
     assert ours_greedy(eos_id=-1) == full  # -1: no token stops it
     stop = full[2]  # make the third token the eos: both must stop right after it
     assert ours_greedy(eos_id=stop) == hf_greedy(eos_id=stop) == full[: full.index(stop) + 1]
+
+
+def test_a_chat_run_prompts_as_a_user_turn():
+    # As transformers' users prompt a chat model: the template's user turn, then the header
+    # of the reply, with no special token added on top.
+    tokenizer = load_tokenizer(CHAT, [])
+    turn = [{"role": "user", "content": "What is a list?"}]
+    expected = tokenizer.chat.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert encode_prompt(tokenizer, "What is a list?", 1024) == expected
+    assert tokenizer.chat.decode(expected).endswith("[/INST]")
+    text = replace(tokenizer, chat=None)  # the same tokenizer in a text run: the prompt as it is
+    assert encode_prompt(text, "What is a list?", 1024) == tokenizer.backend.encode("What is a list?").ids
