@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from te_mixtral.errors import UserError
+from te_mixtral.measure.report import per_rank, tflops_text
 from te_mixtral.results.compare import (
     COMPARED_WITH,
     DASH,
@@ -119,8 +120,7 @@ def tier_rows(runs: list[Run]) -> tuple[list[list[str]], list[str]]:
                 cell += f" (vs EP{base.ep_size})"
             cells.append(cell)
         mfu = s["mfu"]
-        tflops = s["tflops_per_gpu"]
-        cells += [f"{s['tokens_per_s_per_gpu']:,.0f}", f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
+        cells += [f"{s['tokens_per_s_per_gpu']:,.0f}", tflops_text(s["tflops_per_gpu"]),
                   "n/a" if mfu is None else f"{100 * mfu:.1f} %", f"{s['peak_memory_gib']:.2f}"]
         verdict = loss_verdict(run, runs)
         cells.append(verdict.cell)
@@ -255,18 +255,23 @@ def build_page(runs: list[Run], title: str | None, notes: str | None, command: s
     if warnings:
         out += ["> **Check before reading**", ">"] + [f"> - {w}" for w in warnings] + [""]
 
+    per = per_rank(device)
     header = ["tier", "world / EP", "median step (ms)", "p90 step (ms)", *(f"vs {t}" for t in COMPARED_WITH),
-              "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak memory (GiB)", "loss check vs `loop` (rel diff: first step, max step, mean)"]
+              f"tokens/s/{per}", f"TFLOP/s/{per}", "MFU", "peak memory (GiB)",
+              "loss check vs `loop` (rel diff: first step, max step, mean)"]
     rows, footnotes = tier_rows(runs)
     out += ["## Tiers", "", _table(header, rows, text_columns=(0, -1)), ""]
     out += [f"- {note}" for note in footnotes] + ([""] if footnotes else [])
+    # On a CPU the memory measured is each process's peak resident set (measure/metrics.py).
+    memory = ("Peak memory is the largest peak resident set of any process: Python, the libraries and the data "
+              "included, not the tensors alone" if device == "cpu" else
+              "Peak memory is the most the caching allocator handed to tensors on any rank")
     out += ["How to read it: `vs hf` and `vs loop` are the baseline's median step time divided by this row's "
             "(same device, same world size, same workload; above 1 is faster). Step times leave out the "
-            "warm-up steps; tokens/s and TFLOP/s are per GPU, TFLOP/s counts model FLOPs only (no "
+            f"warm-up steps; tokens/s and TFLOP/s are per {per}, TFLOP/s counts model FLOPs only (no "
             "recomputation, no all-to-all), and MFU divides them by the GPU's dense BF16 peak "
-            "(`te_mixtral/measure/metrics.py`). Peak memory is the most the caching allocator handed to tensors on "
-            "any rank. The loss check compares every step's loss with the `loop` run's "
-            "(`te_mixtral/measure/loss_check.py`).", ""]
+            f"(`te_mixtral/measure/metrics.py`). {memory}. The loss check compares every step's loss with the "
+            "`loop` run's (`te_mixtral/measure/loss_check.py`).", ""]
     if plots:
         out += [f"![Median step time per tier]({stem}-step-time.png)", "",
                 f"![Training loss per step, all tiers]({stem}-loss.png)", ""]

@@ -97,6 +97,14 @@ def test_a_run_without_recompute_is_checked_against_a_loop_run_with_it(tmp_path)
     assert other_lr[-1] == "not checked: no `loop` run of this workload"
 
 
+def test_a_cpu_page_names_what_it_measured(tmp_path):
+    cpu = page_for([make_run(tmp_path / "cpu", "loop", "loop", 100.0, device="cpu", mfu=None)]).markdown
+    assert "tokens/s/process" in cpu and "TFLOP/s/process" in cpu and "per process" in cpu
+    assert "peak resident set" in cpu and "caching allocator" not in cpu  # no GPU allocator on a CPU
+    gpu = page_for([make_run(tmp_path / "gpu", "loop", "loop", 100.0)]).markdown
+    assert "tokens/s/GPU" in gpu and "caching allocator" in gpu and "resident set" not in gpu
+
+
 def test_unknown_mfu_reads_na(tmp_path):
     page = page_for([make_run(tmp_path, "loop", "loop", 100.0, mfu=None)])
     assert table_row(page.markdown, "loop")[8] == "n/a"
