@@ -70,6 +70,7 @@ scored and every rank runs the same number of evaluation forwards.
 """
 
 import hashlib
+import sys
 from dataclasses import dataclass
 
 import datasets
@@ -247,6 +248,9 @@ class PackedData:
 
     def __init__(self, cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int,
                  grad_accum_steps: int = 1):
+        if not sys.stderr.isatty():
+            # In a log file or a pipe each redraw of `datasets`' bars is one more line of noise.
+            datasets.disable_progress_bars()
         records = load_records(cfg)
         # Only a BPE trained here reads the texts themselves.
         documents = records[cfg.text_field] if cfg.tokenizer is None and cfg.format == "text" else []

@@ -327,3 +327,12 @@ def test_chat_example_trains_and_exports_its_template(tmp_path):
     proc = run_cli(["--config", "configs/tiny-chat.yaml", "--dataset", str(bad), "--output_dir", str(tmp_path / "x")])
     assert_one_line_error(proc, "chat record 0, message 0: role 'bot'")
     assert proc.returncode == 2
+
+
+def test_no_progress_bars_in_a_log(tmp_path, capfd):
+    # stderr here is pytest's capture, not a terminal: as in a log file, `datasets` must not
+    # draw its bars (a fresh file, so that it is read and tokenized, not found in a cache).
+    path = write_chat(tmp_path / "c.jsonl", random_conversations(random.Random(0), 8))
+    PackedData(DataConfig(dataset=str(path), format="chat", tokenizer=str(TOKENIZER), seq_len=16), 1, 0, 1, 0)
+    err = capfd.readouterr().err
+    assert "tokenizing" not in err and "Generating train split" not in err, err
