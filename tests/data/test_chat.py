@@ -12,6 +12,7 @@ import random
 import re
 
 import datasets
+import huggingface_hub
 import pytest
 import torch
 import torch.nn.functional as F
@@ -302,6 +303,7 @@ def test_subset_and_split_go_to_the_hub(monkeypatch):
         calls.append((args, kwargs))
         return datasets.Dataset.from_dict({"text": ["one", "two"]})
 
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network here: the cache alone
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert load_records(DataConfig(dataset="someone/corpus", subset="small", split="test[:5%]"))["text"] == ["one", "two"]
     assert calls == [(("someone/corpus", "small"), {"split": "test[:5%]"})]
