@@ -20,13 +20,8 @@ from te_mixtral.config import (
     settings,
     to_dict,
 )
-from te_mixtral.distributed.layout import (
-    main_rank_from_env,
-    shutdown,
-    world_size_from_env,
-)
+from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
 from te_mixtral.errors import ExitCode, UserError, report_error
-from te_mixtral.experts.registry import check_tier
 from te_mixtral.saved_config import flatten
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -128,6 +123,9 @@ def _run(argv: list[str]) -> int:
         launch = launch_settings(os.environ)  # empty unless started by `accelerate launch`
         world_size = args.estimate_memory or world_size_from_env()
         cfg = load_config(args.config, overrides, world_size=world_size, launch=launch)
+        # Only now torch (the tiers import it): the config's own errors come first, and fast.
+        from te_mixtral.experts.registry import check_tier
+
         check_tier(cfg, world_size)
         if args.estimate_memory is not None:
             from te_mixtral.measure.memory import print_estimate
@@ -140,6 +138,7 @@ def _run(argv: list[str]) -> int:
         return 0
     if launch and main_rank_from_env():
         print(describe(launch), flush=True)
+    from te_mixtral.distributed.layout import shutdown
     from te_mixtral.training.loop import (
         main as train_main,  # after validation: a bad flag fails fast
     )

@@ -97,8 +97,9 @@ class DataConfig:
     tokenizer_vocab_size: int = setting(2048, help="vocabulary of the BPE trained when tokenizer is null")
     seq_len: int = setting(256, help="tokens per packed sample")
     max_documents: int | None = setting(None, help="read only the first N documents (null: all)")
-    eval_fraction: float = setting(0.0, help="share of the packed samples held out for evaluation: a fixed draw "
-                                   "that depends on the data alone (not the seed), never trained on; 0: no evaluation")
+    eval_fraction: float = setting(0.0, help="share of the documents or conversations held out for evaluation "
+                                   "(rounded, at least one): a fixed draw that depends on the data alone (not the "
+                                   "seed), never trained on; 0: no evaluation")
 
 
 @dataclass

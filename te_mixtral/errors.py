@@ -30,7 +30,7 @@ PEER_GRACE_S = 3.0
 
 def report_error(error: Exception, world_size: int) -> int:
     """Print `error` as the one-line message and return its exit code; `world_size` is
-    how many ranks torchrun started (`distributed.layout.world_size_from_env`)."""
+    how many ranks torchrun started (`distributed.launcher_env.world_size_from_env`)."""
     print(f"te_mixtral: error: {error}", file=sys.stderr, flush=True)
     if world_size > 1:
         time.sleep(PEER_GRACE_S)

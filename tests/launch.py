@@ -34,10 +34,11 @@ def run_app(args: list[str], nproc: int = 1, timeout: float = 300, script: str =
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`run_app(args)` without a new process: `te_mixtral.cli.main(args)` in this one, as
-    `python run_finetune_ep.py` would run it (same cwd, OMP_NUM_THREADS=1, what it prints and
-    its exit code captured), then this process's state put back as it was.
+    `python run_finetune_ep.py` would run it (from `cwd`, the repository root unless given;
+    OMP_NUM_THREADS=1; what it prints and its exit code captured), then this process's state
+    put back as it was.
 
     Starting Python, torch and datasets costs seconds; a short run a fraction of that. Use
     `run_app` where a test needs the process itself: several ranks, signals, the entry script."""
@@ -45,9 +46,9 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
 
     stdout, stderr = io.StringIO(), io.StringIO()
     threads, rng, argv = torch.get_num_threads(), torch.random.get_rng_state(), sys.argv
-    sigint, cwd = signal.getsignal(signal.SIGINT), os.getcwd()
+    sigint, before = signal.getsignal(signal.SIGINT), os.getcwd()
     try:
-        os.chdir(REPO)  # not contextlib.chdir: that is Python 3.11+, the project supports 3.10
+        os.chdir(cwd)  # not contextlib.chdir: that is Python 3.11+, the project supports 3.10
         with (mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), contextlib.redirect_stdout(stdout),
               contextlib.redirect_stderr(stderr), warnings.catch_warnings()):
             torch.set_num_threads(1)
@@ -68,7 +69,7 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
         torch.random.set_rng_state(rng)
         signal.signal(signal.SIGINT, sigint)  # training/loop.py installs its Ctrl-C handler
         sys.argv = argv
-        os.chdir(cwd)
+        os.chdir(before)
         _unbind_log_handlers({id(stdout): "stdout", id(stderr): "stderr"})
     # One process runs without torch.distributed; a group left behind would change later tests.
     assert not torch.distributed.is_initialized()

@@ -26,6 +26,10 @@ from te_mixtral.errors import ExitCode
     (["--grad_accum_steps", "0"], "train.grad_accum_steps must be at least 1, got 0"),
     (["--seq_len", "4096"], "exceeds model.max_position_embeddings"),
     (["--tier", "fastest"], "unknown tier 'fastest'"),
+    (["--tier", "hf", "--hidden_size", "70"],
+     "model.hidden_size 70 not a multiple of 4 (4-byte parameters); use --tier hf_eager"),
+    (["--tier", "hf", "--intermediate_size", "98", "--optimizer", "master_adamw", "--dtype", "bf16"],
+     "model.intermediate_size 98 not a multiple of 8 (2-byte parameters); use --tier hf_eager"),
     (["--config", "configs/missing.yaml"], "cannot read config"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
 ])
@@ -33,6 +37,17 @@ def test_bad_input_is_one_line(args, fragment, tmp_path):
     proc = run_cli([*args, "--output-dir", str(tmp_path)])
     assert proc.returncode == ExitCode.BAD_INPUT
     assert_one_line_error(proc, fragment)
+
+
+@pytest.mark.parametrize("args", [["--no_such_key", "1"], ["--train.steps", "many"], ["--ep-size", "3"]])
+def test_a_bad_flag_is_refused_before_torch_is_imported(args):
+    # Importing torch takes seconds; a typo should not wait for it. -X importtime lists every
+    # module the entry script imported, on stderr.
+    proc = subprocess.run([sys.executable, "-X", "importtime", "run_finetune_ep.py", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "te_mixtral.config" in imported and "torch" not in imported
 
 
 def test_tier_this_machine_cannot_run():

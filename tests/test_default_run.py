@@ -9,7 +9,7 @@ from launch import run_app
 def test_default_run_trains_and_reports(tmp_path):
     proc = run_app(["--output-dir", str(tmp_path)], timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for metric in ("median step", "p90 step", "tokens/s/GPU", "MFU", "peak memory"):
+    for metric in ("median step", "p90 step", "tokens/s/process", "TFLOP/s/process", "MFU", "peak memory"):
         assert metric in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())

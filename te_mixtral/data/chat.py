@@ -78,17 +78,26 @@ def _checked(messages, record: int) -> list[dict]:
     return checked
 
 
-def _render(tokenizer, messages: list[dict], record: int, **kwargs) -> str:
+def _render(tokenizer, messages: list[dict], where: str, **kwargs) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except jinja2.TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
-        raise UserError(f"chat record {record}: the chat template refuses it: {first_line(e)}") from None
+        raise UserError(f"{where}: the chat template refuses it: {first_line(e)}") from None
+
+
+def user_turn_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids of `prompt` as one user turn, rendered up to where the assistant's reply
+    starts (`add_generation_prompt`): a model fine-tuned on chat is prompted as it was trained."""
+    text = _render(tokenizer, [{"role": "user", "content": prompt}], "the generate prompt as a user turn",
+                   add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def assistant_spans(tokenizer, messages: list[dict], record: int = 0) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of the assistant's replies in it
     (see the module docstring)."""
-    text = _render(tokenizer, messages, record)
+    where = f"chat record {record}"
+    text = _render(tokenizer, messages, where)
 
     def prefix_end(rendered: str) -> int | None:
         return len(rendered) if text.startswith(rendered) else None
@@ -99,12 +108,12 @@ def assistant_spans(tokenizer, messages: list[dict], record: int = 0) -> tuple[s
             continue
         start = 0
         if i > 0:  # after the header that opens a reply, where the template has one
-            start = prefix_end(_render(tokenizer, messages[:i], record, add_generation_prompt=True))
+            start = prefix_end(_render(tokenizer, messages[:i], where, add_generation_prompt=True))
             if start is None:
-                start = prefix_end(_render(tokenizer, messages[:i], record))
-        end = prefix_end(_render(tokenizer, messages[: i + 1], record))
+                start = prefix_end(_render(tokenizer, messages[:i], where))
+        end = prefix_end(_render(tokenizer, messages[: i + 1], where))
         if start is None or end is None:
-            raise UserError(f"chat record {record}: the chat template does not render the start of a conversation "
+            raise UserError(f"{where}: the chat template does not render the start of a conversation "
                             f"as a prefix of the whole, so its assistant replies cannot be located")
         spans.append((start, end))
     return text, spans

@@ -56,9 +56,21 @@ ones each epoch.
     step of 8 samples, N = 2, world 2:   s0 s1 s2 s3 | s4 s5 s6 s7
     micro-batch 0                        rank 0: s0 s1   rank 1: s2 s3
     micro-batch 1                        rank 0: s4 s5   rank 1: s6 s7
+
+Held-out data
+-------------
+`eval_fraction` holds out whole documents or conversations, before packing: that share of
+the records (rounded, at least one), a fixed draw (seed EVAL_SPLIT_SEED) that depends on the
+data alone, not on the run's seed, the world size or the batch size, so evaluations compare
+across runs. They pack into a stream of their own, never trained on; the training stream is
+the other records in their order, so with nothing held out the training batches are exactly
+those of a run without evaluation. The held-out stream keeps its short remainder: it is
+padded (padding is never a target) to whole global micro-batches, so every held-out target is
+scored and every rank runs the same number of evaluation forwards.
 """
 
 import hashlib
+import sys
 from dataclasses import dataclass
 
 import datasets
@@ -72,7 +84,7 @@ from te_mixtral.data.tokenizer import Tokenizer, load_tokenizer
 from te_mixtral.errors import UserError
 from te_mixtral.model.layers import PackedSequences
 
-EVAL_SPLIT_SEED = 20240601  # fixed: the held-out samples must not move with the run's seed
+EVAL_SPLIT_SEED = 20240601  # fixed: the held-out records must not move with the run's seed
 
 
 @dataclass
@@ -101,11 +113,30 @@ TOKENIZE_RECIPE = "tokenize-1"
 class TokenStream:
     """Every record's tokens, end to end: `tokens` int64 [N]; `ends` bool [N], the last
     token of each document or conversation; `trained` bool [N], whether a token is a loss
-    target (False: its label is -100), or None when every token is (text)."""
+    target (False: its label is -100), or None when every token is (text); `lengths` int64
+    [R], the tokens of each record."""
 
     tokens: torch.Tensor
     ends: torch.Tensor
     trained: torch.Tensor | None
+    lengths: torch.Tensor
+
+    def records(self, keep_R: torch.Tensor) -> "TokenStream":
+        """The records where `keep_R` (bool [R]) is set, end to end in their order."""
+        keep = keep_R.repeat_interleave(self.lengths)
+        return TokenStream(self.tokens[keep], self.ends[keep], None if self.trained is None else self.trained[keep],
+                           self.lengths[keep_R])
+
+    def padded(self, length: int, eos_id: int) -> "TokenStream":
+        """The stream made `length` tokens long with eos tokens that are never targets (one
+        record of padding)."""
+        pad = length - len(self.tokens)
+        trained = torch.ones_like(self.ends) if self.trained is None else self.trained
+        ends = torch.zeros(pad, dtype=torch.bool)
+        ends[-1:] = True
+        return TokenStream(torch.cat([self.tokens, torch.full((pad,), eos_id)]), torch.cat([self.ends, ends]),
+                           torch.cat([trained, torch.zeros(pad, dtype=torch.bool)]),
+                           torch.cat([self.lengths, torch.tensor([pad])]))
 
 
 def _close_with_eos(ids: list[list[int]], eos_id: int) -> list[list[int]]:
@@ -153,12 +184,12 @@ def token_stream(tokenizer: Tokenizer, records: datasets.Dataset) -> TokenStream
     encoded = records.map(tokenize, batched=True, input_columns=field, with_indices=chat is not None,
                           remove_columns=[field], new_fingerprint=key[:32], desc="tokenizing")
     tokens = _flat(encoded.data.column("input_ids")).to(torch.int64)
+    lengths = _numpy(pc.list_value_length(encoded.data.column("input_ids"))).to(torch.int64)
     if chat is None:
-        return TokenStream(tokens, tokens == eos_id, None)
-    lengths = _numpy(pc.list_value_length(encoded.data.column("input_ids")))
+        return TokenStream(tokens, tokens == eos_id, None, lengths)
     ends = torch.zeros_like(tokens, dtype=torch.bool)
     ends[lengths.cumsum(0) - 1] = True
-    return TokenStream(tokens, ends, _flat(encoded.data.column("trained")).to(torch.bool))
+    return TokenStream(tokens, ends, _flat(encoded.data.column("trained")).to(torch.bool), lengths)
 
 
 def batch_from_windows(windows: torch.Tensor, eos_id: int) -> Batch:
@@ -192,23 +223,19 @@ def packed_batch(windows: torch.Tensor, ends: torch.Tensor, trained: torch.Tenso
     return Batch(input_ids, labels, PackedSequences(position_ids, cu_seqlens, max_seqlen))
 
 
-def held_out_split(num_samples: int, eval_fraction: float, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training samples, held-out samples), each sorted.
-
-    The held-out samples are a fixed draw (seed EVAL_SPLIT_SEED, not the run's seed) of
-    `eval_fraction` of all samples, rounded down to whole global batches: the same samples
-    for every seed and every world size, so evaluations compare across runs. With nothing
-    held out the training samples are all of them, in their natural order, and training
-    batches are exactly those of a run without evaluation.
-    """
-    num_eval = int(eval_fraction * num_samples) // batch_size * batch_size
-    if eval_fraction > 0 and num_eval == 0:
-        raise UserError(f"data.eval_fraction {eval_fraction} of {num_samples} samples is less than one global batch "
-                        f"({batch_size}): raise it, or use more data")
-    if num_eval == 0:
-        return torch.arange(num_samples), torch.arange(0)
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED))
-    return order[num_eval:].sort().values, order[:num_eval].sort().values
+def held_out_records(num_records: int, eval_fraction: float, unit: str = "records") -> torch.Tensor:
+    """bool [R]: the records held out for evaluation (module docstring, "Held-out data"):
+    `eval_fraction` of them, rounded, at least one; none when it is 0. `unit` names the
+    records in a refusal (documents, conversations)."""
+    held = torch.zeros(num_records, dtype=torch.bool)
+    if eval_fraction == 0:
+        return held
+    num_eval = max(1, round(eval_fraction * num_records))
+    if num_eval >= num_records:
+        raise UserError(f"data.eval_fraction {eval_fraction} of {num_records} {unit} leaves none to train on: "
+                        f"lower it, or use more data")
+    held[torch.randperm(num_records, generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED))[:num_eval]] = True
+    return held
 
 
 class PackedData:
@@ -221,31 +248,46 @@ class PackedData:
 
     def __init__(self, cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int,
                  grad_accum_steps: int = 1):
+        if not sys.stderr.isatty():
+            # In a log file or a pipe each redraw of `datasets`' bars is one more line of noise.
+            datasets.disable_progress_bars()
         records = load_records(cfg)
         # Only a BPE trained here reads the texts themselves.
         documents = records[cfg.text_field] if cfg.tokenizer is None and cfg.format == "text" else []
         self.tokenizer = load_tokenizer(cfg, documents)
-        self.stream = token_stream(self.tokenizer, records)
+        stream = token_stream(self.tokenizer, records)
+        unit = "conversations" if cfg.format == "chat" else "documents"
+        held = held_out_records(len(stream.lengths), cfg.eval_fraction, unit)
+        self.stream = stream.records(~held)
         self.seq_len = cfg.seq_len
         self.num_samples = (len(self.stream.tokens) - 1) // cfg.seq_len
-        samples = self._samples_with_targets()
-        train, held_out = held_out_split(len(samples), cfg.eval_fraction, batch_size)
-        self.train_samples, self.eval_samples = samples[train], samples[held_out]
+        self.train_samples = self._samples_with_targets()
         if len(self.train_samples) < batch_size:
-            skipped = f", {self.num_samples - len(samples)} without an assistant token" if cfg.format == "chat" else ""
+            held_out = f", {int(held.sum())} {unit} held out" if held.any() else ""
+            skipped = (f", {self.num_samples - len(self.train_samples)} without an assistant token"
+                       if cfg.format == "chat" else "")
             raise UserError(
                 f"data set '{cfg.dataset}' packs into {self.num_samples} samples of {cfg.seq_len} tokens "
-                f"({len(self.eval_samples)} held out{skipped}), but one global batch needs {batch_size}: use more "
-                f"data, a shorter data.seq_len or a smaller train.batch_size"
+                f"({len(self.train_samples)} to train on{held_out}{skipped}), but one global batch needs "
+                f"{batch_size}: use more data, a shorter data.seq_len or a smaller train.batch_size"
             )
         self.batch_size = batch_size
         self.grad_accum_steps = grad_accum_steps
         self.micro_batch_size = batch_size // grad_accum_steps  # global: summed over ranks
+        self.eval_stream, self.eval_samples = self._held_out(stream.records(held), self.tokenizer.eos_id)
         self.local_batch_size = self.micro_batch_size // world_size  # one rank's rows of one forward
         self.rank = rank
         self.seed = seed
         self.steps_per_epoch = len(self.train_samples) // batch_size
         self._epoch, self._order = -1, None
+
+    def _held_out(self, stream: TokenStream, eos_id: int) -> tuple[TokenStream, torch.Tensor]:
+        """The held-out stream padded to whole global micro-batches of samples, and its samples."""
+        if len(stream.tokens) == 0:
+            return stream, torch.arange(0)
+        rows = -(-(len(stream.tokens) - 1) // self.seq_len)  # every token scored: the remainder too
+        rows = max(1, -(-rows // self.micro_batch_size)) * self.micro_batch_size
+        return stream.padded(rows * self.seq_len + 1, eos_id), torch.arange(rows)
 
     def _window_indices(self, samples: torch.Tensor) -> torch.Tensor:
         """Stream indices of the samples' windows, int64 [B, S+1]."""
@@ -268,22 +310,22 @@ class PackedData:
             self._epoch, self._order = epoch, self.train_samples[order]
         return self._order
 
-    def _rows(self, samples: torch.Tensor) -> Batch:
+    def _rows(self, stream: TokenStream, samples: torch.Tensor) -> Batch:
         window = self._window_indices(samples)
-        stream = self.stream
         return packed_batch(stream.tokens[window], stream.ends[window],
                             None if stream.trained is None else stream.trained[window])
 
-    def _rank_rows(self, samples: torch.Tensor, first: int) -> Batch:
-        """This rank's rows of the global (micro-)batch that starts at `samples[first]`."""
+    def _rank_rows(self, samples: torch.Tensor, first: int, stream: TokenStream | None = None) -> Batch:
+        """This rank's rows of the global (micro-)batch that starts at `samples[first]`, of
+        `stream` (the training stream by default)."""
         first += self.rank * self.local_batch_size
-        return self._rows(samples[first : first + self.local_batch_size])
+        return self._rows(self.stream if stream is None else stream, samples[first : first + self.local_batch_size])
 
     def eval_batches(self) -> list[Batch]:
         """This rank's rows of the held-out samples, one global micro-batch at a time (no
         forward is larger than a training one), sharded like training batches (so every rank
         of an EP group runs the same number of forwards)."""
-        return [self._rank_rows(self.eval_samples, start)
+        return [self._rank_rows(self.eval_samples, start, self.eval_stream)
                 for start in range(0, len(self.eval_samples), self.micro_batch_size)]
 
     def micro_batches(self, step: int) -> list[Batch]:

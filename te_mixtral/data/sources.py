@@ -22,6 +22,9 @@ into a hub download.
 
 import codecs
 import itertools
+import socket
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import datasets
@@ -30,6 +33,8 @@ from te_mixtral.config import DataConfig
 from te_mixtral.errors import UserError, first_line
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
+# How long a connection to the hub may take before it counts as unreachable.
+HUB_PROBE_TIMEOUT_S = 3.0
 
 
 def _embedded_dataset(text_field: str) -> datasets.Dataset:
@@ -100,9 +105,26 @@ def _load_files(builder: str, files: list[Path]) -> datasets.Dataset:
         raise UserError(f"cannot read {', '.join(map(str, files))}: {_cause(e)}") from None
 
 
+def _check_hub_reachable(name: str) -> None:
+    """Refuse in one line, at once, where the hub cannot be reached: its client would retry
+    for half a minute before failing. Not with HF_HUB_OFFLINE=1 (the cache alone is read
+    then), nor behind a proxy (only the client knows the way through)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or "https" in urllib.request.getproxies():
+        return
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise UserError(f"data set '{name}' is no local path, and the Hugging Face hub ({endpoint.netloc}) cannot be "
+                        f"reached ({e.strerror or e}): use data.dataset=embedded or a local .json/.jsonl/.txt file or "
+                        f"folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache") from None
+
+
 def _hub_dataset(name: str, subset: str | None, split: str) -> datasets.Dataset:
-    # Without a network the hub client retries for ~20 s before giving up;
-    # HF_HUB_OFFLINE=1 makes it fail at once.
+    _check_hub_reachable(name)
     try:
         return datasets.load_dataset(name, subset, split=split)
     except Exception as e:

@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from te_mixtral.distributed.launcher_env import world_size_from_env
+
 
 @dataclass
 class Layout:
@@ -51,18 +53,6 @@ class Layout:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def world_size_from_env() -> int:
-    """How many processes torchrun started (1 when run without it): the one place that
-    reads it, usable before torch.distributed is initialised."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def main_rank_from_env() -> bool:
-    """Whether this process is rank 0 (or alone), before torch.distributed is initialised:
-    where a message printed on every rank would be printed once per rank."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:

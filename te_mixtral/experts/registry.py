@@ -73,3 +73,20 @@ def check_tier(cfg, world_size: int) -> None:
     if cfg.tier in BASELINES and world_size != 1:
         raise UserError(f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one "
                         f"process, not {world_size}")
+    if BASELINES.get(cfg.tier, {}).get("experts") == "grouped_mm":
+        _check_grouped_mm_rows(cfg)
+
+
+def _check_grouped_mm_rows(cfg) -> None:
+    """transformers' `grouped_mm` experts multiply the stacked expert weights in their own
+    dtype, and torch's grouped_mm raises deep in the forward unless each row of them is a
+    multiple of 16 bytes: refuse such widths up front, naming the tier that runs them."""
+    element_bytes = 2 if cfg.train.optimizer == "master_adamw" else 4  # master_adamw keeps bf16 parameters
+    multiple = 16 // element_bytes
+    odd = [f"model.{key} {width}" for key, width in (("hidden_size", cfg.model.hidden_size),
+                                                     ("intermediate_size", cfg.model.intermediate_size))
+           if width % multiple]
+    if odd:
+        raise UserError(f"tier '{cfg.tier}' runs transformers' grouped_mm experts, whose weight rows must be whole "
+                        f"16-byte units: {' and '.join(odd)} not a multiple of {multiple} ({element_bytes}-byte "
+                        f"parameters); use --tier hf_eager, the same model with transformers' per-expert loop")

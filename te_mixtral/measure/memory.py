@@ -74,7 +74,7 @@ from pathlib import Path
 
 from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, RunConfig
 from te_mixtral.config_checks import RECOMPUTE, validate_model
-from te_mixtral.distributed.layout import main_rank_from_env
+from te_mixtral.distributed.launcher_env import main_rank_from_env
 from te_mixtral.errors import UserError
 from te_mixtral.experts.device_mxfp8 import runs_fp8
 from te_mixtral.experts.registry import BASELINES

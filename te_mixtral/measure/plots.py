@@ -50,8 +50,10 @@ def step_time_png(labels: Sequence[str], median_ms: Sequence[float], p90_ms: Seq
     return path
 
 
-def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: str) -> Path:
-    """Every run's per-step loss on one set of axes; steps count from 1 as the training log does."""
+def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: str,
+             evals: Sequence[tuple[int, float]] = ()) -> Path:
+    """Every run's per-step loss on one set of axes; steps count from 1 as the training log
+    does. `evals`, (step, loss) of one run's held-out evaluations, are drawn over them."""
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = _figure()
@@ -60,9 +62,12 @@ def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: s
         steps = range(1, len(losses) + 1)
         ax.plot(steps, losses, label=label, marker=markers[index % len(markers)], markersize=3, linewidth=1.2,
                 alpha=0.85)
+    if evals:
+        ax.plot(*zip(*evals), label="held-out (eval)", color="#c44e52", marker="s", markersize=5, linewidth=1.2,
+                linestyle="--")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (global mean)")
+    ax.set_ylabel("training and held-out loss (global mean)" if evals else "training loss (global mean)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if curves:

@@ -95,17 +95,29 @@ def run_header(cfg: RunConfig, device_name: str, world_size: int) -> dict:
     }
 
 
+def per_rank(device: str) -> str:
+    """What a per-rank figure is per on `device` (a header's "device"): a GPU, or on a CPU a process."""
+    return "process" if device == "cpu" else "GPU"
+
+
+def tflops_text(tflops: float) -> str:
+    """TFLOP/s as tables print it: one decimal, or under one (a CPU's) two significant
+    digits, which a 0.0 would hide."""
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}"
+
+
 def timing_table(summary: dict, header: dict) -> str:
     """The end-of-run table: what ran where, then how fast (from `metrics.summarize`), and
-    the software versions under it."""
+    the software versions under it. The per-rank figures are per GPU, or on a CPU per process."""
     mfu = summary["mfu"]
+    per = per_rank(header["device"])
     rows = [(label, str(header[key])) for key, label in TABLE_HEADER_KEYS]
     rows += [
         ("median step", f"{summary['median_step_ms']:.1f} ms"),
         ("p90 step", f"{summary['p90_step_ms']:.1f} ms"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
-        ("tokens/s/GPU", f"{summary['tokens_per_s_per_gpu']:,.0f}"),
-        ("TFLOP/s/GPU", f"{summary['tflops_per_gpu']:.1f}"),
+        (f"tokens/s/{per}", f"{summary['tokens_per_s_per_gpu']:,.0f}"),
+        (f"TFLOP/s/{per}", tflops_text(summary["tflops_per_gpu"])),
         ("MFU", "n/a" if mfu is None else f"{100 * mfu:.1f} %"),
         ("peak memory", f"{summary['peak_memory_gib']:.2f} GiB"),
         ("timed steps", str(summary["timed_steps"])),

@@ -22,14 +22,24 @@ run. Each line holds
     expert_load      {"max_over_mean", "busiest_rank_over_mean": {EP size: ratio}}, as
                      results.json's "expert_load" holds them (measure/expert_load.py)
 
+and after each held-out evaluation (`train.eval_every`), a line of its own after its step's:
+
+    step             the optimizer steps completed when it was measured
+    eval_loss        the held-out loss, as results.json's "evals" hold it
+    eval_perplexity  exp(eval_loss)
+    eval_targets     the held-out target tokens, over all ranks
+
+(pandas reads both kinds into one frame, NaN where a line has no such field; a reader of
+the training steps alone keeps the lines that hold "loss".)
+
 None of it costs a device synchronisation of its own: the losses and the norm are the
 numbers the loop already brings to the host in one `.tolist()` per step, the load ratios
 `expert_load.step_record`'s, the memory an allocator counter. Non-finite values are written
 as results.json writes them (`NaN`, `Infinity`: Python's json and pandas read them back,
 strict JSON tools such as `jq` do not).
 
-At the end (`plots`, on by default) the run draws `loss.png` and `step_time.png` beside
-results.json with measure/plots.py; without matplotlib it says so in one line and trains on.
+At the end (`plots`, on by default) the run draws `loss.png` (with the held-out losses,
+where there are any) and `step_time.png` beside results.json with measure/plots.py; without matplotlib it says so in one line and trains on.
 
 `tensorboard: true` writes the same scalars (and the held-out loss of each evaluation)
 with `torch.utils.tensorboard` into the output folder itself, so `tensorboard --logdir runs`
@@ -173,19 +183,25 @@ class RunLog:
                        + "\n" + expert_load.load_line(state.router[-1], self.cfg.ep_size))
 
     def evaluation(self, evaluation) -> None:
-        """Print a held-out evaluation (training/evaluate.Evaluation) and send its loss to TensorBoard."""
+        """Log a held-out evaluation (training/evaluate.Evaluation): print it, write its line
+        and send its loss to TensorBoard."""
         if self._file is None:
             return
         self.write(evaluation.line(self.cfg.train.steps))
+        self._file.write(json.dumps({"step": evaluation.step, "eval_loss": evaluation.loss,
+                                     "eval_perplexity": evaluation.perplexity,
+                                     "eval_targets": evaluation.targets}) + "\n")
+        self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("loss/eval", evaluation.loss, evaluation.step)
             self._tensorboard.flush()
 
     def finish(self, losses: list[float], first_step: int, step_times_s: list[float], timing_warmup: int,
-               title: str) -> None:
+               title: str, evals: list[dict] = ()) -> None:
         """Close the log and, with `plots`, draw the run's plots beside results.json: its
-        loss at every step (a resumed run's earlier steps too) and the times of this
-        process's steps (from `first_step`). Without matplotlib, say so in one line."""
+        loss at every step (a resumed run's earlier steps too) with its held-out `evals`
+        (evaluate.Evaluation dictionaries), and the times of this process's steps (from
+        `first_step`). Without matplotlib, say so in one line."""
         if self._file is None:
             return
         self._bar.close()
@@ -198,7 +214,8 @@ class RunLog:
             print("te_mixtral: matplotlib is not installed, so no plots (pip install matplotlib)", flush=True)
             return
         try:
-            plots.loss_png([(self.cfg.tier, losses)], self.output_dir / LOSS_PLOT, title)
+            plots.loss_png([(self.cfg.tier, losses)], self.output_dir / LOSS_PLOT, title,
+                           [(e["step"], e["loss"]) for e in evals])
             if step_times_s:
                 plots.step_times_png(first_step, [s * 1e3 for s in step_times_s], timing_warmup,
                                      self.output_dir / STEP_TIME_PLOT, title)

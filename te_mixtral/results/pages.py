@@ -1,7 +1,7 @@
 """Results pages: runs' results.json files in, a dated markdown page with its plots out.
 
-    python -m te_mixtral.results RUN [RUN ...] [--out docs/results] [--title TEXT]
-                                [--notes FILE] [--suffix TEXT] [--no-plots]
+    python -m te_mixtral.results RUN [RUN ...] --out DIR [--title TEXT]
+                                [--notes FILE] [--suffix TEXT] [--no-plots] [--overwrite]
 
 A RUN is a run's output folder, its results.json, or a folder of runs such as
 `scripts/run_tiers.sh` leaves (`te_mixtral/results/runs.py` reads and checks them).
@@ -11,8 +11,10 @@ number of processes, so runs are grouped by (device name, world size) and each g
 its own page, `OUT/<date>-<gpu>-x<world>[-<suffix>].md`, with `<stem>-step-time.png` and
 `<stem>-loss.png` beside it (and `<stem>-expert-load-<run>.png` for each run that recorded
 its expert load: te_mixtral/measure/expert_load.py). `<date>` is the day of the group's newest run; `<gpu>` is the
-device name in lower case without the vendor ("NVIDIA H200" -> h200). A page is
-overwritten when regenerated: pages are meant to live in git.
+device name in lower case without the vendor ("NVIDIA H200" -> h200). `--out` has no
+default (the committed pages live in docs/results; a page of one's own runs does not belong
+there by accident), and a page or plot already in it is refused unless `--overwrite`: to
+regenerate a committed page, pass both, and git shows what changed.
 
 What a page compares (workloads, baselines, speedups, loss checks) is decided in
 `te_mixtral/results/compare.py`.
@@ -36,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from te_mixtral.errors import UserError
+from te_mixtral.measure.report import per_rank, tflops_text
 from te_mixtral.results.compare import (
     COMPARED_WITH,
     DASH,
@@ -55,8 +58,10 @@ from te_mixtral.results.runs import Run, find_runs, group_runs
 
 def page_command(argv: list[str]) -> str:
     # The pages name this module itself, as the committed pages in docs/results do (both
-    # forms run the same `main`), so that they regenerate unchanged.
-    return " ".join(["python", "-m", "te_mixtral.results.pages", *map(shlex.quote, argv)])
+    # forms run the same `main`), so that they regenerate unchanged; and leave out
+    # --overwrite, which is about the folder, not the page.
+    return " ".join(["python", "-m", "te_mixtral.results.pages", *map(shlex.quote, (a for a in argv
+                                                                                    if a != "--overwrite"))])
 
 
 def slug(text: str) -> str:
@@ -119,8 +124,7 @@ def tier_rows(runs: list[Run]) -> tuple[list[list[str]], list[str]]:
                 cell += f" (vs EP{base.ep_size})"
             cells.append(cell)
         mfu = s["mfu"]
-        tflops = s["tflops_per_gpu"]
-        cells += [f"{s['tokens_per_s_per_gpu']:,.0f}", f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
+        cells += [f"{s['tokens_per_s_per_gpu']:,.0f}", tflops_text(s["tflops_per_gpu"]),
                   "n/a" if mfu is None else f"{100 * mfu:.1f} %", f"{s['peak_memory_gib']:.2f}"]
         verdict = loss_verdict(run, runs)
         cells.append(verdict.cell)
@@ -255,18 +259,23 @@ def build_page(runs: list[Run], title: str | None, notes: str | None, command: s
     if warnings:
         out += ["> **Check before reading**", ">"] + [f"> - {w}" for w in warnings] + [""]
 
+    per = per_rank(device)
     header = ["tier", "world / EP", "median step (ms)", "p90 step (ms)", *(f"vs {t}" for t in COMPARED_WITH),
-              "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak memory (GiB)", "loss check vs `loop` (rel diff: first step, max step, mean)"]
+              f"tokens/s/{per}", f"TFLOP/s/{per}", "MFU", "peak memory (GiB)",
+              "loss check vs `loop` (rel diff: first step, max step, mean)"]
     rows, footnotes = tier_rows(runs)
     out += ["## Tiers", "", _table(header, rows, text_columns=(0, -1)), ""]
     out += [f"- {note}" for note in footnotes] + ([""] if footnotes else [])
+    # On a CPU the memory measured is each process's peak resident set (measure/metrics.py).
+    memory = ("Peak memory is the largest peak resident set of any process: Python, the libraries and the data "
+              "included, not the tensors alone" if device == "cpu" else
+              "Peak memory is the most the caching allocator handed to tensors on any rank")
     out += ["How to read it: `vs hf` and `vs loop` are the baseline's median step time divided by this row's "
             "(same device, same world size, same workload; above 1 is faster). Step times leave out the "
-            "warm-up steps; tokens/s and TFLOP/s are per GPU, TFLOP/s counts model FLOPs only (no "
+            f"warm-up steps; tokens/s and TFLOP/s are per {per}, TFLOP/s counts model FLOPs only (no "
             "recomputation, no all-to-all), and MFU divides them by the GPU's dense BF16 peak "
-            "(`te_mixtral/measure/metrics.py`). Peak memory is the most the caching allocator handed to tensors on "
-            "any rank. The loss check compares every step's loss with the `loop` run's "
-            "(`te_mixtral/measure/loss_check.py`).", ""]
+            f"(`te_mixtral/measure/metrics.py`). {memory}. The loss check compares every step's loss with the "
+            "`loop` run's (`te_mixtral/measure/loss_check.py`).", ""]
     if plots:
         out += [f"![Median step time per tier]({stem}-step-time.png)", "",
                 f"![Training loss per step, all tiers]({stem}-loss.png)", ""]
@@ -282,10 +291,16 @@ def build_page(runs: list[Run], title: str | None, notes: str | None, command: s
     return Page(stem, "\n".join(out), runs)
 
 
+def page_files(page: Page, out_dir: Path) -> list[Path]:
+    """Every file `write_page` may write for `page`: the markdown, then the plots."""
+    names = [f"{page.stem}.md", f"{page.stem}-step-time.png", f"{page.stem}-loss.png"]
+    return [out_dir / name for name in names + [expert_load_png_name(page.stem, run) for run in page.runs]]
+
+
 def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
     """Write the page's markdown and, with `plots`, its PNGs; return the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = out_dir / f"{page.stem}.md"
+    md, step_time, loss, *_ = page_files(page, out_dir)
     md.write_text(page.markdown)
     written = [md]
     if plots:
@@ -299,10 +314,10 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
                 f"runs and their commands: {page.stem}.md (python -m te_mixtral.results.pages)")
         written.append(draw.step_time_png([r.label for r in runs], [r.summary["median_step_ms"] for r in runs],
                                           [r.summary["p90_step_ms"] for r in runs],
-                                          out_dir / f"{page.stem}-step-time.png",
+                                          step_time,
                                           f"Step time per tier, {where}\n{made}"))
         written.append(draw.loss_png([(r.label, r.results["losses"]) for r in runs],
-                                     out_dir / f"{page.stem}-loss.png", f"Training loss per step, {where}\n{made}"))
+                                     loss, f"Training loss per step, {where}\n{made}"))
         for run in runs:
             load = run.results.get("expert_load")
             if isinstance(load, dict) and "tokens_per_expert" in load:
@@ -321,11 +336,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folder, results.json, or folder of runs")
-    parser.add_argument("--out", default="docs/results", help="folder for the pages (default: docs/results)")
+    parser.add_argument("--out", required=True, help="folder for the pages (docs/results holds the committed ones)")
     parser.add_argument("--title", help="page title (default: 'te_mixtral expert tiers on <GPU> x <world>')")
     parser.add_argument("--notes", help="markdown file included as the page's explanation section")
     parser.add_argument("--suffix", help="appended to the page name: <date>-<gpu>-x<world>-<suffix>.md")
     parser.add_argument("--no-plots", action="store_true", help="write the markdown only (no matplotlib needed)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a page or plot already in --out")
     return parser.parse_args(argv)
 
 
@@ -348,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         stems = [p.stem for p in pages]
         if len(set(stems)) < len(stems):  # e.g. "NVIDIA H200" and "nvidia h200" slug alike
             raise UserError(f"two groups would write the same page ({', '.join(stems)}); pass runs separately")
+        there = [path for page in pages for path in page_files(page, Path(args.out))
+                 if path.exists() and (plots or path.suffix == ".md")]
+        if there and not args.overwrite:
+            more = f" (and {len(there) - 1} more files of these pages)" if len(there) > 1 else ""
+            raise UserError(f"{there[0]} exists{more}: pass --overwrite to replace, or another --out")
         for page in pages:
             for path in write_page(page, Path(args.out), plots):
                 print(f"wrote {path}")

@@ -1,8 +1,9 @@
 """Evaluation: loss and perplexity on held-out samples the run never trains on.
 
-Which samples: `data.eval_fraction` of the packed samples, a fixed draw that depends on the
-data alone (`data.packing.held_out_split`), whole global batches of it, sharded over the ranks like
-training batches. Training batches are drawn from the other samples only.
+Which samples: `data.eval_fraction` of the documents or conversations, a fixed draw that
+depends on the data alone (`data.packing.held_out_records`), packed apart into whole global
+micro-batches, sharded over the ranks like training batches. Training batches are drawn from
+the other records only.
 
 What is measured is the training loss itself, on other tokens: the token cross-entropy
 summed over every rank's held-out targets, divided by the global number of targets (see

@@ -48,9 +48,16 @@ def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_token
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, max_positions: int) -> list[int]:
     """The prompt's token ids (with the tokenizer's own special tokens, as transformers
-    adds them), or a one-line `UserError` when they leave nothing to generate. The training
-    loop calls this before the first step too, so a bad prompt does not wait for training."""
-    prompt_ids = tokenizer.backend.encode(prompt).ids
+    adds them; in a chat run, the prompt as a user turn of the chat template, the reply's
+    header included), or a one-line `UserError` when they leave nothing to generate. The
+    training loop calls this before the first step too, so a bad prompt does not wait for
+    training."""
+    if tokenizer.chat is None:
+        prompt_ids = tokenizer.backend.encode(prompt).ids
+    else:
+        from te_mixtral.data.chat import user_turn_ids  # transformers: imported for chat data only
+
+        prompt_ids = user_turn_ids(tokenizer.chat, prompt)
     if not prompt_ids:
         raise UserError(f"the generate prompt {prompt[:40]!r} encodes to no tokens (empty, or nothing the "
                         f"tokenizer knows); give some text")

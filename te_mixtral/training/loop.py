@@ -335,7 +335,8 @@ def train(cfg: RunConfig) -> TrainResult:
         except OSError as e:
             raise write_failure(f"{output_dir / 'config.yaml'}", e) from None
         run_log.finish(losses, first_step, timer.times, timing_warmup,
-                       f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}")
+                       f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}",
+                       state.evals)
         if summary:
             print(report.timing_table(summary, header))
         if state.evals:

@@ -12,6 +12,7 @@ import random
 import re
 
 import datasets
+import huggingface_hub
 import pytest
 import torch
 import torch.nn.functional as F
@@ -302,6 +303,7 @@ def test_subset_and_split_go_to_the_hub(monkeypatch):
         calls.append((args, kwargs))
         return datasets.Dataset.from_dict({"text": ["one", "two"]})
 
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network here: the cache alone
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert load_records(DataConfig(dataset="someone/corpus", subset="small", split="test[:5%]"))["text"] == ["one", "two"]
     assert calls == [(("someone/corpus", "small"), {"split": "test[:5%]"})]
@@ -327,3 +329,12 @@ def test_chat_example_trains_and_exports_its_template(tmp_path):
     proc = run_cli(["--config", "configs/tiny-chat.yaml", "--dataset", str(bad), "--output_dir", str(tmp_path / "x")])
     assert_one_line_error(proc, "chat record 0, message 0: role 'bot'")
     assert proc.returncode == 2
+
+
+def test_no_progress_bars_in_a_log(tmp_path, capfd):
+    # stderr here is pytest's capture, not a terminal: as in a log file, `datasets` must not
+    # draw its bars (a fresh file, so that it is read and tokenized, not found in a cache).
+    path = write_chat(tmp_path / "c.jsonl", random_conversations(random.Random(0), 8))
+    PackedData(DataConfig(dataset=str(path), format="chat", tokenizer=str(TOKENIZER), seq_len=16), 1, 0, 1, 0)
+    err = capfd.readouterr().err
+    assert "tokenizing" not in err and "Generating train split" not in err, err

@@ -8,10 +8,12 @@ import json
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import pytest
 import tokenizers
 import torch
@@ -115,10 +117,25 @@ def test_hub_failure_is_a_user_error(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub")
 
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the client's own failure, below
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match="could not load data set 'someone/corpus'.*embedded") as info:
         load_documents(DataConfig(dataset="someone/corpus"))
     assert "\n" not in str(info.value)
+
+
+def test_an_unreachable_hub_is_refused_at_once(monkeypatch):
+    # A port nothing listens on: refused at once, as a machine without a network is. The hub
+    # client would retry for half a minute; the check before it says so in one line.
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=r"no_such/corpus' is no local path, and the Hugging Face hub \(127.0.0.1:9\) "
+                                        r"cannot be reached.*HF_HUB_OFFLINE=1") as info:
+        load_documents(DataConfig(dataset="no_such/corpus"))
+    assert "\n" not in str(info.value) and time.perf_counter() - start < 10  # the client's retries: ~30 s
 
 
 # --- tokenizer --------------------------------------------------------------------------

@@ -123,3 +123,11 @@ def test_timing_table_names_the_run_and_every_metric():
         assert needle in text, needle
     assert "34.5 %" in timing_table(SUMMARY | {"mfu": 0.345}, header())
     assert text.isascii()
+
+
+def test_timing_table_on_a_cpu_is_per_process_and_shows_its_small_flops():
+    cpu = timing_table(SUMMARY | {"tflops_per_gpu": 0.000412}, header())
+    assert "tokens/s/process" in cpu and "TFLOP/s/process" in cpu and "GPU" not in cpu
+    assert "0.00041" in cpu and " 0.0\n" not in cpu  # not a meaningless 0.0
+    gpu = timing_table(SUMMARY, {**header(), "device": "NVIDIA H100 80GB HBM3"})
+    assert "tokens/s/GPU" in gpu and "TFLOP/s/GPU" in gpu and "process" not in gpu

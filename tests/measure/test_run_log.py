@@ -58,8 +58,14 @@ def test_steps_jsonl_is_written_as_the_run_goes(run):
 
 def test_steps_jsonl_has_every_step_and_equals_results(run):
     out, _, _, _ = run
-    records = [json.loads(line) for line in (out / run_log.STEPS_FILE).read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / run_log.STEPS_FILE).read_text().splitlines()]
+    records = [r for r in lines if "loss" in r]
     results = json.loads((out / "results.json").read_text())
+    # Each evaluation: a line of its own, right after its step's, as results.json holds it.
+    evals = [(lines[i - 1]["step"], r) for i, r in enumerate(lines) if "eval_loss" in r]
+    assert [(before, r["step"], r["eval_loss"], r["eval_perplexity"], r["eval_targets"]) for before, r in evals] == [
+        (e["step"], e["step"], e["loss"], e["perplexity"], e["targets"]) for e in results["evals"]]
+    assert [e["step"] for e in results["evals"]] == [3, 6]
     cfg = load_config(REPO / "configs" / "tiny.yaml", {key.lstrip("-"): value for key, value in zip(ARGS[::2], ARGS[1::2])})
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(set(r) == FIELDS for r in records)
@@ -87,6 +93,7 @@ def test_tensorboard_holds_the_same_scalars(run):
 
     out, _, _, _ = run
     records = [json.loads(line) for line in (out / run_log.STEPS_FILE).read_text().splitlines()]
+    records = [r for r in records if "loss" in r]  # the steps' lines, not the evaluations'
     results = json.loads((out / "results.json").read_text())
     events = EventAccumulator(str(out))
     events.Reload()
@@ -143,6 +150,20 @@ def test_resume_keeps_the_earlier_steps_and_drops_the_rest(tmp_path):
     records = [json.loads(line) for line in (tmp_path / run_log.STEPS_FILE).read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in records] == [(1, 9.0), (2, 8.0), (3, 0.25)]
     assert records[-1]["step_ms"] is None and records[-1]["tokens_per_s"] is None  # a diverged step
+
+
+def test_loss_plot_shows_the_held_out_losses(tmp_path):
+    pytest.importorskip("matplotlib")
+    drawn = {}
+    for name, evals in (("without", []), ("with", [{"step": 2, "loss": 8.5}, {"step": 4, "loss": 7.5}])):
+        folder = tmp_path / name
+        folder.mkdir()
+        log = run_log.RunLog(folder, load_config(None, {"steps": "4", "output_dir": str(folder)}), 1, 4)
+        for step in range(1, 5):
+            log.step(step, fake_state(10.0 - step), 1e-3, 0.1, 2**30, print_line=False)
+        log.finish([9.0, 8.0, 7.0, 6.0], 1, [0.1] * 4, 0, "title", evals)
+        drawn[name] = (folder / run_log.LOSS_PLOT).read_bytes()
+    assert drawn["with"] != drawn["without"]  # the same training curve; the evaluations drawn over it
 
 
 def test_missing_packages(tmp_path, monkeypatch, capsys):

@@ -97,6 +97,14 @@ def test_a_run_without_recompute_is_checked_against_a_loop_run_with_it(tmp_path)
     assert other_lr[-1] == "not checked: no `loop` run of this workload"
 
 
+def test_a_cpu_page_names_what_it_measured(tmp_path):
+    cpu = page_for([make_run(tmp_path / "cpu", "loop", "loop", 100.0, device="cpu", mfu=None)]).markdown
+    assert "tokens/s/process" in cpu and "TFLOP/s/process" in cpu and "per process" in cpu
+    assert "peak resident set" in cpu and "caching allocator" not in cpu  # no GPU allocator on a CPU
+    gpu = page_for([make_run(tmp_path / "gpu", "loop", "loop", 100.0)]).markdown
+    assert "tokens/s/GPU" in gpu and "caching allocator" in gpu and "resident set" not in gpu
+
+
 def test_unknown_mfu_reads_na(tmp_path):
     page = page_for([make_run(tmp_path, "loop", "loop", 100.0, mfu=None)])
     assert table_row(page.markdown, "loop")[8] == "n/a"
@@ -302,6 +310,27 @@ def test_command_line_writes_page_and_pngs(tmp_path):
     assert f"wrote {out / stem}.md" in proc.stdout
 
 
+def test_the_output_folder_is_named_and_a_page_there_is_kept(tmp_path, capsys, monkeypatch):
+    make_run(tmp_path, "loop", "loop", 100.0)
+    monkeypatch.chdir(tmp_path)  # where a default folder would land
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "loop"), "--no-plots"])
+    assert "the following arguments are required: --out" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]  # nothing written
+    out = tmp_path / "pages"
+    assert main([str(tmp_path / "loop"), "--out", str(out), "--no-plots"]) == 0
+    page = out / "2026-11-21-h200-x1.md"
+    page.write_text("edited by hand")
+    capsys.readouterr()
+    assert main([str(tmp_path / "loop"), "--out", str(out), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert f"{page} exists: pass --overwrite to replace, or another --out" in err and err.count("\n") == 1
+    assert page.read_text() == "edited by hand"
+    assert main([str(tmp_path / "loop"), "--out", str(out), "--no-plots", "--overwrite"]) == 0
+    assert page.read_text().startswith("# te_mixtral expert tiers")
+    assert "--overwrite" not in page.read_text()  # the page names how it is made, not how it was replaced
+
+
 def test_write_page_is_repeatable(tmp_path):
     make_run(tmp_path, "loop", "loop", 100.0)
     first = write_page(page_for([tmp_path / "loop"]), tmp_path / "a")
@@ -339,7 +368,7 @@ def test_committed_pages_regenerate_unchanged(committed, monkeypatch):
     made = []
     monkeypatch.setattr(pages, "write_page", lambda page, out_dir, plots: made.append((page, out_dir)) or [])
     monkeypatch.chdir(REPO)  # the command names its runs and notes from the repository root
-    assert main(words[3:]) == 0
+    assert main([*words[3:], "--overwrite"]) == 0  # the page is there: it is what is compared
     [(page, out_dir)] = [(p, o) for p, o in made if p.stem == committed.stem]
     assert out_dir / f"{page.stem}.md" == committed.relative_to(REPO)
     assert page.markdown == committed.read_text()

@@ -4,51 +4,74 @@
 checkpoint, are in test_checkpoint_hf_out.py.)"""
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
+from conftest import REPO
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from te_mixtral.config import DataConfig
-from te_mixtral.data.packing import PackedData, held_out_split
+from te_mixtral.data.packing import PackedData, held_out_records
+from te_mixtral.data.tokenizer import load_tokenizer
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
-from te_mixtral.training.generate import greedy_generate
+from te_mixtral.training.generate import encode_prompt, greedy_generate
 from te_mixtral.training.hf_checkpoint import load_hf_weights
 
 SINGLE = Layout(0, 1, 1, None, None)
 
 
-def test_the_held_out_split_is_fixed_disjoint_and_whole_batches():
-    train, held = held_out_split(1000, 0.05, batch_size=8)
-    assert len(held) == 48 and len(train) == 952  # 50 rounded down to whole global batches
-    assert sorted(torch.cat([train, held]).tolist()) == list(range(1000))
-    again_train, again_held = held_out_split(1000, 0.05, batch_size=8)
-    assert torch.equal(held, again_held) and torch.equal(train, again_train)
-    assert torch.equal(held_out_split(1000, 0.0, 8)[0], torch.arange(1000))  # nothing held out: as before
-    with pytest.raises(UserError, match="less than one global batch"):
-        held_out_split(100, 0.05, batch_size=8)
+def test_the_held_out_records_are_a_fixed_share_of_the_records():
+    held = held_out_records(1000, 0.05)
+    assert held.sum() == 50 and torch.equal(held, held_out_records(1000, 0.05))  # the data alone decides
+    assert held_out_records(30, 0.2).sum() == 6  # a share of what people count: their records
+    assert held_out_records(17, 0.05).sum() == 1  # rounded, at least one
+    assert not held_out_records(1000, 0.0).any()  # nothing held out: training is as before
+    with pytest.raises(UserError, match="0.5 of 1 conversations leaves none to train on"):
+        held_out_records(1, 0.5, "conversations")
+
+
+CHAT = DataConfig(dataset=str(REPO / "examples" / "chat.jsonl"), format="chat",
+                  tokenizer=str(REPO / "examples" / "chat-tokenizer"), seq_len=128, eval_fraction=0.05)
+
+
+def test_a_share_of_a_small_chat_file_is_held_out_by_conversation():
+    # The README's fine-tune: 40 conversations pack into fewer samples than 5 % makes one
+    # global batch of; 5 % of the conversations is two of them.
+    data = PackedData(CHAT, batch_size=4, rank=0, world_size=1, seed=0)
+    everything = PackedData(replace(CHAT, eval_fraction=0.0), batch_size=4, rank=0, world_size=1, seed=0)
+    assert len(data.eval_stream.lengths) == 2 + 1  # two conversations and the padding
+    held = int(data.eval_stream.lengths[:2].sum())
+    assert len(data.stream.tokens) + held == len(everything.stream.tokens)
+    # Every held-out target is scored once, padding never is.
+    trained = data.eval_stream.trained[:held] & ~data.eval_stream.ends[:held].roll(1)
+    assert sum(int((b.labels != -100).sum()) for b in data.eval_batches()) == int(trained[1:].sum())
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-def test_training_never_reads_a_held_out_sample(accum):
+def test_training_never_reads_a_held_out_record(accum):
     cfg = DataConfig(seq_len=64, eval_fraction=0.1)
-    ranks = [PackedData(cfg, batch_size=4, rank=r, world_size=2, seed=s, grad_accum_steps=accum)
-             for r, s in ((0, 1), (1, 1))]
-    other_seed = PackedData(cfg, batch_size=4, rank=0, world_size=2, seed=99)
-    assert torch.equal(ranks[0].eval_samples, other_seed.eval_samples)  # the seed moves training only
+    ranks = [PackedData(cfg, batch_size=4, rank=r, world_size=2, seed=1, grad_accum_steps=accum) for r in (0, 1)]
+    other = PackedData(cfg, batch_size=8, rank=0, world_size=1, seed=99)
+    held = int(ranks[0].eval_stream.lengths[:-1].sum())  # the held-out documents, less the padding
+    # Not the seed, the world size nor the batch size decide which documents are held out.
+    assert torch.equal(ranks[0].eval_stream.tokens[:held], other.eval_stream.tokens[:held])
 
-    held_rows = {tuple(row.tolist()) for r in ranks for b in r.eval_batches() for row in b.input_ids}
+    held_rows = [tuple(row.tolist()) for r in ranks for b in r.eval_batches() for row in b.input_ids]
     assert len(held_rows) == len(ranks[0].eval_samples)  # the ranks' shares: all of it, once
     # No evaluation forward is larger than a training one.
     assert all(len(b.input_ids) == 4 // (2 * accum) for r in ranks for b in r.eval_batches())
-    for step in range(ranks[0].steps_per_epoch + 3):  # an epoch and into the next
-        for data in ranks:
-            assert not {tuple(row.tolist()) for b in data.micro_batches(step) for row in b.input_ids} & held_rows, step
+    everything = PackedData(replace(cfg, eval_fraction=0.0), batch_size=4, rank=0, world_size=1, seed=1)
+    assert len(ranks[0].stream.tokens) + held == len(everything.stream.tokens)
+    # Training reads the training stream alone, and no held-out document is in it.
+    first_held = ranks[0].eval_stream.tokens[: ranks[0].eval_stream.lengths[0]].tolist()
+    train = ranks[0].stream.tokens.tolist()
+    assert not any(train[i : i + len(first_held)] == first_held for i in range(len(train) - len(first_held) + 1))
 
 
 def test_greedy_generation_equals_transformers(tmp_path):
@@ -76,3 +99,15 @@ def test_greedy_generation_equals_transformers(tmp_path):
     assert ours_greedy(eos_id=-1) == full  # -1: no token stops it
     stop = full[2]  # make the third token the eos: both must stop right after it
     assert ours_greedy(eos_id=stop) == hf_greedy(eos_id=stop) == full[: full.index(stop) + 1]
+
+
+def test_a_chat_run_prompts_as_a_user_turn():
+    # As transformers' users prompt a chat model: the template's user turn, then the header
+    # of the reply, with no special token added on top.
+    tokenizer = load_tokenizer(CHAT, [])
+    turn = [{"role": "user", "content": "What is a list?"}]
+    expected = tokenizer.chat.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert encode_prompt(tokenizer, "What is a list?", 1024) == expected
+    assert tokenizer.chat.decode(expected).endswith("[/INST]")
+    text = replace(tokenizer, chat=None)  # the same tokenizer in a text run: the prompt as it is
+    assert encode_prompt(text, "What is a list?", 1024) == tokenizer.backend.encode("What is a list?").ids

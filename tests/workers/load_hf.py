@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from te_mixtral.distributed.layout import init_layout, shutdown, world_size_from_env
+from te_mixtral.distributed.launcher_env import world_size_from_env
+from te_mixtral.distributed.layout import init_layout, shutdown
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH, PackedSequences

@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
 from te_mixtral.distributed import layout as layout_module
-from te_mixtral.distributed.layout import init_layout, shutdown, world_size_from_env
+from te_mixtral.distributed.launcher_env import world_size_from_env
+from te_mixtral.distributed.layout import init_layout, shutdown
 from te_mixtral.distributed.parallelize import reduce_gradients, set_gradient_sync
 from te_mixtral.training import loop
 from te_mixtral.training.optimizer import clip_gradients

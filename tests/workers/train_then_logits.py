@@ -14,7 +14,8 @@ import torch
 
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
-from te_mixtral.distributed.layout import shutdown, world_size_from_env
+from te_mixtral.distributed.launcher_env import world_size_from_env
+from te_mixtral.distributed.layout import shutdown
 from te_mixtral.model.layers import PackedSequences
 from te_mixtral.training.loop import train
 
