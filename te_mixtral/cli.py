@@ -145,7 +145,7 @@ def _run(argv: list[str]) -> int:
     )
 
     try:
-        return train_main(cfg)
+        return train_main(cfg, args.config)
     finally:
         shutdown()
 

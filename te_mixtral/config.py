@@ -197,8 +197,9 @@ class RunConfig:
                                    help="newest checkpoints kept; older ones are deleted")
     resume: bool = setting(False, resumable=True, help="continue from the latest checkpoint in checkpoint_dir")
     overwrite: bool = setting(False, workload=False, resumable=True,
-                              help="let this run replace an earlier run's results.json in output_dir, the checkpoints "
-                              "in checkpoint_dir (without resume), and files other than an earlier export at save_hf")
+                              help="let this run replace the files it writes in output_dir (results.json, config.yaml, "
+                              "...; never its own --config), the checkpoints in checkpoint_dir (without resume), and "
+                              "export-named files at save_hf that no earlier export wrote")
     generate: str | None = setting(None, workload=False, resumable=True,
                                    help="after training, print a greedy continuation of this prompt")
     generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")

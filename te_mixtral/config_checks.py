@@ -36,6 +36,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment.
     The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
+    for key in ("output_dir", "checkpoint_dir", "save_hf", "loss_check", "model_path"):
+        # An empty path is no path: it would stand for the current folder, or switch the key off.
+        _check(getattr(cfg, key) != "", f"{key} is an empty path: name one, or leave it unset (null)")
     _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got '{cfg.backend}'")
     _check(cfg.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
     _check(t.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'")

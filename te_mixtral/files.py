@@ -24,6 +24,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from te_mixtral.errors import UserError, WriteFailed, first_line
@@ -70,6 +71,36 @@ def publish_folder(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
+    fsync_path(final.parent)
+
+
+def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: str) -> None:
+    """Move the files of the finished folder `tmp` into `final`, replacing the files there
+    whose names `owned` says the writer writes (an earlier version of the same output) and
+    keeping every other file (what the user put beside it).
+
+    A set of files, unlike a folder, cannot be replaced in one rename. The earlier files go
+    to `final.old` first (`marker`, which says a set is complete, the first of them), the
+    new ones come in (`marker` the last), then `final.old` is deleted: a crash midway leaves
+    the earlier set whole in `final.old`, or the new one whole in `final`, and `final`
+    without a marker until its set is complete.
+    """
+    fsync_path(tmp)
+    if not final.exists():
+        os.rename(tmp, final)
+        fsync_path(final.parent)
+        return
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    old.mkdir()
+    for path in sorted(final.iterdir(), key=lambda p: p.name != marker):
+        if owned(path.name) and path.is_file():
+            os.rename(path, old / path.name)
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == marker):
+        os.rename(path, final / path.name)
+    tmp.rmdir()
+    fsync_path(final)
+    shutil.rmtree(old)
     fsync_path(final.parent)
 
 

@@ -67,7 +67,7 @@ from te_mixtral.training.optimizer import (
     optimizer_step,
     split_masters,
 )
-from te_mixtral.training.outputs import check_outputs
+from te_mixtral.training.outputs import CONFIG_FILE, check_outputs
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -121,8 +121,8 @@ class TrainResult:
     optimizer: torch.optim.Optimizer
 
 
-def train(cfg: RunConfig) -> TrainResult:
-    """Run the configured job."""
+def train(cfg: RunConfig, config_path: str | None = None) -> TrainResult:
+    """Run the configured job; `config_path` is the `--config` file it was read from."""
     # --- setup -------------------------------------------------------------------------
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -136,7 +136,7 @@ def train(cfg: RunConfig) -> TrainResult:
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
-    check_outputs(cfg, model_dir)
+    check_outputs(cfg, model_dir, config_path)
     check_tensorboard(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
@@ -303,9 +303,9 @@ def train(cfg: RunConfig) -> TrainResult:
     if layout.is_main:
         path = report.write_results(output_dir, header, summary, losses, extra)
         try:
-            save_config(cfg, output_dir / "config.yaml")
+            save_config(cfg, output_dir / CONFIG_FILE)
         except OSError as e:
-            raise write_failure(f"{output_dir / 'config.yaml'}", e) from None
+            raise write_failure(f"{output_dir / CONFIG_FILE}", e) from None
         run_log.finish(losses, first_step, timer.times, timing_warmup,
                        f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}")
         if summary:
@@ -330,9 +330,9 @@ def _lost_a_peer(e: RuntimeError) -> bool:
     return isinstance(e, torch.distributed.DistError) or "gloo" in str(e)
 
 
-def main(cfg: RunConfig) -> int:
+def main(cfg: RunConfig, config_path: str | None = None) -> int:
     try:
-        exit_code = train(cfg).exit_code  # the same on every rank: the loss check is global
+        exit_code = train(cfg, config_path).exit_code  # the same on every rank: the loss check is global
         shutdown(wait_for_peers=True)
         return exit_code
     except UserError as e:

@@ -1,12 +1,16 @@
 """A run never deletes or replaces what is in the folders it writes to, unless it is its own
 to replace or the user passes --overwrite; refusals come before any training."""
 
+import os
+from pathlib import Path
+
 import pytest
 from launch import assert_one_line_error, run_cli
 
-from te_mixtral.config import load_config
-from te_mixtral.errors import UserError
-from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs
+from te_mixtral.config import load_config, save_config
+from te_mixtral.errors import ExitCode, UserError
+from te_mixtral.files import replace_files
+from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
 
@@ -17,36 +21,71 @@ def refused(proc, *fragments):
 
 
 @pytest.mark.slow
-def test_export_keeps_a_folder_of_user_files_and_replaces_only_an_earlier_export(tmp_path):
+def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()
-    (folder / "notes.txt").write_text("mine")
+    (folder / "README.md").write_text("my model card")
+    (folder / "config.json").write_text("{}")  # an export's name, not from an export
     refused(run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "a")]),
-            "not an earlier te_mixtral export")
-    assert (folder / "notes.txt").read_text() == "mine" and len(list(folder.iterdir())) == 1
+            "holds config.json, which the export would replace")
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json"]
 
-    (folder / "notes.txt").unlink()
-    for out in ("b", "c"):  # an empty folder, then the earlier export itself, may be written
-        proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / out)])
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert (folder / EXPORT_MARKER).is_file() and (folder / "config.json").is_file()
-
-    (folder / "notes.txt").write_text("mine")
-    (folder / EXPORT_MARKER).unlink()
-    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "d"), "--overwrite"])
+    (folder / "config.json").unlink()
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "b")])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not (folder / "notes.txt").exists()  # replaced, as asked
+    assert (folder / EXPORT_MARKER).is_file() and (folder / "config.json").is_file()
+    # An earlier export, laid out in more files: what it wrote goes, what the user wrote stays.
+    stale = folder / "model-00009-of-00009.safetensors"
+    stale.write_text("from an earlier export")
+    (folder / "eval_results.json").write_text("{}")
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "c")])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not stale.exists() and not (tmp_path / "export.old").exists()
+    assert (folder / "README.md").read_text() == "my model card" and (folder / "eval_results.json").is_file()
+    assert all(is_export_file(p.name) for p in folder.iterdir() if p.name not in ("README.md", "eval_results.json"))
 
 
-def test_export_never_replaces_the_current_checkpoint_or_model_folder(tmp_path, monkeypatch):
-    ckpt, model = tmp_path / "ckpt", tmp_path / "models" / "mixtral"
+def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_path, monkeypatch):
+    final, new = tmp_path / "final", tmp_path / "final.tmp"
+    final.mkdir()
+    new.mkdir()
+    for name, text in [("mine.txt", "user"), ("a.bin", "old a"), ("b.bin", "old b"), (EXPORT_MARKER, "old")]:
+        (final / name).write_text(text)
+    for name in ("a.bin", EXPORT_MARKER):
+        (new / name).write_text("new")
+    owned = {"a.bin", "b.bin", EXPORT_MARKER}.__contains__
+    real_rename, moved = os.rename, []
+
+    def rename_then_die(src, dst):  # dies as the first new file comes in
+        if Path(src).parent == new:
+            raise KeyboardInterrupt
+        moved.append(Path(src).name)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        replace_files(new, final, owned, EXPORT_MARKER)
+    assert moved[0] == EXPORT_MARKER  # the folder stops calling itself complete first
+    old = tmp_path / "final.old"
+    assert sorted(p.name for p in old.iterdir()) == sorted(["a.bin", "b.bin", EXPORT_MARKER])
+    monkeypatch.setattr(os, "rename", real_rename)
+    replace_files(new, final, owned, EXPORT_MARKER)  # the next export starts over
+    assert {p.name: p.read_text() for p in final.iterdir()} == {"mine.txt": "user", "a.bin": "new",
+                                                                EXPORT_MARKER: "new"}
+    assert not old.exists() and not new.exists()
+
+
+def test_export_never_writes_into_the_current_output_checkpoint_or_model_folder(tmp_path, monkeypatch):
+    ckpt, model, out = tmp_path / "ckpt", tmp_path / "models" / "mixtral", tmp_path / "runs" / "a"
     model.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     for save_hf, what in [(".", "the current folder"), (str(tmp_path), "the current folder"),
                           (str(ckpt), "the checkpoint folder"), (str(model), "the --model folder"),
-                          (str(tmp_path / "models"), "the --model folder")]:
-        cfg = load_config(None, {"save_hf": save_hf, "checkpoint_dir": str(ckpt), "overwrite": "true"})
-        with pytest.raises(UserError, match=f"would replace {what}"):
+                          (str(tmp_path / "models"), "the --model folder"), (str(out), "the output folder"),
+                          (str(tmp_path / "runs"), "the output folder")]:
+        cfg = load_config(None, {"save_hf": save_hf, "checkpoint_dir": str(ckpt), "output_dir": str(out),
+                                 "overwrite": "true"})
+        with pytest.raises(UserError, match=f"would write into {what}"):
             check_outputs(cfg, model)
 
 
@@ -72,3 +111,41 @@ def test_an_output_folder_holding_a_run_is_kept(tmp_path):
     assert (out / "results.json").read_bytes() == before
     assert run_cli([*SHORT, "--output-dir", str(out), "--lr", "1e-3", "--overwrite"]).returncode == 0
     assert (out / "results.json").read_bytes() != before
+
+
+def test_every_file_a_run_writes_into_its_output_folder_is_kept(tmp_path):
+    for plots in ("true", "false"):
+        cfg = load_config(None, {"output_dir": str(tmp_path), "plots": plots})
+        assert ("loss.png" in output_files(cfg)) == (plots == "true")
+        for name in output_files(cfg):  # a hand-written config.yaml, a plot of the user's...
+            (tmp_path / name).write_text("mine")
+            with pytest.raises(UserError, match=name):
+                check_outputs(cfg, None)
+            cfg.overwrite = True
+            check_outputs(cfg, None)
+            cfg.overwrite = False
+            (tmp_path / name).unlink()
+        (tmp_path / "loss.png").write_text("mine")  # a file the run will not write is no concern of it
+        if plots == "false":
+            check_outputs(cfg, None)
+
+
+def test_the_runs_own_inputs_are_never_replaced_even_with_overwrite(tmp_path):
+    config = tmp_path / "config.yaml"
+    save_config(load_config(None, {"steps": "2"}), config)
+    before = config.read_text()
+    refused(run_cli(["--config", str(config), "--output-dir", str(tmp_path), "--overwrite"]),
+            f"would replace the --config file ({config})")
+    assert config.read_text() == before
+    (tmp_path / "results.json").write_text('{"losses": [1.0, 1.0]}')
+    cfg = load_config(None, {"output_dir": str(tmp_path), "loss_check": str(tmp_path / "results.json"),
+                             "overwrite": "true"})
+    with pytest.raises(UserError, match="would replace the loss-check reference"):
+        check_outputs(cfg, None)
+
+
+@pytest.mark.parametrize("key", ["--output-dir", "--checkpoint-dir", "--save-hf"])
+def test_an_empty_path_is_refused(key, tmp_path):
+    proc = run_cli([key, "", *([] if key == "--output-dir" else ["--output-dir", str(tmp_path)])])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, f"{key[2:].replace('-', '_')} is an empty path")
