@@ -94,6 +94,8 @@ def help_text(cfg: RunConfig, config_path: str) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     args, rest = _parser().parse_known_args(argv)
+    if args.estimate_memory is not None and args.estimate_memory < 0:
+        raise UserError(f"--estimate-memory takes a number of ranks, got {args.estimate_memory}")
     overrides = {}
     while rest:
         flag = rest.pop(0)

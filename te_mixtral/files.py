@@ -119,8 +119,17 @@ def require_free_space(path: Path, needed_bytes: int, what: str, reclaimable_byt
     counts as free."""
     free = shutil.disk_usage(path).free + reclaimable_bytes
     if free < needed_bytes:
-        raise UserError(f"not enough free space in {path} for {what}: needs about {needed_bytes / 2**30:.2f} GiB, "
-                        f"{free / 2**30:.2f} GiB free")
+        raise UserError(f"not enough free space in {path} for {what}: needs about {size_text(needed_bytes)}, "
+                        f"{size_text(free)} free")
+
+
+def size_text(num_bytes: float) -> str:
+    """A size in the binary unit that shows it with three significant digits (`15.1 MiB`,
+    `512 B`), so that two sizes side by side show their difference at any scale."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1000 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.3g} {unit}"
+        num_bytes /= 1024
 
 
 def folder_bytes(path: Path) -> int:

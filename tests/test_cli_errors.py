@@ -81,6 +81,8 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     (["--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--hidden_size", "48", "--head_dim", "24"],
      "needs model.hidden_size to be a multiple of 32, got 48"),
     (["--loss-check", "EMPTY"], "has no losses to compare with"),
+    (["--generate", "Once", "--generate-tokens", "5000"], "would pass model.max_position_embeddings (1024)"),
+    (["--subset", "wikitext-2-raw-v1"], "data.subset 'wikitext-2-raw-v1' names a subset of a hub data set"),
 ])
 def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp_path):
     empty = tmp_path / "empty.json"

@@ -157,7 +157,7 @@ def train(cfg: RunConfig, config_path: str | None = None) -> TrainResult:
     if reference is not None:
         check_reference(reference, cfg.train.steps, ran_on.get("precision", cfg.precision), cfg.loss_check)
     if cfg.generate is not None:
-        encode_prompt(data.tokenizer, cfg.generate, cfg.model.max_position_embeddings)
+        encode_prompt(data.tokenizer, cfg.generate, cfg.model.max_position_embeddings, cfg.generate_tokens)
     remainders = split_masters(model, cfg)  # master_adamw: bf16 parameters, split before sharding
     parallelize(model, layout, cfg.train.sharding)
     optimizer = make_optimizer(model, cfg, remainders)

@@ -3,13 +3,15 @@ to replace or the user passes --overwrite; refusals come before any training."""
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from launch import assert_one_line_error, run_cli
 
 from te_mixtral.config import load_config, save_config
 from te_mixtral.errors import ExitCode, UserError
-from te_mixtral.files import replace_files
+from te_mixtral import files
+from te_mixtral.files import replace_files, require_free_space, size_text
 from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
@@ -149,3 +151,17 @@ def test_an_empty_path_is_refused(key, tmp_path):
     proc = run_cli([key, "", *([] if key == "--output-dir" else ["--output-dir", str(tmp_path)])])
     assert proc.returncode == ExitCode.BAD_INPUT
     assert_one_line_error(proc, f"{key[2:].replace('-', '_')} is an empty path")
+
+
+def test_a_free_space_refusal_shows_the_difference_between_the_sizes(tmp_path, monkeypatch):
+    assert [size_text(n) for n in (512, 15.8e6, 8e6, 3 * 2**30, 2**50)] == [
+        "512 B", "15.1 MiB", "7.63 MiB", "3 GiB", "1.02e+03 TiB"]
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=8_000_000))
+    with pytest.raises(UserError, match=r"needs about 15.1 MiB, 7.63 MiB free"):
+        require_free_space(tmp_path, 15_800_000, "the export")
+
+
+def test_estimate_memory_refuses_a_negative_world_size():
+    proc = run_cli(["--estimate-memory", "-1"])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, "--estimate-memory takes a number of ranks, got -1")
