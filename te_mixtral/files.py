@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from te_mixtral.errors import UserError, WriteFailed, first_line
+from te_mixtral.errors import Interrupted, UserError, WriteFailed, first_line
 
 
 def fsync_path(path: Path) -> None:
@@ -138,7 +138,17 @@ def folder_bytes(path: Path) -> int:
 
 
 def write_failure(what: str, error: Exception) -> WriteFailed:
-    """The one-line error for a write of `what` that raised `error` (see the pitfall above)."""
+    """The one-line error for a write of `what` that raised `error` (see the pitfall above).
+
+    A Ctrl-C is no failed write: torch.save reports the `Interrupted` raised in the middle of
+    its writing as a `RuntimeError` ("unexpected pos"), the interruption its `__context__`.
+    That interruption is raised again here, so the run ends as interrupted (exit 130), not
+    as a full disk."""
+    cause = error
+    while cause is not None:
+        if isinstance(cause, Interrupted):
+            raise cause
+        cause = cause.__cause__ or cause.__context__
     if isinstance(error, OSError) and error.strerror:
         return WriteFailed(f"cannot write {what}: {error.strerror}")
     return WriteFailed(f"cannot write {what}: {first_line(error)} (is the disk full?)")

@@ -7,11 +7,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from conftest import REPO
-from launch import assert_one_line_error, run_app, run_cli
+from launch import app_command, assert_one_line_error, run_app, run_cli
 from safetensors.torch import load_file
 
 from te_mixtral.errors import ExitCode
@@ -116,3 +117,13 @@ def test_ctrl_c_stops_every_rank_with_one_line_naming_the_last_checkpoint(tmp_pa
     assert proc.returncode == ExitCode.INTERRUPTED
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr),
                           "interrupted at step", "the last checkpoint is", "step-00000", "--resume")
+
+
+def test_ctrl_c_while_starting_is_one_line_and_exit_130():
+    proc = subprocess.Popen(app_command(["--steps", "2"]), cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # Python is up and importing torch, which takes seconds
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.INTERRUPTED
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), "interrupted")

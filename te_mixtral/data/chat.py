@@ -83,6 +83,9 @@ def _render(tokenizer, messages: list[dict], record: int, **kwargs) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except jinja2.TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
         raise UserError(f"chat record {record}: the chat template refuses it: {first_line(e)}") from None
+    except Exception as e:  # the template's own code failed (a division by zero, a bad filter argument...)
+        raise UserError(f"chat record {record}: the chat template fails on it: {type(e).__name__}: "
+                        f"{first_line(e)}") from None
 
 
 def assistant_spans(tokenizer, messages: list[dict], record: int = 0) -> tuple[str, list[tuple[int, int]]]:

@@ -226,6 +226,9 @@ class PackedData:
         documents = records[cfg.text_field] if cfg.tokenizer is None and cfg.format == "text" else []
         self.tokenizer = load_tokenizer(cfg, documents)
         self.stream = token_stream(self.tokenizer, records)
+        if self.stream.trained is not None and not self.stream.trained.any():
+            raise UserError(f"chat data set '{cfg.dataset}' has no assistant turn: chat data trains on the assistant's "
+                            f"replies only, so there is nothing to train on")
         self.seq_len = cfg.seq_len
         self.num_samples = (len(self.stream.tokens) - 1) // cfg.seq_len
         samples = self._samples_with_targets()
