@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # annotations only: config imports this module
     from te_mixtral.config import RunConfig
 
 DTYPES = ("auto", "fp32", "bf16")
+FLOAT32_MAX = 3.4028234663852886e38
 NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
 OPTIMIZERS = ("adamw", "master_adamw")
 SHARDINGS = ("none", "fsdp")
@@ -79,6 +80,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"train.timing_warmup_steps ({t.timing_warmup_steps}) leaves no timed step of train.steps ({t.steps}): "
            f"set --timing_warmup_steps {t.steps - 1} or fewer, or leave it unset (it then shrinks to fit)")
     _check(t.lr > 0 and math.isfinite(t.lr), f"need a finite lr > 0, got train.lr {t.lr}")
+    # The optimizer multiplies fp32 tensors by it: a larger one is no number there (torch raises).
+    _check(t.lr <= FLOAT32_MAX, f"train.lr {t.lr} is past the largest float32 ({FLOAT32_MAX:.3g}), the type the "
+                                f"optimizer applies it in")
     _check(0 <= t.min_lr <= t.lr,
            f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]: set --min_lr too, or leave it unset "
            f"(it then follows lr / 10)")

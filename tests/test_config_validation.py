@@ -20,6 +20,7 @@ from te_mixtral.errors import UserError
     ("beta2", "-0.1", "train.beta2 must be in [0, 1)"),
     ("lr", ".inf", "a finite lr > 0"),
     ("lr", ".nan", "a finite lr > 0"),
+    ("lr", "1e300", "train.lr 1e+300 is past the largest float32"),  # before: AdamW's overflow traceback
     ("weight_decay", "-0.1", "train.weight_decay must be finite and >= 0"),
     ("warmup_steps", "-1", "train.warmup_steps must be 0 or positive"),
     ("max_documents", "-3", "data.max_documents must be positive or null"),
