@@ -317,7 +317,8 @@ class Checkpointer:
                 optimizer.load_state_dict(blob["optimizer"])
         except (KeyError, RuntimeError, ValueError) as e:
             detail = " ".join(str(e).split())  # load_state_dict lists what differs on the lines after its first
-            raise UserError(f"checkpoint {folder} does not fit this run's model and optimizer: {detail[:300]}") from None
+            raise UserError(f"checkpoint {folder} does not fit this run's model and optimizer: "
+                            f"{detail[:300]}") from None
         _set_rng_state(blob["rng"], self.device)
         if self.layout.is_main:
             print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)

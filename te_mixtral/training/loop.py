@@ -30,6 +30,7 @@ from te_mixtral.distributed.layout import (
     all_reduce_max,
     all_reduce_sum,
     init_layout,
+    main_rank_from_env,
     shutdown,
     world_size_from_env,
 )
@@ -42,6 +43,7 @@ from te_mixtral.errors import Diverged, ExitCode, Interrupted, UserError, report
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable, write_failure
+from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_losses, check_reference
 from te_mixtral.measure.memory import check_fits
@@ -121,8 +123,9 @@ class TrainResult:
     optimizer: torch.optim.Optimizer
 
 
-def train(cfg: RunConfig, config_path: str | None = None) -> TrainResult:
-    """Run the configured job; `config_path` is the `--config` file it was read from."""
+def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | None = None) -> TrainResult:
+    """Run the configured job; `config_path` is the `--config` file it was read from. With
+    `locks`, rank 0 locks the output and checkpoint folders into it against a second run."""
     # --- setup -------------------------------------------------------------------------
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -137,6 +140,10 @@ def train(cfg: RunConfig, config_path: str | None = None) -> TrainResult:
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
     check_outputs(cfg, model_dir, config_path)
+    if locks is not None and main_rank_from_env():
+        for what, folder in (("output_dir", cfg.output_dir), ("checkpoint_dir", cfg.checkpoint_dir)):
+            if folder is not None:
+                locks.claim(Path(folder).expanduser(), what)
     check_tensorboard(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
@@ -174,6 +181,8 @@ def train(cfg: RunConfig, config_path: str | None = None) -> TrainResult:
         check_export_space(model, cfg.save_hf, layout, export_dtype)
     header = {**report.run_header(cfg, metrics.device_name(device), layout.world_size), "ran": ran_on}
     output_dir = report.prepare_output_dir(cfg.output_dir, cfg.tier) if layout.is_main else None
+    if locks is not None and layout.is_main and cfg.output_dir is None:  # a new folder, locked as it is made
+        locks.claim(output_dir, "output_dir")
     if layout.is_main and model_dir is not None:
         print(f"te_mixtral: weights and model config from {model_dir} (its config.json replaces the config's "
               f"model section)", flush=True)
@@ -332,8 +341,9 @@ def _lost_a_peer(e: RuntimeError) -> bool:
 
 def main(cfg: RunConfig, config_path: str | None = None) -> int:
     try:
-        exit_code = train(cfg, config_path).exit_code  # the same on every rank: the loss check is global
-        shutdown(wait_for_peers=True)
+        with FolderLocks() as locks:  # released however the run ends
+            exit_code = train(cfg, config_path, locks).exit_code  # the same on every rank: the loss check is global
+            shutdown(wait_for_peers=True)
         return exit_code
     except UserError as e:
         return report_error(e, world_size_from_env())

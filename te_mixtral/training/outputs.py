@@ -4,10 +4,12 @@ what is already there unless that is plainly its own to replace, or the user sai
 
 - `output_dir`: every file the run writes there (`output_files`) is refused if it exists:
   a results.json is another run's record; a steps.jsonl (measure/run_log.py) without it,
-  the log of a run that did not finish, which `resume` continues; a config.yaml or a plot
-  may be the user's own. `overwrite` lets the run replace them, except an input of the run
-  itself (the `--config` file, the loss-check reference): it would be lost while the run
-  still means to read it, or to be read again.
+  the log of a run that did not finish, which `resume` continues, but only with that run's
+  own checkpoint (`_check_resumed_log`); a config.yaml or a plot may be the user's own.
+  `overwrite` lets the run replace them, except an input of the run itself (the `--config`
+  file, the loss-check reference): it would be lost while the run still means to read it,
+  or to be read again. A folder in use by a running run is refused in any case
+  (te_mixtral/folder_lock.py).
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save.
 - `save_hf`: an export replaces only the files an export writes (`is_export_file`), and
@@ -19,6 +21,8 @@ what is already there unless that is plainly its own to replace, or the user sai
 Every rank runs these checks on its own before the first collective, so all fail alike.
 """
 
+import json
+import math
 import os
 import re
 from pathlib import Path
@@ -27,6 +31,7 @@ from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
+from te_mixtral.training.checkpoint import LATEST, META
 
 CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json at the end
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
@@ -56,6 +61,8 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
     if out is not None:
         inputs = {"the --config file": config_path, "the loss-check reference": cfg.loss_check}
         _check_output_folder(out, cfg, {what: Path(p).expanduser() for what, p in inputs.items() if p})
+    if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
+        _check_resumed_log(out / STEPS_FILE, ckpt)
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
@@ -86,6 +93,35 @@ def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> 
     if others:
         raise UserError(f"output_dir {out} already holds {', '.join(others)}, which this run would replace; choose "
                         f"another folder, or pass --overwrite to replace {'it' if len(others) == 1 else 'them'}")
+
+
+def _check_resumed_log(log: Path, ckpt: Path) -> None:
+    """Refuse to resume a checkpoint into the steps.jsonl of another run, which the resumed
+    run would continue as if it were its own (two runs spliced into one log).
+
+    A run's losses are its fingerprint: the checkpoint's meta.json holds every step's loss
+    up to its own, and the log the same numbers, written from the same floats. Where a
+    step is in both, the two must agree; two runs that agree at every step are one run to
+    any reader. A checkpoint that cannot be read is left for the resume to report."""
+    try:
+        folder = ckpt / (ckpt / LATEST).read_text().strip()
+        saved = json.loads((folder / META).read_text())["losses"]
+        lines = log.read_text().splitlines() if log.is_file() else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step, loss = int(record["step"]), float(record["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a killed run: the resume drops it
+        if not 1 <= step <= len(saved):
+            continue  # past the checkpoint: the resume drops it
+        expected = float(saved[step - 1])
+        if loss != expected and not (math.isnan(loss) and math.isnan(expected)):
+            raise UserError(f"{log} is the log of another run than checkpoint {folder}'s (step {step}: loss {loss} "
+                            f"there, {expected} in the checkpoint), and resuming would splice the two; resume "
+                            f"into the checkpoint's own output folder, or a new one")
 
 
 def _holds_checkpoints(folder: Path) -> bool:

@@ -267,7 +267,8 @@ def test_a_chat_template_failing_in_its_own_code_is_one_line(tmp_path):
     config = json.loads((TOKENIZER / "tokenizer_config.json").read_text())
     config["chat_template"] = "{{ 1 / 0 }}{% for m in messages %}{{ m.content }}{% endfor %}"
     (broken / "tokenizer_config.json").write_text(json.dumps(config))
-    path = write_chat(tmp_path / "c.jsonl", [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]])
+    path = write_chat(tmp_path / "c.jsonl", [[{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "yo"}]])
     cfg = DataConfig(dataset=str(path), format="chat", tokenizer=str(broken), seq_len=8)
     with pytest.raises(UserError, match="chat record 0: the chat template fails on it: ZeroDivisionError"):
         PackedData(cfg, batch_size=1, rank=0, world_size=1, seed=0)

@@ -1,17 +1,23 @@
 """A run never deletes or replaces what is in the folders it writes to, unless it is its own
 to replace or the user passes --overwrite; refusals come before any training."""
 
+import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import REPO
 from launch import assert_one_line_error, run_cli
 
 from te_mixtral.config import load_config, save_config
 from te_mixtral.errors import ExitCode, UserError
 from te_mixtral import files
 from te_mixtral.files import replace_files, require_free_space, size_text
+from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
@@ -165,3 +171,58 @@ def test_estimate_memory_refuses_a_negative_world_size():
     proc = run_cli(["--estimate-memory", "-1"])
     assert proc.returncode == ExitCode.BAD_INPUT
     assert_one_line_error(proc, "--estimate-memory takes a number of ranks, got -1")
+
+
+# Holds the folders it is given as a run would, until it is killed.
+HOLD = """import sys, time
+from pathlib import Path
+from te_mixtral.folder_lock import FolderLocks
+locks = FolderLocks()
+for folder in sys.argv[1:]:
+    locks.claim(Path(folder), "a folder")
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ckpt)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        # --overwrite and --resume allow replacing another run's files, never while it writes them.
+        refused(run_cli([*SHORT, "--output-dir", str(out), "--overwrite"]),
+                f"output_dir {out} is in use by another run (pid {holder.pid} on {socket.gethostname()}, started")
+        refused(run_cli([*SHORT, "--output-dir", str(tmp_path / "b"), "--checkpoint-dir", str(ckpt), "--overwrite"]),
+                f"checkpoint_dir {ckpt} is in use by another run (pid {holder.pid}")
+    finally:
+        holder.kill()  # no cleanup, as the OOM killer would: the operating system releases the lock
+        holder.wait()
+    proc = run_cli([*SHORT, "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with FolderLocks() as locks:  # and a run releases its own when it ends
+        locks.claim(out, "output_dir")
+        locks.claim(ckpt, "checkpoint_dir")
+
+
+def test_resuming_into_another_runs_log_is_refused(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    (ckpt / "step-000002").mkdir(parents=True)
+    (ckpt / "latest").write_text("step-000002\n")
+    (ckpt / "step-000002" / "meta.json").write_text(json.dumps({"losses": [4.5, 4.25]}))
+    out.mkdir()
+
+    def log(*losses):
+        lines = [json.dumps({"step": step, "loss": loss}) for step, loss in enumerate(losses, 1)]
+        (out / "steps.jsonl").write_text("\n".join([*lines, '{"step": 9, "lo']) + "\n")
+
+    for overwrite in ("false", "true"):  # a resume keeps the log's earlier lines either way
+        cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true",
+                                 "overwrite": overwrite})
+        log(4.5, 4.0, 3.5)  # another run's, or this run's continued elsewhere from step 1
+        with pytest.raises(UserError, match="is the log of another run than checkpoint .*step 2: loss 4.0 there, "
+                                            "4.25 in the checkpoint"):
+            check_outputs(cfg, None)
+        log(4.5, 4.25, 3.5)  # the checkpoint's own run, which went on past it before it stopped
+        check_outputs(cfg, None)
