@@ -24,6 +24,7 @@ import yaml
 
 from te_mixtral.config_checks import validate
 from te_mixtral.errors import UserError
+from te_mixtral.files import write_text_atomic
 from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
 
 
@@ -431,4 +432,4 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

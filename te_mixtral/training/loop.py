@@ -39,7 +39,7 @@ from te_mixtral.distributed.parallelize import (
     reduce_gradients,
     set_gradient_sync,
 )
-from te_mixtral.errors import Diverged, ExitCode, Interrupted, UserError, report_error
+from te_mixtral.errors import Diverged, ExitCode, Interrupted, UserError, WriteFailed, report_error
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable, write_failure
@@ -256,9 +256,13 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             evaluation = evaluate(model, eval_batches, state.step, layout, device, autocast)
             state.evals.append(asdict(evaluation))
             run_log.evaluation(evaluation)
-        try:  # each save refuses non-finite weights, on every rank
+        try:  # a checkpoint that cannot be written fails on every rank alike: results.json keeps the run
             if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
                 checkpointer.save(state, model, optimizer, cfg)
+        except WriteFailed as e:
+            stopped = e
+            break
+        try:  # each save refuses non-finite weights, on every rank
             if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
                 save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir,
                                    cfg.data.tokenizer)
@@ -310,13 +314,20 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         extra["loss_check"] = {"reference": cfg.loss_check, **check.record()}
         exit_code = ExitCode.OK if check.passed else ExitCode.LOSS_CHECK_FAILED
     if layout.is_main:
-        path = report.write_results(output_dir, header, summary, losses, extra)
+        # Whatever can still be written is (a full disk may take a plot and not results.json);
+        # what could not is said in one line at the end, and the run exits WRITE_FAILED.
+        unwritten = []
+        try:
+            path = report.write_results(output_dir, header, summary, losses, extra)
+        except WriteFailed as e:
+            path, unwritten = None, [str(e)]
         try:
             save_config(cfg, output_dir / CONFIG_FILE)
         except OSError as e:
-            raise write_failure(f"{output_dir / CONFIG_FILE}", e) from None
-        run_log.finish(losses, first_step, timer.times, timing_warmup,
-                       f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}")
+            unwritten.append(str(write_failure(f"{output_dir / CONFIG_FILE}", e)))
+        unwritten += run_log.finish(
+            losses, first_step, timer.times, timing_warmup,
+            f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}")
         if summary:
             print(report.timing_table(summary, header))
         if state.evals:
@@ -327,7 +338,10 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             print(report.phases_table(extra["phases_ms"], summary["median_step_ms"]))
         if reference is not None:
             print(check.table())
-        print(f"results: {path}", flush=True)
+        if path is not None:
+            print(f"results: {path}", flush=True)
+        if unwritten:
+            raise WriteFailed("; ".join(unwritten) + (f"; and before that: {stopped}" if stopped else ""))
     if stopped:
         raise stopped
     return TrainResult(exit_code, losses, model, optimizer)
