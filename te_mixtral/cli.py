@@ -25,7 +25,7 @@ from te_mixtral.distributed.layout import (
     shutdown,
     world_size_from_env,
 )
-from te_mixtral.errors import ExitCode, UserError, report_error
+from te_mixtral.errors import ExitCode, UserError, error_line, report_error
 from te_mixtral.experts.registry import check_tier
 from te_mixtral.saved_config import flatten
 
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
         return _run(argv)
     except KeyboardInterrupt:  # before training: once it starts, training/loop.py says where it stopped
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun sends a second one
-        print("te_mixtral: error: interrupted before the first step", file=sys.stderr, flush=True)
+        print(error_line("interrupted before the first step", ExitCode.INTERRUPTED), file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED
 
 

@@ -50,6 +50,18 @@ def test_every_rank_fails_cleanly():
     proc = run_app(["--ep-size", "4"], nproc=2, timeout=120)
     lines = assert_one_line_error(proc, "world size (2) is not divisible by ep_size (4)")
     assert len(lines) == 2  # one per rank
+    # torchrun exits 1 for any failure; each rank's line says what it exited with.
+    assert proc.returncode == 1 and all(line.endswith("[exit code 2]") for line in lines)
+
+
+@pytest.mark.slow
+def test_our_torchrun_passes_the_exit_code_on():
+    proc = subprocess.run([sys.executable, "-m", "te_mixtral.torchrun", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "run_finetune_ep.py"), "--ep-size", "4"],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr  # torchrun's summary, no traceback
 
 
 @pytest.mark.slow
@@ -69,6 +81,7 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     # The diverged run keeps its losses and gradient norms, the last one not finite...
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(results["losses"]) == len(results["grad_norms"]) == step and results["stopped"] in line
+    assert results["exit_code"] == ExitCode.DIVERGED
     assert all(math.isfinite(x) for x in results["grad_norms"][:-1]) and not math.isfinite(results["grad_norms"][-1])
     # ... and every save holds the finite weights from before the step that was not applied.
     assert (ckpt / "latest").read_text().strip() == f"step-{step - 1:06d}"

@@ -39,7 +39,15 @@ from te_mixtral.distributed.parallelize import (
     reduce_gradients,
     set_gradient_sync,
 )
-from te_mixtral.errors import Diverged, ExitCode, Interrupted, UserError, WriteFailed, report_error
+from te_mixtral.errors import (
+    Diverged,
+    ExitCode,
+    Interrupted,
+    UserError,
+    WriteFailed,
+    error_line,
+    report_error,
+)
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable, write_failure
@@ -313,6 +321,9 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         check = check_losses(losses, reference, ran_on.get("precision", cfg.precision))
         extra["loss_check"] = {"reference": cfg.loss_check, **check.record()}
         exit_code = ExitCode.OK if check.passed else ExitCode.LOSS_CHECK_FAILED
+    # What this process exits with (unless a later write fails: then WRITE_FAILED), for a
+    # script launched by torchrun, whose own exit code is 1 for any failure.
+    extra["exit_code"] = int(stopped.exit_code if stopped else exit_code)
     if layout.is_main:
         # Whatever can still be written is (a full disk may take a plot and not results.json);
         # what could not is said in one line at the end, and the run exits WRITE_FAILED.
@@ -365,6 +376,7 @@ def main(cfg: RunConfig, config_path: str | None = None) -> int:
         if not _lost_a_peer(e):
             raise
         reason = (str(e).strip().splitlines() or ["no detail"])[0]
-        print(f"te_mixtral: error: a collective failed, another rank probably died or hung (see its log); "
-              f"resume from the last checkpoint with --resume ({reason[:200]})", file=sys.stderr, flush=True)
+        print(error_line(f"a collective failed, another rank probably died or hung (see its log); resume from the "
+                         f"last checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER),
+              file=sys.stderr, flush=True)
         return ExitCode.LOST_A_PEER
