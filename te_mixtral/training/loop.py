@@ -147,11 +147,11 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
-    check_outputs(cfg, model_dir, config_path)
-    if locks is not None and main_rank_from_env():
+    if locks is not None and main_rank_from_env():  # first: a folder in use is refused as such
         for what, folder in (("output_dir", cfg.output_dir), ("checkpoint_dir", cfg.checkpoint_dir)):
             if folder is not None:
                 locks.claim(Path(folder).expanduser(), what)
+    check_outputs(cfg, model_dir, config_path)
     check_tensorboard(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
