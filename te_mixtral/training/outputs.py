@@ -16,7 +16,8 @@ what is already there unless that is plainly its own to replace, or the user sai
   keeps whatever else the folder holds (a model card, evaluation results). It may replace
   an earlier te_mixtral export (marked by `EXPORT_MARKER`); export-named files of anyone
   else only with `overwrite`. It is never the current folder, the output or checkpoint
-  folder or the `--model` folder, nor a folder holding one of them: those are not exports.
+  folder, the `--model` folder, the data set or the tokenizer, nor a folder holding one of
+  them: those are not exports (and a data folder would read the export as data).
 
 Every rank runs these checks on its own before the first collective, so all fail alike.
 """
@@ -67,9 +68,12 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
     if cfg.save_hf is not None:
+        # Local inputs only: a hub name is no folder here.
+        data, tokenizer = (Path(p).expanduser() if p and Path(p).expanduser().exists() else None
+                           for p in (cfg.data.dataset, cfg.data.tokenizer))
         _check_export_folder(Path(cfg.save_hf).expanduser(), cfg.overwrite,
                              {"the current folder": Path.cwd(), "the output folder": out, "the checkpoint folder": ckpt,
-                              "the --model folder": model_dir})
+                              "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer})
 
 
 def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> None:

@@ -83,16 +83,21 @@ def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_
     assert not old.exists() and not new.exists()
 
 
-def test_export_never_writes_into_the_current_output_checkpoint_or_model_folder(tmp_path, monkeypatch):
+def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monkeypatch):
     ckpt, model, out = tmp_path / "ckpt", tmp_path / "models" / "mixtral", tmp_path / "runs" / "a"
     model.mkdir(parents=True)
+    data = tmp_path / "corpus" / "train.jsonl"  # a folder of data files would read the export as data
+    data.parent.mkdir()
+    data.write_text('{"text": "hello"}\n')
     monkeypatch.chdir(tmp_path)
     for save_hf, what in [(".", "the current folder"), (str(tmp_path), "the current folder"),
                           (str(ckpt), "the checkpoint folder"), (str(model), "the --model folder"),
                           (str(tmp_path / "models"), "the --model folder"), (str(out), "the output folder"),
-                          (str(tmp_path / "runs"), "the output folder")]:
+                          (str(tmp_path / "runs"), "the output folder"), (str(data.parent), "the data set"),
+                          (str(REPO / "examples" / "chat-tokenizer"), "the tokenizer")]:
         cfg = load_config(None, {"save_hf": save_hf, "checkpoint_dir": str(ckpt), "output_dir": str(out),
-                                 "overwrite": "true"})
+                                 "overwrite": "true", "dataset": str(data),
+                                 "tokenizer": str(REPO / "examples" / "chat-tokenizer")})
         with pytest.raises(UserError, match=f"would write into {what}"):
             check_outputs(cfg, model)
 
