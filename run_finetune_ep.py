@@ -5,7 +5,10 @@
 
 import sys
 
-from te_mixtral.cli import main
-
 if __name__ == "__main__":
+    try:  # torch takes seconds to import: a Ctrl-C then is no crash
+        from te_mixtral.cli import main
+    except KeyboardInterrupt:
+        print("te_mixtral: error: interrupted while starting", file=sys.stderr, flush=True)
+        sys.exit(130)  # errors.ExitCode.INTERRUPTED, which cannot be imported before what was interrupted
     sys.exit(main(sys.argv[1:]))

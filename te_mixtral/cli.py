@@ -21,7 +21,7 @@ from te_mixtral.config import (
     to_dict,
 )
 from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
-from te_mixtral.errors import ExitCode, UserError, report_error
+from te_mixtral.errors import ExitCode, UserError, error_line, report_error
 from te_mixtral.saved_config import flatten
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -89,6 +89,8 @@ def help_text(cfg: RunConfig, config_path: str) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     args, rest = _parser().parse_known_args(argv)
+    if args.estimate_memory is not None and args.estimate_memory < 0:
+        raise UserError(f"--estimate-memory takes a number of ranks, got {args.estimate_memory}")
     overrides = {}
     while rest:
         flag = rest.pop(0)
@@ -113,7 +115,7 @@ def main(argv: list[str]) -> int:
         return _run(argv)
     except KeyboardInterrupt:  # before training: once it starts, training/loop.py says where it stopped
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun sends a second one
-        print("te_mixtral: error: interrupted before the first step", file=sys.stderr, flush=True)
+        print(error_line("interrupted before the first step", ExitCode.INTERRUPTED), file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED
 
 
@@ -144,7 +146,7 @@ def _run(argv: list[str]) -> int:
     )
 
     try:
-        return train_main(cfg)
+        return train_main(cfg, args.config)
     finally:
         shutdown()
 

@@ -24,6 +24,7 @@ import yaml
 
 from te_mixtral.config_checks import validate
 from te_mixtral.errors import UserError
+from te_mixtral.files import write_text_atomic
 from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
 
 
@@ -235,8 +236,9 @@ class RunConfig:
                                    help="newest checkpoints kept; older ones are deleted")
     resume: bool = setting(False, resumable=True, help="continue from the latest checkpoint in checkpoint_dir")
     overwrite: bool = setting(False, workload=False, resumable=True,
-                              help="let this run replace an earlier run's results.json in output_dir, the checkpoints "
-                              "in checkpoint_dir (without resume), and files other than an earlier export at save_hf")
+                              help="let this run replace the files it writes in output_dir (results.json, config.yaml, "
+                              "...; never its own --config), the checkpoints in checkpoint_dir (without resume), and "
+                              "export-named files at save_hf that no earlier export wrote")
     generate: str | None = setting(None, workload=False, resumable=True,
                                    help="after training, print a greedy continuation of this prompt")
     generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")
@@ -340,7 +342,36 @@ def _parse_override(key: str, text: str):
     (a prompt such as `Q: why?` or a path such as `yes` is not YAML), `null` aside."""
     if str in _key_types(key) and text not in ("null", "~"):
         return text
-    return yaml.safe_load(text)
+    return load_yaml(text, f"--{key}")
+
+
+# Far above any real config (about a hundred values), far below what takes long to walk.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 10_000
+
+
+def load_yaml(text: str, where: str):
+    """Parse YAML text, refusing a document whose aliases expand to more than
+    MAX_CONFIG_VALUES values: an alias stands for its anchor's whole value, so a few lines of
+    nested aliases (a "billion laughs") stand for billions of values, which a later walk of
+    the config (or an error message that prints it) would expand. `where` names the text."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{where} is not valid YAML: {str(e).splitlines()[0]}") from None
+    stack, count = [document], 0
+    while stack:  # counts each value every time an alias repeats it
+        value = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise UserError(f"{where} holds more than {MAX_CONFIG_VALUES} values once its YAML aliases are expanded; "
+                            f"a config needs about a hundred")
+        if isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return document
 
 
 def is_switch(bare: str) -> bool:
@@ -408,11 +439,15 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     given = set()  # the keys the file, the command line or the launcher set
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            if Path(path).stat().st_size > MAX_CONFIG_BYTES:
+                raise UserError(f"config {path} is {Path(path).stat().st_size} bytes, not a config (those are a few "
+                                f"kB; at most {MAX_CONFIG_BYTES})")
+            text = Path(path).read_text()
         except OSError as e:
             raise UserError(f"cannot read config {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise UserError(f"config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"config {path} is not a text file: a config is YAML text (UTF-8)") from None
+        raw = load_yaml(text, f"config {path}") or {}
         if not isinstance(raw, dict):
             raise UserError(f"config {path} must be a mapping of keys")
         for key, value in flatten(upgrade_saved(raw, path)).items():
@@ -435,4 +470,4 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

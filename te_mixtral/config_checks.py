@@ -9,6 +9,7 @@ name and options are the registry's to check (`experts.registry.check_tier`).
 from __future__ import annotations
 
 import math
+from pathlib import PurePath
 from typing import TYPE_CHECKING
 
 from te_mixtral.errors import UserError
@@ -17,6 +18,8 @@ if TYPE_CHECKING:  # annotations only: config imports this module
     from te_mixtral.config import RunConfig
 
 DTYPES = ("auto", "fp32", "bf16")
+FLOAT32_MAX = 3.4028234663852886e38
+NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
 OPTIMIZERS = ("adamw", "master_adamw")
 SHARDINGS = ("none", "fsdp")
 FSDP_REDUCES = ("step", "micro_batch")
@@ -36,6 +39,19 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment.
     The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
+    for key in ("output_dir", "checkpoint_dir", "save_hf", "loss_check", "model_path"):
+        # An empty path is no path: it would stand for the current folder, or switch the key off.
+        _check(getattr(cfg, key) != "", f"{key} is an empty path: name one, or leave it unset (null)")
+    # save_hf's name gets a suffix: the export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.
+    for key, path, suffix in [("output_dir", cfg.output_dir, 0), ("checkpoint_dir", cfg.checkpoint_dir, 0),
+                              ("save_hf", cfg.save_hf, len(".tmp")), ("loss_check", cfg.loss_check, 0),
+                              ("model_path", cfg.model_path, 0), ("data.dataset", d.dataset, 0),
+                              ("data.tokenizer", d.tokenizer, 0)]:
+        longest = max((part for part in PurePath(path or "").parts), key=lambda part: len(part.encode()), default="")
+        _check(len(longest.encode()) + suffix <= NAME_MAX,
+               f"{key} has a name of {len(longest.encode())} bytes ('{longest[:24]}...'); a file or folder name has "
+               f"at most {NAME_MAX}" + (f", and {key}'s gets '.tmp' added while it is written" if suffix else ""))
+    _check(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32), got {t.seed}")
     _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got '{cfg.backend}'")
     _check(cfg.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
     _check(t.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'")
@@ -64,6 +80,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
            f"train.timing_warmup_steps ({t.timing_warmup_steps}) leaves no timed step of train.steps ({t.steps}): "
            f"set --timing_warmup_steps {t.steps - 1} or fewer, or leave it unset (it then shrinks to fit)")
     _check(t.lr > 0 and math.isfinite(t.lr), f"need a finite lr > 0, got train.lr {t.lr}")
+    # The optimizer multiplies fp32 tensors by it: a larger one is no number there (torch raises).
+    _check(t.lr <= FLOAT32_MAX, f"train.lr {t.lr} is past the largest float32 ({FLOAT32_MAX:.3g}), the type the "
+                                f"optimizer applies it in")
     _check(0 <= t.min_lr <= t.lr,
            f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]: set --min_lr too, or leave it unset "
            f"(it then follows lr / 10)")

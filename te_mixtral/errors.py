@@ -6,9 +6,11 @@ Every rank runs the same checks on the same inputs before the first collective, 
 rank fails the same way and no rank is left waiting in a collective.
 
 The exit code says what kind of failure it was, so that a script can tell a run to fix
-from one to retry (docs/checkpoints.md lists them).
+from one to retry (docs/checkpoints.md lists them). torchrun and `accelerate launch` exit 1
+for any failure; `python -m te_mixtral.torchrun` passes the code on (te_mixtral/torchrun.py).
 """
 
+import os
 import sys
 import time
 from enum import IntEnum
@@ -28,13 +30,22 @@ class ExitCode(IntEnum):
 PEER_GRACE_S = 3.0
 
 
+def error_line(message: str, exit_code: int) -> str:
+    """The one line a failure prints. Under a launcher (torchrun, `accelerate launch`), which
+    exits 1 whatever failed, it names the rank's own exit code too; `python -m
+    te_mixtral.torchrun` launches as torchrun does and exits with that code."""
+    launched = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun's agent in every rank it starts
+    return f"te_mixtral: error: {message}" + (f" [exit code {int(exit_code)}]" if launched else "")
+
+
 def report_error(error: Exception, world_size: int) -> int:
     """Print `error` as the one-line message and return its exit code; `world_size` is
     how many ranks torchrun started (`distributed.launcher_env.world_size_from_env`)."""
-    print(f"te_mixtral: error: {error}", file=sys.stderr, flush=True)
+    exit_code = int(getattr(error, "exit_code", ExitCode.BAD_INPUT))
+    print(error_line(str(error), exit_code), file=sys.stderr, flush=True)
     if world_size > 1:
         time.sleep(PEER_GRACE_S)
-    return int(getattr(error, "exit_code", ExitCode.BAD_INPUT))
+    return exit_code
 
 
 def first_line(error: Exception) -> str:

@@ -24,9 +24,10 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from te_mixtral.errors import UserError, WriteFailed, first_line
+from te_mixtral.errors import Interrupted, UserError, WriteFailed, first_line
 
 
 def fsync_path(path: Path) -> None:
@@ -73,6 +74,36 @@ def publish_folder(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
+def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: str) -> None:
+    """Move the files of the finished folder `tmp` into `final`, replacing the files there
+    whose names `owned` says the writer writes (an earlier version of the same output) and
+    keeping every other file (what the user put beside it).
+
+    A set of files, unlike a folder, cannot be replaced in one rename. The earlier files go
+    to `final.old` first (`marker`, which says a set is complete, the first of them), the
+    new ones come in (`marker` the last), then `final.old` is deleted: a crash midway leaves
+    the earlier set whole in `final.old`, or the new one whole in `final`, and `final`
+    without a marker until its set is complete.
+    """
+    fsync_path(tmp)
+    if not final.exists():
+        os.rename(tmp, final)
+        fsync_path(final.parent)
+        return
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    old.mkdir()
+    for path in sorted(final.iterdir(), key=lambda p: p.name != marker):
+        if owned(path.name) and path.is_file():
+            os.rename(path, old / path.name)
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == marker):
+        os.rename(path, final / path.name)
+    tmp.rmdir()
+    fsync_path(final)
+    shutil.rmtree(old)
+    fsync_path(final.parent)
+
+
 def require_writable(path: Path, what: str) -> None:
     """Create `path` and a file in it now, so that a bad path fails before training, not after."""
     try:
@@ -88,8 +119,17 @@ def require_free_space(path: Path, needed_bytes: int, what: str, reclaimable_byt
     counts as free."""
     free = shutil.disk_usage(path).free + reclaimable_bytes
     if free < needed_bytes:
-        raise UserError(f"not enough free space in {path} for {what}: needs about {needed_bytes / 2**30:.2f} GiB, "
-                        f"{free / 2**30:.2f} GiB free")
+        raise UserError(f"not enough free space in {path} for {what}: needs about {size_text(needed_bytes)}, "
+                        f"{size_text(free)} free")
+
+
+def size_text(num_bytes: float) -> str:
+    """A size in the binary unit that shows it with three significant digits (`15.1 MiB`,
+    `512 B`), so that two sizes side by side show their difference at any scale."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1000 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.3g} {unit}"
+        num_bytes /= 1024
 
 
 def folder_bytes(path: Path) -> int:
@@ -98,7 +138,17 @@ def folder_bytes(path: Path) -> int:
 
 
 def write_failure(what: str, error: Exception) -> WriteFailed:
-    """The one-line error for a write of `what` that raised `error` (see the pitfall above)."""
+    """The one-line error for a write of `what` that raised `error` (see the pitfall above).
+
+    A Ctrl-C is no failed write: torch.save reports the `Interrupted` raised in the middle of
+    its writing as a `RuntimeError` ("unexpected pos"), the interruption its `__context__`.
+    That interruption is raised again here, so the run ends as interrupted (exit 130), not
+    as a full disk."""
+    cause = error
+    while cause is not None:
+        if isinstance(cause, Interrupted):
+            raise cause
+        cause = cause.__cause__ or cause.__context__
     if isinstance(error, OSError) and error.strerror:
         return WriteFailed(f"cannot write {what}: {error.strerror}")
     return WriteFailed(f"cannot write {what}: {first_line(error)} (is the disk full?)")

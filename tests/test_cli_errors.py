@@ -7,11 +7,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from conftest import REPO
-from launch import assert_one_line_error, run_app, run_cli
+from launch import app_command, assert_one_line_error, run_app, run_cli
 from safetensors.torch import load_file
 
 from te_mixtral.errors import ExitCode
@@ -59,11 +60,19 @@ def test_tier_this_machine_cannot_run():
 
 
 @pytest.mark.slow
-def test_every_rank_fails_cleanly():
+def test_every_rank_fails_cleanly_and_our_torchrun_passes_the_exit_code_on():
     # world 2 is not divisible by EP=4 ... and 4 experts / EP 4 is fine: only the world check fails.
-    proc = run_app(["--ep-size", "4"], nproc=2, timeout=120)
+    # torchrun itself would exit 1, as for any failure; `python -m te_mixtral.torchrun` is torchrun
+    # exiting with the ranks' code.
+    proc = subprocess.run([sys.executable, "-m", "te_mixtral.torchrun", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "run_finetune_ep.py"), "--ep-size", "4"],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
     lines = assert_one_line_error(proc, "world size (2) is not divisible by ep_size (4)")
-    assert len(lines) == 2  # one per rank
+    assert len(lines) == 2  # one per rank, each naming its exit code
+    assert all(line.endswith("[exit code 2]") for line in lines)
+    assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr  # torchrun's summary, no traceback
 
 
 @pytest.mark.slow
@@ -83,6 +92,7 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     # The diverged run keeps its losses and gradient norms, the last one not finite...
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(results["losses"]) == len(results["grad_norms"]) == step and results["stopped"] in line
+    assert results["exit_code"] == ExitCode.DIVERGED
     assert all(math.isfinite(x) for x in results["grad_norms"][:-1]) and not math.isfinite(results["grad_norms"][-1])
     # ... and every save holds the finite weights from before the step that was not applied.
     assert (ckpt / "latest").read_text().strip() == f"step-{step - 1:06d}"
@@ -96,6 +106,8 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     (["--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--hidden_size", "48", "--head_dim", "24"],
      "needs model.hidden_size to be a multiple of 32, got 48"),
     (["--loss-check", "EMPTY"], "has no losses to compare with"),
+    (["--generate", "Once", "--generate-tokens", "5000"], "would pass model.max_position_embeddings (1024)"),
+    (["--subset", "wikitext-2-raw-v1"], "data.subset 'wikitext-2-raw-v1' names a subset of a hub data set"),
 ])
 def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp_path):
     empty = tmp_path / "empty.json"
@@ -129,3 +141,13 @@ def test_ctrl_c_stops_every_rank_with_one_line_naming_the_last_checkpoint(tmp_pa
     assert proc.returncode == ExitCode.INTERRUPTED
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr),
                           "interrupted at step", "the last checkpoint is", "step-00000", "--resume")
+
+
+def test_ctrl_c_while_starting_is_one_line_and_exit_130():
+    proc = subprocess.Popen(app_command(["--steps", "2"]), cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # Python is up and importing torch, which takes seconds
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.INTERRUPTED
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), "interrupted")

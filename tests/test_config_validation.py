@@ -20,6 +20,7 @@ from te_mixtral.errors import UserError
     ("beta2", "-0.1", "train.beta2 must be in [0, 1)"),
     ("lr", ".inf", "a finite lr > 0"),
     ("lr", ".nan", "a finite lr > 0"),
+    ("lr", "1e300", "train.lr 1e+300 is past the largest float32"),  # before: AdamW's overflow traceback
     ("weight_decay", "-0.1", "train.weight_decay must be finite and >= 0"),
     ("warmup_steps", "-1", "train.warmup_steps must be 0 or positive"),
     ("max_documents", "-3", "data.max_documents must be positive or null"),
@@ -30,6 +31,11 @@ from te_mixtral.errors import UserError
     ("initializer_range", ".nan", "model.initializer_range must be finite and above 0"),
     ("fsdp_reduce", "sometimes", "train.fsdp_reduce must be one of step, micro_batch"),
     ("fsdp_reduce", "micro_batch", "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp"),
+    ("seed", "-1", "train.seed must be in [0, 2**32)"),
+    ("seed", str(2**64), "train.seed must be in [0, 2**32)"),  # before: torch's overflow traceback
+    ("output_dir", "runs/" + "x" * 256, "output_dir has a name of 256 bytes"),  # before: OSError traceback
+    ("save_hf", "é" * 126, "save_hf has a name of 252 bytes"),  # 'DIR.tmp' would be 256
+    ("dataset", "x" * 300 + ".jsonl", "data.dataset has a name of 306 bytes"),
 ])
 def test_bad_setting_is_refused_in_one_line(key, value, fragment):
     with pytest.raises(UserError) as raised:
@@ -38,7 +44,30 @@ def test_bad_setting_is_refused_in_one_line(key, value, fragment):
 
 
 def test_good_edges_load():
-    load_config(str(REPO / "configs" / "tiny.yaml"), {"beta1": "0", "warmup_steps": "0", "weight_decay": "0", "max_documents": "1"})
+    load_config(str(REPO / "configs" / "tiny.yaml"), {"beta1": "0", "warmup_steps": "0", "weight_decay": "0",
+                                                      "max_documents": "1", "seed": str(2**32 - 1),
+                                                      "save_hf": "x" * 251, "output_dir": "x" * 255})
+
+
+def test_a_config_that_is_not_yaml_text_or_expands_without_bound_is_one_line(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(UserError, match="is not a text file"):
+        load_config(str(binary))
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("# padding\n" * 200_000)
+    with pytest.raises(UserError, match="not a config"):
+        load_config(str(huge))
+    # A "billion laughs": nine levels of nine aliases, 9**9 values under a real key, whose
+    # type error would print them all.
+    lines = ["laughs: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(["x:", *("  " + line for line in lines), "train:", "  steps: *l8"]))
+    levels = ["&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 5)]
+    for path, overrides in ((bomb, {}), (None, {"train.steps": f"[{', '.join(levels)}]"})):
+        with pytest.raises(UserError, match="more than 10000 values once its YAML aliases are expanded"):
+            load_config(path and str(path), overrides)
 
 
 def test_an_empty_config_file_is_refused_not_killed(tmp_path):

@@ -83,6 +83,8 @@ def _render(tokenizer, messages: list[dict], where: str, **kwargs) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except jinja2.TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
         raise UserError(f"{where}: the chat template refuses it: {first_line(e)}") from None
+    except Exception as e:  # the template's own code failed (a division by zero, a bad filter argument...)
+        raise UserError(f"{where}: the chat template fails on it: {type(e).__name__}: {first_line(e)}") from None
 
 
 def user_turn_ids(tokenizer, prompt: str) -> list[int]:

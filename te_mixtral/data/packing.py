@@ -259,6 +259,9 @@ class PackedData:
         unit = "conversations" if cfg.format == "chat" else "documents"
         held = held_out_records(len(stream.lengths), cfg.eval_fraction, unit)
         self.stream = stream.records(~held)
+        if self.stream.trained is not None and not self.stream.trained.any():
+            raise UserError(f"chat data set '{cfg.dataset}' has no assistant turn: chat data trains on the assistant's "
+                            f"replies only, so there is nothing to train on")
         self.seq_len = cfg.seq_len
         self.num_samples = (len(self.stream.tokens) - 1) // cfg.seq_len
         self.train_samples = self._samples_with_targets()

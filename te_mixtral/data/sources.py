@@ -158,6 +158,9 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
     the field that `data.format` reads. Texts that are empty or blank (blank lines of a .txt
     file) are skipped; then the first `max_documents` records are kept."""
     field = cfg.messages_field if cfg.format == "chat" else cfg.text_field
+    if cfg.subset is not None and (cfg.dataset == "embedded" or _is_local(cfg.dataset)):
+        raise UserError(f"data.subset '{cfg.subset}' names a subset of a hub data set, and '{cfg.dataset}' is not "
+                        f"one (local files and the embedded text have none): leave data.subset unset")
     if cfg.dataset == "embedded":
         sources = [_embedded_dataset(cfg.text_field)]
     elif _is_local(cfg.dataset):

@@ -78,6 +78,7 @@ from te_mixtral.distributed.launcher_env import main_rank_from_env
 from te_mixtral.errors import UserError
 from te_mixtral.experts.device_mxfp8 import runs_fp8
 from te_mixtral.experts.registry import BASELINES
+from te_mixtral.files import size_text
 from te_mixtral.measure.capacity import GiB, capacity
 from te_mixtral.measure.model_state import (
     ParamCounts,
@@ -176,13 +177,9 @@ class MemoryEstimate:
         if capacity_bytes is not None:
             verdict = "fits" if self.fits(capacity_bytes) else "does NOT fit"
             extra = "the CUDA context and allocator slack" if self.device == "cuda" else "allocator slack"
-            lines.append(f"{verdict} {capacity_name} ({_gib(capacity_bytes)} GiB): needs {_gib(self.required())} GiB "
+            lines.append(f"{verdict} {capacity_name} ({size_text(capacity_bytes)}): needs {size_text(self.required())} "
                          f"with {extra}")
         return "\n".join(lines)
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f}"
 
 
 def _backend(cfg: RunConfig, device: str) -> str:
@@ -360,7 +357,7 @@ def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
         return estimate.required() if estimate.fits(limit) else None
 
     options = _lighter(cfg, device)
-    alone = [f"{setting} ({_gib(need)} GiB)" for setting, train, run in options
+    alone = [f"{setting} ({size_text(need)})" for setting, train, run in options
              if (need := required(train, run)) is not None]
     if alone:
         return f"alone, {' or '.join(alone)} would fit"
@@ -370,7 +367,7 @@ def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
         train = {key: value for _, overrides, _ in together for key, value in overrides.items()}
         run = {key: value for _, _, overrides in together for key, value in overrides.items()}
         if (need := required(train, run)) is not None:
-            return f"together, {' '.join(setting for setting, _, _ in together)} would fit ({_gib(need)} GiB)"
+            return f"together, {' '.join(setting for setting, _, _ in together)} would fit ({size_text(need)})"
     return ""
 
 
@@ -383,13 +380,13 @@ def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> Memor
     if limit is not None and not estimate.fits(limit):
         if main_rank_from_env():
             print(estimate.table(limit, name), flush=True)
-        raise UserError(f"this run needs about {_gib(estimate.required())} GiB per rank but {name} has "
-                        f"{_gib(limit)} GiB (the table above breaks it down; fewer layers, a smaller batch, "
+        raise UserError(f"this run needs about {size_text(estimate.required())} per rank but {name} has "
+                        f"{size_text(limit)} (the table above breaks it down; fewer layers, a smaller batch, "
                         f"more micro-batches (train.grad_accum_steps) or more EP ranks would help)"
                         + (f"; {hint}" if not options and (hint := _would_fit(cfg, world_size, device, limit)) else ""))
     if main_rank_from_env():
-        room = f" of {_gib(limit)} GiB on {name}" if limit is not None else ""
-        print(f"memory estimate: peak {_gib(estimate.total)} GiB per rank, {_gib(estimate.required())} GiB "
+        room = f" of {size_text(limit)} on {name}" if limit is not None else ""
+        print(f"memory estimate: peak {size_text(estimate.total)} per rank, {size_text(estimate.required())} "
               f"needed{room} (--estimate-memory prints the table)", flush=True)
     return estimate
 

@@ -52,11 +52,15 @@ or a test's captured output a redrawn bar is noise, and the plain line printed e
 Files: a fresh run writes a new `steps.jsonl` (training/outputs.py has refused a folder
 holding another run's, unless `overwrite`); `resume` keeps the lines of the steps before
 the one it resumes from and appends, so a run continued into its own folder keeps one log.
+A line that cannot be written (a full disk) is cut off again and the log ends there, said
+once; the run trains on, and `finish` returns what was not written for the run's last line.
 """
 
+import contextlib
 import importlib.util
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
@@ -136,12 +140,13 @@ class RunLog:
         if output_dir is None:
             return
         path = output_dir / STEPS_FILE
+        self.unwritten: list[str] = []  # what could not be written (a full disk), for the run's last line
         try:
             if cfg.resume and path.exists():
                 write_text_atomic(path, _kept_lines(path, first_step))
-                self._file = path.open("a")
+                self._file = path.open("ab", buffering=0)
             else:
-                self._file = path.open("w")
+                self._file = path.open("wb", buffering=0)
         except OSError as e:
             raise write_failure(str(path), e) from None
         if cfg.tensorboard:
@@ -168,8 +173,7 @@ class RunLog:
             return
         record = step_record(step, state.losses[-1], state.router[-1], state.grad_norms[-1], lr, step_s,
                              self.tokens_per_step, memory_bytes)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(record)
         if self._tensorboard is not None:
             for tag, value in _scalars(record).items():
                 self._tensorboard.add_scalar(tag, value, step)
@@ -182,42 +186,65 @@ class RunLog:
             self.write(progress_line(step, self.cfg.train.steps, record["loss"], lr, step_s, record["aux_loss"])
                        + "\n" + expert_load.load_line(state.router[-1], self.cfg.ep_size))
 
+    def _append(self, record: dict) -> None:
+        """Write one line of steps.jsonl, whole or not at all. The file is unbuffered, so each
+        line reaches the disk (and `tail -f`) as it is written, and a write that fails (a full
+        disk) is known at once: the part of the line that was written is cut off again, and
+        the log stops there, said once; the run trains on (results.json holds every step)."""
+        if not self._file or self.unwritten:
+            return
+        line, start = (json.dumps(record) + "\n").encode(), self._file.tell()
+        try:
+            written = 0
+            while written < len(line):  # a write may take only part of the line, and fail at the next
+                written += self._file.write(line[written:])
+        except OSError as e:
+            problem = (f"{write_failure(str(self.output_dir / STEPS_FILE), e)} (its lines stop before step "
+                       f"{record['step']})")
+            self.unwritten.append(problem)
+            print(f"te_mixtral: note: {problem}; training goes on", flush=True)
+            with contextlib.suppress(OSError):  # cutting a file short needs no space
+                self._file.truncate(start)
+
     def evaluation(self, evaluation) -> None:
         """Log a held-out evaluation (training/evaluate.Evaluation): print it, write its line
         and send its loss to TensorBoard."""
         if self._file is None:
             return
         self.write(evaluation.line(self.cfg.train.steps))
-        self._file.write(json.dumps({"step": evaluation.step, "eval_loss": evaluation.loss,
-                                     "eval_perplexity": evaluation.perplexity,
-                                     "eval_targets": evaluation.targets}) + "\n")
-        self._file.flush()
+        self._append({"step": evaluation.step, "eval_loss": evaluation.loss, "eval_perplexity": evaluation.perplexity,
+                      "eval_targets": evaluation.targets})
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("loss/eval", evaluation.loss, evaluation.step)
             self._tensorboard.flush()
 
     def finish(self, losses: list[float], first_step: int, step_times_s: list[float], timing_warmup: int,
-               title: str, evals: list[dict] = ()) -> None:
+               title: str, evals: list[dict] = ()) -> list[str]:
         """Close the log and, with `plots`, draw the run's plots beside results.json: its
         loss at every step (a resumed run's earlier steps too) with its held-out `evals`
         (evaluate.Evaluation dictionaries), and the times of this process's steps (from
-        `first_step`). Without matplotlib, say so in one line."""
+        `first_step`). Without matplotlib, say so in one line. Return what could not be
+        written (the log's end, a plot), one phrase each."""
         if self._file is None:
-            return
+            return []
         self._bar.close()
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if not self.cfg.plots:
-            return
+            return self.unwritten
         if importlib.util.find_spec("matplotlib") is None:
             print("te_mixtral: matplotlib is not installed, so no plots (pip install matplotlib)", flush=True)
-            return
-        try:
-            plots.loss_png([(self.cfg.tier, losses)], self.output_dir / LOSS_PLOT, title,
-                           [(e["step"], e["loss"]) for e in evals])
-            if step_times_s:
-                plots.step_times_png(first_step, [s * 1e3 for s in step_times_s], timing_warmup,
-                                     self.output_dir / STEP_TIME_PLOT, title)
-        except OSError as e:  # the results are saved; a plot is not worth failing the run for
-            print(f"te_mixtral: note: {write_failure('the plots', e)}", flush=True)
+            return self.unwritten
+        drawings = {LOSS_PLOT: lambda path, title: plots.loss_png([(self.cfg.tier, losses)], path, title,
+                                                                  [(e["step"], e["loss"]) for e in evals])}
+        if step_times_s:
+            drawings[STEP_TIME_PLOT] = partial(plots.step_times_png, first_step, [s * 1e3 for s in step_times_s],
+                                               timing_warmup)
+        for name, draw in drawings.items():
+            try:
+                draw(self.output_dir / name, title)
+            except OSError as e:
+                (self.output_dir / name).unlink(missing_ok=True)  # half a picture is none
+                self.unwritten.append(str(write_failure(str(self.output_dir / name), e)))
+        return self.unwritten

@@ -50,6 +50,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -68,6 +69,7 @@ from te_mixtral.distributed.parallelize import (
     local_state_dicts,
 )
 from te_mixtral.errors import Diverged, UserError, WriteFailed
+from te_mixtral.experts.registry import BASELINES
 from te_mixtral.files import (
     folder_bytes,
     publish_folder,
@@ -298,15 +300,25 @@ class Checkpointer:
 
         path = folder / rank_file(self.layout.rank)
         problem = _verify(path, meta["files"].get(path.name))
+        if problem is None:
+            try:
+                blob = torch.load(path, map_location=self.device, weights_only=True)
+            except pickle.UnpicklingError:  # its message advises weights_only=False, which runs the file's code
+                problem = (f"checkpoint file {path} holds objects other than tensors and plain data, which te_mixtral "
+                           f"never writes: it was altered, or written by another program; it is not loaded")
         # A rank with a bad file must not leave the others waiting in the next collective.
         if _any_rank(problem is not None, self.layout, self.device):
             raise UserError(problem or f"checkpoint {folder} failed verification on another rank (see its error)")
-        blob = torch.load(path, map_location=self.device, weights_only=True)
-        if self.sharded:
-            load_local_state_dicts(model, optimizer, blob["model"], blob["optimizer"])
-        else:
-            model.load_state_dict(blob["model"])
-            optimizer.load_state_dict(blob["optimizer"])
+        try:
+            if self.sharded:
+                load_local_state_dicts(model, optimizer, blob["model"], blob["optimizer"])
+            else:
+                model.load_state_dict(blob["model"])
+                optimizer.load_state_dict(blob["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            detail = " ".join(str(e).split())  # load_state_dict lists what differs on the lines after its first
+            raise UserError(f"checkpoint {folder} does not fit this run's model and optimizer: "
+                            f"{detail[:300]}") from None
         _set_rng_state(blob["rng"], self.device)
         if self.layout.is_main:
             print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
@@ -324,6 +336,10 @@ class Checkpointer:
             raise UserError(f"checkpoint {folder} was written by {meta['world_size']} ranks with EP={meta['ep_size']}; "
                             f"resume it with the same world size and ep_size, not {self.layout.world_size} and "
                             f"{self.layout.ep_size}")
+        saved_tier = meta["config"].get("tier", cfg.tier)
+        if (saved_tier in BASELINES) != (cfg.tier in BASELINES):  # transformers' model or ours: other names
+            raise UserError(f"checkpoint {folder} was written by tier {saved_tier}, whose model names and lays out its "
+                            f"weights unlike tier {cfg.tier}'s; resume it with --tier {saved_tier}")
         saved_sharding = meta["config"].get("train", {}).get("sharding", "none")
         if self.layout.world_size > 1 and saved_sharding != cfg.train.sharding:
             raise UserError(f"checkpoint {folder} was written with train.sharding {saved_sharding}, which lays out "

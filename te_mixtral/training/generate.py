@@ -46,12 +46,12 @@ def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_token
     return new
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, max_positions: int) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str, max_positions: int, max_new_tokens: int) -> list[int]:
     """The prompt's token ids (with the tokenizer's own special tokens, as transformers
     adds them; in a chat run, the prompt as a user turn of the chat template, the reply's
-    header included), or a one-line `UserError` when they leave nothing to generate. The
-    training loop calls this before the first step too, so a bad prompt does not wait for
-    training."""
+    header included), or a one-line `UserError` when they leave no room for the
+    `max_new_tokens` asked for (generation would stop short without a word). The training
+    loop calls this before the first step too, so a bad prompt does not wait for training."""
     if tokenizer.chat is None:
         prompt_ids = tokenizer.backend.encode(prompt).ids
     else:
@@ -64,13 +64,17 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, max_positions: int) -> list
     if len(prompt_ids) >= max_positions:
         raise UserError(f"the generate prompt is {len(prompt_ids)} tokens, which leaves no room to generate "
                         f"within model.max_position_embeddings ({max_positions})")
+    if len(prompt_ids) + max_new_tokens > max_positions:
+        raise UserError(f"the generate prompt is {len(prompt_ids)} tokens, and {max_new_tokens} more (generate_tokens) "
+                        f"would pass model.max_position_embeddings ({max_positions}): set --generate-tokens "
+                        f"{max_positions - len(prompt_ids)} or fewer")
     return prompt_ids
 
 
 def generate_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, layout: Layout,
                   device: torch.device, autocast: AbstractContextManager) -> dict:
     """Encode `prompt`, continue it greedily, and return prompt, token ids and decoded text."""
-    prompt_ids = encode_prompt(tokenizer, prompt, model.config.max_position_embeddings)
+    prompt_ids = encode_prompt(tokenizer, prompt, model.config.max_position_embeddings, max_new_tokens)
     tokens = greedy_generate(model, prompt_ids, max_new_tokens, tokenizer.eos_id, layout, device, autocast,
                              model.config.max_position_embeddings)
     return {"prompt": prompt, "prompt_ids": prompt_ids, "tokens": tokens, "text": tokenizer.backend.decode(tokens)}

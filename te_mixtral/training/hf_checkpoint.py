@@ -21,10 +21,12 @@ Out: `save_hf_checkpoint` writes the per-expert layout above (what transformers'
 layer plus one for the embeddings and head, with the sharded index. The experts of a layer
 are gathered to rank 0 one expert at a time and written before the next layer is gathered,
 so rank 0 holds at most its own shard plus one layer's experts, never the model twice. The
-folder is written under a temporary name and renamed when complete; weights that are not
-finite are refused before anything is written. Sharded by FSDP (`train.sharding: fsdp`),
-every rank first gathers each tensor whole (`DTensor.full_tensor`), one at a time, so the
-export holds the same bits as an unsharded run's.
+files are written into a temporary folder and moved into place when complete, replacing
+only the files of an earlier export (`files.replace_files`: a model card or evaluation
+results beside it stay); weights that are not finite are refused before anything is
+written. Sharded by FSDP (`train.sharding: fsdp`), every rank first gathers each tensor
+whole (`DTensor.full_tensor`), one at a time, so the export holds the same bits as an
+unsharded run's.
 """
 
 import dataclasses
@@ -46,7 +48,7 @@ from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import (
     folder_bytes,
     fsync_path,
-    publish_folder,
+    replace_files,
     require_free_space,
     require_writable,
     write_failure,
@@ -54,7 +56,7 @@ from te_mixtral.files import (
 from te_mixtral.model.hf_config import hf_config, model_config_from_hf
 from te_mixtral.model.lora import is_adapter_param, lora_adapters, merged
 from te_mixtral.training.checkpoint import require_finite_weights
-from te_mixtral.training.outputs import EXPORT_MARKER
+from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 
@@ -395,7 +397,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
             for path in tmp.iterdir():
                 fsync_path(path)
-            publish_folder(tmp, out_dir)
+            replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)
     except (OSError, SafetensorError) as e:  # safetensors raises its own error on a full disk
         raise write_failure(f"the Hugging Face export {out_dir}", e) from None
     return out_dir if writer else None

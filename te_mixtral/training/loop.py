@@ -25,23 +25,32 @@ from torch import nn
 
 from te_mixtral.config import RunConfig, save_config
 from te_mixtral.data.packing import PackedData
+from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
 from te_mixtral.distributed.layout import (
     Layout,
     all_reduce_max,
     all_reduce_sum,
     init_layout,
     shutdown,
-    world_size_from_env,
 )
 from te_mixtral.distributed.parallelize import (
     parallelize,
     reduce_gradients,
     set_gradient_sync,
 )
-from te_mixtral.errors import Diverged, ExitCode, Interrupted, UserError, report_error
+from te_mixtral.errors import (
+    Diverged,
+    ExitCode,
+    Interrupted,
+    UserError,
+    WriteFailed,
+    error_line,
+    report_error,
+)
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.files import require_writable, write_failure
+from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_losses, check_reference
 from te_mixtral.measure.memory import check_fits
@@ -68,7 +77,7 @@ from te_mixtral.training.optimizer import (
     optimizer_step,
     split_masters,
 )
-from te_mixtral.training.outputs import check_outputs
+from te_mixtral.training.outputs import CONFIG_FILE, check_outputs
 from te_mixtral.training.peft_adapters import save_adapter
 
 
@@ -146,8 +155,9 @@ class TrainResult:
     optimizer: torch.optim.Optimizer
 
 
-def train(cfg: RunConfig) -> TrainResult:
-    """Run the configured job."""
+def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | None = None) -> TrainResult:
+    """Run the configured job; `config_path` is the `--config` file it was read from. With
+    `locks`, rank 0 locks the output and checkpoint folders into it against a second run."""
     # --- setup -------------------------------------------------------------------------
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -161,7 +171,11 @@ def train(cfg: RunConfig) -> TrainResult:
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
-    check_outputs(cfg, model_dir)
+    if locks is not None and main_rank_from_env():  # first: a folder in use is refused as such
+        for what, folder in (("output_dir", cfg.output_dir), ("checkpoint_dir", cfg.checkpoint_dir)):
+            if folder is not None:
+                locks.claim(Path(folder).expanduser(), what)
+    check_outputs(cfg, model_dir, config_path)
     check_tensorboard(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
@@ -182,7 +196,7 @@ def train(cfg: RunConfig) -> TrainResult:
     if reference is not None:
         check_reference(reference, cfg.train.steps, ran_on.get("precision", cfg.precision), cfg.loss_check)
     if cfg.generate is not None:
-        encode_prompt(data.tokenizer, cfg.generate, cfg.model.max_position_embeddings)
+        encode_prompt(data.tokenizer, cfg.generate, cfg.model.max_position_embeddings, cfg.generate_tokens)
     remainders = split_masters(model, cfg)  # master_adamw: bf16 parameters, split before sharding
     parallelize(model, layout, cfg.train.sharding)
     optimizer = make_optimizer(model, cfg, remainders)
@@ -199,6 +213,8 @@ def train(cfg: RunConfig) -> TrainResult:
         check_export_space(model, cfg.save_hf, layout, export_dtype)
     header = {**report.run_header(cfg, metrics.device_name(device), layout.world_size), "ran": ran_on}
     output_dir = report.prepare_output_dir(cfg.output_dir, cfg.tier) if layout.is_main else None
+    if locks is not None and layout.is_main and cfg.output_dir is None:  # a new folder, locked as it is made
+        locks.claim(output_dir, "output_dir")
     if layout.is_main and model_dir is not None:
         print(f"te_mixtral: weights and model config from {model_dir} (its config.json replaces the config's "
               f"model section)", flush=True)
@@ -273,9 +289,13 @@ def train(cfg: RunConfig) -> TrainResult:
             evaluation = evaluate(model, eval_batches, state.step, layout, device, autocast)
             state.evals.append(asdict(evaluation))
             run_log.evaluation(evaluation)
-        try:  # each save refuses non-finite weights, on every rank
+        try:  # a checkpoint that cannot be written fails on every rank alike: results.json keeps the run
             if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
                 checkpointer.save(state, model, optimizer, cfg)
+        except WriteFailed as e:
+            stopped = e
+            break
+        try:  # each save refuses non-finite weights, on every rank
             if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
                 save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir,
                                    cfg.data.tokenizer)
@@ -328,15 +348,24 @@ def train(cfg: RunConfig) -> TrainResult:
         check = check_losses(losses, reference, ran_on.get("precision", cfg.precision))
         extra["loss_check"] = {"reference": cfg.loss_check, **check.record()}
         exit_code = ExitCode.OK if check.passed else ExitCode.LOSS_CHECK_FAILED
+    # What this process exits with (unless a later write fails: then WRITE_FAILED), for a
+    # script launched by torchrun, whose own exit code is 1 for any failure.
+    extra["exit_code"] = int(stopped.exit_code if stopped else exit_code)
     if layout.is_main:
-        path = report.write_results(output_dir, header, summary, losses, extra)
+        # Whatever can still be written is (a full disk may take a plot and not results.json);
+        # what could not is said in one line at the end, and the run exits WRITE_FAILED.
+        unwritten = []
         try:
-            save_config(cfg, output_dir / "config.yaml")
+            path = report.write_results(output_dir, header, summary, losses, extra)
+        except WriteFailed as e:
+            path, unwritten = None, [str(e)]
+        try:
+            save_config(cfg, output_dir / CONFIG_FILE)
         except OSError as e:
-            raise write_failure(f"{output_dir / 'config.yaml'}", e) from None
-        run_log.finish(losses, first_step, timer.times, timing_warmup,
-                       f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}",
-                       state.evals)
+            unwritten.append(str(write_failure(f"{output_dir / CONFIG_FILE}", e)))
+        unwritten += run_log.finish(
+            losses, first_step, timer.times, timing_warmup,
+            f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}", state.evals)
         if summary:
             print(report.timing_table(summary, header))
         if state.evals:
@@ -347,7 +376,10 @@ def train(cfg: RunConfig) -> TrainResult:
             print(report.phases_table(extra["phases_ms"], summary["median_step_ms"]))
         if reference is not None:
             print(check.table())
-        print(f"results: {path}", flush=True)
+        if path is not None:
+            print(f"results: {path}", flush=True)
+        if unwritten:
+            raise WriteFailed("; ".join(unwritten) + (f"; and before that: {stopped}" if stopped else ""))
     if stopped:
         raise stopped
     return TrainResult(exit_code, losses, model, optimizer)
@@ -359,10 +391,11 @@ def _lost_a_peer(e: RuntimeError) -> bool:
     return isinstance(e, torch.distributed.DistError) or "gloo" in str(e)
 
 
-def main(cfg: RunConfig) -> int:
+def main(cfg: RunConfig, config_path: str | None = None) -> int:
     try:
-        exit_code = train(cfg).exit_code  # the same on every rank: the loss check is global
-        shutdown(wait_for_peers=True)
+        with FolderLocks() as locks:  # released however the run ends
+            exit_code = train(cfg, config_path, locks).exit_code  # the same on every rank: the loss check is global
+            shutdown(wait_for_peers=True)
         return exit_code
     except UserError as e:
         return report_error(e, world_size_from_env())
@@ -370,6 +403,7 @@ def main(cfg: RunConfig) -> int:
         if not _lost_a_peer(e):
             raise
         reason = (str(e).strip().splitlines() or ["no detail"])[0]
-        print(f"te_mixtral: error: a collective failed, another rank probably died or hung (see its log); "
-              f"resume from the last checkpoint with --resume ({reason[:200]})", file=sys.stderr, flush=True)
+        print(error_line(f"a collective failed, another rank probably died or hung (see its log); resume from the "
+                         f"last checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER),
+              file=sys.stderr, flush=True)
         return ExitCode.LOST_A_PEER

@@ -2,48 +2,136 @@
 what is already there unless that is plainly its own to replace, or the user said so
 (`overwrite`).
 
-- `output_dir`: a folder that already holds a run's results.json is another run's record;
-  one that holds a steps.jsonl (measure/run_log.py) without it, the log of a run that did
-  not finish, which `resume` continues.
+- `output_dir`: every file the run writes there (`output_files`) is refused if it exists:
+  a results.json is another run's record; a steps.jsonl (measure/run_log.py) without it,
+  the log of a run that did not finish, which `resume` continues, but only with that run's
+  own checkpoint (`_check_resumed_log`); a config.yaml or a plot may be the user's own.
+  `overwrite` lets the run replace them, except an input of the run itself (the `--config`
+  file, the loss-check reference): it would be lost while the run still means to read it,
+  or to be read again. A folder in use by a running run is refused in any case
+  (te_mixtral/folder_lock.py).
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save.
-- `save_hf` and `save_adapter`: the export replaces the whole folder. It may replace an earlier te_mixtral
-  export (marked by `EXPORT_MARKER`), never the current folder, the checkpoint folder or
-  the `--model` folder (nor a folder holding one of them), and other files only with
-  `overwrite`.
+- `save_hf` and `save_adapter`: an export replaces only the files an export writes (`is_export_file`), and
+  keeps whatever else the folder holds (a model card, evaluation results). It may replace
+  an earlier te_mixtral export (marked by `EXPORT_MARKER`); export-named files of anyone
+  else only with `overwrite`. It is never the current folder, the output or checkpoint
+  folder, the `--model` folder, the data set or the tokenizer, nor a folder holding one of
+  them: those are not exports (and a data folder would read the export as data).
 
 Every rank runs these checks on its own before the first collective, so all fail alike.
 """
 
+import json
+import math
+import os
+import re
 from pathlib import Path
 
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
-from te_mixtral.measure.run_log import STEPS_FILE
+from te_mixtral.measure.report import RESULTS_FILE
+from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
+from te_mixtral.training.checkpoint import LATEST, META
 
+CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json at the end
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
+# The names of the files a Hugging Face export writes (training/hf_checkpoint.py): only these
+# are replaced or removed when an export replaces an earlier one.
+_EXPORT_NAMES = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", EXPORT_MARKER,
+                 "adapter_config.json", "adapter_model.safetensors"}  # the last two: a LoRA adapter export
+_EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def check_outputs(cfg: RunConfig, model_dir: Path | None) -> None:
-    """Raise a one-line `UserError` if the run would delete or replace what it must not."""
-    ckpt = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir else None
-    if cfg.output_dir and (Path(cfg.output_dir).expanduser() / "results.json").exists() and not cfg.overwrite:
-        raise UserError(f"output_dir {cfg.output_dir} already holds a run's results.json; choose another folder, "
-                        f"or pass --overwrite to replace it")
-    if (cfg.output_dir and (Path(cfg.output_dir).expanduser() / STEPS_FILE).exists() and not cfg.overwrite
-            and not cfg.resume):
-        raise UserError(f"output_dir {cfg.output_dir} holds the {STEPS_FILE} of a run that did not finish; pass "
-                        f"--resume to continue it, --overwrite to replace it, or choose another folder")
+def output_files(cfg: RunConfig) -> list[str]:
+    """The names of the files a run writes into its output folder (TensorBoard's event
+    files aside: each carries the host, the time and the process id in its name)."""
+    return [RESULTS_FILE, STEPS_FILE, CONFIG_FILE, *((LOSS_PLOT, STEP_TIME_PLOT) if cfg.plots else ())]
+
+
+def is_export_file(name: str) -> bool:
+    """Whether a Hugging Face export (save_hf) or an adapter export (save_adapter) writes a
+    file of this name."""
+    return name in _EXPORT_NAMES or _EXPORT_SHARD.fullmatch(name) is not None
+
+
+def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | None = None) -> None:
+    """Raise a one-line `UserError` if the run would delete or replace what it must not;
+    `config_path` is the `--config` file the run was read from."""
+    out = Path(cfg.output_dir).expanduser() if cfg.output_dir is not None else None
+    ckpt = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir is not None else None
+    if out is not None:
+        inputs = {"the --config file": config_path, "the loss-check reference": cfg.loss_check}
+        _check_output_folder(out, cfg, {what: Path(p).expanduser() for what, p in inputs.items() if p})
+    if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
+        _check_resumed_log(out / STEPS_FILE, ckpt)
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
-    protected = {"the current folder": Path.cwd(), "the checkpoint folder": ckpt, "the --model folder": model_dir}
-    for key in ("save_hf", "save_adapter"):
-        if getattr(cfg, key):
-            _check_export_folder(key, Path(getattr(cfg, key)).expanduser(), cfg.overwrite, protected)
-    if cfg.save_hf and cfg.save_adapter and Path(cfg.save_hf).expanduser().resolve() == \
-            Path(cfg.save_adapter).expanduser().resolve():
+    # Local inputs only: a hub name is no folder here.
+    data, tokenizer = (Path(p).expanduser() if p and Path(p).expanduser().exists() else None
+                       for p in (cfg.data.dataset, cfg.data.tokenizer))
+    protected = {"the current folder": Path.cwd(), "the output folder": out, "the checkpoint folder": ckpt,
+                 "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer}
+    exports = {key: Path(getattr(cfg, key)).expanduser() for key in ("save_hf", "save_adapter")
+               if getattr(cfg, key) is not None}
+    for key, folder in exports.items():
+        _check_export_folder(key, folder, cfg.overwrite, protected)
+    if len(exports) == 2 and exports["save_hf"].resolve() == exports["save_adapter"].resolve():
         raise UserError(f"save_hf and save_adapter name one folder ({cfg.save_hf}): give each its own")
+
+
+def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir {out} is a file, not a folder")
+    written = [out / name for name in output_files(cfg)]
+    for path in written:
+        for what, source in inputs.items():
+            if path.exists() and source.exists() and os.path.samefile(path, source):
+                raise UserError(f"output_dir {out} would replace {what} ({source}) with the run's {path.name}, even "
+                                f"with --overwrite; choose another folder")
+    if cfg.overwrite:
+        return
+    if (out / RESULTS_FILE).exists():
+        raise UserError(f"output_dir {out} already holds a run's {RESULTS_FILE}; choose another folder, "
+                        f"or pass --overwrite to replace it")
+    if (out / STEPS_FILE).exists() and not cfg.resume:
+        raise UserError(f"output_dir {out} holds the {STEPS_FILE} of a run that did not finish; pass "
+                        f"--resume to continue it, --overwrite to replace it, or choose another folder")
+    others = [path.name for path in written if path.name not in (RESULTS_FILE, STEPS_FILE) and path.exists()]
+    if others:
+        raise UserError(f"output_dir {out} already holds {', '.join(others)}, which this run would replace; choose "
+                        f"another folder, or pass --overwrite to replace {'it' if len(others) == 1 else 'them'}")
+
+
+def _check_resumed_log(log: Path, ckpt: Path) -> None:
+    """Refuse to resume a checkpoint into the steps.jsonl of another run, which the resumed
+    run would continue as if it were its own (two runs spliced into one log).
+
+    A run's losses are its fingerprint: the checkpoint's meta.json holds every step's loss
+    up to its own, and the log the same numbers, written from the same floats. Where a
+    step is in both, the two must agree; two runs that agree at every step are one run to
+    any reader. A checkpoint that cannot be read is left for the resume to report."""
+    try:
+        folder = ckpt / (ckpt / LATEST).read_text().strip()
+        saved = json.loads((folder / META).read_text())["losses"]
+        lines = log.read_text().splitlines() if log.is_file() else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step, loss = int(record["step"]), float(record["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a killed run: the resume drops it
+        if not 1 <= step <= len(saved):
+            continue  # past the checkpoint: the resume drops it
+        expected = float(saved[step - 1])
+        if loss != expected and not (math.isnan(loss) and math.isnan(expected)):
+            raise UserError(f"{log} is the log of another run than checkpoint {folder}'s (step {step}: loss {loss} "
+                            f"there, {expected} in the checkpoint), and resuming would splice the two; resume "
+                            f"into the checkpoint's own output folder, or a new one")
 
 
 def _holds_checkpoints(folder: Path) -> bool:
@@ -53,10 +141,23 @@ def _holds_checkpoints(folder: Path) -> bool:
 def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dict[str, Path | None]) -> None:
     resolved = folder.resolve()
     for what, path in protected.items():
-        if path is not None and (resolved == path.resolve() or resolved in path.resolve().parents):
-            raise UserError(f"{key} {folder} would replace {what} ({path}): export to a folder of its own")
+        if path is None:
+            continue
+        path = path.resolve()
+        if resolved == path or resolved in path.parents:
+            raise UserError(f"{key} {folder} would write into {what} ({path}): export to a folder of its own")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{key} {folder} is a file, not a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / EXPORT_MARKER).is_file() and not overwrite:
-        raise UserError(f"{key} {folder} holds files that are not an earlier te_mixtral export, and the export "
-                        f"replaces the whole folder; choose a new folder, or pass --overwrite to replace them")
+    if not folder.is_dir() or overwrite or _holds_export(folder):
+        return
+    theirs = sorted(p.name for p in folder.iterdir() if is_export_file(p.name))
+    if theirs:
+        raise UserError(f"{key} {folder} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, which "
+                        f"the export would replace, and no earlier te_mixtral export; choose another folder, or "
+                        f"pass --overwrite to replace them (the folder's other files are kept either way)")
+
+
+def _holds_export(folder: Path) -> bool:
+    """Whether `folder` holds a te_mixtral export: its marker, or the marker of the export
+    being replaced when a run died midway (`files.replace_files` keeps it in `DIR.old`)."""
+    return (folder / EXPORT_MARKER).is_file() or (folder.with_name(folder.name + ".old") / EXPORT_MARKER).is_file()

@@ -33,10 +33,10 @@ from safetensors.torch import save_file
 
 from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, RunConfig
 from te_mixtral.distributed.layout import Layout
-from te_mixtral.files import fsync_path, publish_folder, write_failure
+from te_mixtral.files import fsync_path, replace_files, write_failure
 from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.hf_checkpoint import gather_experts
-from te_mixtral.training.outputs import EXPORT_MARKER
+from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
 PREFIX = "base_model.model."  # PeftModel's name of the wrapped transformers model
 
@@ -108,7 +108,7 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
         (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
         for path in tmp.iterdir():
             fsync_path(path)
-        publish_folder(tmp, out_dir)
+        replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)
     except (OSError, SafetensorError) as e:
         raise write_failure(f"the adapter export {out_dir}", e) from None
     return out_dir

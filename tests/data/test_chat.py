@@ -250,6 +250,31 @@ def test_bad_chat_records_are_one_line_errors(tmp_path, record, message):
     assert message in str(info.value) and "\n" not in str(info.value), info.value
 
 
+@pytest.mark.parametrize("roles", [("user",), ("system",), ("system", "user")])
+def test_chat_data_without_an_assistant_turn_is_refused_as_such(tmp_path, roles):
+    # Before: "packs into 6 samples ... one global batch needs 4", or 0 samples: the batch
+    # size blamed for data that holds nothing to train on.
+    path = write_chat(tmp_path / "c.jsonl", [[{"role": role, "content": f"turn {i}"} for role in roles]
+                                             for i in range(30)])
+    cfg = DataConfig(dataset=str(path), format="chat", tokenizer=str(TOKENIZER), seq_len=8)
+    with pytest.raises(UserError, match="has no assistant turn"):
+        PackedData(cfg, batch_size=1, rank=0, world_size=1, seed=0)
+
+
+def test_a_chat_template_failing_in_its_own_code_is_one_line(tmp_path):
+    broken = tmp_path / "tokenizer"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_bytes((TOKENIZER / "tokenizer.json").read_bytes())
+    config = json.loads((TOKENIZER / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ 1 / 0 }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_chat(tmp_path / "c.jsonl", [[{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "yo"}]])
+    cfg = DataConfig(dataset=str(path), format="chat", tokenizer=str(broken), seq_len=8)
+    with pytest.raises(UserError, match="chat record 0: the chat template fails on it: ZeroDivisionError"):
+        PackedData(cfg, batch_size=1, rank=0, world_size=1, seed=0)
+
+
 def test_chat_needs_a_tokenizer_folder_with_a_template(tmp_path):
     path = write_chat(tmp_path / "c.jsonl", [[{"role": "user", "content": "hi"}]])
     plain = tmp_path / "plain"

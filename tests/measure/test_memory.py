@@ -337,3 +337,9 @@ def test_fp8_weight_copies_without_the_cache_live_with_their_layer(recompute, sa
     # Later, the cache still holds every layer's; without it only the layer in flight has them.
     for phase, layers in (("layer 0 backward", m.num_hidden_layers - 1), ("optimizer step", m.num_hidden_layers)):
         assert cached[phase]["weight copies"] - uncached[phase]["weight copies"] == per_layer * layers, phase
+
+
+def test_a_small_refusal_shows_the_difference_between_need_and_room():
+    # Before: "needs about 0.03 GiB per rank but 8MB has 0.01 GiB".
+    with pytest.raises(UserError, match=r"needs about [\d.]+ MiB per rank but 8MB has 7.63 MiB"):
+        check_fits(load_config(str(REPO / "configs" / "tiny.yaml"), {"gpu": "8MB"}), 1, "cpu")

@@ -1,7 +1,10 @@
 """Faults: a rank killed mid-run stops the whole job quickly and leaves a checkpoint that
 resumes; a directory that cannot be written is refused before training, on every rank."""
 
+import errno
+import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -10,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO
-from launch import run_app
+from launch import app_command, assert_one_line_error, run_app, run_cli
 
+import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.distributed.layout import Layout
-from te_mixtral.errors import UserError
+from te_mixtral.errors import ExitCode, UserError
 from te_mixtral.training.hf_checkpoint import check_export_space
 
 DIST_TIMEOUT_S = 30
@@ -104,3 +109,51 @@ def test_an_unwritable_export_folder_is_refused(tmp_path):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(UserError, match="is not writable"):
         check_export_space(model, blocker / "hf", Layout(0, 1, 1, None, None), torch.float32)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_keeps_what_fits_and_says_what_did_not(tmp_path):
+    # RLIMIT_FSIZE makes every write past 3000 bytes of one file fail (EFBIG; Python ignores
+    # SIGXFSZ), as a full disk fails them: steps.jsonl fills at its 9th line, and results.json
+    # and the plots do not fit, while config.yaml does. (A run first caches the tokenizer,
+    # which is larger.)
+    out = tmp_path / "out"
+    assert run_cli(["--steps", "1", "--seq_len", "64", "--output-dir", str(tmp_path / "warm")]).returncode == 0
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    proc = subprocess.run(app_command(["--steps", "12", "--seq_len", "64", "--timing_warmup_steps", "1",
+                                       "--output-dir", str(out)]),
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300, preexec_fn=limit_file_size)
+    assert proc.returncode == ExitCode.WRITE_FAILED, proc.stderr[-3000:]
+    line = assert_one_line_error(proc, "results.json (its content is printed above): File too large",
+                                 "steps.jsonl: File too large (its lines stop before step 9)", "loss.png")[0]
+    assert "config.yaml" not in line
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]  # no half line
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["steps"] == 12
+    assert not (out / "results.json").exists() and not (out / "loss.png").exists()
+    printed = next(x for x in proc.stdout.splitlines() if x.startswith("results.json (not saved): "))
+    assert len(json.loads(printed.removeprefix("results.json (not saved): "))["losses"]) == 12
+    assert "median step" in proc.stdout  # the timing table is printed all the same
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_its_results(tmp_path, monkeypatch):
+    saves = []
+
+    def save_then_fill_the_disk(obj, f):
+        saves.append(f.name)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        torch_save(obj, f)
+
+    torch_save = checkpoint.torch.save
+    monkeypatch.setattr(checkpoint.torch, "save", save_then_fill_the_disk)
+    proc = run_cli(["--steps", "6", "--seq_len", "64", "--timing_warmup_steps", "1", "--checkpoint-every", "2",
+                    "--checkpoint-dir", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "out")])
+    assert proc.returncode == ExitCode.WRITE_FAILED
+    assert_one_line_error(proc, "step-000004.tmp/rank00000.pt: No space left on device")
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(results["losses"]) == 4 and "No space left on device" in results["stopped"]

@@ -1,12 +1,24 @@
 """A run never deletes or replaces what is in the folders it writes to, unless it is its own
 to replace or the user passes --overwrite; refusals come before any training."""
 
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
+from conftest import REPO
 from launch import assert_one_line_error, run_cli
 
-from te_mixtral.config import load_config
-from te_mixtral.errors import UserError
-from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs
+from te_mixtral.config import load_config, save_config
+from te_mixtral.errors import ExitCode, UserError
+from te_mixtral import files
+from te_mixtral.files import replace_files, require_free_space, size_text
+from te_mixtral.folder_lock import FolderLocks
+from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
 
@@ -17,36 +29,76 @@ def refused(proc, *fragments):
 
 
 @pytest.mark.slow
-def test_export_keeps_a_folder_of_user_files_and_replaces_only_an_earlier_export(tmp_path):
+def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()
-    (folder / "notes.txt").write_text("mine")
+    (folder / "README.md").write_text("my model card")
+    (folder / "config.json").write_text("{}")  # an export's name, not from an export
     refused(run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "a")]),
-            "not an earlier te_mixtral export")
-    assert (folder / "notes.txt").read_text() == "mine" and len(list(folder.iterdir())) == 1
+            "holds config.json, which the export would replace")
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json"]
 
-    (folder / "notes.txt").unlink()
-    for out in ("b", "c"):  # an empty folder, then the earlier export itself, may be written
-        proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / out)])
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert (folder / EXPORT_MARKER).is_file() and (folder / "config.json").is_file()
-
-    (folder / "notes.txt").write_text("mine")
-    (folder / EXPORT_MARKER).unlink()
-    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "d"), "--overwrite"])
+    (folder / "config.json").unlink()
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "b")])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not (folder / "notes.txt").exists()  # replaced, as asked
+    assert (folder / EXPORT_MARKER).is_file() and (folder / "config.json").is_file()
+    # An earlier export, laid out in more files: what it wrote goes, what the user wrote stays.
+    stale = folder / "model-00009-of-00009.safetensors"
+    stale.write_text("from an earlier export")
+    (folder / "eval_results.json").write_text("{}")
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "c")])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not stale.exists() and not (tmp_path / "export.old").exists()
+    assert (folder / "README.md").read_text() == "my model card" and (folder / "eval_results.json").is_file()
+    assert all(is_export_file(p.name) for p in folder.iterdir() if p.name not in ("README.md", "eval_results.json"))
 
 
-def test_export_never_replaces_the_current_checkpoint_or_model_folder(tmp_path, monkeypatch):
-    ckpt, model = tmp_path / "ckpt", tmp_path / "models" / "mixtral"
+def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_path, monkeypatch):
+    final, new = tmp_path / "final", tmp_path / "final.tmp"
+    final.mkdir()
+    new.mkdir()
+    for name, text in [("mine.txt", "user"), ("a.bin", "old a"), ("b.bin", "old b"), (EXPORT_MARKER, "old")]:
+        (final / name).write_text(text)
+    for name in ("a.bin", EXPORT_MARKER):
+        (new / name).write_text("new")
+    owned = {"a.bin", "b.bin", EXPORT_MARKER}.__contains__
+    real_rename, moved = os.rename, []
+
+    def rename_then_die(src, dst):  # dies as the first new file comes in
+        if Path(src).parent == new:
+            raise KeyboardInterrupt
+        moved.append(Path(src).name)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        replace_files(new, final, owned, EXPORT_MARKER)
+    assert moved[0] == EXPORT_MARKER  # the folder stops calling itself complete first
+    old = tmp_path / "final.old"
+    assert sorted(p.name for p in old.iterdir()) == sorted(["a.bin", "b.bin", EXPORT_MARKER])
+    monkeypatch.setattr(os, "rename", real_rename)
+    replace_files(new, final, owned, EXPORT_MARKER)  # the next export starts over
+    assert {p.name: p.read_text() for p in final.iterdir()} == {"mine.txt": "user", "a.bin": "new",
+                                                                EXPORT_MARKER: "new"}
+    assert not old.exists() and not new.exists()
+
+
+def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monkeypatch):
+    ckpt, model, out = tmp_path / "ckpt", tmp_path / "models" / "mixtral", tmp_path / "runs" / "a"
     model.mkdir(parents=True)
+    data = tmp_path / "corpus" / "train.jsonl"  # a folder of data files would read the export as data
+    data.parent.mkdir()
+    data.write_text('{"text": "hello"}\n')
     monkeypatch.chdir(tmp_path)
     for save_hf, what in [(".", "the current folder"), (str(tmp_path), "the current folder"),
                           (str(ckpt), "the checkpoint folder"), (str(model), "the --model folder"),
-                          (str(tmp_path / "models"), "the --model folder")]:
-        cfg = load_config(None, {"save_hf": save_hf, "checkpoint_dir": str(ckpt), "overwrite": "true"})
-        with pytest.raises(UserError, match=f"would replace {what}"):
+                          (str(tmp_path / "models"), "the --model folder"), (str(out), "the output folder"),
+                          (str(tmp_path / "runs"), "the output folder"), (str(data.parent), "the data set"),
+                          (str(REPO / "examples" / "chat-tokenizer"), "the tokenizer")]:
+        cfg = load_config(None, {"save_hf": save_hf, "checkpoint_dir": str(ckpt), "output_dir": str(out),
+                                 "overwrite": "true", "dataset": str(data),
+                                 "tokenizer": str(REPO / "examples" / "chat-tokenizer")})
+        with pytest.raises(UserError, match=f"would write into {what}"):
             check_outputs(cfg, model)
 
 
@@ -72,3 +124,110 @@ def test_an_output_folder_holding_a_run_is_kept(tmp_path):
     assert (out / "results.json").read_bytes() == before
     assert run_cli([*SHORT, "--output-dir", str(out), "--lr", "1e-3", "--overwrite"]).returncode == 0
     assert (out / "results.json").read_bytes() != before
+
+
+def test_every_file_a_run_writes_into_its_output_folder_is_kept(tmp_path):
+    for plots in ("true", "false"):
+        cfg = load_config(None, {"output_dir": str(tmp_path), "plots": plots})
+        assert ("loss.png" in output_files(cfg)) == (plots == "true")
+        for name in output_files(cfg):  # a hand-written config.yaml, a plot of the user's...
+            (tmp_path / name).write_text("mine")
+            with pytest.raises(UserError, match=name):
+                check_outputs(cfg, None)
+            cfg.overwrite = True
+            check_outputs(cfg, None)
+            cfg.overwrite = False
+            (tmp_path / name).unlink()
+        (tmp_path / "loss.png").write_text("mine")  # a file the run will not write is no concern of it
+        if plots == "false":
+            check_outputs(cfg, None)
+
+
+def test_the_runs_own_inputs_are_never_replaced_even_with_overwrite(tmp_path):
+    config = tmp_path / "config.yaml"
+    save_config(load_config(None, {"steps": "2"}), config)
+    before = config.read_text()
+    refused(run_cli(["--config", str(config), "--output-dir", str(tmp_path), "--overwrite"]),
+            f"would replace the --config file ({config})")
+    assert config.read_text() == before
+    (tmp_path / "results.json").write_text('{"losses": [1.0, 1.0]}')
+    cfg = load_config(None, {"output_dir": str(tmp_path), "loss_check": str(tmp_path / "results.json"),
+                             "overwrite": "true"})
+    with pytest.raises(UserError, match="would replace the loss-check reference"):
+        check_outputs(cfg, None)
+
+
+@pytest.mark.parametrize("key", ["--output-dir", "--checkpoint-dir", "--save-hf"])
+def test_an_empty_path_is_refused(key, tmp_path):
+    proc = run_cli([key, "", *([] if key == "--output-dir" else ["--output-dir", str(tmp_path)])])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, f"{key[2:].replace('-', '_')} is an empty path")
+
+
+def test_a_free_space_refusal_shows_the_difference_between_the_sizes(tmp_path, monkeypatch):
+    assert [size_text(n) for n in (512, 15.8e6, 8e6, 3 * 2**30, 2**50)] == [
+        "512 B", "15.1 MiB", "7.63 MiB", "3 GiB", "1.02e+03 TiB"]
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=8_000_000))
+    with pytest.raises(UserError, match=r"needs about 15.1 MiB, 7.63 MiB free"):
+        require_free_space(tmp_path, 15_800_000, "the export")
+
+
+def test_estimate_memory_refuses_a_negative_world_size():
+    proc = run_cli(["--estimate-memory", "-1"])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, "--estimate-memory takes a number of ranks, got -1")
+
+
+# Holds the folders it is given as a run would, until it is killed.
+HOLD = """import sys, time
+from pathlib import Path
+from te_mixtral.folder_lock import FolderLocks
+locks = FolderLocks()
+for folder in sys.argv[1:]:
+    locks.claim(Path(folder), "a folder")
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ckpt)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        # --overwrite and --resume allow replacing another run's files, never while it writes them.
+        refused(run_cli([*SHORT, "--output-dir", str(out), "--overwrite"]),
+                f"output_dir {out} is in use by another run (pid {holder.pid} on {socket.gethostname()}, started")
+        refused(run_cli([*SHORT, "--output-dir", str(tmp_path / "b"), "--checkpoint-dir", str(ckpt), "--overwrite"]),
+                f"checkpoint_dir {ckpt} is in use by another run (pid {holder.pid}")
+    finally:
+        holder.kill()  # no cleanup, as the OOM killer would: the operating system releases the lock
+        holder.wait()
+    proc = run_cli([*SHORT, "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with FolderLocks() as locks:  # and a run releases its own when it ends
+        locks.claim(out, "output_dir")
+        locks.claim(ckpt, "checkpoint_dir")
+
+
+def test_resuming_into_another_runs_log_is_refused(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    (ckpt / "step-000002").mkdir(parents=True)
+    (ckpt / "latest").write_text("step-000002\n")
+    (ckpt / "step-000002" / "meta.json").write_text(json.dumps({"losses": [4.5, 4.25]}))
+    out.mkdir()
+
+    def log(*losses):
+        lines = [json.dumps({"step": step, "loss": loss}) for step, loss in enumerate(losses, 1)]
+        (out / "steps.jsonl").write_text("\n".join([*lines, '{"step": 9, "lo']) + "\n")
+
+    for overwrite in ("false", "true"):  # a resume keeps the log's earlier lines either way
+        cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true",
+                                 "overwrite": overwrite})
+        log(4.5, 4.0, 3.5)  # another run's, or this run's continued elsewhere from step 1
+        with pytest.raises(UserError, match="is the log of another run than checkpoint .*step 2: loss 4.0 there, "
+                                            "4.25 in the checkpoint"):
+            check_outputs(cfg, None)
+        log(4.5, 4.25, 3.5)  # the checkpoint's own run, which went on past it before it stopped
+        check_outputs(cfg, None)

@@ -97,11 +97,15 @@ def test_a_reference_that_can_only_fail_is_refused_before_training():
 
 
 def test_a_prompt_that_leaves_nothing_to_generate_is_refused(tokenizer):
-    assert encode_prompt(tokenizer, "text number", 64)
+    prompt_ids = encode_prompt(tokenizer, "text number", 64, 1)
+    assert encode_prompt(tokenizer, "text number", 64, 64 - len(prompt_ids)) == prompt_ids
     with pytest.raises(UserError, match="encodes to no tokens"):
-        encode_prompt(tokenizer, "", 64)
+        encode_prompt(tokenizer, "", 64, 1)
     with pytest.raises(UserError, match="leaves no room to generate"):
-        encode_prompt(tokenizer, "text number " * 40, 64)
+        encode_prompt(tokenizer, "text number " * 40, 64, 1)
+    # More new tokens than the context holds: refused, not cut short without a word.
+    with pytest.raises(UserError, match=f"set --generate-tokens {64 - len(prompt_ids)} or fewer"):
+        encode_prompt(tokenizer, "text number", 64, 65 - len(prompt_ids))
 
 
 @pytest.mark.parametrize("hidden, ffn, bad", [(48, 64, "hidden_size"), (64, 48, "intermediate_size")])
