@@ -30,8 +30,8 @@ def test_hf_passes_against_loop(loop_results, tmp_path):
 class SwappedExperts(LoopTier):
     """Runs every expert's rows through the next expert's weights."""
 
-    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
-        return super().__call__(x_RD, tokens_per_expert_L, gate_up_L2FD.roll(1, 0), down_LDF.roll(1, 0))
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
+        return super().__call__(x_RD, tokens_per_expert_L, gate_up_L2FD.roll(1, 0), down_LDF.roll(1, 0), adapters)
 
 
 def test_wrong_tier_fails_the_check(loop_results, tmp_path, monkeypatch, capsys):

@@ -33,9 +33,9 @@ class CountingTier(ExpertTier):
     def __init__(self, inner: ExpertTier):
         self.inner, self.calls = inner, 0
 
-    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF):
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         self.calls += 1
-        return self.inner(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+        return self.inner(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters)
 
 
 def random_batch(cfg, seed):
