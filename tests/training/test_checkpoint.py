@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import re
 from types import SimpleNamespace
 
@@ -143,6 +144,33 @@ def test_a_damaged_checkpoint_is_refused(setup, damage, message):
         ckpt.load_latest(*fresh(), cfg)
 
 
+class _Remove:
+    """Unpickled, deletes `path`: what a malicious pickle could do instead."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.remove, (self.path,)
+
+
+def test_a_checkpoint_index_that_would_run_code_is_refused_unread(setup, tmp_path):
+    """DCP's index is a pickle: one replaced, its hash in meta.json replaced too, must build
+    nothing but an index, and the refusal must not suggest loading it less safely."""
+    cfg, fresh, ckpt = setup
+    folder = save(ckpt, cfg, *fresh(), 2)
+    canary = tmp_path / "canary"
+    canary.write_text("still here")
+    (folder / ".metadata").write_bytes(pickle.dumps(_Remove(canary)))
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": (folder / ".metadata").stat().st_size,
+                                  "sha256": sha256_of(folder / ".metadata")}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"\.metadata is not a checkpoint index \(it would build posix\.remove\)") as info:
+        ckpt.load_latest(*fresh(), cfg)
+    assert canary.exists() and "weights_only" not in str(info.value)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda meta: meta.pop("step"), "lacks 'step' (int expected)"),
     (lambda meta: meta.pop("files"), "lacks 'files'"),
@@ -152,8 +180,8 @@ def test_a_damaged_checkpoint_is_refused(setup, damage, message):
     (lambda meta: meta.update(losses=[1.0, "x"]), "'losses' are not all numbers"),
     (lambda meta: meta["files"]["rank00000.pt"].pop("sha256"), "entry for rank00000.pt lacks 'bytes' or 'sha256'"),
     (lambda meta: meta["config"].pop("model"), "its 'config' has no 'model' section"),
-    (lambda meta: meta.clear(), "has format None, this version reads 1"),
-    (lambda meta: meta.update(format=2, step=None), "has format 2, this version reads 1"),
+    (lambda meta: meta.clear(), "has format None, this version reads 2"),
+    (lambda meta: meta.update(format=1, step=None), "has format 1, this version reads 2"),
 ])
 def test_checkpoint_metadata_without_what_resume_reads_is_refused(setup, edit, message):
     cfg, fresh, ckpt = setup
@@ -190,9 +218,21 @@ def test_resume_refuses_what_cannot_continue(setup, tmp_path):
     bigger = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=32))
     with pytest.raises(UserError, match="different model"):
         ckpt.load_latest(*fresh(), bigger)
-    two_ranks = Checkpointer(cfg, Layout(0, 2, 2, None, None), CPU, TOKENIZER)
-    with pytest.raises(UserError, match="same world size and ep_size"):
-        two_ranks.load_latest(*fresh(), cfg)
+    master = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="master_adamw", dtype="bf16"))
+    with pytest.raises(UserError, match="written with train.optimizer adamw.*resume it with --optimizer adamw"):
+        ckpt.load_latest(*fresh(), master)
+
+
+def test_a_model_with_a_parameter_the_checkpoint_lacks_is_refused_in_one_line(setup):
+    """Say, an adapter added since: the checkpoint has nothing to load into it."""
+    cfg, fresh, ckpt = setup
+    save(ckpt, cfg, *fresh(), 3)
+    model, _ = fresh()
+    model.model.layers[0].self_attn.register_parameter("adapter", torch.nn.Parameter(torch.zeros(4, 16)))
+    optimizer = make_optimizer(model, cfg)
+    with pytest.raises(UserError, match=r"does not fit this run's model: .*model\.model\.layers\.0\.self_attn\.adapter") as info:
+        ckpt.load_latest(model, optimizer, cfg)
+    assert "\n" not in str(info.value)
 
 
 def test_resume_reads_an_older_checkpoints_config_through_its_upgrade(setup, capsys, monkeypatch):
