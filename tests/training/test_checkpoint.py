@@ -117,17 +117,20 @@ def test_old_checkpoints_are_pruned_and_abandoned_futures_dropped(setup):
     assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000003"]
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("truncate", "truncated or corrupt"),
-    ("flip", "SHA-256 differs"),
-    ("delete", "is missing"),
-    ("meta", "unreadable or corrupt"),
-    ("latest", "not a step-NNNNNN folder"),
+@pytest.mark.parametrize("damage, file, message", [
+    ("truncate", "rank00000.pt", "truncated or corrupt"),
+    ("flip", "rank00000.pt", "SHA-256 differs"),
+    ("delete", "rank00000.pt", "is missing"),
+    ("truncate", "__0_0.distcp", "truncated or corrupt"),  # the weights and optimizer state
+    ("flip", "__0_0.distcp", "SHA-256 differs"),
+    ("delete", ".metadata", "is missing"),
+    ("meta", None, "unreadable or corrupt"),
+    ("latest", None, "not a step-NNNNNN folder"),
 ])
-def test_a_damaged_checkpoint_is_refused(setup, damage, message):
+def test_a_damaged_checkpoint_is_refused(setup, damage, file, message):
     cfg, fresh, ckpt = setup
     folder = save(ckpt, cfg, *fresh(), 2)
-    shard = folder / "rank00000.pt"
+    shard = folder / str(file)
     if damage == "truncate":
         os.truncate(shard, shard.stat().st_size // 2)
     elif damage == "flip":
@@ -277,9 +280,10 @@ def test_meta_records_sizes_and_hashes(setup):
     cfg, fresh, ckpt = setup
     folder = save(ckpt, cfg, *fresh(), 1)
     meta = json.loads((folder / "meta.json").read_text())
-    entry = meta["files"]["rank00000.pt"]
-    assert entry["bytes"] == (folder / "rank00000.pt").stat().st_size
-    assert entry["sha256"] == sha256_of(folder / "rank00000.pt")
+    written = {p.name for p in folder.iterdir()} - {"meta.json"}
+    assert set(meta["files"]) == written and {".metadata", "rank00000.pt"} <= written  # DCP's index and data too
+    for name, entry in meta["files"].items():
+        assert entry == {"bytes": (folder / name).stat().st_size, "sha256": sha256_of(folder / name)}, name
     assert meta["world_size"] == 1 and meta["config"]["model"]["hidden_size"] == 16
 
 

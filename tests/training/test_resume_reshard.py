@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import run_app, run_cli, train_and_save
+from launch import run_cli, train_and_save, train_and_save_many
 from test_resume import COMMON, N, whole_run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -38,38 +38,48 @@ def global_state(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=True)
 
 
+CASES = [("ep2", "one"), ("one", "ep2"), ("ep2", "fsdp"), ("fsdp", "one")]  # (saved on, resumed on)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, resumed", [("ep2", "one"), ("one", "ep2"), ("ep2", "fsdp"), ("fsdp", "one")])
-def test_resume_on_another_layout_equals_one_run_there(tmp_path, saved, resumed, launch_planned):
-    for layout in {saved, resumed}:
+def test_resume_on_another_layout_equals_one_run_there(tmp_path, launch_planned):
+    whole_runs = {}
+    for layout in LAYOUTS:
         launch_planned(LAYOUTS[layout][0])
-    runs = {layout: tmp_path / layout for layout in {saved, resumed}}
-    for layout, folder in runs.items():
-        train_and_save(folder, whole(layout), nproc=LAYOUTS[layout][0])
+        whole_runs[layout] = tmp_path / layout
+        train_and_save(whole_runs[layout], whole(layout), nproc=LAYOUTS[layout][0])
 
-    # The state a run killed right after its step-N checkpoint leaves behind, resumed elsewhere.
-    folder = tmp_path / "resumed"
-    shutil.copytree(runs[saved] / "ckpt", folder / "ckpt")
-    shutil.rmtree(folder / "ckpt" / f"step-{2 * N:06d}")
-    (folder / "ckpt" / "latest").write_text(f"step-{N:06d}\n")
-    args = [*COMMON, *LAYOUTS[resumed][1], "--checkpoint-dir", str(folder / "ckpt"), "--output-dir", str(folder),
-            "--resume"]
-    nproc = LAYOUTS[resumed][0]
-    proc = run_app(args, nproc=nproc) if nproc > 1 else run_cli(args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming from {folder / 'ckpt' / f'step-{N:06d}'} (step {N} of {2 * N})" in proc.stdout
+    # The state a run killed right after its step-N checkpoint leaves behind, resumed elsewhere:
+    # on one rank in this process, on two in one launch (tests/workers/train_and_save.py).
+    resumed = {}
+    for saved, layout in CASES:
+        folder = resumed[saved, layout] = tmp_path / f"{saved}-to-{layout}"
+        shutil.copytree(whole_runs[saved] / "ckpt", folder / "ckpt")
+        shutil.rmtree(folder / "ckpt" / f"step-{2 * N:06d}")
+        (folder / "ckpt" / "latest").write_text(f"step-{N:06d}\n")
+    args = {case: [*COMMON, *LAYOUTS[case[1]][1], "--checkpoint-dir", str(folder / "ckpt"), "--resume"]
+            for case, folder in resumed.items()}
+    train_and_save_many([(resumed[case], args[case]) for case in CASES if LAYOUTS[case[1]][0] == 2], nproc=2)
+    for case in CASES:
+        if LAYOUTS[case[1]][0] == 1:
+            proc = run_cli([*args[case], "--output-dir", str(resumed[case])])
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert f"(step {N} of {2 * N}), written by 2 rank(s), read by 1" in proc.stdout
 
-    want = json.loads((runs[resumed] / "results.json").read_text())
-    got = json.loads((folder / "results.json").read_text())
-    assert got["losses"][:N] == json.loads((runs[saved] / "results.json").read_text())["losses"][:N]
-    assert got["losses"] == pytest.approx(want["losses"], rel=1e-6)
-    assert [e["loss"] for e in got["evals"]] == pytest.approx([e["loss"] for e in want["evals"]], rel=1e-6)
-    final = f"step-{2 * N:06d}"
-    got_state = global_state(folder / "ckpt" / final, tmp_path / "got.pt")
-    want_state = global_state(runs[resumed] / "ckpt" / final, tmp_path / "want.pt")
-    assert got_state.keys() == want_state.keys()
-    for name, value in want_state.items():
-        # atol: 1e-4 of the tensor's largest magnitude. Adam divides by the root of the second
-        # moment, so where a gradient is tiny its rounding moves the weight by up to ~1/300 of
-        # a step (1e-6 at lr 3e-4, measured); a misplaced slice moves it by the weights' size.
-        torch.testing.assert_close(got_state[name], value, rtol=1e-5, atol=1e-4 * value.abs().max().item(), msg=name)
+    for (saved, layout), folder in resumed.items():
+        want = json.loads((whole_runs[layout] / "results.json").read_text())
+        got = json.loads((folder / "results.json").read_text())
+        where = f"saved on {saved}, resumed on {layout}"
+        assert got["losses"][:N] == json.loads((whole_runs[saved] / "results.json").read_text())["losses"][:N]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-6), where
+        assert [e["loss"] for e in got["evals"]] == pytest.approx([e["loss"] for e in want["evals"]], rel=1e-6), where
+        final = f"step-{2 * N:06d}"
+        got_state = global_state(folder / "ckpt" / final, tmp_path / "got.pt")
+        want_state = global_state(whole_runs[layout] / "ckpt" / final, tmp_path / "want.pt")
+        assert got_state.keys() == want_state.keys()
+        for name, value in want_state.items():
+            # atol: 1e-4 of the tensor's largest magnitude. Adam divides by the root of the second
+            # moment, so where a gradient is tiny its rounding moves the weight by up to ~1/300 of
+            # a step (1e-6 at lr 3e-4, measured); a misplaced slice moves it by the weights' size.
+            torch.testing.assert_close(got_state[name], value, rtol=1e-5, atol=1e-4 * value.abs().max().item(),
+                                       msg=f"{where}: {name}")
