@@ -1,6 +1,8 @@
 """The weights and the optimizer state as *global* tensors, whatever the layout: what lets a
 checkpoint written on W ranks at EP=E resume on W' ranks at EP=E', sharded or not.
 
+Shape suffixes: see te_mixtral/experts/base.py.
+
 A rank holds pieces. The global tensor of an expert parameter stacks all E experts
 ([E, 2F, D], [E, D, F]); the global tensor of a dense parameter is the parameter. Each piece a
 rank holds is described here as a view of its global tensor, without a copy:
@@ -23,9 +25,12 @@ piece several ranks hold (a replicated tensor, the experts of EP replicas) is wr
 Loading, each rank reads exactly the slices its views cover, from whichever files hold them,
 and copies them into the views, that is into the live parameters and optimizer state.
 
-Pitfall: the FSDP cut and DTensor's Shard(0) must agree on where each rank's rows are. Both
+Pitfalls: the FSDP cut and DTensor's Shard(0) must agree on where each rank's rows are. Both
 cut as `torch.chunk` does (the first ranks take ceil(L / replicas) rows); that is what
-makes FSDP's local shard the right slice of the global tensor.
+makes FSDP's local shard the right slice of the global tensor. And DCP reads each piece
+stored in a file whole before it cuts out the slice a rank wants, so loading briefly holds,
+in host memory, the largest piece the saving run wrote: a whole layer's stacked experts when
+one process wrote them.
 """
 
 import torch
@@ -56,12 +61,11 @@ class GlobalView:
         t = t.detach()
         if self.layout.world_size == 1 or t.dim() == 0 or not is_expert_param(name):
             return t  # global already: one process, a scalar, or a dense tensor (replicated, or FSDP's DTensor)
-        ep = self.layout.ep_size
-        if isinstance(t, DTensor):  # FSDP's shard of this rank's experts
-            local, shape, mesh, placements = t.to_local(), t.shape, self.ep_major, (Shard(0), Shard(0))
+        if isinstance(t, DTensor):  # FSDP's shard of this rank's experts; t.shape is theirs, [L, ...]
+            local, mesh, placements = t.to_local(), self.ep_major, (Shard(0), Shard(0))
         else:
-            local, shape, mesh, placements = t, t.shape, self.layout.mesh, (Replicate(), Shard(0))
-        shape = torch.Size((shape[0] * ep, *shape[1:]))
+            local, mesh, placements = t, self.layout.mesh, (Replicate(), Shard(0))
+        shape = torch.Size((t.shape[0] * self.layout.ep_size, *t.shape[1:]))
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=_contiguous_stride(shape))
 
