@@ -51,8 +51,9 @@ first (so the free-space check counts it as free). A save is refused, on every r
 any rank's weights are not finite: `latest` never moves onto a diverged model. On resume
 every file is checked against meta.json's size and SHA-256 (each rank a share) before any
 is read, so a truncated, corrupted or replaced file is refused with a message instead of
-being half loaded, and DCP's pickled index is never unpickled unchecked; tensors are read
-with `torch.load(weights_only=True)`.
+being half loaded. Nothing read can run code, even from a checkpoint whose meta.json was
+replaced along with its files: tensors are read with `torch.load(weights_only=True)`, and
+DCP's index, a pickle, by an unpickler that builds nothing but an index (`_IndexUnpickler`).
 
 Pitfalls: every rank writes into one folder that rank 0 then renames, so `checkpoint_dir`
 must be one filesystem that all ranks see (a local disk on one node, a shared filesystem
