@@ -75,19 +75,27 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its optimizer state (AdamW creates it at its first step), so that
-    a checkpoint has somewhere to be loaded into: one step on zero gradients at lr 0, which
-    changes no weight (torch.distributed.checkpoint.state_dict does the same)."""
+    """Give every parameter that has none its optimizer state (AdamW creates it at a
+    parameter's first step), so that a checkpoint has it to save or somewhere to load into.
+
+    One step at lr 0 over exactly those parameters (every other gradient set aside for it,
+    so nothing else steps), then their step counts put back to 0: their state is then what
+    their first real step would create, and no weight moves (torch.distributed.checkpoint's
+    state-dict functions use the same zero step)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all("step" in optimizer.state.get(p, {}) for p in params):
+    fresh = {id(p) for p in params if "step" not in optimizer.state.get(p, {})}
+    if not fresh:
         return
-    lrs = [group["lr"] for group in optimizer.param_groups]
+    grads, lrs = [p.grad for p in params], [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p) if id(p) in fresh else None
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for p, grad in zip(params, grads):
+        if id(p) in fresh:
+            optimizer.state[p]["step"].zero_()
+        p.grad = grad
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
 
