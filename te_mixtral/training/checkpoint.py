@@ -329,14 +329,18 @@ class Checkpointer:
             except OSError as e:
                 problem = write_failure(f"checkpoint folder {tmp}", e)
         _fail_together(problem, self.layout, self.device, f"checkpoint {tmp} failed on rank 0 (see its error)")
+        # A collective that fails inside DCP (a peer died) is no write failure: it goes on up.
         try:
             with _dcp_quietly():
                 dcp.save(global_state_dict(model, optimizer, self.layout), checkpoint_id=tmp, no_dist=self.single)
-            _save_rank_file(tmp / rank_file(self.layout.rank), model, self.device)
-        except CheckpointException as e:  # raised on every rank, whichever rank failed
+        except CheckpointException as e:  # a write failed: raised on every rank, whichever rank it was
             problem = WriteFailed(f"{write_failure(f'checkpoint {tmp}', _first_failure(e))}; {intact}")
-        except (OSError, RuntimeError) as e:  # torch.save raises RuntimeError on a full disk
-            problem = WriteFailed(f"{write_failure(f'checkpoint {tmp / rank_file(self.layout.rank)}', e)}; {intact}")
+        if problem is None:
+            path = tmp / rank_file(self.layout.rank)
+            try:
+                _save_rank_file(path, model, self.device)
+            except (OSError, RuntimeError) as e:  # torch.save raises RuntimeError on a full disk
+                problem = WriteFailed(f"{write_failure(f'checkpoint file {path}', e)}; {intact}")
         _fail_together(problem, self.layout, self.device, f"a rank could not write checkpoint {tmp} (see its "
                                                           f"error); {intact}")
         # Every file is complete now (DCP's save ends when every rank's writes have): each rank
