@@ -169,7 +169,8 @@ def test_a_checkpoint_index_that_would_run_code_is_refused_unread(setup, tmp_pat
     meta["files"][".metadata"] = {"bytes": (folder / ".metadata").stat().st_size,
                                   "sha256": sha256_of(folder / ".metadata")}
     (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(UserError, match=r"\.metadata is not a checkpoint index \(it would build posix\.remove\)") as info:
+    refusal = r"\.metadata is not a checkpoint index \(it would build posix\.remove\)"
+    with pytest.raises(UserError, match=refusal) as info:
         ckpt.load_latest(*fresh(), cfg)
     assert canary.exists() and "weights_only" not in str(info.value)
 
@@ -233,7 +234,8 @@ def test_a_model_with_a_parameter_the_checkpoint_lacks_is_refused_in_one_line(se
     model, _ = fresh()
     model.model.layers[0].self_attn.register_parameter("adapter", torch.nn.Parameter(torch.zeros(4, 16)))
     optimizer = make_optimizer(model, cfg)
-    with pytest.raises(UserError, match=r"does not fit this run's model: .*model\.model\.layers\.0\.self_attn\.adapter") as info:
+    refusal = r"does not fit this run's model: .*model\.model\.layers\.0\.self_attn\.adapter"
+    with pytest.raises(UserError, match=refusal) as info:
         ckpt.load_latest(model, optimizer, cfg)
     assert "\n" not in str(info.value)
 
