@@ -192,7 +192,7 @@ class RunConfig:
     save_hf: str | None = setting(None, workload=False, resumable=True,
                                   help="export the fine-tuned model to this folder as an HF checkpoint")
     checkpoint_dir: str | None = setting(None, workload=False, resumable=True,
-                                         help="folder of training checkpoints (per-rank shards) for resume")
+                                         help="folder of training checkpoints, for resume on any layout")
     checkpoint_keep: int = setting(2, workload=False, resumable=True,
                                    help="newest checkpoints kept; older ones are deleted")
     resume: bool = setting(False, resumable=True, help="continue from the latest checkpoint in checkpoint_dir")
