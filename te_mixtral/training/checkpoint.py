@@ -97,7 +97,7 @@ from te_mixtral.files import (
 from te_mixtral.measure.memory import OPTIMIZERS, optimizer_mode
 from te_mixtral.saved_config import flatten, upgrade_saved
 
-FORMAT_VERSION = 2  # 1: each rank's shards in its own file, resumable on the same layout only
+FORMAT_VERSION = 2  # 1 held each rank's shards in a file of its own, resumable on the same layout only
 LATEST = "latest"
 META = "meta.json"
 _STEP_FOLDER = re.compile(r"step-(\d{6,})")
@@ -482,7 +482,9 @@ def _check_meta(meta, folder: Path) -> None:
     if not isinstance(meta, dict):
         raise UserError(f"checkpoint {where} is corrupt: it holds a {type(meta).__name__}, not a mapping")
     if meta.get("format") != FORMAT_VERSION:  # another format may have other keys: say which format
-        raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
+        why = (": each rank's own shards, which only the te_mixtral that wrote them reads (finish that run with it)"
+               if meta.get("format") == 1 else "")
+        raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}{why}")
     for key, typ in _META_KEYS.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
             problem = "lacks" if key not in meta else f"has a {type(meta[key]).__name__} for"

@@ -185,7 +185,7 @@ def test_a_checkpoint_index_that_would_run_code_is_refused_unread(setup, tmp_pat
     (lambda meta: meta["files"]["rank00000.pt"].pop("sha256"), "entry for rank00000.pt lacks 'bytes' or 'sha256'"),
     (lambda meta: meta["config"].pop("model"), "its 'config' has no 'model' section"),
     (lambda meta: meta.clear(), "has format None, this version reads 2"),
-    (lambda meta: meta.update(format=1, step=None), "has format 1, this version reads 2"),
+    (lambda meta: meta.update(format=1, step=None), "has format 1, this version reads 2: each rank's own shards"),
 ])
 def test_checkpoint_metadata_without_what_resume_reads_is_refused(setup, edit, message):
     cfg, fresh, ckpt = setup
