@@ -53,7 +53,7 @@ every file is checked against meta.json's size and SHA-256 (each rank a share) b
 is read, so a truncated, corrupted or replaced file is refused with a message instead of
 being half loaded. Nothing read can run code, even from a checkpoint whose meta.json was
 replaced along with its files: tensors are read with `torch.load(weights_only=True)`, and
-DCP's index, a pickle, by an unpickler that builds nothing but an index (`_IndexUnpickler`).
+DCP's index, a pickle, by an unpickler that builds nothing but an index (dcp_index.py).
 
 Pitfalls: every rank writes into one folder that rank 0 then renames, so `checkpoint_dir`
 must be one filesystem that all ranks see (a local disk on one node, a shared filesystem
@@ -65,7 +65,6 @@ import hashlib
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -76,9 +75,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
@@ -96,6 +93,7 @@ from te_mixtral.files import (
 )
 from te_mixtral.measure.memory import OPTIMIZERS, optimizer_mode
 from te_mixtral.saved_config import flatten, upgrade_saved
+from te_mixtral.training.dcp_index import INDEX, IndexedReader, read_index
 
 FORMAT_VERSION = 2  # 1 held each rank's shards in a file of its own, resumable on the same layout only
 LATEST = "latest"
@@ -173,60 +171,6 @@ def _dcp_quietly():
 def _first_failure(e: CheckpointException) -> BaseException:
     """The exception behind a DCP failure (of the lowest rank that had one)."""
     return e.failures[min(e.failures)][0]
-
-
-# --- DCP's index, read safely --------------------------------------------------------------
-
-INDEX = ".metadata"  # DCP's index of a checkpoint folder: a pickle
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """Unpickles a DCP index and nothing else: its own classes, torch's sizes, dtypes and
-    layouts, and paths. A pickle can make any object it names run code as it loads, so a
-    checkpoint from elsewhere must not choose what is built (the data files, by contrast,
-    are read with `torch.load(weights_only=True)`)."""
-
-    # Exact names: find_class also resolves dotted ones ("torch.load" from a module that imports torch).
-    ALLOWED = {
-        "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                                  "TensorStorageMetadata", "BytesStorageMetadata",
-                                                  "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch": {"Size"} | {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)},
-        "torch.serialization": {"_get_layout"},
-        "pathlib": {"PosixPath", "WindowsPath"},
-    }
-
-    def find_class(self, module: str, name: str):
-        if name not in self.ALLOWED.get(module, ()):
-            raise pickle.UnpicklingError(f"it would build {module}.{name}")
-        return super().find_class(module, name)
-
-
-def _read_index(path: Path) -> Metadata:
-    """The DCP index at `path`, unpickled by `_IndexUnpickler`; a `UserError` if it is not one."""
-    try:
-        with open(path, "rb") as f:
-            index = _IndexUnpickler(f).load()
-    except Exception as e:  # whatever a damaged pickle raises
-        raise UserError(f"checkpoint file {path} is not a checkpoint index ({first_line(e)}); refusing to "
-                        f"read it") from None
-    if not isinstance(index, Metadata):
-        raise UserError(f"checkpoint file {path} is not a checkpoint index (it holds a {type(index).__name__})")
-    return index
-
-
-class _IndexedReader(FileSystemReader):
-    """DCP's file reader, handed the index `_read_index` read instead of unpickling it itself."""
-
-    def __init__(self, folder: Path, index: Metadata):
-        super().__init__(folder)
-        self.index = index
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        self.index.storage_meta = self.index.storage_meta or StorageMeta()
-        self.index.storage_meta.load_id = self.load_id
-        return self.index
 
 
 # --- what each rank keeps of its own -----------------------------------------------------
@@ -422,7 +366,7 @@ class Checkpointer:
         index = None
         if problem is None:
             try:
-                index = _read_index(folder / INDEX)
+                index = read_index(folder / INDEX)
             except UserError as e:
                 problem = str(e)
         # A rank with a bad file must not leave the others waiting in the next collective.
@@ -430,7 +374,7 @@ class Checkpointer:
             raise UserError(problem or f"checkpoint {folder} failed verification on another rank (see its error)")
         try:
             with _dcp_quietly():
-                dcp.load(global_state_dict(model, optimizer, self.layout), storage_reader=_IndexedReader(folder, index),
+                dcp.load(global_state_dict(model, optimizer, self.layout), storage_reader=IndexedReader(folder, index),
                          no_dist=self.single)
         except CheckpointException as e:  # raised on every rank
             raise UserError(f"checkpoint {folder} does not fit this run's model: "
