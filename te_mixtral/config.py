@@ -231,7 +231,7 @@ class RunConfig:
                                        "(adapter_config.json + adapter_model.safetensors; peft loads them onto "
                                        "transformers' Mixtral); save_hf exports the model with them merged")
     checkpoint_dir: str | None = setting(None, workload=False, resumable=True,
-                                         help="folder of training checkpoints (per-rank shards) for resume")
+                                         help="folder of training checkpoints, for resume on any layout")
     checkpoint_keep: int = setting(2, workload=False, resumable=True,
                                    help="newest checkpoints kept; older ones are deleted")
     resume: bool = setting(False, resumable=True, help="continue from the latest checkpoint in checkpoint_dir")

@@ -32,20 +32,12 @@ and their gradients reduce-scattered in fp32 and stored in bf16. FSDP cannot cha
 sharded parameter's dtype, so the model is turned to bf16 before `parallelize`, and the
 optimizer's remainders are sharded afterwards like their parameters (`shard_like`).
 
-Checkpoints of a sharded run hold each rank's own shards (`local_state_dicts`), through
-torch.distributed.checkpoint's state-dict functions: the same keys as an unsharded model's
-state dict, the optimizer's state keyed by parameter name, and plain tensors on disk.
+Checkpoints see a sharded run's tensors as global ones, as they see an unsharded run's
+(distributed/global_state.py), so either resumes into the other.
 """
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -124,45 +116,3 @@ def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     return DTensor.from_local(local.clone(), param.device_mesh, param.placements, shape=param.shape,
                               stride=param.stride())
-
-
-SHARDED = StateDictOptions(full_state_dict=False)  # each rank its own shards, nothing gathered
-
-
-def _map_tensors(tree, fn):
-    if isinstance(tree, dict):
-        return {key: _map_tensors(value, fn) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_map_tensors(value, fn) for value in tree]
-    return fn(tree) if isinstance(tree, torch.Tensor) else tree
-
-
-def local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The state dicts of a sharded model and its optimizer as this rank holds them: its local
-    shards as plain tensors, which `torch.load(weights_only=True)` reads back."""
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-    return (_map_tensors(get_model_state_dict(model, options=SHARDED), local),
-            _map_tensors(get_optimizer_state_dict(model, optimizer, options=SHARDED), local))
-
-
-def load_local_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                           optimizer_state: dict) -> None:
-    """Load what `local_state_dicts` returned on the same layout: each local shard becomes a
-    DTensor laid out as its parameter is (optimizer state of a parameter's shape as that
-    parameter), and torch loads them."""
-    like = get_model_state_dict(model, options=SHARDED)
-
-    def as_param(name):
-        def rebuild(t):
-            param = like[name]
-            if not isinstance(param, DTensor) or t.dim() == 0:
-                return t
-            return DTensor.from_local(t, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
-        return rebuild
-
-    model_state = {name: as_param(name)(t) if isinstance(t, torch.Tensor) else t for name, t in model_state.items()}
-    optimizer_state = {**optimizer_state, "state": {name: _map_tensors(state, as_param(name))
-                                                    for name, state in optimizer_state["state"].items()}}
-    set_model_state_dict(model, model_state, options=SHARDED)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=SHARDED)

@@ -4,18 +4,29 @@ What a checkpoint holds
 -----------------------
 Everything the next step depends on, and nothing that can be recomputed:
 
-- each rank's model shard (dense weights and its own experts) and optimizer state (AdamW's
-  moments and step counts), with its RNG states (CPU, and CUDA when it runs there). Under
-  `train.sharding: fsdp` a rank's shard is what FSDP left it (distributed/parallelize.py:
-  `local_state_dicts`), its optimizer state keyed by parameter name, and such a checkpoint
-  resumes only into a sharded run of the same layout;
+- the weights and the optimizer state (AdamW's moments and step counts, master_adamw's
+  remainders) as *global* tensors: an expert parameter stacks all the model's experts, a
+  dense one is whole, whatever the layout that wrote them (distributed/global_state.py).
+  torch.distributed.checkpoint (DCP) writes each rank's pieces once and reads back, on each
+  rank of the resuming run, exactly the slices that rank holds: a checkpoint written on W
+  ranks at EP=E, sharded or not, resumes on W' ranks at EP=E', sharded or not;
+- each rank's RNG states (CPU, and CUDA when it runs there), and module state that is not a
+  parameter (TE's FP8 metadata, where the model has it);
 - the number of completed steps. That is also the data position and the learning rate:
   `PackedData.micro_batches(step)` and `training.optimizer.learning_rate(step)` are pure
-  functions of the step, so a resumed run reads exactly the batches the lost one would have read;
+  functions of the step, and the order of the samples depends on the seed alone, not on the
+  world size, so a resumed run reads exactly the batches the lost one would have read, at any
+  world size;
 - the losses, gradient norms and evaluations so far, so that a resumed run's results.json
   tells the whole story; the run's config, so that resuming into a different model is
   refused; and the SHA-256 of the tokenizer's JSON, so that resuming with a different one
   (a tokenizer trained on other data gives the same ids other meanings) is refused too.
+
+Resuming on another layout computes the same steps with the work cut differently: the
+losses equal an uninterrupted run's at the new layout to fp32 rounding (sums are added in
+another order), not bit for bit. The RNG states are the saved rank's of the same number, or
+rank 0's for a rank the saved run did not have (every rank seeds alike and training draws
+no random numbers, so they are all the same today).
 
 Layout on disk::
 
@@ -23,29 +34,33 @@ Layout on disk::
       latest              "step-000040": the newest complete checkpoint; always written last
       step-000040/
         meta.json         step, world and EP size, config, tokenizer hash, losses, gradient
-                          norms, evaluations, and the size and SHA-256 of every rank file
-        rank00000.pt      one per rank: {"model", "optimizer", "rng"} (torch.save)
-        rank00001.pt
+                          norms, evaluations, and the size and SHA-256 of every other file
+        .metadata         DCP's index: which file holds which slice of which global tensor
+        __0_0.distcp      DCP's data: the pieces rank 0 wrote (one file per rank)
+        rank00000.pt      one per rank: {"rng", "extra"} (torch.save)
 
 Atomicity
 ---------
-A checkpoint is written into `step-000040.tmp/`: every rank writes and fsyncs its own file,
-rank 0 collects their sizes and hashes, writes meta.json, fsyncs, renames the folder to
-`step-000040`, and only then replaces `latest` (a temporary file, fsync, rename, each
-followed by an fsync of the folder so the rename itself is on disk). A run killed at any
-instant, or a disk that fills up, leaves `latest` naming the previous complete checkpoint;
-a `.tmp` folder is never read, and the next save removes it first (so the free-space check
-counts it as free). A save is refused, on every rank, when any rank's weights are not
-finite: `latest` never moves onto a diverged model. On resume each rank checks its file's
-size and SHA-256 against meta.json before loading it, so a truncated or corrupted file is
-refused with a message instead of being half loaded.
+A checkpoint is written into `step-000040.tmp/`: every rank writes and fsyncs its files,
+the ranks hash them (each a share), rank 0 collects the sizes and hashes, writes meta.json,
+fsyncs, renames the folder to `step-000040`, and only then replaces `latest` (a temporary
+file, fsync, rename, each followed by an fsync of the folder so the rename itself is on
+disk). A run killed at any instant, or a disk that fills up, leaves `latest` naming the
+previous complete checkpoint; a `.tmp` folder is never read, and the next save removes it
+first (so the free-space check counts it as free). A save is refused, on every rank, when
+any rank's weights are not finite: `latest` never moves onto a diverged model. On resume
+every file is checked against meta.json's size and SHA-256 (each rank a share) before any
+is read, so a truncated, corrupted or replaced file is refused with a message instead of
+being half loaded. Nothing read can run code, even from a checkpoint whose meta.json was
+replaced along with its files: tensors are read with `torch.load(weights_only=True)`, and
+DCP's index, a pickle, by an unpickler that builds nothing but an index (dcp_index.py).
 
 Pitfalls: every rank writes into one folder that rank 0 then renames, so `checkpoint_dir`
 must be one filesystem that all ranks see (a local disk on one node, a shared filesystem
-across nodes). Data-parallel replicas write identical shards; that costs disk space, not
-correctness, and keeps every rank's file self-contained.
+across nodes).
 """
 
+import contextlib
 import hashlib
 import json
 import math
@@ -53,22 +68,21 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
-from te_mixtral.distributed.layout import Layout, all_reduce_max, all_reduce_sum
-from te_mixtral.distributed.parallelize import (
-    is_sharded,
-    load_local_state_dicts,
-    local_state_dicts,
-)
-from te_mixtral.errors import Diverged, UserError, WriteFailed
+from te_mixtral.distributed.global_state import GlobalView, global_state_dict
+from te_mixtral.distributed.layout import Layout, all_reduce_max
+from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.files import (
     folder_bytes,
@@ -81,8 +95,9 @@ from te_mixtral.files import (
 )
 from te_mixtral.measure.memory import OPTIMIZERS, optimizer_mode
 from te_mixtral.saved_config import flatten, upgrade_saved
+from te_mixtral.training.dcp_index import INDEX, IndexedReader, read_index
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 held each rank's shards in a file of its own, resumable on the same layout only
 LATEST = "latest"
 META = "meta.json"
 _STEP_FOLDER = re.compile(r"step-(\d{6,})")
@@ -141,7 +156,26 @@ def _gather_to_main(obj, layout: Layout) -> list | None:
     return gathered
 
 
-# --- RNG --------------------------------------------------------------------------------
+def _share(names: list[str], layout: Layout) -> list[str]:
+    """This rank's share of the files of a checkpoint, to hash or to verify: each file once."""
+    return names[layout.rank::layout.world_size]
+
+
+@contextlib.contextmanager
+def _dcp_quietly():
+    """DCP warns that it assumes a single process whenever it runs without torch.distributed,
+    even when told to: a line in every one-process run's log that says nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _first_failure(e: CheckpointException) -> BaseException:
+    """The exception behind a DCP failure (of the lowest rank that had one)."""
+    return e.failures[min(e.failures)][0]
+
+
+# --- what each rank keeps of its own -----------------------------------------------------
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -155,6 +189,25 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["cpu"].cpu())
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def _extra_state(model: torch.nn.Module) -> dict:
+    """What the model's state dict holds besides its parameters (TE's FP8 metadata, buffers)."""
+    params = {name for name, _ in model.named_parameters()}
+    return {name: _local(t) for name, t in model.state_dict().items() if name not in params}
+
+
+def _save_rank_file(path: Path, model: torch.nn.Module, device: torch.device) -> None:
+    with open(path, "wb") as f:
+        torch.save({"rng": _rng_state(device), "extra": _extra_state(model)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _load_extra(model: torch.nn.Module, extra: dict, path: Path) -> None:
+    unexpected = model.load_state_dict(extra, strict=False).unexpected_keys
+    if unexpected:
+        raise UserError(f"checkpoint file {path} holds state this model does not have ({unexpected[0]}, ...)")
 
 
 # --- the checkpointer -------------------------------------------------------------------
@@ -181,8 +234,8 @@ class Checkpointer:
         self.layout = layout
         self.device = device
         self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
-        self.sharded = is_sharded(layout, cfg.train.sharding)
         self.state_bytes = OPTIMIZERS[optimizer_mode(cfg)][2]  # the optimizer's state per parameter
+        self.single = layout.world_size == 1  # one process: DCP runs without torch.distributed
         require_writable(self.dir, "checkpoint directory")
 
     def check_free_space(self, model: torch.nn.Module) -> None:
@@ -190,12 +243,14 @@ class Checkpointer:
 
         A save writes a new checkpoint (weights and the optimizer's state: AdamW's two moments,
         and master_adamw's remainders; all ranks) while the `keep` newest stay on disk, and
-        prunes only after: at its peak the folder holds `keep + 1` checkpoints. Those already here (a resumed run's) are on disk, so they
-        count as written; the leftovers of an interrupted save are deleted first, so they
-        count as free.
+        prunes only after: at its peak the folder holds `keep + 1` checkpoints. Those already
+        here (a resumed run's) are on disk, so they count as written; the leftovers of an
+        interrupted save are deleted first, so they count as free. Each global tensor is
+        written once, however many ranks hold a copy of it.
         """
-        local = sum(_local(p).numel() * (p.element_size() + self.state_bytes) for p in model.parameters())
-        one = int(all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), self.layout).item())
+        view = GlobalView(self.layout)
+        one = sum(view.of(name, p).numel() * (p.element_size() + self.state_bytes)
+                  for name, p in model.named_parameters())
         complete = [p for p in self.dir.iterdir() if _STEP_FOLDER.fullmatch(p.name)]
         needed = (self.keep + 1 - min(len(complete), self.keep)) * one
         reclaimable = sum(folder_bytes(p) for p in self._leftovers())
@@ -220,21 +275,25 @@ class Checkpointer:
             except OSError as e:
                 problem = write_failure(f"checkpoint folder {tmp}", e)
         _fail_together(problem, self.layout, self.device, f"checkpoint {tmp} failed on rank 0 (see its error)")
-        path = tmp / rank_file(self.layout.rank)
-        model_state, optimizer_state = (local_state_dicts(model, optimizer) if self.sharded
-                                        else (model.state_dict(), optimizer.state_dict()))
-        blob = {"model": model_state, "optimizer": optimizer_state, "rng": _rng_state(self.device)}
-        entry = None
+        # A collective that fails inside DCP (a peer died) is no write failure: it goes on up.
         try:
-            with open(path, "wb") as f:
-                torch.save(blob, f)
-                f.flush()
-                os.fsync(f.fileno())
-            entry = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-        except (OSError, RuntimeError) as e:  # torch.save raises RuntimeError on a full disk
-            problem = WriteFailed(f"{write_failure(f'checkpoint file {path}', e)}; {intact}")
+            with _dcp_quietly():
+                dcp.save(global_state_dict(model, optimizer, self.layout), checkpoint_id=tmp, no_dist=self.single)
+        except CheckpointException as e:  # a write failed: raised on every rank, whichever rank it was
+            problem = WriteFailed(f"{write_failure(f'checkpoint {tmp}', _first_failure(e))}; {intact}")
+        if problem is None:
+            path = tmp / rank_file(self.layout.rank)
+            try:
+                _save_rank_file(path, model, self.device)
+            except (OSError, RuntimeError) as e:  # torch.save raises RuntimeError on a full disk
+                problem = WriteFailed(f"{write_failure(f'checkpoint file {path}', e)}; {intact}")
         _fail_together(problem, self.layout, self.device, f"a rank could not write checkpoint {tmp} (see its "
                                                           f"error); {intact}")
+        # Every file is complete now (DCP's save ends when every rank's writes have): each rank
+        # hashes a share of them.
+        names = sorted(p.name for p in tmp.iterdir())
+        entry = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)}
+                 for name in _share(names, self.layout)}
         entries = _gather_to_main(entry, self.layout)
         if self.layout.is_main:
             meta = {
@@ -245,7 +304,7 @@ class Checkpointer:
                 "tokenizer_sha256": self.tokenizer_hash,
                 **asdict(state),
                 "config": to_dict(cfg),
-                "files": {rank_file(rank): e for rank, e in enumerate(entries)},
+                "files": {name: e for share in entries for name, e in sorted(share.items())},
             }
             try:
                 write_text_atomic(tmp / META, json.dumps(meta, indent=1))
@@ -279,7 +338,8 @@ class Checkpointer:
             return None
 
     def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig) -> TrainState:
-        """Restore this rank's shard, optimizer and RNG from the checkpoint `latest` names."""
+        """Restore the weights, the optimizer state and the RNG from the checkpoint `latest`
+        names, each rank reading the slices this run's layout gives it."""
         pointer = self.dir / LATEST
         try:
             name = pointer.read_text(errors="replace").strip()
@@ -298,30 +358,42 @@ class Checkpointer:
         _check_meta(meta, folder)
         self._check_compatible(meta, cfg, folder)
 
-        path = folder / rank_file(self.layout.rank)
-        problem = _verify(path, meta["files"].get(path.name))
+        problem = next(filter(None, (_verify(folder / name, meta["files"][name])
+                                     for name in _share(sorted(meta["files"]), self.layout))), None)
+        # DCP's index (which names the data files) and this rank's own file must be listed, so
+        # that nothing unverified is read.
+        own = rank_file(self.layout.rank if self.layout.rank < meta["world_size"] else 0)  # see the module
+        problem = problem or next((f"checkpoint file {folder / name} is not listed in its {META}"
+                                   for name in (INDEX, own) if name not in meta["files"]), None)
+        index = None
         if problem is None:
             try:
-                blob = torch.load(path, map_location=self.device, weights_only=True)
-            except pickle.UnpicklingError:  # its message advises weights_only=False, which runs the file's code
-                problem = (f"checkpoint file {path} holds objects other than tensors and plain data, which te_mixtral "
-                           f"never writes: it was altered, or written by another program; it is not loaded")
+                index = read_index(folder / INDEX)
+            except UserError as e:
+                problem = str(e)
         # A rank with a bad file must not leave the others waiting in the next collective.
         if _any_rank(problem is not None, self.layout, self.device):
             raise UserError(problem or f"checkpoint {folder} failed verification on another rank (see its error)")
         try:
-            if self.sharded:
-                load_local_state_dicts(model, optimizer, blob["model"], blob["optimizer"])
-            else:
-                model.load_state_dict(blob["model"])
-                optimizer.load_state_dict(blob["optimizer"])
-        except (KeyError, RuntimeError, ValueError) as e:
-            detail = " ".join(str(e).split())  # load_state_dict lists what differs on the lines after its first
-            raise UserError(f"checkpoint {folder} does not fit this run's model and optimizer: "
-                            f"{detail[:300]}") from None
+            with _dcp_quietly():
+                dcp.load(global_state_dict(model, optimizer, self.layout), storage_reader=IndexedReader(folder, index),
+                         no_dist=self.single)
+        except CheckpointException as e:  # raised on every rank
+            raise UserError(f"checkpoint {folder} does not fit this run's model: "
+                            f"{first_line(_first_failure(e))}") from None
+        try:
+            blob = torch.load(folder / own, map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError:  # its message advises weights_only=False, which runs the file's code
+            raise UserError(f"checkpoint file {folder / own} holds objects other than tensors and plain data, which "
+                            f"te_mixtral never writes: it was altered, or written by another program; it is not "
+                            f"loaded") from None
+        _load_extra(model, blob["extra"], folder / own)
         _set_rng_state(blob["rng"], self.device)
         if self.layout.is_main:
-            print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps})", flush=True)
+            # A change of EP size or sharding is among the notes below; the world size is no setting.
+            moved = (f", written by {meta['world_size']} rank(s), read by {self.layout.world_size}"
+                     if meta["world_size"] != self.layout.world_size else "")
+            print(f"te_mixtral: resuming from {folder} (step {meta['step']} of {cfg.train.steps}){moved}", flush=True)
             for note in _changed_settings(upgrade_saved(meta["config"]), to_dict(cfg)):
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
         # Checkpoints saved before the router records or the gradient norms were kept have none.
@@ -332,18 +404,14 @@ class Checkpointer:
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
         meta["config"] = upgrade_saved(meta["config"])
-        if (meta["world_size"], meta["ep_size"]) != (self.layout.world_size, self.layout.ep_size):
-            raise UserError(f"checkpoint {folder} was written by {meta['world_size']} ranks with EP={meta['ep_size']}; "
-                            f"resume it with the same world size and ep_size, not {self.layout.world_size} and "
-                            f"{self.layout.ep_size}")
         saved_tier = meta["config"].get("tier", cfg.tier)
         if (saved_tier in BASELINES) != (cfg.tier in BASELINES):  # transformers' model or ours: other names
             raise UserError(f"checkpoint {folder} was written by tier {saved_tier}, whose model names and lays out its "
                             f"weights unlike tier {cfg.tier}'s; resume it with --tier {saved_tier}")
-        saved_sharding = meta["config"].get("train", {}).get("sharding", "none")
-        if self.layout.world_size > 1 and saved_sharding != cfg.train.sharding:
-            raise UserError(f"checkpoint {folder} was written with train.sharding {saved_sharding}, which lays out "
-                            f"its files differently; resume it with --sharding {saved_sharding}")
+        saved_optimizer = meta["config"].get("train", {}).get("optimizer", "adamw")
+        if saved_optimizer != cfg.train.optimizer:
+            raise UserError(f"checkpoint {folder} was written with train.optimizer {saved_optimizer}, which keeps "
+                            f"other state than {cfg.train.optimizer}; resume it with --optimizer {saved_optimizer}")
         if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
             raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
                             f"resume with the config it was written with ({folder / META})")
@@ -369,7 +437,9 @@ def _check_meta(meta, folder: Path) -> None:
     if not isinstance(meta, dict):
         raise UserError(f"checkpoint {where} is corrupt: it holds a {type(meta).__name__}, not a mapping")
     if meta.get("format") != FORMAT_VERSION:  # another format may have other keys: say which format
-        raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
+        why = (": each rank's own shards, which only the te_mixtral that wrote them reads (finish that run with it)"
+               if meta.get("format") == 1 else "")
+        raise UserError(f"checkpoint {folder} has format {meta.get('format')}, this version reads {FORMAT_VERSION}{why}")
     for key, typ in _META_KEYS.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
             problem = "lacks" if key not in meta else f"has a {type(meta[key]).__name__} for"

@@ -1,6 +1,7 @@
 """`train.sharding: fsdp` with `train.optimizer: master_adamw`: FSDP2's bf16 shards step exactly
-as the unsharded parameters do, checkpoint and resume bit for bit, and export the same HF
-checkpoint (4 gloo ranks, EP=2 x DP=2 and EP=4; tests/workers/sharded_master_adamw.py)."""
+as the unsharded parameters do, checkpoint and resume bit for bit (sharded, and unsharded from
+the sharded checkpoint: each expert found where FSDP's cut of the EP cut put it), and export
+the same HF checkpoint (4 gloo ranks, EP=2 x DP=2 and EP=4; tests/workers/sharded_master_adamw.py)."""
 
 import filecmp
 
@@ -58,6 +59,7 @@ def test_sharded_master_adamw(tmp_path, launch_planned):
             # A resumed checkpoint steps on as the model it was saved from.
             assert record["resumed_step"] == 2
             assert_same_bits(record["resumed"], record["continued"], f"{where}, resumed and stepped")
+            assert_same_bits(record["resumed_unsharded"], record["continued"], f"{where}, resumed unsharded")
             assert not torch.equal(record["continued"]["lm_head.weight"]["param"],
                                    record["sharded"]["lm_head.weight"]["param"])  # that step changed something
 

@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import re
 from types import SimpleNamespace
 
@@ -116,17 +117,20 @@ def test_old_checkpoints_are_pruned_and_abandoned_futures_dropped(setup):
     assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000003"]
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("truncate", "truncated or corrupt"),
-    ("flip", "SHA-256 differs"),
-    ("delete", "is missing"),
-    ("meta", "unreadable or corrupt"),
-    ("latest", "not a step-NNNNNN folder"),
+@pytest.mark.parametrize("damage, file, message", [
+    ("truncate", "rank00000.pt", "truncated or corrupt"),
+    ("flip", "rank00000.pt", "SHA-256 differs"),
+    ("delete", "rank00000.pt", "is missing"),
+    ("truncate", "__0_0.distcp", "truncated or corrupt"),  # the weights and optimizer state
+    ("flip", "__0_0.distcp", "SHA-256 differs"),
+    ("delete", ".metadata", "is missing"),
+    ("meta", None, "unreadable or corrupt"),
+    ("latest", None, "not a step-NNNNNN folder"),
 ])
-def test_a_damaged_checkpoint_is_refused(setup, damage, message):
+def test_a_damaged_checkpoint_is_refused(setup, damage, file, message):
     cfg, fresh, ckpt = setup
     folder = save(ckpt, cfg, *fresh(), 2)
-    shard = folder / "rank00000.pt"
+    shard = folder / str(file)
     if damage == "truncate":
         os.truncate(shard, shard.stat().st_size // 2)
     elif damage == "flip":
@@ -143,6 +147,34 @@ def test_a_damaged_checkpoint_is_refused(setup, damage, message):
         ckpt.load_latest(*fresh(), cfg)
 
 
+class _Remove:
+    """Unpickled, deletes `path`: what a malicious pickle could do instead."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.remove, (self.path,)
+
+
+def test_a_checkpoint_index_that_would_run_code_is_refused_unread(setup, tmp_path):
+    """DCP's index is a pickle: one replaced, its hash in meta.json replaced too, must build
+    nothing but an index, and the refusal must not suggest loading it less safely."""
+    cfg, fresh, ckpt = setup
+    folder = save(ckpt, cfg, *fresh(), 2)
+    canary = tmp_path / "canary"
+    canary.write_text("still here")
+    (folder / ".metadata").write_bytes(pickle.dumps(_Remove(canary)))
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": (folder / ".metadata").stat().st_size,
+                                  "sha256": sha256_of(folder / ".metadata")}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    refusal = r"\.metadata is not a checkpoint index \(it would build posix\.remove\)"
+    with pytest.raises(UserError, match=refusal) as info:
+        ckpt.load_latest(*fresh(), cfg)
+    assert canary.exists() and "weights_only" not in str(info.value)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda meta: meta.pop("step"), "lacks 'step' (int expected)"),
     (lambda meta: meta.pop("files"), "lacks 'files'"),
@@ -152,8 +184,8 @@ def test_a_damaged_checkpoint_is_refused(setup, damage, message):
     (lambda meta: meta.update(losses=[1.0, "x"]), "'losses' are not all numbers"),
     (lambda meta: meta["files"]["rank00000.pt"].pop("sha256"), "entry for rank00000.pt lacks 'bytes' or 'sha256'"),
     (lambda meta: meta["config"].pop("model"), "its 'config' has no 'model' section"),
-    (lambda meta: meta.clear(), "has format None, this version reads 1"),
-    (lambda meta: meta.update(format=2, step=None), "has format 2, this version reads 1"),
+    (lambda meta: meta.clear(), "has format None, this version reads 2"),
+    (lambda meta: meta.update(format=1, step=None), "has format 1, this version reads 2: each rank's own shards"),
 ])
 def test_checkpoint_metadata_without_what_resume_reads_is_refused(setup, edit, message):
     cfg, fresh, ckpt = setup
@@ -190,9 +222,22 @@ def test_resume_refuses_what_cannot_continue(setup, tmp_path):
     bigger = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=32))
     with pytest.raises(UserError, match="different model"):
         ckpt.load_latest(*fresh(), bigger)
-    two_ranks = Checkpointer(cfg, Layout(0, 2, 2, None, None), CPU, TOKENIZER)
-    with pytest.raises(UserError, match="same world size and ep_size"):
-        two_ranks.load_latest(*fresh(), cfg)
+    master = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="master_adamw", dtype="bf16"))
+    with pytest.raises(UserError, match="written with train.optimizer adamw.*resume it with --optimizer adamw"):
+        ckpt.load_latest(*fresh(), master)
+
+
+def test_a_model_with_a_parameter_the_checkpoint_lacks_is_refused_in_one_line(setup):
+    """Say, an adapter added since: the checkpoint has nothing to load into it."""
+    cfg, fresh, ckpt = setup
+    save(ckpt, cfg, *fresh(), 3)
+    model, _ = fresh()
+    model.model.layers[0].self_attn.register_parameter("adapter", torch.nn.Parameter(torch.zeros(4, 16)))
+    optimizer = make_optimizer(model, cfg)
+    refusal = r"does not fit this run's model: .*model\.model\.layers\.0\.self_attn\.adapter"
+    with pytest.raises(UserError, match=refusal) as info:
+        ckpt.load_latest(model, optimizer, cfg)
+    assert "\n" not in str(info.value)
 
 
 def test_resume_reads_an_older_checkpoints_config_through_its_upgrade(setup, capsys, monkeypatch):
@@ -237,9 +282,10 @@ def test_meta_records_sizes_and_hashes(setup):
     cfg, fresh, ckpt = setup
     folder = save(ckpt, cfg, *fresh(), 1)
     meta = json.loads((folder / "meta.json").read_text())
-    entry = meta["files"]["rank00000.pt"]
-    assert entry["bytes"] == (folder / "rank00000.pt").stat().st_size
-    assert entry["sha256"] == sha256_of(folder / "rank00000.pt")
+    written = {p.name for p in folder.iterdir()} - {"meta.json"}
+    assert set(meta["files"]) == written and {".metadata", "rank00000.pt"} <= written  # DCP's index and data too
+    for name, entry in meta["files"].items():
+        assert entry == {"bytes": (folder / name).stat().st_size, "sha256": sha256_of(folder / name)}, name
     assert meta["world_size"] == 1 and meta["config"]["model"]["hidden_size"] == 16
 
 

@@ -37,21 +37,26 @@ def make(cfg, seed: int, steps: int):
     return model, optimizer
 
 
-def step(model, optimizer, generator, steps: int = 1) -> None:
+def step(model, optimizer, generator, steps: int = 1, skip: str | None = None) -> None:
+    """`steps` steps on random gradients, parameter `skip` left without one."""
     for _ in range(steps):
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        for name, p in model.named_parameters():
+            p.grad = None if name == skip else torch.randn(p.shape, generator=generator).to(p.dtype)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_restored_optimizer_makes_the_saved_runs_next_update(tmp_path, name):
-    cfg = load_config(None, {
+def small_config(tmp_path, name: str):
+    return load_config(None, {
         "checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "64", "hidden_size": "16", "intermediate_size": "24",
         "num_hidden_layers": "1", "num_attention_heads": "2", "num_key_value_heads": "1", "head_dim": "8",
         "num_experts": "2", "tokenizer_vocab_size": "64", "steps": "10", "optimizer": name, "lr": "1e-2",
         "weight_decay": "0.1", **OPTIMIZERS[name]})
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_restored_optimizer_makes_the_saved_runs_next_update(tmp_path, name):
+    cfg = small_config(tmp_path, name)
     saved_model, saved_optimizer = make(cfg, seed=1, steps=3)
     ckpt = Checkpointer(cfg, SINGLE, CPU, "a" * 64)  # any tokenizer hash: saved and read by one run
     ckpt.save(TrainState(3, [1.0, 1.0, 1.0], []), saved_model, saved_optimizer, cfg)
@@ -69,6 +74,27 @@ def test_restored_optimizer_makes_the_saved_runs_next_update(tmp_path, name):
         assert torch.equal(got, want), f"{name}: {key} after the step that follows the restore"
         moved |= not torch.equal(want, before)
     assert moved, "the step after the restore changed nothing, so the comparison proves nothing"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_parameter_never_stepped_is_restored_as_fresh(tmp_path, name):
+    """A parameter that has had no gradient yet has no optimizer state. Saving must give it
+    the state its first step would create without stepping anything else (the step counts
+    set the bias correction), and the restored run then steps as the saved one."""
+    cfg = small_config(tmp_path, name)
+    saved_model, saved_optimizer = make(cfg, seed=1, steps=0)
+    step(saved_model, saved_optimizer, torch.Generator().manual_seed(1), steps=2, skip="lm_head.weight")
+    Checkpointer(cfg, SINGLE, CPU, "a" * 64).save(TrainState(2, [1.0, 1.0], []), saved_model, saved_optimizer, cfg)
+    model, optimizer = make(cfg, seed=2, steps=0)
+    Checkpointer(cfg, SINGLE, CPU, "a" * 64).load_latest(model, optimizer, dataclasses.replace(cfg, resume=True))
+    for stepped in (saved_model, model):  # the saved run goes on as if never saved
+        step(stepped, saved_optimizer if stepped is saved_model else optimizer, torch.Generator().manual_seed(3))
+    reference, reference_optimizer = make(cfg, seed=1, steps=0)  # never saved at all
+    step(reference, reference_optimizer, torch.Generator().manual_seed(1), steps=2, skip="lm_head.weight")
+    step(reference, reference_optimizer, torch.Generator().manual_seed(3))
+    for (key, want), (_, saved), (_, resumed) in zip(reference.named_parameters(), saved_model.named_parameters(),
+                                                     model.named_parameters()):
+        assert torch.equal(saved, want) and torch.equal(resumed, want), f"{name}: {key}"
 
 
 @pytest.mark.parametrize("name, moments", [("adamw", "bf16"), ("master_adamw", "bf16"), ("master_adamw", "fp32")])

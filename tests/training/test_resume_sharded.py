@@ -9,11 +9,6 @@ import shutil
 import pytest
 from launch import RUN_DIR, run_app, train_and_save
 
-from te_mixtral.config import load_config, to_dict
-from te_mixtral.distributed.layout import Layout
-from te_mixtral.errors import UserError
-from te_mixtral.training.checkpoint import Checkpointer
-
 N = 2
 ARGS = ["--ep-size", "1", "--steps", str(2 * N), "--timing_warmup_steps", "1", "--batch_size", "4",
         "--seq_len", "32", "--log_every", "1", "--checkpoint-every", str(N), "--sharding", "fsdp",
@@ -44,12 +39,3 @@ def test_sharded_stop_and_resume_equals_one_run(tmp_path, launch_planned):
     assert got["losses"] == want["losses"]  # bit for bit: weights, remainders, moments, RNG, data
     assert got["grad_norms"] == want["grad_norms"]
 
-
-def test_sharded_checkpoint_refuses_an_unsharded_resume(tmp_path):
-    """Its files hold shards laid out by FSDP; an unsharded run would misread them."""
-    saved = load_config(None, {"sharding": "fsdp", "checkpoint_dir": str(tmp_path)}, world_size=2)
-    resuming = load_config(None, {"checkpoint_dir": str(tmp_path)}, world_size=2)
-    meta = {"world_size": 2, "ep_size": 1, "step": 1, "config": to_dict(saved)}
-    checkpointer = Checkpointer(resuming, Layout(0, 2, 1, None, None), None, "0" * 64)
-    with pytest.raises(UserError, match="written with train.sharding fsdp.*resume it with --sharding fsdp"):
-        checkpointer._check_compatible(meta, resuming, tmp_path)

@@ -12,8 +12,9 @@ sharded), then:
    models step with A's clip factor; both clip norms are recorded. A's and B's parameters,
    remainders and moments are recorded (B's gathered whole), with the elements B holds.
 3. A and B are exported as Hugging Face checkpoints.
-4. B is checkpointed, a third model C (another seed) resumes from it, and B and C take one
-   more step on fresh random gradients: both states are recorded.
+4. B is checkpointed, a third model C (another seed) resumes from it, and so does a fourth,
+   D, unsharded (its experts read back from the slices FSDP cut); B, C and D take one more
+   step on fresh random gradients: their states are recorded.
 Writes OUT_DIR/ep{EP}/rank{r}.pt and OUT_DIR/ep{EP}/hf_{unsharded,sharded}/.
 """
 
@@ -149,12 +150,15 @@ for ep, moments in ((2, "bf16"), (4, "fp32")):
     checkpointer.save(TrainState(2, [1.0, 1.0]), b, opt_b, cfg)
     c, opt_c = build(1, sharded=True)
     resumed = checkpointer.load_latest(c, opt_c, cfg)
+    d, opt_d = build(1, sharded=False)
+    checkpointer.load_latest(d, opt_d, cfg)
     grads = random_grads(a, layout, 7)
-    for model, opt in ((b, opt_b), (c, opt_c)):
+    for model, opt in ((b, opt_b), (c, opt_c), (d, opt_d)):
         set_grads(model, grads)
         optimizer_step(opt, None)
     record["resumed_step"] = resumed.step
     record["continued"], record["resumed"] = state_of(b, opt_b), state_of(c, opt_c)
+    record["resumed_unsharded"] = state_of(d, opt_d)
 
     torch.save(record, folder / f"rank{layout.rank}.pt")
 shutdown(wait_for_peers=True)
