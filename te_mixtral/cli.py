@@ -8,7 +8,6 @@ are read first (te_mixtral/accelerate_launch.py)."""
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 
 from te_mixtral.accelerate_launch import describe, launch_settings
@@ -21,7 +20,7 @@ from te_mixtral.config import (
     to_dict,
 )
 from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
-from te_mixtral.errors import ExitCode, UserError, error_line, report_error
+from te_mixtral.errors import ExitCode, UserError, print_error, report_error
 from te_mixtral.saved_config import flatten
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -115,7 +114,7 @@ def main(argv: list[str]) -> int:
         return _run(argv)
     except KeyboardInterrupt:  # before training: once it starts, training/loop.py says where it stopped
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun sends a second one
-        print(error_line("interrupted before the first step", ExitCode.INTERRUPTED), file=sys.stderr, flush=True)
+        print_error("interrupted before the first step", ExitCode.INTERRUPTED)
         return ExitCode.INTERRUPTED
 
 

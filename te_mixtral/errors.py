@@ -38,11 +38,18 @@ def error_line(message: str, exit_code: int) -> str:
     return f"te_mixtral: error: {message}" + (f" [exit code {int(exit_code)}]" if launched else "")
 
 
+def print_error(message: str, exit_code: int) -> None:
+    """`error_line` on stderr in a single write: ranks share the launcher's stderr, and a
+    print's text and newline, written apart (unbuffered), can interleave with another rank's."""
+    sys.stderr.write(error_line(message, exit_code) + "\n")
+    sys.stderr.flush()
+
+
 def report_error(error: Exception, world_size: int) -> int:
     """Print `error` as the one-line message and return its exit code; `world_size` is
     how many ranks torchrun started (`distributed.launcher_env.world_size_from_env`)."""
     exit_code = int(getattr(error, "exit_code", ExitCode.BAD_INPUT))
-    print(error_line(str(error), exit_code), file=sys.stderr, flush=True)
+    print_error(str(error), exit_code)
     if world_size > 1:
         time.sleep(PEER_GRACE_S)
     return exit_code

@@ -17,7 +17,7 @@ import importlib.util
 from functools import partial
 
 import torch
-import torch.nn.functional as F
+
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import with_adapter

@@ -14,7 +14,6 @@ the run stops there, writes results.json with the losses so far, and exits with
 import contextlib
 import math
 import signal
-import sys
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -44,7 +43,7 @@ from te_mixtral.errors import (
     Interrupted,
     UserError,
     WriteFailed,
-    error_line,
+    print_error,
     report_error,
 )
 from te_mixtral.experts.loop import LoopTier
@@ -403,7 +402,6 @@ def main(cfg: RunConfig, config_path: str | None = None) -> int:
         if not _lost_a_peer(e):
             raise
         reason = (str(e).strip().splitlines() or ["no detail"])[0]
-        print(error_line(f"a collective failed, another rank probably died or hung (see its log); resume from the "
-                         f"last checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER),
-              file=sys.stderr, flush=True)
+        print_error(f"a collective failed, another rank probably died or hung (see its log); resume from the last "
+                    f"checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER)
         return ExitCode.LOST_A_PEER

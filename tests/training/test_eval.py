@@ -107,7 +107,7 @@ def test_a_chat_run_prompts_as_a_user_turn():
     tokenizer = load_tokenizer(CHAT, [])
     turn = [{"role": "user", "content": "What is a list?"}]
     expected = tokenizer.chat.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert encode_prompt(tokenizer, "What is a list?", 1024) == expected
+    assert encode_prompt(tokenizer, "What is a list?", 1024, 32) == expected
     assert tokenizer.chat.decode(expected).endswith("[/INST]")
     text = replace(tokenizer, chat=None)  # the same tokenizer in a text run: the prompt as it is
-    assert encode_prompt(text, "What is a list?", 1024) == tokenizer.backend.encode("What is a list?").ids
+    assert encode_prompt(text, "What is a list?", 1024, 32) == tokenizer.backend.encode("What is a list?").ids
