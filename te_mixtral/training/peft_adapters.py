@@ -25,6 +25,7 @@ Hugging Face export gathers the experts (hf_checkpoint.py).
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -98,10 +99,8 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
         return None
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     try:
-        if tmp.exists():  # left by a run that died while exporting
-            for path in tmp.iterdir():
-                path.unlink()
-        tmp.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while exporting
+        tmp.mkdir(parents=True)
         save_file({name: t.contiguous() for name, t in tensors.items()}, tmp / "adapter_model.safetensors")
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         # Marks the folder as ours, so that a later export may replace it (training/outputs.py).

@@ -93,9 +93,14 @@ def test_parameters_gradients_and_adamw_state_are_exact_on_cpu():
     ids, packed = random_batch(cfg)
     causal_lm_loss(model(ids, packed), ids, torch.tensor(float(ids.numel()))).backward()
     optimizer.step()
-    estimate = estimate_memory(cfg, 1, device="cpu")
+    assert_state_counted_exactly(estimate_memory(cfg, 1, device="cpu"), model, optimizer)
+
+
+def assert_state_counted_exactly(estimate, model, optimizer) -> None:
+    """The estimate's parameters, gradients and AdamW state are the bytes the model and its
+    optimizer hold after a step (a frozen parameter has no gradient)."""
     assert estimate.parameters == sum(p.nbytes for p in model.parameters())
-    assert estimate.gradients == sum(p.grad.nbytes for p in model.parameters())
+    assert estimate.gradients == sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
     # AdamW's two moments; its per-parameter step counter (a scalar) is left out of the estimate.
     moments = sum(s[k].nbytes for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
     assert estimate.optimizer_state == moments

@@ -4,7 +4,15 @@ for the backward (measured as test_memory.py measures a full fine-tune's)."""
 
 import pytest
 import torch
-from measure.test_memory import SINGLE, build, forward_loss, held_after_forward, random_batch, tiny
+from measure.test_memory import (
+    SINGLE,
+    assert_state_counted_exactly,
+    build,
+    forward_loss,
+    held_after_forward,
+    random_batch,
+    tiny,
+)
 
 from te_mixtral.measure.memory import estimate_memory
 from te_mixtral.model.lora import add_adapters, freeze_base
@@ -37,11 +45,7 @@ def test_frozen_base_adapters_and_their_adamw_state_are_exact(targets):
     ids, packed = random_batch(cfg)
     causal_lm_loss(model(ids, packed), ids, torch.tensor(float(ids.numel()))).backward()
     optimizer.step()
-    estimate = estimate_memory(cfg, 1, device="cpu")
-    assert estimate.parameters == sum(p.nbytes for p in model.parameters())
-    assert estimate.gradients == sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-    moments = sum(s[k].nbytes for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
-    assert estimate.optimizer_state == moments
+    assert_state_counted_exactly(estimate_memory(cfg, 1, device="cpu"), model, optimizer)
 
 
 # The estimate counts what a full fine-tune's forward keeps, plus the adapters' own: an upper
