@@ -84,6 +84,7 @@ def build_peft_model(cfg, device, dtype, attention: str = "sdpa", gradient_check
         # The name PEFT's recipes call; newer transformers warn that it became
         # `activation_checkpointing_enable`, which older ones lack.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # adapter_config.json's fields, less the two that describe the file rather than the adapters.
     settings = {k: v for k, v in peft_config(cfg).items() if k not in ("peft_type", "base_model_name_or_path")}
     return get_peft_model(model, LoraConfig(**{**settings, "inference_mode": False}))
 
@@ -126,8 +127,18 @@ def workload_config(args):
     return cfg
 
 
-def run(args, cfg) -> dict:
-    # Heavy imports only once the arguments are known to be good: a mistake is refused at once.
+def cuda_device():
+    """The GPU the peer runs on; a one-line refusal on a machine without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("the transformers + PEFT peer needs a CUDA GPU, and none is visible")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def run(args, cfg, device) -> dict:
+    """Build, train `args.steps` steps and measure; the results as --json writes them.
+    `device` is the GPU (a CPU runs it too, slowly, for the tests)."""
     import torch
 
     from te_mixtral.measure.metrics import (
@@ -141,9 +152,6 @@ def run(args, cfg) -> dict:
     from te_mixtral.measure.report import software_versions
 
     m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
-    if not torch.cuda.is_available():
-        raise UserError("the transformers + PEFT peer needs a CUDA GPU, and none is visible")
-    device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(cfg.train.seed)
 
     # --- the model and optimizer, as a transformers + PEFT user builds them
@@ -218,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_args(args)
-        result = run(args, workload_config(args))
+        cfg = workload_config(args)
+        # Heavy imports only once the arguments are known to be good: a mistake is refused at once.
+        result = run(args, cfg, cuda_device())
     except UserError as error:
         print(f"peft_peer: error: {error}", file=sys.stderr)
         return 2

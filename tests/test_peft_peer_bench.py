@@ -6,6 +6,8 @@ Timing it needs CUDA; that part runs on GPU machines only."""
 
 import argparse
 import ast
+import json
+import math
 import re
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from conftest import REPO
 from benchmarks.peft_peer import (
     build_peft_model,
     packed_row,
+    run,
     train_step,
     workload_config,
 )
@@ -124,3 +127,19 @@ def test_one_step_on_cpu_trains_the_adapters_only():
     changed = {name for name, p in named.items() if not torch.equal(p, before[name])}
     assert changed and changed <= {name for name, p in named.items() if p.requires_grad}
     assert all(p.grad is None for p in named.values())  # zero_grad sets them to None
+
+
+@pytest.mark.parametrize("doc_len", [None, 40])
+def test_the_whole_run_measures_on_cpu(doc_len):
+    """What the GPU run does, on a CPU in bf16: our rows or random ones, figures and --json's fields."""
+    args = argparse.Namespace(config=TINY, layers=1, rank=None, alpha=None, steps=2, warmup=1, doc_len=doc_len,
+                              gradient_checkpointing=True)
+    cfg = workload_config(args)
+    result = run(args, cfg, torch.device("cpu"))
+    assert len(result["loss"]) == len(result["step_ms"]) == 2 and all(map(math.isfinite, result["loss"]))
+    w = result["workload"]
+    assert w["trainable_parameters"] == count_adapters(cfg.model, 1, cfg.lora)
+    assert (w["attention"], w["experts"], w["lora"]["rank"]) == ("sdpa", "grouped_mm", 16)
+    assert w["rows"] == ("ours" if doc_len is None else "random, 40-token documents")
+    assert result["summary"]["tokens_per_s"] > 0 and result["flops_per_step"][0] > 0
+    json.dumps(result)  # what --json writes
