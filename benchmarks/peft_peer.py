@@ -207,6 +207,8 @@ def check_args(args) -> None:
         raise UserError(f"--rank must be positive (this peer trains LoRA adapters), got {args.rank}")
     if args.alpha is not None and args.alpha <= 0:
         raise UserError(f"--alpha must be positive, got {args.alpha}")
+    if args.json is not None and not args.json.parent.is_dir():  # found out now, not after the run
+        raise UserError(f"--json {args.json}: no folder {args.json.parent} to write it in")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,7 @@ def test_bad_arguments_are_refused_in_one_line_before_heavy_imports():
         (["--rank", "0"], "--rank must be positive (this peer trains LoRA adapters), got 0"),
         (["--alpha", "-1"], "--alpha must be positive, got -1.0"),
         (["--config", "configs/missing.yaml"], "cannot read config configs/missing.yaml"),
+        (["--json", "/nonexistent/out.json"], "--json /nonexistent/out.json: no folder /nonexistent to write it in"),
     ]
     script = ("import contextlib, io, sys\nfrom benchmarks.peft_peer import main\n"
               f"for args in {[args for args, _ in cases]!r}:\n"
