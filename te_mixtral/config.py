@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from te_mixtral.config_checks import validate
+from te_mixtral.config_checks import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, validate
 from te_mixtral.errors import UserError
 from te_mixtral.files import write_text_atomic
 from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
@@ -146,12 +146,6 @@ class TrainConfig:
                               help="also export to save_hf and save_adapter every N steps (0: at the end only)")
     checkpoint_every: int = setting(0, workload=False, resumable=True,
                                     help="steps between training checkpoints (0: at the end only)")
-
-
-# The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
-# `target_parameters` (experts: each stacked weight is one target) give them.
-LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 
 
 @dataclass

@@ -28,6 +28,10 @@ RECOMPUTE = ("none", "selective", "full")
 BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_FORMATS = ("text", "chat")
+# The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
+# `target_parameters` (experts: each stacked weight is one target) give them.
+LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -124,8 +128,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
 
 def validate_lora(cfg: RunConfig) -> None:
     """The checks of the lora section, and of what LoRA leaves out."""
-    from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS
-
     lora, t = cfg.lora, cfg.train
     _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
     _check(cfg.save_adapter is None or lora.enabled, "save_adapter exports LoRA adapters: set lora.rank (e.g. 16)")
