@@ -76,3 +76,30 @@ def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert_one_line_error(run_app(["--config", str(empty)], timeout=120), "needs about")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"lora.rank": "-1"}, "lora.rank must be 0 (off) or positive"),
+    ({"lora.rank": "8", "lora.alpha": "0"}, "lora.alpha must be finite and above 0"),
+    ({"lora.rank": "8", "lora.dropout": "1"}, "lora.dropout must be in [0, 1)"),
+    ({"lora.rank": "8", "lora.targets": "q_proj,gate_proj"}, "lora.targets: unknown projection 'gate_proj'"),
+    ({"lora.rank": "8", "lora.targets": ","}, "lora.targets names no projection"),
+    ({"lora.rank": "8", "lora.targets": "v_proj,v_proj"}, "lora.targets names a projection twice"),
+    ({"lora.rank": "8", "optimizer": "master_adamw", "dtype": "bf16"}, "lora trains small fp32 adapters"),
+    ({"lora.rank": "8", "sharding": "fsdp"}, "train.sharding fsdp is for full fine-tuning"),
+    ({"save_adapter": "out"}, "save_adapter exports LoRA adapters: set lora.rank"),
+])
+def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
+    with pytest.raises(UserError) as raised:
+        load_config(str(REPO / "configs" / "tiny.yaml"), overrides)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("tier", ["device_mxfp8", "hf", "hf_eager"])
+def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
+    from te_mixtral.experts.registry import check_tier
+
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"lora.rank": "8", "tier": tier})
+    with pytest.raises(UserError, match=f"tier '{tier}' does not run LoRA adapters .*tiers that do: loop, "
+                                        f"grouped_linear, custom_grouped"):
+        check_tier(cfg, 1)

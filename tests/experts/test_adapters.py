@@ -5,10 +5,14 @@ the custom_grouped Triton op's, also in Triton's interpreter (test_custom_groupe
 
 import pytest
 import torch
+from conftest import REPO
 from expert_reference import random_adapters, reference_lora_f64
 from experts.test_custom_grouped import FP32_REL_TOL, SPLITS, make_inputs
 
+from te_mixtral.config import load_config
+from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import ExpertAdapters
+from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.registry import EXPERT_TIERS, make_tier
 
 TIERS_ON_CPU = ["loop", "custom_grouped"]
@@ -46,3 +50,16 @@ def test_the_tiers_that_take_adapters_say_so():
     """The registry refuses lora for the others (test_config_validation); these run them."""
     assert {name for name, tier in EXPERT_TIERS.items() if tier.takes_adapters} == \
         {"loop", "grouped_linear", "custom_grouped"}
+
+
+def test_custom_grouped_refuses_dropout_it_cannot_apply():
+    """On a GPU the down adapter reads SwiGLU's output inside the Triton op, where no dropout
+    mask can reach: a run that asks for one is refused in one line, not trained without it."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"tier": "custom_grouped", "lora.rank": "4",
+                                                             "lora.dropout": "0.1"})
+    tier = CustomGroupedTier.from_config(cfg)
+    tier.check_available(torch.device("cpu"))  # the grouped_mm path applies it
+    with pytest.raises(TierUnavailable, match="no dropout to the down adapter's input"):
+        tier.check_available(torch.device("cuda"))
+    cfg.lora.targets = "q_proj,gate_up_proj"  # no down adapter: nothing to refuse
+    CustomGroupedTier.from_config(cfg).check_available(torch.device("cuda"))
