@@ -51,11 +51,10 @@ From the repository root, on a CUDA machine with transformers and peft:
 
 import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
-from benchmarks.te_example import our_rows, random_rows
+from benchmarks.te_example import our_rows, random_rows, report
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 
@@ -234,15 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"peft_peer: error: {error}", file=sys.stderr)
         return 2
-    s, w = result["summary"], result["workload"]
-    mfu = f"{100 * s['mfu']:.0f}%" if s["mfu"] is not None else "n/a"
-    print(f"transformers + PEFT LoRA r{w['lora']['rank']} ({w['num_hidden_layers']} layers, {w['tokens_per_step']} "
-          f"tokens/step, {w['attention']}, {w['experts']}) on {result['header']['device']}: median "
-          f"{s['median_step_ms']:.1f} ms/step, {s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), "
-          f"{s['tokens_per_s']:.0f} tokens/s, peak {s['peak_memory_gib']:.1f} GiB, "
-          f"loss {result['loss'][0]:.3f} -> {result['loss'][-1]:.3f}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    w = result["workload"]
+    report(f"transformers + PEFT LoRA r{w['lora']['rank']} ({w['num_hidden_layers']} layers, {w['tokens_per_step']} "
+           f"tokens/step, {w['attention']}, {w['experts']})", result, args.json)
     return 0
 
 

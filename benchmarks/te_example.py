@@ -214,15 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"te_example: error: {error}", file=sys.stderr)
         return 2
-    s, w = result["summary"], result["workload"]
-    mfu = f"{100 * s['mfu']:.0f}%" if s["mfu"] is not None else "n/a"
-    print(f"TE example ({w['num_hidden_layers']} layers, {w['tokens_per_step']} tokens/step) on "
-          f"{result['header']['device']}: median {s['median_step_ms']:.1f} ms/step, {s['tflops_per_gpu']:.0f} "
-          f"TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s']:.0f} tokens/s, peak {s['peak_memory_gib']:.1f} GiB, "
-          f"loss {result['loss'][0]:.3f} -> {result['loss'][-1]:.3f}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    w = result["workload"]
+    report(f"TE example ({w['num_hidden_layers']} layers, {w['tokens_per_step']} tokens/step)", result, args.json)
     return 0
+
+
+def report(peer: str, result: dict, json_path: Path | None) -> None:
+    """A peer run's one-line summary (`peer` names what ran), and its JSON where asked for."""
+    s = result["summary"]
+    mfu = f"{100 * s['mfu']:.0f}%" if s["mfu"] is not None else "n/a"
+    print(f"{peer} on {result['header']['device']}: median {s['median_step_ms']:.1f} ms/step, "
+          f"{s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s']:.0f} tokens/s, "
+          f"peak {s['peak_memory_gib']:.1f} GiB, loss {result['loss'][0]:.3f} -> {result['loss'][-1]:.3f}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
