@@ -101,8 +101,10 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def global_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout) -> dict[str, torch.Tensor]:
-    """Every parameter and every optimizer state tensor as a global view (see the module):
-    views of the live tensors, so that loading into them restores the run in place."""
+    """Every trained parameter and every optimizer state tensor as a global view (see the
+    module): views of the live tensors, so that loading into them restores the run in place.
+    A frozen parameter (LoRA's base) is left out: it never changes, and comes back from where
+    it came (the `--model` checkpoint, or the seed)."""
     view = GlobalView(layout)
     for module in model.modules():
         # FSDP's root keeps its weights gathered after a forward with no backward (an
@@ -113,6 +115,8 @@ def global_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, layout
     materialize_optimizer_state(optimizer)
     state = {}
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         state[f"model.{name}"] = view.of(name, p)
         for key, t in optimizer.state[p].items():
             if isinstance(t, torch.Tensor):

@@ -4,8 +4,10 @@ What a checkpoint holds
 -----------------------
 Everything the next step depends on, and nothing that can be recomputed:
 
-- the weights and the optimizer state (AdamW's moments and step counts, master_adamw's
-  remainders) as *global* tensors: an expert parameter stacks all the model's experts, a
+- the trained weights and the optimizer state (AdamW's moments and step counts,
+  master_adamw's remainders) as *global* tensors (with LoRA the adapters alone: the frozen
+  base is read again from `--model`, or made again from the seed, so resuming needs the same
+  `model_path` and seed): an expert parameter stacks all the model's experts, a
   dense one is whole, whatever the layout that wrote them (distributed/global_state.py).
   torch.distributed.checkpoint (DCP) writes each rank's pieces once and reads back, on each
   rank of the resuming run, exactly the slices that rank holds: a checkpoint written on W
@@ -250,7 +252,7 @@ class Checkpointer:
         """
         view = GlobalView(self.layout)
         one = sum(view.of(name, p).numel() * (p.element_size() + self.state_bytes)
-                  for name, p in model.named_parameters())
+                  for name, p in model.named_parameters() if p.requires_grad)  # what a checkpoint holds
         complete = [p for p in self.dir.iterdir() if _STEP_FOLDER.fullmatch(p.name)]
         needed = (self.keep + 1 - min(len(complete), self.keep)) * one
         reclaimable = sum(folder_bytes(p) for p in self._leftovers())
@@ -412,6 +414,15 @@ class Checkpointer:
         if saved_optimizer != cfg.train.optimizer:
             raise UserError(f"checkpoint {folder} was written with train.optimizer {saved_optimizer}, which keeps "
                             f"other state than {cfg.train.optimizer}; resume it with --optimizer {saved_optimizer}")
+        if cfg.lora.enabled:  # the checkpoint holds the adapters; the base is read or made again
+            saved_path = meta["config"].get("model_path")
+            saved_seed = meta["config"].get("train", {}).get("seed")
+            if saved_path != cfg.model_path:
+                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path}, not "
+                                f"{cfg.model_path}: resume with --model {saved_path}")
+            if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
+                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
+                                f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")
         if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
             raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
                             f"resume with the config it was written with ({folder / META})")

@@ -116,8 +116,8 @@ def default_dtype(dtype: torch.dtype):
 
 
 def initialise(model: MixtralForCausalLM, cfg: RunConfig, layout: Layout, model_dir: Path | None) -> None:
-    if cfg.resume:
-        return  # the training checkpoint overwrites every weight
+    if cfg.resume and not cfg.lora.enabled:
+        return  # the training checkpoint overwrites every weight (with LoRA, only the adapters)
     if model_dir is not None:
         load_hf_weights(model, model_dir, layout)
     else:

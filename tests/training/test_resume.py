@@ -9,6 +9,8 @@ import shutil
 import pytest
 from launch import RUN_DIR, run_app, train_and_save
 
+from te_mixtral.training.dcp_index import read_index
+
 N = 3
 COMMON = ["--ep-size", "2", "--steps", str(2 * N), "--timing_warmup_steps", "1", "--batch_size", "4",
           "--seq_len", "64", "--log_every", "1", "--eval-fraction", "0.05", "--eval-every", str(N),
@@ -37,6 +39,11 @@ def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
     launch_planned(2)
     train_and_save(whole, whole_run(optimizer), nproc=2)
     assert sorted(p.name for p in (whole / "ckpt").iterdir()) == ["latest", "step-000003", "step-000006"]
+    saved = read_index(whole / "ckpt" / "step-000003" / ".metadata").state_dict_metadata
+    if optimizer == "lora":  # what trains, and nothing of the frozen base, which the resume makes again
+        assert saved and all(".adapters." in name for name in saved), sorted(saved)[:5]
+    else:
+        assert "model.model.embed_tokens.weight" in saved
 
     # The state a run killed right after its step-N checkpoint leaves behind.
     resumed = tmp_path / "resumed"
@@ -55,3 +62,16 @@ def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
     assert got["evals"] == want["evals"]
     assert got["summary"]["timed_steps"] == N - 1  # the resumed process warms up again
     assert (resumed / "ckpt" / "latest").read_text().strip() == "step-000006"
+
+
+@pytest.mark.slow
+def test_lora_resume_needs_the_same_base(tmp_path, launch_planned):
+    """A LoRA checkpoint holds the adapters alone; resuming over another base (here: made from
+    another seed) would pair them with weights they were not trained on, and is refused."""
+    whole = tmp_path / "whole"
+    launch_planned(2)
+    train_and_save(whole, whole_run("lora"), nproc=2)
+    proc = run_app([*COMMON, *OPTIMIZERS["lora"], "--seed", "7", "--checkpoint-dir", str(whole / "ckpt"),
+                    "--output-dir", str(tmp_path / "other"), "--resume"], nproc=2)
+    assert proc.returncode != 0
+    assert "holds LoRA adapters trained over the base made from seed 1234, not 7: resume with --seed 1234" in proc.stderr
