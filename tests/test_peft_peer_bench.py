@@ -27,8 +27,6 @@ from benchmarks.te_example import random_rows
 from te_mixtral.config import load_config
 from te_mixtral.measure.model_state import count_adapters
 
-pytest.importorskip("peft")
-
 TINY = str(REPO / "configs/tiny.yaml")
 
 

@@ -3,6 +3,7 @@ LoRA loaded from the adapters we save (logits, loss and the gradients of every A
 float64), a zero B leaves the base model's forward bit for bit, and the frozen base gets no
 gradient. PEFT is the independent reference: it adapts transformers' own modules."""
 
+import peft
 import pytest
 import torch
 from hf_reference import random_hf_mixtral
@@ -22,8 +23,6 @@ from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
 from te_mixtral.model.mixtral import causal_lm_loss
 from te_mixtral.training.hf_checkpoint import load_hf_weights, save_hf_checkpoint
 from te_mixtral.training.peft_adapters import PREFIX, expert_key, peft_config, save_adapter
-
-peft = pytest.importorskip("peft")
 
 SINGLE = Layout(0, 1, 1, None, None)
 VOCAB = 101
