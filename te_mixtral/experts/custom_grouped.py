@@ -18,11 +18,10 @@ from functools import partial
 
 import torch
 
-
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import with_adapter
 from te_mixtral.experts.base import ExpertTier, swiglu
-from te_mixtral.experts.grouped_mm import grouped_matmul
+from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
 
 
 class CustomGroupedTier(ExpertTier):
@@ -81,7 +80,7 @@ def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=N
 
     if adapters is None:
         return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden)
-    matmul = partial(grouped_matmul, offs_L=torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32))
+    matmul = partial(grouped_matmul, offs_L=offsets(tokens_per_expert_L))
     h_add_R2F = adapters.delta("gate_up", x_RD, matmul)
     if adapters.down is None:
         return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, h_add_R2F=h_add_R2F)
@@ -99,7 +98,7 @@ def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapter
         # the right (zero) gradients.
         weights = [gate_up_L2FD, down_LDF, *(adapters.tensors() if adapters else ())]
         return x_RD * 0 + 0 * sum(w.sum() for w in weights).to(x_RD.dtype)
-    matmul = partial(grouped_matmul, offs_L=torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32))
+    matmul = partial(grouped_matmul, offs_L=offsets(tokens_per_expert_L))
     dtype = x_RD.dtype
     act_RF = swiglu(with_adapter(matmul(x_RD, gate_up_L2FD.to(dtype)), adapters, "gate_up", x_RD, matmul))
     y_RD = with_adapter(matmul(act_RF, down_LDF.to(dtype)), adapters, "down", act_RF, matmul)

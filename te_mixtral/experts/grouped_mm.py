@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 
 
+def offsets(tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
+    """grouped_mm's offsets of the experts' rows: their int32 cumulative ends, on the device."""
+    return torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)
+
+
 def _align(t: torch.Tensor) -> int:
     return max(1, 16 // t.element_size())
 

@@ -45,6 +45,7 @@ from contextlib import contextmanager
 import torch
 
 from te_mixtral.config import LoRAConfig, ModelConfig
+from te_mixtral.measure.model_state import adapter_widths
 
 # Dense BF16 tensor-core peak FLOP/s per GPU, matched against the CUDA device name
 # (e.g. "NVIDIA H100 80GB HBM3"). First match wins, so a name that contains another must
@@ -95,14 +96,8 @@ def causal_pairs(cu_seqlens: torch.Tensor) -> int:
 def adapter_params_per_token(m: ModelConfig, lora: LoRAConfig) -> int:
     """LoRA's adapter parameters one token passes through: r * (in + out) per adapted dense
     projection, and per adapted expert weight for each of its top-k experts."""
-    D, hd = m.hidden_size, m.head_dim
-    dense = {"q_proj": (D, m.num_attention_heads * hd), "k_proj": (D, m.num_key_value_heads * hd),
-             "v_proj": (D, m.num_key_value_heads * hd), "o_proj": (m.num_attention_heads * hd, D)}
-    experts = {"gate_up_proj": (D, 2 * m.intermediate_size), "down_proj": (m.intermediate_size, D)}
-    targets = lora.target_list()
-    per_layer = (sum(sum(dense[t]) for t in targets if t in dense)
-                 + m.num_experts_per_tok * sum(sum(experts[t]) for t in targets if t in experts))
-    return m.num_hidden_layers * lora.rank * per_layer
+    dense, expert = adapter_widths(m, lora)
+    return m.num_hidden_layers * lora.rank * (dense + m.num_experts_per_tok * expert)
 
 
 def train_flops(m: ModelConfig, cu_seqlens: torch.Tensor, num_tokens: int, lora: LoRAConfig | None = None) -> float:

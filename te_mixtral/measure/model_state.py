@@ -40,18 +40,23 @@ def count_parameters(m: ModelConfig, ep_size: int = 1) -> ParamCounts:
                        attention + router + norms, experts, d, m.num_hidden_layers)
 
 
-def count_adapters(m: ModelConfig, ep_size: int, lora: LoRAConfig) -> int:
-    """LoRA's adapter parameters one rank holds (its E / EP experts' adapters); 0 without LoRA."""
-    if not lora.enabled:
-        return 0
+def adapter_widths(m: ModelConfig, lora: LoRAConfig) -> tuple[int, int]:
+    """in + out of LoRA's adapted projections in one layer, summed: (attention's, one expert's).
+    An adapter of rank r holds r times that many parameters."""
     d, hd, f = m.hidden_size, m.head_dim, m.intermediate_size
     dense = {"q_proj": d + m.num_attention_heads * hd, "k_proj": d + m.num_key_value_heads * hd,
              "v_proj": d + m.num_key_value_heads * hd, "o_proj": m.num_attention_heads * hd + d}
     experts = {"gate_up_proj": d + 2 * f, "down_proj": f + d}
     targets = lora.target_list()
-    per_layer = (sum(dense[t] for t in targets if t in dense)
-                 + (m.num_experts // ep_size) * sum(experts[t] for t in targets if t in experts))
-    return m.num_hidden_layers * lora.rank * per_layer
+    return sum(dense[t] for t in targets if t in dense), sum(experts[t] for t in targets if t in experts)
+
+
+def count_adapters(m: ModelConfig, ep_size: int, lora: LoRAConfig) -> int:
+    """LoRA's adapter parameters one rank holds (its E / EP experts' adapters); 0 without LoRA."""
+    if not lora.enabled:
+        return 0
+    dense, expert = adapter_widths(m, lora)
+    return m.num_hidden_layers * lora.rank * (dense + (m.num_experts // ep_size) * expert)
 
 
 def local_parameters(params: ParamCounts, expert_replicas: int, dense_replicas: int) -> int:

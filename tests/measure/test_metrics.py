@@ -209,3 +209,23 @@ def test_cpu_peak_memory_is_bytes():
     # A Python process with torch loaded holds well over 50 MiB and far under 1 TiB; a
     # KiB/bytes mix-up lands outside that range.
     assert 50 * 2**20 < peak_memory_bytes(torch.device("cpu")) < 2**40
+
+
+def test_lora_flops_count_a_frozen_weight_4_and_an_adapter_6_per_parameter_and_token():
+    """With every expert on every token's path (top-k = E), the adapters a token passes through
+    are all the adapters a single process holds, counted from the built model."""
+    from te_mixtral.config import LoRAConfig
+    from te_mixtral.distributed.layout import Layout
+    from te_mixtral.experts.loop import LoopTier
+    from te_mixtral.model.layers import TORCH
+    from te_mixtral.model.lora import add_adapters, is_adapter_param
+    from te_mixtral.model.mixtral import MixtralForCausalLM
+
+    m = ModelConfig(**{**TINY.__dict__, "num_experts_per_tok": TINY.num_experts})
+    lora = LoRAConfig(rank=3, targets="q_proj,o_proj,down_proj")
+    model = MixtralForCausalLM(m, TORCH, Layout(0, 1, 1, None, None), LoopTier())
+    add_adapters(model, lora, 0, Layout(0, 1, 1, None, None))
+    adapters = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
+    lengths = [5, 3]
+    attention = train_flops(m, cu(lengths), 8) - 6 * active_params_per_token(m) * 8
+    assert train_flops(m, cu(lengths), 8, lora) == 4 * active_params_per_token(m) * 8 + 6 * adapters * 8 + attention

@@ -50,7 +50,7 @@ in fp32, not meaningful in bf16).
 import torch
 from torch.autograd.function import once_differentiable
 
-from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad
+from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad, offsets
 from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
 from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
@@ -218,7 +218,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
                       cfg=cfgs["down"], use_tma=use_tma)
         outputs = (y_RD,)
         if a_down_LrF is not None:  # LoRA's down adapter reads act, which only lives in here
-            outputs += (grouped_matmul(act_RF, a_down_LrF, _offsets(counts_L)),)
+            outputs += (grouped_matmul(act_RF, a_down_LrF, offsets(counts_L)),)
         if keep_hidden:
             ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF)
         else:  # the weights as they came: a cast copy is made again in the backward
@@ -254,8 +254,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dy_RD = dy_RD.to(x_RD.dtype).contiguous()
         # LoRA's down adapter: its share of d(act) joins the SwiGLU gradient's epilogue.
         lora_down = a_down_LrF is not None and du_Rr is not None
-        d_act_add = grouped_matmul(du_Rr.to(x_RD.dtype), a_down_LrF.transpose(1, 2), _offsets(counts_L)) \
-            if lora_down else None
+        offs_L = offsets(counts_L) if lora_down else None
+        d_act_add = grouped_matmul(du_Rr.to(x_RD.dtype), a_down_LrF.transpose(1, 2), offs_L) if lora_down else None
         # Each weight gradient is added into its weight's .grad where that is safe
         # (grad_accumulation.py), else written to a new tensor in the weight's dtype. A frozen
         # weight (LoRA's base) gets none, and its GEMM does not run.
@@ -274,7 +274,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 wgrad_gemm(dy_RD, act_RF, counts_L, d_w2, cfg=cfgs["down_wgrad"], use_tma=use_tma,
                            accumulate=into[1] is not None)
             if lora_down:
-                d_a_down = grouped_wgrad(du_Rr.to(x_RD.dtype), act_RF, _offsets(counts_L))
+                d_a_down = grouped_wgrad(du_Rr.to(x_RD.dtype), act_RF, offs_L)
             del act_RF
             if needs_x:
                 rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
@@ -294,10 +294,6 @@ class _GroupedSwiGLU(torch.autograd.Function):
         d_w1, d_w2 = (d if t is None else hand_over(w, d) for w, d, t in zip(ctx.weights, (d_w1, d_w2), into))
         d_h_add = dh_R2F if ctx.needs_input_grad[7] else None
         return dx_RD, None, d_w1, d_w2, None, None, None, d_h_add, d_a_down
-
-
-def _offsets(counts_L: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts_L, 0, dtype=torch.int32)
 
 
 def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs=None,
