@@ -148,7 +148,12 @@ def test_ctrl_c_stops_every_rank_with_one_line_naming_the_last_checkpoint(tmp_pa
 def test_ctrl_c_while_starting_is_one_line_and_exit_130():
     proc = subprocess.Popen(app_command(["--steps", "2"]), cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # Python is up and importing torch, which takes seconds
+    # A Ctrl-C during the interpreter's own start (site, .pth files) is Python's to report; ours
+    # begins at the script's first import, so wait until torch's library is being loaded.
+    maps = f"/proc/{proc.pid}/maps"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None and "libtorch" not in open(maps).read():
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == ExitCode.INTERRUPTED
