@@ -8,7 +8,12 @@
 #     lora-8layer    8 layers, LoRA r=16 on every target
 #     lora-32layer   all 32 layers, LoRA r=16, selective recompute (one H200 holds it)
 #     lora-32layer-ep2   all 32 layers, LoRA r=16, EP=2 on two GPUs, no recompute (two H200s hold it)
-# Every run: custom_grouped, one packed 8192-token sequence per GPU per step, 30 steps.
+#     lora-fp8-32layer   all 32 layers, LoRA r=16 over the FP8 base (device_mxfp8), selective recompute
+#                        (one H100 holds it)
+#     lora-fp8-32layer-norecompute   the same without recompute (one H200 holds it)
+#     fp8-accuracy   the FP8 base against the BF16 base on one batch (benchmarks/lora_fp8_base.py)
+# Every run: custom_grouped (BF16 base) unless named, one packed 8192-token sequence per GPU per
+# step, 30 steps; the same seed, so the runs' losses step by step compare the bases.
 # Transformer Engine and `datasets` must be importable (see scripts/gpu_check.sh).
 set -uo pipefail
 OUT_DIR=${1:?usage: scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]}
@@ -40,11 +45,16 @@ for run in "$@"; do
             step tests
             python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
                 tests/gpu/test_custom_grouped_gpu.py tests/gpu/test_grouped_linear_gpu.py \
-                tests/gpu/test_te_permute_gpu.py 2>&1 | tee "$OUT_DIR/tests.log" | tail -8 || failed+=(tests) ;;
+                tests/gpu/test_te_permute_gpu.py tests/gpu/test_device_mxfp8_gpu.py 2>&1 | tee "$OUT_DIR/tests.log" | tail -8 || failed+=(tests) ;;
         full-8layer) train "$run" 1 --model.num_hidden_layers 8 --optimizer master_adamw ;;
         lora-8layer) train "$run" 1 --model.num_hidden_layers 8 "${LORA[@]}" ;;
         lora-32layer) train "$run" 1 "${LORA[@]}" --recompute selective ;;
         lora-32layer-ep2) train "$run" 2 "${LORA[@]}" --ep-size 2 ;;
+        lora-fp8-32layer) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute selective ;;
+        lora-fp8-32layer-norecompute) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute none ;;
+        fp8-accuracy)
+            step "$run"
+            python3 -m benchmarks.lora_fp8_base 2>&1 | tee "$OUT_DIR/$run.log" | tail -12 || failed+=("$run") ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done

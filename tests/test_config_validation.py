@@ -1,6 +1,8 @@
 """Settings that would train wrongly or crash later are refused before anything runs, each
 with one line naming the key."""
 
+import re
+
 import pytest
 from conftest import REPO
 from launch import assert_one_line_error, run_app
@@ -95,11 +97,25 @@ def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("tier", ["device_mxfp8", "hf", "hf_eager"])
+@pytest.mark.parametrize("tier", ["hf", "hf_eager"])
 def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
     from te_mixtral.experts.registry import check_tier
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"lora.rank": "8", "tier": tier})
     with pytest.raises(UserError, match=f"tier '{tier}' does not run LoRA adapters .*tiers that do: loop, "
-                                        f"grouped_linear, custom_grouped"):
+                                        f"grouped_linear, custom_grouped, device_mxfp8"):
         check_tier(cfg, 1)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"mxfp8_mode": "mxfp8-emulated"}, "runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) only, "
+                                       "not in mode 'mxfp8-emulated'"),
+    ({"fp8_weight_cache": "false"}, "with LoRA the frozen base is held in FP8 alone, and there is no copy to drop"),
+])
+def test_device_mxfp8_takes_lora_over_its_hopper_fp8_base_only(overrides, fragment):
+    from te_mixtral.experts.registry import check_tier
+
+    base = {"lora.rank": "8", "tier": "device_mxfp8"}
+    check_tier(load_config(str(REPO / "configs" / "tiny.yaml"), base), 1)  # auto: Hopper's FP8 on a GPU
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        check_tier(load_config(str(REPO / "configs" / "tiny.yaml"), {**base, **overrides}), 1)

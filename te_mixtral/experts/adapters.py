@@ -19,10 +19,13 @@ their gradients: the backward of a frozen stack is dgrad only.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from te_mixtral.experts.grouped_mm import grouped_matmul
 
 # (x_RI, w_LNI) -> y_RN = x_RI @ w_LNI[e].T over each expert e's rows.
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,3 +61,20 @@ def with_adapter(base_RN: torch.Tensor, adapters: ExpertAdapters | None, project
     where it has one."""
     delta = None if adapters is None else adapters.delta(projection, x_RI, matmul)
     return base_RN if delta is None else base_RN + delta
+
+
+def with_fused_adapters(op: Callable, x_RD: torch.Tensor, offs_L: torch.Tensor, adapters: ExpertAdapters):
+    """The expert FFN of a fused op that takes LoRA's adapters inside, with their deltas.
+
+    `op(h_add_R2F=..., a_down_LrF=...)` adds `h_add_R2F`, the gate_up adapter's delta, to the
+    pre-activations, and given the down adapter's A (in x's dtype) returns (y_RD, u_Rr) with
+    u = act @ A[e].T, act being the SwiGLU output that only exists inside the op; B's product
+    is added here. The small GEMMs are grouped over the experts' rows (`offs_L`, grouped_mm's
+    offsets)."""
+    matmul = partial(grouped_matmul, offs_L=offs_L)
+    h_add_R2F = adapters.delta("gate_up", x_RD, matmul)
+    if adapters.down is None:
+        return op(h_add_R2F=h_add_R2F)
+    a_LrF, b_LDr = (w.to(x_RD.dtype) for w in adapters.down)
+    y_RD, u_Rr = op(h_add_R2F=h_add_R2F, a_down_LrF=a_LrF)
+    return y_RD + matmul(u_Rr, b_LDr) * adapters.scale

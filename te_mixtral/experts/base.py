@@ -39,6 +39,7 @@ import abc
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from te_mixtral.experts.adapters import ExpertAdapters
 
@@ -75,6 +76,12 @@ class ExpertTier(abc.ABC):
         """How many calls ran each of the tier's paths, for a tier that has more than one
         (results.json's `tier_calls`); empty for a tier with one."""
         return {}
+
+    def expert_weight(self, shape: tuple[int, ...]) -> nn.Module:
+        """The storage of one stacked expert weight of the model this tier runs: a parameter
+        in the default dtype, or what a tier reads instead (a frozen base in FP8,
+        device_mxfp8.py), which the model passes to `__call__` in its place."""
+        return nn.Parameter(torch.empty(shape))
 
     def recomputes_hidden(self, x_RD: torch.Tensor) -> bool:
         """Whether `recompute_hidden` runs for these rows. Selective recompute

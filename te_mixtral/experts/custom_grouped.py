@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from te_mixtral.errors import TierUnavailable
-from te_mixtral.experts.adapters import with_adapter
+from te_mixtral.experts.adapters import with_adapter, with_fused_adapters
 from te_mixtral.experts.base import ExpertTier, swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
 
@@ -78,16 +78,10 @@ def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=N
     `F.grouped_mm` calls over the same device-side splits."""
     from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
+    op = partial(grouped_swiglu, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
     if adapters is None:
-        return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden)
-    matmul = partial(grouped_matmul, offs_L=offsets(tokens_per_expert_L))
-    h_add_R2F = adapters.delta("gate_up", x_RD, matmul)
-    if adapters.down is None:
-        return grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, h_add_R2F=h_add_R2F)
-    a_LrF, b_LDr = (w.to(x_RD.dtype) for w in adapters.down)
-    y_RD, u_Rr = grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, h_add_R2F=h_add_R2F,
-                                a_down_LrF=a_LrF)
-    return y_RD + matmul(u_Rr, b_LDr) * adapters.scale
+        return op(keep_hidden=keep_hidden)
+    return with_fused_adapters(op, x_RD, offsets(tokens_per_expert_L), adapters)
 
 
 def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):

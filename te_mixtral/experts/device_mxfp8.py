@@ -17,6 +17,11 @@ the tier says which one ran (`describe()`, for the run header and results JSON).
 | `mxfp8-emulated` | anywhere (CPU, CI)     | MXFP8 numerics exactly per the OCP spec, GEMMs in        |
 |                  |                        | fp32/bf16 on the dequantised values (quant/mxfp8.py).    |
 
+With LoRA (`lora.rank` > 0) the base is frozen, and in mode `fp8-hopper` its expert weights
+are held in FP8 alone, quantised once as they load (quant/frozen_fp8.py): the tier takes
+adapters, runs every call in FP8 (there is no BF16 copy to fall back to) and no weight
+gradient. The other modes have no frozen FP8 base and refuse LoRA in one line.
+
 In mode `fp8-hopper` a call with fewer rows per local expert than `fp8_min_rows_per_expert`
 (a config key; 0 turns it off) runs the BF16 `custom_grouped` kernels instead: there FP8
 is slower than BF16 (docs/precision.md): `describe()` says so, and `calls()` (results.json's
@@ -47,6 +52,7 @@ from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.quant import te_mxfp8
 from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
+from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.experts.quant.mxfp8 import MXFP8EmulatedGemms
 from te_mixtral.experts.quant.padding import (
     PaddedRows,
@@ -168,21 +174,24 @@ class DeviceMXFP8Tier(ExpertTier):
     """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `MODES` (see above)."""
 
     name = "device_mxfp8"
+    takes_adapters = True  # in mode fp8-hopper, over a frozen FP8 base (check_available refuses the others)
 
     def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, bf16_below: int = 0,
-                 cache_weights: bool = True):
+                 cache_weights: bool = True, frozen_base: bool = False):
         """`model_dims` (hidden size, expert FFN size), when given, are checked against the
         mode that runs (`check_dims`) by `check_available`, before the model is built.
         `bf16_below`: in mode `fp8-hopper`, a call with fewer rows per local expert runs
         the BF16 `custom_grouped` kernels instead (the config's `fp8_min_rows_per_expert`).
         `cache_weights` off: `fp8-hopper` quantises the expert weights at every use instead
-        of once per optimizer step (the config's `fp8_weight_cache`; fp8_hopper.py)."""
+        of once per optimizer step (the config's `fp8_weight_cache`; fp8_hopper.py).
+        `frozen_base` (LoRA): the expert weights do not train and are held in FP8 alone."""
         if mode not in MODES:
             raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.requested_mode = mode
         self.model_dims = model_dims
         self.bf16_below = bf16_below
         self.cache_weights = cache_weights
+        self.frozen_base = frozen_base
         self._calls: Counter[str] = Counter()  # calls per path: the mode, or BF16 under the break-even size
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
@@ -191,7 +200,7 @@ class DeviceMXFP8Tier(ExpertTier):
     @classmethod
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
         return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size), cfg.fp8_min_rows_per_expert,
-                   cfg.fp8_weight_cache)
+                   cfg.fp8_weight_cache, frozen_base=cfg.lora.enabled)
 
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)
@@ -208,6 +217,9 @@ class DeviceMXFP8Tier(ExpertTier):
             check_dims(mode, *self.model_dims)
         if not self.cache_weights and mode != "fp8-hopper":
             raise weight_cache_refusal(f"mode '{mode}', which runs here,")
+        if self.frozen_base and mode != "fp8-hopper":
+            raise TierUnavailable(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (a Hopper "
+                                  f"GPU) only; mode '{mode}' runs here")
         if mode != self.mode:
             self._runner = _MODE_RUNNERS[mode](self)
         self.mode, self._device = mode, device
@@ -216,8 +228,8 @@ class DeviceMXFP8Tier(ExpertTier):
         """What runs: {"recipe", "kernel", "device"}, for the run header and results JSON."""
         if self._runner is None:
             raise RuntimeError("DeviceMXFP8Tier.describe() needs check_available(device) first")
-        kernel = self._runner.kernel
-        if self._bf16_below_here():
+        kernel = self._runner.frozen_kernel if self.frozen_base else self._runner.kernel
+        if not self.frozen_base and self._bf16_below_here():
             kernel += f"; BF16 custom_grouped kernels for calls under {self.bf16_below} rows per local expert"
         return {"recipe": self._runner.recipe, "kernel": kernel, "device": _device_name(self._device),
                 "precision": "fp8" if self.mode == "fp8-hopper" else "mxfp8"}
@@ -228,18 +240,31 @@ class DeviceMXFP8Tier(ExpertTier):
     def _bf16_below_here(self) -> bool:
         return self.mode == "fp8-hopper" and self.bf16_below > 0
 
+    def expert_weight(self, shape):
+        if not self.frozen_base:
+            return super().expert_weight(shape)
+        if self.mode != "fp8-hopper":
+            raise RuntimeError("DeviceMXFP8Tier.expert_weight() of a frozen base needs check_available(device) first")
+        return FrozenFP8Weight(shape)
+
     def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
-        assert adapters is None, "the registry refuses lora for a tier that does not take adapters"
         if x_RD.device != self._device:
             self.check_available(x_RD.device)
+        frozen = isinstance(gate_up_L2FD, FrozenFP8Weight)
+        assert frozen or adapters is None, "adapters come with a frozen base, which this tier holds in FP8"
         # Below the break-even size the FP8 casts and the weights' quantisation cost more than
         # the FP8 GEMMs save (docs/precision.md has the measurements). Rows and experts are
-        # shapes, known on the host: the choice needs no sync.
-        if self.mode == "fp8-hopper" and not runs_fp8(x_RD.shape[0], tokens_per_expert_L.numel(), self.bf16_below):
+        # shapes, known on the host: the choice needs no sync. A frozen base has no BF16 copy.
+        if (not frozen and self.mode == "fp8-hopper"
+                and not runs_fp8(x_RD.shape[0], tokens_per_expert_L.numel(), self.bf16_below)):
             self._calls["bf16 custom_grouped"] += 1
             return _BF16_BELOW(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
-        self._calls[self.mode] += 1
+        self._calls[f"{self.mode}, frozen FP8 base" if frozen else self.mode] += 1
         runner = self._runner
         padded = padded_rows(tokens_per_expert_L, x_RD.shape[0], runner.row_align, runner.min_rows)
-        y_QD = runner.mlp(pad_rows(x_RD, padded), padded, gate_up_L2FD, down_LDF)
+        x_QD = pad_rows(x_RD, padded)
+        if frozen:
+            y_QD = runner.frozen_mlp(x_QD, padded, gate_up_L2FD, down_LDF, adapters)
+        else:
+            y_QD = runner.mlp(x_QD, padded, gate_up_L2FD, down_LDF)
         return unpad_rows(y_QD, padded)

@@ -65,6 +65,13 @@ def check_tier(cfg, world_size: int) -> None:
         takers = ", ".join(name for name, tier in EXPERT_TIERS.items() if tier.takes_adapters)
         raise UserError(f"tier '{cfg.tier}' does not run LoRA adapters (lora.rank {cfg.lora.rank}); tiers that do: "
                         f"{takers}")
+    if cfg.lora.enabled and cfg.tier == "device_mxfp8":
+        if cfg.mxfp8_mode not in ("auto", "fp8-hopper"):
+            raise UserError(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) "
+                            f"only, not in mode '{cfg.mxfp8_mode}'")
+        if not cfg.fp8_weight_cache:
+            raise UserError("fp8_weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
+                            "base is held in FP8 alone, and there is no copy to drop")
     if cfg.tier in BASELINES and cfg.profile_phases:
         raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
     if cfg.tier in BASELINES and cfg.train.recompute != "none":

@@ -245,12 +245,17 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # of two orientations, cached from a layer's first forward until the optimizer step,
     # recompute or not; under its break-even size it runs custom_grouped's BF16 kernels, which keep none.
     # (Blackwell's TE path is counted the same way; it has not been measured.)
-    fp8 = cfg.tier == "device_mxfp8" and device == "cuda" and runs_fp8(R, E // ep, cfg.fp8_min_rows_per_expert)
-    fp8_weights = 2 * params.experts_per_layer if fp8 else 0
+    # With LoRA it holds the frozen experts in FP8 alone (a byte per element and a float32
+    # scale per row, in place of the base's dtype), runs every call in FP8 and caches no copy:
+    # a layer's backward casts the dgrad orientation, a byte per element, while it runs.
+    frozen_fp8 = lora.enabled and cfg.tier == "device_mxfp8" and device == "cuda"
+    fp8 = frozen_fp8 or (cfg.tier == "device_mxfp8" and device == "cuda"
+                         and runs_fp8(R, E // ep, cfg.fp8_min_rows_per_expert))
+    fp8_weights = (1 if frozen_fp8 else 2) * params.experts_per_layer if fp8 else 0
     # With fp8_weight_cache off they are made at every use: a kept layer saves one orientation
     # (dgrad's) for its backward, a recomputed one nothing; both while the layer runs.
-    cached_fp8 = fp8_weights if cfg.fp8_weight_cache else 0
-    saved_fp8 = fp8_weights if cfg.fp8_weight_cache else fp8_weights // 2
+    cached_fp8 = fp8_weights if cfg.fp8_weight_cache and not frozen_fp8 else 0
+    saved_fp8 = 0 if frozen_fp8 else fp8_weights if cfg.fp8_weight_cache else fp8_weights // 2
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
     # from a bf16 one) and the normalised rows in the residual dtype.
@@ -268,7 +273,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                    + a * R * D + combine * R * D)  # dispatched rows; combine
     # The FP8 path also keeps h's FP8 copy for the down weight gradient (a byte per element) and
     # its row scales (measured on Hopper; Blackwell's TE path is counted the same).
-    expert_hidden = a * R * hidden + (R * (F + 4) if fp8 else 0)
+    expert_hidden = a * R * hidden + (R * (F + 4) if fp8 and not frozen_fp8 else 0)
     # LoRA: each adapter keeps its rank-r product of the rows it reads (its input is kept
     # anyway) for B's gradient: per row of its layer, T for attention's, R for the experts'.
     targets = lora.target_list() if lora.enabled else ()
@@ -301,6 +306,9 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     held = (held_fsdp(params, world_size // ep, world_size, p_bytes, g_bytes, accumulating, whole_until_last)
             if sharded
             else held_unsharded(params, p_bytes, g_bytes, accumulating, m.tie_word_embeddings))
+    if frozen_fp8:
+        fp8_saved = m.num_hidden_layers * ((p_bytes - 1) * params.experts_per_layer - 4 * (E // ep) * (2 * F + D))
+        held = {name: (weights - fp8_saved, grads, flight) for name, (weights, grads, flight) in held.items()}
     local = local_parameters(params, world_size // ep, world_size) if sharded else params.total
     state = s_bytes * local
     L = m.num_hidden_layers
@@ -325,7 +333,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
         "optimizer step": phase("optimizer step", L * cached_fp8, logits, 0),
     }
     micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
-    trains = (f"LoRA r={lora.rank} on a frozen {'bf16' if p_bytes == 2 else 'fp32'} base "
+    base = f"{'bf16' if p_bytes == 2 else 'fp32'} base{', its experts in FP8' if frozen_fp8 else ''}"
+    trains = (f"LoRA r={lora.rank} on a frozen {base} "
               f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer)
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
                 f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {trains}, recompute {recompute}"
@@ -342,7 +351,8 @@ def _lighter(cfg: RunConfig, device: str) -> list[tuple[str, dict, dict]]:
                for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:] if cfg.tier not in BASELINES]
     if t.optimizer == "adamw" and device == "cuda":  # master_adamw keeps bf16 parameters: GPU runs only
         lighter.append(("--optimizer master_adamw --dtype bf16", {"optimizer": "master_adamw", "dtype": "bf16"}, {}))
-    if cfg.tier == "device_mxfp8" and cfg.mxfp8_mode in ("auto", "fp8-hopper") and cfg.fp8_weight_cache:
+    if (cfg.tier == "device_mxfp8" and cfg.mxfp8_mode in ("auto", "fp8-hopper") and cfg.fp8_weight_cache
+            and not cfg.lora.enabled):
         lighter.append(("--fp8_weight_cache false", {}, {"fp8_weight_cache": False}))
     if t.sharding == "fsdp" and t.grad_accum_steps > 1 and t.fsdp_reduce == "step":
         lighter.append(("--fsdp_reduce micro_batch", {"fsdp_reduce": "micro_batch"}, {}))

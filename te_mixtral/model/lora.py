@@ -43,6 +43,7 @@ from torch import nn
 from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, LoRAConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.adapters import ExpertAdapters
+from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 
 
 class LowRank(nn.Module):
@@ -130,6 +131,20 @@ def lora_adapters(model: nn.Module) -> dict[str, nn.Module]:
         if found_one and "." not in target:
             found[f"{owner}.{target}.weight" if isinstance(module, LowRank) else f"{owner}.{target}"] = module
     return found
+
+
+def base_weights(model: nn.Module) -> dict[str, torch.Tensor | FrozenFP8Weight]:
+    """Every weight by the name a full fine-tune's parameter has: the parameters, and the
+    expert stacks of a base frozen in FP8 (experts/quant/frozen_fp8.py), which are modules.
+    Both fill from a checkpoint alike (`w[index].copy_(tensor)`); `weight_tensor` reads one."""
+    weights = dict(model.named_parameters())
+    weights.update((name, module) for name, module in model.named_modules() if isinstance(module, FrozenFP8Weight))
+    return weights
+
+
+def weight_tensor(weight: torch.Tensor | FrozenFP8Weight) -> torch.Tensor:
+    """A weight of `base_weights` as a tensor: a frozen FP8 stack dequantised to float32."""
+    return weight.dequantized() if isinstance(weight, FrozenFP8Weight) else weight.detach()
 
 
 def freeze_base(model: nn.Module) -> None:

@@ -54,7 +54,7 @@ from te_mixtral.files import (
     write_failure,
 )
 from te_mixtral.model.hf_config import hf_config, model_config_from_hf
-from te_mixtral.model.lora import is_adapter_param, lora_adapters, merged
+from te_mixtral.model.lora import base_weights, is_adapter_param, lora_adapters, merged, weight_tensor
 from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
@@ -157,7 +157,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
     the number of bytes of tensor data read. Every tensor's shape is checked against the
     parameter it fills, and a tensor found twice is refused (which copy would win?)."""
     checkpoint_dir = Path(checkpoint_dir)
-    params = dict(model.named_parameters())
+    params = base_weights(model)
     num_experts = model.config.num_experts
     num_local = num_experts // layout.ep_size
     first = layout.ep_rank * num_local
@@ -333,7 +333,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     out_dir = Path(out_dir).expanduser()
     require_finite_weights(model, layout, f"the Hugging Face export {out_dir}")
     # The `hf` tier wraps transformers' model, whose v5 in-memory names are ours under `hf.`.
-    params = {name.removeprefix("hf."): p for name, p in model.named_parameters()}
+    params = {name.removeprefix("hf."): p for name, p in base_weights(model).items()}
     sharded = any(isinstance(p, DTensor) for p in params.values())
     sends = layout.rank < layout.ep_size  # the first replica's EP group
     if not (sends or sharded):
@@ -355,7 +355,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     adapters = lora_adapters(model)
 
     def whole(name):  # sharded: a collective, which every rank runs for every tensor in one order
-        p = params[name].detach()
+        p = weight_tensor(params[name])
         p = p.full_tensor() if isinstance(p, DTensor) else p
         # LoRA: the weight with its adapter merged in, one tensor at a time.
         return merged(p, adapters[name].A, adapters[name].B, adapters[name].scale) if name in adapters else p
@@ -412,7 +412,7 @@ def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     out_dir = Path(out_dir).expanduser().absolute()
     require_writable(out_dir.parent, "save_hf's parent folder")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in model.named_parameters()
+    numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in base_weights(model).items()
                 if not is_adapter_param(name))
     require_free_space(out_dir.parent, numel * itemsize, "the Hugging Face export",
                        folder_bytes(out_dir.with_name(out_dir.name + ".tmp")))

@@ -57,7 +57,7 @@ from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog, check_tensorboard
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
-from te_mixtral.model.lora import add_adapters, freeze_base
+from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
 from te_mixtral.training.evaluate import evaluate, evaluations_table
@@ -219,7 +219,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
               f"model section)", flush=True)
     if layout.is_main:
         print(f"te_mixtral: tier {cfg.tier} on {header['device']} x{layout.world_size} (EP={cfg.ep_size}), "
-              f"{cfg.precision}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on rank 0"
+              f"{cfg.precision}, {sum(w.numel() for w in base_weights(model).values()) / 1e6:.1f} M parameters on rank 0"
               f"{trained_note(model) if cfg.lora.enabled else ''}, "
               f"ran: {ran_on}", flush=True)
 

@@ -47,9 +47,10 @@ def test_tier_with_adapters_matches_float64(tier, targets, case):
 
 
 def test_the_tiers_that_take_adapters_say_so():
-    """The registry refuses lora for the others (test_config_validation); these run them."""
+    """The registry refuses lora for the others (test_config_validation); these run them
+    (device_mxfp8 over its frozen FP8 base: tests/experts/quant/test_frozen_fp8.py)."""
     assert {name for name, tier in EXPERT_TIERS.items() if tier.takes_adapters} == \
-        {"loop", "grouped_linear", "custom_grouped"}
+        {"loop", "grouped_linear", "custom_grouped", "device_mxfp8"}
 
 
 def test_custom_grouped_refuses_dropout_it_cannot_apply():

@@ -1,6 +1,6 @@
 """LoRA's expert adapters on a CUDA GPU, in bf16: the custom_grouped Triton op and the
 grouped_linear tier (TE) against float64 with the base frozen, and a zero B leaving the op's
-output bit for bit. Tolerance as in test_custom_grouped_gpu.py: bf16 operands with fp32
+output bit for bit; device_mxfp8's frozen FP8 base (Hopper) within the FP8 recipe's tolerance. Tolerance as in test_custom_grouped_gpu.py: bf16 operands with fp32
 accumulation land between 1e-3 and 1e-2; a dropped adapter, a wrong scale or a wrong
 expert lands far above."""
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 from expert_reference import GPU_SPLITS, random_adapters, reference_lora_f64, rel_err
 from experts.test_adapters import run_with_adapters
+from quant_reference import FP8_ROWWISE_MLP_RTOL
 
 from te_mixtral.experts.adapters import ExpertAdapters
 from te_mixtral.experts.custom_grouped import kernels_swiglu
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.registry import make_tier
 
 pytestmark = [
@@ -70,3 +72,32 @@ def test_frozen_base_runs_no_weight_gradient():
     got = run_with_adapters(kernels_swiglu, x, counts, gate_up, down, pairs, 2.0, dy)
     assert all(torch.isfinite(g).all() for g in got)
     assert gate_up.grad is None and down.grad is None
+
+
+def is_hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not is_hopper(), reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", ["uneven", "zero_middle", "one_expert"])
+def test_frozen_fp8_base_matches_float64_within_the_fp8_tolerance(case):
+    """device_mxfp8 over a base held in FP8 alone (quantised from the bf16 weights as a
+    checkpoint loads): y and the gradients of x and of every adapter against float64 on the
+    bf16 weights, within the FP8 rowwise recipe's tolerance, every call in FP8; no gradient
+    anywhere near the base."""
+    splits = GPU_SPLITS[case]
+    x, counts, gate_up, down, dy = inputs(splits, seed=len(case) + 10)
+    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=10**9, frozen_base=True)  # a frozen base ignores bf16_below
+    tier.check_available(torch.device("cuda"))
+    frozen = [tier.expert_weight(w.shape) for w in (gate_up, down)]
+    for storage, w in zip(frozen, (gate_up, down)):
+        storage[:].copy_(w)
+    pairs = random_adapters(splits, D, F_, RANK, seed=3, device="cuda", dtype=torch.bfloat16)
+    got = run_with_adapters(tier, x, counts, *frozen, pairs, 2.0, dy)
+    want = reference_lora_f64(x, splits, gate_up, down, pairs, 2.0, dy)
+    names = ("y", "dx", "dA_gate_up", "dB_gate_up", "dA_down", "dB_down")
+    for name, out, ref in zip(names, got, want):
+        assert torch.isfinite(out).all(), f"{case} {name}"
+        assert rel_err(out, ref) <= FP8_ROWWISE_MLP_RTOL, f"{case} {name}: {rel_err(out, ref):.2e}"
+    assert tier.calls() == {"fp8-hopper, frozen FP8 base": 1}
+    assert "frozen base" in tier.describe()["kernel"]

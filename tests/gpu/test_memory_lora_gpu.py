@@ -38,16 +38,21 @@ REAL = dict(SHAPES, hidden_size="4096", intermediate_size="14336", num_attention
             num_hidden_layers="1", num_experts="8", max_position_embeddings="8192")
 
 
+@pytest.mark.parametrize("tier", ["custom_grouped", "device_mxfp8"])
 @pytest.mark.parametrize("lora", [None, "all", "experts"])
 @pytest.mark.parametrize("shapes", [SHAPES, REAL], ids=["small", "8x7b-layer"])
-def test_forward_keeps_what_the_estimate_counts(lora, shapes):
-    overrides = dict(shapes, optimizer="adamw" if lora else "master_adamw")
+def test_forward_keeps_what_the_estimate_counts(tier, lora, shapes):
+    if tier == "device_mxfp8" and lora is None:
+        pytest.skip("full fine-tuning in FP8: tests/gpu/test_device_mxfp8_gpu.py")
+    overrides = dict(shapes, tier=tier, optimizer="adamw" if lora else "master_adamw")
     if lora:
         overrides |= {"lora.rank": "16", "lora.targets": TARGETS[lora]}
     cfg = tiny(**overrides)
     backend = resolve_backend("auto", "cuda")
+    expert_tier = make_tier(cfg.tier, cfg)
+    expert_tier.check_available(torch.device("cuda"))  # device_mxfp8: Hopper's FP8, its frozen base with LoRA
     with torch.device("cuda"), default_dtype(torch.bfloat16):
-        model = MixtralForCausalLM(cfg.model, backend, SINGLE, make_tier(cfg.tier, cfg), "none")
+        model = MixtralForCausalLM(cfg.model, backend, SINGLE, expert_tier, "none")
         init_weights(model, 1, SINGLE)
     if lora:
         add_adapters(model, cfg.lora, 2, SINGLE)

@@ -26,6 +26,8 @@ here each reads its operand once or twice and writes the FP8 values once:
 - `transpose`: an FP8 tensor transposed, for a wgrad operand that has a row-wise copy.
 - `quantize_weight`: both of a weight's FP8 copies (scaled along each of its dims) from
   two reads of it.
+- `requantize_transposed`: the dgrad copy of a weight held in FP8 alone (a frozen base,
+  frozen_fp8.py), cast again from its row-scaled values, by the same two kernels.
 
 Scales are float32 amax * (1 / 448) (448 is E4M3's largest finite value); an all-zero
 slice gets 1e-12 / 448. Values are divided by the scale with IEEE rounding (`tl.div_rn`,
@@ -289,8 +291,19 @@ def transpose(q_QC: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _weight_amax_kernel(w_ptr, row_bits_ptr, col_bits_ptr, N, I, COLUMNS_PER_PROGRAM,
-                        BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+def _load_weight(w_ptr, in_scale_ptr, g, n, i, N, I, n_ok, i_ok, IN_SCALED: tl.constexpr):
+    """Float32 w[g, n, i] of a [G, N, I] weight, each row times in_scale[g, n] if IN_SCALED
+    (a weight given as FP8 values with row scales)."""
+    v = tl.load(w_ptr + g * N * I + n[:, None] * I + i[None, :], mask=n_ok[:, None] & i_ok[None, :],
+                other=0.0).to(tl.float32)
+    if IN_SCALED:
+        v = v * tl.load(in_scale_ptr + g * N + n, mask=n_ok, other=0.0)[:, None]
+    return v
+
+
+@triton.jit
+def _weight_amax_kernel(w_ptr, in_scale_ptr, row_bits_ptr, col_bits_ptr, N, I, COLUMNS_PER_PROGRAM,
+                        IN_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
     """Row and column maxima of |w| by atomic max. A program walks COLUMNS_PER_PROGRAM
     columns of one row block, keeps its row maxima in registers and folds them in once at
     the end: every atomic costs bandwidth (a 64 x 64 tile per program with both maxima
@@ -303,8 +316,7 @@ def _weight_amax_kernel(w_ptr, row_bits_ptr, col_bits_ptr, N, I, COLUMNS_PER_PRO
     for i0 in range(i_start, tl.minimum(i_start + COLUMNS_PER_PROGRAM, I), BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         i_ok = i < I
-        v = tl.abs(tl.load(w_ptr + g * N * I + n[:, None] * I + i[None, :],
-                           mask=n_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32))
+        v = tl.abs(_load_weight(w_ptr, in_scale_ptr, g, n, i, N, I, n_ok, i_ok, IN_SCALED))
         # Non-negative floats order like their bits as int32 (see _column_amax_kernel).
         tl.atomic_max(col_bits_ptr + g * I + i, tl.max(v, 0).to(tl.int32, bitcast=True), mask=i_ok)
         row_max = tl.maximum(row_max, tl.max(v, 1))
@@ -312,17 +324,19 @@ def _weight_amax_kernel(w_ptr, row_bits_ptr, col_bits_ptr, N, I, COLUMNS_PER_PRO
 
 
 @triton.jit
-def _weight_cast_kernel(w_ptr, row_scale_ptr, col_scale_ptr, q_ptr, qt_ptr, N, I,
-                        BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+def _weight_cast_kernel(w_ptr, in_scale_ptr, row_scale_ptr, col_scale_ptr, q_ptr, qt_ptr, N, I,
+                        IN_SCALED: tl.constexpr, STORE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_I: tl.constexpr):
     g = tl.program_id(2).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     n_ok, i_ok = n < N, i < I
     mask = n_ok[:, None] & i_ok[None, :]
-    v = tl.load(w_ptr + g * N * I + n[:, None] * I + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    row_scale = tl.load(row_scale_ptr + g * N + n, mask=n_ok, other=1.0)
+    v = _load_weight(w_ptr, in_scale_ptr, g, n, i, N, I, n_ok, i_ok, IN_SCALED)
     col_scale = tl.load(col_scale_ptr + g * I + i, mask=i_ok, other=1.0)
-    tl.store(q_ptr + g * N * I + n[:, None] * I + i[None, :], _cast(v, row_scale[:, None], q_ptr), mask=mask)
+    if STORE_ROWS:
+        row_scale = tl.load(row_scale_ptr + g * N + n, mask=n_ok, other=1.0)
+        tl.store(q_ptr + g * N * I + n[:, None] * I + i[None, :], _cast(v, row_scale[:, None], q_ptr), mask=mask)
     tl.store(qt_ptr + g * N * I + i[None, :] * N + n[:, None], _cast(v, col_scale[None, :], qt_ptr), mask=mask)
 
 
@@ -330,21 +344,32 @@ def quantize_weight(w_GNI: torch.Tensor, out_dtype=torch.float8_e4m3fn):
     """Both FP8 orientations of a stacked weight in two passes (amax, cast) instead of one
     `quantize_rows` and one `quantize_columns`: ((q_GNI, scale_GN) scaled along I, for
     fprop; (q_GIN, scale_GI) scaled along N, for dgrad)."""
-    G, N, I = w_GNI.shape
-    w = w_GNI.contiguous()
+    return _weight_casts(w_GNI.contiguous(), None, out_dtype, store_rows=True)
+
+
+def requantize_transposed(q_GNI: torch.Tensor, scale_GN: torch.Tensor, out_dtype=torch.float8_e4m3fn):
+    """(qt_GIN, scale_GI): the dgrad orientation of the weight whose fprop copy is q_GNI
+    with row scales scale_GN, cast from q * scale (float32, in registers) along N."""
+    return _weight_casts(q_GNI.contiguous(), scale_GN.contiguous(), out_dtype, store_rows=False)[1]
+
+
+def _weight_casts(w, in_scale_GN, out_dtype, store_rows):
+    G, N, I = w.shape
     row_bits = torch.zeros(G, N, dtype=torch.int32, device=w.device)
     col_bits = torch.zeros(G, I, dtype=torch.int32, device=w.device)
-    q = torch.empty(G, N, I, dtype=out_dtype, device=w.device)
+    q = torch.empty(G, N, I, dtype=out_dtype, device=w.device) if store_rows else None
     qt = torch.empty(G, I, N, dtype=out_dtype, device=w.device)
     if w.numel() == 0:
         return (q, _scale_from_bits(row_bits)), (qt, _scale_from_bits(col_bits))
     block_n, block_i, warps = WEIGHT_AMAX_TILE
     _weight_amax_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, WEIGHT_AMAX_COLUMNS), G)](
-        w, row_bits, col_bits, N, I, WEIGHT_AMAX_COLUMNS, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
+        w, in_scale_GN, row_bits, col_bits, N, I, WEIGHT_AMAX_COLUMNS, IN_SCALED=in_scale_GN is not None,
+        BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
     row_scale, col_scale = _scale_from_bits(row_bits), _scale_from_bits(col_bits)
     block_n, block_i, warps = WEIGHT_TILE
     _weight_cast_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, block_i), G)](
-        w, row_scale, col_scale, q, qt, N, I, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
+        w, in_scale_GN, row_scale, col_scale, q, qt, N, I, IN_SCALED=in_scale_GN is not None, STORE_ROWS=store_rows,
+        BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
     return (q, row_scale), (qt, col_scale)
 
 

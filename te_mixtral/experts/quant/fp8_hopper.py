@@ -52,12 +52,14 @@ MIN_AMAX = 1e-12
 _ROWS_PER_CHUNK = 16
 
 
-def quantize_rowwise(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, dim: int = -1,
+                     value_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 values of `x` (made contiguous) and float32 scales, one per slice along `dim`
-    (that dim removed). x may be a transposed view: the copy happens in 8 bits."""
+    (that dim removed). x may be a transposed view: the copy happens in 8 bits.
+    `value_dtype` float32 keeps the scaled values unrounded (the tests' data-flow checks)."""
     x32 = x.float()
     scale = x32.abs().amax(dim, keepdim=True).clamp(min=MIN_AMAX) * INV_E4M3_MAX
-    values = (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    values = (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(value_dtype)
     return values.contiguous(), scale.squeeze(dim)
 
 
@@ -137,7 +139,7 @@ class FP8HopperGemms:
     def __init__(self, scaled_grouped_mm=None, quantizers=None, out_dtype=torch.bfloat16, kernel=None,
                  cache_weights=True):
         self._mm = scaled_grouped_mm or partial(torch._scaled_grouped_mm, use_fast_accum=False)
-        self._kernel = kernel or "torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise, exact accumulation)"
+        self.gemm_kernel = kernel or "torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise, exact accumulation)"
         self.rows, self.columns, self._quantize_weight = quantizers or (
             quantize_rowwise, quantize_columns_per_group, _reference_quantize_weight)
         self.out_dtype = out_dtype
@@ -146,7 +148,7 @@ class FP8HopperGemms:
     @property
     def kernel(self) -> str:
         weights = "once per optimizer step" if self._weights is not None else "at every use"
-        return f"{self._kernel}; E4M3 in fprop, dgrad and wgrad; weights quantised {weights}"
+        return f"{self.gemm_kernel}; E4M3 in fprop, dgrad and wgrad; weights quantised {weights}"
 
     def gemm(self, a, b, scale_a, scale_b, offsets_G, **options):
         return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype, **options)

@@ -32,16 +32,28 @@ with other scales, and the errors beside TE's recipes are in docs/precision.md.
 Saved for the backward: x and gu (in their own dtypes), h_q with its row scales (one byte
 per element of h), and the weights' FP8 copies in their dgrad orientation, where autograd
 through the unfused composition keeps h, silu(gate) and the SwiGLU's inputs.
+
+Over a frozen base (LoRA: `frozen_mlp`, the weights in FP8 alone, frozen_fp8.py) the same
+forward runs with the adapters' deltas entering as they do in custom_grouped's op
+(te_mixtral/experts/adapters.py): the gate_up adapter's delta is added to gu before the
+SwiGLU cast, the down adapter reads act. The backward is dgrad only: dy cast row-wise, dh
+with the down adapter's share of d(act) added, d(gu)'s row-wise cast as above, dx. Nothing
+is saved but gu; d(gu) reaches the gate_up adapter as its FP8 copy dequantised (the
+gradient the base's dgrad reads), act is made again from gu for the down adapter.
 """
 
 from functools import partial
 
 import torch
 
+from te_mixtral.experts.adapters import ExpertAdapters, with_fused_adapters
+from te_mixtral.experts.base import swiglu
+from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad
 from te_mixtral.experts.kernels import scaled_grouped_mm as triton_gemms
 from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
 from te_mixtral.experts.quant import fp8_cast
 from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
+from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 
 
 class FP8SwiGLUExperts:
@@ -60,6 +72,7 @@ class FP8SwiGLUExperts:
         self.columns = partial(fp8_cast.quantize_columns, out_dtype=value_dtype)
         self.swiglu_backward_rows = partial(fp8_cast.swiglu_backward_rows, out_dtype=value_dtype)
         self.transpose = fp8_cast.transpose
+        self.requantize_transposed = fp8_cast.requantize_transposed
         weight = partial(fp8_cast.quantize_weight, out_dtype=value_dtype)
         self.gemms = FP8HopperGemms(scaled_grouped_mm or triton_gemms.scaled_grouped_mm,
                                     (self.rows, self.columns, weight), out_dtype,
@@ -76,8 +89,24 @@ class FP8SwiGLUExperts:
     def kernel(self) -> str:
         return f"{self.gemms.kernel}; SwiGLU fused into the FP8 casts (Triton)"
 
+    @property
+    def frozen_kernel(self) -> str:
+        """`kernel` of `frozen_mlp`."""
+        return (f"{self.gemms.gemm_kernel}; E4M3 in fprop and dgrad over a frozen base (LoRA): expert weights in FP8 "
+                "alone, quantised once at load, every call in FP8, no weight gradient; SwiGLU fused into the FP8 "
+                "casts (Triton)")
+
     def mlp(self, x_QD, padded, gate_up_L2FD, down_LDF):
         return _FP8SwiGLU.apply(x_QD, gate_up_L2FD, down_LDF, padded.offsets_L, self)
+
+    def frozen_mlp(self, x_QD, padded, gate_up: FrozenFP8Weight, down: FrozenFP8Weight,
+                   adapters: ExpertAdapters | None):
+        """The MLP over a frozen FP8 base, with LoRA's adapters (if any)."""
+        def op(h_add_R2F=None, a_down_LrF=None):  # with_fused_adapters' names; the rows here are Q
+            return _FrozenFP8SwiGLU.apply(x_QD, h_add_R2F, a_down_LrF, padded.offsets_L, gate_up, down, self)
+        if adapters is None:
+            return op()
+        return with_fused_adapters(op, x_QD, padded.offsets_L, adapters)
 
 
 class _FP8SwiGLU(torch.autograd.Function):
@@ -116,6 +145,49 @@ class _FP8SwiGLU(torch.autograd.Function):
                 d_gate_up = _wgrad_from_rows(experts, ctx.parameters[0], x_QD, dgu_q, dgu_scale_Q, offsets_L,
                                              rows_first=True)
         return dx, d_gate_up, d_down, None, None
+
+
+class _FrozenFP8SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_QD, h_add_Q2F, a_down_LrF, offsets_L, gate_up, down, experts):
+        gemms = experts.gemms
+        with torch.autocast(x_QD.device.type, enabled=False):
+            gu_Q2F = gemms.fprop(x_QD.detach(), gate_up.fprop_operand(), offsets_L)
+            if h_add_Q2F is not None:
+                gu_Q2F += h_add_Q2F
+            h_q, h_scale_Q = experts.rows(gu_Q2F, swiglu=True)
+            y_QD = gemms.fprop_quantised(h_q, h_scale_Q, down.fprop_operand(), offsets_L).to(x_QD.dtype)
+            del h_q
+            outputs = (y_QD,)
+            if a_down_LrF is not None:  # LoRA's down adapter reads act, which the FP8 cast never writes
+                outputs += (grouped_matmul(swiglu(gu_Q2F).to(x_QD.dtype), a_down_LrF, offsets_L),)
+        ctx.save_for_backward(gu_Q2F, offsets_L, a_down_LrF)
+        ctx.experts, ctx.weights, ctx.x_dtype = experts, (gate_up, down), x_QD.dtype
+        return outputs if len(outputs) > 1 else y_QD
+
+    @staticmethod
+    def backward(ctx, dy_QD, du_Qr=None):
+        gu_Q2F, offsets_L, a_down_LrF = (None if t is None else t.detach() for t in ctx.saved_tensors)
+        experts, gemms = ctx.experts, ctx.experts.gemms
+        gate_up, down = ctx.weights
+        dtype = ctx.x_dtype
+        dy_QD = dy_QD.contiguous()
+        dx = d_h_add = d_a_down = None
+        with torch.autocast(dy_QD.device.type, enabled=False):
+            dh_QF = gemms.dgrad(dy_QD, down.dgrad_operand(experts.requantize_transposed), offsets_L)
+            if a_down_LrF is not None and du_Qr is not None:
+                du_Qr = du_Qr.to(dtype).contiguous()
+                d_a_down = (grouped_wgrad(du_Qr, swiglu(gu_Q2F).to(dtype), offsets_L) if gu_Q2F.shape[0]
+                            else torch.zeros_like(a_down_LrF))
+                dh_QF += grouped_matmul(du_Qr, a_down_LrF.transpose(1, 2), offsets_L)
+            dgu_q, dgu_scale_Q = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
+            del dh_QF
+            if ctx.needs_input_grad[0]:
+                dgrad_weight = gate_up.dgrad_operand(experts.requantize_transposed)
+                dx = gemms.dgrad_quantised(dgu_q, dgu_scale_Q, dgrad_weight, offsets_L).to(dtype)
+            if ctx.needs_input_grad[1]:  # in place: one rounding to x's dtype, no float32 temporary
+                d_h_add = dgu_q.to(dtype).mul_(dgu_scale_Q[:, None])
+        return dx, d_h_add, d_a_down, None, None, None, None
 
 
 def _wgrad_from_rows(experts, weight, other_QC, rows_q, rows_scale_Q, offsets_L, rows_first):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from background import Command
 from conftest import interpreter_runs_reduced_loop_bounds
+from expert_reference import random_adapters, reference_lora_f64
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
     group_bounds,
@@ -21,6 +22,7 @@ from quant_reference import (
     scaled_grouped_mm_stand_in,
 )
 
+from te_mixtral.experts.adapters import ExpertAdapters
 from te_mixtral.experts.base import swiglu
 from te_mixtral.experts.kernels.scaled_grouped_mm import scaled_grouped_mm as triton_scaled_grouped_mm
 from te_mixtral.experts.loop import LoopTier
@@ -32,6 +34,7 @@ from te_mixtral.experts.quant.fp8_hopper import (
     quantize_rowwise,
 )
 from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
+from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.scaled_grouped import scaled_grouped_swiglu
 
@@ -359,3 +362,47 @@ def test_interpreter_fused_fp8_mlp_micro_batches_add_into_grad(monkeypatch):
         batches.append((torch.randn(rows, 32, generator=gen), torch.tensor(counts), torch.randn(rows, 32, generator=gen)))
     _, _, gate_up, down = mlp_inputs(gen, d=32, f=48)
     check_micro_batches_add_into_grad(op, batches, gate_up, down, monkeypatch)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+def test_interpreter_requantize_transposed_equals_casting_the_dequantised_weight():
+    """The dgrad copy of a weight held in FP8 alone: q * scale cast along N, as quantize_weight
+    casts a BF16 weight (float32 values, so the scaling is what is compared)."""
+    from te_mixtral.experts.quant import fp8_cast
+
+    gen = torch.Generator().manual_seed(21)
+    w = torch.randn(3, 40, 24, generator=gen) * torch.rand(3, 40, 1, generator=gen)
+    q, scale = quantize_rowwise(w, value_dtype=torch.float32)
+    qt, scale_t = fp8_cast.requantize_transposed(q, scale, out_dtype=torch.float32)
+    want_qt, want_scale = quantize_rowwise((q * scale[..., None]).transpose(-2, -1), value_dtype=torch.float32)
+    assert torch.allclose(scale_t, want_scale, rtol=1e-6) and rel_err(qt, want_qt) < 1e-6
+    assert rel_err(qt * scale_t[..., None], w.transpose(-2, -1)) < 1e-6
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("targets", [("gate_up", "down"), ("gate_up",), ("down",), ()],
+                         ids=["both", "gate_up", "down", "none"])
+@pytest.mark.parametrize("splits", [[5, 0, 37, 20], [0, 0, 0, 0]], ids=["uneven", "no-rows"])
+def test_interpreter_frozen_fp8_base_data_flow_equals_float64_lora(targets, splits):
+    """The MLP over a frozen FP8 base (LoRA), every FP8 value left unrounded (float32): y and
+    the gradients of x and of every adapter A and B equal a float64 loop over experts, to
+    float32 rounding, and the base takes no gradient."""
+    gen = torch.Generator().manual_seed(len(targets) + sum(splits))
+    d, f, counts = 32, 48, torch.tensor(splits)
+    _, _, gate_up, down = (t.detach() for t in mlp_inputs(gen, d=d, f=f))
+    x_RD = torch.randn(sum(splits), d, generator=gen, requires_grad=True)
+    dy = torch.randn(x_RD.shape, generator=gen)
+    pairs = random_adapters(splits, d, f, rank=3, seed=9, targets=targets)
+    leaves = {name: tuple(t.clone().requires_grad_() for t in pair) for name, pair in pairs.items()}
+    adapters = ExpertAdapters(leaves.get("gate_up"), leaves.get("down"), 1.7, 0.0) if leaves else None
+    frozen = [FrozenFP8Weight(w.shape, value_dtype=torch.float32).copy_(w) for w in (gate_up, down)]
+    experts = FP8SwiGLUExperts(value_dtype=torch.float32, out_dtype=torch.float32)
+    padded = padded_rows(counts, x_RD.shape[0], experts.row_align, experts.min_rows)
+    y = unpad_rows(experts.frozen_mlp(pad_rows(x_RD, padded), padded, *frozen, adapters), padded)
+    flat = [t for pair in leaves.values() for t in pair]
+    got = (y, *torch.autograd.grad(y, [x_RD, *flat], dy))
+    want = reference_lora_f64(x_RD, splits, gate_up, down, pairs, 1.7, dy)
+    assert len(got) == len(want)
+    for i, (out, ref) in enumerate(zip(got, want)):
+        assert out.shape == ref.shape and (out.double() - ref).norm() <= 1e-5 * ref.norm() + 1e-30, i
+    assert all(not b.requires_grad for w in frozen for b in w.buffers())
