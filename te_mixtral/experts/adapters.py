@@ -43,16 +43,22 @@ class ExpertAdapters:
     def tensors(self) -> list[torch.Tensor]:
         return [w for pair in (self.gate_up, self.down) if pair is not None for w in pair]
 
-    def delta(self, projection: str, x_RI: torch.Tensor, matmul: GroupedMatmul) -> torch.Tensor | None:
-        """s * (dropout(x) @ A[e].T) @ B[e].T per expert, in x's dtype; None where `projection`
-        ("gate_up" or "down") has no adapter."""
+    def factors(self, projection: str, x_RI: torch.Tensor, matmul: GroupedMatmul):
+        """(t_Rr, B_LNr): t = dropout(x) @ A[e].T per expert and B, both in x's dtype, whose
+        product the delta scales; None where `projection` ("gate_up" or "down") has no adapter."""
         pair = getattr(self, projection)
         if pair is None:
             return None
         a_LrI, b_LNr = (w.to(x_RI.dtype) for w in pair)
         if self.dropout:
             x_RI = F.dropout(x_RI, self.dropout)
-        return matmul(matmul(x_RI, a_LrI), b_LNr) * self.scale
+        return matmul(x_RI, a_LrI), b_LNr
+
+    def delta(self, projection: str, x_RI: torch.Tensor, matmul: GroupedMatmul) -> torch.Tensor | None:
+        """s * (dropout(x) @ A[e].T) @ B[e].T per expert, in x's dtype; None where `projection`
+        has no adapter."""
+        factors = self.factors(projection, x_RI, matmul)
+        return None if factors is None else matmul(*factors) * self.scale
 
 
 def with_adapter(base_RN: torch.Tensor, adapters: ExpertAdapters | None, projection: str, x_RI: torch.Tensor,
@@ -63,18 +69,26 @@ def with_adapter(base_RN: torch.Tensor, adapters: ExpertAdapters | None, project
     return base_RN if delta is None else base_RN + delta
 
 
-def with_fused_adapters(op: Callable, x_RD: torch.Tensor, offs_L: torch.Tensor, adapters: ExpertAdapters):
+def with_fused_adapters(op: Callable, x_RD: torch.Tensor, offs_L: torch.Tensor, adapters: ExpertAdapters,
+                        recompute: bool = False):
     """The expert FFN of a fused op that takes LoRA's adapters inside, with their deltas.
 
     `op(h_add_R2F=..., a_down_LrF=...)` adds `h_add_R2F`, the gate_up adapter's delta, to the
     pre-activations, and given the down adapter's A (in x's dtype) returns (y_RD, u_Rr) with
     u = act @ A[e].T, act being the SwiGLU output that only exists inside the op; B's product
     is added here. The small GEMMs are grouped over the experts' rows (`offs_L`, grouped_mm's
-    offsets)."""
+    offsets). With `recompute` (an op that keeps no hidden rows) the op also gets the delta's
+    rank-r factors and scale (`h_add_factors`), to make the delta again in its backward
+    rather than keep it."""
     matmul = partial(grouped_matmul, offs_L=offs_L)
-    h_add_R2F = adapters.delta("gate_up", x_RD, matmul)
+    options = {}
+    factors = adapters.factors("gate_up", x_RD, matmul)
+    if factors is not None:
+        options["h_add_R2F"] = matmul(*factors) * adapters.scale
+        if recompute:
+            options["h_add_factors"] = (*(t.detach() for t in factors), adapters.scale)
     if adapters.down is None:
-        return op(h_add_R2F=h_add_R2F)
+        return op(**options)
     a_LrF, b_LDr = (w.to(x_RD.dtype) for w in adapters.down)
-    y_RD, u_Rr = op(h_add_R2F=h_add_R2F, a_down_LrF=a_LrF)
+    y_RD, u_Rr = op(**options, a_down_LrF=a_LrF)
     return y_RD + matmul(u_Rr, b_LDr) * adapters.scale

@@ -61,7 +61,8 @@ class CustomGroupedTier(ExpertTier):
     def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         """Selective recompute inside the op: its backward runs the gate_up GEMM again, not
         the down projection, whose output the backward does not need (a checkpoint of the
-        whole op would run both). Not with adapters (the model checkpoints the op then)."""
+        whole op would run both). With adapters, the gate_up adapter's delta is made again
+        from its rank-r factors (`with_fused_adapters`)."""
         return self._kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, False, adapters)
 
     @staticmethod
@@ -78,10 +79,10 @@ def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=N
     `F.grouped_mm` calls over the same device-side splits."""
     from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
-    op = partial(grouped_swiglu, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
+    op = partial(grouped_swiglu, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden)
     if adapters is None:
-        return op(keep_hidden=keep_hidden)
-    return with_fused_adapters(op, x_RD, offsets(tokens_per_expert_L), adapters)
+        return op()
+    return with_fused_adapters(op, x_RD, offsets(tokens_per_expert_L), adapters, recompute=not keep_hidden)
 
 
 def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):

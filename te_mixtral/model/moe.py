@@ -88,7 +88,7 @@ class MoEBlock(nn.Module):
         inputs = (self.tier, x_RD, tokens_per_expert_L)
         if not self.recompute_experts:
             return self.experts(*inputs)
-        if self.tier.recomputes_hidden(x_RD) and not self.experts.adapters:  # a tier's own recompute keeps no adapter
+        if self.tier.recomputes_hidden(x_RD):
             return self.experts(*inputs, keep_hidden=False)
         return recomputed(self.experts, *inputs)
 

@@ -297,3 +297,24 @@ def test_interpreter_kernels_with_adapters_match_float64(targets, splits):
         assert all(torch.equal(g, torch.zeros_like(g)) for g in got[1:])
     else:
         assert_close(got, want, f"kernels {targets}")
+
+
+@interpreter_only
+@pytest.mark.parametrize("targets", [("gate_up", "down"), ("gate_up",), ("down",)], ids=["both", "gate_up", "down"])
+@pytest.mark.parametrize("splits", [[21, 0, 0, 34, 1], [0, 0]], ids=["uneven", "no_rows"])
+def test_interpreter_recompute_with_adapters_changes_nothing(targets, splits):
+    """Selective recompute inside the op with LoRA's adapters: the gate_up adapter's delta is
+    made again in the backward from its rank-r factors, so y and the gradients of x and of
+    every A and B equal the kept op's bit for bit."""
+    from expert_reference import random_adapters
+    from experts.test_adapters import run_with_adapters
+
+    from te_mixtral.experts.custom_grouped import kernels_swiglu
+
+    x, counts, gate_up, down, dy = make_inputs(splits, 20, 36, seed=12)
+    pairs = random_adapters(splits, 20, 36, rank=3, seed=6, targets=targets)
+    kept, recomputed = (run_with_adapters(lambda *a, keep=keep: kernels_swiglu(*a, keep_hidden=keep),
+                                          x, counts, gate_up, down, pairs, 0.9, dy) for keep in (True, False))
+    assert len(kept) == len(recomputed) == 2 + 2 * len(targets)
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)

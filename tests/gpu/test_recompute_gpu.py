@@ -58,6 +58,29 @@ def test_gradients_equal_no_recompute_bf16(backend, tier, recompute):
         assert (got - want).norm() <= 1e-3 * want.norm(), name
 
 
+@pytest.mark.parametrize("targets", ["q_proj,gate_up_proj,down_proj", "gate_up_proj", "down_proj"])
+def test_lora_gradients_equal_no_recompute_bf16(targets):
+    """custom_grouped's own selective recompute with LoRA's adapters inside its op: every
+    adapter's gradient as without recompute."""
+    from te_mixtral.config import LoRAConfig
+    from te_mixtral.model.lora import add_adapters, freeze_base
+
+    grads = {}
+    for mode in ("none", "selective"):
+        _, model, batch = setup(BACKENDS[-1], "custom_grouped", mode, 256)
+        add_adapters(model, LoRAConfig(rank=8, alpha=16.0, targets=targets), 3, SINGLE)
+        freeze_base(model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".B"):
+                    p.normal_(0.0, 0.05, generator=torch.Generator("cuda").manual_seed(len(name)))
+        loss_of(model, batch).backward()
+        grads[mode] = {name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None}
+    assert grads["none"].keys() == grads["selective"].keys() and grads["none"]
+    for name, want in grads["none"].items():
+        assert (grads["selective"][name] - want).norm() <= 1e-3 * want.norm(), name
+
+
 # The estimate counts what SDPA's fused kernels keep (the softmax statistics). Where Transformer
 # Engine is installed, importing it loads its own cuDNN, older than the one torch was built
 # against; torch's cuDNN attention then refuses ("cuDNN version incompatibility"), and this

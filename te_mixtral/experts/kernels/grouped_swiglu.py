@@ -198,7 +198,8 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF):
+    def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF,
+                h_add_factors):
         R, D = x_RD.shape
         L, F = down_LDF.shape[0], down_LDF.shape[2]
         dtype = x_RD.dtype
@@ -222,7 +223,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if keep_hidden:
             ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF)
         else:  # the weights as they came: a cast copy is made again in the backward
-            ctx.save_for_backward(x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF)
+            t_Rr, b_L2Fr, _ = h_add_factors or (None, None, None)
+            ctx.save_for_backward(x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr)
+            ctx.h_add_scale = h_add_factors and h_add_factors[2]
         ctx.cfgs, ctx.use_tma, ctx.h_consumed, ctx.keep_hidden = cfgs, use_tma, False, keep_hidden
         ctx.weights = (gate_up_L2FD, down_LDF)  # the parameters, whose .grad the backward may add into
         return outputs if len(outputs) > 1 else y_RD
@@ -240,14 +243,17 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if ctx.keep_hidden:
             x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF = ctx.saved_tensors
         else:  # recompute the pre-activations: the gate_up GEMM again, not the down one
-            x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF = ctx.saved_tensors
+            x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr = ctx.saved_tensors
             w1_L2FD = gate_up_L2FD.to(x_RD.dtype).contiguous()
             w2_LDF = down_LDF.to(x_RD.dtype).contiguous()
             h_R2F = x_RD.new_empty(x_RD.shape[0], w1_L2FD.shape[1])
+            # The gate_up adapter's delta, made again as the caller made it (same GEMM, same bits).
+            h_add_R2F = None if t_Rr is None else grouped_matmul(t_Rr, b_L2Fr, offsets(counts_L)) * ctx.h_add_scale
             if x_RD.shape[0] > 0:
                 rows_gemm(x_RD, w1_L2FD, counts_L, x_RD.new_empty(x_RD.shape[0], w2_LDF.shape[2]),
                           n=w2_LDF.shape[2], b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
-                          epilogue=EPI_SWIGLU, h=h_R2F)
+                          epilogue=EPI_SWIGLU, h=h_R2F, add=None if h_add_R2F is None else h_add_R2F.contiguous())
+            del h_add_R2F
         R, D = x_RD.shape
         F = w2_LDF.shape[2]
         needs_x, _, needs_w1, needs_w2 = ctx.needs_input_grad[:4]
@@ -293,11 +299,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 d_a_down = torch.zeros_like(a_down_LrF)
         d_w1, d_w2 = (d if t is None else hand_over(w, d) for w, d, t in zip(ctx.weights, (d_w1, d_w2), into))
         d_h_add = dh_R2F if ctx.needs_input_grad[7] else None
-        return dx_RD, None, d_w1, d_w2, None, None, None, d_h_add, d_a_down
+        return dx_RD, None, d_w1, d_w2, None, None, None, d_h_add, d_a_down, None
 
 
 def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs=None,
-                   use_tma=None, keep_hidden=True, h_add_R2F=None, a_down_LrF=None):
+                   use_tma=None, keep_hidden=True, h_add_R2F=None, a_down_LrF=None, h_add_factors=None):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
@@ -312,12 +318,17 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     to the pre-activations in the first GEMM's epilogue (its gradient is dh). `a_down_LrF`,
     the down adapter's A in x's dtype, makes the op return (y_RD, u_Rr) with u = act @ A[e].T
     per expert: the caller adds its B product to y, and act, which the adapter's gradient
-    needs, is re-created in the backward's SwiGLU epilogue rather than kept. Neither works
-    with `keep_hidden=False` (the recompute would need h_add again).
+    needs, is re-created in the backward's SwiGLU epilogue rather than kept. With
+    `keep_hidden=False` the recompute needs h_add again without keeping it: `h_add_factors`
+    (t_Rr, B_L2Fr, s), with h_add = s * t @ B[e].T per expert exactly as the caller made it
+    (`adapters.with_fused_adapters`), are kept instead, rank-r small, and the delta is made
+    again from them; its gradient still leaves as h_add's.
     """
     if configs is None:
         configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else CONFIGS
-    if not keep_hidden and (h_add_R2F is not None or a_down_LrF is not None):
-        raise ValueError("grouped_swiglu recomputes no adapter: keep_hidden must be True with LoRA")
+    if not keep_hidden and h_add_R2F is not None and h_add_factors is None:
+        raise ValueError("grouped_swiglu's recompute makes the gate_up adapter's delta again: pass h_add_factors")
+    if keep_hidden or h_add_R2F is None:
+        h_add_factors = None
     return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF,
-                                configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF)
+                                configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF, h_add_factors)
