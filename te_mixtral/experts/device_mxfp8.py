@@ -245,7 +245,7 @@ class DeviceMXFP8Tier(ExpertTier):
             return super().expert_weight(shape)
         if self.mode != "fp8-hopper":
             raise RuntimeError("DeviceMXFP8Tier.expert_weight() of a frozen base needs check_available(device) first")
-        return FrozenFP8Weight(shape)
+        return FrozenFP8Weight(shape, self._runner.value_dtype)
 
     def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         if x_RD.device != self._device:

@@ -68,6 +68,7 @@ class FP8SwiGLUExperts:
 
     def __init__(self, scaled_grouped_mm=None, value_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16,
                  cache_weights=True):
+        self.value_dtype = value_dtype  # also a frozen base's (device_mxfp8.expert_weight)
         self.rows = partial(fp8_cast.quantize_rows, out_dtype=value_dtype)
         self.columns = partial(fp8_cast.quantize_columns, out_dtype=value_dtype)
         self.swiglu_backward_rows = partial(fp8_cast.swiglu_backward_rows, out_dtype=value_dtype)

@@ -406,3 +406,47 @@ def test_interpreter_frozen_fp8_base_data_flow_equals_float64_lora(targets, spli
     for i, (out, ref) in enumerate(zip(got, want)):
         assert out.shape == ref.shape and (out.double() - ref).norm() <= 1e-5 * ref.norm() + 1e-30, i
     assert all(not b.requires_grad for w in frozen for b in w.buffers())
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_interpreter_model_over_a_frozen_fp8_base_equals_the_loop_tier(recompute):
+    """The whole model with LoRA over device_mxfp8's frozen base (as on a Hopper GPU, the FP8
+    values kept unrounded), built and initialised as a run does: its logits and every
+    adapter's gradient equal the same model over the loop tier, the seeded base being one."""
+    from model.test_hf_parity import random_packed_batch
+
+    from te_mixtral.config import LoRAConfig, ModelConfig
+    from te_mixtral.distributed.layout import Layout
+    from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+    from te_mixtral.model.layers import TORCH
+    from te_mixtral.model.lora import add_adapters, freeze_base
+    from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+
+    single = Layout(0, 1, 1, None, None)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
+    fp8 = DeviceMXFP8Tier("fp8-hopper", frozen_base=True)
+    fp8.mode, fp8._device = "fp8-hopper", torch.device("cpu")
+    fp8._runner = FP8SwiGLUExperts(value_dtype=torch.float32, out_dtype=torch.float32)
+    torch.manual_seed(0)
+    batch = random_packed_batch(cfg.vocab_size)
+    results = {}
+    for name, tier in (("loop", LoopTier()), ("fp8", fp8)):
+        model = MixtralForCausalLM(cfg, TORCH, single, tier, recompute)
+        init_weights(model, 5, single)
+        add_adapters(model, LoRAConfig(rank=4, alpha=8.0, targets="q_proj,v_proj,gate_up_proj,down_proj"), 6, single)
+        freeze_base(model)
+        with torch.no_grad():
+            for param_name, p in model.named_parameters():
+                if param_name.endswith(".B"):
+                    p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(param_name)))
+        logits = model(batch.input_ids, batch.packed)
+        causal_lm_loss(logits, batch.labels, (batch.labels != -100).sum()).backward()
+        results[name] = logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, FrozenFP8Weight)
+    assert fp8.calls() == {"fp8-hopper, frozen FP8 base": 4 if recompute == "selective" else 2}
+    assert rel_err(results["fp8"][0], results["loop"][0]) < 1e-5
+    assert results["fp8"][1].keys() == results["loop"][1].keys()
+    for n, grad in results["loop"][1].items():
+        assert rel_err(results["fp8"][1][n], grad) < 1e-4, n
