@@ -13,6 +13,7 @@ from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.quant.fp8_hopper import quantize_rowwise
+from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
@@ -27,7 +28,7 @@ def fp8_base_tier() -> DeviceMXFP8Tier:
     """The tier as check_available leaves it on a Hopper GPU, with LoRA's frozen base: the
     storage is what is tested here, and it needs no GPU."""
     tier = DeviceMXFP8Tier("fp8-hopper", frozen_base=True)
-    tier.mode = "fp8-hopper"
+    tier.mode, tier._runner = "fp8-hopper", FP8SwiGLUExperts()
     return tier
 
 
