@@ -9,7 +9,7 @@ from model.test_lora import ALL_TARGETS, SINGLE, hf_checkpoint
 
 from te_mixtral.config import LoRAConfig, ModelConfig
 from te_mixtral.data.tokenizer import Tokenizer, train_tokenizer
-from te_mixtral.errors import TierUnavailable
+from te_mixtral.errors import Diverged, TierUnavailable
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.quant.fp8_hopper import quantize_rowwise
@@ -117,3 +117,17 @@ def test_a_checkpoint_loads_into_an_fp8_base_which_exports_merged(tmp_path):
     for expert in range(down.shape[0]):
         assert torch.equal(exported[f"model.layers.1.block_sparse_moe.experts.{expert}.w2.weight"], down[expert])
     assert torch.equal(exported["model.norm.weight"], reference["model.norm.weight"].detach())
+
+
+def test_a_non_finite_fp8_base_is_not_exported(tmp_path):
+    """A NaN in a checkpoint's expert row makes that row's scale NaN: the export refuses, as
+    for any weight that is not finite."""
+    hf_checkpoint(tmp_path / "base", dtype=torch.float32)
+    ours = MixtralForCausalLM(model_config_from_hf(tmp_path / "base"), TORCH, SINGLE, fp8_base_tier())
+    load_hf_weights(ours, tmp_path / "base", SINGLE)
+    row = torch.randn(40)  # a row of down [L, D, F]: F wide
+    row[3] = float("nan")
+    ours.model.layers[0].mlp.experts.down_proj[2, 5:6].copy_(row[None])
+    tokenizer = Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
+    with pytest.raises(Diverged, match="the weights are not finite"):
+        save_hf_checkpoint(ours, tmp_path / "merged", SINGLE, torch.float32, tokenizer)
