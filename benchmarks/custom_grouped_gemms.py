@@ -7,22 +7,23 @@ holding all 8 experts of a layer with one 8192-token sequence, top-2; 4x4096 a r
 EP=2 with two sequences; 1x64 a rank at EP=8 with few tokens); `R0+R1+...` gives each
 expert's rows, for uneven splits (179+77: 256 rows over two experts, 70/30). For each GEMM it times the
 tile table's config for that many rows per expert (`grouped_swiglu.CONFIGS`), the other
-candidates of that regime in benchmarks/custom_grouped_bench.py, and cuBLAS (`torch.mm`
+candidates of that regime (benchmarks/custom_grouped_ops.py), and cuBLAS (`torch.mm`
 once per expert, the plain GEMM without our fused SwiGLU epilogues): the ceiling a tile
 change aims at, and the place a fused epilogue costs more than it saves. Medians of
-`triton.testing.do_bench`.
+`triton.testing.do_bench` (custom_grouped_ops.bench: a GEMM alone, from a cold L2).
 """
 
 import argparse
-import json
 import sys
 
 import torch
 
-from benchmarks import custom_grouped_bench as cb
+from benchmarks import common
+from benchmarks import custom_grouped_ops as cb
+from benchmarks.common import FAMILIES
 from te_mixtral.experts.kernels import grouped_swiglu as gs
 
-D, F = 4096, 14336
+D, F = FAMILIES["8x7b"].hidden, FAMILIES["8x7b"].ffn
 # (M, K, N) of one expert's plain GEMM, rows R = per-expert rows.
 CUBLAS_SHAPES = {"gate_up": lambda r: (r, D, 2 * F), "down": lambda r: (r, F, D), "down_dgrad": lambda r: (r, D, F),
                  "gate_up_dgrad": lambda r: (r, 2 * F, D), "down_wgrad": lambda r: (D, r, F),
@@ -54,10 +55,10 @@ def cublas_ms(op: str, sizes: list[int]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="8x2048,4x4096", help="LxR: local experts x rows per expert")
-    parser.add_argument("--json", default=None, help="also write the times here")
+    common.add_json_flag(parser)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("custom_grouped_gemms: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
+    device = common.cuda_or_refuse("custom_grouped_gemms")
+    if device is None:
         return 2
     try:
         cases = {case: cb.parse_case(case) for case in args.cases.split(",")}
@@ -65,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"custom_grouped_gemms: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
               file=sys.stderr)
         return 2
-    cb.precompile([(op, c) for sizes in cases.values() for op in cb.OPS for c in configs(op, sizes).values()],
-                  None)
-    print(f"custom_grouped GEMMs on {torch.cuda.get_device_name()}: ms (TFLOP/s)")
+    cb.precompile([(op, c) for sizes in cases.values() for op in cb.OPS for c in configs(op, sizes).values()])
+    header = common.run_header(device)
+    print(common.header_line(header))
+    print("custom_grouped GEMMs: ms (TFLOP/s)")
     times = {}
     for case, sizes in cases.items():
         for op in cb.OPS:
@@ -82,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{name}: {ms:6.3f} ({flops / ms / 1e9:3.0f})")
             times[f"{case}/{op}/cuBLAS"] = cublas
             print(" | ".join(cells), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(times, f, indent=1)
+    common.write_json(args.json, {"header": header, "ms": times})
     return 0
 
 

@@ -7,7 +7,7 @@ shapes. The peers: TE's grouped GEMM as the `grouped_linear` tier runs it
 `torch.nn.functional.grouped_mm` with plain autograd.
 
 Each time is GPU time per call with the host's launches queued ahead of the GPU
-(`custom_grouped_host_time.gpu_ms`), so at few rows it compares kernels, not Python. TE gets
+(`custom_grouped_ops.gpu_ms`), so at few rows it compares kernels, not Python. TE gets
 its split sizes as a host list for free; the tier pays a device-to-host sync for them.
 A point's ratio is the best peer's time over ours: above 1 we are faster. Each point also
 prints how far any op's forward output lies from grouped_mm's (relative Frobenius), so a
@@ -19,23 +19,18 @@ every point, to try a table against the one `regime` picks.
 """
 
 import argparse
-import datetime
-import json
 import sys
 
 import torch
-import triton
 
-from benchmarks.custom_grouped_bench import fwd_bwd, make_inputs, with_table
-from benchmarks.custom_grouped_host_time import gpu_ms
-from benchmarks.expert_ffn import split_by_fractions
+from benchmarks import common
+from benchmarks.common import FAMILIES, split_by_fractions
+from benchmarks.custom_grouped_ops import fwd_bwd, gpu_ms, make_inputs, with_table
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.grouped_linear import GroupedLinearTier, te_grouped_swiglu
 from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
-from te_mixtral.te_support import te_version
 
-FAMILIES = {"8x7b": (4096, 14336), "8x22b": (6144, 16384)}  # D, F
 TOKENS = "16,32,64,128,256,1024,4096,16384"
 SPLITS = ("uniform", "skewed", "empty")
 TARGET = 0.97  # "never behind": at least this fraction of the best peer's speed
@@ -102,7 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--splits", default=",".join(SPLITS))
     parser.add_argument("--tiles", action="append", default=[],
                         help="also ours with this tile table at every point (repeatable; not a peer)")
-    parser.add_argument("--json", help="write every point's times here")
+    common.add_json_flag(parser)
     args = parser.parse_args(argv)
     kinds = args.splits.split(",")
     counts = {flag: value.split(",") for flag, value in (("--experts", args.experts), ("--tokens", args.tokens))}
@@ -114,23 +109,24 @@ def main(argv=None) -> int:
         error = f"--experts and --tokens take positive integers joined by commas; got {args.experts} and {args.tokens}"
     elif unknown:
         error = f"no tile table {unknown[0]!r}; the tables are {', '.join(CONFIGS)}"
-    elif not torch.cuda.is_available():
-        error = "needs a CUDA GPU, and none is visible"
     if error:
         print(f"custom_grouped_grid: error: {error}", file=sys.stderr)
         return 2
+    device = common.cuda_or_refuse("custom_grouped_grid")
+    if device is None:
+        return 2
     expert_counts, token_counts = ([int(n) for n in values] for values in counts.values())
-    dims = FAMILIES[args.family]
+    dims = FAMILIES[args.family].hidden, FAMILIES[args.family].ffn
     ops = {"ours": grouped_swiglu, "grouped_mm": grouped_mm_swiglu}
     for name in args.tiles:
         ops[f"ours, {name}"] = with_table(name)
     te, why_not = te_peer()
     if te is None:
         print(f"TE skipped: {why_not}")
+    header = common.run_header(device)
+    print(common.header_line(header))
     print(f"custom_grouped against the best of {'grouped_mm' if te is None else 'TE and grouped_mm'}, fwd+bwd, "
-          f"Mixtral-{args.family} (D {dims[0]}, F {dims[1]}), GPU ms a call with the host queued ahead, "
-          f"on {torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}, TE {te_version()}")
+          f"Mixtral-{args.family} (D {dims[0]}, F {dims[1]}), GPU ms a call with the host queued ahead")
     results = []
     for kind in kinds:
         for tokens in token_counts:
@@ -161,9 +157,7 @@ def main(argv=None) -> int:
     worst = min(results, key=lambda r: r["ratio"])
     print(f"\n{len(behind)} of {len(results)} points below {TARGET}; the lowest {worst['ratio']:.2f} at "
           f"{worst['split']} {worst['tokens']} x {worst['experts']} (against {worst['best_peer']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "family": args.family, "points": results}, f, indent=1)
+    common.write_json(args.json, {"header": header, "family": args.family, "points": results})
     return 0
 
 

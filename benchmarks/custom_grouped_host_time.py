@@ -6,7 +6,7 @@ measures the host. This script tells the two apart at Mixtral-8x7B shapes:
 
 - host: wall time a call of 200 in a row, the host launching as fast as it can;
 - GPU: time a call of 50 that the host queued behind a long spin kernel first, so the GPU
-  never waits for a launch;
+  never waits for a launch (custom_grouped_ops.gpu_ms);
 - op: the median of `do_bench` over single calls, as custom_grouped_bench.py times the op.
 
 `--loads` adds ours with TMA descriptors forced on and off; `--tiles medium` adds ours with
@@ -28,16 +28,26 @@ import time
 
 import torch
 
-from benchmarks.custom_grouped_bench import bench, fwd_bwd, make_inputs, parse_case, with_table
+from benchmarks import common
+from benchmarks.common import FAMILIES
+from benchmarks.custom_grouped_ops import (
+    bench,
+    fwd_bwd,
+    gpu_ms,
+    make_inputs,
+    parse_case,
+    with_table,
+)
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_swiglu as gs
 
-D, F = 4096, 14336
-HOST_CALLS, GPU_CALLS = 200, 50
-SPIN_CYCLES = int(2e9)  # about a second: longer than the host needs to queue GPU_CALLS calls
+D, F = FAMILIES["8x7b"].hidden, FAMILIES["8x7b"].ffn
+HOST_CALLS = 200
 
 
 def host_ms(fn) -> float:
+    """Wall ms a call of HOST_CALLS in a row. Not benchmarks/common.py's timer: what is
+    measured is the host's launching, which timing each call apart would hide."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(HOST_CALLS):
@@ -45,19 +55,6 @@ def host_ms(fn) -> float:
     host = time.perf_counter() - start
     torch.cuda.synchronize()
     return 1e3 * host / HOST_CALLS
-
-
-def gpu_ms(fn, calls: int = GPU_CALLS, spin_cycles: int = SPIN_CYCLES) -> float:
-    """GPU ms a call of `calls` queued behind a spin of `spin_cycles`, which must outlast
-    the host's queuing of them."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(spin_cycles)
-    begin.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"custom_grouped_host_time: error: no tile table {unknown[0]!r}; the tables are "
               f"{', '.join(gs.CONFIGS)}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("custom_grouped_host_time: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
+    device = common.cuda_or_refuse("custom_grouped_host_time")
+    if device is None:
         return 2
     try:
         cases = {case: parse_case(case) for case in args.cases.split(",")}
@@ -83,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"custom_grouped_host_time: error: --cases takes LxR or R0+R1+... joined by commas; got "
               f"{args.cases}", file=sys.stderr)
         return 2
-    print(f"custom_grouped vs grouped_mm, fwd+bwd at 8x7B shapes, on {torch.cuda.get_device_name()}: ms a call")
+    print(common.header_line(common.run_header(device)))
+    print("custom_grouped vs grouped_mm, fwd+bwd at 8x7B shapes: ms a call")
     for index, (case, sizes) in enumerate(cases.items()):
         x, counts, w1, w2, dy = make_inputs(None, len(sizes), D, F, requires_grad=True, sizes=sizes)
         ops = {"ours": gs.grouped_swiglu, "grouped_mm": grouped_mm_swiglu}

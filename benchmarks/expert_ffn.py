@@ -29,7 +29,8 @@ bound). At small R the weights dominate: the layer is memory-bound whatever the 
 
 How it is timed: bf16 parameters used directly (no autocast; the training loop's fp32
 master weights and their casts are not part of this microbenchmark), fresh random non-zero
-inputs, three warm-up steps, then the median of many steps, each between CUDA events.
+inputs, benchmarks/common.py's timer (three warm-up steps, then the median of many steps,
+each between CUDA events).
 Several (x, dy) buffer sets are rotated so that the inputs of consecutive steps are not
 already in L2 (together they exceed twice the L2 size); the weights are far larger than L2.
 The matmul peak (8192^3, random bf16) and copy bandwidth are measured in the same run.
@@ -47,25 +48,28 @@ CUDA events) to check that the script works, not to measure anything.
 """
 
 import argparse
-import json
 import math
-import statistics
-import sys
-import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import common
+from benchmarks.common import (
+    FAMILIES,
+    LOCAL_EXPERTS,
+    copy_bandwidth_gbs,
+    first_line,
+    matmul_peak_tflops,
+    median_ms,
+    split_by_fractions,
+)
 from benchmarks.peers import FP8_PEERS
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.registry import EXPERT_TIERS, make_tier
 from te_mixtral.measure.metrics import device_name, peak_flops
-from te_mixtral.measure.report import format_table, package_version
-from te_mixtral.te_support import te_version
+from te_mixtral.measure.report import format_table
 
 
 @dataclass
@@ -78,27 +82,17 @@ class Sizes:
     copy_bytes: int  # the bandwidth copy reads and writes this many bytes each
 
 
-FULL = Sizes(4096, 14336, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)  # Mixtral-8x7B
-FULL_8X22B = Sizes(6144, 16384, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30)  # Mixtral-8x22B
+FULL = {name: Sizes(f.hidden, f.ffn, (64, 256, 1024, 4096, 8192), 8192, 8192, 2**30) for name, f in FAMILIES.items()}
 QUICK = Sizes(128, 256, (16, 64), 256, 512, 2**24)
-LOCAL_EXPERTS = 4  # L
 SKEW = (0.70, 0.20, 0.09, 0.01)  # share of the rows per expert in the skewed case
 EMPTY_LAST = (1 / 3, 1 / 3, 1 / 3, 0.0)  # the case with an expert that gets no rows
 REFERENCE_COLUMNS = ("grouped_linear", "grouped_mm", "loop")  # timed first in each case, see main()
-WARMUP_STEPS = 3
 
 
 @dataclass
 class Case:
     name: str
     splits: list[int]  # tokens per expert
-
-
-def split_by_fractions(total: int, fractions: tuple[float, ...]) -> list[int]:
-    """Integer split of `total` by `fractions`; rounding goes to the largest share."""
-    splits = [round(total * f) for f in fractions]
-    splits[splits.index(max(splits))] += total - sum(splits)
-    return splits
 
 
 def make_cases(sizes: Sizes) -> list[Case]:
@@ -142,58 +136,10 @@ def available_columns(device: torch.device) -> tuple[dict, dict]:
             try:
                 columns[name] = build()
             except Exception as error:  # noqa: BLE001 - a library this machine lacks is a skipped column
-                skipped[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+                skipped[name] = first_line(error)
     else:
         skipped.update(dict.fromkeys(FP8_PEERS, "8-bit peers run on CUDA only"))
     return columns, skipped
-
-
-# --- timing --------------------------------------------------------------------------
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(step, device: torch.device, budget_ms: float = 400, min_reps: int = 5, max_reps: int = 100):
-    """Median time of `step()` in ms after WARMUP_STEPS untimed calls; on CUDA each step
-    is timed between events, so launch queueing on the host is not counted."""
-    for _ in range(WARMUP_STEPS):
-        step()
-    synchronize(device)
-    start = time.perf_counter()
-    step()
-    synchronize(device)
-    estimate_ms = (time.perf_counter() - start) * 1e3
-    reps = max(min_reps, min(max_reps, math.ceil(budget_ms / max(estimate_ms, 1e-3))))
-    times = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for begin, end in events:
-            begin.record()
-            step()
-            end.record()
-        synchronize(device)
-        times = [begin.elapsed_time(end) for begin, end in events]
-    else:
-        for _ in range(reps):
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def matmul_peak_tflops(n: int, device: torch.device) -> float:
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    return 2 * n**3 / (median_ms(lambda: a @ b, device) * 1e-3) / 1e12
-
-
-def copy_bandwidth_gbs(nbytes: int, device: torch.device) -> float:
-    """Device-to-device copy; bytes read plus bytes written, per second."""
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), device) * 1e-3) / 1e9
 
 
 # --- one cell ------------------------------------------------------------------------
@@ -243,19 +189,8 @@ def time_cell(ffn, case: Case, weights, sizes: Sizes, device: torch.device) -> d
 
 
 def run_header(device: torch.device, sizes: Sizes) -> dict:
-    name = device_name(device)
-    return {
-        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformer_engine": te_version() or "not installed",
-        "triton": package_version("triton") or "not installed",
-        "python": sys.version.split()[0],
-        "sizes": asdict(sizes),
-        "dtype": "bfloat16 parameters and activations, no autocast",
-        "datasheet_peak_bf16_tflops": (peak_flops(name) or 0) / 1e12 or None,
-    }
+    return common.run_header(device, sizes=asdict(sizes), dtype="bfloat16 parameters and activations, no autocast",
+                             datasheet_peak_bf16_tflops=(peak_flops(device_name(device)) or 0) / 1e12 or None)
 
 
 def table_row(r: dict, peak: float) -> list[str]:
@@ -275,24 +210,25 @@ def table_row(r: dict, peak: float) -> list[str]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
+    common.add_json_flag(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--family", choices=("8x7b", "8x22b"), default="8x7b",
                         help="expert shapes: Mixtral-8x7B (D 4096, F 14336) or 8x22B (D 6144, F 16384)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda" and not args.quick:
         parser.error("the full sizes need a CUDA GPU; use --quick to smoke-test on the CPU")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    sizes = QUICK if args.quick else {"8x7b": FULL, "8x22b": FULL_8X22B}[args.family]
+    sizes = QUICK if args.quick else FULL[args.family]
     torch.manual_seed(0)
 
     # --- ceilings, measured in this run
     header = run_header(device, sizes)
+    print(common.header_line(header), flush=True)
     peak = matmul_peak_tflops(sizes.matmul_n, device)
     bandwidth = copy_bandwidth_gbs(sizes.copy_bytes, device)
     columns, skipped = available_columns(device)
@@ -322,7 +258,7 @@ def main() -> None:
                 r.update(time_cell(columns[column], case, (gate_up_L2FD, down_LDF), sizes, device))
                 r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
             except Exception as error:  # noqa: BLE001 - record it and go on to the next cell
-                r["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+                r["error"] = first_line(error)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             status = f"{r['ms']:.3f} ms  {r['tflops']:.4g} TFLOP/s" if "ms" in r else r["error"]
@@ -343,8 +279,6 @@ def main() -> None:
 
     # --- report
     print()
-    print(f"date {header['date']}  device {header['device']}  torch {header['torch']} (CUDA {header['cuda']})  "
-          f"TE {header['transformer_engine']}  triton {header['triton']}  python {header['python']}")
     print(f"D={D} F={F_} L={L}, bf16 parameters, no autocast.  Measured bf16 matmul peak {peak:.0f} TFLOP/s "
           f"(datasheet {header['datasheet_peak_bf16_tflops'] or 'n/a'}), copy {bandwidth:.0f} GB/s")
     header_row = ["case", "rows", "column", "ms", "TFLOP/s", "% peak", "x best", "x best 8-bit", "floor ms",
@@ -356,12 +290,8 @@ def main() -> None:
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
 
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"header": header, "measured_peak_bf16_tflops": peak, "measured_copy_gbs": bandwidth,
-                   "skipped": skipped, "results": results}
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    common.write_json(args.json, {"header": header, "measured_peak_bf16_tflops": peak,
+                                  "measured_copy_gbs": bandwidth, "skipped": skipped, "results": results})
 
 
 if __name__ == "__main__":

@@ -22,16 +22,19 @@ Needs a Hopper GPU; the TE columns need Transformer Engine.
 """
 
 import argparse
+import sys
 
 import torch
 
+from benchmarks import common
+from benchmarks.common import FAMILIES, LOCAL_EXPERTS, first_line
 from benchmarks.peers import FP8_PEERS
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.measure.report import format_table
 
-D, F, L = 4096, 14336, 4
+D, F, L = FAMILIES["8x7b"].hidden, FAMILIES["8x7b"].ffn, LOCAL_EXPERTS
 RUNS = 4
 NAMES = ("y", "dx", "d_gate_up", "d_down")
 
@@ -62,7 +65,7 @@ def columns() -> tuple[dict, dict]:
         try:
             found[name] = build()
         except Exception as error:  # noqa: BLE001 - a library this machine lacks is a skipped column
-            skipped[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            skipped[name] = first_line(error)
     return found, skipped
 
 
@@ -70,10 +73,14 @@ def rel_err(got, ref) -> float:
     return ((got.double() - ref).norm() / ref.norm()).item()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens-per-expert", type=int, default=1024)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    device = common.cuda_or_refuse("fp8_accuracy")
+    if device is None:
+        return 2
+    print(common.header_line(common.run_header(device)))
     x, counts, gate_up, down, dy = inputs(args.tokens_per_expert)
     ref = outputs(LoopTier(), x.double(), counts, gate_up.double(), down.double(), dy.double())
     found, skipped = columns()
@@ -83,15 +90,15 @@ def main() -> None:
             for _ in range(RUNS):
                 got = outputs(ffn, x, counts, gate_up, down, dy)
         except Exception as error:  # noqa: BLE001 - one recipe this build cannot run must not end the run
-            skipped[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            skipped[name] = first_line(error)
             continue
         rows.append([name, *(f"{rel_err(g, r):.2e}" for g, r in zip(got, ref))])
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {L} experts x {args.tokens_per_expert} "
-          f"tokens, D={D}, F={F}, bf16 inputs and weights; relative error against float64 `loop`")
+    print(f"{L} experts x {args.tokens_per_expert} tokens, D={D}, F={F}, bf16 inputs and weights; relative error against float64 `loop`")
     print(format_table(rows, ["column", *NAMES]))
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,12 +13,13 @@ Needs a Hopper GPU.
 """
 
 import argparse
-import json
-from pathlib import Path
+import sys
 
 import torch
 
-from benchmarks.expert_ffn import FULL, FULL_8X22B, LOCAL_EXPERTS, Case, run_header, time_cell
+from benchmarks import common
+from benchmarks.common import LOCAL_EXPERTS
+from benchmarks.expert_ffn import FULL, Case, run_header, time_cell
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.measure.report import format_table
@@ -26,17 +27,20 @@ from te_mixtral.measure.report import format_table
 ROWS_PER_EXPERT = (512, 1024, 1536, 2048, 2560, 3072, 4096)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
-    args = parser.parse_args()
-    device = torch.device("cuda", torch.cuda.current_device())
+    common.add_json_flag(parser)
+    args = parser.parse_args(argv)
+    device = common.cuda_or_refuse("fp8_break_even")
+    if device is None:
+        return 2
     fp8 = DeviceMXFP8Tier("fp8-hopper", bf16_below=0)
     fp8.check_available(device)
     columns = {"custom_grouped": CustomGroupedTier(), "device_mxfp8": fp8}
-    header, rows = run_header(device, FULL), []
+    header, rows = run_header(device, FULL["8x7b"]), []
+    print(common.header_line(header))
     print(f"FP8 break-even on {header['device']}, {header['date']}", flush=True)
-    for family, sizes in (("8x7b", FULL), ("8x22b", FULL_8X22B)):
+    for family, sizes in FULL.items():
         L, D, F_ = LOCAL_EXPERTS, sizes.hidden, sizes.ffn
         weights = ((torch.randn(L, 2 * F_, D, device=device) * D**-0.5).to(torch.bfloat16).requires_grad_(),
                    (torch.randn(L, D, F_, device=device) * F_**-0.5).to(torch.bfloat16).requires_grad_())
@@ -51,9 +55,9 @@ def main() -> None:
     print(format_table([[r["family"], str(r["rows_per_expert"]), f"{r['custom_grouped']:.2f}",
                          f"{r['device_mxfp8']:.2f}", f"{r['x_bf16']:.2f}"] for r in rows],
                        ["family", "rows/expert", "custom_grouped ms", "device_mxfp8 ms", "x bf16"]))
-    if args.json:
-        args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    common.write_json(args.json, {"header": header, "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,9 @@
 (CUTLASS) with exact and with fast accumulation, on the same E4M3 operands and scales.
 
 4 local experts x 4096 and 8192 rows, Mixtral-8x7B (D 4096, F 14336) and 8x22B (D 6144,
-F 16384) shapes. Each GEMM's time is the median of Triton's `do_bench`; `err` is the
+F 16384) shapes. Each GEMM's time is the median of Triton's `do_bench` (not
+benchmarks/common.py's timer: a GEMM alone is timed with L2 flushed before each call, as the
+custom_grouped GEMM benchmarks time theirs); `err` is the
 relative Frobenius error of the first expert's first 1024 output rows against float64 on
 the same quantised operands (the bf16 rounding of the output alone gives about 1.7e-3).
 
@@ -13,13 +15,13 @@ Needs a Hopper GPU.
 """
 
 import argparse
-import json
-from pathlib import Path
+import sys
 
 import torch
 from triton.testing import do_bench
 
-from benchmarks.expert_ffn import FULL, FULL_8X22B, LOCAL_EXPERTS, run_header
+from benchmarks import common
+from benchmarks.common import FAMILIES, LOCAL_EXPERTS
 from te_mixtral.experts.kernels.scaled_grouped_mm import scaled_grouped_mm
 from te_mixtral.measure.report import format_table
 
@@ -54,12 +56,15 @@ def gemm_cases(D, F, rows_per_expert, device):
     return cases
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
-    args = parser.parse_args()
-    device = torch.device("cuda", torch.cuda.current_device())
-    header, rows = run_header(device, FULL), []
+    common.add_json_flag(parser)
+    args = parser.parse_args(argv)
+    device = common.cuda_or_refuse("fp8_gemms")
+    if device is None:
+        return 2
+    header, rows = common.run_header(device), []
+    print(common.header_line(header))
     print(f"FP8 grouped GEMMs on {header['device']}, {header['date']}", flush=True)
     kernels = {
         "triton": lambda a, b, sa, sb, offs: scaled_grouped_mm(a, b, sa, sb, offs),
@@ -68,7 +73,7 @@ def main() -> None:
         "cutlass fast": lambda a, b, sa, sb, offs: torch._scaled_grouped_mm(
             a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
     }
-    for family, sizes in (("8x7b", FULL), ("8x22b", FULL_8X22B)):
+    for family, sizes in FAMILIES.items():
         for per_expert in (4096, 8192):
             offs = torch.full((LOCAL_EXPERTS,), per_expert, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
             for name, (a, b, sa, sb, ref) in gemm_cases(sizes.hidden, sizes.ffn, per_expert, device).items():
@@ -90,9 +95,9 @@ def main() -> None:
           *(f"{r[k]['err']:.1e}" for k in kernels)] for r in rows],
         ["family", "rows/expert", "GEMM", *(f"{k} ms" for k in kernels), *(f"{k} TFLOP/s" for k in kernels),
          "x exact", "x fast", *(f"{k} err" for k in kernels)]))
-    if args.json:
-        args.json.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    common.write_json(args.json, {"header": header, "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

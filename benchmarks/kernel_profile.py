@@ -12,7 +12,8 @@ attention, optimizer, copies, ...), then the 40 longest kernels:
 counted by a global optimizer post-step hook, which waits for the GPU before it cuts, so both
 models are cut at the same points and each window holds the kernels of its own steps.
 Kernel time is what the GPU spent, not wall time: profiling slows the host, and the sum can
-fall short of a step where the GPU waits for it.
+fall short of a step where the GPU waits for it. So it is torch.profiler's per-kernel time,
+not benchmarks/common.py's timer, that is reported here.
 """
 
 import argparse
@@ -56,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    if not torch.cuda.is_available():
-        print("kernel_profile: error: needs a CUDA GPU, and none is visible", file=sys.stderr)
+    from benchmarks import common
+
+    device = common.cuda_or_refuse("kernel_profile")
+    if device is None:
         return 2
+    print(common.header_line(common.run_header(device)))
     steps = SKIPPED + WARMUP + ACTIVE + 2
     if args.which == "ours":
         from te_mixtral.cli import main as train

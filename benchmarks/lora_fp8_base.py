@@ -14,9 +14,11 @@ Needs a Hopper GPU.
 """
 
 import argparse
+import sys
 
 import torch
 
+from benchmarks import common
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.measure.report import format_table
@@ -53,11 +55,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8192)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    device = common.cuda_or_refuse("lora_fp8_base")
+    if device is None:
+        return 2
+    print(common.header_line(common.run_header(device)))
     ids = torch.randint(0, 32000, (1, args.tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     bf16 = run("custom_grouped", args.layers, args.tokens, ids)
     fp8 = run("device_mxfp8", args.layers, args.tokens, ids)
@@ -68,10 +74,11 @@ def main() -> None:
         den = sum(bf16[2][n].square().sum() for n in names).sqrt()
         rows.append((f"adapter gradients ({kind}, {len(names)} tensors)", f"{(num / den).item():.3e}"))
     rows.append(("peak GiB (bf16 base -> fp8 base)", f"{bf16[3]:.2f} -> {fp8[3]:.2f}"))
-    print(f"FP8 base against BF16 base, Mixtral-8x7B shapes, {args.layers} layers, {args.tokens} tokens, LoRA r=16, "
-          f"{torch.cuda.get_device_name()}; relative Frobenius errors")
+    print(f"FP8 base against BF16 base, Mixtral-8x7B shapes, {args.layers} layers, {args.tokens} tokens, LoRA r=16; "
+          "relative Frobenius errors")
     print(format_table(rows, header=("quantity", "fp8 vs bf16")))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,7 +25,8 @@ remainder, m, v = 8). `floor` is moved bytes / the device-to-device copy bandwid
 measured in the same run (bytes read plus written per second), the time no implementation
 of that storage layout can beat; `x floor` is the measured time over it.
 
-Timing: three warm-up steps, then the median of 20 steps, each between CUDA events. The
+Timing: benchmarks/common.py's timer, three warm-up steps, then the median of 20 steps, each
+between CUDA events. The
 gradients stay the same across steps (the traffic of a step does not depend on values).
 
 Run from the repository root:
@@ -37,19 +38,20 @@ that the script works, not to measure anything.
 """
 
 import argparse
-import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from benchmarks.expert_ffn import copy_bandwidth_gbs, median_ms, run_header
+from benchmarks import common
+from benchmarks.common import FAMILIES, copy_bandwidth_gbs, first_line, median_ms
 from te_mixtral.measure.report import format_table
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.te_support import TEUnavailable, require_te
 
-D, F, VOCAB, KV, E, LAYERS = 4096, 14336, 32000, 1024, 8, 2
+D, F = FAMILIES["8x7b"].hidden, FAMILIES["8x7b"].ffn
+VOCAB, KV, E, LAYERS = 32000, 1024, 8, 2
 QUICK_PARAMS = 2e5
 REPS = 20
 
@@ -138,13 +140,13 @@ def table_row(r: dict) -> list[str]:
             f"{r['floor_ms']:.2f}", f"{r['x_floor']:.2f}", ""]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=3.1e9, help="total parameters (default 3.1e9)")
-    parser.add_argument("--json", help="also write the table and the run's header to this file")
+    common.add_json_flag(parser)
     parser.add_argument("--quick", action="store_true", help="a tiny size: a smoke test, not a measurement")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda" and not args.quick:
         parser.error("timing needs a CUDA GPU; use --quick to smoke-test on the CPU")
@@ -152,9 +154,8 @@ def main() -> None:
     n = sum(math.prod(s) for s in shapes)
     torch.manual_seed(0)
 
-    header = run_header(device, Sizes(n, shapes))
-    for key in ("dtype", "datasheet_peak_bf16_tflops"):  # expert_ffn's, not this benchmark's
-        header.pop(key)
+    header = common.run_header(device, sizes=asdict(Sizes(n, shapes)))
+    print(common.header_line(header), flush=True)
     bandwidth = copy_bandwidth_gbs(2**24 if args.quick else 2**30, device)
     print(f"one AdamW step over {n:.4g} parameters in {len(shapes)} tensors on {header['device']}; "
           f"copy {bandwidth:.0f} GB/s", flush=True)
@@ -169,24 +170,18 @@ def main() -> None:
         except TEUnavailable as error:
             r["skipped"] = error.reason
         except Exception as error:  # noqa: BLE001 - one broken optimizer must not end the run
-            r["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            r["skipped"] = first_line(error)
         print(f"  {variant.name:<24} " + (f"{r['ms']:.2f} ms" if "ms" in r else f"skipped: {r['skipped']}"),
               flush=True)
         results.append(r)
 
     print()
-    print(f"date {header['date']}  device {header['device']}  torch {header['torch']} (CUDA {header['cuda']})  "
-          f"TE {header['transformer_engine']}  triton {header['triton']}")
     print(f"{n} parameters ({n:.4g}), median of {REPS} steps; copy bandwidth {bandwidth:.0f} GB/s "
           "(read + written)")
     print(format_table([table_row(r) for r in results],
                        ["optimizer", "B/param", "moved B/param", "ms/step", "floor ms", "x floor", "note"]))
     print("floor: moved bytes / measured copy bandwidth.")
-    if args.json:
-        payload = {"header": header, "measured_copy_gbs": bandwidth, "results": results}
-        with open(args.json, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    common.write_json(args.json, {"header": header, "measured_copy_gbs": bandwidth, "results": results})
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ on the same GPU and tokens:
 - input: one packed row per step (`input_ids`, `labels`, and `position_ids` restarting at 0
   at each document: transformers' packed-sequence convention, with no `attention_mask`).
   By default the rows are our own run's (the same tokens and document edges as
-  benchmarks/te_example.py's `our_rows`); with `--doc-len`, random tokens in documents of
+  benchmarks/peer_workload.py's `our_rows`); with `--doc-len`, random tokens in documents of
   that length. Labels of each document's first token are -100. What attention covers:
   flash-attention takes the document edges from the position_ids (varlen, per-document
   causal work only); under sdpa transformers turns them into a block-diagonal causal mask,
@@ -38,7 +38,8 @@ on the same GPU and tokens:
   term, where our runs add theirs), `backward`, torch's `AdamW(fused=True)` over the
   trainable parameters at our config's lr, `zero_grad`; no schedule, no clipping.
 
-Timing and figures use our own code (te_mixtral/measure/metrics.py), as te_example.py:
+Timing and figures use our own code (te_mixtral/measure/metrics.py), as te_example.py, not
+benchmarks/common.py's timer: a whole training step, as our runs time theirs:
 median step time after `--warmup` steps, tokens/s, model TFLOP/s per GPU from `train_flops`
 with our LoRA config (a frozen weight 4 FLOPs per parameter and token, an adapter 6,
 attention per document: the same count as our LoRA runs'), peak memory.
@@ -52,9 +53,9 @@ From the repository root, on a CUDA machine with transformers and peft:
 import argparse
 import importlib.util
 import sys
-from pathlib import Path
 
-from benchmarks.te_example import our_rows, random_rows, report
+from benchmarks import common
+from benchmarks.peer_workload import our_rows, random_rows, report
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 
@@ -89,7 +90,7 @@ def build_peft_model(cfg, device, dtype, attention: str = "sdpa", gradient_check
 
 
 def packed_row(thd: dict) -> dict:
-    """A THD row (te_example.py's `thd_row`) in transformers' packed-sequence convention:
+    """A THD row (peer_workload.py's `thd_row`) in transformers' packed-sequence convention:
     position_ids restarting at each document, and no attention_mask (with one, transformers
     would not look for the documents in the position_ids)."""
     import torch
@@ -148,7 +149,6 @@ def run(args, cfg, device) -> dict:
         summarize,
         train_flops,
     )
-    from te_mixtral.measure.report import software_versions
 
     m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
     torch.manual_seed(cfg.train.seed)
@@ -177,7 +177,7 @@ def run(args, cfg, device) -> dict:
     summary = summarize(timer.times, args.warmup, samples * seq_len, 1, flops, peak_flops(device_name(device)),
                         peak_memory_bytes(device))
     return {
-        "header": {"device": device_name(device), "versions": software_versions()},
+        "header": common.run_header(device),
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers,
                      "tokens_per_step": samples * seq_len,
                      "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents",
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc-len", type=int, default=None, help="random tokens in documents of this length (default: our run's rows)")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute each layer in the backward, as PEFT's recipes do (default: on)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    common.add_json_flag(parser)
     args = parser.parse_args(argv)
     try:
         check_args(args)

@@ -28,7 +28,9 @@ configs, so that the two can be timed in the same session on the same GPU:
   download to build the model. Its `_attn_implementation = "flash_attention_2"` is left
   out too: only transformers' attention reads it, not TE's, and flash-attn may be absent.
 
-Timing and figures use our own code (te_mixtral/measure/metrics.py): each step between
+Timing and figures use our own code (te_mixtral/measure/metrics.py), not
+benchmarks/common.py's timer: a whole training step is timed as our runs time theirs, so the
+figures compare with our runs'. Each step between
 synchronised host clocks (`StepTimer`), the first `--warmup` steps left out, median step
 time, model TFLOP/s per GPU from `train_flops` (the same formula, attention counted per
 document, so the figure compares with our runs'), tokens/s, and peak memory
@@ -44,10 +46,11 @@ on a CUDA machine with Transformer Engine, transformers and accelerate:
 
 import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
+from benchmarks import common
+from benchmarks.peer_workload import our_rows, random_rows, report
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 
@@ -89,42 +92,6 @@ def build_model(example, m, device):
     return model
 
 
-def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
-    """One THD row as the example's `DataCollatorWithFlattening` packs it."""
-    import torch
-
-    labels = input_ids.clone()  # transformers' loss shifts them itself
-    labels[:, cu_seqlens[1:-1].long()] = -100  # no predicting one document's first token from the last
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids),
-            "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
-            "max_length_k": max_length}
-
-
-def our_rows(cfg, steps: int, device) -> list[dict]:
-    """The rows our run of this config trains on at each step: same tokens, same documents."""
-    from te_mixtral.data.packing import PackedData
-
-    data = PackedData(cfg.data, cfg.train.batch_size, 0, 1, cfg.train.seed)
-    rows = []
-    for step in range(steps):
-        (batch,) = data.micro_batches(step)
-        rows.append(thd_row(batch.input_ids.reshape(1, -1).to(device),
-                            batch.packed.cu_seqlens.to(device), batch.packed.max_seqlen))
-    return rows
-
-
-def random_rows(cfg, steps: int, doc_len: int, generator, device) -> list[dict]:
-    """Rows of random tokens in documents of `doc_len` tokens."""
-    import torch
-
-    samples, seq_len = cfg.train.batch_size, cfg.data.seq_len
-    tokens = samples * seq_len
-    starts = [s * seq_len + d for s in range(samples) for d in range(0, seq_len, doc_len)]
-    cu_seqlens = torch.tensor(starts + [tokens], dtype=torch.int32, device=device)
-    return [thd_row(torch.randint(cfg.model.vocab_size, (1, tokens), generator=generator, device=device),
-                    cu_seqlens, min(doc_len, seq_len)) for _ in range(steps)]
-
-
 def run(args, cfg) -> dict:
     # Heavy imports only once the arguments are known to be good: a mistake is refused at once.
     import torch
@@ -139,7 +106,6 @@ def run(args, cfg) -> dict:
         summarize,
         train_flops,
     )
-    from te_mixtral.measure.report import software_versions
     from te_mixtral.te_support import require_te
 
     m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
@@ -181,9 +147,8 @@ def run(args, cfg) -> dict:
                         peak_memory_bytes(device))
     commit_file = args.example_dir / "COMMIT"
     return {
-        "header": {"device": device_name(device), "versions": software_versions(),
-                   "te_example_commit": commit_file.read_text().strip() if commit_file.is_file() else None,
-                   "example_dir": str(args.example_dir)},
+        "header": common.run_header(device, example_dir=str(args.example_dir), te_example_commit=
+                                    commit_file.read_text().strip() if commit_file.is_file() else None),
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step":
                      samples * seq_len, "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents", "steps": args.steps, "timing_warmup_steps": args.warmup,
                      "lr": cfg.train.lr, "optimizer": "torch.optim.AdamW(fused=True, foreach=False), bf16 parameters",
@@ -202,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     parser.add_argument("--doc-len", type=int, default=None, help="random tokens in documents of this length (default: our run's rows)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    common.add_json_flag(parser)
     args = parser.parse_args(argv)
     try:
         if not 0 <= args.warmup < args.steps:
@@ -217,17 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     w = result["workload"]
     report(f"TE example ({w['num_hidden_layers']} layers, {w['tokens_per_step']} tokens/step)", result, args.json)
     return 0
-
-
-def report(peer: str, result: dict, json_path: Path | None) -> None:
-    """A peer run's one-line summary (`peer` names what ran), and its JSON where asked for."""
-    s = result["summary"]
-    mfu = f"{100 * s['mfu']:.0f}%" if s["mfu"] is not None else "n/a"
-    print(f"{peer} on {result['header']['device']}: median {s['median_step_ms']:.1f} ms/step, "
-          f"{s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s']:.0f} tokens/s, "
-          f"peak {s['peak_memory_gib']:.1f} GiB, loss {result['loss'][0]:.3f} -> {result['loss'][-1]:.3f}")
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ the ratios of the new core to the old.
 
 `--quick` runs the tiny config on the CPU (fp32, the loop tier) to check that the script
 works, not to measure anything.
+
+Its times are the app's own (each run's results.json, timed as every run is), not
+benchmarks/common.py's timer: the point is a whole training step of each core. OUT_DIR holds
+the runs (each with its results.json and run header), their logs and training_core.json, the
+table: a folder rather than --json, since the runs write there too.
 """
 
 import argparse

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copy Transformer Engine's te_mixtral example (docs/examples/te_mixtral/: its Python files and
-# requirements.txt) out of a local TE git repository into DEST, for benchmarks/te_example.py.
+# requirements.txt) out of a local TE git repository into DEST, for `python3 -m benchmarks.te_example`.
 # Nothing is downloaded: the source is a clone you already have, so the copy can be made
 # anywhere and carried to a machine without network.
 #

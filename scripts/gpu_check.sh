@@ -74,8 +74,8 @@ fi
 
 # --- expert FFN benchmark --------------------------------------------------------------
 if wanted bench; then
-step "benchmarks/expert_ffn.py"
-python3 benchmarks/expert_ffn.py --json "$OUT_DIR/expert_ffn.json" 2>&1 | tee "$OUT_DIR/expert_ffn.log" \
+step "python3 -m benchmarks.expert_ffn"
+python3 -m benchmarks.expert_ffn --json "$OUT_DIR/expert_ffn.json" 2>&1 | tee "$OUT_DIR/expert_ffn.log" \
     || failed+=("expert_ffn")
 fi
 

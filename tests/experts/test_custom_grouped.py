@@ -122,7 +122,7 @@ def test_every_size_has_its_tile_table():
     and expert count must name a tile table that exists, for bf16 and for fp32, or some size
     fails only on a GPU (a KeyError at that size). The benchmark's candidates too, or its
     sweep cannot time that table."""
-    from benchmarks.custom_grouped_bench import CANDIDATES
+    from benchmarks.custom_grouped_ops import CANDIDATES
     from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, FP32_CONFIGS, regime, uses_descriptors
 
     names = {regime(rows, experts) for experts in (1, 2, 3, 4, 8, 16) for rows in range(0, 20000, 7)}

@@ -1,4 +1,4 @@
-"""benchmarks/te_example.py, the parts that run without a GPU: refusing bad arguments in one
+"""benchmarks/te_example.py (and peer_workload.py, the rows it trains on), the parts that run without a GPU: refusing bad arguments in one
 line before importing anything heavy, loading the example's files beside our own te_mixtral
 package, packing rows the way the example's collator does, and taking our own run's rows. Training TE's model needs
 CUDA and Transformer Engine; that part runs on GPU machines only."""
@@ -9,14 +9,15 @@ import sys
 import torch
 from conftest import REPO
 
-from benchmarks.te_example import load_example, our_rows, random_rows
+from benchmarks.peer_workload import our_rows, random_rows
+from benchmarks.te_example import load_example
 from te_mixtral.config import load_config
 from te_mixtral.data.packing import PackedData
 from te_mixtral.measure.metrics import causal_pairs
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "benchmarks/te_example.py", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "benchmarks.te_example", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60, check=False)
 
 

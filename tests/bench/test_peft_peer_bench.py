@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import REPO
 
+from benchmarks.peer_workload import random_rows
 from benchmarks.peft_peer import (
     build_peft_model,
     packed_row,
@@ -23,7 +24,6 @@ from benchmarks.peft_peer import (
     train_step,
     workload_config,
 )
-from benchmarks.te_example import random_rows
 from te_mixtral.config import load_config
 from te_mixtral.measure.model_state import count_adapters
 

@@ -1,0 +1,193 @@
+"""The custom_grouped op's pieces that its benchmarks share: inputs, the six GEMMs, tile candidates, timing.
+
+Shape letters as in te_mixtral/experts/base.py (L local experts, R rows, D model dim, F
+expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_expert * L.
+
+- `make_inputs`, `parse_case`, `fwd_bwd`, `with_table`: the op's inputs for a case (`LxR`
+  or `R0+R1+...`), one forward + backward of it, the op with one tile table everywhere;
+- `OPS`, `FLOP_UNITS`, `op_runner`: each of its six GEMMs alone; `CANDIDATES`,
+  `candidates`, `precompile`: the tile configs a sweep tries per regime, compiled in a pool;
+- `bench` (Triton's `do_bench`, L2 flushed) and `gpu_ms` (GPU time with the host queued
+  ahead): the two ways these benchmarks time one op, each saying why it is not
+  benchmarks/common.py's timer.
+"""
+
+import functools
+import json
+import multiprocessing
+import os
+import time
+
+import torch
+from triton.testing import do_bench
+
+from te_mixtral.experts.kernels import grouped_gemm as gg
+from te_mixtral.experts.kernels import grouped_swiglu as gs
+from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
+
+OPS = ("gate_up", "down", "down_dgrad", "down_wgrad", "gate_up_dgrad", "gate_up_wgrad")
+FLOP_UNITS = {"gate_up": 4, "down": 2, "down_dgrad": 2, "down_wgrad": 2,
+              "gate_up_dgrad": 4, "gate_up_wgrad": 4}  # times R·D·F
+DEVICE = "cuda"
+GPU_CALLS = 50
+SPIN_CYCLES = int(2e9)  # about a second: longer than the host needs to queue GPU_CALLS calls
+
+
+# Tile configs are built as the kernels build their own table (grouped_swiglu.CONFIGS), so a
+# sweep's winners paste into it unchanged.
+cfg = gs._cfg
+
+# Candidates by regime; a GEMM's own list wins over its kind's. PROGS_PER_SM=2 keeps two
+# programs on an SM where registers (<= 255 x 128 threads each) and shared memory
+# (<= 113 KB each) allow, so one program's epilogue overlaps the other's main loop;
+# GROUP_M=16 halves how often a large rows-GEMM streams the weights from DRAM.
+PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
+# A weight gradient's EPI_PARTS is how many column blocks its store walks.
+WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
+                  cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
+# The plain GEMMs may split their last round of tiles in up to TAIL_SPLIT shares (`_tail_split`).
+SPLIT_K_FEW_ROWS = [cfg(64, 64, 128, 4, 4), cfg(64, 32, 256, 4, 4)] + [
+    cfg(*tile, tail_split=k) for tile in ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4, 2))
+    for k in (2, 4, 8)]
+CANDIDATES = {
+    "small": {
+        "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2),
+                 # narrow tiles: with one local expert and an N of D, 64-wide tiles leave SMs idle
+                 cfg(64, 32, 128, 4, 6), cfg(64, 32, 256, 4, 4), cfg(64, 32, 128, 4, 4, progs=2)],
+        "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
+        "wgrad": WGRAD_FEW_ROWS,
+        # N = D gives 64 tiles of 64 columns per expert: split the long reduction instead
+        "down": SPLIT_K_FEW_ROWS,
+        "gate_up_dgrad": SPLIT_K_FEW_ROWS,
+    },
+    "medium": {
+        "rows": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
+                 cfg(128, 128, 64, 8, 3, progs=2)],
+        "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
+                    cfg(128, 128, 64, 8, 4, parts=2)],
+        "wgrad": WGRAD_FEW_ROWS,
+    },
+    "large": {
+        "rows": [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), PINGPONG,
+                 cfg(128, 256, 64, 8, 3, group=16), cfg(256, 128, 64, 8, 3, group=16),
+                 cfg(128, 256, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, flatten=True)],
+        "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
+                    cfg(128, 128, 64, 8, 4, group=16), cfg(128, 128, 64, 8, 4, parts=2)],
+        "down_dgrad": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
+                       cfg(128, 128, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, group=16),
+                       cfg(128, 256, 64, 8, 3, group=16, flatten=True)],
+        "wgrad": [cfg(128, 256, 64, 8, 3, parts=1), cfg(128, 256, 64, 8, 3, parts=2),
+                  cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2)],
+    },
+}
+CANDIDATES["small, 1 expert"] = CANDIDATES["split-K"] = CANDIDATES["small"]
+CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
+
+
+def candidates(regime, op):
+    kind = "wgrad" if op.endswith("wgrad") else "rows"
+    return CANDIDATES[regime].get(op, CANDIDATES[regime][kind])
+
+
+def bench(fn, rep=100):
+    """Median ms of `fn` by Triton's `do_bench`: L2 flushed before each call, warm-up excluded.
+    Not benchmarks/common.py's timer: one op or GEMM alone is timed from a cold L2, as
+    docs/kernels.md's tile tables were measured."""
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False, sizes=None):
+    """x, counts, w1, w2, dy for L experts of `per_expert` rows each, or of `sizes` rows."""
+    sizes = [per_expert] * L if sizes is None else sizes
+    R = sum(sizes)
+    gen = torch.Generator(device=DEVICE).manual_seed(R + L)
+    x = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
+    w1 = (torch.randn(L, 2 * F, D, device=DEVICE, generator=gen) * D**-0.5).to(dtype)
+    w2 = (torch.randn(L, D, F, device=DEVICE, generator=gen) * F**-0.5).to(dtype)
+    dy = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
+    counts = torch.tensor(sizes, device=DEVICE, dtype=torch.int64)
+    if requires_grad:
+        for t in (x, w1, w2):
+            t.requires_grad_()
+    return x, counts, w1, w2, dy
+
+
+def parse_case(case: str) -> list[int]:
+    """`LxR` (L experts of R rows) or `R0+R1+...` (rows of each expert) as rows per expert."""
+    if "x" in case:
+        experts, rows = map(int, case.split("x"))
+        return [rows] * experts
+    return [int(rows) for rows in case.split("+")]
+
+
+def with_table(name: str):
+    """The op with tile table `name` at every size, instead of the one `regime` picks."""
+    return functools.partial(gs.grouped_swiglu, configs=dict.fromkeys(gs.CONFIGS, gs.CONFIGS[name]))
+
+
+def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):
+    """A zero-argument launcher of one of the six GEMMs with config c, on fresh data
+    (`sizes`: rows per expert where they differ, see `make_inputs`)."""
+    x, counts, w1, w2, dy = make_inputs(per_expert, L, D, F, sizes=sizes)
+    R = x.shape[0]
+    h = torch.randn(R, 2 * F, device=DEVICE, dtype=x.dtype)
+    act = torch.randn(R, F, device=DEVICE, dtype=x.dtype)
+    y = torch.empty(R, D, device=DEVICE, dtype=x.dtype)
+    tma = gs.uses_descriptors(R, L)  # as the op itself chooses
+    return {
+        "gate_up": lambda: gg.rows_gemm(x, w1, counts, act, n=F, b_icontig=True, cfg=c,
+                                        use_tma=tma, epilogue=gg.EPI_SWIGLU, h=h),
+        "down": lambda: gg.rows_gemm(act, w2, counts, y, n=D, b_icontig=True, cfg=c,
+                                     use_tma=tma),
+        "down_dgrad": lambda: gg.rows_gemm(dy, w2, counts, act if write_act else None, n=F,
+                                           b_icontig=False, cfg=c, use_tma=tma,
+                                           epilogue=gg.EPI_SWIGLU_BWD, h=h),
+        "down_wgrad": lambda: wgrad_gemm(dy, act, counts, torch.empty_like(w2), cfg=c, use_tma=tma),
+        "gate_up_dgrad": lambda: gg.rows_gemm(h, w1, counts, y, n=D, b_icontig=False, cfg=c,
+                                              use_tma=tma),
+        "gate_up_wgrad": lambda: wgrad_gemm(h, x, counts, torch.empty_like(w1), cfg=c, use_tma=tma),
+    }[op]
+
+
+def _compile(job):
+    """In a worker process: compile one (GEMM, config) by running it on tiny inputs whose
+    integer arguments specialise exactly like the real shapes' (multiples of 16 and 64),
+    so the real run finds the kernel in Triton's on-disk cache."""
+    op, c = job
+    try:
+        op_runner(op, 64, 4, 256, 512, c)()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return f"{op} {c}: {type(e).__name__}: {str(e)[:150]}"
+
+
+def precompile(jobs, say=lambda line: print(line, flush=True)):
+    """Triton compiles on one CPU core per kernel; a pool of processes uses them all.
+    `say` takes each line of news (custom_grouped_bench.py's log keeps them too)."""
+    t0 = time.time()
+    unique = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
+    with multiprocessing.get_context("spawn").Pool(min(12, os.cpu_count() or 1)) as pool:
+        for err in pool.imap_unordered(_compile, unique):
+            if err:
+                say("  does not build/run: " + err)
+    say(f"precompiled {len(unique)} kernels in {time.time() - t0:.0f} s")
+
+
+def fwd_bwd(fn, x, counts, w1, w2, dy):
+    return lambda: torch.autograd.grad(fn(x, counts, w1, w2), (x, w1, w2), dy)
+
+
+def gpu_ms(fn, calls: int = GPU_CALLS, spin_cycles: int = SPIN_CYCLES) -> float:
+    """GPU ms a call of `calls` queued behind a spin of `spin_cycles`, which must outlast
+    the host's queuing of them. Not benchmarks/common.py's timer: at few rows a single op's
+    GPU work is shorter than the host's launch of it, and only a queue kept ahead of the GPU
+    times the kernels rather than Python."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(spin_cycles)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / calls

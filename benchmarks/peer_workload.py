@@ -1,0 +1,60 @@
+"""The workload the peer benchmarks train on, and how they report it.
+
+te_example.py (TE's own example) and peft_peer.py (transformers + PEFT) train a peer at our
+workload: one packed row per step, either the rows our own run of the config trains on
+(`our_rows`: same tokens, same document edges) or random tokens in documents of one length
+(`random_rows`), in the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`).
+`report` prints a peer run's one-line summary and writes its --json.
+
+torch is imported inside the functions: the peers refuse bad arguments before it loads.
+"""
+
+from pathlib import Path
+
+from benchmarks.common import write_json
+
+
+def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
+    """One THD row as the example's `DataCollatorWithFlattening` packs it."""
+    import torch
+
+    labels = input_ids.clone()  # transformers' loss shifts them itself
+    labels[:, cu_seqlens[1:-1].long()] = -100  # no predicting one document's first token from the last
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids),
+            "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
+            "max_length_k": max_length}
+
+
+def our_rows(cfg, steps: int, device) -> list[dict]:
+    """The rows our run of this config trains on at each step: same tokens, same documents."""
+    from te_mixtral.data.packing import PackedData
+
+    data = PackedData(cfg.data, cfg.train.batch_size, 0, 1, cfg.train.seed)
+    rows = []
+    for step in range(steps):
+        (batch,) = data.micro_batches(step)
+        rows.append(thd_row(batch.input_ids.reshape(1, -1).to(device),
+                            batch.packed.cu_seqlens.to(device), batch.packed.max_seqlen))
+    return rows
+
+
+def random_rows(cfg, steps: int, doc_len: int, generator, device) -> list[dict]:
+    """Rows of random tokens in documents of `doc_len` tokens."""
+    import torch
+
+    samples, seq_len = cfg.train.batch_size, cfg.data.seq_len
+    tokens = samples * seq_len
+    starts = [s * seq_len + d for s in range(samples) for d in range(0, seq_len, doc_len)]
+    cu_seqlens = torch.tensor(starts + [tokens], dtype=torch.int32, device=device)
+    return [thd_row(torch.randint(cfg.model.vocab_size, (1, tokens), generator=generator, device=device),
+                    cu_seqlens, min(doc_len, seq_len)) for _ in range(steps)]
+
+
+def report(peer: str, result: dict, json_path: Path | None) -> None:
+    """A peer run's one-line summary (`peer` names what ran), and its JSON where asked for."""
+    s = result["summary"]
+    mfu = f"{100 * s['mfu']:.0f}%" if s["mfu"] is not None else "n/a"
+    print(f"{peer} on {result['header']['device']}: median {s['median_step_ms']:.1f} ms/step, "
+          f"{s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s']:.0f} tokens/s, "
+          f"peak {s['peak_memory_gib']:.1f} GiB, loss {result['loss'][0]:.3f} -> {result['loss'][-1]:.3f}")
+    write_json(json_path, result)

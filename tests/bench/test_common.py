@@ -1,0 +1,79 @@
+"""The benchmarks as one family: each imports on a machine without a GPU, runs as
+`python3 -m benchmarks.NAME`, and one that needs CUDA says so in one line; the shared timer
+leaves the warm-up out; `--json` writes the payload with its run header."""
+
+import argparse
+import importlib
+import json
+import pkgutil
+import time
+
+import pytest
+import torch
+from conftest import REPO
+
+import benchmarks
+from benchmarks import common
+
+MODULES = sorted(name for _, name, _ in pkgutil.iter_modules(benchmarks.__path__))
+SHARED = {"common", "custom_grouped_ops", "peers", "peer_workload"}  # imported by the scripts, not run
+SCRIPTS = [name for name in MODULES if name not in SHARED]
+# The scripts that need a GPU for anything at all, with the arguments that get them past parsing.
+CUDA_ONLY = {"custom_grouped_bench": [], "custom_grouped_gemms": [], "custom_grouped_grid": [],
+             "custom_grouped_host_time": [], "fp8_accuracy": [], "fp8_break_even": [], "fp8_casts": [],
+             "fp8_gemms": [], "fp8_row_counts": [], "kernel_profile": ["ours"], "lora_fp8_base": []}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_benchmark_imports_without_a_gpu(name):
+    importlib.import_module(f"benchmarks.{name}")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_says_how_to_run_it_as_a_module(name):
+    doc = importlib.import_module(f"benchmarks.{name}").__doc__
+    assert f"python3 -m benchmarks.{name}" in doc
+    assert f"`{name}.py`" in (REPO / "benchmarks" / "README.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("name", sorted(CUDA_ONLY))
+def test_a_cuda_benchmark_without_a_gpu_says_so_in_one_line(name, capsys):
+    assert importlib.import_module(f"benchmarks.{name}").main(CUDA_ONLY[name]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"{name}: error: needs a CUDA GPU, and none is visible\n"
+
+
+def test_the_timer_leaves_the_warm_up_out():
+    calls = []
+
+    def step():
+        calls.append(len(calls))
+        time.sleep(0.002 if len(calls) > common.WARMUP_STEPS else 0.05)  # warm-up is slow, as a compile is
+
+    ms = common.median_ms(step, torch.device("cpu"), min_reps=5, max_reps=5)
+    assert len(calls) == common.WARMUP_STEPS + 1 + 5  # warm-up, one call to size the budget, the timed ones
+    assert 2 <= ms < 50
+
+
+def test_json_is_the_one_output_flag_and_carries_the_header(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    common.add_json_flag(parser)
+    path = tmp_path / "new folder" / "out.json"
+    args = parser.parse_args(["--json", str(path)])
+    header = common.run_header(torch.device("cpu"), sizes={"hidden": 8})
+    common.write_json(args.json, {"header": header, "rows": [1, 2]})
+    written = json.loads(path.read_text())
+    assert written["rows"] == [1, 2] and written["header"]["device"] == "cpu"
+    assert written["header"]["sizes"] == {"hidden": 8} and written["header"]["versions"]["torch"] == torch.__version__
+    assert capsys.readouterr().out == f"wrote {path}\n"
+    line = common.header_line(header)
+    assert line.startswith(f"date {header['date']}  device cpu  torch {torch.__version__}")
+    common.write_json(parser.parse_args([]).json, {"header": header})  # no --json: nothing written
+    assert list(tmp_path.rglob("*.json")) == [path]
+
+
+def test_a_split_keeps_every_row():
+    assert common.split_by_fractions(8192, (0.70, 0.20, 0.09, 0.01)) == [5735, 1638, 737, 82]  # rounding to the largest share
+    assert sum(common.split_by_fractions(100, (1 / 3, 1 / 3, 1 / 3, 0.0))) == 100
