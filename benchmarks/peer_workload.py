@@ -4,7 +4,8 @@ te_example.py (TE's own example) and peft_peer.py (transformers + PEFT) train a 
 workload: one packed row per step, either the rows our own run of the config trains on
 (`our_rows`: same tokens, same document edges) or random tokens in documents of one length
 (`random_rows`), in the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`).
-`report` prints a peer run's one-line summary and writes its --json.
+`check_steps` refuses the step counts and document length neither can run, `report` prints a
+peer run's one-line summary and writes its --json.
 
 torch is imported inside the functions: the peers refuse bad arguments before it loads.
 """
@@ -12,6 +13,15 @@ torch is imported inside the functions: the peers refuse bad arguments before it
 from pathlib import Path
 
 from benchmarks.common import write_json
+from te_mixtral.errors import UserError
+
+
+def check_steps(args) -> None:
+    """`--steps`, `--warmup` and `--doc-len` as every peer takes them."""
+    if not 0 <= args.warmup < args.steps:
+        raise UserError(f"--warmup {args.warmup} must leave some of the --steps {args.steps} to time")
+    if args.doc_len is not None and args.doc_len <= 0:
+        raise UserError(f"--doc-len must be positive, got {args.doc_len}")
 
 
 def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:

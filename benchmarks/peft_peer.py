@@ -55,7 +55,7 @@ import importlib.util
 import sys
 
 from benchmarks import common
-from benchmarks.peer_workload import our_rows, random_rows, report
+from benchmarks.peer_workload import check_steps, our_rows, random_rows, report
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 
@@ -151,6 +151,8 @@ def run(args, cfg, device) -> dict:
     )
 
     m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
+    header = common.run_header(device)
+    print(common.header_line(header), flush=True)
     torch.manual_seed(cfg.train.seed)
 
     # --- the model and optimizer, as a transformers + PEFT user builds them
@@ -177,7 +179,7 @@ def run(args, cfg, device) -> dict:
     summary = summarize(timer.times, args.warmup, samples * seq_len, 1, flops, peak_flops(device_name(device)),
                         peak_memory_bytes(device))
     return {
-        "header": common.run_header(device),
+        "header": header,
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers,
                      "tokens_per_step": samples * seq_len,
                      "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents",
@@ -196,10 +198,7 @@ def run(args, cfg, device) -> dict:
 
 
 def check_args(args) -> None:
-    if not 0 <= args.warmup < args.steps:
-        raise UserError(f"--warmup {args.warmup} must leave some of the --steps {args.steps} to time")
-    if args.doc_len is not None and args.doc_len <= 0:
-        raise UserError(f"--doc-len must be positive, got {args.doc_len}")
+    check_steps(args)
     if args.layers is not None and args.layers <= 0:
         raise UserError(f"--layers must be positive, got {args.layers}")
     if args.rank is not None and args.rank <= 0:

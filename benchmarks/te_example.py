@@ -50,7 +50,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.peer_workload import our_rows, random_rows, report
+from benchmarks.peer_workload import check_steps, our_rows, random_rows, report
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 
@@ -113,6 +113,10 @@ def run(args, cfg) -> dict:
         raise UserError("the TE example needs a CUDA GPU, and none is visible")
     require_te()
     device = torch.device("cuda", torch.cuda.current_device())
+    commit_file = args.example_dir / "COMMIT"
+    header = common.run_header(device, example_dir=str(args.example_dir),
+                               te_example_commit=commit_file.read_text().strip() if commit_file.is_file() else None)
+    print(common.header_line(header), flush=True)
     torch.manual_seed(cfg.train.seed)
 
     # --- the model, optimizer and schedule, as the example's run_finetune_ep.py builds them at EP 1
@@ -145,10 +149,8 @@ def run(args, cfg) -> dict:
 
     summary = summarize(timer.times, args.warmup, samples * seq_len, 1, flops, peak_flops(device_name(device)),
                         peak_memory_bytes(device))
-    commit_file = args.example_dir / "COMMIT"
     return {
-        "header": common.run_header(device, example_dir=str(args.example_dir), te_example_commit=
-                                    commit_file.read_text().strip() if commit_file.is_file() else None),
+        "header": header,
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step":
                      samples * seq_len, "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents", "steps": args.steps, "timing_warmup_steps": args.warmup,
                      "lr": cfg.train.lr, "optimizer": "torch.optim.AdamW(fused=True, foreach=False), bf16 parameters",
@@ -170,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_json_flag(parser)
     args = parser.parse_args(argv)
     try:
-        if not 0 <= args.warmup < args.steps:
-            raise UserError(f"--warmup {args.warmup} must leave some of the --steps {args.steps} to time")
-        if args.doc_len is not None and args.doc_len <= 0:
-            raise UserError(f"--doc-len must be positive, got {args.doc_len}")
+        check_steps(args)
         check_example_dir(args.example_dir)
         result = run(args, load_config(args.config))
     except UserError as error:
