@@ -4,7 +4,8 @@ te_example.py (TE's own example) and peft_peer.py (transformers + PEFT) train a 
 workload: one packed row per step, either the rows our own run of the config trains on
 (`our_rows`: same tokens, same document edges) or random tokens in documents of one length
 (`random_rows`), in the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`).
-`check_steps` refuses the step counts and document length neither can run, `report` prints a
+`check_steps` refuses the step counts and document length neither can run; `summarize_steps`
+turns the timed steps into our runs' figures (te_mixtral/measure/metrics.py); `report` prints a
 peer run's one-line summary and writes its --json.
 
 torch is imported inside the functions: the peers refuse bad arguments before it loads.
@@ -58,6 +59,20 @@ def random_rows(cfg, steps: int, doc_len: int, generator, device) -> list[dict]:
     cu_seqlens = torch.tensor(starts + [tokens], dtype=torch.int32, device=device)
     return [thd_row(torch.randint(cfg.model.vocab_size, (1, tokens), generator=generator, device=device),
                     cu_seqlens, min(doc_len, seq_len)) for _ in range(steps)]
+
+
+def summarize_steps(step_s: list[float], warmup: int, tokens_per_step: int, flops: list[float], device) -> dict:
+    """Median step time, tokens/s, model TFLOP/s and MFU per GPU and peak memory of one GPU's
+    steps (`warmup` of them left out), as our runs' summaries give them."""
+    from te_mixtral.measure.metrics import (
+        device_name,
+        peak_flops,
+        peak_memory_bytes,
+        summarize,
+    )
+
+    return summarize(step_s, warmup, tokens_per_step, 1, flops, peak_flops(device_name(device)),
+                     peak_memory_bytes(device))
 
 
 def report(peer: str, result: dict, json_path: Path | None) -> None:

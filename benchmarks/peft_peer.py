@@ -55,7 +55,13 @@ import importlib.util
 import sys
 
 from benchmarks import common
-from benchmarks.peer_workload import check_steps, our_rows, random_rows, report
+from benchmarks.peer_workload import (
+    check_steps,
+    our_rows,
+    random_rows,
+    report,
+    summarize_steps,
+)
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 
@@ -141,14 +147,7 @@ def run(args, cfg, device) -> dict:
     `device` is the GPU (a CPU runs it too, slowly, for the tests)."""
     import torch
 
-    from te_mixtral.measure.metrics import (
-        StepTimer,
-        device_name,
-        peak_flops,
-        peak_memory_bytes,
-        summarize,
-        train_flops,
-    )
+    from te_mixtral.measure.metrics import StepTimer, train_flops
 
     m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
     header = common.run_header(device)
@@ -176,8 +175,7 @@ def run(args, cfg, device) -> dict:
             loss = train_step(model, optimizer, batch, torch.bfloat16)
         losses.append(loss.item())
 
-    summary = summarize(timer.times, args.warmup, samples * seq_len, 1, flops, peak_flops(device_name(device)),
-                        peak_memory_bytes(device))
+    summary = summarize_steps(timer.times, args.warmup, samples * seq_len, flops, device)
     return {
         "header": header,
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers,

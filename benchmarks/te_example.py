@@ -50,7 +50,13 @@ import sys
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.peer_workload import check_steps, our_rows, random_rows, report
+from benchmarks.peer_workload import (
+    check_steps,
+    our_rows,
+    random_rows,
+    report,
+    summarize_steps,
+)
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 
@@ -98,14 +104,7 @@ def run(args, cfg) -> dict:
     from accelerate import Accelerator
     from transformers import get_linear_schedule_with_warmup
 
-    from te_mixtral.measure.metrics import (
-        StepTimer,
-        device_name,
-        peak_flops,
-        peak_memory_bytes,
-        summarize,
-        train_flops,
-    )
+    from te_mixtral.measure.metrics import StepTimer, train_flops
     from te_mixtral.te_support import require_te
 
     m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
@@ -147,8 +146,7 @@ def run(args, cfg) -> dict:
             optimizer.zero_grad()
         losses.append(loss.item())
 
-    summary = summarize(timer.times, args.warmup, samples * seq_len, 1, flops, peak_flops(device_name(device)),
-                        peak_memory_bytes(device))
+    summary = summarize_steps(timer.times, args.warmup, samples * seq_len, flops, device)
     return {
         "header": header,
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step":
