@@ -36,11 +36,12 @@ def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
             "max_length_k": max_length}
 
 
-def our_rows(cfg, steps: int, device) -> list[dict]:
-    """The rows our run of this config trains on at each step: same tokens, same documents."""
+def our_rows(cfg, steps: int, device, rank: int = 0, world: int = 1) -> list[dict]:
+    """The rows our run of this config trains on at each step: same tokens, same documents;
+    under a launch of `world` processes, those of data-parallel rank `rank`."""
     from te_mixtral.data.packing import PackedData
 
-    data = PackedData(cfg.data, cfg.train.batch_size, 0, 1, cfg.train.seed)
+    data = PackedData(cfg.data, cfg.train.batch_size, rank, world, cfg.train.seed)
     rows = []
     for step in range(steps):
         (batch,) = data.micro_batches(step)

@@ -38,6 +38,14 @@ on the same GPU and tokens:
   term, where our runs add theirs), `backward`, torch's `AdamW(fused=True)` over the
   trainable parameters at our config's lr, `zero_grad`; no schedule, no clipping.
 
+On several GPUs (launched with `torchrun --nproc_per_node N`) it runs transformers' data
+parallelism as its Trainer does: each GPU holds the whole bf16 base and trains on its own
+row (our EP run's row of that rank, one sequence per GPU), the adapters' gradients averaged
+by torch's `DistributedDataParallel`; figures are per GPU, from rank 0. That is the layout
+where the base fits one GPU (an H200: 93 GB). Where it does not (two H100s), transformers'
+way is `device_map="auto"`, the layers split over the GPUs with one of them working at a
+time; this peer does not run that.
+
 Timing and figures use our own code (te_mixtral/measure/metrics.py), as te_example.py, not
 benchmarks/common.py's timer: a whole training step, as our runs time theirs:
 median step time after `--warmup` steps, tokens/s, model TFLOP/s per GPU from `train_flops`
@@ -48,11 +56,15 @@ From the repository root, on a CUDA machine with transformers and peft:
 
     python3 -m benchmarks.peft_peer [--config configs/mixtral-8x7b-8layer.yaml] [--layers N] \\
         [--rank R] [--alpha A] [--steps 30] [--warmup 5] [--doc-len L] [--json out.json]
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.peft_peer [...]
 """
 
 import argparse
+import contextlib
 import importlib.util
+import os
 import sys
+from dataclasses import replace
 
 from benchmarks import common
 from benchmarks.peer_workload import (
@@ -121,9 +133,11 @@ def train_step(model, optimizer, batch: dict, autocast_dtype=None):
     return loss.detach()
 
 
-def workload_config(args):
-    """Our config of the workload: the file's, with `--layers`, `--rank` and `--alpha`."""
-    given = {"num_hidden_layers": args.layers, "lora.rank": args.rank, "lora.alpha": args.alpha}
+def workload_config(args, world: int = 1):
+    """Our config of the workload: the file's, with `--layers`, `--rank` and `--alpha`; on
+    `world` GPUs, one sequence each (`train.batch_size` = world, as our EP runs)."""
+    given = {"num_hidden_layers": args.layers, "lora.rank": args.rank, "lora.alpha": args.alpha,
+             "train.batch_size": world if world > 1 else None}
     overrides = {key: str(value) for key, value in given.items() if value is not None}
     cfg = load_config(args.config, overrides)
     if not cfg.lora.enabled:
@@ -134,24 +148,35 @@ def workload_config(args):
 
 
 def cuda_device():
-    """The GPU the peer runs on; a one-line refusal on a machine without one."""
+    """The GPU the peer runs on (torchrun's LOCAL_RANK'th under a launch); a one-line refusal
+    on a machine without one."""
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("the transformers + PEFT peer needs a CUDA GPU, and none is visible")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def launched_world() -> int:
+    """How many processes torchrun started (1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def run(args, cfg, device) -> dict:
     """Build, train `args.steps` steps and measure; the results as --json writes them.
     `device` is the GPU (a CPU runs it too, slowly, for the tests)."""
     import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
     from te_mixtral.measure.metrics import StepTimer, train_flops
 
-    m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size // world
     header = common.run_header(device)
-    print(common.header_line(header), flush=True)
+    if rank == 0:
+        print(common.header_line(header), flush=True)
     torch.manual_seed(cfg.train.seed)
 
     # --- the model and optimizer, as a transformers + PEFT user builds them
@@ -160,11 +185,15 @@ def run(args, cfg, device) -> dict:
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, fused=True)
+    if world > 1:  # as the Trainer wraps it: every rank the whole model, gradients averaged
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     if args.doc_len is None:
-        rows = our_rows(cfg, args.steps, device)
+        rows = our_rows(cfg, args.steps, device, rank, world)
     else:
-        rows = random_rows(cfg, args.steps, args.doc_len, torch.Generator(device).manual_seed(cfg.train.seed), device)
+        generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
+        rows = random_rows(replace(cfg, train=replace(cfg.train, batch_size=samples)), args.steps, args.doc_len,
+                           generator, device)
     flops = [train_flops(m, r["cu_seq_lens_q"].cpu(), samples * seq_len, cfg.lora) for r in rows]
     batches = [packed_row(r) for r in rows]
 
@@ -176,6 +205,7 @@ def run(args, cfg, device) -> dict:
         losses.append(loss.item())
 
     summary = summarize_steps(timer.times, args.warmup, samples * seq_len, flops, device)
+    experts_implementation = (model.module if world > 1 else model).config._experts_implementation
     return {
         "header": header,
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers,
@@ -184,7 +214,8 @@ def run(args, cfg, device) -> dict:
                      "steps": args.steps, "timing_warmup_steps": args.warmup, "lr": cfg.train.lr,
                      "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": cfg.lora.target_list()},
                      "trainable_parameters": sum(p.numel() for p in trainable),
-                     "attention": attention, "experts": model.config._experts_implementation,
+                     "attention": attention, "experts": experts_implementation,
+                     "layout": f"DistributedDataParallel over {world} GPUs" if world > 1 else "one GPU",
                      "gradient_checkpointing": args.gradient_checkpointing,
                      "optimizer": "torch.optim.AdamW(fused=True), PEFT's fp32 adapters, bf16 frozen base, "
                                   "autocast bf16"},
@@ -224,16 +255,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_args(args)
-        cfg = workload_config(args)
+        cfg = workload_config(args, launched_world())
         # Heavy imports only once the arguments are known to be good: a mistake is refused at once.
-        result = run(args, cfg, cuda_device())
+        device = cuda_device()
+        with process_group(launched_world()) as rank:
+            result = run(args, cfg, device)
     except UserError as error:
         print(f"peft_peer: error: {error}", file=sys.stderr)
         return 2
-    w = result["workload"]
-    report(f"transformers + PEFT LoRA r{w['lora']['rank']} ({w['num_hidden_layers']} layers, {w['tokens_per_step']} "
-           f"tokens/step, {w['attention']}, {w['experts']})", result, args.json)
+    if rank == 0:
+        w = result["workload"]
+        report(f"transformers + PEFT LoRA r{w['lora']['rank']} ({w['num_hidden_layers']} layers, "
+               f"{w['tokens_per_step']} tokens/step per GPU, {w['attention']}, {w['experts']}, {w['layout']})", result,
+               args.json)
     return 0
+
+
+@contextlib.contextmanager
+def process_group(world: int):
+    """torchrun's processes joined for DistributedDataParallel (NCCL on GPUs, gloo on the CPU
+    for the tests), left at the end; this process's rank (0 alone)."""
+    import torch
+    import torch.distributed as dist
+
+    if world == 1:
+        yield 0
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

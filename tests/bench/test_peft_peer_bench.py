@@ -8,6 +8,7 @@ import argparse
 import ast
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -142,3 +143,16 @@ def test_the_whole_run_measures_on_cpu(doc_len):
     assert w["rows"] == ("ours" if doc_len is None else "random, 40-token documents")
     assert result["summary"]["tokens_per_s"] > 0 and result["flops_per_step"][0] > 0
     json.dumps(result)  # what --json writes
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_distributed_data_parallel():
+    """Under torchrun (two CPU processes, gloo): each rank its own row, the adapters kept
+    equal by DistributedDataParallel (tests/workers/peft_peer_ddp.py checks)."""
+    from launch import app_command
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(app_command([TINY], 2, "tests/workers/peft_peer_ddp.py"), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(": ok") == 2
