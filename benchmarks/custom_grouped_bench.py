@@ -34,6 +34,7 @@ from triton.testing import do_bench
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_gemm as gg
 from te_mixtral.experts.kernels import grouped_swiglu as gs
+from te_mixtral.experts.kernels.schedule import tile_config
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
 OPS = ("gate_up", "down", "down_dgrad", "down_wgrad", "gate_up_dgrad", "gate_up_wgrad")
@@ -47,7 +48,7 @@ TE_H100 = {64: 86, 256: 290, 1024: 500, 4096: 572, 8192: 578}
 
 # Tile configs are built as the kernels build their own table (grouped_swiglu.CONFIGS), so a
 # sweep's winners paste into it unchanged.
-cfg = gs._cfg
+cfg = tile_config
 
 # Candidates by regime; a GEMM's own list wins over its kind's. PROGS_PER_SM=2 keeps two
 # programs on an SM where registers (<= 255 x 128 threads each) and shared memory
