@@ -1,7 +1,7 @@
 """Register-tile helpers that the grouped GEMMs' epilogues share (`grouped_gemm.py`,
 `wgrad_gemm.py`): an accumulator tile is scaled and stored here, after the reduction.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 """
 
 import triton

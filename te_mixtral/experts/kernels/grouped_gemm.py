@@ -1,6 +1,6 @@
 """Triton kernels for grouped (per-expert) GEMMs whose split sizes stay on the device.
 
-Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, I
+Shape suffixes: see te_mixtral/__init__.py. Inside a kernel M, N, I
 are that GEMM's own dims and BM/BN/BI its tile.
 
 Two kernels cover the six GEMMs of the expert FFN's forward and backward

@@ -1,6 +1,6 @@
 """The expert FFN as one autograd op: grouped gate_up GEMM -> SwiGLU -> grouped down GEMM.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
     h_R2F  = x_RD @ gate_up_L2FD[e].T            (per expert e, its rows only)
     act_RF = silu(h_R2F[:, :F]) * h_R2F[:, F:]

@@ -45,7 +45,7 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bflo
     """`torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=...,
     use_fast_accum=True)` for row-wise scales, in two cases:
 
-    - 2-D x 3-D (fprop, dgrad): mat_a [Q, K] row-major split by rows, mat_b [G, K, N]
+    - 2-D x 3-D (fprop, dgrad): mat_a [Q, I] row-major split by rows, mat_b [G, I, N]
       column-major, scale_a [Q], scale_b [G, N]; returns [Q, N].
     - 2-D x 2-D (wgrad): mat_a [M, Q] row-major and mat_b [Q, N] column-major, both split
       along Q; scale_a [G * M] and scale_b [G * N], group-major; returns [G, M, N]. With
@@ -57,10 +57,10 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bflo
     counts_G = torch.diff(offs, prepend=offs.new_zeros(1))
     tile = FP32_TILE if mat_a.dtype == torch.float32 else _FP8_TILE  # float32: the tests' unrounded values
     if mat_b.dim() == 3:
-        w_GNK = mat_b.transpose(-2, -1)
-        out = torch.empty(mat_a.shape[0], w_GNK.shape[1], dtype=out_dtype, device=mat_a.device)
-        rows_gemm(mat_a, w_GNK, counts_G, out, n=w_GNK.shape[1], b_icontig=True, cfg=tile,
-                  use_tma=tma_ok(mat_a, w_GNK), scales=(scale_a, scale_b))
+        w_GNI = mat_b.transpose(-2, -1)
+        out = torch.empty(mat_a.shape[0], w_GNI.shape[1], dtype=out_dtype, device=mat_a.device)
+        rows_gemm(mat_a, w_GNI, counts_G, out, n=w_GNI.shape[1], b_icontig=True, cfg=tile,
+                  use_tma=tma_ok(mat_a, w_GNI), scales=(scale_a, scale_b))
         return out
     x_NQ = mat_b.t()
     out = add_into

@@ -1,6 +1,6 @@
 """How the grouped GEMM kernels lay their work onto tiles and persistent programs.
 
-Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, I are that GEMM's own
+Shape suffixes: see te_mixtral/__init__.py. Inside a kernel M, N, I are that GEMM's own
 dims and BM/BN/BI its tile.
 
 Both kernels (`grouped_gemm._rows_gemm`, `wgrad_gemm._wgrad_gemm`) run a fixed grid of

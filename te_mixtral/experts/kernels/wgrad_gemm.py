@@ -1,5 +1,6 @@
 """The weight-gradient GEMM of the expert FFN with split sizes on the device:
-dW_e = G[rows of e]^T @ X[rows of e] for every expert e.
+dW_e = dO[rows of e]^T @ X[rows of e] for every expert e, where dO is the gradient of the
+forward GEMM's output (`g` in the code) and X its input.
 
 The rows are the reduction dim, and how many an expert has is data: each tile runs an I loop
 over its expert's row range, which can be empty (the tile is then written as zeros, never
@@ -8,7 +9,7 @@ BLOCK_I blocks stream unmasked and the one partial block at the end is zeroed (a
 K_MAJOR a first block that starts before the expert's rows, see `_tma_k_major`). The tile
 configuration and schedule are `schedule.py`'s, shared with `grouped_gemm.py`.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 """
 
 import triton
@@ -27,9 +28,9 @@ def _wgrad_gemm(
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
 ):
-    """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums.
+    """out[e] (M x N) = dO[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums.
 
-    G and X are [R, M] and [R, N], or with K_MAJOR their transposes [M, R] and [N, R]
+    dO and X are [R, M] and [R, N], or with K_MAJOR their transposes [M, R] and [N, R]
     (rows contiguous: Hopper's FP8 tensor cores take only operands contiguous along the
     reduction), both with row stride `stride_k`, which only K_MAJOR without TMA reads.
     SCALED multiplies out[e, m, n] by g_scale[e, m] * x_scale[e, n] (float32), the
@@ -111,7 +112,7 @@ def _wgrad_gemm(
 
 @triton.jit
 def _tma_k_major(acc, g_src, x_src, r0, count, m0, n0, ri, DOT_PREC: tl.constexpr, BLOCK_I: tl.constexpr):
-    """acc + G^T X over the `count` rows from row r0, which run along the operands'
+    """acc + dO^T X over the `count` rows from row r0, which run along the operands'
     contiguous dim. Every load starts on a BLOCK_I boundary there (TMA needs 16 bytes; a
     block that is not 128-byte aligned straddles cache lines, and the 8x7B gate_up weight
     gradient over 4 experts of 4093-4099 rows took 3.99 ms that way against 3.25 aligned, on
@@ -134,7 +135,7 @@ def _tma_k_major(acc, g_src, x_src, r0, count, m0, n0, ri, DOT_PREC: tl.constexp
 @triton.jit
 def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED: tl.constexpr,
               DOT_PREC: tl.constexpr):
-    """acc + G^T X over the BLOCK_I rows from row r; with MASKED, the rows where `keep` is
+    """acc + dO^T X over the BLOCK_I rows from row r; with MASKED, the rows where `keep` is
     False count as zeros. Tiles are masked as loaded, before any transpose."""
     if K_MAJOR:  # [BLOCK_M, BLOCK_I] and [BLOCK_N, BLOCK_I]
         g, x = g_src.load([m0, r]), x_src.load([n0, r])
