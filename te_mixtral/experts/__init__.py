@@ -29,7 +29,8 @@ Each tier and what it runs:
                     (kernels/grouped_gemm.py, wgrad_gemm.py, schedule.py, epilogue.py,
                     grad_accumulation.py, tma_host.py); elsewhere grouped_mm.py; adapters
                     fused into the op's epilogues (adapters.with_fused_adapters)
-    device_mxfp8    rows padded per expert (quant/padding.py), then by mode:
+    device_mxfp8    rows padded per expert to the mode's alignment (quant/padding.py;
+                    fp8-hopper needs none), then by mode:
                     fp8-hopper      quant/fp8_swiglu.py: FP8 E4M3 with row-wise scales
                                     (quant/fp8_hopper.py), SwiGLU fused into the casts
                                     (quant/fp8_cast.py), GEMMs on
