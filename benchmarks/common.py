@@ -1,6 +1,6 @@
 """What every benchmark shares: the Mixtral shapes, one timer, the run header and `--json`.
 
-Shape suffixes: see te_mixtral/experts/base.py (D model dim, F expert hidden dim, L local
+Shape suffixes: see te_mixtral/__init__.py (D model dim, F expert hidden dim, L local
 experts, R rows).
 
 - Shapes: `FAMILIES` holds the expert shapes of Mixtral-8x7B and 8x22B; `LOCAL_EXPERTS` is

@@ -2,7 +2,7 @@
 
     python3 -m benchmarks.custom_grouped_bench [--sweep] [--out DIR]
 
-Shape letters as in te_mixtral/experts/base.py (L local experts, R rows, D model dim, F
+Shape letters as in te_mixtral/__init__.py (L local experts, R rows, D model dim, F
 expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_expert * L.
 Mixtral-8x7B: D 4096, F 14336; 8x22B: D 6144, F 16384; 4 local experts.
 

@@ -1,6 +1,6 @@
 """The custom_grouped op's pieces that its benchmarks share: inputs, the six GEMMs, tile candidates, timing.
 
-Shape letters as in te_mixtral/experts/base.py (L local experts, R rows, D model dim, F
+Shape letters as in te_mixtral/__init__.py (L local experts, R rows, D model dim, F
 expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_expert * L.
 
 - `make_inputs`, `parse_case`, `fwd_bwd`, `with_table`: the op's inputs for a case (`LxR`
@@ -23,6 +23,7 @@ from triton.testing import do_bench
 
 from te_mixtral.experts.kernels import grouped_gemm as gg
 from te_mixtral.experts.kernels import grouped_swiglu as gs
+from te_mixtral.experts.kernels.schedule import tile_config
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
 OPS = ("gate_up", "down", "down_dgrad", "down_wgrad", "gate_up_dgrad", "gate_up_wgrad")
@@ -35,7 +36,7 @@ SPIN_CYCLES = int(2e9)  # about a second: longer than the host needs to queue GP
 
 # Tile configs are built as the kernels build their own table (grouped_swiglu.CONFIGS), so a
 # sweep's winners paste into it unchanged.
-cfg = gs._cfg
+cfg = tile_config
 
 # Candidates by regime; a GEMM's own list wins over its kind's. PROGS_PER_SM=2 keeps two
 # programs on an SM where registers (<= 255 x 128 threads each) and shared memory

@@ -1,6 +1,6 @@
 """One expert FFN layer, forward + backward, timed for every expert tier this machine runs.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 What is timed: y = SwiGLU expert FFN over R rows and L = 4 local experts at Mixtral-8x7B
 sizes (D = 4096, F = 14336; `--family 8x22b`: D = 6144, F = 16384), then the gradients of x

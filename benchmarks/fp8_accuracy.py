@@ -1,6 +1,6 @@
 """How far each 8-bit expert FFN lands from float64: ours on Hopper beside TE's FP8 recipes.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 The expert SwiGLU MLP at Mixtral-8x7B sizes (D 4096, F 14336) over 4 local experts, with
 bf16 inputs and weights, forward and backward. The reference is the `loop` tier run in

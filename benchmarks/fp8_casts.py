@@ -1,7 +1,7 @@
 """The FP8 casts of the `fp8-hopper` mode alone (te_mixtral/experts/quant/fp8_cast.py), at
 Mixtral-8x7B sizes, for each tile shape of the column-wise and weight casts.
 
-Shape suffixes: see te_mixtral/experts/base.py (Q rows, F expert FFN width, D hidden, L experts).
+Shape suffixes: see te_mixtral/__init__.py (Q rows, F expert FFN width, D hidden, L experts).
 
 Each line is a kernel's time (benchmarks/common.py's timer: median after warm-up, CUDA
 events) and, where given, the

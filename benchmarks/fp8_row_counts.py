@@ -1,6 +1,6 @@
 """Does the `fp8-hopper` mode of `device_mxfp8` slow down when a rank's row count grows?
 
-Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows, I input and N
+Shape suffixes: see te_mixtral/__init__.py (its GEMM letters: Q padded rows, I input and N
 output features, G groups = local experts).
 
 One step of a 3-sequence-per-GPU EP=4 run of `device_mxfp8` once took many times longer than

@@ -1,0 +1,10 @@
+"""Data: records in, packed batches of token ids out.
+
+    sources.py     where records come from: the embedded corpus, local files, the hub
+    tokenizer.py   a Hugging Face checkpoint's tokenizer, a given tokenizer.json, or one
+                   trained here
+    chat.py        chat records through the tokenizer's chat template, loss on the
+                   assistant's tokens only
+    packing.py     the token stream, its fixed-length windows, the held-out split, and
+                   sharding over ranks
+"""

@@ -111,10 +111,10 @@ TOKENIZE_RECIPE = "tokenize-1"
 
 @dataclass
 class TokenStream:
-    """Every record's tokens, end to end: `tokens` int64 [N]; `ends` bool [N], the last
-    token of each document or conversation; `trained` bool [N], whether a token is a loss
-    target (False: its label is -100), or None when every token is (text); `lengths` int64
-    [R], the tokens of each record."""
+    """Every record's tokens, end to end, n of them: `tokens` int64 [n]; `ends` bool [n], the
+    last token of each document or conversation; `trained` bool [n], whether a token is a loss
+    target (False: its label is -100), or None when every token is (text); `lengths` int64,
+    one per record, the tokens of each record."""
 
     tokens: torch.Tensor
     ends: torch.Tensor

@@ -1,6 +1,6 @@
 """Token dispatch: send each routed token copy to the rank that owns its expert, and back.
 
-Shape suffixes: see te_mixtral/experts/base.py (here L = E / P).
+Shape suffixes: see te_mixtral/__init__.py (here L = E / P).
 
 One MoE layer does
 

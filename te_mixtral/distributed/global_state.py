@@ -1,7 +1,7 @@
 """The weights and the optimizer state as *global* tensors, whatever the layout: what lets a
 checkpoint written on W ranks at EP=E resume on W' ranks at EP=E', sharded or not.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 A rank holds pieces. The global tensor of an expert parameter stacks all E experts
 ([E, 2F, D], [E, D, F]); the global tensor of a dense parameter is the parameter. Each piece a

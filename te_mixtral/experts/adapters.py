@@ -1,6 +1,6 @@
 """What a tier receives of LoRA: the low-rank adapters of this rank's experts.
 
-Shape suffixes: see te_mixtral/experts/base.py; r is the adapter rank.
+Shape suffixes: see te_mixtral/__init__.py; r is the adapter rank.
 
 With adapters, each expert's two projections become
 

@@ -1,21 +1,6 @@
-"""The one interface every expert-FFN tier implements, and the shape legend of the package.
+"""The one interface every expert-FFN tier implements.
 
-Shape legend (every file that names tensors by shape suffix uses these letters; other
-files say "shape suffixes: see te_mixtral/experts/base.py" rather than restating them):
-
-    B samples in a batch           S sequence positions       T tokens on this rank (B*S)
-    D model (hidden) dim           H attention heads          V vocabulary
-    E experts in the model         L experts on this rank     K top-k (experts per token)
-    R rows routed to this rank     F expert hidden dim        P ranks in the EP group
-
-GEMM-level letters, for code that runs one GEMM without knowing what it multiplies
-(experts/kernels/, experts/quant/, the row padding of experts/device_mxfp8.py, the
-`_GroupedMatmul` of experts/grouped_linear.py):
-
-    M, N output dims of a GEMM     I its input (reduced) dim  G groups (one per local expert)
-    C a generic column dim         Q rows after per-expert padding
-
-A digit in a suffix is a literal size: `gate_up_L2FD` is [L, 2*F, D].
+Shape suffixes: see te_mixtral/__init__.py.
 
 A tier computes, for every local expert l and the rows routed to it,
 

@@ -1,6 +1,6 @@
 """The `custom_grouped` tier: the whole expert FFN as one fused autograd op.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 On CUDA it runs `te_mixtral.experts.kernels.grouped_swiglu`: Triton kernels that schedule their
 tiles from `tokens_per_expert_L` on the device, fuse SwiGLU into the GEMM epilogues and

@@ -1,6 +1,6 @@
 """The `device_mxfp8` tier: expert GEMMs in 8-bit floating point, split sizes on the device.
 
-Shape suffixes: see te_mixtral/experts/base.py. Q counts rows after padding.
+Shape suffixes: see te_mixtral/__init__.py. Q counts rows after padding.
 
 One tier, three machines, and no pretending: each mode computes something different and
 the tier says which one ran (`describe()`, for the run header and results JSON).

@@ -1,6 +1,6 @@
 """The `grouped_linear` tier: every local expert's GEMMs in one call to Transformer Engine.
 
-Shape suffixes: see te_mixtral/experts/base.py. In `_GroupedMatmul`, a GEMM that does
+Shape suffixes: see te_mixtral/__init__.py. In `_GroupedMatmul`, a GEMM that does
 not know what it multiplies, N and I are its output and input width.
 
 The expert FFN is two grouped GEMMs with SwiGLU between:

@@ -1,7 +1,7 @@
 """Per-expert GEMMs through torch's grouped GEMM (`F.grouped_mm`), with its alignment rule
 handled: the custom_grouped tier's path off the GPU, and LoRA's adapter GEMMs on it.
 
-Shape suffixes: see te_mixtral/experts/base.py. `offs_L` is the int32 cumulative row ends
+Shape suffixes: see te_mixtral/__init__.py. `offs_L` is the int32 cumulative row ends
 of the experts (grouped_mm's offsets), made on the device: no host sync.
 
 grouped_mm wants 16-byte aligned row strides: an odd I, N (or adapter rank) is zero-padded,

@@ -14,7 +14,7 @@ that stacks the L per-expert gradients once: about one stacked-size gradient in 
 `tokens_per_expert_L.tolist()` synchronises with the host: the loop needs Python ints to
 slice, which is exactly the cost the grouped tiers remove.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 """
 
 import torch

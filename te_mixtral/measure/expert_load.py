@@ -1,7 +1,7 @@
 """Expert load: how evenly the router spread a step's tokens over the experts, and over the
 ranks that hold them.
 
-Shape suffixes: see te_mixtral/experts/base.py; Y is the model's MoE layers.
+Shape suffixes: see te_mixtral/__init__.py.
 
 Everything here is computed from counts the router losses have already all-reduced: the
 global batch's top-k picks per layer and expert (te_mixtral/model/router_losses.py), summed
@@ -26,10 +26,11 @@ import torch
 
 def busiest_over_mean(tokens_per_expert_YE: torch.Tensor, groups: int) -> float:
     """Sum over layers of the busiest group's rows over the sum of the mean group's, the E
-    experts cut into `groups` groups of consecutive experts (see the module docstring)."""
+    experts cut into `groups` groups of consecutive experts, one per rank of an EP group of
+    P = `groups` (see the module docstring)."""
     layers, num_experts = tokens_per_expert_YE.shape
-    rows_YG = tokens_per_expert_YE.reshape(layers, groups, num_experts // groups).sum(-1).double()
-    return (rows_YG.amax(-1).sum() / rows_YG.mean(-1).sum()).item()
+    rows_YP = tokens_per_expert_YE.reshape(layers, groups, num_experts // groups).sum(-1).double()
+    return (rows_YP.amax(-1).sum() / rows_YP.mean(-1).sum()).item()
 
 
 def ep_sizes(num_experts: int) -> list[int]:

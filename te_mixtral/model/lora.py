@@ -1,6 +1,6 @@
 """LoRA: low-rank adapters trained over a frozen base model.
 
-Shape suffixes: see te_mixtral/experts/base.py; r is the adapter rank.
+Shape suffixes: see te_mixtral/__init__.py; r is the adapter rank.
 
 An adapted projection computes
 

@@ -1,6 +1,6 @@
 """A Mixtral decoder whose numerics equal Hugging Face `MixtralForCausalLM`.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 Parameter names follow transformers v5 (`model.layers.N.mlp.experts.gate_up_proj`, ...),
 so converting a checkpoint is a rename at most; each rank holds only its own slice of the

@@ -1,6 +1,6 @@
 """The sparse MoE block: route, dispatch, run the expert tier, combine.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 Routing is Hugging Face Mixtral's, step for step: router logits, softmax in float32,
 top-k, renormalise the k weights to sum to one. The block never looks at which tier it

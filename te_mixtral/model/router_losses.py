@@ -1,15 +1,15 @@
 """The router's own losses: Mixtral's load-balancing loss and ST-MoE's router z-loss.
 
-Shape suffixes: see te_mixtral/experts/base.py; here also Y, the model's MoE (decoder)
-layers, and N, the tokens of the whole global batch (every rank's T).
+Shape suffixes: see te_mixtral/__init__.py (Y the MoE layers, A the tokens of the whole
+global batch).
 
 Load-balancing loss, as transformers computes it for Mixtral
 -------------------------------------------------------------
 transformers' `load_balancing_loss_func` (Switch Transformer, eq. 4-6) pools the router
-outputs of *all* layers as if they were one long list of Y * N tokens:
+outputs of *all* layers as if they were one long list of Y * A tokens:
 
-    f_e = (top-k picks of expert e, all layers and tokens) / (Y * N)     no gradient
-    p_e = (router probability of e, summed over all layers and tokens) / (Y * N)
+    f_e = (top-k picks of expert e, all layers and tokens) / (Y * A)     no gradient
+    p_e = (router probability of e, summed over all layers and tokens) / (Y * A)
     aux = E * sum_e f_e * p_e
 
 f sums to K and p to 1, so a perfectly even router scores K; the gradient reaches the
@@ -19,7 +19,7 @@ experts; a per-layer imbalance that other layers happen to offset is not penalis
 The loss is added to the training loss as `model.router_aux_loss_coef * aux`.
 
 Padding and packed batches. transformers takes the attention mask and leaves padding out
-of both sums and of N. A packed batch (te_mixtral/data/packing.py) has no padding: every
+of both sums and of A. A packed batch (te_mixtral/data/packing.py) has no padding: every
 token is real text that every layer routes, the eos tokens with label -100 included (they
 carry no LM loss, but they are routed like any token, and a padded batch's attention mask
 counts them too). So a packed batch computes the per-token statistics over all its tokens,
@@ -32,7 +32,7 @@ rank's tokens. f needs the global counts: one all-reduce of the [Y, E] counts (a
 count) per forward, taken after the layers, so not once per layer. p is a sum over tokens,
 so each rank's share
 
-    aux_r = E * sum_e f_e * (this rank's probability sums_e) / (Y * N)
+    aux_r = E * sum_e f_e * (this rank's probability sums_e) / (Y * A)
 
 adds up over ranks to the global aux, and its gradient is the global aux's gradient through
 this rank's tokens. Every rank's loss is already its share of the global loss, with the
@@ -54,7 +54,7 @@ Router z-loss (ST-MoE, Zoph et al. 2022)
 
 keeps the router's logits small, where the softmax is least sensitive to rounding. Mixtral
 was not trained with it (transformers' Mixtral has none); it is pooled over the layers as the
-load-balancing loss is (a mean over Y * N), as transformers' Switch Transformers computes it
+load-balancing loss is (a mean over Y * A), as transformers' Switch Transformers computes it
 over the concatenated layers. Coefficient `model.router_z_loss_coef`, off by default.
 """
 

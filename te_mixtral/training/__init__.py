@@ -1,0 +1,12 @@
+"""Training a run: the loop, and what it reads, writes and hands on.
+
+    loop.py            the training loop, one plain function read top to bottom
+    optimizer.py       the optimizer a run steps, and its learning-rate schedule
+    checkpoint.py      training checkpoints: stop a run and continue it exactly
+    dcp_index.py       reading torch.distributed.checkpoint's index without running code
+    hf_checkpoint.py   Hugging Face Mixtral checkpoints in and out of our parameter layout
+    peft_adapters.py   LoRA adapters out in PEFT's format
+    evaluate.py        loss and perplexity on held-out samples
+    generate.py        greedy generation from the fine-tuned model
+    outputs.py         the folders a run writes, checked before it trains
+"""

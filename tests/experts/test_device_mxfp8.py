@@ -2,7 +2,7 @@
 all, no host synchronisation in what it issues (both CPU-runnable recipes), and how it picks
 its mode.
 
-Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows).
+Shape suffixes: see te_mixtral/__init__.py (its GEMM letters: Q padded rows).
 """
 
 import re

@@ -1,11 +1,13 @@
 """Triton kernels for grouped (per-expert) GEMMs whose split sizes stay on the device.
 
-Shape suffixes: see te_mixtral/experts/base.py. Inside a kernel M, N, I
+Shape suffixes: see te_mixtral/__init__.py. Inside a kernel M, N, I
 are that GEMM's own dims and BM/BN/BI its tile.
 
 Two kernels cover the six GEMMs of the expert FFN's forward and backward
 (`grouped_swiglu.py` composes them): `_rows_gemm` here, and the weight gradients'
-`_wgrad_gemm` in `wgrad_gemm.py`, which shares this module's schedule.
+`_wgrad_gemm` in `wgrad_gemm.py`. What they share, the tile configuration and the
+persistent programs' schedule, is `schedule.py`'s; their epilogues' tile helpers are
+`epilogue.py`'s.
 
 * `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e for every expert e. A [R, I] is split
   by rows; B_e is one expert's slice of a stacked weight, stored either I-contiguous
@@ -36,39 +38,18 @@ they save, see grouped_swiglu.uses_descriptors; the CPU interpreter) plain point
 mask rows past R, columns and the I tail for the same effect.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
+from te_mixtral.experts.kernels.schedule import dot_precision, max_programs, pick, swizzle
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 # Constexpr globals so the kernels can branch on them at compile time.
 EPI_PLAIN = tl.constexpr(0)
 EPI_SWIGLU = tl.constexpr(1)
 EPI_SWIGLU_BWD = tl.constexpr(2)
-
-
-# --- device-side schedule -------------------------------------------------------------
-
-
-@triton.jit
-def _pick(vec, idx, e):
-    """vec[e] for a register vector: a masked sum, since registers cannot be indexed."""
-    return tl.sum(tl.where(idx == e, vec, 0), 0)
-
-
-@triton.jit
-def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
-    """Tile `local` of an m_tiles x n_tiles grid, walked GROUP_M rows at a time so that
-    concurrently running programs share A rows-tiles and B column-tiles in L2."""
-    per_group = GROUP_M * n_tiles
-    first_m = (local // per_group) * GROUP_M
-    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (local % per_group) % group_rows
-    pid_n = (local % per_group) // group_rows
-    return pid_m, pid_n
 
 
 # --- row-grouped GEMM with optional SwiGLU epilogues ----------------------------------
@@ -126,10 +107,10 @@ def _rows_gemm(
                 i_start = share * i_len
                 i_end = tl.minimum(I, i_start + i_len)
         e = tl.sum((tile_ends <= t).to(tl.int32), 0)
-        count = _pick(counts, idx, e)
-        row_start = _pick(row_ends, idx, e) - count
-        local = t - (_pick(tile_ends, idx, e) - _pick(tiles, idx, e))
-        pid_m, pid_n = _swizzle(local, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
+        count = pick(counts, idx, e)
+        row_start = pick(row_ends, idx, e) - count
+        local = t - (pick(tile_ends, idx, e) - pick(tiles, idx, e))
+        pid_m, pid_n = swizzle(local, tl.cdiv(count, BLOCK_M), n_tiles, GROUP_M)
         m0 = row_start + pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         b_row0 = e * b_rows_per_expert
@@ -201,7 +182,7 @@ def _rows_gemm(
                     rows = tl.where(last, count, 0)
             cols = n0 + tl.arange(0, BLOCK_N)
             if SCALED:
-                acc = _scaled(acc, a_scale_ptr + m0, in_expert,
+                acc = scale_tile(acc, a_scale_ptr + m0, in_expert,
                               b_scale_ptr + e * N + n0, cols < N, BLOCK_M, BLOCK_N)
             tl.store(out_tile + rm[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=(pid_m * BLOCK_M + rm < rows)[:, None] & (cols < N)[None, :])
@@ -215,10 +196,10 @@ def _rows_gemm(
                 mask = row_ok & (cols < N)[None, :]
                 gate_ptrs = h_tile + rm[:, None] * (2 * N) + cols[None, :]
                 act_ptrs = out_tile + rm[:, None] * N + cols[None, :]
-                acc_part = _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+                acc_part = column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
                 if EPILOGUE == EPI_SWIGLU:
                     g = acc_part
-                    u = _column_part(acc_up, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+                    u = column_part(acc_up, part, EPI_PARTS, BLOCK_M, BLOCK_N)
                     if ADD:
                         add_ptrs = add_ptr + m0.to(tl.int64) * (2 * N) + rm[:, None] * (2 * N) + cols[None, :]
                         g += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -272,29 +253,6 @@ def _sum_shares(acc, scratch_ptr, arrivals_ptr, slot, share, shares,
 
 
 @triton.jit
-def _scaled(acc, row_scale_ptr, row_ok, col_scale_ptr, col_ok, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    """acc[r, c] * row_scale[r] * col_scale[c]: the scales of row-wise scaled operands."""
-    row_scale = tl.load(row_scale_ptr + tl.arange(0, BLOCK_M), mask=row_ok, other=0.0)
-    col_scale = tl.load(col_scale_ptr + tl.arange(0, BLOCK_N), mask=col_ok, other=0.0)
-    return acc * row_scale[:, None] * col_scale[None, :]
-
-
-@triton.jit
-def _column_part(t, part: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Column block `part` of PARTS (1, 2 or 4) of t [BLOCK_M, BLOCK_N]. Triton cannot
-    slice a register tile, so the columns are split in halves (twice for 4)."""
-    if PARTS > 1:
-        lo, hi = tl.split(t.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
-        t = lo if part < PARTS // 2 else hi
-        if PARTS == 4:
-            lo, hi = tl.split(t.reshape(BLOCK_M, 2, BLOCK_N // 4).permute(0, 2, 1))
-            t = lo if part % 2 == 0 else hi
-    return t
-
-
-@triton.jit
 def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constexpr):
     """Overwrite gate, up (at gate_ptrs, gate_ptrs + N) with their gradients given d(act);
     with WRITE_ACT also store act itself, which the down weight gradient needs.
@@ -313,21 +271,6 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
 
 
 # --- launchers ------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _max_programs(device: torch.device) -> int:
-    # The interpreter runs programs one after another: a few exercise the persistent loop.
-    return _sm_count(device.index or 0) if device.type == "cuda" else 3
-
-
-def _dot_prec(dtype: torch.dtype) -> str:
-    # fp32 inputs: three tf32 products recover ~fp32 accuracy at tensor-core speed.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
@@ -351,7 +294,7 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     tail_split = cfg.get("TAIL_SPLIT", 1) if epilogue == EPI_PLAIN else 1
     # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
     tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn)
-    programs = max(1, min(_max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound * tail_split))
+    programs = max(1, min(max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound * tail_split))
     scratch = arrivals = None
     if tail_split > 1:  # a split tile's shares take at most one slot per program
         scratch = torch.empty(programs, bm, bn, dtype=torch.float32, device=a_RI.device)
@@ -361,7 +304,7 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add, R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
         ADD=add is not None,
-        USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=_dot_prec(a_RI.dtype),
+        USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=dot_precision(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
         EPI_PARTS=cfg.get("EPI_PARTS", 4), TAIL_SPLIT=tail_split,

@@ -1,6 +1,6 @@
 """The expert FFN as one autograd op: grouped gate_up GEMM -> SwiGLU -> grouped down GEMM.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
     h_R2F  = x_RD @ gate_up_L2FD[e].T            (per expert e, its rows only)
     act_RF = silu(h_R2F[:, :F]) * h_R2F[:, F:]
@@ -53,6 +53,8 @@ from torch.autograd.function import once_differentiable
 from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad, offsets
 from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
 from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
+from te_mixtral.experts.kernels.schedule import FP32_TILE, tile_config
+from te_mixtral.experts.kernels.tma_host import tma_ok
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
 
@@ -60,54 +62,45 @@ from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 # on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers); the large regime's
 # dgrads and down projection since retimed on an H200 at training shapes (docs/kernels.md,
 # v4). The regime comes from the mean rows per expert, R / L, which the host knows from
-# shapes alone; the split stays on the device.
-# PROGS_PER_SM=2 keeps two programs on an SM (one's epilogue overlaps the other's loads);
-# GROUP_M=16 halves how often a large-R GEMM streams an expert's weights from DRAM;
-# EPI_PARTS is how many column blocks a SwiGLU epilogue walks (4 keeps 128-register
-# accumulators from spilling; 2 is cheaper for small tiles), or a weight gradient's store;
-# FLATTEN (see `_rows_gemm`) pays where the epilogue is heavy, as the SwiGLU backward's: it
-# reads two values per output and writes three.
-def _cfg(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False, tail_split=1):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
-                num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten,
-                TAIL_SPLIT=tail_split)
-
-
+# shapes alone; the split stays on the device. The fields of a configuration are
+# `schedule.tile_config`'s; FLATTEN pays where the epilogue is heavy, as the SwiGLU
+# backward's: it reads two values per output and writes three.
+#
 # Weight gradients with few rows per expert write far more than they read: 128 x 128 tiles,
 # two programs per SM, stored in two column blocks. On an H100 at 8 x 128 rows down_wgrad
 # 0.539 -> 0.421 ms and gate_up_wgrad 1.046 -> 0.810 with streaming stores and this tile
 # (cuBLAS 0.436 and 0.813); at 2 x 16 rows both tie cuBLAS (docs/kernels.md, v7).
-_WGRAD_FEW_ROWS = _cfg(128, 128, 64, 4, 3, progs=2, parts=2)
+_WGRAD_FEW_ROWS = tile_config(128, 128, 64, 4, 3, progs=2, parts=2)
 # The row GEMMs whose N is D (down, gate_up_dgrad) lose most when the rows are split unevenly:
 # an expert with more rows than the mean needs more row tiles than the table was chosen for,
 # each streaming its weight columns again. Two programs per SM take those extra tiles in the
 # same pass. On an H100, down at 179 + 77 rows 0.191 -> 0.147 ms (cuBLAS 0.109), level at
 # 2 x 128; the whole op at that split 0.72 -> 0.77-0.80 of the best peer's speed (docs/kernels.md, v9).
-_ROWS_N_IS_D = _cfg(64, 128, 64, 4, 4, progs=2)
+_ROWS_N_IS_D = tile_config(64, 128, 64, 4, 4, progs=2)
 CONFIGS = {
     "small": {  # few rows per expert (see `regime`): weight-bandwidth bound
-        "gate_up": _cfg(64, 64, 128, 4, 4, parts=2),
+        "gate_up": tile_config(64, 64, 128, 4, 4, parts=2),
         "down": _ROWS_N_IS_D,
-        "down_dgrad": _cfg(64, 64, 64, 4, 4, progs=2, parts=2),
+        "down_dgrad": tile_config(64, 64, 64, 4, 4, progs=2, parts=2),
         "down_wgrad": _WGRAD_FEW_ROWS,
         "gate_up_dgrad": _ROWS_N_IS_D,
         "gate_up_wgrad": _WGRAD_FEW_ROWS,
     },
     "medium": {  # <= 512 rows per expert
-        "gate_up": _cfg(128, 128, 64, 8, 4),
-        "down": _cfg(128, 128, 64, 8, 3, progs=2),
-        "down_dgrad": _cfg(128, 128, 64, 8, 4),
+        "gate_up": tile_config(128, 128, 64, 8, 4),
+        "down": tile_config(128, 128, 64, 8, 3, progs=2),
+        "down_dgrad": tile_config(128, 128, 64, 8, 4),
         "down_wgrad": _WGRAD_FEW_ROWS,
-        "gate_up_dgrad": _cfg(128, 256, 64, 8, 3),
+        "gate_up_dgrad": tile_config(128, 256, 64, 8, 3),
         "gate_up_wgrad": _WGRAD_FEW_ROWS,
     },
     "large": {
-        "gate_up": _cfg(128, 128, 64, 8, 4, group=16),
-        "down": _cfg(128, 256, 64, 8, 4, group=16),
-        "down_dgrad": _cfg(128, 256, 64, 8, 3, group=16, flatten=True),
-        "down_wgrad": _cfg(128, 256, 64, 8, 3, parts=1),
-        "gate_up_dgrad": _cfg(128, 256, 64, 8, 3, flatten=True),
-        "gate_up_wgrad": _cfg(128, 256, 64, 8, 3, group=16, parts=1),
+        "gate_up": tile_config(128, 128, 64, 8, 4, group=16),
+        "down": tile_config(128, 256, 64, 8, 4, group=16),
+        "down_dgrad": tile_config(128, 256, 64, 8, 3, group=16, flatten=True),
+        "down_wgrad": tile_config(128, 256, 64, 8, 3, parts=1),
+        "gate_up_dgrad": tile_config(128, 256, 64, 8, 3, flatten=True),
+        "gate_up_wgrad": tile_config(128, 256, 64, 8, 3, group=16, parts=1),
     },
 }
 
@@ -117,8 +110,8 @@ CONFIGS = {
 # reduction through narrower tiles. On an H100 at 1 expert x 64 rows: gate_up_dgrad 0.148 ->
 # 0.094 ms (cuBLAS 0.097). With 2 experts (128 tiles) 64 wide is faster again: at 2 x 16 rows
 # gate_up_dgrad 0.184 against 0.240 narrow, down 0.104 against 0.126.
-CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4),
-                              "gate_up_dgrad": _cfg(64, 32, 256, 4, 4)}
+CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": tile_config(64, 32, 256, 4, 4),
+                              "gate_up_dgrad": tile_config(64, 32, 256, 4, 4)}
 # The same starvation one step up: at up to 512 rows in all, the medium table's 128x256
 # gate_up_dgrad tiles give at most 64 programs; 128x128 tiles double that, and down gains
 # from the same tile at one program per SM. On an H100 at 1 x 256 rows: gate_up_dgrad
@@ -131,9 +124,9 @@ CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": _cfg(64, 32, 256, 4, 4
 # fixed: 1 x 16 rows 0.603 -> 0.500, 2 x 16 0.991 -> 0.900 (grouped_mm 0.556 and 0.877); at
 # 64 rows, or with four experts, no gain (docs/kernels.md, v8). down_dgrad (whose SwiGLU
 # epilogue needs whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
-_SPLIT_TAIL_FEW_ROWS = _cfg(64, 128, 64, 4, 4, tail_split=4)
+_SPLIT_TAIL_FEW_ROWS = tile_config(64, 128, 64, 4, 4, tail_split=4)
 CONFIGS["split-K"] = {**CONFIGS["small"], "down": _SPLIT_TAIL_FEW_ROWS,
-                      "gate_up_dgrad": _SPLIT_TAIL_FEW_ROWS, "down_dgrad": _cfg(64, 128, 64, 4, 4)}
+                      "gate_up_dgrad": _SPLIT_TAIL_FEW_ROWS, "down_dgrad": tile_config(64, 128, 64, 4, 4)}
 # At up to 512 rows in all, down_dgrad also runs faster as 128 x 128 tiles of 4 warps, two
 # programs per SM: per GEMM on an H100, 2 x 256 rows 0.173 -> 0.142 ms, 4 x 128 0.229 -> 0.203,
 # 1 x 512 0.153 -> 0.128 (docs/kernels.md, v9); with more rows the medium table's tile wins.
@@ -143,10 +136,10 @@ CONFIGS["split-K"] = {**CONFIGS["small"], "down": _SPLIT_TAIL_FEW_ROWS,
 # Fwd+bwd GPU ms on an H100 at 8x7B shapes: 1 x 256 rows 0.698 -> 0.624, 358 + 154 1.565 ->
 # 1.438, 170 + 171 + 171 + 0 1.906 -> 1.805; where nothing splits, level to 3.5 % slower
 # (8x22B at 358 + 154), and in the other tables it lost as often as it gained (docs/kernels.md, v11).
-_SPLIT_TAIL_MEDIUM = _cfg(128, 128, 64, 8, 4, tail_split=4)
+_SPLIT_TAIL_MEDIUM = tile_config(128, 128, 64, 8, 4, tail_split=4)
 CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _SPLIT_TAIL_MEDIUM,
                                "gate_up_dgrad": _SPLIT_TAIL_MEDIUM,
-                               "down_dgrad": _cfg(128, 128, 64, 4, 3, progs=2)}
+                               "down_dgrad": tile_config(128, 128, 64, 4, 3, progs=2)}
 
 
 def uses_descriptors(rows: int, experts: int) -> bool:
@@ -180,20 +173,8 @@ def regime(rows: int, experts: int) -> str:
     return "large"
 
 
-# fp32 inputs (no autocast): a correctness path, not a tuned one. tf32x3 dots split every
-# operand in three, so tiles that suit bf16 spill; this one does not.
-_FP32 = _cfg(64, 64, 32, 4, 3)
-FP32_CONFIGS = {name: dict.fromkeys(table, _FP32) for name, table in CONFIGS.items()}
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """The copy engine exists from Hopper (sm_90) on and needs 16-byte aligned base
-    addresses and row strides."""
-    return all(
-        t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9 and t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        for t in tensors
-    )
+# fp32 inputs (no autocast): the correctness path's one tile for every GEMM.
+FP32_CONFIGS = {name: dict.fromkeys(table, FP32_TILE) for name, table in CONFIGS.items()}
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -211,7 +192,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         y_RD = x_RD.new_empty(R, D)
         cfgs = configs[regime(R, L)]
         if use_tma is None:
-            use_tma = uses_descriptors(R, L) and _tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
+            use_tma = uses_descriptors(R, L) and tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
         if R > 0:
             rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
                       epilogue=EPI_SWIGLU, h=h_R2F, add=None if h_add_R2F is None else h_add_R2F.contiguous())

@@ -24,7 +24,8 @@ gets a zero weight gradient. Unlike torch's kernel these take a group of any row
 import torch
 
 from te_mixtral.experts.kernels.grouped_gemm import rows_gemm
-from te_mixtral.experts.kernels.grouped_swiglu import _FP32, _cfg, _tma_ok
+from te_mixtral.experts.kernels.schedule import FP32_TILE, tile_config
+from te_mixtral.experts.kernels.tma_host import tma_ok
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
 KERNEL = ("Triton grouped GEMMs (experts/kernels), E4M3 with row-wise scales, "
@@ -37,14 +38,14 @@ KERNEL = ("Triton grouped GEMMs (experts/kernels), E4M3 with row-wise scales, "
 # weight gradients store in two column blocks: adding into .grad at 8 experts x 2048 rows of
 # 8x7B, gate_up 3.93 -> 3.88 ms and down 2.15 -> 1.98 against four blocks, level when
 # writing a new gradient (one block: 4.62 and 2.36).
-_FP8_TILE = _cfg(128, 256, 128, 8, 3, group=16, parts=2)
+_FP8_TILE = tile_config(128, 256, 128, 8, 3, group=16, parts=2)
 
 
 def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16, add_into=None):
     """`torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=...,
     use_fast_accum=True)` for row-wise scales, in two cases:
 
-    - 2-D x 3-D (fprop, dgrad): mat_a [Q, K] row-major split by rows, mat_b [G, K, N]
+    - 2-D x 3-D (fprop, dgrad): mat_a [Q, I] row-major split by rows, mat_b [G, I, N]
       column-major, scale_a [Q], scale_b [G, N]; returns [Q, N].
     - 2-D x 2-D (wgrad): mat_a [M, Q] row-major and mat_b [Q, N] column-major, both split
       along Q; scale_a [G * M] and scale_b [G * N], group-major; returns [G, M, N]. With
@@ -54,18 +55,18 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bflo
     if mat_a.stride(-1) != 1 or mat_b.stride(-2) != 1:
         raise ValueError("scaled_grouped_mm takes mat_a row-major and mat_b column-major")
     counts_G = torch.diff(offs, prepend=offs.new_zeros(1))
-    tile = _FP32 if mat_a.dtype == torch.float32 else _FP8_TILE  # float32: the tests' unrounded values
+    tile = FP32_TILE if mat_a.dtype == torch.float32 else _FP8_TILE  # float32: the tests' unrounded values
     if mat_b.dim() == 3:
-        w_GNK = mat_b.transpose(-2, -1)
-        out = torch.empty(mat_a.shape[0], w_GNK.shape[1], dtype=out_dtype, device=mat_a.device)
-        rows_gemm(mat_a, w_GNK, counts_G, out, n=w_GNK.shape[1], b_icontig=True, cfg=tile,
-                  use_tma=_tma_ok(mat_a, w_GNK), scales=(scale_a, scale_b))
+        w_GNI = mat_b.transpose(-2, -1)
+        out = torch.empty(mat_a.shape[0], w_GNI.shape[1], dtype=out_dtype, device=mat_a.device)
+        rows_gemm(mat_a, w_GNI, counts_G, out, n=w_GNI.shape[1], b_icontig=True, cfg=tile,
+                  use_tma=tma_ok(mat_a, w_GNI), scales=(scale_a, scale_b))
         return out
     x_NQ = mat_b.t()
     out = add_into
     if out is None:
         out = torch.empty(offs.numel(), mat_a.shape[0], x_NQ.shape[0], dtype=out_dtype, device=mat_a.device)
-    wgrad_gemm(mat_a, x_NQ, counts_G, out, cfg=tile, use_tma=_tma_ok(mat_a, x_NQ), k_major=True,
+    wgrad_gemm(mat_a, x_NQ, counts_G, out, cfg=tile, use_tma=tma_ok(mat_a, x_NQ), k_major=True,
                scales=(scale_a, scale_b), accumulate=add_into is not None)
     return out
 

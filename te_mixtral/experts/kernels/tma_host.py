@@ -1,5 +1,6 @@
-"""Host-built TMA descriptors for the grouped GEMMs (`grouped_gemm.py`), and the CUDA context
-the driver needs current on the calling thread to build them."""
+"""Host-built TMA descriptors for the grouped GEMMs (`grouped_gemm.py`, `wgrad_gemm.py`): when
+tensors can load through them (`tma_ok`), and the CUDA context the driver needs current on
+the calling thread to build them."""
 
 import ctypes
 import functools
@@ -36,3 +37,13 @@ def descriptor(t: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, block)
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """The copy engine exists from Hopper (sm_90) on and needs 16-byte aligned base
+    addresses and row strides."""
+    return all(
+        t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9 and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )

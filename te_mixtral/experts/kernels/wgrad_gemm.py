@@ -1,18 +1,22 @@
 """The weight-gradient GEMM of the expert FFN with split sizes on the device:
-dW_e = G[rows of e]^T @ X[rows of e] for every expert e.
+dW_e = dO[rows of e]^T @ X[rows of e] for every expert e, where dO is the gradient of the
+forward GEMM's output (`g` in the code) and X its input.
 
 The rows are the reduction dim, and how many an expert has is data: each tile runs an I loop
 over its expert's row range, which can be empty (the tile is then written as zeros, never
 left stale). Rows past the expert's end must be zeros, not another expert's rows: full
 BLOCK_I blocks stream unmasked and the one partial block at the end is zeroed (and with
-K_MAJOR a first block that starts before the expert's rows, see `_tma_k_major`). The schedule
-helpers and launch rules are `grouped_gemm.py`'s.
+K_MAJOR a first block that starts before the expert's rows, see `_tma_k_major`). The tile
+configuration and schedule are `schedule.py`'s, shared with `grouped_gemm.py`.
+
+Shape suffixes: see te_mixtral/__init__.py.
 """
 
 import triton
 import triton.language as tl
 
-from te_mixtral.experts.kernels.grouped_gemm import _column_part, _dot_prec, _max_programs, _pick, _scaled, _swizzle
+from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
+from te_mixtral.experts.kernels.schedule import dot_precision, max_programs, pick, swizzle
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 
@@ -24,9 +28,9 @@ def _wgrad_gemm(
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, EPI_PARTS: tl.constexpr,
 ):
-    """out[e] (M x N) = G[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums.
+    """out[e] (M x N) = dO[rows of e, :M]^T @ X[rows of e, :N] for all experts, fp32 sums.
 
-    G and X are [R, M] and [R, N], or with K_MAJOR their transposes [M, R] and [N, R]
+    dO and X are [R, M] and [R, N], or with K_MAJOR their transposes [M, R] and [N, R]
     (rows contiguous: Hopper's FP8 tensor cores take only operands contiguous along the
     reduction), both with row stride `stride_k`, which only K_MAJOR without TMA reads.
     SCALED multiplies out[e, m, n] by g_scale[e, m] * x_scale[e, n] (float32), the
@@ -44,11 +48,11 @@ def _wgrad_gemm(
 
     for t in range(pid, L * per_expert, tl.num_programs(0)):
         e = t // per_expert
-        pid_m, pid_n = _swizzle(t % per_expert, m_tiles, n_tiles, GROUP_M)
+        pid_m, pid_n = swizzle(t % per_expert, m_tiles, n_tiles, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        count = _pick(counts, idx, e)
-        r0 = _pick(row_ends, idx, e) - count
+        count = pick(counts, idx, e)
+        r0 = pick(row_ends, idx, e) - count
         n_full = count // BLOCK_I
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
 
@@ -87,7 +91,7 @@ def _wgrad_gemm(
 
         rows = m0 + tl.arange(0, BLOCK_M)
         if SCALED:
-            acc = _scaled(acc, g_scale_ptr + e * M + m0, rows < M, x_scale_ptr + e * N + n0,
+            acc = scale_tile(acc, g_scale_ptr + e * M + m0, rows < M, x_scale_ptr + e * N + n0,
                           n0 + tl.arange(0, BLOCK_N) < N, BLOCK_M, BLOCK_N)
 
         # The gradient is larger than L2 and not read again here: streaming stores (".cs"),
@@ -100,7 +104,7 @@ def _wgrad_gemm(
             cols = n0 + part * W + tl.arange(0, W)
             mask = (rows < M)[:, None] & (cols < N)[None, :]
             ptrs = out_e + rows[:, None] * N + cols[None, :]
-            value = _column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+            value = column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
             if ACCUMULATE:
                 value += tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
@@ -108,7 +112,7 @@ def _wgrad_gemm(
 
 @triton.jit
 def _tma_k_major(acc, g_src, x_src, r0, count, m0, n0, ri, DOT_PREC: tl.constexpr, BLOCK_I: tl.constexpr):
-    """acc + G^T X over the `count` rows from row r0, which run along the operands'
+    """acc + dO^T X over the `count` rows from row r0, which run along the operands'
     contiguous dim. Every load starts on a BLOCK_I boundary there (TMA needs 16 bytes; a
     block that is not 128-byte aligned straddles cache lines, and the 8x7B gate_up weight
     gradient over 4 experts of 4093-4099 rows took 3.99 ms that way against 3.25 aligned, on
@@ -131,7 +135,7 @@ def _tma_k_major(acc, g_src, x_src, r0, count, m0, n0, ri, DOT_PREC: tl.constexp
 @triton.jit
 def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED: tl.constexpr,
               DOT_PREC: tl.constexpr):
-    """acc + G^T X over the BLOCK_I rows from row r; with MASKED, the rows where `keep` is
+    """acc + dO^T X over the BLOCK_I rows from row r; with MASKED, the rows where `keep` is
     False count as zeros. Tiles are masked as loaded, before any transpose."""
     if K_MAJOR:  # [BLOCK_M, BLOCK_I] and [BLOCK_N, BLOCK_I]
         g, x = g_src.load([m0, r]), x_src.load([n0, r])
@@ -163,11 +167,11 @@ def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=N
     else:
         g_src, x_src = g, x
     tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (max(1, min(_max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
+    grid = (max(1, min(max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
     return _wgrad_gemm[grid](
         g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
         g.stride(0),
-        USE_TMA=use_tma, DOT_PREC=_dot_prec(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
+        USE_TMA=use_tma, DOT_PREC=dot_precision(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
         ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

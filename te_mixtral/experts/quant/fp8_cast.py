@@ -1,7 +1,7 @@
 """Triton kernels that cast operands to FP8 E4M3 with the scales of `fp8_hopper.py`, and
 fuse the expert MLP's SwiGLU into those casts.
 
-Shape suffixes: see te_mixtral/experts/base.py (Q rows, C columns, G groups).
+Shape suffixes: see te_mixtral/__init__.py (Q rows, C columns, G groups).
 
 `fp8_hopper.quantize_rowwise` and `quantize_columns_per_group` say what is computed, in
 PyTorch, and stay the reference these kernels are tested against (bit for bit on the GPU).

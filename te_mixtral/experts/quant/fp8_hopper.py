@@ -1,6 +1,6 @@
 """FP8 (E4M3) grouped GEMMs on Hopper tensor cores, rowwise scaled, split sizes on the device.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 Hopper (sm_90) has FP8 tensor cores but no MXFP8 (block-scaled) instructions; those
 arrive with Blackwell. The finest scaling its grouped GEMM offers through PyTorch is

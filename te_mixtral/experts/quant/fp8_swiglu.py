@@ -1,7 +1,7 @@
 """The expert SwiGLU MLP in FP8 on Hopper, with the SwiGLU fused into the FP8 casts: what
 the `device_mxfp8` tier runs in mode `fp8-hopper`.
 
-Shape suffixes: see te_mixtral/experts/base.py (Q the rows as the tier passes them, here
+Shape suffixes: see te_mixtral/__init__.py (Q the rows as the tier passes them, here
 unpadded with the package's kernels: see `row_align` below).
 
 The same six GEMMs as `scaled_grouped.scaled_grouped_swiglu` with `FP8HopperGemms` (that

@@ -1,6 +1,6 @@
 """A frozen base's expert weights in FP8: quantised once as they load, no BF16 copy kept.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 With LoRA the base never changes, so the `device_mxfp8` tier's Hopper recipe
 (fp8_hopper.py) can hold each stacked expert weight as its FP8 fprop operand alone: E4M3

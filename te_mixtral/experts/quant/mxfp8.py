@@ -1,6 +1,6 @@
 """MXFP8 as the OCP Microscaling (MX) spec v1.0 defines it, in plain PyTorch (CPU and GPU).
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 The format. A tensor is cut into blocks of 32 consecutive values along one dim (for a
 GEMM: the dim it reduces over). Each block stores one shared scale X = 2^s as E8M0 (an

@@ -1,6 +1,6 @@
 """Pad each expert's rows to a multiple of an alignment, on the device, without a host sync.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 Low-precision grouped GEMMs want every expert's row count rounded up:
 

@@ -1,7 +1,7 @@
 """A grouped linear layer, and the expert SwiGLU MLP built from two, whose GEMMs come from a
 low-precision recipe.
 
-Shape suffixes: see te_mixtral/experts/base.py. G groups are the L local experts.
+Shape suffixes: see te_mixtral/__init__.py. G groups are the L local experts.
 
 A linear layer's training step is three GEMMs, and each reduces over a different dim:
 

@@ -9,7 +9,7 @@ and how close it came). On Blackwell
 the recipe differs, and so does TE's code path for device-side `m_splits` (below), which
 Hopper's cuBLASLt 13.1 did not take.
 
-Shape suffixes: see te_mixtral/experts/base.py.
+Shape suffixes: see te_mixtral/__init__.py.
 
 How the weights get in. `te.GroupedLinear` owns L weight parameters, but the model's
 experts are two stacked parameters shared by every tier. The module here is built on the

@@ -1,7 +1,7 @@
 """quant/fp8_hopper.py on the CPU: the Hopper FP8 rowwise recipe, through a float64 stand-in
 for torch._scaled_grouped_mm that makes its CUDA kernel's layout checks.
 
-Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows, I and N a
+Shape suffixes: see te_mixtral/__init__.py (its GEMM letters: Q padded rows, I and N a
 GEMM's input and output width).
 """
 

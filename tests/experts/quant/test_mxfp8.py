@@ -2,7 +2,7 @@
 error bound, and the emulated GEMMs (and their straight-through backward through
 quant/scaled_grouped.py) against float64 on the same quantised operands.
 
-Shape suffixes: see te_mixtral/experts/base.py (its GEMM letters: Q padded rows, I and N a
+Shape suffixes: see te_mixtral/__init__.py (its GEMM letters: Q padded rows, I and N a
 GEMM's input and output width).
 """
 
