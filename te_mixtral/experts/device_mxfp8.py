@@ -51,7 +51,6 @@ from te_mixtral.errors import TierUnavailable, UserError
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.quant import te_mxfp8
-from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.experts.quant.mxfp8 import MXFP8EmulatedGemms
 from te_mixtral.experts.quant.padding import (
@@ -140,11 +139,19 @@ class _GemmsMLP:
         return scaled_grouped_swiglu(x_QD, padded.offsets_L, gate_up_L2FD, down_LDF, self.gemms)
 
 
+def _fp8_swiglu_experts(cache_weights: bool):
+    # Imported here: its Triton kernels load only where the mode runs (the registry imports
+    # this module on machines without Triton).
+    from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
+
+    return FP8SwiGLUExperts(cache_weights=cache_weights)
+
+
 # What runs each mode, made from the tier's options: an object with `mlp`, `recipe`,
 # `kernel`, `row_align` and `min_rows`.
 _MODE_RUNNERS = {
     "mxfp8-emulated": lambda tier: _GemmsMLP(MXFP8EmulatedGemms()),
-    "fp8-hopper": lambda tier: FP8SwiGLUExperts(cache_weights=tier.cache_weights),
+    "fp8-hopper": lambda tier: _fp8_swiglu_experts(tier.cache_weights),
     "mxfp8-te": lambda tier: te_mxfp8.TEGroupedExperts(),
 }
 

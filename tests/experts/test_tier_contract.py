@@ -78,3 +78,15 @@ def test_config_help_names_every_tier_and_mode():
 
     assert all(name in settings()["tier"].metadata["help"] for name in registry.RUN_NAMES)
     assert all(mode in settings()["mxfp8_mode"].metadata["help"] for mode in MODES)
+
+
+def test_the_registry_and_the_training_loop_import_without_triton_or_te():
+    """The tiers load Triton and Transformer Engine where they run: choosing, checking and
+    planning a run (the registry, the config, the training loop's module) needs neither."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['triton'] = sys.modules['transformer_engine'] = None\n"
+              "import te_mixtral.experts.registry, te_mixtral.training.loop, te_mixtral.cli")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
