@@ -51,13 +51,13 @@ from te_mixtral.files import require_writable
 from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_reference
-from te_mixtral.measure.memory import check_fits
 from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog, check_tensorboard
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.planning.memory import check_fits
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
 from te_mixtral.training.evaluate import evaluate
 from te_mixtral.training.generate import encode_prompt, generate_text
