@@ -129,7 +129,7 @@ def _run(argv: list[str]) -> int:
 
         check_tier(cfg, world_size)
         if args.estimate_memory is not None:
-            from te_mixtral.measure.memory import print_estimate
+            from te_mixtral.planning.memory import print_estimate
 
             return print_estimate(cfg, world_size)
     except UserError as e:

@@ -79,8 +79,9 @@ import pyarrow.compute as pc
 import torch
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data.formats import FORMATS
 from te_mixtral.data.sources import load_records
-from te_mixtral.data.tokenizer import Tokenizer, load_tokenizer
+from te_mixtral.data.tokenizer import Tokenizer
 from te_mixtral.errors import UserError
 from te_mixtral.model.layers import PackedSequences
 
@@ -139,10 +140,6 @@ class TokenStream:
                            torch.cat([self.lengths, torch.tensor([pad])]))
 
 
-def _close_with_eos(ids: list[list[int]], eos_id: int) -> list[list[int]]:
-    return [doc if doc and doc[-1] == eos_id else doc + [eos_id] for doc in ids]
-
-
 def _numpy(column: pa.Array | pa.ChunkedArray) -> torch.Tensor:
     # A copy: arrow's buffers are read-only, and torch wants to own what it may write.
     return torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
@@ -153,40 +150,32 @@ def _flat(column: pa.ChunkedArray) -> torch.Tensor:
     return _numpy(pa.concat_arrays([chunk.flatten() for chunk in column.chunks]))
 
 
-def token_stream(tokenizer: Tokenizer, records: datasets.Dataset) -> TokenStream:
-    """Tokenize the records (one column: texts, or conversations when `tokenizer.chat` is
-    set) with `datasets.map`, batched. Records read from files are cached by `datasets`
-    beside them, keyed by the records and the tokenizer (its JSON and chat template), so a
-    second run or a second rank reads the token ids back instead of tokenizing again.
+def token_stream(tokenizer: Tokenizer, records: datasets.Dataset, fmt) -> TokenStream:
+    """Tokenize the records (one column, which `fmt`, a `formats.FORMATS` entry, reads) with
+    `datasets.map`, batched. Records read from files are cached by `datasets` beside them,
+    keyed by the records and the tokenizer (its JSON, eos and what else the format depends
+    on: chat's template), so a second run or a second rank reads the token ids back
+    instead of tokenizing again.
 
     Text documents are each closed by eos, and an eos is a document edge, as always; a
     conversation's edges are its length (a multi-turn conversation holds an eos per reply)
     and it is closed by eos only if its template does not end it with one."""
     (field,) = records.column_names
-    backend, eos_id, chat = tokenizer.backend, tokenizer.eos_id, tokenizer.chat
-    if chat is None:
-        def tokenize(texts):
-            return {"input_ids": _close_with_eos([e.ids for e in backend.encode_batch(texts)], eos_id)}
-    else:
-        from te_mixtral.data.chat import render_batch
 
-        def tokenize(conversations, indices):
-            rendered = render_batch(chat, conversations, indices)
-            ids = rendered["input_ids"]
-            closed = _close_with_eos(ids, eos_id)
-            return {"input_ids": closed,
-                    "trained": [t + [False] * (len(c) - len(i)) for t, c, i in zip(rendered["trained"], closed, ids)]}
+    def tokenize(batch, indices):
+        ids, trained = fmt.encode(tokenizer, batch, indices)
+        return {"input_ids": ids} if trained is None else {"input_ids": ids, "trained": trained}
     # The key is ours, not `datasets`' hash of `tokenize`: that would hash the transformers
     # tokenizer object, whose hash can change once it has been called. `_fingerprint` is
     # how `datasets` names the records' own state (no public name for it).
-    key = hashlib.sha256("\0".join([TOKENIZE_RECIPE, records._fingerprint, backend.to_str(), str(eos_id),
-                                     chat.chat_template if chat is not None else ""]).encode()).hexdigest()
-    encoded = records.map(tokenize, batched=True, input_columns=field, with_indices=chat is not None,
+    key = hashlib.sha256("\0".join([TOKENIZE_RECIPE, records._fingerprint, tokenizer.backend.to_str(),
+                                     str(tokenizer.eos_id), fmt.cache_key(tokenizer)]).encode()).hexdigest()
+    encoded = records.map(tokenize, batched=True, input_columns=field, with_indices=True,
                           remove_columns=[field], new_fingerprint=key[:32], desc="tokenizing")
     tokens = _flat(encoded.data.column("input_ids")).to(torch.int64)
     lengths = _numpy(pc.list_value_length(encoded.data.column("input_ids"))).to(torch.int64)
-    if chat is None:
-        return TokenStream(tokens, tokens == eos_id, None, lengths)
+    if not fmt.masked:
+        return TokenStream(tokens, tokens == tokenizer.eos_id, None, lengths)
     ends = torch.zeros_like(tokens, dtype=torch.bool)
     ends[lengths.cumsum(0) - 1] = True
     return TokenStream(tokens, ends, _flat(encoded.data.column("trained")).to(torch.bool), lengths)
@@ -251,24 +240,21 @@ class PackedData:
         if not sys.stderr.isatty():
             # In a log file or a pipe each redraw of `datasets`' bars is one more line of noise.
             datasets.disable_progress_bars()
+        fmt = FORMATS[cfg.format]
         records = load_records(cfg)
-        # Only a BPE trained here reads the texts themselves.
-        documents = records[cfg.text_field] if cfg.tokenizer is None and cfg.format == "text" else []
-        self.tokenizer = load_tokenizer(cfg, documents)
-        stream = token_stream(self.tokenizer, records)
-        unit = "conversations" if cfg.format == "chat" else "documents"
+        self.tokenizer = fmt.tokenizer(cfg, records)
+        stream = token_stream(self.tokenizer, records, fmt)
+        unit = fmt.unit
         held = held_out_records(len(stream.lengths), cfg.eval_fraction, unit)
         self.stream = stream.records(~held)
         if self.stream.trained is not None and not self.stream.trained.any():
-            raise UserError(f"chat data set '{cfg.dataset}' has no assistant turn: chat data trains on the assistant's "
-                            f"replies only, so there is nothing to train on")
+            raise fmt.nothing_to_train(cfg)
         self.seq_len = cfg.seq_len
         self.num_samples = (len(self.stream.tokens) - 1) // cfg.seq_len
         self.train_samples = self._samples_with_targets()
         if len(self.train_samples) < batch_size:
             held_out = f", {int(held.sum())} {unit} held out" if held.any() else ""
-            skipped = (f", {self.num_samples - len(self.train_samples)} without an assistant token"
-                       if cfg.format == "chat" else "")
+            skipped = fmt.skipped_note(self.num_samples - len(self.train_samples))
             raise UserError(
                 f"data set '{cfg.dataset}' packs into {self.num_samples} samples of {cfg.seq_len} tokens "
                 f"({len(self.train_samples)} to train on{held_out}{skipped}), but one global batch needs "

@@ -30,6 +30,7 @@ from pathlib import Path
 import datasets
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
@@ -157,7 +158,8 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
     """The data set's records in their stored order, `data.split` of them, as one column:
     the field that `data.format` reads. Texts that are empty or blank (blank lines of a .txt
     file) are skipped; then the first `max_documents` records are kept."""
-    field = cfg.messages_field if cfg.format == "chat" else cfg.text_field
+    fmt = FORMATS[cfg.format]
+    field = fmt.field(cfg)
     if cfg.subset is not None and (cfg.dataset == "embedded" or _is_local(cfg.dataset)):
         raise UserError(f"data.subset '{cfg.subset}' names a subset of a hub data set, and '{cfg.dataset}' is not "
                         f"one (local files and the embedded text have none): leave data.subset unset")
@@ -173,21 +175,15 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
 
     for source in sources:
         if field not in source.column_names:
-            key = "messages_field" if cfg.format == "chat" else "text_field"
-            other = (" (or data.format chat: records that hold conversations)"
-                     if cfg.format == "text" and cfg.messages_field in source.column_names else "")
             raise UserError(
                 f"data set '{cfg.dataset}' has no field '{field}' (fields: {', '.join(source.column_names)}); "
-                f"set data.{key}{other}"
+                f"set data.{fmt.field_key()}{fmt.missing_field_hint(cfg, source.column_names)}"
             )
-        if cfg.format == "text" and getattr(source.features[field], "dtype", None) not in ("string", "large_string"):
-            raise UserError(f"field '{field}' of data set '{cfg.dataset}' does not hold text")
+        fmt.check_field(cfg, source, field)
     records = datasets.concatenate_datasets([source.select_columns([field]) for source in sources])
     if not _is_hub(cfg.dataset):  # the hub loader took the split itself
         records = _take_split(records, cfg.split)
-    if cfg.format == "text":
-        records = records.filter(lambda texts: [bool(text and text.strip()) for text in texts],
-                                 input_columns=field, batched=True)
+    records = fmt.without_empty(records, field)
     if cfg.max_documents is not None and cfg.max_documents < len(records):
         records = records.select(range(cfg.max_documents))
     if len(records) == 0:

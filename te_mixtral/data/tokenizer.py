@@ -4,7 +4,7 @@ Every document is closed with an end of sequence token (eos) before packing, so 
 tokenizer is used must have one (`EOS_CANDIDATES`, first match wins).
 
 Chat data (`data.format: chat`) needs the tokenizer's chat template as well, so there the
-tokenizer is a folder read with `transformers.AutoTokenizer` (te_mixtral/data/chat.py), and
+tokenizer is a folder read with `transformers.AutoTokenizer` (te_mixtral/data/formats.py), and
 its eos is the one that folder names.
 
 Without `data.tokenizer`, a byte-level BPE is trained on the run's documents and cached on
@@ -124,17 +124,8 @@ def _cached_tokenizer(documents: list[str], vocab_size: int) -> tokenizers.Token
 
 def load_tokenizer(cfg: DataConfig, documents: list[str]) -> Tokenizer:
     """`cfg.tokenizer` (a tokenizer.json, or a folder holding one such as a Hugging Face
-    checkpoint), or else a BPE trained on `documents` and cached. Chat data needs a folder
-    with a chat template, and `documents` are not read."""
-    if cfg.format == "chat":
-        # Imported here: transformers takes seconds to import, and text runs do not need it.
-        from te_mixtral.data.chat import load_chat_tokenizer
-
-        chat = load_chat_tokenizer(cfg.tokenizer)
-        eos_id = chat.eos_token_id
-        if eos_id is None:  # the folder names none: the first of EOS_CANDIDATES, as for text
-            eos_id = Tokenizer.wrap(chat.backend_tokenizer, cfg.tokenizer).eos_id
-        return Tokenizer(chat.backend_tokenizer, eos_id, chat)
+    checkpoint), or else a BPE trained on `documents` and cached: text data's tokenizer
+    (chat data's is a folder with a chat template: te_mixtral/data/formats.py)."""
     if cfg.tokenizer is None:
         return Tokenizer.wrap(_cached_tokenizer(documents, cfg.tokenizer_vocab_size), "trained on the data")
     path = Path(cfg.tokenizer).expanduser()

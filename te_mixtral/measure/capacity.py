@@ -1,5 +1,5 @@
 """What one rank may use: a named GPU's memory, a size given as text, this CUDA device's, or
-on the CPU the RAM this machine's ranks share. The other side of measure/memory.py's
+on the CPU the RAM this machine's ranks share. The other side of planning/memory.py's
 estimate, which `check_fits` holds against it."""
 
 import os

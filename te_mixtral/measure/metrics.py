@@ -45,6 +45,7 @@ from contextlib import contextmanager
 import torch
 
 from te_mixtral.config import LoRAConfig, ModelConfig
+from te_mixtral.distributed.layout import Layout, all_reduce_max
 from te_mixtral.measure.model_state import adapter_widths
 
 # Dense BF16 tensor-core peak FLOP/s per GPU, matched against the CUDA device name
@@ -180,6 +181,14 @@ def peak_memory_bytes(device: torch.device | str) -> int:
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return max_rss if sys.platform == "darwin" else max_rss * 1024
+
+
+def peak_memory_by_rank(device: torch.device, layout: Layout) -> list[int]:
+    """Every rank's `peak_memory_bytes`, in rank order; a collective: every rank calls it."""
+    # Each rank's peak in its own slot, so the maximum over the world gathers them all.
+    peaks = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
+    peaks[layout.rank] = peak_memory_bytes(device)
+    return all_reduce_max(peaks, layout).tolist()
 
 
 def _p90(sorted_values: list[float]) -> float:

@@ -96,8 +96,8 @@ from te_mixtral.files import (
     write_failure,
     write_text_atomic,
 )
-from te_mixtral.measure.memory import OPTIMIZERS, optimizer_mode
 from te_mixtral.model.lora import base_weights
+from te_mixtral.planning.memory import OPTIMIZERS, optimizer_mode
 from te_mixtral.saved_config import flatten, upgrade_saved
 from te_mixtral.training.dcp_index import INDEX, IndexedReader, read_index
 

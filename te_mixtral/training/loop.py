@@ -22,12 +22,11 @@ import datasets
 import torch
 from torch import nn
 
-from te_mixtral.config import RunConfig, save_config
+from te_mixtral.config import RunConfig
 from te_mixtral.data.packing import PackedData
 from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
 from te_mixtral.distributed.layout import (
     Layout,
-    all_reduce_max,
     all_reduce_sum,
     init_layout,
     shutdown,
@@ -48,19 +47,19 @@ from te_mixtral.errors import (
 )
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
-from te_mixtral.files import require_writable, write_failure
+from te_mixtral.files import require_writable
 from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.measure import expert_load, metrics, report
-from te_mixtral.measure.loss_check import check_losses, check_reference
-from te_mixtral.measure.memory import check_fits
+from te_mixtral.measure.loss_check import check_reference
 from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog, check_tensorboard
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.planning.memory import check_fits
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
-from te_mixtral.training.evaluate import evaluate, evaluations_table
+from te_mixtral.training.evaluate import evaluate
 from te_mixtral.training.generate import encode_prompt, generate_text
 from te_mixtral.training.hf_checkpoint import (
     adopt_checkpoint,
@@ -76,8 +75,9 @@ from te_mixtral.training.optimizer import (
     optimizer_step,
     split_masters,
 )
-from te_mixtral.training.outputs import CONFIG_FILE, check_outputs
+from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import save_adapter
+from te_mixtral.training.run_report import report_run
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -305,83 +305,37 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             break
 
     # --- report ------------------------------------------------------------------------
+    # In this order: generating adds to the peak memory, and profiling (last: it steps the
+    # optimizer while timing it) adds to the tier's calls after they are counted.
     generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device, autocast)
                  if cfg.generate is not None and not stopped else None)
-    losses = state.losses
-    timing_warmup = min(cfg.train.timing_warmup_steps, len(timer.times) - 1)  # a resumed run has fewer steps
-    # Each rank's peak in its own slot, so the maximum over the world gathers them all.
-    peaks = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
-    peaks[layout.rank] = metrics.peak_memory_bytes(device)
-    peaks_by_rank = all_reduce_max(peaks, layout).tolist()
-    peak_memory = max(peaks_by_rank)
-    summary = metrics.summarize(
-        timer.times, timing_warmup, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
-        metrics.peak_flops(header["device"]), peak_memory,
-    ) if timer.times else {}  # none when the first step diverged
-    exit_code = ExitCode.OK
-    # The estimate beside the measured peak, so that every run checks the estimate.
-    extra = {"estimated_peak_gib": estimate.total / 2**30, "peak_memory_gib_by_rank": [p / 2**30 for p in peaks_by_rank],
-             "grad_norms": state.grad_norms,
-             **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
-             **expert_load.results_entries(state.router, run_load_YE, (first_step, cfg.train.steps))}
+    peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
     tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
-    if tier_calls:  # on this rank, evaluation included: which of the tier's paths ran
-        extra["tier_calls"] = tier_calls
-    if cfg.profile_phases and not stopped:  # last: it steps the optimizer while timing it
-        last = micro_batches[-1]
-
-        def forward_backward():
-            with autocast:
-                logits = model(last.input_ids, last.packed)
-            causal_lm_loss(logits, last.labels, totals[0]).backward()
-
-        def clip():
-            return clip_gradients(optimizer, model, cfg.train.grad_clip, layout)[1]
-
-        extra["phases_ms"], extra["expert_rows_per_rank"] = profile_phases(
-            model, clip, partial(optimizer_step, optimizer), forward_backward, last, totals[0], autocast, layout, cfg)
-    if generated is not None:
-        extra["generate"] = generated
-    if reference is not None and not stopped:
-        # An 8-bit tier is held to its own tolerance, whatever the rest of the model runs in.
-        check = check_losses(losses, reference, ran_on.get("precision", cfg.precision))
-        extra["loss_check"] = {"reference": cfg.loss_check, **check.record()}
-        exit_code = ExitCode.OK if check.passed else ExitCode.LOSS_CHECK_FAILED
-    # What this process exits with (unless a later write fails: then WRITE_FAILED), for a
-    # script launched by torchrun, whose own exit code is 1 for any failure.
-    extra["exit_code"] = int(stopped.exit_code if stopped else exit_code)
-    if layout.is_main:
-        # Whatever can still be written is (a full disk may take a plot and not results.json);
-        # what could not is said in one line at the end, and the run exits WRITE_FAILED.
-        unwritten = []
-        try:
-            path = report.write_results(output_dir, header, summary, losses, extra)
-        except WriteFailed as e:
-            path, unwritten = None, [str(e)]
-        try:
-            save_config(cfg, output_dir / CONFIG_FILE)
-        except OSError as e:
-            unwritten.append(str(write_failure(f"{output_dir / CONFIG_FILE}", e)))
-        unwritten += run_log.finish(
-            losses, first_step, timer.times, timing_warmup,
-            f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}", state.evals)
-        if summary:
-            print(report.timing_table(summary, header))
-        if state.evals:
-            print(evaluations_table(state.evals))
-        if generated is not None:
-            print(f"generate: {generated['prompt']!r} -> {generated['text']!r}")
-        if cfg.profile_phases:
-            print(report.phases_table(extra["phases_ms"], summary["median_step_ms"]))
-        if reference is not None:
-            print(check.table())
-        if path is not None:
-            print(f"results: {path}", flush=True)
-        if unwritten:
-            raise WriteFailed("; ".join(unwritten) + (f"; and before that: {stopped}" if stopped else ""))
+    phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)
+              if cfg.profile_phases and not stopped else None)
+    exit_code = report_run(
+        cfg, layout, header=header, ran_on=ran_on, estimated_peak_bytes=estimate.total, output_dir=output_dir,
+        run_log=run_log, state=state, first_step=first_step, step_times_s=timer.times, flops_per_step=flops_per_step,
+        run_load_YE=run_load_YE, peaks_by_rank=peaks_by_rank, tier_calls=tier_calls, phases=phases,
+        generated=generated, reference=reference, stopped=stopped)
     if stopped:
         raise stopped
-    return TrainResult(exit_code, losses, model, optimizer)
+    return TrainResult(exit_code, state.losses, model, optimizer)
+
+
+def profile_last_step(model: nn.Module, optimizer: torch.optim.Optimizer, last, num_targets: torch.Tensor,
+                      autocast, layout: Layout, cfg: RunConfig) -> tuple[dict, list[int]]:
+    """`profile_phases` over the last step's last micro-batch, clipped and stepped as the loop does."""
+    def forward_backward():
+        with autocast:
+            logits = model(last.input_ids, last.packed)
+        causal_lm_loss(logits, last.labels, num_targets).backward()
+
+    def clip():
+        return clip_gradients(optimizer, model, cfg.train.grad_clip, layout)[1]
+
+    return profile_phases(
+        model, clip, partial(optimizer_step, optimizer), forward_backward, last, num_targets, autocast, layout, cfg)
 
 
 def _lost_a_peer(e: RuntimeError) -> bool:

@@ -10,7 +10,7 @@ from launch import EP_ARGS, EP_STEPS, train_ep_many
 
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import is_expert_param
-from te_mixtral.measure.memory import estimate_memory
+from te_mixtral.planning.memory import estimate_memory
 
 WORLD = 4
 ADAMW_STATE_BYTES = 8  # fp32 exp_avg and exp_avg_sq per parameter

@@ -12,9 +12,9 @@ from te_mixtral.config import load_config
 from te_mixtral.data.packing import batch_from_windows
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.registry import make_tier
-from te_mixtral.measure.memory import estimate_memory
 from te_mixtral.model.layers import TE, TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.planning.memory import estimate_memory
 from te_mixtral.te_support import te_available
 
 pytestmark = pytest.mark.cuda

@@ -27,10 +27,10 @@ from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import make_tier
 from te_mixtral.measure.capacity import GPUS, GiB, parse_capacity
-from te_mixtral.measure.memory import check_fits, estimate_memory
 from te_mixtral.measure.model_state import count_parameters
 from te_mixtral.model.layers import TORCH, PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.planning.memory import check_fits, estimate_memory
 from te_mixtral.saved_config import upgrade_saved
 from te_mixtral.training.optimizer import make_optimizer
 

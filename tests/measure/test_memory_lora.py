@@ -14,9 +14,9 @@ from measure.test_memory import (
     tiny,
 )
 
-from te_mixtral.measure.memory import estimate_memory
 from te_mixtral.model.lora import add_adapters, freeze_base
 from te_mixtral.model.mixtral import causal_lm_loss, init_weights
+from te_mixtral.planning.memory import estimate_memory
 from te_mixtral.training.loop import default_dtype
 from te_mixtral.training.optimizer import make_optimizer
 

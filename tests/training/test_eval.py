@@ -12,8 +12,8 @@ from conftest import REPO
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data.formats import FORMATS
 from te_mixtral.data.packing import PackedData, held_out_records
-from te_mixtral.data.tokenizer import load_tokenizer
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
@@ -104,7 +104,7 @@ def test_greedy_generation_equals_transformers(tmp_path):
 def test_a_chat_run_prompts_as_a_user_turn():
     # As transformers' users prompt a chat model: the template's user turn, then the header
     # of the reply, with no special token added on top.
-    tokenizer = load_tokenizer(CHAT, [])
+    tokenizer = FORMATS["chat"].tokenizer(CHAT, [])
     turn = [{"role": "user", "content": "What is a list?"}]
     expected = tokenizer.chat.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert encode_prompt(tokenizer, "What is a list?", 1024, 32) == expected

@@ -1,0 +1,126 @@
+"""Data formats, by `data.format`'s name: what a record holds and how it becomes token ids
+and the mask of the tokens trained on.
+
+- `text`: each record's `data.text_field` is a document; every token is trained, and an
+  eos closes each document and marks its edge (te_mixtral/data/packing.py).
+- `chat`: each record's `data.messages_field` is a conversation, rendered with the
+  tokenizer's chat template; only the assistant's replies are trained, and a
+  conversation's edges are its length, since it holds an eos after every reply
+  (te_mixtral/data/chat.py).
+
+The rest of data/ asks `FORMATS[cfg.format]` and never branches on a format's name: a new
+format is one more class here. Chat's module is imported only when chat data is read:
+transformers takes seconds to import, and text runs do not need it.
+"""
+
+import datasets
+
+from te_mixtral.config import DataConfig
+from te_mixtral.data.tokenizer import Tokenizer, load_tokenizer
+from te_mixtral.errors import UserError
+
+
+def close_with_eos(ids: list[list[int]], eos_id: int) -> list[list[int]]:
+    """Each record's ids, ended by eos unless they already end with one."""
+    return [doc if doc and doc[-1] == eos_id else doc + [eos_id] for doc in ids]
+
+
+class TextFormat:
+    name = "text"
+    unit = "documents"  # what one record is, as messages count them
+    masked = False  # every token is trained, and an eos is a document edge
+
+    def field(self, cfg: DataConfig) -> str:
+        return cfg.text_field
+
+    def field_key(self) -> str:
+        return "text_field"
+
+    def missing_field_hint(self, cfg: DataConfig, columns: list[str]) -> str:
+        """What the message for a data set without the field adds, where its records look
+        like another format's."""
+        return " (or data.format chat: records that hold conversations)" if cfg.messages_field in columns else ""
+
+    def check_field(self, cfg: DataConfig, source: datasets.Dataset, field: str) -> None:
+        """Refuse a field that does not hold text."""
+        if getattr(source.features[field], "dtype", None) not in ("string", "large_string"):
+            raise UserError(f"field '{field}' of data set '{cfg.dataset}' does not hold text")
+
+    def without_empty(self, records: datasets.Dataset, field: str) -> datasets.Dataset:
+        """The records less those whose text is empty or blank (blank lines of a .txt file)."""
+        return records.filter(lambda texts: [bool(text and text.strip()) for text in texts],
+                              input_columns=field, batched=True)
+
+    def tokenizer(self, cfg: DataConfig, records: datasets.Dataset | list) -> Tokenizer:
+        # Only a BPE trained here reads the texts themselves.
+        return load_tokenizer(cfg, records[cfg.text_field] if cfg.tokenizer is None else [])
+
+    def cache_key(self, tokenizer: Tokenizer) -> str:
+        """What the token ids depend on besides the tokenizer's JSON and eos."""
+        return ""
+
+    def encode(self, tokenizer: Tokenizer, texts: list, indices: list[int]
+               ) -> tuple[list[list[int]], list[list[bool]] | None]:
+        """Each record's token ids, closed by eos, and which of them are trained: None, all."""
+        return close_with_eos(tokenizer.encode_batch(texts), tokenizer.eos_id), None
+
+    def skipped_note(self, skipped: int) -> str:
+        """What the too-little-data message says of the samples left out for having no target."""
+        return ""
+
+
+class ChatFormat:
+    name = "chat"
+    unit = "conversations"
+    masked = True  # the assistant's tokens only, and a conversation's edges are its length
+
+    def field(self, cfg: DataConfig) -> str:
+        return cfg.messages_field
+
+    def field_key(self) -> str:
+        return "messages_field"
+
+    def missing_field_hint(self, cfg: DataConfig, columns: list[str]) -> str:
+        return ""
+
+    def check_field(self, cfg: DataConfig, source: datasets.Dataset, field: str) -> None:
+        """Nothing to check before reading: each conversation is checked as it is rendered."""
+
+    def without_empty(self, records: datasets.Dataset, field: str) -> datasets.Dataset:
+        """The records as they are: an empty conversation is refused as it is rendered."""
+        return records
+
+    def tokenizer(self, cfg: DataConfig, records: datasets.Dataset | list) -> Tokenizer:
+        """The folder's tokenizer with its chat template; the records are not read."""
+        from te_mixtral.data.chat import load_chat_tokenizer
+
+        chat = load_chat_tokenizer(cfg.tokenizer)
+        eos_id = chat.eos_token_id
+        if eos_id is None:  # the folder names none: the first of EOS_CANDIDATES, as for text
+            eos_id = Tokenizer.wrap(chat.backend_tokenizer, cfg.tokenizer).eos_id
+        return Tokenizer(chat.backend_tokenizer, eos_id, chat)
+
+    def cache_key(self, tokenizer: Tokenizer) -> str:
+        return tokenizer.chat.chat_template
+
+    def encode(self, tokenizer: Tokenizer, conversations: list, indices: list[int]
+               ) -> tuple[list[list[int]], list[list[bool]] | None]:
+        """Each conversation's token ids, closed by eos unless its template ends it with one,
+        and which of them are the assistant's (an eos added here is not)."""
+        from te_mixtral.data.chat import render_batch
+
+        rendered = render_batch(tokenizer.chat, conversations, indices)
+        ids = rendered["input_ids"]
+        closed = close_with_eos(ids, tokenizer.eos_id)
+        return closed, [t + [False] * (len(c) - len(i)) for t, c, i in zip(rendered["trained"], closed, ids)]
+
+    def skipped_note(self, skipped: int) -> str:
+        return f", {skipped} without an assistant token"
+
+    def nothing_to_train(self, cfg: DataConfig) -> UserError:
+        """The error for data with no token to train on (only a masked format's can have none)."""
+        return UserError(f"chat data set '{cfg.dataset}' has no assistant turn: chat data trains on the assistant's "
+                         f"replies only, so there is nothing to train on")
+
+
+FORMATS = {fmt.name: fmt for fmt in (TextFormat(), ChatFormat())}
