@@ -17,8 +17,9 @@ architecture and its import layers are drawn in docs/architecture.md):
     training/       the training loop, optimizer and schedule, checkpoints, Hugging Face
                     and PEFT exports, evaluation, generation, the run's output folders
     optim/          AdamW over bf16 parameters with an exact fp32 master
-    measure/        what a step needs and costs: the memory estimate and the fit check,
-                    metrics, phase profiles, expert load, the run log, reports, plots
+    planning/       before a run starts: the memory estimate and the fit check
+    measure/        what a step costs: metrics, phase profiles, expert load, the run log,
+                    reports, plots
     results/        offline, off the training path: results pages comparing finished runs
 
     cli.py                the command line of run_finetune_ep.py

@@ -238,7 +238,7 @@ class RunConfig:
     generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")
     gpu: str | None = setting(None, workload=False, resumable=True,
                               help="memory a rank may use, checked before anything is built: a GPU name (h100, h200, "
-                              "b200) or a size (80GiB, 141GB); null: the device's own (te_mixtral/measure/memory.py)")
+                              "b200) or a size (80GiB, 141GB); null: the device's own (te_mixtral/planning/memory.py)")
 
     @property
     def precision(self) -> str:

@@ -1,5 +1,6 @@
 """Data: records in, packed batches of token ids out.
 
+    formats.py     the data formats (text, chat), each records -> token ids and trained-token mask
     sources.py     where records come from: the embedded corpus, local files, the hub
     tokenizer.py   a Hugging Face checkpoint's tokenizer, a given tokenizer.json, or one
                    trained here

@@ -1,8 +1,7 @@
-"""What a run needs and costs, measured or estimated, and how it is reported.
+"""What a run costs, measured, and how it is reported (its memory estimate: planning/).
 
-    memory.py        the memory one training step needs on each rank, from the config
     model_state.py   the parameters, gradients and optimizer state each rank holds
-    capacity.py      what one rank may use, held against memory.py's estimate
+    capacity.py      what one rank may use, held against planning/memory.py's estimate
     metrics.py       a step's FLOPs, time, tokens/s and MFU against the hardware
     phases.py        where a step's time goes, phase by phase (--profile_phases)
     expert_load.py   how evenly the router spread a step's tokens over experts and ranks

@@ -1,6 +1,7 @@
 """Training a run: the loop, and what it reads, writes and hands on.
 
-    loop.py            the training loop, one plain function read top to bottom
+    loop.py            the training loop, one plain function read top to bottom: setup, steps, report
+    run_report.py      the run's report at its end: loss check, results.json, tables, plots
     optimizer.py       the optimizer a run steps, and its learning-rate schedule
     checkpoint.py      training checkpoints: stop a run and continue it exactly
     dcp_index.py       reading torch.distributed.checkpoint's index without running code
