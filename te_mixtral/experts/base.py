@@ -65,6 +65,19 @@ class ExpertTier(abc.ABC):
         """The tier for a run config (`te_mixtral.config.RunConfig`); a tier with options reads them here."""
         return cls()
 
+    @classmethod
+    def check_options(cls, cfg) -> None:
+        """Raise a one-line `UserError` if the run config `cfg` gives one of this tier's options
+        a value it cannot take. Checked whichever tier runs: every config carries every tier's
+        options (a saved config.yaml lists them all), and one set for a tier that is not
+        running is a mistake to name, not to ignore."""
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Raise a one-line `UserError` if the run config `cfg` sets an option of this tier, or
+        pairs this tier with a setting, that it cannot take. The registry calls it once the
+        config loads, before anything runs; a tier with no options has nothing to check."""
+
     def check_available(self, device: torch.device) -> None:
         """Raise `TierUnavailable` with a one-line reason if this tier cannot run on `device`."""
 

@@ -202,6 +202,24 @@ class DeviceMXFP8Tier(ExpertTier):
         return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size), cfg.fp8_min_rows_per_expert,
                    cfg.fp8_weight_cache, frozen_base=cfg.lora.enabled)
 
+    @classmethod
+    def check_options(cls, cfg) -> None:
+        if cfg.mxfp8_mode not in MODES:
+            raise UserError(f"mxfp8_mode must be one of {', '.join(MODES)}, got '{cfg.mxfp8_mode}'")
+        if cfg.fp8_min_rows_per_expert < 0:
+            raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {cfg.fp8_min_rows_per_expert}")
+        if not cfg.fp8_weight_cache and (cfg.tier != cls.name or cfg.mxfp8_mode not in ("auto", "fp8-hopper")):
+            raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != cls.name else f"mode '{cfg.mxfp8_mode}'")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.lora.enabled and cfg.mxfp8_mode not in ("auto", "fp8-hopper"):
+            raise UserError(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) "
+                            f"only, not in mode '{cfg.mxfp8_mode}'")
+        if cfg.lora.enabled and not cfg.fp8_weight_cache:
+            raise UserError("fp8_weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
+                            "base is held in FP8 alone, and there is no copy to drop")
+
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)
         if device.type == "cuda":
