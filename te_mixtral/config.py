@@ -459,6 +459,19 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     return cfg
 
 
+def load_run_config(path: str | None = None, overrides: dict[str, str] | None = None, world_size: int = 1,
+                    launch: dict[str, tuple[object, str]] | None = None) -> RunConfig:
+    """The config a run takes: `load_config`'s, then the tier's name, its options and what it
+    needs of the launch (`world_size` processes) checked by the registry
+    (`experts.registry.check_tier`). The command line and the tests read a run's config here."""
+    cfg = load_config(path, overrides, world_size, launch)
+    # Only now torch (the tiers import it): the config's own errors come first, and fast.
+    from te_mixtral.experts.registry import check_tier
+
+    check_tier(cfg, world_size)
+    return cfg
+
+
 def to_dict(cfg: RunConfig) -> dict:
     return dataclasses.asdict(cfg)
 

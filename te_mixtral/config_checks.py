@@ -3,19 +3,17 @@ values the text-valued keys take.
 
 `config.load_config` runs `validate` once a config is read; a Hugging Face checkpoint's model
 section is checked again with `validate_model` when it replaces the config's. The tier's
-name and options are the registry's to check (`experts.registry.check_tier`).
+name and options are the registry's to check (`experts.registry.check_tier`), and
+`config.load_run_config` runs both. Each check takes the run config (`config.RunConfig`)
+unannotated: config.py imports this module, and this one stays below it.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import PurePath
-from typing import TYPE_CHECKING
 
 from te_mixtral.errors import UserError
-
-if TYPE_CHECKING:  # annotations only: config imports this module
-    from te_mixtral.config import RunConfig
 
 DTYPES = ("auto", "fp32", "bf16")
 FLOAT32_MAX = 3.4028234663852886e38
@@ -39,7 +37,7 @@ def _check(condition: bool, message: str) -> None:
         raise UserError(message)
 
 
-def validate(cfg: RunConfig, world_size: int = 1) -> None:
+def validate(cfg, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment.
     The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
@@ -126,7 +124,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         validate_model(cfg)
 
 
-def validate_lora(cfg: RunConfig) -> None:
+def validate_lora(cfg) -> None:
     """The checks of the lora section, and of what LoRA leaves out."""
     lora, t = cfg.lora, cfg.train
     _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
@@ -147,7 +145,7 @@ def validate_lora(cfg: RunConfig) -> None:
            "train.sharding fsdp is for full fine-tuning")
 
 
-def validate_model(cfg: RunConfig) -> None:
+def validate_model(cfg) -> None:
     """The checks of the model section, and of what must fit it."""
     m, d = cfg.model, cfg.data
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

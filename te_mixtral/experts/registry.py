@@ -51,7 +51,7 @@ def make_tier(name: str, cfg=None) -> ExpertTier:
 
 def check_tier(cfg, world_size: int) -> None:
     """Raise a one-line `UserError` if the run config `cfg` names no tier, or a tier option or
-    launch that tier cannot take. The command line calls this right after the config loads."""
+    launch that tier cannot take. `config.load_run_config` calls this right after the config loads."""
     if cfg.tier not in RUN_NAMES:
         raise UserError(f"unknown tier '{cfg.tier}' (tiers: {', '.join(RUN_NAMES)})")
     for tier in EXPERT_TIERS.values():
