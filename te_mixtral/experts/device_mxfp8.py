@@ -48,7 +48,7 @@ from collections import Counter
 import torch
 
 from te_mixtral.errors import TierUnavailable, UserError
-from te_mixtral.experts.base import ExpertTier
+from te_mixtral.experts.base import ExpertMemory, ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.quant import te_mxfp8
 from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
@@ -219,6 +219,26 @@ class DeviceMXFP8Tier(ExpertTier):
         if cfg.lora.enabled and not cfg.fp8_weight_cache:
             raise UserError("fp8_weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
                             "base is held in FP8 alone, and there is no copy to drop")
+
+    @classmethod
+    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+        # The Hopper path keeps the experts' weights in FP8, one byte per element in each of two
+        # orientations, cached from a layer's first forward until the optimizer step, recompute
+        # or not; under its break-even size it runs custom_grouped's BF16 kernels, which keep
+        # none. (Blackwell's TE path is counted the same way; it has not been measured.)
+        # With LoRA it holds the frozen experts in FP8 alone (a byte per element and a float32
+        # scale per row, in place of the base's dtype), runs every call in FP8 and caches no copy:
+        # a layer's backward casts the dgrad orientation, a byte per element, while it runs.
+        cuda = device == "cuda"
+        frozen = cfg.lora.enabled and cuda
+        return ExpertMemory(fused_hidden=cuda, frozen_fp8=frozen, weight_cache=cfg.fp8_weight_cache,
+                            fp8=frozen or (cuda and runs_fp8(rows, local_experts, cfg.fp8_min_rows_per_expert)))
+
+    @classmethod
+    def lighter(cls, cfg) -> list[tuple[str, dict]]:
+        if cfg.mxfp8_mode in ("auto", "fp8-hopper") and cfg.fp8_weight_cache and not cfg.lora.enabled:
+            return [("--fp8_weight_cache false", {"fp8_weight_cache": False})]
+        return []
 
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)

@@ -13,7 +13,7 @@ registry imports on a machine with neither.
 """
 
 from te_mixtral.errors import UserError
-from te_mixtral.experts.base import ExpertTier
+from te_mixtral.experts.base import ExpertMemory, ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.grouped_linear import GroupedLinearTier
@@ -47,6 +47,18 @@ def make_tier(name: str, cfg=None) -> ExpertTier:
     """The expert tier called `name`; a tier with options reads them from the run config `cfg`."""
     tier_class = EXPERT_TIERS[name]
     return tier_class() if cfg is None else tier_class.from_config(cfg)
+
+
+def expert_memory(cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+    """What the run's tier keeps (`ExpertTier.memory`); a baseline's experts, autograd's."""
+    tier = EXPERT_TIERS.get(cfg.tier)
+    return ExpertMemory() if tier is None else tier.memory(cfg, device, rows, local_experts)
+
+
+def lighter_settings(cfg) -> list[tuple[str, dict]]:
+    """The run's tier's options that would hold less (`ExpertTier.lighter`); a baseline has none."""
+    tier = EXPERT_TIERS.get(cfg.tier)
+    return [] if tier is None else tier.lighter(cfg)
 
 
 def check_tier(cfg, world_size: int) -> None:
