@@ -72,8 +72,13 @@ import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, RunConfig
-from te_mixtral.config_checks import RECOMPUTE, validate_model
+from te_mixtral.config import (
+    LORA_DENSE_TARGETS,
+    LORA_EXPERT_TARGETS,
+    RECOMPUTE,
+    RunConfig,
+)
+from te_mixtral.config_checks import validate_model
 from te_mixtral.distributed.launcher_env import main_rank_from_env
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import BASELINES, expert_memory, lighter_settings

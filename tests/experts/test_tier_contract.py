@@ -1,6 +1,7 @@
 """The tier contract: every registered tier is an `ExpertTier`, and the example tier of
 docs/architecture.md ("Adding a tier") runs as the doc says, matching the `loop` tier."""
 
+import ast
 import re
 
 import pytest
@@ -78,3 +79,23 @@ def test_config_help_names_every_tier_and_mode():
 
     assert all(name in settings()["tier"].metadata["help"] for name in registry.RUN_NAMES)
     assert all(mode in settings()["mxfp8_mode"].metadata["help"] for mode in MODES)
+
+
+def test_nothing_outside_the_tiers_branches_on_a_tier_name():
+    """A tier's options, checks and memory terms are its own (asked through the registry): no
+    module outside experts/ names a tier or baseline in a string, save config.py's default
+    tier (config stays importable without torch, so it cannot ask the registry)."""
+    names = set(registry.RUN_NAMES)
+    found = []
+    for path in sorted((REPO / "te_mixtral").rglob("*.py")):
+        if "experts" in path.relative_to(REPO / "te_mixtral").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} '{node.value}'")
+    assert found == [f"te_mixtral/config.py:{_default_tier_line()} 'loop'"], found
+
+
+def _default_tier_line() -> int:
+    lines = (REPO / "te_mixtral" / "config.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.lstrip().startswith("tier: str = setting(\"loop\""))
