@@ -15,7 +15,7 @@ from te_mixtral.config import (
     FOLLOWS,
     RunConfig,
     is_switch,
-    load_config,
+    load_run_config,
     settings,
     to_dict,
 )
@@ -123,11 +123,7 @@ def _run(argv: list[str]) -> int:
         args, overrides = parse_args(argv)
         launch = launch_settings(os.environ)  # empty unless started by `accelerate launch`
         world_size = args.estimate_memory or world_size_from_env()
-        cfg = load_config(args.config, overrides, world_size=world_size, launch=launch)
-        # Only now torch (the tiers import it): the config's own errors come first, and fast.
-        from te_mixtral.experts.registry import check_tier
-
-        check_tier(cfg, world_size)
+        cfg = load_run_config(args.config, overrides, world_size=world_size, launch=launch)
         if args.estimate_memory is not None:
             from te_mixtral.planning.memory import print_estimate
 

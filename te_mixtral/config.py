@@ -19,6 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -86,7 +87,7 @@ class DataConfig:
                                  "of wikitext; null: its default")
     split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
                          "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")
-    format: str = setting("text", help="text: each record's text_field is a document; chat: each record's "
+    format: Literal["text", "chat"] = setting("text", help="text: each record's text_field is a document; chat: each record's "
                           "messages_field is a conversation, rendered with the tokenizer's chat template and trained "
                           "on the assistant's replies only (docs/data.md)")
     text_field: str = setting("text", help="the field of each record that holds the text (format text)")
@@ -123,18 +124,18 @@ class TrainConfig:
     beta2: float = setting(0.95, help="AdamW beta2")
     grad_clip: float = setting(1.0, help="largest global gradient norm; larger gradients are scaled down")
     seed: int = setting(1234, help="seed of the initial weights and of the order samples are read in")
-    dtype: str = setting("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16")
-    optimizer: str = setting("adamw", help="adamw (fp32 parameters, torch's AdamW: the reference) or master_adamw "
+    dtype: Literal["auto", "fp32", "bf16"] = setting("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16")
+    optimizer: Literal["adamw", "master_adamw"] = setting("adamw", help="adamw (fp32 parameters, torch's AdamW: the reference) or master_adamw "
                              "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
-    moment_dtype: str = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
-    recompute: str = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
+    moment_dtype: Literal["bf16", "fp32"] = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
+    recompute: Literal["none", "selective", "full"] = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
-    sharding: str = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
+    sharding: Literal["none", "fsdp"] = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
                             "state; gradients all-reduced in buckets during backward) or fsdp (FSDP2 shards them over the ranks, "
                             "experts over their replicas; te_mixtral/distributed/parallelize.py)")
     # Resumable: the same summed gradients either way (to rounding); only memory and traffic change.
-    fsdp_reduce: str = setting("step", resumable=True,
+    fsdp_reduce: Literal["step", "micro_batch"] = setting("step", resumable=True,
                                help="with fsdp and grad_accum_steps > 1, when gradients are reduce-scattered: step "
                                "(once, in the last micro-batch; until then FSDP keeps every whole gradient, in fp32) "
                                "or micro_batch (after each micro-batch: N times the traffic, only shards kept)")
@@ -146,6 +147,10 @@ class TrainConfig:
                               help="also export to save_hf and save_adapter every N steps (0: at the end only)")
     checkpoint_every: int = setting(0, workload=False, resumable=True,
                                     help="steps between training checkpoints (0: at the end only)")
+
+
+# The recompute modes, from the most kept to the least (the fit check suggests them in this order).
+RECOMPUTE = typing.get_args(TrainConfig.__annotations__["recompute"])
 
 
 @dataclass
@@ -187,9 +192,9 @@ class RunConfig:
                         "baseline: hf (transformers' Mixtral as its users run it) or hf_eager (its per-expert loop)")
     ep_size: int = setting(1, workload=False, headline=True,
                            help="expert-parallel group size: ranks that split each layer's experts")
-    backend: str = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
+    backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
                            "(te on CUDA where it is installed)")
-    device: str = setting("auto", help="auto (cuda when available), cpu or cuda")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
     output_dir: str | None = setting(None, workload=False, resumable=True,
                                      help="folder for results.json and config.yaml (null: a new runs/<date>-<tier>)")
     loss_check: str | None = setting(None, workload=False, resumable=True,
@@ -259,8 +264,14 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "lor
 assert tuple(SECTIONS) == SECTION_NAMES
 
 def _field_types(cls) -> dict[str, object]:
+    """Each key's type as a value is read: a `Literal` key's is its values' type (str); which
+    of them it takes is `config_checks.validate`'s to check, once the whole config is read."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in SECTIONS}
+    return {f.name: _value_type(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in SECTIONS}
+
+
+def _value_type(hint):
+    return type(typing.get_args(hint)[0]) if typing.get_origin(hint) is Literal else hint
 
 
 def _coerce(key: str, value, expected):
@@ -456,6 +467,19 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         if key not in given:
             _apply(cfg, key, follows.value(_value(cfg, follows.source)))
     validate(cfg, world_size)
+    return cfg
+
+
+def load_run_config(path: str | None = None, overrides: dict[str, str] | None = None, world_size: int = 1,
+                    launch: dict[str, tuple[object, str]] | None = None) -> RunConfig:
+    """The config a run takes: `load_config`'s, then the tier's name, its options and what it
+    needs of the launch (`world_size` processes) checked by the registry
+    (`experts.registry.check_tier`). The command line and the tests read a run's config here."""
+    cfg = load_config(path, overrides, world_size, launch)
+    # Only now torch (the tiers import it): the config's own errors come first, and fast.
+    from te_mixtral.experts.registry import check_tier
+
+    check_tier(cfg, world_size)
     return cfg
 
 

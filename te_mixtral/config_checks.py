@@ -1,33 +1,23 @@
-"""The checks of a run config, each a one-line `UserError` a user can act on, and the
-values the text-valued keys take.
+"""The checks of a run config, each a one-line `UserError` a user can act on.
 
 `config.load_config` runs `validate` once a config is read; a Hugging Face checkpoint's model
 section is checked again with `validate_model` when it replaces the config's. The tier's
-name and options are the registry's to check (`experts.registry.check_tier`).
+name and options are the registry's to check (`experts.registry.check_tier`), and
+`config.load_run_config` runs both. Each check takes the run config (`config.RunConfig`)
+unannotated: config.py imports this module, and this one stays below it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from pathlib import PurePath
-from typing import TYPE_CHECKING
 
 from te_mixtral.errors import UserError
 
-if TYPE_CHECKING:  # annotations only: config imports this module
-    from te_mixtral.config import RunConfig
-
-DTYPES = ("auto", "fp32", "bf16")
 FLOAT32_MAX = 3.4028234663852886e38
 NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
-OPTIMIZERS = ("adamw", "master_adamw")
-SHARDINGS = ("none", "fsdp")
-FSDP_REDUCES = ("step", "micro_batch")
-MOMENT_DTYPES = ("bf16", "fp32")
-RECOMPUTE = ("none", "selective", "full")
-BACKENDS = ("auto", "torch", "te")
-DEVICES = ("auto", "cpu", "cuda")
-DATA_FORMATS = ("text", "chat")
 # The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
 # `target_parameters` (experts: each stacked weight is one target) give them.
 LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -39,7 +29,7 @@ def _check(condition: bool, message: str) -> None:
         raise UserError(message)
 
 
-def validate(cfg: RunConfig, world_size: int = 1) -> None:
+def validate(cfg, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment.
     The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
@@ -56,24 +46,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
                f"{key} has a name of {len(longest.encode())} bytes ('{longest[:24]}...'); a file or folder name has "
                f"at most {NAME_MAX}" + (f", and {key}'s gets '.tmp' added while it is written" if suffix else ""))
     _check(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32), got {t.seed}")
-    _check(cfg.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}, got '{cfg.backend}'")
-    _check(cfg.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
-    _check(t.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'")
-    _check(t.moment_dtype in MOMENT_DTYPES,
-           f"train.moment_dtype must be one of {', '.join(MOMENT_DTYPES)}, got '{t.moment_dtype}'")
+    _check_choices(cfg)
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
-    _check(t.recompute in RECOMPUTE,
-           f"train.recompute must be one of {', '.join(RECOMPUTE)}, got '{t.recompute}'")
-    _check(t.sharding in SHARDINGS, f"train.sharding must be one of {', '.join(SHARDINGS)}, got '{t.sharding}'")
-    _check(t.fsdp_reduce in FSDP_REDUCES,
-           f"train.fsdp_reduce must be one of {', '.join(FSDP_REDUCES)}, got '{t.fsdp_reduce}'")
     _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",
            "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp (unsharded gradients are whole "
            "either way, so reducing them after every micro-batch would only cost traffic)")
-    _check(t.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}, got '{t.dtype}'")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
-    _check(d.format in DATA_FORMATS, f"data.format must be one of {', '.join(DATA_FORMATS)}, got '{d.format}'")
     _check(d.format != "chat" or d.tokenizer is not None or cfg.model_path is not None,
            "data.format chat needs a tokenizer with a chat template: set data.tokenizer to its folder "
            "(e.g. examples/chat-tokenizer) or model_path to a checkpoint that has one")
@@ -126,7 +105,19 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         validate_model(cfg)
 
 
-def validate_lora(cfg: RunConfig) -> None:
+def _check_choices(cfg) -> None:
+    """Every key annotated `Literal[...]` (config.py) holds one of the values it lists."""
+    sections = [("", cfg)] + [(f"{f.name}.", getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                              if dataclasses.is_dataclass(getattr(cfg, f.name))]
+    for prefix, section in sections:
+        hints = typing.get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            if typing.get_origin(hints[f.name]) is typing.Literal:
+                allowed, value = typing.get_args(hints[f.name]), getattr(section, f.name)
+                _check(value in allowed, f"{prefix}{f.name} must be one of {', '.join(allowed)}, got '{value}'")
+
+
+def validate_lora(cfg) -> None:
     """The checks of the lora section, and of what LoRA leaves out."""
     lora, t = cfg.lora, cfg.train
     _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
@@ -147,7 +138,7 @@ def validate_lora(cfg: RunConfig) -> None:
            "train.sharding fsdp is for full fine-tuning")
 
 
-def validate_model(cfg: RunConfig) -> None:
+def validate_model(cfg) -> None:
     """The checks of the model section, and of what must fit it."""
     m, d = cfg.model, cfg.data
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

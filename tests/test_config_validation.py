@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO
 from launch import assert_one_line_error, run_app
 
-from te_mixtral.config import load_config
+from te_mixtral.config import load_config, load_run_config
 from te_mixtral.errors import UserError
 
 
@@ -99,12 +99,10 @@ def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
 
 @pytest.mark.parametrize("tier", ["hf", "hf_eager"])
 def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
-    from te_mixtral.experts.registry import check_tier
-
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"lora.rank": "8", "tier": tier})
+    tiny = str(REPO / "configs" / "tiny.yaml")
     with pytest.raises(UserError, match=f"tier '{tier}' does not run LoRA adapters .*tiers that do: loop, "
                                         f"grouped_linear, custom_grouped, device_mxfp8"):
-        check_tier(cfg, 1)
+        load_run_config(tiny, {"lora.rank": "8", "tier": tier}, 1)
 
 
 @pytest.mark.parametrize("overrides, fragment", [
@@ -113,9 +111,7 @@ def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
     ({"fp8_weight_cache": "false"}, "with LoRA the frozen base is held in FP8 alone, and there is no copy to drop"),
 ])
 def test_device_mxfp8_takes_lora_over_its_hopper_fp8_base_only(overrides, fragment):
-    from te_mixtral.experts.registry import check_tier
-
     base = {"lora.rank": "8", "tier": "device_mxfp8"}
-    check_tier(load_config(str(REPO / "configs" / "tiny.yaml"), base), 1)  # auto: Hopper's FP8 on a GPU
+    load_run_config(str(REPO / "configs" / "tiny.yaml"), base, 1)  # auto: Hopper's FP8 on a GPU
     with pytest.raises(UserError, match=re.escape(fragment)):
-        check_tier(load_config(str(REPO / "configs" / "tiny.yaml"), {**base, **overrides}), 1)
+        load_run_config(str(REPO / "configs" / "tiny.yaml"), {**base, **overrides}, 1)

@@ -24,9 +24,8 @@ from launch import RUN_DIR, run_cli
 from workers.readme_commands import user_folder
 
 from te_mixtral.cli import parse_args
-from te_mixtral.config import load_config, to_dict
+from te_mixtral.config import load_config, load_run_config, to_dict
 from te_mixtral.errors import UserError
-from te_mixtral.experts.registry import check_tier
 from te_mixtral.results.reproduce import reproduce_command
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -103,8 +102,7 @@ def test_readme_command_is_a_valid_config(command, monkeypatch):
     if not (REPO / args.config).exists():
         pytest.skip(f"{args.config} is not in this checkout")
     ranks = args.estimate_memory or world_size(words)
-    cfg = load_config(str(REPO / args.config), overrides, world_size=ranks)
-    check_tier(cfg, ranks)
+    load_run_config(str(REPO / args.config), overrides, world_size=ranks)
 
 
 def test_a_lower_learning_rate_alone_just_works():

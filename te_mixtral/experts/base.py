@@ -21,6 +21,7 @@ the rows' device. Experts with zero rows, and R == 0, are valid inputs.
 """
 
 import abc
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,18 @@ def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
     """The activation every tier applies between its two GEMMs: silu(gate) * up."""
     gate_RF, up_RF = gate_up_RF2.chunk(2, dim=-1)
     return F.silu(gate_RF) * up_RF
+
+
+@dataclass(frozen=True)
+class ExpertMemory:
+    """What a tier keeps in memory beyond a plain autograd expert FFN, as the fit check
+    (te_mixtral/measure/memory.py) counts it. The defaults are autograd's: every hidden row
+    kept, the weights in the parameters' own dtype."""
+
+    fused_hidden: bool = False  # keeps gate_up's output alone (R x 2F), not also silu(gate) and the SwiGLU output
+    fp8: bool = False  # runs its GEMMs in FP8: FP8 copies of the expert weights, and of h for the down wgrad
+    frozen_fp8: bool = False  # LoRA: the frozen expert weights held in FP8 alone, a copy of none
+    weight_cache: bool = True  # the FP8 weight copies kept from a layer's first forward to the optimizer step
 
 
 class ExpertTier(abc.ABC):
@@ -49,6 +62,31 @@ class ExpertTier(abc.ABC):
     def from_config(cls, cfg) -> "ExpertTier":
         """The tier for a run config (`te_mixtral.config.RunConfig`); a tier with options reads them here."""
         return cls()
+
+    @classmethod
+    def check_options(cls, cfg) -> None:
+        """Raise a one-line `UserError` if the run config `cfg` gives one of this tier's options
+        a value it cannot take. Checked whichever tier runs: every config carries every tier's
+        options (a saved config.yaml lists them all), and one set for a tier that is not
+        running is a mistake to name, not to ignore."""
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Raise a one-line `UserError` if the run config `cfg` sets an option of this tier, or
+        pairs this tier with a setting, that it cannot take. The registry calls it once the
+        config loads, before anything runs; a tier with no options has nothing to check."""
+
+    @classmethod
+    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+        """What this tier keeps for a run of `cfg` on `device` ("cuda", "cpu"), `rows` rows
+        routed to this rank's `local_experts` experts; a plain autograd tier keeps the defaults."""
+        return ExpertMemory()
+
+    @classmethod
+    def lighter(cls, cfg) -> list[tuple[str, dict]]:
+        """(command-line setting, config overrides) of this tier's options that would hold less
+        than `cfg`'s, at some cost in time: what the fit check suggests when a run does not fit."""
+        return []
 
     def check_available(self, device: torch.device) -> None:
         """Raise `TierUnavailable` with a one-line reason if this tier cannot run on `device`."""

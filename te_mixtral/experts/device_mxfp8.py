@@ -48,7 +48,7 @@ from collections import Counter
 import torch
 
 from te_mixtral.errors import TierUnavailable, UserError
-from te_mixtral.experts.base import ExpertTier
+from te_mixtral.experts.base import ExpertMemory, ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.quant import te_mxfp8
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
@@ -208,6 +208,44 @@ class DeviceMXFP8Tier(ExpertTier):
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
         return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size), cfg.fp8_min_rows_per_expert,
                    cfg.fp8_weight_cache, frozen_base=cfg.lora.enabled)
+
+    @classmethod
+    def check_options(cls, cfg) -> None:
+        if cfg.mxfp8_mode not in MODES:
+            raise UserError(f"mxfp8_mode must be one of {', '.join(MODES)}, got '{cfg.mxfp8_mode}'")
+        if cfg.fp8_min_rows_per_expert < 0:
+            raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {cfg.fp8_min_rows_per_expert}")
+        if not cfg.fp8_weight_cache and (cfg.tier != cls.name or cfg.mxfp8_mode not in ("auto", "fp8-hopper")):
+            raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != cls.name else f"mode '{cfg.mxfp8_mode}'")
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.lora.enabled and cfg.mxfp8_mode not in ("auto", "fp8-hopper"):
+            raise UserError(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) "
+                            f"only, not in mode '{cfg.mxfp8_mode}'")
+        if cfg.lora.enabled and not cfg.fp8_weight_cache:
+            raise UserError("fp8_weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
+                            "base is held in FP8 alone, and there is no copy to drop")
+
+    @classmethod
+    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+        # The Hopper path keeps the experts' weights in FP8, one byte per element in each of two
+        # orientations, cached from a layer's first forward until the optimizer step, recompute
+        # or not; under its break-even size it runs custom_grouped's BF16 kernels, which keep
+        # none. (Blackwell's TE path is counted the same way; it has not been measured.)
+        # With LoRA it holds the frozen experts in FP8 alone (a byte per element and a float32
+        # scale per row, in place of the base's dtype), runs every call in FP8 and caches no copy:
+        # a layer's backward casts the dgrad orientation, a byte per element, while it runs.
+        cuda = device == "cuda"
+        frozen = cfg.lora.enabled and cuda
+        return ExpertMemory(fused_hidden=cuda, frozen_fp8=frozen, weight_cache=cfg.fp8_weight_cache,
+                            fp8=frozen or (cuda and runs_fp8(rows, local_experts, cfg.fp8_min_rows_per_expert)))
+
+    @classmethod
+    def lighter(cls, cfg) -> list[tuple[str, dict]]:
+        if cfg.mxfp8_mode in ("auto", "fp8-hopper") and cfg.fp8_weight_cache and not cfg.lora.enabled:
+            return [("--fp8_weight_cache false", {"fp8_weight_cache": False})]
+        return []
 
     def check_available(self, device: torch.device) -> None:
         device = torch.device(device)

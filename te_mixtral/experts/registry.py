@@ -13,10 +13,9 @@ registry imports on a machine with neither.
 """
 
 from te_mixtral.errors import UserError
-from te_mixtral.experts.base import ExpertTier
+from te_mixtral.experts.base import ExpertMemory, ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
-from te_mixtral.experts.device_mxfp8 import MODES as MXFP8_MODES
-from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, weight_cache_refusal
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.grouped_linear import GroupedLinearTier
 from te_mixtral.experts.loop import LoopTier
 
@@ -50,28 +49,31 @@ def make_tier(name: str, cfg=None) -> ExpertTier:
     return tier_class() if cfg is None else tier_class.from_config(cfg)
 
 
+def expert_memory(cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+    """What the run's tier keeps (`ExpertTier.memory`); a baseline's experts, autograd's."""
+    tier = EXPERT_TIERS.get(cfg.tier)
+    return ExpertMemory() if tier is None else tier.memory(cfg, device, rows, local_experts)
+
+
+def lighter_settings(cfg) -> list[tuple[str, dict]]:
+    """The run's tier's options that would hold less (`ExpertTier.lighter`); a baseline has none."""
+    tier = EXPERT_TIERS.get(cfg.tier)
+    return [] if tier is None else tier.lighter(cfg)
+
+
 def check_tier(cfg, world_size: int) -> None:
     """Raise a one-line `UserError` if the run config `cfg` names no tier, or a tier option or
-    launch that tier cannot take. The command line calls this right after the config loads."""
+    launch that tier cannot take. `config.load_run_config` calls this right after the config loads."""
     if cfg.tier not in RUN_NAMES:
         raise UserError(f"unknown tier '{cfg.tier}' (tiers: {', '.join(RUN_NAMES)})")
-    if cfg.mxfp8_mode not in MXFP8_MODES:
-        raise UserError(f"mxfp8_mode must be one of {', '.join(MXFP8_MODES)}, got '{cfg.mxfp8_mode}'")
-    if cfg.fp8_min_rows_per_expert < 0:
-        raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {cfg.fp8_min_rows_per_expert}")
-    if not cfg.fp8_weight_cache and (cfg.tier != "device_mxfp8" or cfg.mxfp8_mode not in ("auto", "fp8-hopper")):
-        raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != "device_mxfp8" else f"mode '{cfg.mxfp8_mode}'")
+    for tier in EXPERT_TIERS.values():
+        tier.check_options(cfg)
     if cfg.lora.enabled and (cfg.tier in BASELINES or not EXPERT_TIERS[cfg.tier].takes_adapters):
         takers = ", ".join(name for name, tier in EXPERT_TIERS.items() if tier.takes_adapters)
         raise UserError(f"tier '{cfg.tier}' does not run LoRA adapters (lora.rank {cfg.lora.rank}); tiers that do: "
                         f"{takers}")
-    if cfg.lora.enabled and cfg.tier == "device_mxfp8":
-        if cfg.mxfp8_mode not in ("auto", "fp8-hopper"):
-            raise UserError(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) "
-                            f"only, not in mode '{cfg.mxfp8_mode}'")
-        if not cfg.fp8_weight_cache:
-            raise UserError("fp8_weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
-                            "base is held in FP8 alone, and there is no copy to drop")
+    if cfg.tier in EXPERT_TIERS:
+        EXPERT_TIERS[cfg.tier].check(cfg)
     if cfg.tier in BASELINES and cfg.profile_phases:
         raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
     if cfg.tier in BASELINES and cfg.train.recompute != "none":

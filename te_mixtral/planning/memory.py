@@ -72,12 +72,16 @@ import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, RunConfig
-from te_mixtral.config_checks import RECOMPUTE, validate_model
+from te_mixtral.config import (
+    LORA_DENSE_TARGETS,
+    LORA_EXPERT_TARGETS,
+    RECOMPUTE,
+    RunConfig,
+)
+from te_mixtral.config_checks import validate_model
 from te_mixtral.distributed.launcher_env import main_rank_from_env
 from te_mixtral.errors import UserError
-from te_mixtral.experts.device_mxfp8 import runs_fp8
-from te_mixtral.experts.registry import BASELINES
+from te_mixtral.experts.registry import BASELINES, expert_memory, lighter_settings
 from te_mixtral.files import size_text
 from te_mixtral.measure.capacity import GiB, capacity
 from te_mixtral.measure.model_state import (
@@ -237,25 +241,15 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     H, G, Hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
     T = batch * S
     R = round(T * K * (ROUTING_IMBALANCE if ep > 1 else 1))
-    # The expert FFN's hidden rows per routed row, in elements: custom_grouped's CUDA kernel
-    # keeps gate_up's output only; autograd paths also keep silu(gate) and the SwiGLU output.
-    fused = cfg.tier in ("custom_grouped", "device_mxfp8") and device == "cuda"
-    hidden = 2 * F if fused else 4 * F
-    # device_mxfp8's Hopper path keeps its experts' weights in FP8, one byte per element in each
-    # of two orientations, cached from a layer's first forward until the optimizer step,
-    # recompute or not; under its break-even size it runs custom_grouped's BF16 kernels, which keep none.
-    # (Blackwell's TE path is counted the same way; it has not been measured.)
-    # With LoRA it holds the frozen experts in FP8 alone (a byte per element and a float32
-    # scale per row, in place of the base's dtype), runs every call in FP8 and caches no copy:
-    # a layer's backward casts the dgrad orientation, a byte per element, while it runs.
-    frozen_fp8 = lora.enabled and cfg.tier == "device_mxfp8" and device == "cuda"
-    fp8 = frozen_fp8 or (cfg.tier == "device_mxfp8" and device == "cuda"
-                         and runs_fp8(R, E // ep, cfg.fp8_min_rows_per_expert))
+    # What the tier keeps beyond autograd's expert FFN: its own to say (ExpertTier.memory).
+    tier = expert_memory(cfg, device, R, E // ep)
+    fused, fp8, frozen_fp8 = tier.fused_hidden, tier.fp8, tier.frozen_fp8
+    hidden = 2 * F if fused else 4 * F  # the expert FFN's hidden rows per routed row, in elements
     fp8_weights = (1 if frozen_fp8 else 2) * params.experts_per_layer if fp8 else 0
-    # With fp8_weight_cache off they are made at every use: a kept layer saves one orientation
+    # Without the weight cache they are made at every use: a kept layer saves one orientation
     # (dgrad's) for its backward, a recomputed one nothing; both while the layer runs.
-    cached_fp8 = fp8_weights if cfg.fp8_weight_cache and not frozen_fp8 else 0
-    saved_fp8 = 0 if frozen_fp8 else fp8_weights if cfg.fp8_weight_cache else fp8_weights // 2
+    cached_fp8 = fp8_weights if tier.weight_cache and not frozen_fp8 else 0
+    saved_fp8 = 0 if frozen_fp8 else fp8_weights if tier.weight_cache else fp8_weights // 2
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
     # from a bf16 one) and the normalised rows in the residual dtype.
@@ -351,9 +345,7 @@ def _lighter(cfg: RunConfig, device: str) -> list[tuple[str, dict, dict]]:
                for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:] if cfg.tier not in BASELINES]
     if t.optimizer == "adamw" and device == "cuda":  # master_adamw keeps bf16 parameters: GPU runs only
         lighter.append(("--optimizer master_adamw --dtype bf16", {"optimizer": "master_adamw", "dtype": "bf16"}, {}))
-    if (cfg.tier == "device_mxfp8" and cfg.mxfp8_mode in ("auto", "fp8-hopper") and cfg.fp8_weight_cache
-            and not cfg.lora.enabled):
-        lighter.append(("--fp8_weight_cache false", {}, {"fp8_weight_cache": False}))
+    lighter += [(setting, {}, run) for setting, run in lighter_settings(cfg)]
     if t.sharding == "fsdp" and t.grad_accum_steps > 1 and t.fsdp_reduce == "step":
         lighter.append(("--fsdp_reduce micro_batch", {"fsdp_reduce": "micro_batch"}, {}))
     return lighter

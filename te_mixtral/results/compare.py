@@ -98,7 +98,7 @@ SAME_LOSSES = ("train.recompute",)
 def loss_reference(run: Run, runs: list[Run]) -> Run | None:
     """The `loop` run a row's losses are checked against: of the same workload if there is
     one, else one that differs from it only in `SAME_LOSSES`."""
-    reference = baseline_for(run, "loop", runs)
+    reference = baseline_for(run, REFERENCE_TIER, runs)
     if reference is not None:
         return reference
 
@@ -106,7 +106,7 @@ def loss_reference(run: Run, runs: list[Run]) -> Run | None:
         return {k: v for k, v in workload(r).items() if k not in SAME_LOSSES}
 
     wanted = losses_key(run)
-    return _nearest(run, [r for r in runs if r.tier == "loop" and losses_key(r) == wanted])
+    return _nearest(run, [r for r in runs if r.tier == REFERENCE_TIER and losses_key(r) == wanted])
 
 
 def speedup(run: Run, baseline: Run | None) -> float | None:
@@ -131,14 +131,14 @@ def loss_verdict(run: Run, runs: list[Run]) -> Verdict:
     Re-checking (rather than quoting what the run recorded) judges every row by the same,
     current criteria, also runs made before a tolerance changed.
     """
-    if run.tier == "loop":
+    if run.tier == REFERENCE_TIER:
         return Verdict("reference", False, None)
     reference = loss_reference(run, runs)
     if reference is None:
-        return Verdict("not checked: no `loop` run of this workload", False, None)
+        return Verdict(f"not checked: no `{REFERENCE_TIER}` run of this workload", False, None)
     against = ""
     if reference.workload != run.workload:
-        against = f" (against `loop` [{reference.workload}], {'; '.join(differences(workload(reference), workload(run)))})"
+        against = f" (against `{REFERENCE_TIER}` [{reference.workload}], {'; '.join(differences(workload(reference), workload(run)))})"
     # An 8-bit tier records the precision its experts ran in under `ran`; train.py checks it
     # at that precision's tolerance, and so does the page.
     precision = run.header.get("ran", {}).get("precision", run.header["precision"])

@@ -12,7 +12,7 @@ import torch
 from quant_reference import MXFP8_MLP_RTOL, group_bounds, mlp_inputs, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from te_mixtral.config import load_config
+from te_mixtral.config import load_config, load_run_config
 from te_mixtral.errors import TierUnavailable, UserError
 from te_mixtral.experts.base import swiglu
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, select_mode
@@ -21,7 +21,7 @@ from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 from te_mixtral.experts.quant.mxfp8 import fake_quantize
 from te_mixtral.experts.quant.padding import pad_rows, padded_rows, unpad_rows
 from te_mixtral.experts.quant.scaled_grouped import scaled_grouped_swiglu
-from te_mixtral.experts.registry import check_tier, make_tier
+from te_mixtral.experts.registry import make_tier
 
 
 def test_emulated_tier_forward_matches_float64_on_the_quantised_operands():
@@ -181,7 +181,7 @@ def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
     y = tier(x_RD, counts, gate_up, down)
     assert not torch.equal(y, make_tier("custom_grouped")(x_RD, counts, gate_up, down))
     with pytest.raises(UserError, match="fp8_min_rows_per_expert must be 0 or more"):
-        check_tier(load_config(None, {"tier": "device_mxfp8", "fp8_min_rows_per_expert": "-1"}), 1)
+        load_run_config(None, {"tier": "device_mxfp8", "fp8_min_rows_per_expert": "-1"}, 1)
 
 
 def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off():
@@ -195,8 +195,8 @@ def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off(
     # Named where the config loads, before any data is read: another tier, or a mode that is not Hopper's.
     for overrides in ({"tier": "custom_grouped"}, {"tier": "device_mxfp8", "mxfp8_mode": "mxfp8-te"}):
         with pytest.raises(UserError, match="fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper"):
-            check_tier(load_config(None, {**overrides, "fp8_weight_cache": "false"}), 1)
-    check_tier(load_config(None, {"tier": "device_mxfp8", "fp8_weight_cache": "false"}), 1)  # auto: Hopper's
+            load_run_config(None, {**overrides, "fp8_weight_cache": "false"}, 1)
+    load_run_config(None, {"tier": "device_mxfp8", "fp8_weight_cache": "false"}, 1)  # auto: Hopper's
 
 
 def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_path():

@@ -1,6 +1,7 @@
 """The tier contract: every registered tier is an `ExpertTier`, and the example tier of
 docs/architecture.md ("Adding a tier") runs as the doc says, matching the `loop` tier."""
 
+import ast
 import re
 
 import pytest
@@ -90,3 +91,23 @@ def test_the_registry_and_the_training_loop_import_without_triton_or_te():
               "import te_mixtral.experts.registry, te_mixtral.training.loop, te_mixtral.cli")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_nothing_outside_the_tiers_branches_on_a_tier_name():
+    """A tier's options, checks and memory terms are its own (asked through the registry): no
+    module outside experts/ names a tier or baseline in a string, save config.py's default
+    tier (config stays importable without torch, so it cannot ask the registry)."""
+    names = set(registry.RUN_NAMES)
+    found = []
+    for path in sorted((REPO / "te_mixtral").rglob("*.py")):
+        if "experts" in path.relative_to(REPO / "te_mixtral").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} '{node.value}'")
+    assert found == [f"te_mixtral/config.py:{_default_tier_line()} 'loop'"], found
+
+
+def _default_tier_line() -> int:
+    lines = (REPO / "te_mixtral" / "config.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.lstrip().startswith("tier: str = setting(\"loop\""))

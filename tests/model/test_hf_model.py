@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from te_mixtral.config import load_config
+from te_mixtral.config import load_config, load_run_config
 from te_mixtral.data.packing import batch_from_windows
 from te_mixtral.distributed.layout import Layout
-from te_mixtral.experts.registry import BASELINES, check_tier
+from te_mixtral.experts.registry import BASELINES
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.mixtral import causal_lm_loss
 from te_mixtral.training.loop import build_model
@@ -24,8 +24,7 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("tier,experts", [("hf", "grouped_mm"), ("hf_eager", "eager")])
 def test_baseline_runs_its_experts_implementation_and_matches_loop(tier, experts, monkeypatch):
-    cfg = load_config("configs/tiny.yaml", {**SMALL, "tier": tier})
-    check_tier(cfg, world_size=1)
+    cfg = load_run_config("configs/tiny.yaml", {**SMALL, "tier": tier}, world_size=1)
     hf, ran = build_model(cfg, SINGLE, torch.device("cpu"))
     assert isinstance(hf, HFMixtral) and ran == {"backend": "transformers", "experts": experts}
     assert hf.hf.config._experts_implementation == experts

@@ -9,12 +9,12 @@ import torch
 from conftest import REPO
 from launch import EP_ARGS, train_ep_many
 
-from te_mixtral.config import load_config
+from te_mixtral.config import load_config, load_run_config
 from te_mixtral.data.packing import batch_from_windows
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.base import ExpertTier
-from te_mixtral.experts.registry import check_tier, make_tier
+from te_mixtral.experts.registry import make_tier
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 
@@ -104,7 +104,7 @@ def test_recompute_key_is_checked():
     with pytest.raises(UserError, match="train.recompute must be one of none, selective, full"):
         load_config(None, {"recompute": "layers"})
     with pytest.raises(UserError, match="tier 'hf' runs transformers' model"):
-        check_tier(load_config(None, {"recompute": "full", "tier": "hf"}), world_size=1)
+        load_run_config(None, {"recompute": "full", "tier": "hf"}, world_size=1)
 
 
 @pytest.mark.slow
