@@ -82,6 +82,20 @@ def test_hf_tier_is_single_process():
     assert_one_line_error(proc, "single process")
 
 
+@pytest.mark.parametrize("option", [["--profile_phases", "true"], ["--loss-check", "REFERENCE"]],
+                         ids=["profile_phases", "loss_check"])
+def test_a_diverged_run_with_a_report_option_still_stops_in_one_line(tmp_path, option):
+    """The phase profile and the loss check report a finished run: a run that diverged has
+    neither, and says why it stopped in one line (no traceback from the report)."""
+    reference = tmp_path / "reference.json"
+    reference.write_text(json.dumps({"losses": [5.0] * 4}))
+    option = [str(reference) if arg == "REFERENCE" else arg for arg in option]
+    proc = run_cli(["--steps", "4", "--lr", "1e6", "--grad_clip", "1e9", "--output-dir", str(tmp_path / "out"),
+                    *option])
+    assert proc.returncode == ExitCode.DIVERGED
+    assert_one_line_error(proc, "the gradient norm")
+
+
 def test_diverging_loss_stops_with_the_step(tmp_path):
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"
     proc = run_cli(["--steps", "6", "--lr", "1e6", "--grad_clip", "1e9", "--output-dir", str(tmp_path / "out"),

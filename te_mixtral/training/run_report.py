@@ -99,9 +99,9 @@ def report_run(cfg: RunConfig, layout: Layout, *, header: dict, ran_on: dict, es
             print(evaluations_table(state.evals))
         if generated is not None:
             print(f"generate: {generated['prompt']!r} -> {generated['text']!r}")
-        if cfg.profile_phases:
+        if phases is not None and summary:  # neither when the run stopped early
             print(report.phases_table(extra["phases_ms"], summary["median_step_ms"]))
-        if reference is not None:
+        if "loss_check" in extra:
             print(check.table())
         if path is not None:
             print(f"results: {path}", flush=True)
