@@ -44,6 +44,7 @@ its grouped-tensor path (`describe()["kernel"]` says whether it does).
 """
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -177,6 +178,28 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} ({_sm(torch.cuda.get_device_capability(device))})"
 
 
+@dataclass(frozen=True)
+class DeviceMXFP8Options:
+    """The tier's options. A run config spells them as top-level keys (`mxfp8_mode`,
+    `fp8_min_rows_per_expert`, `fp8_weight_cache`; `lora.rank` > 0 freezes the base), where
+    saved configs and command lines have always had them; the config stays importable
+    without torch, so it holds the keys and this tier reads them (`of`)."""
+
+    mode: str = "auto"  # one of MODES
+    bf16_below: int = 0  # fp8-hopper: fewer rows per local expert run custom_grouped in BF16
+    cache_weights: bool = True  # fp8-hopper: FP8 weight copies kept until the optimizer step
+    frozen_base: bool = False  # LoRA: the experts frozen, held in FP8 alone
+
+    @classmethod
+    def of(cls, cfg) -> "DeviceMXFP8Options":
+        return cls(cfg.mxfp8_mode, cfg.fp8_min_rows_per_expert, cfg.fp8_weight_cache, cfg.lora.enabled)
+
+    @property
+    def hopper_fp8(self) -> bool:
+        """Whether the mode is Hopper's FP8 (asked for, or picked by auto on Hopper)."""
+        return self.mode in ("auto", "fp8-hopper")
+
+
 class DeviceMXFP8Tier(ExpertTier):
     """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `MODES` (see above)."""
 
@@ -206,24 +229,27 @@ class DeviceMXFP8Tier(ExpertTier):
 
     @classmethod
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
-        return cls(cfg.mxfp8_mode, (cfg.model.hidden_size, cfg.model.intermediate_size), cfg.fp8_min_rows_per_expert,
-                   cfg.fp8_weight_cache, frozen_base=cfg.lora.enabled)
+        options = DeviceMXFP8Options.of(cfg)
+        return cls(options.mode, (cfg.model.hidden_size, cfg.model.intermediate_size), options.bf16_below,
+                   options.cache_weights, frozen_base=options.frozen_base)
 
     @classmethod
     def check_options(cls, cfg) -> None:
-        if cfg.mxfp8_mode not in MODES:
-            raise UserError(f"mxfp8_mode must be one of {', '.join(MODES)}, got '{cfg.mxfp8_mode}'")
-        if cfg.fp8_min_rows_per_expert < 0:
-            raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {cfg.fp8_min_rows_per_expert}")
-        if not cfg.fp8_weight_cache and (cfg.tier != cls.name or cfg.mxfp8_mode not in ("auto", "fp8-hopper")):
-            raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != cls.name else f"mode '{cfg.mxfp8_mode}'")
+        options = DeviceMXFP8Options.of(cfg)
+        if options.mode not in MODES:
+            raise UserError(f"mxfp8_mode must be one of {', '.join(MODES)}, got '{options.mode}'")
+        if options.bf16_below < 0:
+            raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {options.bf16_below}")
+        if not options.cache_weights and (cfg.tier != cls.name or not options.hopper_fp8):
+            raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != cls.name else f"mode '{options.mode}'")
 
     @classmethod
     def check(cls, cfg) -> None:
-        if cfg.lora.enabled and cfg.mxfp8_mode not in ("auto", "fp8-hopper"):
+        options = DeviceMXFP8Options.of(cfg)
+        if options.frozen_base and not options.hopper_fp8:
             raise UserError(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) "
-                            f"only, not in mode '{cfg.mxfp8_mode}'")
-        if cfg.lora.enabled and not cfg.fp8_weight_cache:
+                            f"only, not in mode '{options.mode}'")
+        if options.frozen_base and not options.cache_weights:
             raise UserError("fp8_weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
                             "base is held in FP8 alone, and there is no copy to drop")
 
@@ -236,14 +262,16 @@ class DeviceMXFP8Tier(ExpertTier):
         # With LoRA it holds the frozen experts in FP8 alone (a byte per element and a float32
         # scale per row, in place of the base's dtype), runs every call in FP8 and caches no copy:
         # a layer's backward casts the dgrad orientation, a byte per element, while it runs.
+        options = DeviceMXFP8Options.of(cfg)
         cuda = device == "cuda"
-        frozen = cfg.lora.enabled and cuda
-        return ExpertMemory(fused_hidden=cuda, frozen_fp8=frozen, weight_cache=cfg.fp8_weight_cache,
-                            fp8=frozen or (cuda and runs_fp8(rows, local_experts, cfg.fp8_min_rows_per_expert)))
+        frozen = options.frozen_base and cuda
+        return ExpertMemory(fused_hidden=cuda, frozen_fp8=frozen, weight_cache=options.cache_weights,
+                            fp8=frozen or (cuda and runs_fp8(rows, local_experts, options.bf16_below)))
 
     @classmethod
     def lighter(cls, cfg) -> list[tuple[str, dict]]:
-        if cfg.mxfp8_mode in ("auto", "fp8-hopper") and cfg.fp8_weight_cache and not cfg.lora.enabled:
+        options = DeviceMXFP8Options.of(cfg)
+        if options.hopper_fp8 and options.cache_weights and not options.frozen_base:
             return [("--fp8_weight_cache false", {"fp8_weight_cache": False})]
         return []
 
