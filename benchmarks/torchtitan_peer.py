@@ -26,12 +26,16 @@ How it is configured (torchtitan 0.3.0's classes; its Qwen3-MoE registry,
   block-causal mask per document, built by the model's `get_attention_masks` from the
   per-document positions) or `varlen` (`VarlenAttention`, the flash varlen kernel).
 - parallelism: as its `Trainer` sets it up. `init_distributed`, `ParallelDims` from a
-  `ParallelismConfig(expert_parallel_degree=--ep, data_parallel_shard_degree=-1)` (its
-  default `spmd_backend`, `spmd_types`), `update_from_config` (the EP sharding plan), the
-  model built on the meta device, `parallelize_qwen3` (EP over the experts, FSDP2 over the
-  rest with its `MixedPrecisionPolicy`: fp32 parameters and gradients, bf16 compute, fp32
+  `ParallelismConfig(expert_parallel_degree=--ep, data_parallel_shard_degree=-1,
+  spmd_backend="partial_dtensor")`, `update_from_config` (the EP sharding plan), the model
+  built on the meta device, `parallelize_qwen3` (EP over the experts, FSDP2 over the rest
+  with its `MixedPrecisionPolicy`: fp32 parameters and gradients, bf16 compute, fp32
   reduce), `to_empty` and `init_weights`. No activation checkpointing, no compile
-  (torchtitan's defaults for this path; its recipes usually turn both on).
+  (torchtitan's defaults for this path; its recipes usually turn both on). The SPMD backend
+  is `partial_dtensor` (DTensor on the model-parallel axes only), not 0.3.0's default
+  `spmd_types`: built this way, `spmd_types` stops in FSDP ("all parameters must be
+  DTensors on the full SPMD mesh"), so it needs more of the Trainer than this script
+  reproduces.
 - input: one packed row per GPU per step, as benchmarks/peer_workload.py gives our peers
   (by default our own run's rows for this rank, same tokens and document edges; with
   `--doc-len`, random tokens in documents of that length), passed as torchtitan's
@@ -57,7 +61,7 @@ synchronised host clocks, `--warmup` steps left out, median step time, tokens/s 
 TFLOP/s per GPU from `train_flops` summed over the ranks' rows (attention per document),
 rank 0's peak memory.
 
-Versions. torchtitan 0.3.0 (`pip install torchtitan`, or the `peer` extra) is the release
+Versions. torchtitan 0.3.0 (`pip install -e .[torchtitan-peer]`) is the release
 this script is written against; its own release notes (docs/release.md) pair it with torch
 2.14, and it imports and builds this model against torch 2.13 on a CPU. Its releases follow
 PyTorch's minor releases: by date, 0.2.2 (February 2026) is the one for torch 2.11, and its
@@ -68,7 +72,8 @@ On a CPU, torchtitan's language-model attention backends cannot train (FlexAtten
 CPU backward, varlen needs CUDA): the script refuses a machine without CUDA, and its tests
 build the model, run its forward and its MoE's backward on a CPU.
 
-From the repository root, on CUDA machines with torchtitan installed:
+From the repository root, on CUDA machines with torchtitan installed, always under torchrun
+(`--nproc-per-node 1` for one GPU):
 
     torchrun --nproc-per-node 2 -m benchmarks.torchtitan_peer --layers 16 [--ep 2] \\
         [--config configs/mixtral-8x7b-8layer.yaml] [--steps 30] [--warmup 5] [--json out.json]
@@ -193,7 +198,8 @@ def build_parallel(m, attention: str, ep: int):
     world_size = dist_utils.init_distributed(CommConfig())
     if world_size % ep or m.num_experts % ep:
         raise UserError(f"--ep {ep} must divide the {world_size} ranks and the {m.num_experts} experts")
-    parallelism = ParallelismConfig(expert_parallel_degree=ep, data_parallel_shard_degree=-1)
+    parallelism = ParallelismConfig(expert_parallel_degree=ep, data_parallel_shard_degree=-1,
+                                    spmd_backend="partial_dtensor")  # see the module docstring
     parallel_dims = ParallelDims.from_config(parallelism, world_size)
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     parallel_dims.build_mesh()
@@ -219,8 +225,10 @@ def run(args, cfg) -> dict:
     m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
     if not torch.cuda.is_available():
         raise UserError("the torchtitan peer needs CUDA GPUs (its attention cannot train on a CPU), and none is visible")
+    if "LOCAL_RANK" not in os.environ:
+        raise UserError("launch it with torchrun, as torchtitan runs (--nproc-per-node 1 for one GPU)")
     if package_version("torchtitan") is None:
-        raise UserError("torchtitan is not installed: pip install torchtitan (see this script's --help for the version)")
+        raise UserError("torchtitan is not installed: pip install -e .[torchtitan-peer] (--help says which torch it needs)")
     ep = args.ep or int(os.environ.get("WORLD_SIZE", 1))
     model, device, world_size, rank = build_parallel(m, args.attention, ep)
     header = common.run_header(device, torchtitan=package_version("torchtitan"), world_size=world_size,
