@@ -29,8 +29,13 @@ How it is configured (torchtitan 0.3.0's classes; its Qwen3-MoE registry,
   `ParallelismConfig(expert_parallel_degree=--ep, data_parallel_shard_degree=-1,
   spmd_backend="partial_dtensor")`, `update_from_config` (the EP sharding plan), the model
   built on the meta device, `parallelize_qwen3` (EP over the experts, FSDP2 over the rest
-  with its `MixedPrecisionPolicy`: fp32 parameters and gradients, bf16 compute, fp32
-  reduce), `to_empty` and `init_weights`. No activation checkpointing, no compile
+  with its `MixedPrecisionPolicy`: bf16 compute, fp32 reduce), `to_empty` and
+  `init_weights`. `--dtype` is its `training.dtype`: `float32` (its default: fp32
+  parameters, gradients and AdamW states, bf16 copies all-gathered for compute) or
+  `bfloat16` (its full-bf16 training: all of them in bf16, no fp32 copy). The fp32 states
+  take 16 bytes a parameter: 16 layers of 8x7B (23.5 B parameters) need about 190 GB a GPU
+  over two GPUs before any activation, more than an H200 holds, so that load needs at least
+  `--dtype bfloat16` (8 bytes a parameter, about 94 GB a GPU before activations). No activation checkpointing, no compile
   (torchtitan's defaults for this path; its recipes usually turn both on). The SPMD backend
   is `partial_dtensor` (DTensor on the model-parallel axes only), not 0.3.0's default
   `spmd_types`: built this way, `spmd_types` stops in FSDP ("all parameters must be
@@ -179,9 +184,10 @@ def train_step(model, optimizer, batch: dict):
     return loss.detach()
 
 
-def build_parallel(m, attention: str, ep: int):
-    """The model as torchtitan's Trainer builds it under torchrun (module docstring); the
-    model, this rank's device, the world size and this rank."""
+def build_parallel(m, attention: str, ep: int, dtype: str, device):
+    """The model on `device` as torchtitan's Trainer builds it under torchrun (module
+    docstring), and the world size. torchtitan's `init_distributed` starts NCCL, or keeps
+    the process group already started."""
     import torch
     from torchtitan.config import (
         CommConfig,
@@ -192,9 +198,8 @@ def build_parallel(m, attention: str, ep: int):
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.tools.utils import set_default_dtype
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
     world_size = dist_utils.init_distributed(CommConfig())
     if world_size % ep or m.num_experts % ep:
         raise UserError(f"--ep {ep} must divide the {world_size} ranks and the {m.num_experts} experts")
@@ -206,15 +211,16 @@ def build_parallel(m, attention: str, ep: int):
 
     config = mixtral_config(m, attention)
     config.update_from_config(config=argparse.Namespace(parallelism=parallelism))
-    with torch.device("meta"):
+    training = TrainingConfig(dtype=dtype)
+    with torch.device("meta"), set_default_dtype(getattr(torch, dtype)):
         model = config.build()
-    model = parallelize_qwen3(model, parallel_dims=parallel_dims, training=TrainingConfig(), parallelism=parallelism,
+    model = parallelize_qwen3(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                               compile_config=CompileConfig(), ac_config=None, dump_folder="")
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    return model, device, world_size, torch.distributed.get_rank()
+    return model, world_size
 
 
 def run(args, cfg) -> dict:
@@ -230,7 +236,10 @@ def run(args, cfg) -> dict:
     if package_version("torchtitan") is None:
         raise UserError("torchtitan is not installed: pip install -e .[torchtitan-peer] (--help says which torch it needs)")
     ep = args.ep or int(os.environ.get("WORLD_SIZE", 1))
-    model, device, world_size, rank = build_parallel(m, args.attention, ep)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    model, world_size = build_parallel(m, args.attention, ep, args.dtype, device)
+    rank = torch.distributed.get_rank()
     header = common.run_header(device, torchtitan=package_version("torchtitan"), world_size=world_size,
                                expert_parallel=ep)
     if rank == 0:
@@ -265,7 +274,8 @@ def run(args, cfg) -> dict:
                      "steps": args.steps, "timing_warmup_steps": args.warmup, "lr": cfg.train.lr,
                      "attention": args.attention, "world_size": world_size, "expert_parallel": ep,
                      "experts": "GroupedExperts (torch._grouped_mm), AllToAllTokenDispatcher",
-                     "optimizer": "torch.optim.AdamW(fused=True), FSDP2 fp32 parameters, bf16 compute"},
+                     "dtype": args.dtype,
+                     "optimizer": f"torch.optim.AdamW(fused=True), FSDP2 {args.dtype} parameters, bf16 compute"},
         "summary": summary,
         "step_ms": [t * 1e3 for t in timer.times],
         "loss": losses,
@@ -297,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: every rank)")
     parser.add_argument("--attention", choices=ATTENTION, default="flex",
                         help="torchtitan's attention backend (default: flex, its default)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="torchtitan's training.dtype: of parameters, gradients and AdamW states (default: "
+                             "float32, its default; compute is bf16 either way)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     parser.add_argument("--doc-len", type=int, default=None,
