@@ -35,8 +35,9 @@ How it is configured (torchtitan 0.3.0's classes; its Qwen3-MoE registry,
   `bfloat16` (its full-bf16 training: all of them in bf16, no fp32 copy). The fp32 states
   take 16 bytes a parameter: 16 layers of 8x7B (23.5 B parameters) need about 190 GB a GPU
   over two GPUs before any activation, more than an H200 holds, so that load needs at least
-  `--dtype bfloat16` (8 bytes a parameter, about 94 GB a GPU before activations). No activation checkpointing, no compile
-  (torchtitan's defaults for this path; its recipes usually turn both on). The SPMD backend
+  `--dtype bfloat16` (8 bytes a parameter, about 94 GB a GPU before activations). No
+  activation checkpointing, no compile (torchtitan's defaults for this path; its recipes
+  usually turn both on). The SPMD backend
   is `partial_dtensor` (DTensor on the model-parallel axes only), not 0.3.0's default
   `spmd_types`: built this way, `spmd_types` stops in FSDP ("all parameters must be
   DTensors on the full SPMD mesh"), so it needs more of the Trainer than this script
@@ -44,19 +45,22 @@ How it is configured (torchtitan 0.3.0's classes; its Qwen3-MoE registry,
 - input: one packed row per GPU per step, as benchmarks/peer_workload.py gives our peers
   (by default our own run's rows for this rank, same tokens and document edges; with
   `--doc-len`, random tokens in documents of that length), passed as torchtitan's
-  dataloaders pass it: `tokens`, per-document `positions`, labels shifted one left with
-  -100 at each document's first token and at the row's end.
-- step: forward, cross entropy in fp32 over the logits (torchtitan's loss is the same
-  sum over non-ignored tokens; its `ChunkedLossWrapper` chunks the LM head to save memory),
-  backward, `torch.optim.AdamW(fused=True)` over its fp32 parameters at our lr (betas 0.9,
-  0.95 and weight decay 0.1, its `default_adamw`), `zero_grad`; no clipping, no schedule.
+  dataloaders pass it: `tokens`, per-document `positions`, labels shifted one left, -100
+  where the target would be the next document's first token and at the row's end.
+- step: forward, cross entropy in fp32 over the logits, averaged over the predicted tokens
+  (torchtitan's `CrossEntropyLoss` sums and its trainer divides by the token count; its
+  `ChunkedLossWrapper`, which applies the LM head chunk by chunk to save memory, is not
+  used), backward, `torch.optim.AdamW(fused=True)` over its parameters at our lr (betas
+  0.9, 0.95 and weight decay 0.1, its `default_adamw`), `zero_grad`; no clipping, no
+  schedule.
 
 What torchtitan does that we do not: its FSDP2 keeps fp32 parameters and all-gathers bf16
-copies, where our `master_adamw` core keeps bf16 parameters with fp32 master copies in the
-optimizer; FlexAttention (compiled, block-sparse over the document mask) where we call TE's
-or flash-attention's varlen kernels; an auxiliary-loss-free balancing bias (off here) and
-DeepEP / HybridEP dispatchers (`comm_backend`), MXFP8 / NVFP4 converters, pipeline, context
-and tensor parallelism. What we do that it does not: Mixtral itself (HF checkpoints in and
+copies for compute (16 bytes a parameter), where our `master_adamw` core keeps bf16
+parameters and the fp32 master as a 16-bit remainder in the optimizer (10 to 14 bytes);
+FlexAttention (compiled, block-sparse over the document mask) where we call TE's
+`DotProductAttention` over the packed documents; an auxiliary-loss-free balancing bias (off
+here) and DeepEP / HybridEP dispatchers (`comm_backend`), MXFP8 / NVFP4 converters,
+pipeline, context and tensor parallelism. What we do that it does not: Mixtral itself (HF checkpoints in and
 out), the auxiliary load-balancing and z losses, expert tiers chosen by name with the `loop`
 reference, our Triton grouped GEMMs and FP8 experts, LoRA, and the memory estimate that picks
 recompute.
@@ -66,12 +70,15 @@ synchronised host clocks, `--warmup` steps left out, median step time, tokens/s 
 TFLOP/s per GPU from `train_flops` summed over the ranks' rows (attention per document),
 rank 0's peak memory.
 
-Versions. torchtitan 0.3.0 (`pip install -e .[torchtitan-peer]`) is the release
-this script is written against; its own release notes (docs/release.md) pair it with torch
-2.14, and it imports and builds this model against torch 2.13 on a CPU. Its releases follow
-PyTorch's minor releases: by date, 0.2.2 (February 2026) is the one for torch 2.11, and its
-API is another one (`torchtitan/models/moe`, TOML job configs): this script does not run on
-it. Whether 0.3.0 runs on torch 2.11 has not been checked.
+Versions. torchtitan 0.3.0 (`pip install -e .[torchtitan-peer]`) is the release this
+script is written against; its own release notes (docs/release.md) pair it with torch 2.14,
+and it imports, builds this model and runs its forward (EP 1 and 2 over gloo) against torch
+2.13 on a CPU. Its releases follow PyTorch's minor releases; the one for torch 2.11 is,
+by date, 0.2.2 (built in February 2026, before torch 2.11), whose API is another one
+(`torchtitan/models/moe`, TOML job configs): this script does not run on it. 0.3.0 on torch
+2.11 is unchecked, and likely to stop at the flex mask: its `Decoder` passes
+`separate_full_blocks` to torch's `create_block_mask`, which stable torch 2.12 does not
+take yet (pytorch/torchtitan#3811); `--attention varlen` does not build that mask.
 
 On a CPU, torchtitan's language-model attention backends cannot train (FlexAttention has no
 CPU backward, varlen needs CUDA): the script refuses a machine without CUDA, and its tests
