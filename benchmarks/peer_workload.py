@@ -84,6 +84,6 @@ def report(peer: str, result: dict, json_path: Path | None) -> None:
     s = result["summary"]
     mfu = f"{100 * s['mfu']:.0f}%" if s["mfu"] is not None else "n/a"
     print(f"{peer} on {result['header']['device']}: median {s['median_step_ms']:.1f} ms/step, "
-          f"{s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s']:.0f} tokens/s, "
+          f"{s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
           f"peak {s['peak_memory_gib']:.1f} GiB, loss {result['loss'][0]:.3f} -> {result['loss'][-1]:.3f}")
     write_json(json_path, result)

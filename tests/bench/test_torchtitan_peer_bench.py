@@ -1,9 +1,9 @@
-"""benchmarks/torchtitan_peer.py, the parts that run without a GPU: refusing bad arguments in
-one line before importing anything heavy, and refusing a machine without CUDA; where
-torchtitan imports, the model it builds has our Mixtral's parameters, keeps attention inside
-each packed document, and its MoE trains on a CPU. A whole training step needs CUDA:
-torchtitan's attention backends have no CPU backward, which the last test checks rather than
-assumes."""
+"""benchmarks/torchtitan_peer.py (and peer_workload.py's rows per rank and figures per GPU),
+the parts that run without a GPU: refusing bad arguments in one line before importing
+anything heavy, and refusing a machine without CUDA; where torchtitan imports, the model it
+builds has our Mixtral's parameters, keeps attention inside each packed document, and its
+MoE trains on a CPU. A whole training step needs CUDA: torchtitan's attention backends have
+no CPU backward, which `test_a_training_step_on_cpu_or_why_not` checks rather than assumes."""
 
 import argparse
 import ast
@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from benchmarks.peer_workload import random_rows
+from benchmarks.peer_workload import our_rows, random_rows, summarize_steps
 from benchmarks.torchtitan_peer import titan_inputs, workload_config
 from te_mixtral.measure.model_state import count_parameters
 
@@ -132,3 +132,22 @@ def test_a_training_step_on_cpu_or_why_not():
             raise
         pytest.skip("torchtitan's attention (FlexAttention) has no backward on a CPU: the step runs on GPUs only")
     assert torch.isfinite(loss)
+
+
+def test_each_data_parallel_rank_trains_on_its_own_rows():
+    from te_mixtral.data.packing import PackedData
+
+    cfg = _tiny_cfg()
+    for rank in range(2):
+        (row,) = our_rows(cfg, 1, "cpu", rank, 2)
+        (batch,) = PackedData(cfg.data, cfg.train.batch_size, rank, 2, cfg.train.seed).micro_batches(0)
+        assert torch.equal(row["input_ids"], batch.input_ids.reshape(1, -1))
+        assert torch.equal(row["cu_seq_lens_q"], batch.packed.cu_seqlens)
+    assert not torch.equal(our_rows(cfg, 1, "cpu", 0, 2)[0]["input_ids"], our_rows(cfg, 1, "cpu", 1, 2)[0]["input_ids"])
+
+
+def test_figures_are_per_gpu_over_the_ranks():
+    # Two GPUs, 2 s steps, 4000 tokens and 8e12 FLOPs a step over both: 1000 tokens/s and 2 TFLOP/s per GPU.
+    summary = summarize_steps([9.0, 2.0, 2.0], 1, 4000, [1.0, 8e12, 8e12], torch.device("cpu"), world_size=2)
+    assert summary["median_step_ms"] == 2000.0
+    assert summary["tokens_per_s_per_gpu"] == 1000.0 and summary["tflops_per_gpu"] == 2.0
