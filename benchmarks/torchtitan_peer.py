@@ -245,13 +245,13 @@ def run(args, cfg) -> dict:
     ep = args.ep or int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
+    torch.manual_seed(cfg.train.seed)  # the same on every rank: its init draws whole tensors, then shards them
     model, world_size = build_parallel(m, args.attention, ep, args.dtype, device)
     rank = torch.distributed.get_rank()
     header = common.run_header(device, torchtitan=package_version("torchtitan"), world_size=world_size,
                                expert_parallel=ep)
     if rank == 0:
         print(common.header_line(header), flush=True)
-    torch.manual_seed(cfg.train.seed + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=BETAS, weight_decay=WEIGHT_DECAY,
                                   fused=True)
 
