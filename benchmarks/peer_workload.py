@@ -4,7 +4,8 @@ te_example.py (TE's own example), peft_peer.py (transformers + PEFT) and torchti
 (torchtitan's MoE) train a peer at our workload: one packed row per GPU per step, either the
 rows our own run of the config trains on (`our_rows`: same tokens, same document edges, each
 data-parallel rank its own) or random tokens in documents of one length (`random_rows`), in
-the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`).
+the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives
+the per-document positions transformers and torchtitan take instead of the edges.
 `check_steps` refuses the step counts and document length none can run; `summarize_steps`
 turns the timed steps into our runs' figures (te_mixtral/measure/metrics.py); `report` prints a
 peer run's one-line summary and writes its --json.
@@ -35,6 +36,16 @@ def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
     return {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids),
             "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
             "max_length_k": max_length}
+
+
+def document_positions(cu_seqlens):
+    """Each token's position in its own document, restarting at 0 at each document edge:
+    [1, T] for a row of T tokens. How transformers and torchtitan see packed documents."""
+    import torch
+
+    cu_seqlens = cu_seqlens.long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
+    return (torch.arange(int(cu_seqlens[-1]), device=starts.device) - starts).unsqueeze(0)
 
 
 def our_rows(cfg, steps: int, device, rank: int = 0, world_size: int = 1) -> list[dict]:

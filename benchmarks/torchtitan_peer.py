@@ -99,6 +99,7 @@ from functools import partial
 from benchmarks import common
 from benchmarks.peer_workload import (
     check_steps,
+    document_positions,
     our_rows,
     random_rows,
     report,
@@ -162,14 +163,10 @@ def titan_inputs(row: dict) -> dict:
     tokens, positions restarting at each document, and labels already shifted."""
     import torch
 
-    cu_seqlens = row["cu_seq_lens_q"].long()
-    lengths = cu_seqlens.diff()
-    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
-    positions = (torch.arange(int(cu_seqlens[-1]), device=starts.device) - starts).unsqueeze(0)
     # thd_row's labels are the tokens (transformers shifts them in its loss), with -100 at
     # each document's first token; torchtitan's loss takes them shifted: token i predicts i+1.
     labels = torch.cat([row["labels"][:, 1:], torch.full_like(row["labels"][:, :1], -100)], dim=1)
-    return {"tokens": row["input_ids"], "positions": positions, "labels": labels}
+    return {"tokens": row["input_ids"], "positions": document_positions(row["cu_seq_lens_q"]), "labels": labels}
 
 
 def loss_of(model, batch: dict):
@@ -245,7 +242,7 @@ def run(args, cfg) -> dict:
     ep = args.ep or int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
-    torch.manual_seed(cfg.train.seed)  # the same on every rank: its init draws whole tensors, then shards them
+    torch.manual_seed(cfg.train.seed)  # the same on every rank, as torchtitan's set_determinism seeds them
     model, world_size = build_parallel(m, args.attention, ep, args.dtype, device)
     rank = torch.distributed.get_rank()
     header = common.run_header(device, torchtitan=package_version("torchtitan"), world_size=world_size,
