@@ -239,7 +239,7 @@ def run(args, cfg) -> dict:
         raise UserError("launch it with torchrun, as torchtitan runs (--nproc-per-node 1 for one GPU)")
     if package_version("torchtitan") is None:
         raise UserError("torchtitan is not installed: pip install -e .[torchtitan-peer] (--help says which torch it needs)")
-    ep = args.ep or int(os.environ.get("WORLD_SIZE", 1))
+    ep = args.ep or int(os.environ["WORLD_SIZE"])  # default: every rank torchrun started
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     torch.manual_seed(cfg.train.seed)  # the same on every rank, as torchtitan's set_determinism seeds them
