@@ -84,9 +84,10 @@ On a CPU, torchtitan's language-model attention backends cannot train (FlexAtten
 CPU backward, varlen needs CUDA): the script refuses a machine without CUDA, and its tests
 build the model, run its forward and its MoE's backward on a CPU.
 
-From the repository root, on CUDA machines with torchtitan installed, always under torchrun
-(`--nproc-per-node 1` for one GPU):
+From the repository root, on CUDA machines with torchtitan installed; on one GPU, or on
+several under torchrun (every rank holds E / --ep experts):
 
+    python3 -m benchmarks.torchtitan_peer --layers 2 [--attention varlen] [--dtype bfloat16]
     torchrun --nproc-per-node 2 -m benchmarks.torchtitan_peer --layers 16 [--ep 2] \\
         [--config configs/mixtral-8x7b-8layer.yaml] [--steps 30] [--warmup 5] [--json out.json]
 """
@@ -235,13 +236,15 @@ def run(args, cfg) -> dict:
     m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
     if not torch.cuda.is_available():
         raise UserError("the torchtitan peer needs CUDA GPUs (its attention cannot train on a CPU), and none is visible")
-    if "LOCAL_RANK" not in os.environ:
-        raise UserError("launch it with torchrun, as torchtitan runs (--nproc-per-node 1 for one GPU)")
     if package_version("torchtitan") is None:
         raise UserError("torchtitan is not installed: pip install -e .[torchtitan-peer] (--help says which torch it needs)")
-    ep = args.ep or int(os.environ["WORLD_SIZE"])  # default: every rank torchrun started
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    ep = args.ep or int(os.environ.get("WORLD_SIZE", "1"))  # default: every rank torchrun started
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
+    if "LOCAL_RANK" not in os.environ:
+        # One GPU without torchrun: a process group of one, which torchtitan's init_distributed keeps.
+        torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                             device_id=device)
     torch.manual_seed(cfg.train.seed)  # the same on every rank, as torchtitan's set_determinism seeds them
     model, world_size = build_parallel(m, args.attention, ep, args.dtype, device)
     rank = torch.distributed.get_rank()
