@@ -1,10 +1,12 @@
 """The workload the peer benchmarks train on, and how they report it.
 
-te_example.py (TE's own example) and peft_peer.py (transformers + PEFT) train a peer at our
-workload: one packed row per step, either the rows our own run of the config trains on
-(`our_rows`: same tokens, same document edges) or random tokens in documents of one length
-(`random_rows`), in the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`).
-`check_steps` refuses the step counts and document length neither can run; `summarize_steps`
+te_example.py (TE's own example), peft_peer.py (transformers + PEFT) and torchtitan_peer.py
+(torchtitan's MoE) train a peer at our workload: one packed row per GPU per step, either the
+rows our own run of the config trains on (`our_rows`: same tokens, same document edges, each
+data-parallel rank its own) or random tokens in documents of one length (`random_rows`), in
+the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives
+the per-document positions transformers and torchtitan take instead of the edges.
+`check_steps` refuses the step counts and document length none can run; `summarize_steps`
 turns the timed steps into our runs' figures (te_mixtral/measure/metrics.py); `report` prints a
 peer run's one-line summary and writes its --json.
 
@@ -36,12 +38,22 @@ def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
             "max_length_k": max_length}
 
 
-def our_rows(cfg, steps: int, device, rank: int = 0, world: int = 1) -> list[dict]:
-    """The rows our run of this config trains on at each step: same tokens, same documents;
-    under a launch of `world` processes, those of data-parallel rank `rank`."""
+def document_positions(cu_seqlens):
+    """Each token's position in its own document, restarting at 0 at each document edge:
+    [1, T] for a row of T tokens. How transformers and torchtitan see packed documents."""
+    import torch
+
+    cu_seqlens = cu_seqlens.long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
+    return (torch.arange(int(cu_seqlens[-1]), device=starts.device) - starts).unsqueeze(0)
+
+
+def our_rows(cfg, steps: int, device, rank: int = 0, world_size: int = 1) -> list[dict]:
+    """The rows our run of this config trains on at each step, on `rank` of `world_size`
+    data-parallel ranks: same tokens, same documents."""
     from te_mixtral.data.packing import PackedData
 
-    data = PackedData(cfg.data, cfg.train.batch_size, rank, world, cfg.train.seed)
+    data = PackedData(cfg.data, cfg.train.batch_size, rank, world_size, cfg.train.seed)
     rows = []
     for step in range(steps):
         (batch,) = data.micro_batches(step)
@@ -62,9 +74,11 @@ def random_rows(cfg, steps: int, doc_len: int, generator, device) -> list[dict]:
                     cu_seqlens, min(doc_len, seq_len)) for _ in range(steps)]
 
 
-def summarize_steps(step_s: list[float], warmup: int, tokens_per_step: int, flops: list[float], device) -> dict:
-    """Median step time, tokens/s, model TFLOP/s and MFU per GPU and peak memory of one GPU's
-    steps (`warmup` of them left out), as our runs' summaries give them."""
+def summarize_steps(step_s: list[float], warmup: int, tokens_per_step: int, flops: list[float], device,
+                    world_size: int = 1) -> dict:
+    """Median step time, tokens/s, model TFLOP/s and MFU per GPU and this GPU's peak memory
+    (`warmup` steps left out), as our runs' summaries give them; `tokens_per_step` and
+    `flops` are summed over the `world_size` GPUs."""
     from te_mixtral.measure.metrics import (
         device_name,
         peak_flops,
@@ -72,7 +86,7 @@ def summarize_steps(step_s: list[float], warmup: int, tokens_per_step: int, flop
         summarize,
     )
 
-    return summarize(step_s, warmup, tokens_per_step, 1, flops, peak_flops(device_name(device)),
+    return summarize(step_s, warmup, tokens_per_step, world_size, flops, peak_flops(device_name(device)),
                      peak_memory_bytes(device))
 
 
@@ -81,6 +95,6 @@ def report(peer: str, result: dict, json_path: Path | None) -> None:
     s = result["summary"]
     mfu = f"{100 * s['mfu']:.0f}%" if s["mfu"] is not None else "n/a"
     print(f"{peer} on {result['header']['device']}: median {s['median_step_ms']:.1f} ms/step, "
-          f"{s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s']:.0f} tokens/s, "
+          f"{s['tflops_per_gpu']:.0f} TFLOP/s/GPU (MFU {mfu}), {s['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
           f"peak {s['peak_memory_gib']:.1f} GiB, loss {result['loss'][0]:.3f} -> {result['loss'][-1]:.3f}")
     write_json(json_path, result)

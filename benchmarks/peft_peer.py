@@ -69,6 +69,7 @@ from dataclasses import replace
 from benchmarks import common
 from benchmarks.peer_workload import (
     check_steps,
+    document_positions,
     our_rows,
     random_rows,
     report,
@@ -111,13 +112,8 @@ def packed_row(thd: dict) -> dict:
     """A THD row (peer_workload.py's `thd_row`) in transformers' packed-sequence convention:
     position_ids restarting at each document, and no attention_mask (with one, transformers
     would not look for the documents in the position_ids)."""
-    import torch
-
-    cu_seqlens = thd["cu_seq_lens_q"].long()
-    lengths = cu_seqlens.diff()
-    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
-    position_ids = (torch.arange(int(cu_seqlens[-1]), device=starts.device) - starts).unsqueeze(0)
-    return {"input_ids": thd["input_ids"], "labels": thd["labels"], "position_ids": position_ids}
+    return {"input_ids": thd["input_ids"], "labels": thd["labels"],
+            "position_ids": document_positions(thd["cu_seq_lens_q"])}
 
 
 def train_step(model, optimizer, batch: dict, autocast_dtype=None):

@@ -1,0 +1,153 @@
+"""benchmarks/torchtitan_peer.py (and peer_workload.py's rows per rank and figures per GPU),
+the parts that run without a GPU: refusing bad arguments in one line before importing
+anything heavy, and refusing a machine without CUDA; where torchtitan imports, the model it
+builds has our Mixtral's parameters, keeps attention inside each packed document, and its
+MoE trains on a CPU. A whole training step needs CUDA: torchtitan's attention backends have
+no CPU backward, which `test_a_training_step_on_cpu_or_why_not` checks rather than assumes."""
+
+import argparse
+import ast
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+from benchmarks.peer_workload import our_rows, random_rows, summarize_steps
+from benchmarks.torchtitan_peer import titan_inputs, workload_config
+from te_mixtral.measure.model_state import count_parameters
+
+TINY = str(REPO / "configs/tiny.yaml")
+
+
+def _tiny_cfg():
+    return workload_config(argparse.Namespace(config=TINY, layers=1))
+
+
+def _tiny_model(cfg):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (the `peer` extra)")
+    from benchmarks.torchtitan_peer import mixtral_config
+
+    torch.manual_seed(0)
+    model = mixtral_config(cfg.model, "flex").build()
+    model.init_weights()
+    return model
+
+
+def test_bad_arguments_are_refused_in_one_line_before_heavy_imports():
+    cases = [
+        (["--steps", "5", "--warmup", "5"], "--warmup 5 must leave some of the --steps 5 to time"),
+        (["--doc-len", "0"], "--doc-len must be positive, got 0"),
+        (["--layers", "0"], "--layers must be positive, got 0"),
+        (["--ep", "0"], "--ep must be positive, got 0"),
+        (["--config", "configs/missing.yaml"], "cannot read config configs/missing.yaml: No such file or directory"),
+        (["--json", "/nonexistent/out.json"], "--json /nonexistent/out.json: no folder /nonexistent to write it in"),
+    ]
+    script = ("import contextlib, io, sys\nfrom benchmarks.torchtitan_peer import main\n"
+              f"for args in {[args for args, _ in cases]!r}:\n"
+              "    err = io.StringIO()\n"
+              "    with contextlib.redirect_stderr(err):\n"
+              "        code = main(args)\n"
+              "    print(code, repr(err.getvalue()))\n"
+              "print(sorted(m for m in ('torch', 'torchtitan') if m in sys.modules))\n")
+    probe = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                           check=False)
+    lines = probe.stdout.splitlines()
+    assert len(lines) == len(cases) + 1, probe.stdout + probe.stderr
+    for line, (args, message) in zip(lines, cases):
+        code, stderr = line.split(" ", 1)
+        stderr = ast.literal_eval(stderr)  # the repr printed above
+        assert code == "2" and stderr == f"torchtitan_peer: error: {message}\n", (args, stderr)
+    assert lines[-1] == "[]"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_machine_without_cuda_is_refused_in_one_line():
+    result = subprocess.run([sys.executable, "-m", "benchmarks.torchtitan_peer", "--config", TINY], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("torchtitan_peer: error: the torchtitan peer needs CUDA GPUs (its attention cannot "
+                             "train on a CPU), and none is visible\n")
+
+
+def test_inputs_are_torchtitans_packed_batch():
+    cfg = _tiny_cfg()
+    (row,) = random_rows(cfg, 1, 50, torch.Generator().manual_seed(0), "cpu")
+    batch = titan_inputs(row)
+    tokens, labels = batch["tokens"][0], batch["labels"][0]
+    assert batch["positions"][0, 48:53].tolist() == [48, 49, 0, 1, 2]
+    # Token i predicts token i + 1, except the last token of each document and of the row.
+    ends = row["cu_seq_lens_q"][1:] - 1
+    assert len(ends) > 4 and (labels == -100).nonzero().flatten().tolist() == ends.tolist()
+    kept = labels != -100
+    assert torch.equal(labels[kept], tokens[1:][kept[:-1]])
+
+
+def test_the_model_holds_our_mixtrals_parameters():
+    cfg = _tiny_cfg()
+    model = _tiny_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg.model).total
+    experts = model.layers["0"].moe.routed_experts.inner_experts
+    m = cfg.model
+    assert experts.w1_EFD.shape == (m.num_experts, m.intermediate_size, m.hidden_size)
+    assert model.layers["0"].moe.router.top_k == m.num_experts_per_tok
+
+
+def test_packed_documents_attend_only_to_themselves():
+    cfg = _tiny_cfg()
+    model = _tiny_model(cfg).eval()
+    (row,) = random_rows(cfg, 1, 50, torch.Generator().manual_seed(0), "cpu")
+    batch = titan_inputs(row)
+    with torch.no_grad():
+        packed = model(batch["tokens"], batch["positions"], model.get_attention_masks(batch["positions"]))
+        alone_positions = batch["positions"][:, 50:100]
+        alone = model(batch["tokens"][:, 50:100], alone_positions, model.get_attention_masks(alone_positions))
+    # Routing is per token, so the second document alone gives what it gives inside the row.
+    torch.testing.assert_close(packed[:, 50:100], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_its_moe_trains_on_cpu():
+    cfg = _tiny_cfg()
+    moe = _tiny_model(cfg).layers["0"].moe
+    x = torch.randn(1, 64, cfg.model.hidden_size, requires_grad=True)
+    moe(x).square().sum().backward()
+    experts = moe.routed_experts.inner_experts
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for weight in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD, moe.router.gate.weight):
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+
+
+def test_a_training_step_on_cpu_or_why_not():
+    from benchmarks.torchtitan_peer import train_step
+
+    cfg = _tiny_cfg()
+    model = _tiny_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    (row,) = random_rows(cfg, 1, 50, torch.Generator().manual_seed(0), "cpu")
+    try:
+        loss = train_step(model, optimizer, titan_inputs(row))
+    except NotImplementedError as error:
+        if "does not support backward on CPU" not in str(error):
+            raise
+        pytest.skip("torchtitan's attention (FlexAttention) has no backward on a CPU: the step runs on GPUs only")
+    assert torch.isfinite(loss)
+
+
+def test_each_data_parallel_rank_trains_on_its_own_rows():
+    from te_mixtral.data.packing import PackedData
+
+    cfg = _tiny_cfg()
+    for rank in range(2):
+        (row,) = our_rows(cfg, 1, "cpu", rank, 2)
+        (batch,) = PackedData(cfg.data, cfg.train.batch_size, rank, 2, cfg.train.seed).micro_batches(0)
+        assert torch.equal(row["input_ids"], batch.input_ids.reshape(1, -1))
+        assert torch.equal(row["cu_seq_lens_q"], batch.packed.cu_seqlens)
+    assert not torch.equal(our_rows(cfg, 1, "cpu", 0, 2)[0]["input_ids"], our_rows(cfg, 1, "cpu", 1, 2)[0]["input_ids"])
+
+
+def test_figures_are_per_gpu_over_the_ranks():
+    # Two GPUs, 2 s steps, 4000 tokens and 8e12 FLOPs a step over both: 1000 tokens/s and 2 TFLOP/s per GPU.
+    summary = summarize_steps([9.0, 2.0, 2.0], 1, 4000, [1.0, 8e12, 8e12], torch.device("cpu"), world_size=2)
+    assert summary["median_step_ms"] == 2000.0
+    assert summary["tokens_per_s_per_gpu"] == 1000.0 and summary["tflops_per_gpu"] == 2.0
