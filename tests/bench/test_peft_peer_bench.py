@@ -15,7 +15,9 @@ import sys
 
 import pytest
 import torch
+from background import Command
 from conftest import REPO
+from launch import app_command
 
 from benchmarks.peer_workload import random_rows
 from benchmarks.peft_peer import (
@@ -145,14 +147,15 @@ def test_the_whole_run_measures_on_cpu(doc_len):
     json.dumps(result)  # what --json writes
 
 
+DDP_RUN = Command((*app_command([TINY], 2, "tests/workers/peft_peer_ddp.py"),),
+                  (("OMP_NUM_THREADS", "1"), ("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))))
+PLANNED_COMMANDS = [DDP_RUN]  # run from the session's start (conftest.py's planned_command)
+
+
 @pytest.mark.slow
-def test_two_processes_train_as_distributed_data_parallel():
+def test_two_processes_train_as_distributed_data_parallel(planned_command):
     """Under torchrun (two CPU processes, gloo): each rank its own row, the adapters kept
     equal by DistributedDataParallel (tests/workers/peft_peer_ddp.py checks)."""
-    from launch import app_command
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(app_command([TINY], 2, "tests/workers/peft_peer_ddp.py"), cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc, _ = planned_command(DDP_RUN)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(": ok") == 2
