@@ -5,7 +5,6 @@ packed rows keep transformers' attention inside each document; one step trains o
 Timing it needs CUDA; that part runs on GPU machines only."""
 
 import argparse
-import ast
 import json
 import math
 import os
@@ -16,6 +15,7 @@ import sys
 import pytest
 import torch
 from background import Command
+from bench.refusals import refusals
 from conftest import REPO
 from launch import app_command
 
@@ -47,23 +47,11 @@ def test_bad_arguments_are_refused_in_one_line_before_heavy_imports():
         (["--config", "configs/missing.yaml"], "cannot read config configs/missing.yaml"),
         (["--json", "/nonexistent/out.json"], "--json /nonexistent/out.json: no folder /nonexistent to write it in"),
     ]
-    script = ("import contextlib, io, sys\nfrom benchmarks.peft_peer import main\n"
-              f"for args in {[args for args, _ in cases]!r}:\n"
-              "    err = io.StringIO()\n"
-              "    with contextlib.redirect_stderr(err):\n"
-              "        code = main(args)\n"
-              "    print(code, repr(err.getvalue()))\n"
-              "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n")
-    probe = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                           check=False)
-    lines = probe.stdout.splitlines()
-    assert len(lines) == len(cases) + 1, probe.stdout + probe.stderr
-    for line, (args, message) in zip(lines, cases):
-        code, stderr = line.split(" ", 1)
-        stderr = ast.literal_eval(stderr)  # the repr printed above
-        assert code == "2" and stderr.startswith(f"peft_peer: error: {message}"), (args, stderr)
+    answers, imported = refusals("peft_peer", [args for args, _ in cases], ('torch', 'transformers', 'peft'))
+    for (code, stderr), (args, message) in zip(answers, cases):
+        assert code == 2 and stderr.startswith(f"peft_peer: error: {message}"), (args, stderr)
         assert stderr.count("\n") == 1, (args, stderr)
-    assert lines[-1] == "[]"
+    assert imported == []
 
 
 def test_rank_and_alpha_are_the_configs_unless_given():

@@ -6,12 +6,12 @@ MoE trains on a CPU. A whole training step needs CUDA: torchtitan's attention ba
 no CPU backward, which `test_a_training_step_on_cpu_or_why_not` checks rather than assumes."""
 
 import argparse
-import ast
 import subprocess
 import sys
 
 import pytest
 import torch
+from bench.refusals import refusals
 from conftest import REPO
 
 from benchmarks.peer_workload import our_rows, random_rows, summarize_steps
@@ -44,22 +44,10 @@ def test_bad_arguments_are_refused_in_one_line_before_heavy_imports():
         (["--config", "configs/missing.yaml"], "cannot read config configs/missing.yaml: No such file or directory"),
         (["--json", "/nonexistent/out.json"], "--json /nonexistent/out.json: no folder /nonexistent to write it in"),
     ]
-    script = ("import contextlib, io, sys\nfrom benchmarks.torchtitan_peer import main\n"
-              f"for args in {[args for args, _ in cases]!r}:\n"
-              "    err = io.StringIO()\n"
-              "    with contextlib.redirect_stderr(err):\n"
-              "        code = main(args)\n"
-              "    print(code, repr(err.getvalue()))\n"
-              "print(sorted(m for m in ('torch', 'torchtitan') if m in sys.modules))\n")
-    probe = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                           check=False)
-    lines = probe.stdout.splitlines()
-    assert len(lines) == len(cases) + 1, probe.stdout + probe.stderr
-    for line, (args, message) in zip(lines, cases):
-        code, stderr = line.split(" ", 1)
-        stderr = ast.literal_eval(stderr)  # the repr printed above
-        assert code == "2" and stderr == f"torchtitan_peer: error: {message}\n", (args, stderr)
-    assert lines[-1] == "[]"
+    answers, imported = refusals("torchtitan_peer", [args for args, _ in cases], ('torch', 'torchtitan'))
+    for (code, stderr), (args, message) in zip(answers, cases):
+        assert code == 2 and stderr == f"torchtitan_peer: error: {message}\n", (args, stderr)
+    assert imported == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
