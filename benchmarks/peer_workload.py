@@ -27,6 +27,16 @@ def check_steps(args) -> None:
         raise UserError(f"--doc-len must be positive, got {args.doc_len}")
 
 
+def check_model_peer(args) -> None:
+    """`check_steps`, and `--layers` and `--json` as the peers that build a model from our
+    config take them: the folder for --json found missing now, not after the run."""
+    check_steps(args)
+    if args.layers is not None and args.layers <= 0:
+        raise UserError(f"--layers must be positive, got {args.layers}")
+    if args.json is not None and not args.json.parent.is_dir():
+        raise UserError(f"--json {args.json}: no folder {args.json.parent} to write it in")
+
+
 def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
     """One THD row as the example's `DataCollatorWithFlattening` packs it."""
     import torch

@@ -68,7 +68,7 @@ from dataclasses import replace
 
 from benchmarks import common
 from benchmarks.peer_workload import (
-    check_steps,
+    check_model_peer,
     document_positions,
     our_rows,
     random_rows,
@@ -223,15 +223,11 @@ def run(args, cfg, device) -> dict:
 
 
 def check_args(args) -> None:
-    check_steps(args)
-    if args.layers is not None and args.layers <= 0:
-        raise UserError(f"--layers must be positive, got {args.layers}")
+    check_model_peer(args)
     if args.rank is not None and args.rank <= 0:
         raise UserError(f"--rank must be positive (this peer trains LoRA adapters), got {args.rank}")
     if args.alpha is not None and args.alpha <= 0:
         raise UserError(f"--alpha must be positive, got {args.alpha}")
-    if args.json is not None and not args.json.parent.is_dir():  # found out now, not after the run
-        raise UserError(f"--json {args.json}: no folder {args.json.parent} to write it in")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,7 +99,7 @@ from functools import partial
 
 from benchmarks import common
 from benchmarks.peer_workload import (
-    check_steps,
+    check_model_peer,
     document_positions,
     our_rows,
     random_rows,
@@ -293,13 +293,9 @@ def run(args, cfg) -> dict:
 
 
 def check_args(args) -> None:
-    check_steps(args)
-    if args.layers is not None and args.layers <= 0:
-        raise UserError(f"--layers must be positive, got {args.layers}")
+    check_model_peer(args)
     if args.ep is not None and args.ep <= 0:
         raise UserError(f"--ep must be positive, got {args.ep}")
-    if args.json is not None and not args.json.parent.is_dir():  # found out now, not after the run
-        raise UserError(f"--json {args.json}: no folder {args.json.parent} to write it in")
 
 
 def workload_config(args):
