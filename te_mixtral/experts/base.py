@@ -39,7 +39,7 @@ def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class ExpertMemory:
     """What a tier keeps in memory beyond a plain autograd expert FFN, as the fit check
-    (te_mixtral/measure/memory.py) counts it. The defaults are autograd's: every hidden row
+    (te_mixtral/planning/memory.py) counts it. The defaults are autograd's: every hidden row
     kept, the weights in the parameters' own dtype."""
 
     fused_hidden: bool = False  # keeps gate_up's output alone (R x 2F), not also silu(gate) and the SwiGLU output

@@ -39,7 +39,8 @@ LoRA (`lora.rank` > 0): the base is frozen in the compute dtype, with no gradien
 optimizer state; the adapters are fp32 with fp32 gradients and AdamW moments. Activations
 are counted as a full fine-tune's plus each adapter's rank-r product: an upper bound, since
 a frozen weight's GEMM keeps no input for its own gradient (tests/measure/test_memory_lora.py
-measures how far above).
+measures how far above). A tier may hold the frozen experts its own way (device_mxfp8 on
+Hopper: FP8 alone, a byte per element and a scale per row; `ExpertTier.memory` says so).
 
 Under `train.sharding: fsdp` a rank keeps shards of the weights, their gradients and the
 optimizer state, and FSDP holds some of them whole for a while (model_state.py, `held_fsdp`).
