@@ -3,6 +3,7 @@
 #
 # Usage: scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]
 #   RUN is one of
+#     lora-tests     the GPU tests of the adapters alone (LoRA, its memory estimate, its recompute)
 #     tests          the GPU tests of the adapters and of the kernels they run in
 #     full-8layer    8 layers, every weight trained (bf16 parameters, master_adamw)
 #     lora-8layer    8 layers, LoRA r=16 on every target
@@ -12,6 +13,9 @@
 #                        (one H100 holds it)
 #     lora-fp8-32layer-norecompute   the same without recompute (one H200 holds it)
 #     fp8-accuracy   the FP8 base against the BF16 base on one batch (benchmarks/lora_fp8_base.py)
+#     peft-32layer   transformers + PEFT on all 32 layers, the same tokens, gradient checkpointing
+#                    (benchmarks/peft_peer.py; one H200 holds it)
+#     peft-32layer-ddp   the same on two GPUs under torchrun, DistributedDataParallel (two H200s)
 # Every run: custom_grouped (BF16 base) unless named, one packed 8192-token sequence per GPU per
 # step, 30 steps; the same seed, so the runs' losses step by step compare the bases.
 # Transformer Engine and `datasets` must be importable (see scripts/gpu_check.sh).
@@ -29,6 +33,8 @@ step() { echo; echo "=== $1 ==="; }
 COMMON=(--config configs/mixtral-8x7b.yaml --tier custom_grouped --steps 30 --timing_warmup_steps 5
         --warmup_steps 3 --lr 2e-5 --seq_len 8192 --dtype bf16 --plots false)
 LORA=(--lora.rank 16)
+# The peer's config: all 32 layers, one sequence per GPU, rank 16 and alpha 16 as ours.
+PEER=(--config configs/mixtral-8x7b-lora.yaml --alpha 16)
 train() {  # name, GPUs, extra arguments
     local name=$1 nproc=$2; shift 2
     step "$name"
@@ -41,6 +47,11 @@ train() {  # name, GPUs, extra arguments
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || failed+=("nvidia-smi")
 for run in "$@"; do
     case $run in
+        lora-tests)
+            step "$run"
+            python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
+                "tests/gpu/test_recompute_gpu.py::test_lora_gradients_equal_no_recompute_bf16" 2>&1 \
+                | tee "$OUT_DIR/$run.log" | tail -8 || failed+=("$run") ;;
         tests)
             step tests
             python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
@@ -55,6 +66,14 @@ for run in "$@"; do
         fp8-accuracy)
             step "$run"
             python3 -m benchmarks.lora_fp8_base 2>&1 | tee "$OUT_DIR/$run.log" | tail -12 || failed+=("$run") ;;
+        peft-32layer)
+            step "$run"
+            python3 -m benchmarks.peft_peer "${PEER[@]}" --json "$OUT_DIR/$run.json" 2>&1 \
+                | tee "$OUT_DIR/$run.log" | tail -12 || failed+=("$run") ;;
+        peft-32layer-ddp)
+            step "$run"
+            torchrun --standalone --nproc_per_node=2 -m benchmarks.peft_peer "${PEER[@]}" \
+                --json "$OUT_DIR/$run.json" 2>&1 | tee "$OUT_DIR/$run.log" | tail -12 || failed+=("$run") ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done
