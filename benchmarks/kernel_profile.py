@@ -5,7 +5,8 @@ Step timings say which model is faster; this says where. It trains a few steps u
 two skipped, the third a profiler warm-up), grouped by kernel name into kinds (GEMMs,
 attention, optimizer, copies, ...), then the 40 longest kernels:
 
-    python3 -m benchmarks.kernel_profile ours [--config configs/mixtral-8x7b-8layer.yaml] [--tier custom_grouped]
+    python3 -m benchmarks.kernel_profile ours [--config configs/mixtral-8x7b-8layer.yaml] [--tier custom_grouped] \
+        [training flags, e.g. --lora.rank 16]
     python3 -m benchmarks.kernel_profile te --example-dir .peers/te_mixtral_example [--config ...]
 
 `te` trains TE's te_mixtral example through benchmarks/te_example.py (see there). Steps are
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tier", default="custom_grouped", help="ours: the expert tier")
     parser.add_argument("--example-dir", default=".peers/te_mixtral_example", help="te: a copy of TE's example")
     parser.add_argument("--output-dir", default="/tmp/kernel_profile", help="ours: the run's folder (replaced)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.which == "te":
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (only 'ours' takes training flags)")
 
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.which == "ours":
         from te_mixtral.cli import main as train
         train_args = ["--config", args.config, "--tier", args.tier, "--steps", str(steps), "--timing_warmup_steps",
-                      "2", "--output-dir", args.output_dir, "--overwrite", "true", "--plots", "false"]
+                      "2", "--output-dir", args.output_dir, "--overwrite", "true", "--plots", "false", *extra]
     else:
         from benchmarks.te_example import main as train
         train_args = ["--example-dir", args.example_dir, "--config", args.config, "--steps", str(steps), "--warmup", "2"]

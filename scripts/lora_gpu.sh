@@ -9,10 +9,13 @@
 #     lora-8layer    8 layers, LoRA r=16 on every target
 #     lora-32layer   all 32 layers, LoRA r=16, selective recompute (one H200 holds it)
 #     lora-32layer-ep2   all 32 layers, LoRA r=16, EP=2 on two GPUs, no recompute (two H200s hold it)
+#     lora-32layer-ep2-full   the same with full recompute (two H100s hold it)
 #     lora-fp8-32layer   all 32 layers, LoRA r=16 over the FP8 base (device_mxfp8), selective recompute
 #                        (one H100 holds it)
 #     lora-fp8-32layer-norecompute   the same without recompute (one H200 holds it)
-#     fp8-accuracy   the FP8 base against the BF16 base on one batch (benchmarks/lora_fp8_base.py)
+#     fp8-accuracy   the FP8 base against the BF16 base on one batch (benchmarks/lora_fp8_base.py), 1 and 4 layers
+#     profile-8layer CUDA kernel time per step by kind (benchmarks/kernel_profile.py), 8 layers, LoRA r=16,
+#                    device_mxfp8 (FP8 base) then custom_grouped (BF16 base)
 #     peft-32layer   transformers + PEFT on all 32 layers, the same tokens, gradient checkpointing
 #                    (benchmarks/peft_peer.py; one H200 holds it)
 #     peft-32layer-ddp   the same on two GPUs under torchrun, DistributedDataParallel (two H200s)
@@ -61,11 +64,22 @@ for run in "$@"; do
         lora-8layer) train "$run" 1 --model.num_hidden_layers 8 "${LORA[@]}" ;;
         lora-32layer) train "$run" 1 "${LORA[@]}" --recompute selective ;;
         lora-32layer-ep2) train "$run" 2 "${LORA[@]}" --ep-size 2 ;;
+        lora-32layer-ep2-full) train "$run" 2 "${LORA[@]}" --ep-size 2 --recompute full ;;
         lora-fp8-32layer) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute selective ;;
         lora-fp8-32layer-norecompute) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute none ;;
-        fp8-accuracy)
+        fp8-accuracy)  # one layer: the op's own error; four: with the routing it changes downstream
             step "$run"
-            python3 -m benchmarks.lora_fp8_base 2>&1 | tee "$OUT_DIR/$run.log" | tail -12 || failed+=("$run") ;;
+            for layers in 1 4; do
+                python3 -m benchmarks.lora_fp8_base --layers $layers 2>&1 | tee -a "$OUT_DIR/$run.log" | tail -9 \
+                    || failed+=("$run-$layers")
+            done ;;
+        profile-8layer)  # kernel time by kind, 8 layers, LoRA: the FP8 base beside the BF16 one
+            step "$run"
+            for tier in device_mxfp8 custom_grouped; do
+                python3 -m benchmarks.kernel_profile ours --config configs/mixtral-8x7b-lora.yaml --tier $tier \
+                    --model.num_hidden_layers 8 --recompute none --lora.alpha 16 2>&1 | tee "$OUT_DIR/$run-$tier.log" | grep -A60 "^=== " | head -40 \
+                    || failed+=("$run-$tier")
+            done ;;
         peft-32layer)
             step "$run"
             python3 -m benchmarks.peft_peer "${PEER[@]}" --json "$OUT_DIR/$run.json" 2>&1 \
