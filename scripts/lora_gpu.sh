@@ -4,6 +4,7 @@
 # Usage: scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]
 #   RUN is one of
 #     lora-tests     the GPU tests of the adapters alone (LoRA, its memory estimate, its recompute)
+#     fp8-tests      the GPU tests of the device_mxfp8 tier
 #     tests          the GPU tests of the adapters and of the kernels they run in
 #     full-8layer    8 layers, every weight trained (bf16 parameters, master_adamw)
 #     lora-8layer    8 layers, LoRA r=16 on every target
@@ -12,6 +13,7 @@
 #     lora-32layer-ep2-full   the same with full recompute (two H100s hold it)
 #     lora-fp8-32layer   all 32 layers, LoRA r=16 over the FP8 base (device_mxfp8), selective recompute
 #                        (one H100 holds it)
+#     lora-fp8-8layer    8 layers, LoRA r=16 over the FP8 base (beside lora-8layer)
 #     lora-fp8-32layer-norecompute   the same without recompute (one H200 holds it)
 #     fp8-accuracy   the FP8 base against the BF16 base on one batch (benchmarks/lora_fp8_base.py), 1 and 4 layers
 #     profile-8layer CUDA kernel time per step by kind (benchmarks/kernel_profile.py), 8 layers, LoRA r=16,
@@ -55,6 +57,10 @@ for run in "$@"; do
             python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
                 "tests/gpu/test_recompute_gpu.py::test_lora_gradients_equal_no_recompute_bf16" 2>&1 \
                 | tee "$OUT_DIR/$run.log" | tail -8 || failed+=("$run") ;;
+        fp8-tests)
+            step "$run"
+            python3 -m pytest -q tests/gpu/test_device_mxfp8_gpu.py 2>&1 | tee "$OUT_DIR/$run.log" | tail -8 \
+                || failed+=("$run") ;;
         tests)
             step tests
             python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
@@ -65,6 +71,7 @@ for run in "$@"; do
         lora-32layer) train "$run" 1 "${LORA[@]}" --recompute selective ;;
         lora-32layer-ep2) train "$run" 2 "${LORA[@]}" --ep-size 2 ;;
         lora-32layer-ep2-full) train "$run" 2 "${LORA[@]}" --ep-size 2 --recompute full ;;
+        lora-fp8-8layer) train "$run" 1 --model.num_hidden_layers 8 "${LORA[@]}" --tier device_mxfp8 ;;
         lora-fp8-32layer) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute selective ;;
         lora-fp8-32layer-norecompute) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute none ;;
         fp8-accuracy)  # one layer: the op's own error; four: with the routing it changes downstream

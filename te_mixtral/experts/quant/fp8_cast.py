@@ -22,7 +22,7 @@ here each reads its operand once or twice and writes the FP8 values once:
   at or before it.
 - `swiglu_backward_rows`: the row-wise FP8 copy of d(gate_up), computed from d(h) and
   gate_up in one program per row, twice (amax, then cast) rather than written in bf16 and
-  read back.
+  read back; optionally also written unquantised (a LoRA adapter's gradient).
 - `transpose`: an FP8 tensor transposed, for a wgrad operand that has a row-wise copy.
 - `quantize_weight`: both of a weight's FP8 copies (scaled along each of its dims) from
   two reads of it.
@@ -84,14 +84,17 @@ def _load(ptrs, mask, C, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_row, SWIGLU: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rows_kernel(x_ptr, q_ptr, scale_ptr, values_ptr, K, stride_row, SWIGLU: tl.constexpr,
+                 WRITE_VALUES: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    x_row, q_row = x_ptr + row * stride_row, q_ptr + row * K
+    x_row, q_row, values_row = x_ptr + row * stride_row, q_ptr + row * K, values_ptr + row * K
     cols = tl.arange(0, BLOCK_K)
     if K <= BLOCK_K:  # the row fits: one read
         v = _load(x_row + cols, cols < K, K, SWIGLU)
         scale = _scale_of(tl.max(tl.abs(v), 0))
         tl.store(q_row + cols, _cast(v, scale, q_ptr), mask=cols < K)
+        if WRITE_VALUES:
+            tl.store(values_row + cols, v.to(values_ptr.dtype.element_ty), mask=cols < K)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -100,6 +103,8 @@ def _rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_row, SWIGLU: tl.constexpr, B
         for k in range(0, K, BLOCK_K):
             v = _load(x_row + k + cols, k + cols < K, K, SWIGLU)
             tl.store(q_row + k + cols, _cast(v, scale, q_ptr), mask=k + cols < K)
+            if WRITE_VALUES:
+                tl.store(values_row + k + cols, v.to(values_ptr.dtype.element_ty), mask=k + cols < K)
     tl.store(scale_ptr + row, scale)
 
 
@@ -107,20 +112,26 @@ def _row_block(K: int) -> int:
     return min(triton.next_power_of_2(K), _MAX_ROW_BLOCK)
 
 
-def quantize_rows(x_MK: torch.Tensor, *, swiglu: bool = False,
-                  out_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x_MK: torch.Tensor, *, swiglu: bool = False, out_dtype=torch.float8_e4m3fn,
+                  values_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q contiguous, scale): each row scaled by its own amax. x's last dim must be
     contiguous; leading dims are flattened (a [G, N, K] weight gives scales [G, N]).
-    With `swiglu`, rows of x are gate | up and q holds silu(gate) * up (half as wide)."""
+    With `swiglu`, rows of x are gate | up and q holds silu(gate) * up (half as wide).
+    `values_out` (contiguous, q's shape) also receives the unquantised values, in its dtype,
+    from the same pass: the SwiGLU output a LoRA adapter reads."""
     if x_MK.stride(-1) != 1:
         raise ValueError("quantize_rows needs rows with a contiguous last dim")
     lead, K = x_MK.shape[:-1], x_MK.shape[-1] // (2 if swiglu else 1)
     x2 = x_MK.reshape(-1, x_MK.shape[-1])
     q = torch.empty(x2.shape[0], K, dtype=out_dtype, device=x2.device)
     scale = torch.empty(x2.shape[0], dtype=torch.float32, device=x2.device)
+    if values_out is not None and (values_out.shape != (*lead, K) or not values_out.is_contiguous()):
+        raise ValueError(f"quantize_rows' values_out must be contiguous of shape {(*lead, K)}")
     if x2.shape[0]:
         block = _row_block(K)
-        _rows_kernel[(x2.shape[0],)](x2, q, scale, K, x2.stride(0), SWIGLU=swiglu, BLOCK_K=block,
+        values = q if values_out is None else values_out  # a pointer the kernel ignores without WRITE_VALUES
+        _rows_kernel[(x2.shape[0],)](x2, q, scale, values, K, x2.stride(0), SWIGLU=swiglu,
+                                    WRITE_VALUES=values_out is not None, BLOCK_K=block,
                                     num_warps=max(4, min(16, block // 512)))  # <= 32 values per thread
     return q.view(*lead, K), scale.view(lead)
 
@@ -138,11 +149,14 @@ def _swiglu_grads(dh_row, gu_row, k, cols, F):
 
 
 @triton.jit
-def _swiglu_bwd_rows_kernel(dh_ptr, gu_ptr, q_ptr, scale_ptr, F, BLOCK_F: tl.constexpr):
+def _swiglu_bwd_rows_kernel(dh_ptr, gu_ptr, q_ptr, scale_ptr, grad_ptr, F, BLOCK_F: tl.constexpr,
+                            WRITE_GRAD: tl.constexpr):
     """The row-wise cast of [d(gate) | d(up)]: their amax over the row, then the same
-    gradients computed again and cast (the second read of the row hits L2)."""
+    gradients computed again and cast (the second read of the row hits L2); with
+    WRITE_GRAD also stored unquantised, in grad's dtype."""
     row = tl.program_id(0).to(tl.int64)
     dh_row, gu_row, q_row = dh_ptr + row * F, gu_ptr + row * 2 * F, q_ptr + row * 2 * F
+    grad_row = grad_ptr + row * 2 * F
     cols = tl.arange(0, BLOCK_F)
     amax = tl.zeros([BLOCK_F], dtype=tl.float32)
     for k in range(0, F, BLOCK_F):
@@ -153,14 +167,20 @@ def _swiglu_bwd_rows_kernel(dh_ptr, gu_ptr, q_ptr, scale_ptr, F, BLOCK_F: tl.con
         d_gate, d_up = _swiglu_grads(dh_row, gu_row, k, cols, F)
         tl.store(q_row + k + cols, _cast(d_gate, scale, q_ptr), mask=k + cols < F)
         tl.store(q_row + F + k + cols, _cast(d_up, scale, q_ptr), mask=k + cols < F)
+        if WRITE_GRAD:
+            tl.store(grad_row + k + cols, d_gate.to(grad_ptr.dtype.element_ty), mask=k + cols < F)
+            tl.store(grad_row + F + k + cols, d_up.to(grad_ptr.dtype.element_ty), mask=k + cols < F)
     tl.store(scale_ptr + row, scale)
 
 
-def swiglu_backward_rows(dh_QF: torch.Tensor, gate_up_Q2F: torch.Tensor, out_dtype=torch.float8_e4m3fn):
+def swiglu_backward_rows(dh_QF: torch.Tensor, gate_up_Q2F: torch.Tensor, out_dtype=torch.float8_e4m3fn,
+                         grad_out_Q2F: torch.Tensor | None = None):
     """(q, scale_Q): the row-wise cast of d(gate_up) [Q, 2F] for SwiGLU's backward, from d(h)
-    and gate_up, without writing d(gate_up) itself."""
+    and gate_up, without writing d(gate_up) itself, unless `grad_out_Q2F` (contiguous) is
+    given: then d(gate_up) is also stored there, in its dtype, by the same pass."""
     Q, F = dh_QF.shape
-    if not (dh_QF.is_contiguous() and gate_up_Q2F.is_contiguous()):
+    operands = (dh_QF, gate_up_Q2F) + (() if grad_out_Q2F is None else (grad_out_Q2F,))
+    if not all(t.is_contiguous() for t in operands):
         raise ValueError("swiglu_backward_rows needs contiguous operands")
     q = torch.empty(Q, 2 * F, dtype=out_dtype, device=dh_QF.device)
     scale = torch.empty(Q, dtype=torch.float32, device=dh_QF.device)
@@ -168,7 +188,9 @@ def swiglu_backward_rows(dh_QF: torch.Tensor, gate_up_Q2F: torch.Tensor, out_dty
         # 4096 columns a step: on an H100 at 16384 rows 0.97 ms for F = 14336 and 0.98 for 16384,
         # where 2048 took 1.08 and 1.24 (1024 to 8192 columns, 4 to 16 warps, tried).
         block = min(_row_block(F), 4096)
-        _swiglu_bwd_rows_kernel[(Q,)](dh_QF, gate_up_Q2F, q, scale, F, BLOCK_F=block, num_warps=8)
+        grad = q if grad_out_Q2F is None else grad_out_Q2F  # a pointer the kernel ignores without WRITE_GRAD
+        _swiglu_bwd_rows_kernel[(Q,)](dh_QF, gate_up_Q2F, q, scale, grad, F, BLOCK_F=block,
+                                      WRITE_GRAD=grad_out_Q2F is not None, num_warps=8)
     return q, scale
 
 

@@ -38,8 +38,8 @@ forward runs with the adapters' deltas entering as they do in custom_grouped's o
 (te_mixtral/experts/adapters.py): the gate_up adapter's delta is added to gu before the
 SwiGLU cast, the down adapter reads act. The backward is dgrad only: dy cast row-wise, dh
 with the down adapter's share of d(act) added, d(gu)'s row-wise cast as above, dx. Nothing
-is saved but gu; d(gu) reaches the gate_up adapter as its FP8 copy dequantised (the
-gradient the base's dgrad reads), act is made again from gu for the down adapter.
+is saved but gu; d(gu) reaches the gate_up adapter unquantised, in x's dtype, written by
+the pass that casts it for the base's dgrad; act is made again from gu for the down adapter.
 """
 
 from functools import partial
@@ -156,12 +156,15 @@ class _FrozenFP8SwiGLU(torch.autograd.Function):
             gu_Q2F = gemms.fprop(x_QD.detach(), gate_up.fprop_operand(), offsets_L)
             if h_add_Q2F is not None:
                 gu_Q2F += h_add_Q2F
-            h_q, h_scale_Q = experts.rows(gu_Q2F, swiglu=True)
+            # LoRA's down adapter reads act, which the FP8 cast then also writes, in x's dtype.
+            act_QF = None if a_down_LrF is None else gu_Q2F.new_empty(gu_Q2F.shape[0], down.shape[-1],
+                                                                         dtype=x_QD.dtype)
+            h_q, h_scale_Q = experts.rows(gu_Q2F, swiglu=True, values_out=act_QF)
             y_QD = gemms.fprop_quantised(h_q, h_scale_Q, down.fprop_operand(), offsets_L).to(x_QD.dtype)
             del h_q
             outputs = (y_QD,)
-            if a_down_LrF is not None:  # LoRA's down adapter reads act, which the FP8 cast never writes
-                outputs += (grouped_matmul(swiglu(gu_Q2F).to(x_QD.dtype), a_down_LrF, offsets_L),)
+            if act_QF is not None:
+                outputs += (grouped_matmul(act_QF, a_down_LrF, offsets_L),)
         ctx.save_for_backward(gu_Q2F, offsets_L, a_down_LrF)
         ctx.experts, ctx.weights, ctx.x_dtype = experts, (gate_up, down), x_QD.dtype
         return outputs if len(outputs) > 1 else y_QD
@@ -181,13 +184,13 @@ class _FrozenFP8SwiGLU(torch.autograd.Function):
                 d_a_down = (grouped_wgrad(du_Qr, swiglu(gu_Q2F).to(dtype), offsets_L) if gu_Q2F.shape[0]
                             else torch.zeros_like(a_down_LrF))
                 dh_QF += grouped_matmul(du_Qr, a_down_LrF.transpose(1, 2), offsets_L)
-            dgu_q, dgu_scale_Q = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F)
+            # The gate_up adapter's gradient, d(gu), comes out of the same pass as its FP8 copy.
+            d_h_add = torch.empty_like(gu_Q2F, dtype=dtype) if ctx.needs_input_grad[1] else None
+            dgu_q, dgu_scale_Q = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F, grad_out_Q2F=d_h_add)
             del dh_QF
             if ctx.needs_input_grad[0]:
                 dgrad_weight = gate_up.dgrad_operand(experts.requantize_transposed)
                 dx = gemms.dgrad_quantised(dgu_q, dgu_scale_Q, dgrad_weight, offsets_L).to(dtype)
-            if ctx.needs_input_grad[1]:  # in place: one rounding to x's dtype, no float32 temporary
-                d_h_add = dgu_q.to(dtype).mul_(dgu_scale_Q[:, None])
         return dx, d_h_add, d_a_down, None, None, None, None
 
 

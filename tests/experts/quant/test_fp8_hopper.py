@@ -278,6 +278,11 @@ def test_interpreter_swiglu_casts_match_swiglu_then_reference(monkeypatch, row_b
     q, scale = fp8_cast.quantize_rows(gu, swiglu=True, out_dtype=torch.float32)
     ref_scale = quantize_rowwise(h)[1]
     assert torch.allclose(scale, ref_scale, rtol=1e-6) and torch.allclose(q, _scaled(h, scale[:, None]), rtol=1e-6)
+    act = torch.full_like(h, float("nan"))  # the SwiGLU output itself, written by the same pass
+    again = fp8_cast.quantize_rows(gu, swiglu=True, out_dtype=torch.float32, values_out=act)
+    assert torch.allclose(act, h, rtol=1e-6, atol=1e-7) and all(map(torch.equal, again, (q, scale)))
+    with pytest.raises(ValueError, match="values_out must be contiguous of shape"):
+        fp8_cast.quantize_rows(gu, swiglu=True, out_dtype=torch.float32, values_out=torch.empty(80, 80))
 
     dh = torch.randn(80, 40)
     dgu_q, dgu_scale = fp8_cast.swiglu_backward_rows(dh, gu, out_dtype=torch.float32)
@@ -285,6 +290,10 @@ def test_interpreter_swiglu_casts_match_swiglu_then_reference(monkeypatch, row_b
     (expected,) = torch.autograd.grad(swiglu(gu_leaf), gu_leaf, dh)
     assert torch.allclose(dgu_scale, quantize_rowwise(expected)[1], rtol=1e-5)
     assert torch.allclose(dgu_q, _scaled(expected, dgu_scale[:, None]), rtol=1e-5, atol=1e-4)
+    grad = torch.full_like(gu, float("nan"))  # d(gate_up) itself, written by the same pass
+    again = fp8_cast.swiglu_backward_rows(dh, gu, out_dtype=torch.float32, grad_out_Q2F=grad)
+    assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(again, (dgu_q, dgu_scale)))
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
