@@ -11,9 +11,9 @@
 #     lora-32layer   all 32 layers, LoRA r=16, selective recompute (one H200 holds it)
 #     lora-32layer-ep2   all 32 layers, LoRA r=16, EP=2 on two GPUs, no recompute (two H200s hold it)
 #     lora-32layer-ep2-full   the same with full recompute (two H100s hold it)
+#     lora-fp8-8layer    8 layers, LoRA r=16 over the FP8 base (beside lora-8layer)
 #     lora-fp8-32layer   all 32 layers, LoRA r=16 over the FP8 base (device_mxfp8), selective recompute
 #                        (one H100 holds it)
-#     lora-fp8-8layer    8 layers, LoRA r=16 over the FP8 base (beside lora-8layer)
 #     lora-fp8-32layer-norecompute   the same without recompute (one H200 holds it)
 #     fp8-accuracy   the FP8 base against the BF16 base on one batch (benchmarks/lora_fp8_base.py), 1 and 4 layers
 #     profile-8layer CUDA kernel time per step by kind (benchmarks/kernel_profile.py), 8 layers, LoRA r=16,
