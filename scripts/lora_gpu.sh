@@ -84,8 +84,9 @@ for run in "$@"; do
             step "$run"
             for tier in device_mxfp8 custom_grouped; do
                 python3 -m benchmarks.kernel_profile ours --config configs/mixtral-8x7b-lora.yaml --tier $tier \
-                    --model.num_hidden_layers 8 --recompute none --lora.alpha 16 2>&1 | tee "$OUT_DIR/$run-$tier.log" | grep -A60 "^=== " | head -40 \
+                    --model.num_hidden_layers 8 --recompute none --lora.alpha 16 >"$OUT_DIR/$run-$tier.log" 2>&1 \
                     || failed+=("$run-$tier")
+                grep -A40 "^=== " "$OUT_DIR/$run-$tier.log" | head -40
             done ;;
         peft-32layer)
             step "$run"

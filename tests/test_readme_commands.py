@@ -60,9 +60,9 @@ NOT_RUN = {
     "master_adamw": "full-width Mixtral-8x7B layers: a GPU's work",
     "scripts/run_tiers.sh runs/h100 configs/mixtral-8x7b-2layer.yaml 1 1 hf grouped_linear custom_grouped":
         "GPU tiers at full width",
-    "python run_finetune_ep.py --config configs/mixtral-8x7b-lora.yaml --model mistralai/Mixtral-8x7B-v0.1 "
-    "--format chat --dataset my_chats.jsonl --save-adapter mixtral-lora":
-        "the real Mixtral-8x7B: a hub download and a 141 GB GPU's work",
+    "python run_finetune_ep.py --config configs/mixtral-8x7b-lora.yaml --tier device_mxfp8 --model "
+    "mistralai/Mixtral-8x7B-v0.1 --format chat --dataset my_chats.jsonl --save-adapter mixtral-lora":
+        "the real Mixtral-8x7B: a hub download and a Hopper GPU's work",
 }
 # A README placeholder, and what stands for it here: the checkpoint its own first line makes.
 PLACEHOLDERS = {"PATH_OR_HUB_ID": "tiny-mixtral"}
