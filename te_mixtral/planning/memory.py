@@ -274,6 +274,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     targets = lora.target_list() if lora.enabled else ()
     dense_layer += a * lora.rank * T * sum(t in targets for t in LORA_DENSE_TARGETS)
     expert_hidden += a * lora.rank * R * sum(t in targets for t in LORA_EXPERT_TARGETS)
+    if frozen_fp8 and "down_proj" in targets:  # the SwiGLU output its adapter reads, kept by the FP8 op
+        expert_hidden += a * R * F
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
     layer_copies = dense_copies + expert_copies + fp8_weights
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it

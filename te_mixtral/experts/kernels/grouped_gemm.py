@@ -78,9 +78,10 @@ def _rows_gemm(
     sums and arrivals [num_programs] int32, zeros, counts the shares of each split tile done.
     SCALED (plain epilogue only) multiplies row r's sums by a_scale[r] and expert e's column
     c by b_scale[e, c] (float32, [R] and [L, N]) before the store.
-    ADD (SwiGLU epilogues only) adds a tensor to the sums before the activation: under
-    EPI_SWIGLU one laid out as h [R, 2N] (LoRA's gate_up delta), under EPI_SWIGLU_BWD one
-    laid out as act [R, N] (the down adapter's share of d(act)).
+    ADD adds a tensor to the sums: under the plain epilogue one laid out as out [R, N], after
+    the scales (LoRA's deltas over a frozen FP8 base); under the SwiGLU ones before the
+    activation, under EPI_SWIGLU one laid out as h [R, 2N] (LoRA's gate_up delta), under
+    EPI_SWIGLU_BWD one laid out as act [R, N] (the down adapter's share of d(act)).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -184,8 +185,11 @@ def _rows_gemm(
             if SCALED:
                 acc = scale_tile(acc, a_scale_ptr + m0, in_expert,
                               b_scale_ptr + e * N + n0, cols < N, BLOCK_M, BLOCK_N)
-            tl.store(out_tile + rm[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=(pid_m * BLOCK_M + rm < rows)[:, None] & (cols < N)[None, :])
+            store_mask = (pid_m * BLOCK_M + rm < rows)[:, None] & (cols < N)[None, :]
+            if ADD:  # after the scales: the addend is in the output's units
+                acc += tl.load(add_ptr + m0.to(tl.int64) * N + rm[:, None] * N + cols[None, :], mask=store_mask,
+                               other=0.0).to(tl.float32)
+            tl.store(out_tile + rm[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=store_mask)
         else:
             # SwiGLU epilogues walk the tile in EPI_PARTS column blocks: with whole-tile
             # fp32 temporaries the compiler spilled ~1 KB per thread; with blocks of at
@@ -277,8 +281,8 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
               epilogue=EPI_PLAIN, h=None, scales=None, add=None):
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
     b_icontig, else [L, I, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
-    `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands; `add`
-    (SwiGLU epilogues), a contiguous tensor added to the sums (the kernel's ADD).
+    `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands; `add`, a
+    contiguous tensor added to the sums (the kernel's ADD).
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
     ensure_cuda_context(a_RI.device)
     R, I = a_RI.shape

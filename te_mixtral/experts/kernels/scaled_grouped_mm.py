@@ -41,12 +41,13 @@ KERNEL = ("Triton grouped GEMMs (experts/kernels), E4M3 with row-wise scales, "
 _FP8_TILE = tile_config(128, 256, 128, 8, 3, group=16, parts=2)
 
 
-def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16, add_into=None):
+def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16, add_into=None, add=None):
     """`torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=...,
     use_fast_accum=True)` for row-wise scales, in two cases:
 
     - 2-D x 3-D (fprop, dgrad): mat_a [Q, I] row-major split by rows, mat_b [G, I, N]
-      column-major, scale_a [Q], scale_b [G, N]; returns [Q, N].
+      column-major, scale_a [Q], scale_b [G, N]; returns [Q, N], plus `add` (a contiguous
+      [Q, N] tensor, not in torch's signature) where given, added before the output's rounding.
     - 2-D x 2-D (wgrad): mat_a [M, Q] row-major and mat_b [Q, N] column-major, both split
       along Q; scale_a [G * M] and scale_b [G * N], group-major; returns [G, M, N]. With
       `add_into` (a contiguous [G, M, N] tensor of any float dtype, not in torch's
@@ -59,9 +60,13 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bflo
     if mat_b.dim() == 3:
         w_GNI = mat_b.transpose(-2, -1)
         out = torch.empty(mat_a.shape[0], w_GNI.shape[1], dtype=out_dtype, device=mat_a.device)
+        if add is not None and (add.shape != out.shape or not add.is_contiguous()):
+            raise ValueError(f"scaled_grouped_mm's add must be contiguous of shape {tuple(out.shape)}")
         rows_gemm(mat_a, w_GNI, counts_G, out, n=w_GNI.shape[1], b_icontig=True, cfg=tile,
-                  use_tma=tma_ok(mat_a, w_GNI), scales=(scale_a, scale_b))
+                  use_tma=tma_ok(mat_a, w_GNI), scales=(scale_a, scale_b), add=add)
         return out
+    if add is not None:
+        raise ValueError("scaled_grouped_mm adds a tensor to 2-D x 3-D products only")
     x_NQ = mat_b.t()
     out = add_into
     if out is None:

@@ -369,25 +369,32 @@ def quantize_weight(w_GNI: torch.Tensor, out_dtype=torch.float8_e4m3fn):
     return _weight_casts(w_GNI.contiguous(), None, out_dtype, store_rows=True)
 
 
-def requantize_transposed(q_GNI: torch.Tensor, scale_GN: torch.Tensor, out_dtype=torch.float8_e4m3fn):
+def requantize_transposed(q_GNI: torch.Tensor, scale_GN: torch.Tensor, out_dtype=torch.float8_e4m3fn,
+                          scale_GI: torch.Tensor | None = None):
     """(qt_GIN, scale_GI): the dgrad orientation of the weight whose fprop copy is q_GNI
-    with row scales scale_GN, cast from q * scale (float32, in registers) along N."""
-    return _weight_casts(q_GNI.contiguous(), scale_GN.contiguous(), out_dtype, store_rows=False)[1]
+    with row scales scale_GN, cast from q * scale (float32, in registers) along N.
+    `scale_GI`, the scales an earlier call returned for the same values, skips the pass
+    that finds them (a frozen weight's never change)."""
+    return _weight_casts(q_GNI.contiguous(), scale_GN.contiguous(), out_dtype, store_rows=False,
+                         col_scale=scale_GI)[1]
 
 
-def _weight_casts(w, in_scale_GN, out_dtype, store_rows):
+def _weight_casts(w, in_scale_GN, out_dtype, store_rows, col_scale=None):
     G, N, I = w.shape
-    row_bits = torch.zeros(G, N, dtype=torch.int32, device=w.device)
-    col_bits = torch.zeros(G, I, dtype=torch.int32, device=w.device)
     q = torch.empty(G, N, I, dtype=out_dtype, device=w.device) if store_rows else None
     qt = torch.empty(G, I, N, dtype=out_dtype, device=w.device)
+    row_scale = None  # given col_scale (requantize_transposed's), no row copy is stored
+    if col_scale is None:
+        row_bits = torch.zeros(G, N, dtype=torch.int32, device=w.device)
+        col_bits = torch.zeros(G, I, dtype=torch.int32, device=w.device)
+        if w.numel():
+            block_n, block_i, warps = WEIGHT_AMAX_TILE
+            _weight_amax_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, WEIGHT_AMAX_COLUMNS), G)](
+                w, in_scale_GN, row_bits, col_bits, N, I, WEIGHT_AMAX_COLUMNS, IN_SCALED=in_scale_GN is not None,
+                BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
+        row_scale, col_scale = _scale_from_bits(row_bits), _scale_from_bits(col_bits)
     if w.numel() == 0:
-        return (q, _scale_from_bits(row_bits)), (qt, _scale_from_bits(col_bits))
-    block_n, block_i, warps = WEIGHT_AMAX_TILE
-    _weight_amax_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, WEIGHT_AMAX_COLUMNS), G)](
-        w, in_scale_GN, row_bits, col_bits, N, I, WEIGHT_AMAX_COLUMNS, IN_SCALED=in_scale_GN is not None,
-        BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
-    row_scale, col_scale = _scale_from_bits(row_bits), _scale_from_bits(col_bits)
+        return (q, row_scale), (qt, col_scale)
     block_n, block_i, warps = WEIGHT_TILE
     _weight_cast_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, block_i), G)](
         w, in_scale_GN, row_scale, col_scale, q, qt, N, I, IN_SCALED=in_scale_GN is not None, STORE_ROWS=store_rows,

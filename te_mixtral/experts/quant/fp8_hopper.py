@@ -129,7 +129,8 @@ class FP8HopperGemms:
     `quantize_columns` and `quantize_weight`: those Triton kernels on the GPU
     (`fp8_swiglu.FP8SwiGLUExperts` passes them), this module's PyTorch reference by default.
     `out_dtype` is the GEMMs' output dtype (bf16; float32 lets a test run the data flow
-    exactly, with unrounded values in place of FP8 ones).
+    exactly, with unrounded values in place of FP8 ones). `fuses_add`: the kernel takes an
+    `add` tensor into its fprop and dgrad (ours does); otherwise it is added after.
     """
 
     recipe = "fp8-rowwise"
@@ -137,8 +138,9 @@ class FP8HopperGemms:
     min_rows = _ROWS_PER_CHUNK
 
     def __init__(self, scaled_grouped_mm=None, quantizers=None, out_dtype=torch.bfloat16, kernel=None,
-                 cache_weights=True):
+                 cache_weights=True, fuses_add=False):
         self._mm = scaled_grouped_mm or partial(torch._scaled_grouped_mm, use_fast_accum=False)
+        self.fuses_add = fuses_add
         self.gemm_kernel = kernel or "torch._scaled_grouped_mm (CUTLASS sm90 FP8 rowwise, exact accumulation)"
         self.rows, self.columns, self._quantize_weight = quantizers or (
             quantize_rowwise, quantize_columns_per_group, _reference_quantize_weight)
@@ -150,8 +152,12 @@ class FP8HopperGemms:
         weights = "once per optimizer step" if self._weights is not None else "at every use"
         return f"{self.gemm_kernel}; E4M3 in fprop, dgrad and wgrad; weights quantised {weights}"
 
-    def gemm(self, a, b, scale_a, scale_b, offsets_G, **options):
-        return self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype, **options)
+    def gemm(self, a, b, scale_a, scale_b, offsets_G, add=None, **options):
+        """The kernel's product, plus `add` (the product's shape) where given."""
+        if add is not None and self.fuses_add:
+            options["add"] = add
+        out = self._mm(a, b, scale_a, scale_b, offs=offsets_G, out_dtype=self.out_dtype, **options)
+        return out + add if add is not None and not self.fuses_add else out
 
     def weight(self, w_GNI):
         """w's FP8 operands: (w_q, scale_GN) along I for fprop, (wt_q [G, I, N], scale_GI)
@@ -162,11 +168,11 @@ class FP8HopperGemms:
             return self._quantize_weight(w_GNI)
         return self._weights.get(w_GNI, self._quantize_weight)
 
-    def fprop(self, x_QI, weight, offsets_G):
-        return self.fprop_quantised(*self.rows(x_QI), weight, offsets_G)
+    def fprop(self, x_QI, weight, offsets_G, add=None):
+        return self.fprop_quantised(*self.rows(x_QI), weight, offsets_G, add)
 
-    def dgrad(self, dy_QN, weight, offsets_G):
-        return self.dgrad_quantised(*self.rows(dy_QN), weight, offsets_G)
+    def dgrad(self, dy_QN, weight, offsets_G, add=None):
+        return self.dgrad_quantised(*self.rows(dy_QN), weight, offsets_G, add)
 
     def wgrad(self, dy_QN, x_QI, offsets_G):
         return self.wgrad_quantised(*self.columns(dy_QN, offsets_G), *self.columns(x_QI, offsets_G), offsets_G)
@@ -174,13 +180,13 @@ class FP8HopperGemms:
     # The same three GEMMs on operands already cast (fp8_swiglu.py casts some of them itself,
     # fused with the SwiGLU): A as `rows` gives it, and for wgrad both as `columns` does.
 
-    def fprop_quantised(self, x_q, x_scale_Q, weight, offsets_G):
+    def fprop_quantised(self, x_q, x_scale_Q, weight, offsets_G, add=None):
         (w_q, w_scale_GN), _ = weight
-        return self.gemm(x_q, w_q.transpose(-2, -1), x_scale_Q, w_scale_GN, offsets_G)
+        return self.gemm(x_q, w_q.transpose(-2, -1), x_scale_Q, w_scale_GN, offsets_G, add)
 
-    def dgrad_quantised(self, dy_q, dy_scale_Q, weight, offsets_G):
+    def dgrad_quantised(self, dy_q, dy_scale_Q, weight, offsets_G, add=None):
         _, (wt_q, wt_scale) = weight  # B must be column-major [G, N, I]: w^T [G, I, N] contiguous
-        return self.gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_Q, wt_scale, offsets_G)
+        return self.gemm(dy_q, wt_q.transpose(-2, -1), dy_scale_Q, wt_scale, offsets_G, add)
 
     def wgrad_quantised(self, dy_NQ, dy_scale_GN, x_IQ, x_scale_GI, offsets_G, **options):
         """`options` go to the kernel: `add_into` where it is `kernels/scaled_grouped_mm.py`'s."""

@@ -36,10 +36,11 @@ through the unfused composition keeps h, silu(gate) and the SwiGLU's inputs.
 Over a frozen base (LoRA: `frozen_mlp`, the weights in FP8 alone, frozen_fp8.py) the same
 forward runs with the adapters' deltas entering as they do in custom_grouped's op
 (te_mixtral/experts/adapters.py): the gate_up adapter's delta is added to gu before the
-SwiGLU cast, the down adapter reads act. The backward is dgrad only: dy cast row-wise, dh
-with the down adapter's share of d(act) added, d(gu)'s row-wise cast as above, dx. Nothing
-is saved but gu; d(gu) reaches the gate_up adapter unquantised, in x's dtype, written by
-the pass that casts it for the base's dgrad; act is made again from gu for the down adapter.
+SwiGLU cast (in the GEMM's epilogue), the down adapter reads act, which the SwiGLU cast
+writes beside h_q. The backward is dgrad only: dy cast row-wise, dh with the down adapter's
+share of d(act) added in the GEMM's epilogue, d(gu)'s row-wise cast as above, dx. Saved: gu,
+and act where the down projection has an adapter; d(gu) reaches the gate_up adapter
+unquantised, in x's dtype, written by the pass that casts it for the base's dgrad.
 """
 
 from functools import partial
@@ -47,7 +48,6 @@ from functools import partial
 import torch
 
 from te_mixtral.experts.adapters import ExpertAdapters, with_fused_adapters
-from te_mixtral.experts.base import swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad
 from te_mixtral.experts.kernels import scaled_grouped_mm as triton_gemms
 from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
@@ -78,7 +78,7 @@ class FP8SwiGLUExperts:
         self.gemms = FP8HopperGemms(scaled_grouped_mm or triton_gemms.scaled_grouped_mm,
                                     (self.rows, self.columns, weight), out_dtype,
                                     kernel=None if scaled_grouped_mm else triton_gemms.KERNEL,
-                                    cache_weights=cache_weights)
+                                    cache_weights=cache_weights, fuses_add=scaled_grouped_mm is None)
         self.recipe = self.gemms.recipe
         # Our kernels take any split (an expert's rows may start anywhere, or be none), so the
         # tier pads nothing for them; another kernel gets torch._scaled_grouped_mm's padding.
@@ -153,9 +153,8 @@ class _FrozenFP8SwiGLU(torch.autograd.Function):
     def forward(ctx, x_QD, h_add_Q2F, a_down_LrF, offsets_L, gate_up, down, experts):
         gemms = experts.gemms
         with torch.autocast(x_QD.device.type, enabled=False):
-            gu_Q2F = gemms.fprop(x_QD.detach(), gate_up.fprop_operand(), offsets_L)
-            if h_add_Q2F is not None:
-                gu_Q2F += h_add_Q2F
+            # The gate_up adapter's delta joins gu in the GEMM's epilogue, before gu's rounding.
+            gu_Q2F = gemms.fprop(x_QD.detach(), gate_up.fprop_operand(), offsets_L, add=h_add_Q2F)
             # LoRA's down adapter reads act, which the FP8 cast then also writes, in x's dtype.
             act_QF = None if a_down_LrF is None else gu_Q2F.new_empty(gu_Q2F.shape[0], down.shape[-1],
                                                                          dtype=x_QD.dtype)
@@ -165,25 +164,28 @@ class _FrozenFP8SwiGLU(torch.autograd.Function):
             outputs = (y_QD,)
             if act_QF is not None:
                 outputs += (grouped_matmul(act_QF, a_down_LrF, offsets_L),)
-        ctx.save_for_backward(gu_Q2F, offsets_L, a_down_LrF)
+        # act is kept for the down adapter's gradient: a pass over gu saved in the backward.
+        ctx.save_for_backward(gu_Q2F, act_QF, offsets_L, a_down_LrF)
         ctx.experts, ctx.weights, ctx.x_dtype = experts, (gate_up, down), x_QD.dtype
         return outputs if len(outputs) > 1 else y_QD
 
     @staticmethod
     def backward(ctx, dy_QD, du_Qr=None):
-        gu_Q2F, offsets_L, a_down_LrF = (None if t is None else t.detach() for t in ctx.saved_tensors)
+        gu_Q2F, act_QF, offsets_L, a_down_LrF = (None if t is None else t.detach() for t in ctx.saved_tensors)
         experts, gemms = ctx.experts, ctx.experts.gemms
         gate_up, down = ctx.weights
         dtype = ctx.x_dtype
         dy_QD = dy_QD.contiguous()
-        dx = d_h_add = d_a_down = None
+        dx = d_h_add = d_a_down = down_share = None
         with torch.autocast(dy_QD.device.type, enabled=False):
-            dh_QF = gemms.dgrad(dy_QD, down.dgrad_operand(experts.requantize_transposed), offsets_L)
             if a_down_LrF is not None and du_Qr is not None:
                 du_Qr = du_Qr.to(dtype).contiguous()
-                d_a_down = (grouped_wgrad(du_Qr, swiglu(gu_Q2F).to(dtype), offsets_L) if gu_Q2F.shape[0]
+                d_a_down = (grouped_wgrad(du_Qr, act_QF, offsets_L) if gu_Q2F.shape[0]
                             else torch.zeros_like(a_down_LrF))
-                dh_QF += grouped_matmul(du_Qr, a_down_LrF.transpose(1, 2), offsets_L)
+                # The down adapter's share of d(act), added in the dgrad GEMM's epilogue.
+                down_share = grouped_matmul(du_Qr, a_down_LrF.transpose(1, 2), offsets_L).contiguous()
+            dh_QF = gemms.dgrad(dy_QD, down.dgrad_operand(experts.requantize_transposed), offsets_L, add=down_share)
+            del down_share
             # The gate_up adapter's gradient, d(gu), comes out of the same pass as its FP8 copy.
             d_h_add = torch.empty_like(gu_Q2F, dtype=dtype) if ctx.needs_input_grad[1] else None
             dgu_q, dgu_scale_Q = experts.swiglu_backward_rows(dh_QF.contiguous(), gu_Q2F, grad_out_Q2F=d_h_add)

@@ -41,6 +41,7 @@ class FrozenFP8Weight(nn.Module):
         self.register_buffer("scale", torch.empty(shape[:-1], dtype=torch.float32), persistent=False)
         # What a seeded initialisation draws in: the dtype a BF16 (or fp32) base would be made in.
         self.source_dtype = torch.get_default_dtype()
+        self._dgrad_scale = None  # (values, (their version, scale's version), the dgrad copy's scales)
 
     @property
     def shape(self) -> torch.Size:
@@ -66,8 +67,17 @@ class FrozenFP8Weight(nn.Module):
 
     def dgrad_operand(self, requantize_transposed):
         """The dgrad orientation, as `FP8HopperGemms.dgrad` reads it, made now by
-        `requantize_transposed` (fp8_cast's, in the values' dtype)."""
-        return None, requantize_transposed(self.values, self.scale, out_dtype=self.values.dtype)
+        `requantize_transposed` (fp8_cast's, in the values' dtype). Its scales depend on the
+        values alone: found once and kept (a few KB) until the values change, so later calls
+        cast without first reading the weight for them."""
+        versions = (self.values._version, self.scale._version)
+        known = self._dgrad_scale
+        if known is not None and not (known[0] is self.values and known[1] == versions):
+            known = None  # new values (a load, a move to another device): find the scales again
+        operand = requantize_transposed(self.values, self.scale, out_dtype=self.values.dtype,
+                                        scale_GI=None if known is None else known[2])
+        self._dgrad_scale = (self.values, versions, operand[1])
+        return None, operand
 
     def extra_repr(self) -> str:
         return f"{tuple(self.shape)}, {self.values.dtype}, row scales"

@@ -311,6 +311,9 @@ def test_interpreter_triton_scaled_grouped_mm_computes_the_documented_product():
     got = triton_scaled_grouped_mm(a, w.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.float32)
     expected = scaled_grouped_mm_stand_in(a, w.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.float32)
     assert rel_err(got, expected) < 1e-6
+    add = torch.randn(rows, n, generator=gen)  # LoRA's delta, added in the epilogue after the scales
+    got = triton_scaled_grouped_mm(a, w.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.float32, add=add)
+    assert rel_err(got, expected + add) < 1e-6
 
     dy, x = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
     scale_dy, scale_x = torch.rand(len(offs) * n, generator=gen) + 0.5, torch.rand(len(offs) * k, generator=gen) + 0.5
@@ -386,6 +389,34 @@ def test_interpreter_requantize_transposed_equals_casting_the_dequantised_weight
     want_qt, want_scale = quantize_rowwise((q * scale[..., None]).transpose(-2, -1), value_dtype=torch.float32)
     assert torch.allclose(scale_t, want_scale, rtol=1e-6) and rel_err(qt, want_qt) < 1e-6
     assert rel_err(qt * scale_t[..., None], w.transpose(-2, -1)) < 1e-6
+    again = fp8_cast.requantize_transposed(q, scale, out_dtype=torch.float32, scale_GI=scale_t)
+    assert torch.equal(again[0], qt) and again[1] is scale_t  # given its scales, the same cast
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+def test_interpreter_a_frozen_weight_keeps_its_dgrad_scales_until_its_values_change():
+    """FrozenFP8Weight finds the dgrad copy's scales once; a load into its rows (or any
+    in-place write) makes it find them again, so the copy always matches the values."""
+    from te_mixtral.experts.quant import fp8_cast
+
+    gen = torch.Generator().manual_seed(22)
+    weight = FrozenFP8Weight((2, 24, 40), value_dtype=torch.float32).copy_(torch.randn(2, 24, 40, generator=gen))
+    given = []
+
+    def requantize(q, scale, out_dtype, scale_GI=None):
+        given.append(scale_GI)
+        return fp8_cast.requantize_transposed(q, scale, out_dtype=out_dtype, scale_GI=scale_GI)
+
+    def fresh():
+        return fp8_cast.requantize_transposed(weight.values, weight.scale, out_dtype=torch.float32)
+
+    first, second = (weight.dgrad_operand(requantize)[1] for _ in range(2))
+    assert given[0] is None and given[1] is first[1]
+    assert all(map(torch.equal, second, fresh()))
+    weight[1, 3:9].copy_(torch.randn(6, 40, generator=gen) * 50)  # a larger amax in some columns
+    third = weight.dgrad_operand(requantize)[1]
+    assert given[2] is None and not torch.equal(third[1], first[1])
+    assert all(map(torch.equal, third, fresh()))
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
