@@ -24,6 +24,8 @@ The values are buffers, not parameters, and not in the state dict: a LoRA checkp
 the adapters, and a resumed run reads the base again from `--model` or the seed.
 """
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -41,7 +43,7 @@ class FrozenFP8Weight(nn.Module):
         self.register_buffer("scale", torch.empty(shape[:-1], dtype=torch.float32), persistent=False)
         # What a seeded initialisation draws in: the dtype a BF16 (or fp32) base would be made in.
         self.source_dtype = torch.get_default_dtype()
-        self._dgrad_scale = None  # (values, (their version, scale's version), the dgrad copy's scales)
+        self._dgrad_scale = None  # (values, weakly; (their version, scale's version); the dgrad copy's scales)
 
     @property
     def shape(self) -> torch.Size:
@@ -72,11 +74,12 @@ class FrozenFP8Weight(nn.Module):
         cast without first reading the weight for them."""
         versions = (self.values._version, self.scale._version)
         known = self._dgrad_scale
-        if known is not None and not (known[0] is self.values and known[1] == versions):
+        if known is not None and not (known[0]() is self.values and known[1] == versions):
             known = None  # new values (a load, a move to another device): find the scales again
         operand = requantize_transposed(self.values, self.scale, out_dtype=self.values.dtype,
                                         scale_GI=None if known is None else known[2])
-        self._dgrad_scale = (self.values, versions, operand[1])
+        # A weak reference: replaced values (a move to another device) are not kept alive by it.
+        self._dgrad_scale = (weakref.ref(self.values), versions, operand[1])
         return None, operand
 
     def extra_repr(self) -> str:
