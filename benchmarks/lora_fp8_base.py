@@ -32,6 +32,10 @@ SINGLE = Layout(0, 1, 1, None, None)
 def run(tier: str, layers: int, tokens: int, ids: torch.Tensor):
     cfg = load_config("configs/mixtral-8x7b-lora.yaml", {"tier": tier, "model.num_hidden_layers": str(layers),
                                                          "seq_len": str(tokens), "device": "cuda"})
+    # This run's own peak: what an earlier run left (its logits and gradients, kept for the
+    # comparison) is not counted.
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     model, _ = build_model(cfg, SINGLE, torch.device("cuda"))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -44,10 +48,9 @@ def run(tier: str, layers: int, tokens: int, ids: torch.Tensor):
     loss = causal_lm_loss(logits, ids.roll(-1, 1), torch.tensor(float(tokens), device="cuda"))
     loss.backward()
     grads = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**30
     del model
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     return logits.float(), loss.item(), grads, peak
 
 
