@@ -24,6 +24,8 @@
 # first 5 are left out of the timing (the phase profile runs after them), the same seed.
 # Transformer Engine and `datasets` must be importable (see scripts/gpu_check.sh); torchtitan
 # too for `titan`.
+# STOP_AFTER_S=N (optional): start no run once N seconds have gone, so that a call with a time
+# limit still ends with its summary; the runs left out are named at the end.
 USAGE="scripts/depth_gpu.sh OUT_DIR RUN [RUN ...]"
 source "$(dirname "${BASH_SOURCE[0]}")/runs_common.sh"
 
@@ -41,7 +43,12 @@ depth() {  # name, tier, recompute, extra arguments: a 16-layer EP=2 run with it
     train "$name" 2 "$DEPTH" --ep-size 2 --tier "$tier" --recompute "$recompute" --profile_phases true "$@"
 }
 
+not_started=()
 for run in "$@"; do
+    if [ "${STOP_AFTER_S:-0}" -gt 0 ] && [ "$SECONDS" -ge "${STOP_AFTER_S:-0}" ]; then
+        not_started+=("$run")
+        continue
+    fi
     case $run in
         cg-none) depth "$run" custom_grouped none ;;
         cg-selective) depth "$run" custom_grouped selective ;;
@@ -67,4 +74,5 @@ for run in "$@"; do
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done
+[ ${#not_started[@]} -eq 0 ] || { echo; echo "not started (past STOP_AFTER_S=$STOP_AFTER_S s): ${not_started[*]}"; }
 finish
