@@ -16,7 +16,7 @@
 #                     master_adamw (as the step it is to beat was measured)
 #     titan           torchtitan's MoE at the same 16 layers, EP=2, tokens and GPUs
 #                     (benchmarks/torchtitan_peer.py: varlen attention, bf16 training)
-#     te-8layer       TE's te_mixtral example on one GPU at 8 layers, the most it holds
+#     te-8layer       TE's te_mixtral example on one GPU at 8 layers, as before (16 do not fit one GPU)
 #                     (benchmarks/te_example.py; needs .peers/te_mixtral_example)
 #     ours-8layer     ours beside it: custom_grouped, 8 layers, one GPU
 # Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
