@@ -24,16 +24,8 @@
 # Every run: custom_grouped (BF16 base) unless named, one packed 8192-token sequence per GPU per
 # step, 30 steps; the same seed, so the runs' losses step by step compare the bases.
 # Transformer Engine and `datasets` must be importable (see scripts/gpu_check.sh).
-set -uo pipefail
-OUT_DIR=${1:?usage: scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]}
-shift
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-cd "$REPO"
-export PYTHONUNBUFFERED=1
-failed=()
-step() { echo; echo "=== $1 ==="; }
+USAGE="scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]"
+source "$(dirname "${BASH_SOURCE[0]}")/runs_common.sh"
 
 COMMON=(--config configs/mixtral-8x7b.yaml --tier custom_grouped --steps 30 --timing_warmup_steps 5
         --warmup_steps 3 --lr 2e-5 --seq_len 8192 --dtype bf16 --plots false)
@@ -43,13 +35,9 @@ PEER=(--config configs/mixtral-8x7b-lora.yaml --alpha 16)
 train() {  # name, GPUs, extra arguments
     local name=$1 nproc=$2; shift 2
     step "$name"
-    local launch=(python3)
-    [ "$nproc" -gt 1 ] && launch=(torchrun --standalone --nproc_per_node="$nproc")
-    "${launch[@]}" run_finetune_ep.py "${COMMON[@]}" --batch_size "$nproc" "$@" --output-dir "$OUT_DIR/$name" \
-        2>&1 | tee "$OUT_DIR/$name.log" | grep -v "^step \|router:" | tail -18 || failed+=("$name")
+    launch "$name" "$nproc" run_finetune_ep.py "${COMMON[@]}" --batch_size "$nproc" "$@" --output-dir "$OUT_DIR/$name"
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || failed+=("nvidia-smi")
 for run in "$@"; do
     case $run in
         lora-tests)
@@ -99,6 +87,4 @@ for run in "$@"; do
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done
-echo
-echo "failed steps: ${failed[*]:-none}"
-[ ${#failed[@]} -eq 0 ]
+finish

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# What stands between a rank's share of the full Mixtral-8x7B and its targets, in one go: 16 layers
+# at EP=2 on two GPUs with each recompute setting and tier, each with its phase profile, a kernel
+# profile, the 2-layer one-GPU step, and the two peers (docs/depth.md says why each).
+#
+# Usage: scripts/depth_gpu.sh OUT_DIR RUN [RUN ...]
+#   RUN is one of
+#     cg-none         16 layers, EP=2, custom_grouped, no recompute (fits 16 layers, not the full model)
+#     cg-selective    the same, the expert FFN recomputed (what the full model at EP=4 needs)
+#     cg-full         the same, every layer recomputed
+#     gl-selective    grouped_linear (TE's GroupedLinear), selective recompute
+#     fp8-selective   device_mxfp8, selective recompute, no FP8 weight cache (it does not fit with one)
+#     profile         CUDA kernel time per step by kind (benchmarks/kernel_profile.py), custom_grouped,
+#                     selective recompute, 16 layers, EP=2 (each rank prints its own)
+#     2layer          2 layers on one GPU, custom_grouped, one causal 8192-token sequence, 30 steps,
+#                     master_adamw (as the step it is to beat was measured)
+#     titan           torchtitan's MoE at the same 16 layers, EP=2, tokens and GPUs
+#                     (benchmarks/torchtitan_peer.py: varlen attention, bf16 training)
+#     te-8layer       TE's te_mixtral example on one GPU at 8 layers, as before (16 do not fit one GPU)
+#                     (benchmarks/te_example.py; needs .peers/te_mixtral_example)
+#     ours-8layer     ours beside it: custom_grouped, 8 layers, one GPU
+# Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
+# config's lr 2e-5, one packed 8192-token sequence per GPU per step, 15 steps of which the
+# first 5 are left out of the timing (the phase profile runs after them), the same seed.
+# Transformer Engine and `datasets` must be importable (see scripts/gpu_check.sh); torchtitan
+# too for `titan`.
+# STOP_AFTER_S=N (optional): start no run once N seconds have gone, so that a call with a time
+# limit still ends with its summary; the runs left out are named at the end.
+USAGE="scripts/depth_gpu.sh OUT_DIR RUN [RUN ...]"
+source "$(dirname "${BASH_SOURCE[0]}")/runs_common.sh"
+
+DEPTH=configs/mixtral-8x7b-16layer-ep2.yaml
+STEPS=(--steps 15 --timing_warmup_steps 5)
+PEER_STEPS=(--steps 15 --warmup 5)
+train() {  # name, GPUs, config, extra arguments
+    local name=$1 nproc=$2 config=$3; shift 3
+    step "$name"
+    launch "$name" "$nproc" run_finetune_ep.py --config "$config" "${STEPS[@]}" --plots false "$@" \
+        --output-dir "$OUT_DIR/$name"
+}
+depth() {  # name, tier, recompute, extra arguments: a 16-layer EP=2 run with its phase profile
+    local name=$1 tier=$2 recompute=$3; shift 3
+    train "$name" 2 "$DEPTH" --ep-size 2 --tier "$tier" --recompute "$recompute" --profile_phases true "$@"
+}
+
+not_started=()
+for run in "$@"; do
+    if [ "${STOP_AFTER_S:-0}" -gt 0 ] && [ "$SECONDS" -ge "${STOP_AFTER_S:-0}" ]; then
+        not_started+=("$run")
+        continue
+    fi
+    case $run in
+        cg-none) depth "$run" custom_grouped none ;;
+        cg-selective) depth "$run" custom_grouped selective ;;
+        cg-full) depth "$run" custom_grouped full ;;
+        gl-selective) depth "$run" grouped_linear selective ;;
+        fp8-selective) depth "$run" device_mxfp8 selective --fp8_weight_cache false ;;
+        profile)
+            step "$run"
+            launch "$run" 2 -m benchmarks.kernel_profile ours --config "$DEPTH" --tier custom_grouped \
+                --output-dir "$OUT_DIR/$run" --ep-size 2 --recompute selective
+            grep -A12 "^=== " "$OUT_DIR/$run.log" ;;
+        2layer) train "$run" 1 configs/mixtral-8x7b-2layer.yaml --tier custom_grouped --dtype bf16 --optimizer master_adamw \
+            --steps 30 --profile_phases true ;;
+        titan)
+            step "$run"
+            launch "$run" 2 -m benchmarks.torchtitan_peer --config "$DEPTH" --ep 2 --attention varlen \
+                --dtype bfloat16 "${PEER_STEPS[@]}" --json "$OUT_DIR/$run.json" ;;
+        te-8layer)
+            step "$run"
+            launch "$run" 1 -m benchmarks.te_example --example-dir .peers/te_mixtral_example \
+                --config configs/mixtral-8x7b-8layer.yaml "${PEER_STEPS[@]}" --json "$OUT_DIR/$run.json" ;;
+        ours-8layer) train "$run" 1 configs/mixtral-8x7b-8layer.yaml --tier custom_grouped ;;
+        *) echo "unknown run '$run'"; failed+=("$run") ;;
+    esac
+done
+[ ${#not_started[@]} -eq 0 ] || { echo; echo "not started (past STOP_AFTER_S=$STOP_AFTER_S s): ${not_started[*]}"; }
+finish
