@@ -75,6 +75,10 @@ def test_fp8_hopper_gemms_layouts_and_scales_on_cpu():
             assert rel_err(dw[g], dy64[start:end].T @ x64[start:end]) < 0.06
         else:
             assert dw[g].eq(0).all()
+    # A kernel that takes no addend (torch's, this stand-in) gets it added after the product.
+    add_QN, add_QI = torch.randn(y.shape, generator=gen), torch.randn(dx.shape, generator=gen)
+    assert torch.equal(gemms.fprop(x_QI, weight, offsets, add=add_QN), y + add_QN)
+    assert torch.equal(gemms.dgrad(dy_QN, weight, offsets, add=add_QI), dx + add_QI)
 
 
 def test_fp8_hopper_mlp_on_cpu_close_to_fp32():
