@@ -42,18 +42,16 @@ for run in "$@"; do
     case $run in
         lora-tests)
             step "$run"
-            python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
-                "tests/gpu/test_recompute_gpu.py::test_lora_gradients_equal_no_recompute_bf16" 2>&1 \
-                | tee "$OUT_DIR/$run.log" | tail -8 || failed+=("$run") ;;
+            launch "$run" 1 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
+                "tests/gpu/test_recompute_gpu.py::test_lora_gradients_equal_no_recompute_bf16" ;;
         fp8-tests)
             step "$run"
-            python3 -m pytest -q tests/gpu/test_device_mxfp8_gpu.py 2>&1 | tee "$OUT_DIR/$run.log" | tail -8 \
-                || failed+=("$run") ;;
+            launch "$run" 1 -m pytest -q tests/gpu/test_device_mxfp8_gpu.py ;;
         tests)
-            step tests
-            python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
+            step "$run"
+            launch "$run" 1 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
                 tests/gpu/test_custom_grouped_gpu.py tests/gpu/test_grouped_linear_gpu.py \
-                tests/gpu/test_te_permute_gpu.py tests/gpu/test_device_mxfp8_gpu.py 2>&1 | tee "$OUT_DIR/tests.log" | tail -8 || failed+=(tests) ;;
+                tests/gpu/test_te_permute_gpu.py tests/gpu/test_device_mxfp8_gpu.py ;;
         full-8layer) train "$run" 1 --model.num_hidden_layers 8 --optimizer master_adamw ;;
         lora-8layer) train "$run" 1 --model.num_hidden_layers 8 "${LORA[@]}" ;;
         lora-32layer) train "$run" 1 "${LORA[@]}" --recompute selective ;;
@@ -65,8 +63,7 @@ for run in "$@"; do
         fp8-accuracy)  # one layer: the op's own error; four: with the routing it changes downstream
             step "$run"
             for layers in 1 4; do
-                python3 -m benchmarks.lora_fp8_base --layers $layers 2>&1 | tee -a "$OUT_DIR/$run.log" | tail -9 \
-                    || failed+=("$run-$layers")
+                launch "$run-$layers" 1 -m benchmarks.lora_fp8_base --layers $layers
             done ;;
         profile-8layer)  # kernel time by kind, 8 layers, LoRA: the FP8 base beside the BF16 one
             step "$run"
@@ -78,12 +75,10 @@ for run in "$@"; do
             done ;;
         peft-32layer)
             step "$run"
-            python3 -m benchmarks.peft_peer "${PEER[@]}" --json "$OUT_DIR/$run.json" 2>&1 \
-                | tee "$OUT_DIR/$run.log" | tail -12 || failed+=("$run") ;;
+            launch "$run" 1 -m benchmarks.peft_peer "${PEER[@]}" --json "$OUT_DIR/$run.json" ;;
         peft-32layer-ddp)
             step "$run"
-            torchrun --standalone --nproc_per_node=2 -m benchmarks.peft_peer "${PEER[@]}" \
-                --json "$OUT_DIR/$run.json" 2>&1 | tee "$OUT_DIR/$run.log" | tail -12 || failed+=("$run") ;;
+            launch "$run" 2 -m benchmarks.peft_peer "${PEER[@]}" --json "$OUT_DIR/$run.json" ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done
