@@ -4,7 +4,7 @@ the held storages are printed by size, which names a tensor the estimate misses.
 
 import pytest
 import torch
-from measure.test_memory import _CreatedStorages, random_batch, tiny
+from measure.test_memory import held_storages, random_batch, tiny
 from measure.test_memory_lora import TARGETS, UPPER_BOUND_SLACK
 
 from te_mixtral.distributed.layout import Layout
@@ -21,16 +21,6 @@ SINGLE = Layout(0, 1, 1, None, None)
 SHAPES = {"hidden_size": "256", "intermediate_size": "512", "num_attention_heads": "4", "num_key_value_heads": "2",
           "head_dim": "64", "vocab_size": "2048", "seq_len": "512", "batch_size": "2", "dtype": "bf16",
           "device": "cuda", "tier": "custom_grouped"}
-
-
-def held_storages(model, run):
-    # The model's own tensors: parameters, and buffers (a frozen FP8 base's values are buffers).
-    params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    with _CreatedStorages() as mode:
-        loss = run()
-    held = {ptr: nbytes for ref, ptr, nbytes in mode.created if not ref.expired() and ptr not in params}
-    del loss
-    return held
 
 
 # One decoder layer of Mixtral-8x7B at a full-model rank's load: one 8192-token sequence.

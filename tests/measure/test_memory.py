@@ -125,19 +125,25 @@ class _CreatedStorages(TorchDispatchMode):
 def held_after_forward(model, run) -> int:
     """Bytes of every storage `run()` creates that is still alive when it returns (the loss
     aside, a scalar), views of the parameters and buffers aside: what the forward leaves for the backward.
+    `held_storages` lists them (data pointer -> bytes).
 
     Not `saved_tensors_hooks`: inside a checkpointed region the checkpoint's own hooks replace
     any outer ones, and what it keeps (the region's inputs) it holds in a closure, not as saved
     tensors, so counting saved tensors would miss exactly what recompute keeps. Here whatever
     is alive counts, saved or held.
     """
+    return sum(held_storages(model, run).values())
+
+
+def held_storages(model, run) -> dict[int, int]:
+    """`held_after_forward`'s storages, by data pointer: their bytes."""
     # The model's own tensors: parameters, and buffers (a frozen FP8 base's values are buffers).
     params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     with _CreatedStorages() as mode:
         loss = run()
     held = {ptr: nbytes for ref, ptr, nbytes in mode.created if not ref.expired() and ptr not in params}
     del loss
-    return sum(held.values())
+    return held
 
 
 # fp32; bf16 autocast over fp32 parameters (adamw); bf16 parameters (master_adamw).
