@@ -320,11 +320,21 @@ class DeviceMXFP8Tier(ExpertTier):
             raise RuntimeError("DeviceMXFP8Tier.expert_weight() of a frozen base needs check_available(device) first")
         return FrozenFP8Weight(shape, self._runner.value_dtype)
 
-    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
+    def recomputes_hidden(self, x_RD) -> bool:
+        return self.frozen_base  # a trained base's op is checkpointed whole
+
+    def recompute_hidden(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
+        """Selective recompute over a frozen FP8 base, inside the op: its backward runs the
+        gate_up GEMM (and its SwiGLU cast) again, not the down projection, which a checkpoint
+        of the whole op would run too. The gate_up adapter's delta is made again from its
+        rank-r factors."""
+        return self(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden=False)
+
+    def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None, keep_hidden=True):
         if x_RD.device != self._device:
             self.check_available(x_RD.device)
         frozen = isinstance(gate_up_L2FD, FrozenFP8Weight)
-        assert frozen or adapters is None, "adapters come with a frozen base, which this tier holds in FP8"
+        assert frozen or (adapters is None and keep_hidden), "adapters and own recompute come with a frozen base"
         # Below the break-even size the FP8 casts and the weights' quantisation cost more than
         # the FP8 GEMMs save (docs/precision.md has the measurements). Rows and experts are
         # shapes, known on the host: the choice needs no sync. A frozen base has no BF16 copy.
@@ -337,7 +347,7 @@ class DeviceMXFP8Tier(ExpertTier):
         padded = padded_rows(tokens_per_expert_L, x_RD.shape[0], runner.row_align, runner.min_rows)
         x_QD = pad_rows(x_RD, padded)
         if frozen:
-            y_QD = runner.frozen_mlp(x_QD, padded, gate_up_L2FD, down_LDF, adapters)
+            y_QD = runner.frozen_mlp(x_QD, padded, gate_up_L2FD, down_LDF, adapters, keep_hidden)
         else:
             y_QD = runner.mlp(x_QD, padded, gate_up_L2FD, down_LDF)
         return unpad_rows(y_QD, padded)

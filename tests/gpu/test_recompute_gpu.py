@@ -23,11 +23,14 @@ BACKENDS = [TORCH] + ([TE] if te_available() else [])
 TIERS = ["loop", "custom_grouped"] + (["grouped_linear"] if te_available() else [])
 
 
-def setup(backend, tier, recompute, seq_len):
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"),
-                      {"tier": tier, "seq_len": str(seq_len), "recompute": recompute, "backend": backend.name})
+def setup(backend, tier, recompute, seq_len, overrides=None):
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"tier": tier, "seq_len": str(seq_len),
+                                                          "recompute": recompute, "backend": backend.name,
+                                                          **(overrides or {})})
+    expert_tier = make_tier(tier, cfg)
+    expert_tier.check_available(torch.device("cuda"))  # device_mxfp8: its frozen FP8 base with LoRA
     with torch.device("cuda"):
-        model = MixtralForCausalLM(cfg.model, backend, SINGLE, make_tier(tier), recompute)
+        model = MixtralForCausalLM(cfg.model, backend, SINGLE, expert_tier, recompute)
     init_weights(model, 7, SINGLE)
     gen = torch.Generator().manual_seed(11)
     windows = torch.randint(1, cfg.model.vocab_size, (cfg.train.batch_size, seq_len + 1), generator=gen)
@@ -58,17 +61,23 @@ def test_gradients_equal_no_recompute_bf16(backend, tier, recompute):
         assert (got - want).norm() <= 1e-3 * want.norm(), name
 
 
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 @pytest.mark.parametrize("targets", ["q_proj,gate_up_proj,down_proj", "gate_up_proj", "down_proj"])
-def test_lora_gradients_equal_no_recompute_bf16(targets):
-    """custom_grouped's own selective recompute with LoRA's adapters inside its op: every
-    adapter's gradient as without recompute."""
-    from te_mixtral.config import LoRAConfig
+@pytest.mark.parametrize("tier", ["custom_grouped", pytest.param("device_mxfp8", marks=pytest.mark.skipif(
+    not hopper(), reason="the frozen FP8 base needs a Hopper GPU (sm_90)"))])
+def test_lora_gradients_equal_no_recompute_bf16(targets, tier):
+    """custom_grouped's own selective recompute with LoRA's adapters inside its op, and
+    device_mxfp8's over its frozen FP8 base: every adapter's gradient as without recompute."""
     from te_mixtral.model.lora import add_adapters, freeze_base
 
     grads = {}
     for mode in ("none", "selective"):
-        _, model, batch = setup(BACKENDS[-1], "custom_grouped", mode, 256)
-        add_adapters(model, LoRAConfig(rank=8, alpha=16.0, targets=targets), 3, SINGLE)
+        cfg, model, batch = setup(BACKENDS[-1], tier, mode, 256,
+                                  {"lora.rank": "8", "lora.alpha": "16", "lora.targets": targets})
+        add_adapters(model, cfg.lora, 3, SINGLE)
         freeze_base(model)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -39,8 +39,9 @@ forward runs with the adapters' deltas entering as they do in custom_grouped's o
 SwiGLU cast (in the GEMM's epilogue), the down adapter reads act, which the SwiGLU cast
 writes beside h_q. The backward is dgrad only: dy cast row-wise, dh with the down adapter's
 share of d(act) added in the GEMM's epilogue, d(gu)'s row-wise cast as above, dx. Saved: gu,
-and act where the down projection has an adapter; d(gu) reaches the gate_up adapter
-unquantised, in x's dtype, written by the pass that casts it for the base's dgrad.
+and act where the down projection has an adapter (under selective recompute neither: x and the
+delta's rank-r factors, gu and act made again, the down GEMM not); d(gu) reaches the gate_up
+adapter unquantised, in x's dtype, written by the pass that casts it for the base's dgrad.
 """
 
 from functools import partial
@@ -101,13 +102,16 @@ class FP8SwiGLUExperts:
         return _FP8SwiGLU.apply(x_QD, gate_up_L2FD, down_LDF, padded.offsets_L, self)
 
     def frozen_mlp(self, x_QD, padded, gate_up: FrozenFP8Weight, down: FrozenFP8Weight,
-                   adapters: ExpertAdapters | None):
-        """The MLP over a frozen FP8 base, with LoRA's adapters (if any)."""
-        def op(h_add_R2F=None, a_down_LrF=None):  # with_fused_adapters' names; the rows here are Q
-            return _FrozenFP8SwiGLU.apply(x_QD, h_add_R2F, a_down_LrF, padded.offsets_L, gate_up, down, self)
+                   adapters: ExpertAdapters | None, keep_hidden: bool = True):
+        """The MLP over a frozen FP8 base, with LoRA's adapters (if any). `keep_hidden=False`
+        (selective recompute) keeps only x and the gate_up delta's rank-r factors: the
+        backward makes gu (and act) again, but not y."""
+        def op(h_add_R2F=None, a_down_LrF=None, h_add_factors=None):  # with_fused_adapters' names; rows here are Q
+            return _FrozenFP8SwiGLU.apply(x_QD, h_add_R2F, a_down_LrF, padded.offsets_L, gate_up, down, self,
+                                          keep_hidden, h_add_factors)
         if adapters is None:
             return op()
-        return with_fused_adapters(op, x_QD, padded.offsets_L, adapters)
+        return with_fused_adapters(op, x_QD, padded.offsets_L, adapters, recompute=not keep_hidden)
 
 
 class _FP8SwiGLU(torch.autograd.Function):
@@ -150,31 +154,38 @@ class _FP8SwiGLU(torch.autograd.Function):
 
 class _FrozenFP8SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_QD, h_add_Q2F, a_down_LrF, offsets_L, gate_up, down, experts):
+    def forward(ctx, x_QD, h_add_Q2F, a_down_LrF, offsets_L, gate_up, down, experts, keep_hidden, h_add_factors):
         gemms = experts.gemms
         with torch.autocast(x_QD.device.type, enabled=False):
-            # The gate_up adapter's delta joins gu in the GEMM's epilogue, before gu's rounding.
-            gu_Q2F = gemms.fprop(x_QD.detach(), gate_up.fprop_operand(), offsets_L, add=h_add_Q2F)
-            # LoRA's down adapter reads act, which the FP8 cast then also writes, in x's dtype.
-            act_QF = None if a_down_LrF is None else gu_Q2F.new_empty(gu_Q2F.shape[0], down.shape[-1],
-                                                                         dtype=x_QD.dtype)
-            h_q, h_scale_Q = experts.rows(gu_Q2F, swiglu=True, values_out=act_QF)
+            gu_Q2F, act_QF, h_q, h_scale_Q = _frozen_hidden(experts, x_QD.detach(), h_add_Q2F, a_down_LrF,
+                                                            offsets_L, gate_up, down)
             y_QD = gemms.fprop_quantised(h_q, h_scale_Q, down.fprop_operand(), offsets_L).to(x_QD.dtype)
             del h_q
             outputs = (y_QD,)
             if act_QF is not None:
                 outputs += (grouped_matmul(act_QF, a_down_LrF, offsets_L),)
-        # act is kept for the down adapter's gradient: a pass over gu saved in the backward.
-        ctx.save_for_backward(gu_Q2F, act_QF, offsets_L, a_down_LrF)
-        ctx.experts, ctx.weights, ctx.x_dtype = experts, (gate_up, down), x_QD.dtype
+        if keep_hidden:  # act is kept for the down adapter's gradient: a pass over gu saved in the backward
+            ctx.save_for_backward(gu_Q2F, act_QF, offsets_L, a_down_LrF)
+        else:
+            t_Qr, b_L2Fr, ctx.h_add_scale = h_add_factors or (None, None, None)
+            ctx.save_for_backward(x_QD, offsets_L, a_down_LrF, t_Qr, b_L2Fr)
+        ctx.experts, ctx.weights, ctx.x_dtype, ctx.keep_hidden = experts, (gate_up, down), x_QD.dtype, keep_hidden
         return outputs if len(outputs) > 1 else y_QD
 
     @staticmethod
     def backward(ctx, dy_QD, du_Qr=None):
-        gu_Q2F, act_QF, offsets_L, a_down_LrF = (None if t is None else t.detach() for t in ctx.saved_tensors)
         experts, gemms = ctx.experts, ctx.experts.gemms
         gate_up, down = ctx.weights
         dtype = ctx.x_dtype
+        saved = [None if t is None else t.detach() for t in ctx.saved_tensors]
+        if ctx.keep_hidden:
+            gu_Q2F, act_QF, offsets_L, a_down_LrF = saved
+        else:  # gu and act again, from x and the delta made again as the caller made it (same bits)
+            x_QD, offsets_L, a_down_LrF, t_Qr, b_L2Fr = saved
+            h_add_Q2F = None if t_Qr is None else grouped_matmul(t_Qr, b_L2Fr, offsets_L) * ctx.h_add_scale
+            with torch.autocast(dy_QD.device.type, enabled=False):
+                gu_Q2F, act_QF, _, _ = _frozen_hidden(experts, x_QD, h_add_Q2F, a_down_LrF, offsets_L, gate_up, down)
+            del h_add_Q2F
         dy_QD = dy_QD.contiguous()
         dx = d_h_add = d_a_down = down_share = None
         with torch.autocast(dy_QD.device.type, enabled=False):
@@ -193,7 +204,17 @@ class _FrozenFP8SwiGLU(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dgrad_weight = gate_up.dgrad_operand(experts.requantize_transposed)
                 dx = gemms.dgrad_quantised(dgu_q, dgu_scale_Q, dgrad_weight, offsets_L).to(dtype)
-        return dx, d_h_add, d_a_down, None, None, None, None
+        return dx, d_h_add, d_a_down, None, None, None, None, None, None
+
+
+def _frozen_hidden(experts, x_QD, h_add_Q2F, a_down_LrF, offsets_L, gate_up, down):
+    """(gu, act, h_q, h_scale) of the frozen op: gu = x @ gate_up^T + the gate_up adapter's
+    delta (added in the GEMM's epilogue, before gu's rounding), and the row-wise FP8 cast of
+    SwiGLU(gu), which also writes act in x's dtype where the down adapter reads it (else None)."""
+    gu_Q2F = experts.gemms.fprop(x_QD, gate_up.fprop_operand(), offsets_L, add=h_add_Q2F)
+    act_QF = None if a_down_LrF is None else gu_Q2F.new_empty(gu_Q2F.shape[0], down.shape[-1], dtype=x_QD.dtype)
+    h_q, h_scale_Q = experts.rows(gu_Q2F, swiglu=True, values_out=act_QF)
+    return gu_Q2F, act_QF, h_q, h_scale_Q
 
 
 def _wgrad_from_rows(experts, weight, other_QC, rows_q, rows_scale_Q, offsets_L, rows_first):
