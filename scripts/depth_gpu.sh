@@ -19,6 +19,9 @@
 #     te-8layer       TE's te_mixtral example on one GPU at 8 layers, as before (16 do not fit one GPU)
 #                     (benchmarks/te_example.py; needs .peers/te_mixtral_example)
 #     ours-8layer     ours beside it: custom_grouped, 8 layers, one GPU
+#     full-ep4        the full model itself: all 32 layers, EP=4 on four GPUs, custom_grouped,
+#                     selective recompute (the estimate's choice), phase profile (four H200s)
+#     fp8-full-ep4    the same with device_mxfp8, no FP8 weight cache
 # Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
 # config's lr 2e-5, one packed 8192-token sequence per GPU per step, 15 steps of which the
 # first 5 are left out of the timing (the phase profile runs after them), the same seed.
@@ -30,6 +33,9 @@ USAGE="scripts/depth_gpu.sh OUT_DIR RUN [RUN ...]"
 source "$(dirname "${BASH_SOURCE[0]}")/runs_common.sh"
 
 DEPTH=configs/mixtral-8x7b-16layer-ep2.yaml
+# The 16-layer config's training settings, on the full model at EP=4.
+FULL=(configs/mixtral-8x7b.yaml --ep-size 4 --batch_size 4 --lr 2e-5 --warmup_steps 3 --dtype bf16
+      --optimizer master_adamw --recompute selective --profile_phases true)
 STEPS=(--steps 15 --timing_warmup_steps 5)
 PEER_STEPS=(--steps 15 --warmup 5)
 train() {  # name, GPUs, config, extra arguments
@@ -71,6 +77,8 @@ for run in "$@"; do
             launch "$run" 1 -m benchmarks.te_example --example-dir .peers/te_mixtral_example \
                 --config configs/mixtral-8x7b-8layer.yaml "${PEER_STEPS[@]}" --json "$OUT_DIR/$run.json" ;;
         ours-8layer) train "$run" 1 configs/mixtral-8x7b-8layer.yaml --tier custom_grouped ;;
+        full-ep4) train "$run" 4 "${FULL[@]}" --tier custom_grouped ;;
+        fp8-full-ep4) train "$run" 4 "${FULL[@]}" --tier device_mxfp8 --fp8_weight_cache false ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done

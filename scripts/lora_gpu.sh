@@ -11,6 +11,8 @@
 #     lora-32layer   all 32 layers, LoRA r=16, selective recompute (one H200 holds it)
 #     lora-32layer-ep2   all 32 layers, LoRA r=16, EP=2 on two GPUs, no recompute (two H200s hold it)
 #     lora-32layer-ep2-full   the same with full recompute (two H100s hold it)
+#     lora-32layer-ep4   all 32 layers, LoRA r=16, EP=4 on four GPUs, selective recompute (beside
+#                        scripts/depth_gpu.sh's full-ep4, full fine-tuning at the same setting)
 #     lora-fp8-8layer    8 layers, LoRA r=16 over the FP8 base (beside lora-8layer)
 #     lora-fp8-32layer   all 32 layers, LoRA r=16 over the FP8 base (device_mxfp8), selective recompute
 #                        (one H100 holds it)
@@ -57,6 +59,7 @@ for run in "$@"; do
         lora-32layer) train "$run" 1 "${LORA[@]}" --recompute selective ;;
         lora-32layer-ep2) train "$run" 2 "${LORA[@]}" --ep-size 2 ;;
         lora-32layer-ep2-full) train "$run" 2 "${LORA[@]}" --ep-size 2 --recompute full ;;
+        lora-32layer-ep4) train "$run" 4 "${LORA[@]}" --ep-size 4 --recompute selective ;;
         lora-fp8-8layer) train "$run" 1 --model.num_hidden_layers 8 "${LORA[@]}" --tier device_mxfp8 ;;
         lora-fp8-32layer) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute selective ;;
         lora-fp8-32layer-norecompute) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute none ;;
