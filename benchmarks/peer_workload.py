@@ -6,7 +6,8 @@ rows our own run of the config trains on (`our_rows`: same tokens, same document
 data-parallel rank its own) or random tokens in documents of one length (`random_rows`), in
 the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives
 the per-document positions transformers and torchtitan take instead of the edges.
-`check_steps` refuses the step counts and document length none can run; `summarize_steps`
+`rows_per_gpu` is a GPU's share of the global batch; `check_steps` refuses the step counts
+and document length none can run; `summarize_steps`
 turns the timed steps into our runs' figures (te_mixtral/measure/metrics.py); `report` prints a
 peer run's one-line summary and writes its --json.
 
@@ -72,11 +73,19 @@ def our_rows(cfg, steps: int, device, rank: int = 0, world_size: int = 1) -> lis
     return rows
 
 
-def random_rows(cfg, steps: int, doc_len: int, generator, device) -> list[dict]:
-    """Rows of random tokens in documents of `doc_len` tokens."""
+def rows_per_gpu(cfg, world_size: int) -> int:
+    """The packed rows each GPU trains per step: `train.batch_size` is the global batch, as in
+    our runs, split over the GPUs."""
+    if cfg.train.batch_size % world_size:
+        raise UserError(f"train.batch_size {cfg.train.batch_size} does not split over {world_size} GPUs")
+    return cfg.train.batch_size // world_size
+
+
+def random_rows(cfg, steps: int, doc_len: int, generator, device, world_size: int = 1) -> list[dict]:
+    """One GPU's rows of random tokens in documents of `doc_len` tokens."""
     import torch
 
-    samples, seq_len = cfg.train.batch_size, cfg.data.seq_len
+    samples, seq_len = rows_per_gpu(cfg, world_size), cfg.data.seq_len
     tokens = samples * seq_len
     starts = [s * seq_len + d for s in range(samples) for d in range(0, seq_len, doc_len)]
     cu_seqlens = torch.tensor(starts + [tokens], dtype=torch.int32, device=device)

@@ -65,7 +65,6 @@ import gc
 import importlib.util
 import os
 import sys
-from dataclasses import replace
 
 from benchmarks import common
 from benchmarks.peer_workload import (
@@ -74,6 +73,7 @@ from benchmarks.peer_workload import (
     our_rows,
     random_rows,
     report,
+    rows_per_gpu,
     summarize_steps,
 )
 from te_mixtral.config import load_config
@@ -170,7 +170,7 @@ def run(args, cfg, device) -> dict:
     from te_mixtral.measure.metrics import StepTimer, train_flops
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    m, seq_len, samples = cfg.model, cfg.data.seq_len, cfg.train.batch_size // world
+    m, seq_len, samples = cfg.model, cfg.data.seq_len, rows_per_gpu(cfg, world)
     header = common.run_header(device)
     if rank == 0:
         print(common.header_line(header), flush=True)
@@ -189,8 +189,7 @@ def run(args, cfg, device) -> dict:
         rows = our_rows(cfg, args.steps, device, rank, world)
     else:
         generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
-        rows = random_rows(replace(cfg, train=replace(cfg.train, batch_size=samples)), args.steps, args.doc_len,
-                           generator, device)
+        rows = random_rows(cfg, args.steps, args.doc_len, generator, device, world)
     flops = [train_flops(m, r["cu_seq_lens_q"].cpu(), samples * seq_len, cfg.lora) for r in rows]
     batches = [packed_row(r) for r in rows]
 

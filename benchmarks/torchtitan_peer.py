@@ -112,6 +112,7 @@ from benchmarks.peer_workload import (
     our_rows,
     random_rows,
     report,
+    rows_per_gpu,
     summarize_steps,
 )
 from te_mixtral.config import load_config
@@ -232,7 +233,8 @@ def run(args, cfg) -> dict:
 
     from te_mixtral.measure.metrics import StepTimer, train_flops
 
-    m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
+    m, world = cfg.model, int(os.environ.get("WORLD_SIZE", "1"))
+    tokens = rows_per_gpu(cfg, world) * cfg.data.seq_len  # one GPU's
     if not torch.cuda.is_available():
         raise UserError("the torchtitan peer needs CUDA GPUs (its attention cannot train on a CPU), and none is visible")
     if package_version("torchtitan") is None:
@@ -259,7 +261,7 @@ def run(args, cfg) -> dict:
         rows = our_rows(cfg, args.steps, device, rank, world_size)
     else:
         generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
-        rows = random_rows(cfg, args.steps, args.doc_len, generator, device)
+        rows = random_rows(cfg, args.steps, args.doc_len, generator, device, world)
     # Global FLOPs: every rank's rows (their documents differ), summed once before the timing.
     flops = torch.tensor([train_flops(m, r["cu_seq_lens_q"].cpu(), tokens) for r in rows], dtype=torch.float64,
                          device=device)

@@ -6,13 +6,15 @@ CUDA and Transformer Engine; that part runs on GPU machines only."""
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import REPO
 
-from benchmarks.peer_workload import our_rows, random_rows
+from benchmarks.peer_workload import our_rows, random_rows, rows_per_gpu
 from benchmarks.te_example import load_example
 from te_mixtral.config import load_config
 from te_mixtral.data.packing import PackedData
+from te_mixtral.errors import UserError
 from te_mixtral.measure.metrics import causal_pairs
 
 
@@ -83,6 +85,19 @@ def test_random_rows_match_the_collator_layout():
     kept = batch["labels"][0] != -100
     assert torch.equal(batch["labels"][0][kept], batch["input_ids"][0][kept])
     assert causal_pairs(batch["cu_seq_lens_q"]) == 2 * (6 + 6 + 3)  # per sample: documents of 3, 3 and 2 tokens
+
+
+def test_a_gpu_trains_its_share_of_the_global_batch():
+    """train.batch_size is the global batch, as in our runs: on 2 GPUs each trains half of it,
+    in both kinds of rows, and the token count a peer reports is that of its rows."""
+    cfg = load_config(None, {"seq_len": "64", "batch_size": "4", "vocab_size": "50", "tokenizer_vocab_size": "50"})
+    assert rows_per_gpu(cfg, 1) == 4 and rows_per_gpu(cfg, 2) == 2
+    (random_row,) = random_rows(cfg, 1, 16, torch.Generator().manual_seed(0), "cpu", world_size=2)
+    (our_row,) = our_rows(cfg, 1, "cpu", rank=1, world_size=2)
+    for row in (random_row, our_row):
+        assert row["input_ids"].numel() == int(row["cu_seq_lens_q"][-1]) == rows_per_gpu(cfg, 2) * 64
+    with pytest.raises(UserError, match="train.batch_size 4 does not split over 3 GPUs"):
+        rows_per_gpu(cfg, 3)
 
 
 def test_our_rows_are_what_our_run_trains_on():
