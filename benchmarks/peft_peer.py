@@ -61,7 +61,6 @@ From the repository root, on a CUDA machine with transformers and peft:
 
 import argparse
 import contextlib
-import gc
 import importlib.util
 import os
 import sys
@@ -270,18 +269,18 @@ def process_group(world: int):
     import torch
     import torch.distributed as dist
 
+    from te_mixtral.distributed.layout import shutdown
+
     if world == 1:
         yield 0
         return
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    finished = False
     try:
         yield dist.get_rank()
+        finished = True
     finally:
-        # Whatever holds the group (DistributedDataParallel's reducer, in reference cycles the
-        # cycle collector frees) goes first, so nothing outlives it: a gloo rank of the
-        # two-process test once aborted at exit ("terminate called without an active exception").
-        gc.collect()
-        dist.destroy_process_group()
+        shutdown(wait_for_peers=finished)  # after a good run, no rank tears gloo down under a peer
 
 
 if __name__ == "__main__":

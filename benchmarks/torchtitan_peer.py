@@ -231,6 +231,7 @@ def build_parallel(m, attention: str, job, device):
 def run(args, cfg) -> dict:
     import torch
 
+    from te_mixtral.distributed.layout import shutdown
     from te_mixtral.measure.metrics import StepTimer, train_flops
 
     m, world = cfg.model, int(os.environ.get("WORLD_SIZE", "1"))
@@ -290,7 +291,7 @@ def run(args, cfg) -> dict:
         "loss": losses,
         "flops_per_step": flops.tolist(),
     }
-    torch.distributed.destroy_process_group()
+    shutdown(wait_for_peers=True)  # no rank tears its connections down under a peer still at work
     return result if rank == 0 else None
 
 

@@ -21,6 +21,7 @@ from benchmarks.torchtitan_peer import (
     titan_inputs,
     workload_config,
 )
+from te_mixtral.distributed.layout import shutdown
 
 for module, name, value in PATCHES:
     setattr(module, name, value)
@@ -44,4 +45,4 @@ for ep in (1, 2):
 torch.testing.assert_close(losses[2], losses[1], rtol=1e-5, atol=1e-5)
 for ep in losses:
     print(f"ep {ep}: ok")
-dist.destroy_process_group()
+shutdown(wait_for_peers=True)
