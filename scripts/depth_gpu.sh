@@ -22,6 +22,8 @@
 #     full-ep4        the full model itself: all 32 layers, EP=4 on four GPUs, custom_grouped,
 #                     selective recompute (the estimate's choice), phase profile (four H200s)
 #     fp8-full-ep4    the same with device_mxfp8, no FP8 weight cache
+#     full-ep4-fewest full-ep4 with the expert FFN recomputed in the first 27 of the 32 layers only,
+#                     the fewest that fit four H200s by the estimate (--estimate-memory 4 --gpu h200)
 # Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
 # config's lr 2e-5, one packed 8192-token sequence per GPU per step, 15 steps of which the
 # first 5 are left out of the timing (the phase profile runs after them), the same seed.
@@ -79,6 +81,7 @@ for run in "$@"; do
         ours-8layer) train "$run" 1 configs/mixtral-8x7b-8layer.yaml --tier custom_grouped ;;
         full-ep4) train "$run" 4 "${FULL[@]}" --tier custom_grouped ;;
         fp8-full-ep4) train "$run" 4 "${FULL[@]}" --tier device_mxfp8 --fp8_weight_cache false ;;
+        full-ep4-fewest) train "$run" 4 "${FULL[@]}" --tier custom_grouped --recompute_layers 27 ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done

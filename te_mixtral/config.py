@@ -131,6 +131,9 @@ class TrainConfig:
     recompute: Literal["none", "selective", "full"] = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
+    recompute_layers: int | None = setting(None, help="with recompute selective or full: how many decoder layers "
+                                           "recompute, from the first; the others keep everything, as with none "
+                                           "(null: every layer). --estimate-memory names the fewest that fit")
     sharding: Literal["none", "fsdp"] = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
                             "state; gradients all-reduced in buckets during backward) or fsdp (FSDP2 shards them over the ranks, "
                             "experts over their replicas; te_mixtral/distributed/parallelize.py)")
@@ -151,6 +154,14 @@ class TrainConfig:
 
 # The recompute modes, from the most kept to the least (the fit check suggests them in this order).
 RECOMPUTE = typing.get_args(TrainConfig.__annotations__["recompute"])
+
+
+def recomputed_layers(train: TrainConfig, num_layers: int) -> int:
+    """How many of the model's decoder layers recompute (the first ones): none without
+    recompute, `train.recompute_layers` if set, else all."""
+    if train.recompute == "none":
+        return 0
+    return num_layers if train.recompute_layers is None else train.recompute_layers
 
 
 @dataclass

@@ -52,6 +52,8 @@ def validate(cfg, world_size: int = 1) -> None:
     _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",
            "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp (unsharded gradients are whole "
            "either way, so reducing them after every micro-batch would only cost traffic)")
+    _check(t.recompute_layers is None or t.recompute != "none",
+           "train.recompute_layers counts the layers that recompute: it needs train.recompute selective or full")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(d.format != "chat" or d.tokenizer is not None or cfg.model_path is not None,
            "data.format chat needs a tokenizer with a chat template: set data.tokenizer to its folder "
@@ -144,6 +146,9 @@ def validate_model(cfg) -> None:
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok"):
         _check(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    layers = cfg.train.recompute_layers
+    _check(layers is None or 1 <= layers <= m.num_hidden_layers,
+           f"train.recompute_layers must be in [1, model.num_hidden_layers ({m.num_hidden_layers})], got {layers}")
     _check(m.num_attention_heads % m.num_key_value_heads == 0,
            f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
            f"model.num_key_value_heads ({m.num_key_value_heads})")

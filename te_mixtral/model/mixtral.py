@@ -13,7 +13,8 @@ and no rank ever materialises experts it does not own.
 
 `recompute` (train.recompute) trades memory for compute: "full" runs each decoder layer's
 forward again in its backward, "selective" only the expert FFN (see
-te_mixtral/model/recompute.py).
+te_mixtral/model/recompute.py), in every layer or in the first `recompute_layers`
+(train.recompute_layers), the others keeping everything.
 
 Router losses. Each forward keeps its layers' routing statistics as `model.routing`, taken
 from the layers' return values outside any recomputed region; `model.router_losses(layout)`
@@ -100,21 +101,26 @@ class DecoderLayer(nn.Module):
 
 
 class MixtralBody(nn.Module):
-    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str,
+                 recompute_layers: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(m, backend, layout, tier, recompute)
-                                    for _ in range(m.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(m, backend, layout, tier, recompute if i < recompute_layers else "none")
+            for i in range(m.num_hidden_layers))
         self.norm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta, backend)
 
 
 class MixtralForCausalLM(nn.Module):
-    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str = "none"):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str = "none",
+                 recompute_layers: int | None = None):
+        """`recompute` in the first `recompute_layers` decoder layers (None: all of them)."""
         super().__init__()
         self.config = m
         self.tier = tier  # every MoE layer's; read by the training loop for its `calls()`
-        self.model = MixtralBody(m, backend, layout, tier, recompute)
+        layers = m.num_hidden_layers if recompute_layers is None else recompute_layers
+        self.model = MixtralBody(m, backend, layout, tier, recompute, layers)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

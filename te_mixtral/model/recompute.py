@@ -15,6 +15,12 @@ forward again in the backward instead (`train.recompute`).
                routing, dispatch, experts, combine) runs again in its backward. Costs one
                more forward of every layer.
 
+`train.recompute_layers` N applies the mode to the first N decoder layers only; the others
+keep everything, as with none, and run no second forward. Every kept layer costs its share
+of the memory none needs, so the memory estimate picks N: the fewest layers recomputing that
+still fit (`--estimate-memory` names it). Which layers recompute does not change the peak,
+which comes when every layer's saved tensors are held at once, at the start of the backward.
+
 torch's `checkpoint` with `use_reentrant=False` does the work on both layer backends.
 Transformer Engine has its own (`transformer_engine.pytorch.checkpoint`); what it adds to
 torch's is FP8 *delayed-scaling* bookkeeping (a recompute must not push a second amax into

@@ -28,7 +28,9 @@ between forward and backward whatever the forward saved for the backward: per de
 Activation recompute (`train.recompute`, te_mixtral/model/recompute.py) changes what a layer
 keeps: selective drops the expert FFN's hidden rows and the experts' weight copies (the tier
 runs again in the backward); full keeps only each layer's input. Either way the layer whose
-backward runs holds all of it again while it does.
+backward runs holds all of it again while it does. With `train.recompute_layers` only the
+first N layers do so, the others keep what `none` keeps; `fewest_recomputed_layers` finds the
+smallest N that fits, which `--estimate-memory` and a refusal name.
 
 And, once per step, the rotary tables, the final norm, the LM head's input, the router
 statistics and the log-probabilities in fp32 (T x V x 4: a large one). With fp32 parameters under bf16 autocast
@@ -78,6 +80,7 @@ from te_mixtral.config import (
     LORA_EXPERT_TARGETS,
     RECOMPUTE,
     RunConfig,
+    recomputed_layers,
 )
 from te_mixtral.config_checks import validate_model
 from te_mixtral.distributed.launcher_env import main_rank_from_env
@@ -280,9 +283,13 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     layer_copies = dense_copies + expert_copies + fp8_weights
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
     # the experts' weight copies; full keeps the layer's input alone.
-    layer_saved, saved_copies = {"none": (dense_layer + expert_hidden, dense_copies + expert_copies + saved_fp8),
-                                 "selective": (dense_layer, dense_copies + cached_fp8),
-                                 "full": (r * T * D, cached_fp8)}[recompute]
+    saved = {"none": (dense_layer + expert_hidden, dense_copies + expert_copies + saved_fp8),
+             "selective": (dense_layer, dense_copies + cached_fp8),
+             "full": (r * T * D, cached_fp8)}
+    recomputing = recomputed_layers(replace(cfg.train, recompute=recompute), m.num_hidden_layers)
+    kept = m.num_hidden_layers - recomputing  # layers that keep what `none` keeps
+    layers_saved = recomputing * saved[recompute][0] + kept * saved["none"][0]
+    layers_copies = recomputing * saved[recompute][1] + kept * saved["none"][1]
     head = norm + a * T * D + 4 * T * V + 8 * T + 2 * 4 * batch * S * Hd  # + ids, rotary tables
     head += m.num_hidden_layers * (12 * E + 4)  # router statistics: picks (int64), prob sums, z sum
     if recompute == "full":
@@ -322,7 +329,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                                 workspace + transient + in_flight)))
 
     phases = {
-        "head backward": phase("head backward", L * saved_copies + head_copy, L * layer_saved + head + logits,
+        "head backward": phase("head backward", layers_copies + head_copy, layers_saved + head + logits,
                                2 * 4 * T * V),
         # The cache keeps every layer's FP8 weights through the backward and the step.
         "layer 0 backward": phase("layer 0 backward", layer_copies + (L - 1) * cached_fp8, one_layer + logits,
@@ -335,8 +342,9 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
               f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer)
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
                 f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {trains}, recompute {recompute}"
+                + (f" in {recomputing} of {m.num_hidden_layers} layers" if kept and recomputing else "")
                 + (f", sharded by fsdp ({params.total / 1e6:,.1f} M parameters unsharded)" if sharded else ""))
-    return MemoryEstimate(phases, L * (layer_saved + saved_copies) + head + head_copy, params, local, device,
+    return MemoryEstimate(phases, layers_saved + layers_copies + head + head_copy, params, local, device,
                           describe)
 
 
@@ -361,9 +369,19 @@ def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
         estimate = estimate_memory(replace(cfg, train=replace(cfg.train, **train), **run), world_size, device=device)
         return estimate.required() if estimate.fits(limit) else None
 
+    def fitting(setting: str, train: dict, run: dict) -> str | None:
+        """'setting (N GiB)' if it fits; a recompute setting with the fewest layers that fit."""
+        if (need := required(train, run)) is None:
+            return None
+        if "recompute" in train:
+            setting_cfg = replace(cfg, train=replace(cfg.train, **train), **run)
+            if (layers := fewest_recomputed_layers(setting_cfg, world_size, device, limit)) is not None:
+                setting = f"{setting} --recompute_layers {layers}"
+                need = required({**train, "recompute_layers": layers}, run)
+        return f"{setting} ({size_text(need)})"
+
     options = _lighter(cfg, device)
-    alone = [f"{setting} ({size_text(need)})" for setting, train, run in options
-             if (need := required(train, run)) is not None]
+    alone = [text for option in options if (text := fitting(*option)) is not None]
     if alone:
         return f"alone, {' or '.join(alone)} would fit"
     recomputes = [option for option in options if "recompute" in option[1]]
@@ -374,6 +392,18 @@ def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
         if (need := required(train, run)) is not None:
             return f"together, {' '.join(setting for setting, _, _ in together)} would fit ({size_text(need)})"
     return ""
+
+
+def fewest_recomputed_layers(cfg: RunConfig, world_size: int, device: str, limit: int) -> int | None:
+    """The fewest layers that may recompute (cfg's mode) with the run still fitting `limit`,
+    when fewer than the run's own would; else None. A layer that keeps its activations skips
+    the recompute's extra forward: the estimate decides how many can."""
+    recomputing = recomputed_layers(cfg.train, cfg.model.num_hidden_layers)
+    for layers in range(1, recomputing):
+        fewer = replace(cfg, train=replace(cfg.train, recompute_layers=layers))
+        if estimate_memory(fewer, world_size, device=device).fits(limit):
+            return layers
+    return None
 
 
 def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> MemoryEstimate:
@@ -411,4 +441,9 @@ def print_estimate(cfg: RunConfig, world_size: int) -> int:
         print(estimate.table(limit, name), flush=True)
         if limit is not None and not estimate.fits(limit) and (hint := _would_fit(cfg, world_size, device, limit)):
             print(hint[0].upper() + hint[1:], flush=True)
+        elif limit is not None and (layers := fewest_recomputed_layers(cfg, world_size, device, limit)) is not None:
+            fewer = estimate_memory(replace(cfg, train=replace(cfg.train, recompute_layers=layers)), world_size,
+                                    device=device)
+            print(f"Fewer layers need recompute: --recompute_layers {layers} of {cfg.model.num_hidden_layers} "
+                  f"fits too ({size_text(fewer.required())}), and skips the others' second forward", flush=True)
     return 0

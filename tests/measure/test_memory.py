@@ -3,6 +3,7 @@ of parameters, gradients and AdamW state after a step, every tensor a forward sa
 backward, and the peaks recorded by this project's GPU runs."""
 
 import json
+import re
 import resource
 import time
 from dataclasses import replace
@@ -30,7 +31,7 @@ from te_mixtral.measure.capacity import GPUS, GiB, parse_capacity
 from te_mixtral.measure.model_state import count_parameters
 from te_mixtral.model.layers import TORCH, PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
-from te_mixtral.planning.memory import check_fits, estimate_memory
+from te_mixtral.planning.memory import check_fits, estimate_memory, print_estimate
 from te_mixtral.saved_config import upgrade_saved
 from te_mixtral.training.optimizer import make_optimizer
 
@@ -45,8 +46,9 @@ def tiny(tier="loop", world_size=1, **overrides) -> RunConfig:
     return load_config(str(REPO / "configs" / "tiny.yaml"), {"tier": tier, **overrides}, world_size)
 
 
-def build(m: ModelConfig, layout: Layout = SINGLE, tier: str = "loop", recompute: str = "none") -> MixtralForCausalLM:
-    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier), recompute)
+def build(m: ModelConfig, layout: Layout = SINGLE, tier: str = "loop", recompute: str = "none",
+          recompute_layers: int | None = None) -> MixtralForCausalLM:
+    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier), recompute, recompute_layers)
 
 
 @pytest.mark.parametrize("m, ep", [(tiny().model, 1), (tiny().model, 4), (ODD, 1), (ODD, 3),
@@ -162,17 +164,23 @@ def forward_loss(model, cfg: RunConfig, ids, packed):
     return causal_lm_loss(logits, ids, torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+# A mode, and how many layers it runs in (the first ones; None: all).
+RECOMPUTE_SETTINGS = {"none": ("none", None), "selective": ("selective", None), "full": ("full", None),
+                      "selective-first-layer": ("selective", 1), "full-first-layer": ("full", 1)}
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE_SETTINGS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("tier", ["loop", "custom_grouped"])
 @pytest.mark.parametrize("m, batch, seq, accum", [(None, 4, 128, 1), (ODD, 3, 40, 1), (None, 8, 64, 2)],
                          ids=["tiny", "odd", "tiny-accum2"])
 def test_activation_estimate_is_what_the_forward_keeps(tier, precision, recompute, m, batch, seq, accum):
-    cfg = tiny(tier, batch_size=str(batch), seq_len=str(seq), recompute=recompute, grad_accum_steps=str(accum),
-               **PRECISIONS[precision])
+    mode, layers = RECOMPUTE_SETTINGS[recompute]
+    cfg = tiny(tier, batch_size=str(batch), seq_len=str(seq), recompute=mode, grad_accum_steps=str(accum),
+               **PRECISIONS[precision], **({} if layers is None else {"recompute_layers": str(layers)}))
     if m is not None:
         cfg = replace(cfg, model=m)
-    model = build(cfg.model, tier=tier, recompute=recompute)
+    model = build(cfg.model, tier=tier, recompute=mode, recompute_layers=layers)
     init_weights(model, 1, SINGLE)
     if cfg.train.optimizer == "master_adamw":
         model.to(torch.bfloat16)
@@ -301,10 +309,15 @@ def test_a_refusal_names_the_settings_that_would_fit(capsys):
     with pytest.raises(UserError) as refused:
         check_fits(full_model(tier="custom_grouped"), 4, "cuda")
     message = str(refused.value)
-    assert "; alone, --recompute selective (" in message and " or --recompute full (" in message
-    assert "\n" not in message
-    for setting in ("selective", "full"):  # what it names does fit
-        check_fits(full_model(tier="custom_grouped", recompute=setting), 4, "cuda")
+    named = re.search(r"; alone, --recompute selective --recompute_layers (\d+) \(.+\) "
+                      r"or --recompute full --recompute_layers (\d+) \(", message)
+    assert named and "\n" not in message, message
+    # What it names fits, with the fewest layers recomputing that do: one fewer does not.
+    for setting, layers in zip(("selective", "full"), map(int, named.groups())):
+        check_fits(full_model(tier="custom_grouped", recompute=setting, recompute_layers=str(layers)), 4, "cuda")
+        with pytest.raises(UserError):
+            check_fits(full_model(tier="custom_grouped", recompute=setting, recompute_layers=str(layers - 1)), 4,
+                       "cuda")
     with pytest.raises(UserError, match="; together, --recompute full --fp8_weight_cache false would fit"):
         check_fits(full_model(tier="device_mxfp8"), 4, "cuda")
     check_fits(full_model(tier="device_mxfp8", recompute="full", fp8_weight_cache="false"), 4, "cuda")
@@ -356,3 +369,23 @@ def test_a_small_refusal_shows_the_difference_between_need_and_room():
     # Before: "needs about 0.03 GiB per rank but 8MB has 0.01 GiB".
     with pytest.raises(UserError, match=r"needs about [\d.]+ MiB per rank but 8MB has 7.63 MiB"):
         check_fits(load_config(str(REPO / "configs" / "tiny.yaml"), {"gpu": "8MB"}), 1, "cpu")
+
+
+def test_the_estimate_names_the_fewest_layers_that_must_recompute(capsys):
+    """A plan that fits with every layer recomputing is told how few may, and that number
+    fits where one fewer would not."""
+    def full_model(**overrides):
+        return load_config(str(REPO / "configs" / "mixtral-8x7b.yaml"),
+                           {"ep_size": "4", "batch_size": "4", "optimizer": "master_adamw", "dtype": "bf16",
+                            "gpu": "h200", "tier": "custom_grouped", "recompute": "selective", **overrides}, 4)
+
+    print_estimate(full_model(), 4)
+    named = re.search(r"Fewer layers need recompute: --recompute_layers (\d+) of 32 fits too", capsys.readouterr().out)
+    assert named, "no fewer layers named"
+    layers = int(named.group(1))
+    assert 1 < layers < 32
+    check_fits(full_model(recompute_layers=str(layers)), 4, "cuda")
+    with pytest.raises(UserError):
+        check_fits(full_model(recompute_layers=str(layers - 1)), 4, "cuda")
+    print_estimate(full_model(recompute_layers=str(layers)), 4)  # already the fewest: nothing to add
+    assert "Fewer layers" not in capsys.readouterr().out

@@ -46,11 +46,11 @@ def random_batch(cfg, seed):
     return batch_from_windows(windows, eos_id=0)
 
 
-def step(cfg, tier_name, recompute, batch):
+def step(cfg, tier_name, recompute, batch, recompute_layers=None):
     """One forward and backward: the loss, every gradient, and how often the router and
     the tier ran."""
     tier = CountingTier(make_tier(tier_name))
-    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, tier, recompute)
+    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, tier, recompute, recompute_layers)
     init_weights(model, 7, SINGLE)
     router_calls = [0]
     for layer in model.model.layers:
@@ -62,13 +62,14 @@ def step(cfg, tier_name, recompute, batch):
     return loss.detach(), grads, router_calls[0], tier.calls
 
 
+@pytest.mark.parametrize("recompute_layers", [None, 1], ids=["every-layer", "first-layer"])
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 @pytest.mark.parametrize("tier", ["loop", "custom_grouped"])
-def test_loss_and_every_gradient_equal_no_recompute(tier, recompute):
+def test_loss_and_every_gradient_equal_no_recompute(tier, recompute, recompute_layers):
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"seq_len": "64", "dtype": "fp32"})
     batch = random_batch(cfg, seed=3)
     want_loss, want_grads, _, _ = step(cfg, tier, "none", batch)
-    loss, grads, _, _ = step(cfg, tier, recompute, batch)
+    loss, grads, _, _ = step(cfg, tier, recompute, batch, recompute_layers)
     # fp32 on the CPU: the recompute runs the very kernels on the very inputs again, so the
     # bits agree; any difference is a bug, not rounding.
     assert torch.equal(loss, want_loss)
@@ -82,11 +83,14 @@ def test_loss_and_every_gradient_equal_no_recompute(tier, recompute):
 def test_what_runs_again(recompute, router_runs, tier_runs):
     """Per layer and step: selective runs the tier again but never the router; full runs the
     whole layer again, router included, so a forward hook on the router fires twice (a place
-    where a routing statistic must not be recorded: see te_mixtral/model/recompute.py)."""
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"seq_len": "32"})
-    _, _, router_calls, tier_calls = step(cfg, "loop", recompute, random_batch(cfg, seed=4))
+    where a routing statistic must not be recorded: see te_mixtral/model/recompute.py). With
+    train.recompute_layers only that many layers, the first ones, run anything again."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"seq_len": "32", "num_hidden_layers": "3"})
     layers = cfg.model.num_hidden_layers
-    assert (router_calls, tier_calls) == (router_runs * layers, tier_runs * layers)
+    for recomputing in (None, 1, 2):
+        _, _, router_calls, tier_calls = step(cfg, "loop", recompute, random_batch(cfg, seed=4), recomputing)
+        again = 0 if recompute == "none" else layers if recomputing is None else recomputing
+        assert (router_calls, tier_calls) == (layers + (router_runs - 1) * again, layers + (tier_runs - 1) * again)
 
 
 def test_without_autograd_nothing_is_recomputed():
@@ -103,6 +107,13 @@ def test_without_autograd_nothing_is_recomputed():
 def test_recompute_key_is_checked():
     with pytest.raises(UserError, match="train.recompute must be one of none, selective, full"):
         load_config(None, {"recompute": "layers"})
+    with pytest.raises(UserError, match="train.recompute_layers counts the layers that recompute: it needs "
+                                        "train.recompute selective or full"):
+        load_config(None, {"recompute_layers": "1"})
+    for layers in ("0", "3"):  # configs/tiny.yaml has 2
+        with pytest.raises(UserError, match=rf"train.recompute_layers must be in \[1, model.num_hidden_layers "
+                                            rf"\(2\)\], got {layers}"):
+            load_config(str(REPO / "configs" / "tiny.yaml"), {"recompute": "full", "recompute_layers": layers})
     with pytest.raises(UserError, match="tier 'hf' runs transformers' model"):
         load_run_config(None, {"recompute": "full", "tier": "hf"}, world_size=1)
 
