@@ -375,7 +375,7 @@ def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
             return None
         if "recompute" in train:
             setting_cfg = replace(cfg, train=replace(cfg.train, **train), **run)
-            if (layers := fewest_recomputed_layers(setting_cfg, world_size, device, limit)) is not None:
+            if layers := fewest_recomputed_layers(setting_cfg, world_size, device, limit):  # 0: none fits, not here
                 setting = f"{setting} --recompute_layers {layers}"
                 need = required({**train, "recompute_layers": layers}, run)
         return f"{setting} ({size_text(need)})"
@@ -396,12 +396,12 @@ def _would_fit(cfg: RunConfig, world_size: int, device: str, limit: int) -> str:
 
 def fewest_recomputed_layers(cfg: RunConfig, world_size: int, device: str, limit: int) -> int | None:
     """The fewest layers that may recompute (cfg's mode) with the run still fitting `limit`,
-    when fewer than the run's own would; else None. A layer that keeps its activations skips
-    the recompute's extra forward: the estimate decides how many can."""
+    0 if none need to, when fewer than the run's own would; else None. A layer that keeps its
+    activations skips the recompute's extra forward: the estimate decides how many can."""
     recomputing = recomputed_layers(cfg.train, cfg.model.num_hidden_layers)
-    for layers in range(1, recomputing):
-        fewer = replace(cfg, train=replace(cfg.train, recompute_layers=layers))
-        if estimate_memory(fewer, world_size, device=device).fits(limit):
+    for layers in range(recomputing):
+        train = {"recompute": "none", "recompute_layers": None} if layers == 0 else {"recompute_layers": layers}
+        if estimate_memory(replace(cfg, train=replace(cfg.train, **train)), world_size, device=device).fits(limit):
             return layers
     return None
 
@@ -442,8 +442,10 @@ def print_estimate(cfg: RunConfig, world_size: int) -> int:
         if limit is not None and not estimate.fits(limit) and (hint := _would_fit(cfg, world_size, device, limit)):
             print(hint[0].upper() + hint[1:], flush=True)
         elif limit is not None and (layers := fewest_recomputed_layers(cfg, world_size, device, limit)) is not None:
-            fewer = estimate_memory(replace(cfg, train=replace(cfg.train, recompute_layers=layers)), world_size,
-                                    device=device)
-            print(f"Fewer layers need recompute: --recompute_layers {layers} of {cfg.model.num_hidden_layers} "
-                  f"fits too ({size_text(fewer.required())}), and skips the others' second forward", flush=True)
+            train = {"recompute": "none", "recompute_layers": None} if layers == 0 else {"recompute_layers": layers}
+            need = size_text(estimate_memory(replace(cfg, train=replace(cfg.train, **train)), world_size,
+                                             device=device).required())
+            print("No layer needs recompute here: --recompute none fits too" if layers == 0 else
+                  f"Fewer layers need recompute: --recompute_layers {layers} of {cfg.model.num_hidden_layers} fits too",
+                  f"({need}), and skips the second forward", flush=True)
     return 0

@@ -389,3 +389,9 @@ def test_the_estimate_names_the_fewest_layers_that_must_recompute(capsys):
         check_fits(full_model(recompute_layers=str(layers - 1)), 4, "cuda")
     print_estimate(full_model(recompute_layers=str(layers)), 4)  # already the fewest: nothing to add
     assert "Fewer layers" not in capsys.readouterr().out
+    # Where the peak is not at the start of the backward, recompute saves nothing: none is named.
+    one_gpu = load_config(str(REPO / "configs" / "mixtral-8x7b-8layer.yaml"),
+                          {"num_hidden_layers": "4", "tier": "device_mxfp8", "fp8_weight_cache": "false",
+                           "recompute": "selective", "gpu": "h100"}, 1)
+    print_estimate(one_gpu, 1)
+    assert "No layer needs recompute here: --recompute none fits too" in capsys.readouterr().out
