@@ -400,10 +400,15 @@ def fewest_recomputed_layers(cfg: RunConfig, world_size: int, device: str, limit
     activations skips the recompute's extra forward: the estimate decides how many can."""
     recomputing = recomputed_layers(cfg.train, cfg.model.num_hidden_layers)
     for layers in range(recomputing):
-        train = {"recompute": "none", "recompute_layers": None} if layers == 0 else {"recompute_layers": layers}
-        if estimate_memory(replace(cfg, train=replace(cfg.train, **train)), world_size, device=device).fits(limit):
+        if estimate_memory(recomputing_only(cfg, layers), world_size, device=device).fits(limit):
             return layers
     return None
+
+
+def recomputing_only(cfg: RunConfig, layers: int) -> RunConfig:
+    """`cfg` with its recompute mode in its first `layers` layers alone (0: recompute none)."""
+    train = {"recompute": "none", "recompute_layers": None} if layers == 0 else {"recompute_layers": layers}
+    return replace(cfg, train=replace(cfg.train, **train))
 
 
 def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> MemoryEstimate:
@@ -442,10 +447,9 @@ def print_estimate(cfg: RunConfig, world_size: int) -> int:
         if limit is not None and not estimate.fits(limit) and (hint := _would_fit(cfg, world_size, device, limit)):
             print(hint[0].upper() + hint[1:], flush=True)
         elif limit is not None and (layers := fewest_recomputed_layers(cfg, world_size, device, limit)) is not None:
-            train = {"recompute": "none", "recompute_layers": None} if layers == 0 else {"recompute_layers": layers}
-            need = size_text(estimate_memory(replace(cfg, train=replace(cfg.train, **train)), world_size,
-                                             device=device).required())
-            print("No layer needs recompute here: --recompute none fits too" if layers == 0 else
-                  f"Fewer layers need recompute: --recompute_layers {layers} of {cfg.model.num_hidden_layers} fits too",
-                  f"({need}), and skips the second forward", flush=True)
+            need = size_text(estimate_memory(recomputing_only(cfg, layers), world_size, device=device).required())
+            print(f"No layer needs recompute here: --recompute none fits too ({need}) and runs no second forward"
+                  if layers == 0 else
+                  f"Fewer layers need recompute: --recompute_layers {layers} of {cfg.model.num_hidden_layers} fits "
+                  f"too ({need}), and the others run no second forward", flush=True)
     return 0
