@@ -86,8 +86,8 @@ builds this model, runs its forward and its MoE's backward, and its trainer's
 parallelisation at EP 1 and 2 over gloo gives the same loss (the tests; three CUDA-only
 steps of its MoE swapped for their CPU equivalents there). On torch 2.13 `varlen_attn`
 refuses grouped-query attention unless passed `enable_gqa`, which 0.2.2 does not pass, so
-`--attention varlen` runs on torch 2.11 only; on torch 2.11 with CUDA, both backends are
-unchecked here.
+`--attention varlen` runs on torch 2.11 only (there it trains, under torchrun on two
+H200s: `scripts/depth_gpu.sh OUT titan`); `--attention flex` on CUDA is unchecked.
 
 On a CPU, torchtitan's language-model attention backends cannot train (FlexAttention has no
 CPU backward, varlen needs CUDA): the script refuses a machine without CUDA.
