@@ -194,7 +194,7 @@ def job_config(ep: int, dtype: str, tokens: int, seed: int):
 
 def build_parallel(m, attention: str, job, device):
     """The model on `device` as torchtitan's Trainer builds it under torchrun (module
-    docstring), its parallel dimensions and the autocast its step runs under. torchtitan's
+    docstring) and the autocast its step runs under. torchtitan's
     `init_distributed` starts NCCL, or keeps the process group already started."""
     import torch
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -225,7 +225,7 @@ def build_parallel(m, attention: str, job, device):
         model.init_weights(buffer_device=None)
     model.train()
     amp = dist_utils.maybe_enable_amp(parallel_dims, job.training.mixed_precision_param, device.type)
-    return model, parallel_dims, amp
+    return model, amp
 
 
 def run(args, cfg) -> dict:
@@ -248,9 +248,9 @@ def run(args, cfg) -> dict:
         torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1,
                                              device_id=device)
     job = job_config(ep, args.dtype, tokens, cfg.train.seed)  # seeds every rank alike, as its trainer does
-    model, parallel_dims, amp = build_parallel(m, args.attention, job, device)
-    rank, world_size = torch.distributed.get_rank(), parallel_dims.world_size
-    header = common.run_header(device, torchtitan=package_version("torchtitan"), world_size=world_size,
+    model, amp = build_parallel(m, args.attention, job, device)
+    rank = torch.distributed.get_rank()
+    header = common.run_header(device, torchtitan=package_version("torchtitan"), world_size=world,
                                expert_parallel=ep)
     if rank == 0:
         print(common.header_line(header), flush=True)
@@ -259,7 +259,7 @@ def run(args, cfg) -> dict:
                                   weight_decay=o.weight_decay, fused=True)
 
     if args.doc_len is None:
-        rows = our_rows(cfg, args.steps, device, rank, world_size)
+        rows = our_rows(cfg, args.steps, device, rank, world)
     else:
         generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
         rows = random_rows(cfg, args.steps, args.doc_len, generator, device, world)
@@ -276,13 +276,13 @@ def run(args, cfg) -> dict:
             loss = train_step(model, optimizer, batch, amp)
         losses.append(loss.item())
 
-    summary = summarize_steps(timer.times, args.warmup, tokens * world_size, flops.tolist(), device, world_size)
+    summary = summarize_steps(timer.times, args.warmup, tokens * world, flops.tolist(), device, world)
     result = {
         "header": header,
         "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step_per_gpu": tokens,
                      "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents",
                      "steps": args.steps, "timing_warmup_steps": args.warmup, "lr": cfg.train.lr,
-                     "attention": args.attention, "world_size": world_size, "expert_parallel": ep,
+                     "attention": args.attention, "world_size": world, "expert_parallel": ep,
                      "experts": "GroupedExperts (torch._grouped_mm), ExpertParallel all-to-all",
                      "dtype": args.dtype,
                      "optimizer": f"torch.optim.AdamW(fused=True), FSDP2 {args.dtype} parameters, bf16 compute"},

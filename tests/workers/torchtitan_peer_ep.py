@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from bench.titan_on_cpu import PATCHES, count_in_float
 
-from benchmarks.peer_workload import random_rows
+from benchmarks.peer_workload import random_rows, rows_per_gpu
 from benchmarks.torchtitan_peer import (
     build_parallel,
     job_config,
@@ -26,14 +26,14 @@ from te_mixtral.distributed.layout import shutdown
 for module, name, value in PATCHES:
     setattr(module, name, value)
 cfg = workload_config(argparse.Namespace(config=sys.argv[1], layers=1))
-tokens = cfg.train.batch_size * cfg.data.seq_len
 dist.init_process_group("gloo")  # torchtitan's init_distributed keeps it
-rank = dist.get_rank()
-(row,) = random_rows(cfg, 1, 50, torch.Generator().manual_seed(rank), "cpu")
+rank, world = dist.get_rank(), dist.get_world_size()
+tokens = rows_per_gpu(cfg, world) * cfg.data.seq_len  # one rank's row, as the peer counts it
+(row,) = random_rows(cfg, 1, 50, torch.Generator().manual_seed(rank), "cpu", world)
 losses = {}
 for ep in (1, 2):
-    model, parallel_dims, amp = build_parallel(cfg.model, "flex", job_config(ep, "float32", tokens, cfg.train.seed),
-                                               torch.device("cpu"))
+    model, amp = build_parallel(cfg.model, "flex", job_config(ep, "float32", tokens, cfg.train.seed),
+                                torch.device("cpu"))
     count_in_float(model)
     w1 = model.layers["0"].moe.experts.w1
     mesh = "ep" if ep > 1 else "fsdp"
