@@ -43,7 +43,7 @@ from torch import nn
 from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, LoRAConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.adapters import ExpertAdapters
-from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
+from te_mixtral.experts.quant.frozen import FrozenWeight
 
 
 class LowRank(nn.Module):
@@ -133,18 +133,18 @@ def lora_adapters(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def base_weights(model: nn.Module) -> dict[str, torch.Tensor | FrozenFP8Weight]:
+def base_weights(model: nn.Module) -> dict[str, torch.Tensor | FrozenWeight]:
     """Every weight by the name a full fine-tune's parameter has: the parameters, and the
-    expert stacks of a base frozen in FP8 (experts/quant/frozen_fp8.py), which are modules.
+    expert stacks of a base frozen in a quantised format (experts/quant/frozen.py), which are modules.
     Both fill from a checkpoint alike (`w[index].copy_(tensor)`); `weight_tensor` reads one."""
     weights = dict(model.named_parameters())
-    weights.update((name, module) for name, module in model.named_modules() if isinstance(module, FrozenFP8Weight))
+    weights.update((name, module) for name, module in model.named_modules() if isinstance(module, FrozenWeight))
     return weights
 
 
-def weight_tensor(weight: torch.Tensor | FrozenFP8Weight) -> torch.Tensor:
-    """A weight of `base_weights` as a tensor: a frozen FP8 stack dequantised to float32."""
-    return weight.dequantized() if isinstance(weight, FrozenFP8Weight) else weight.detach()
+def weight_tensor(weight: torch.Tensor | FrozenWeight) -> torch.Tensor:
+    """A weight of `base_weights` as a tensor: a frozen quantised stack dequantised to float32."""
+    return weight.dequantized() if isinstance(weight, FrozenWeight) else weight.detach()
 
 
 def freeze_base(model: nn.Module) -> None:

@@ -85,7 +85,7 @@ from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.global_state import GlobalView, global_state_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max
 from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line
-from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
+from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.files import (
     folder_bytes,
@@ -140,8 +140,8 @@ def require_finite_weights(model: torch.nn.Module, layout: Layout, what: str) ->
     rank must call it. The largest magnitude is NaN or infinite exactly then, and PyTorch's
     multi-tensor norm finds it in one pass with no temporary of the weights' size."""
     local = [_local(p.detach()) for p in model.parameters()]
-    # A base held in FP8 is finite where its row scales are: a row's amax makes its scale.
-    local += [w.scale for w in base_weights(model).values() if isinstance(w, FrozenFP8Weight)]
+    # A quantised frozen base is finite where its scales are: an amax makes each scale.
+    local += [w.scale for w in base_weights(model).values() if isinstance(w, FrozenWeight)]
     device = local[0].device
     bad = not math.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf).item())
     if _any_rank(bad, layout, device):
