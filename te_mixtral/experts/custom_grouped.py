@@ -93,17 +93,23 @@ def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=N
 
 def grouped_mm_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
     """The expert FFN through `F.grouped_mm` (CPU or CUDA), differentiable by autograd, its
-    adapters (if any) through the same grouped GEMM."""
+    adapters (if any) through the same grouped GEMM; a frozen NF4 base dequantised first."""
     if x_RD.shape[0] == 0:
         # grouped_mm's backward rejects zero rows; zeros that still reach every input give
         # the right (zero) gradients.
         weights = [gate_up_L2FD, down_LDF, *(adapters.tensors() if adapters else ())]
-        return x_RD * 0 + 0 * sum(w.sum() for w in weights).to(x_RD.dtype)
+        return x_RD * 0 + 0 * sum(w.sum() for w in weights if isinstance(w, torch.Tensor)).to(x_RD.dtype)
     matmul = partial(grouped_matmul, offs_L=offsets(tokens_per_expert_L))
     dtype = x_RD.dtype
-    act_RF = swiglu(with_adapter(matmul(x_RD, gate_up_L2FD.to(dtype)), adapters, "gate_up", x_RD, matmul))
-    y_RD = with_adapter(matmul(act_RF, down_LDF.to(dtype)), adapters, "down", act_RF, matmul)
+    act_RF = swiglu(with_adapter(matmul(x_RD, dense(gate_up_L2FD, dtype)), adapters, "gate_up", x_RD, matmul))
+    y_RD = with_adapter(matmul(act_RF, dense(down_LDF, dtype)), adapters, "down", act_RF, matmul)
     return _ContiguousGrad.apply(y_RD)
+
+
+def dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """A stacked expert weight as a tensor in `dtype`: a frozen quantised base (an NF4 one)
+    dequantised whole, as its kernels dequantise it tile by tile (the same numbers)."""
+    return w.to(dtype) if isinstance(w, torch.Tensor) else w.dequantized(dtype)
 
 
 class _ContiguousGrad(torch.autograd.Function):

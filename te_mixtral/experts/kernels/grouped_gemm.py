@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
+from te_mixtral.experts.kernels.nf4_operand import NF4Operand
 from te_mixtral.experts.kernels.schedule import dot_precision, max_programs, pick, swizzle
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
@@ -58,9 +59,10 @@ EPI_SWIGLU_BWD = tl.constexpr(2)
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
     a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr, add_ptr,
+    nf4_scale_ptr, nf4_code_ptr,
     R, N, I, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr, SCALED: tl.constexpr,
-    ADD: tl.constexpr,
+    ADD: tl.constexpr, B_NF4: tl.constexpr,
     USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
@@ -82,6 +84,9 @@ def _rows_gemm(
     the scales (LoRA's deltas over a frozen FP8 base); under the SwiGLU ones before the
     activation, under EPI_SWIGLU one laid out as h [R, 2N] (LoRA's gate_up delta), under
     EPI_SWIGLU_BWD one laid out as act [R, N] (the down adapter's share of d(act)).
+    B_NF4 (no TMA) reads B as NF4 (nf4_operand.py): b_src the packed codes of the 2-D view,
+    nf4_scale the block scales, nf4_code the 16 code values; each B tile is dequantised in
+    registers to A's dtype before its dot (`_nf4_tile`).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -145,7 +150,16 @@ def _rows_gemm(
                 up_skip = 0  # unused: SwiGLU's gate_up is always I-contiguous
 
         for i0 in range(i_start, i_end, BLOCK_I):
-            if USE_TMA:
+            if B_NF4:
+                # The tile's [BLOCK_I, BLOCK_N] elements by their place in the stored [rows, cols] weight.
+                if B_ICONTIG:
+                    w_rows, w_cols, width = (b_row0 + rn)[None, :], (i0 + ri)[:, None], I
+                else:
+                    w_rows, w_cols, width = (b_row0 + i0 + ri)[:, None], rn[None, :], N
+                b_ok = b_cols_ok & ((i0 + ri)[:, None] < I)
+                a = tl.load(a_ptrs, mask=a_rows_ok & ((i0 + ri)[None, :] < I), other=0.0)
+                b = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows, w_cols, width, b_ok, a.dtype)
+            elif USE_TMA:
                 a = a_src.load([m0, i0])
                 if B_ICONTIG:
                     b = tl.trans(b_src.load([b_row0 + n0, i0]))
@@ -160,7 +174,9 @@ def _rows_gemm(
                     b = tl.load(b_ptrs, mask=b_cols_ok & ((i0 + ri)[:, None] < I), other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if EPILOGUE == EPI_SWIGLU:
-                if USE_TMA:
+                if B_NF4:  # the up rows sit N rows below the gate rows
+                    b_up = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows + N, w_cols, width, b_ok, a.dtype)
+                elif USE_TMA:
                     b_up = tl.trans(b_src.load([b_row0 + N + n0, i0]))
                 elif EVEN_I:
                     b_up = tl.load(b_ptrs + up_skip, mask=b_cols_ok, other=0.0)
@@ -217,6 +233,18 @@ def _rows_gemm(
                         add_ptrs = add_ptr + m0.to(tl.int64) * N + rm[:, None] * N + cols[None, :]
                         acc_part += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
                     _swiglu_bwd_store(acc_part, gate_ptrs, act_ptrs, mask, N, WRITE_ACT)
+
+
+@triton.jit
+def _nf4_tile(packed_ptr, scale_ptr, code_ptr, w_rows, w_cols, width, mask, dtype: tl.constexpr):
+    """The weight's elements at (w_rows, w_cols) of its stored 2-D view, `width` columns wide,
+    dequantised from NF4 (nf4.py): CODE[index] * absmax in float32, then `dtype`. Each byte
+    is read for both its values, and the code table, 64 bytes, stays in L1."""
+    rows = w_rows.to(tl.int64)
+    byte = tl.load(packed_ptr + rows * ((width + 1) // 2) + w_cols // 2, mask=mask, other=0)
+    index = (byte.to(tl.int32) >> (4 - 4 * (w_cols % 2))) & 15  # value 2k: the high nibble
+    scale = tl.load(scale_ptr + rows * ((width + 63) // 64) + w_cols // 64, mask=mask, other=0.0)
+    return (tl.load(code_ptr + index) * scale).to(dtype)
 
 
 @triton.jit
@@ -280,7 +308,8 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
               epilogue=EPI_PLAIN, h=None, scales=None, add=None):
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
-    b_icontig, else [L, I, n]; out is [R, n] (None for EPI_SWIGLU_BWD without act).
+    b_icontig, else [L, I, n], a tensor or an `NF4Operand` (read without TMA); out is [R, n]
+    (None for EPI_SWIGLU_BWD without act).
     `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands; `add`, a
     contiguous tensor added to the sums (the kernel's ADD).
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
@@ -288,7 +317,12 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     R, I = a_RI.shape
     L = w.shape[0]
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
-    w2d = w.reshape(L * w.shape[1], w.shape[2])
+    nf4 = None
+    if isinstance(w, NF4Operand):
+        nf4, use_tma = w, False
+        w2d = w.packed.reshape(L * w.shape[1], w.packed.shape[2])
+    else:
+        w2d = w.reshape(L * w.shape[1], w.shape[2])
     if use_tma:
         a_src = descriptor(a_RI, [bm, bi])
         b_src = descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
@@ -305,9 +339,10 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         arrivals = torch.zeros(programs, dtype=torch.int32, device=a_RI.device)
     kernel = _rows_gemm[(programs,)](
         a_src, b_src, counts_L, h if out is None else out,
-        a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add, R, n, I, L, w.shape[1],
+        a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add,
+        *((None, None) if nf4 is None else (nf4.scale, nf4.code)), R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
-        ADD=add is not None,
+        ADD=add is not None, B_NF4=nf4 is not None,
         USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=dot_precision(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),

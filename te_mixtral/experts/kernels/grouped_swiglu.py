@@ -184,15 +184,15 @@ class _GroupedSwiGLU(torch.autograd.Function):
         R, D = x_RD.shape
         L, F = down_LDF.shape[0], down_LDF.shape[2]
         dtype = x_RD.dtype
-        w1_L2FD = gate_up_L2FD.to(dtype).contiguous()
-        w2_LDF = down_LDF.to(dtype).contiguous()
+        w1_L2FD, w2_LDF = _operand(gate_up_L2FD, dtype), _operand(down_LDF, dtype)
         x_RD = x_RD.contiguous()
         h_R2F = x_RD.new_empty(R, 2 * F)
         act_RF = x_RD.new_empty(R, F)
         y_RD = x_RD.new_empty(R, D)
         cfgs = configs[regime(R, L)]
         if use_tma is None:
-            use_tma = uses_descriptors(R, L) and tma_ok(x_RD, h_R2F, w1_L2FD, w2_LDF)
+            dense = [w for w in (w1_L2FD, w2_LDF) if isinstance(w, torch.Tensor)]  # NF4 is read without TMA
+            use_tma = uses_descriptors(R, L) and tma_ok(x_RD, h_R2F, *dense)
         if R > 0:
             rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
                       epilogue=EPI_SWIGLU, h=h_R2F, add=None if h_add_R2F is None else h_add_R2F.contiguous())
@@ -202,10 +202,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if a_down_LrF is not None:  # LoRA's down adapter reads act, which only lives in here
             outputs += (grouped_matmul(act_RF, a_down_LrF, offsets(counts_L)),)
         if keep_hidden:
-            ctx.save_for_backward(x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF)
+            _save(ctx, x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF)
         else:  # the weights as they came: a cast copy is made again in the backward
             t_Rr, b_L2Fr, _ = h_add_factors or (None, None, None)
-            ctx.save_for_backward(x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr)
+            _save(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr)
             ctx.h_add_scale = h_add_factors and h_add_factors[2]
         ctx.cfgs, ctx.use_tma, ctx.h_consumed, ctx.keep_hidden = cfgs, use_tma, False, keep_hidden
         ctx.weights = (gate_up_L2FD, down_LDF)  # the parameters, whose .grad the backward may add into
@@ -222,11 +222,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
         ctx.h_consumed = ctx.keep_hidden
         cfgs, use_tma = ctx.cfgs, ctx.use_tma
         if ctx.keep_hidden:
-            x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF = ctx.saved_tensors
+            x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF = _saved(ctx)
         else:  # recompute the pre-activations: the gate_up GEMM again, not the down one
-            x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr = ctx.saved_tensors
-            w1_L2FD = gate_up_L2FD.to(x_RD.dtype).contiguous()
-            w2_LDF = down_LDF.to(x_RD.dtype).contiguous()
+            x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr = _saved(ctx)
+            w1_L2FD, w2_LDF = _operand(gate_up_L2FD, x_RD.dtype), _operand(down_LDF, x_RD.dtype)
             h_R2F = x_RD.new_empty(x_RD.shape[0], w1_L2FD.shape[1])
             # The gate_up adapter's delta, made again as the caller made it (same GEMM, same bits).
             h_add_R2F = None if t_Rr is None else grouped_matmul(t_Rr, b_L2Fr, offsets(counts_L)) * ctx.h_add_scale
@@ -283,6 +282,22 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return dx_RD, None, d_w1, d_w2, None, None, None, d_h_add, d_a_down, None
 
 
+def _operand(w, dtype):
+    """What the kernels read of a weight: a tensor cast to the rows' dtype, or a frozen
+    quantised weight's own operand (an NF4 base: kernels/nf4_operand.py), which takes no gradient."""
+    return w.to(dtype).contiguous() if isinstance(w, torch.Tensor) else w.operand()
+
+
+def _save(ctx, *items):
+    """save_for_backward for the tensors among `items`; the rest (frozen weights) kept as they are."""
+    ctx.save_for_backward(*(t if t is None or isinstance(t, torch.Tensor) else None for t in items))
+    ctx.not_tensors = [None if t is None or isinstance(t, torch.Tensor) else t for t in items]
+
+
+def _saved(ctx):
+    return [t if other is None else other for t, other in zip(ctx.saved_tensors, ctx.not_tensors)]
+
+
 def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs=None,
                    use_tma=None, keep_hidden=True, h_add_R2F=None, a_down_LrF=None, h_add_factors=None):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
@@ -294,6 +309,10 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
     is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
     projection too, whose output the backward does not need.
+
+    Either weight may be a frozen quantised one with an `operand()` (an NF4 LoRA base,
+    te_mixtral/experts/quant/frozen_nf4.py): the kernels dequantise its tiles as they read
+    them, and it gets no gradient.
 
     LoRA (te_mixtral/experts/adapters.py): `h_add_R2F`, the gate_up adapter's delta, is added
     to the pre-activations in the first GEMM's epilogue (its gradient is dh). `a_down_LrF`,
