@@ -177,6 +177,10 @@ class LoRAConfig:
                            help="comma-separated projections to adapt, as PEFT names them: attention's "
                            f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
                            f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
+    base: Literal["default", "nf4"] = setting("default", help="how the frozen base's expert weights are held: "
+                                              "default (the run's compute dtype; FP8 in tier device_mxfp8) or nf4 "
+                                              "(QLoRA's 4-bit NormalFloat, dequantised inside tier custom_grouped's "
+                                              "GEMMs: experts/quant/frozen_nf4.py)")
 
     @property
     def enabled(self) -> bool:
@@ -254,7 +258,7 @@ class RunConfig:
     generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")
     gpu: str | None = setting(None, workload=False, resumable=True,
                               help="memory a rank may use, checked before anything is built: a GPU name (h100, h200, "
-                              "b200) or a size (80GiB, 141GB); null: the device's own (te_mixtral/planning/memory.py)")
+                              "b200, a100-80gb, l40s, rtx4090) or a size (80GiB, 141GB); null: the device's own (te_mixtral/planning/memory.py)")
 
     @property
     def precision(self) -> str:

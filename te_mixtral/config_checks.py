@@ -124,6 +124,8 @@ def validate_lora(cfg) -> None:
     lora, t = cfg.lora, cfg.train
     _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
     _check(cfg.save_adapter is None or lora.enabled, "save_adapter exports LoRA adapters: set lora.rank (e.g. 16)")
+    _check(lora.base == "default" or lora.enabled, f"lora.base {lora.base} holds the base frozen for LoRA: set "
+           "lora.rank (e.g. 16)")
     if not lora.enabled:
         return
     _check(0 < lora.alpha < math.inf, f"lora.alpha must be finite and above 0, got {lora.alpha}")

@@ -46,6 +46,7 @@ class ExpertMemory:
     fp8: bool = False  # runs its GEMMs in FP8: FP8 copies of the expert weights, and of h for the down wgrad
     frozen_fp8: bool = False  # LoRA: the frozen expert weights held in FP8 alone, a copy of none
     weight_cache: bool = True  # the FP8 weight copies kept from a layer's first forward to the optimizer step
+    frozen_nf4: bool = False  # LoRA: the frozen expert weights held in NF4 alone, dequantised inside the GEMMs
 
 
 class ExpertTier(abc.ABC):
@@ -57,6 +58,7 @@ class ExpertTier(abc.ABC):
 
     name: str  # the name the registry lists it under (te_mixtral/experts/registry.py)
     takes_adapters: bool = False  # whether `__call__` runs LoRA adapters (lora.rank > 0)
+    frozen_bases: tuple[str, ...] = ()  # the `lora.base` formats besides "default" it holds a frozen base in
 
     @classmethod
     def from_config(cls, cfg) -> "ExpertTier":

@@ -11,6 +11,11 @@ measured against in `benchmarks/custom_grouped_bench.py`.
 
 Under `torch.autocast` on CUDA the activations are cast to the autocast dtype and the
 (fp32 master) weights are cast inside the op; gradients come back in each input's dtype.
+
+With LoRA and `lora.base nf4` the frozen expert weights are held in NF4 alone
+(quant/frozen_nf4.py) and the kernels dequantise each weight tile as they read it, in BF16
+on tensor cores: any GPU from Ampere (sm_80) on, so the whole Mixtral-8x7B fits on the GPUs
+most people rent. Elsewhere the grouped_mm path dequantises the weights whole first.
 """
 
 import importlib.util
@@ -22,29 +27,45 @@ from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import with_adapter, with_fused_adapters
 from te_mixtral.experts.base import ExpertMemory, ExpertTier, swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
+from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
+
+AMPERE = (8, 0)  # BF16 tensor cores: what the NF4 base is dequantised into
 
 
 class CustomGroupedTier(ExpertTier):
     name = "custom_grouped"
     takes_adapters = True
+    frozen_bases = ("nf4",)
 
-    def __init__(self, down_adapter_dropout: float = 0.0):
+    def __init__(self, down_adapter_dropout: float = 0.0, nf4_base: bool = False):
         self.down_adapter_dropout = down_adapter_dropout
+        self.nf4_base = nf4_base
 
     @classmethod
     def from_config(cls, cfg) -> "CustomGroupedTier":
         adapts_down = cfg.lora.enabled and "down_proj" in cfg.lora.target_list()
-        return cls(cfg.lora.dropout if adapts_down else 0.0)
+        return cls(cfg.lora.dropout if adapts_down else 0.0, nf4_base=cfg.lora.enabled and cfg.lora.base == "nf4")
 
     @classmethod
     def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
         # The CUDA kernels keep gate_up's output alone and recompute the rest in the backward
-        # (`recomputes_hidden`); the grouped_mm path elsewhere keeps what autograd keeps.
-        return ExpertMemory(fused_hidden=device == "cuda")
+        # (`recomputes_hidden`); the grouped_mm path elsewhere keeps what autograd keeps. An NF4
+        # base is dequantised tile by tile inside the GEMMs: no copy of it in any dtype.
+        return ExpertMemory(fused_hidden=device == "cuda", frozen_nf4=cfg.lora.enabled and cfg.lora.base == "nf4")
+
+    def expert_weight(self, shape):
+        return FrozenNF4Weight(shape) if self.nf4_base else super().expert_weight(shape)
+
+    def describe(self) -> dict:
+        return {"frozen_base": "nf4, dequantised in the grouped GEMMs"} if self.nf4_base else {}
 
     def check_available(self, device: torch.device) -> None:
         if torch.device(device).type != "cuda":
             return  # the grouped_mm path runs anywhere
+        capability = torch.cuda.get_device_capability(device)
+        if self.nf4_base and tuple(capability) < AMPERE:
+            raise TierUnavailable(f"lora.base nf4 dequantises into BF16 tensor cores, which need an Ampere GPU "
+                                  f"(sm_80) or later; this one is sm_{capability[0]}{capability[1]}")
         if importlib.util.find_spec("triton") is None:
             raise TierUnavailable(
                 "tier custom_grouped needs Triton on CUDA; pip install triton, "

@@ -72,6 +72,10 @@ def check_tier(cfg, world_size: int) -> None:
         takers = ", ".join(name for name, tier in EXPERT_TIERS.items() if tier.takes_adapters)
         raise UserError(f"tier '{cfg.tier}' does not run LoRA adapters (lora.rank {cfg.lora.rank}); tiers that do: "
                         f"{takers}")
+    if cfg.lora.enabled and cfg.lora.base != "default" and cfg.lora.base not in EXPERT_TIERS[cfg.tier].frozen_bases:
+        takers = ", ".join(name for name, tier in EXPERT_TIERS.items() if cfg.lora.base in tier.frozen_bases)
+        raise UserError(f"tier '{cfg.tier}' cannot hold a frozen base in lora.base {cfg.lora.base}; tiers that can: "
+                        f"{takers}")
     if cfg.tier in EXPERT_TIERS:
         EXPERT_TIERS[cfg.tier].check(cfg)
     if cfg.tier in BASELINES and cfg.profile_phases:

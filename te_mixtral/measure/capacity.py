@@ -18,10 +18,19 @@ GiB = 2**30
 #   H200            139.8 GiB: nvidia-smi's 143,771 MiB less the ~480 MiB that the H100 shows
 #                   between nvidia-smi (81,559 MiB) and CUDA (81,079 MiB), rounded down;
 #   B200            178.35 GiB, CUDA's totalGlobalMem as quoted in pytorch/ao#4002.
+# The GPUs most people rent, not read on one here (confirm on the hardware before trusting a
+# near miss):
+#   A100 80GB       79.15 GiB, the "total capacity" PyTorch's out-of-memory message reports on one;
+#   L40S (48 GB)    44.52 GiB: nvidia-smi's 46,068 MiB less the H100's ~480 MiB, as for the H200;
+#   RTX 4090 24GB   23.65 GiB, PyTorch's out-of-memory message's "total capacity" (24 GB cards: the
+#                   A10 and L4 hold a little less; name their size, e.g. --gpu 22GiB).
 GPUS = {
     "h100": 85_017_493_504,
     "h200": int(139.8 * GiB),
     "b200": int(178.35 * GiB),
+    "a100-80gb": int(79.15 * GiB),
+    "l40s": int(44.52 * GiB),
+    "rtx4090": int(23.65 * GiB),
 }
 
 

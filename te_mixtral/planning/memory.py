@@ -85,6 +85,7 @@ from te_mixtral.config import (
 from te_mixtral.config_checks import validate_model
 from te_mixtral.distributed.launcher_env import main_rank_from_env
 from te_mixtral.errors import UserError
+from te_mixtral.experts.quant.nf4 import stored_bytes as nf4_bytes
 from te_mixtral.experts.registry import BASELINES, expert_memory, lighter_settings
 from te_mixtral.files import size_text
 from te_mixtral.measure.capacity import GiB, capacity
@@ -313,6 +314,10 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     if frozen_fp8:
         fp8_saved = m.num_hidden_layers * ((p_bytes - 1) * params.experts_per_layer - 4 * (E // ep) * (2 * F + D))
         held = {name: (weights - fp8_saved, grads, flight) for name, (weights, grads, flight) in held.items()}
+    if tier.frozen_nf4:  # packed codes and block scales in place of the base's dtype (quant/nf4.py)
+        nf4_layer = (E // ep) * (nf4_bytes(2 * F, D) + nf4_bytes(D, F))
+        nf4_saved = m.num_hidden_layers * (p_bytes * params.experts_per_layer - nf4_layer)
+        held = {name: (weights - nf4_saved, grads, flight) for name, (weights, grads, flight) in held.items()}
     local = local_parameters(params, world_size // ep, world_size) if sharded else params.total
     state = s_bytes * local
     L = m.num_hidden_layers
@@ -337,7 +342,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
         "optimizer step": phase("optimizer step", L * cached_fp8, logits, 0),
     }
     micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
-    base = f"{'bf16' if p_bytes == 2 else 'fp32'} base{', its experts in FP8' if frozen_fp8 else ''}"
+    frozen_experts = ", its experts in FP8" if frozen_fp8 else ", its experts in NF4" if tier.frozen_nf4 else ""
+    base = f"{'bf16' if p_bytes == 2 else 'fp32'} base{frozen_experts}"
     trains = (f"LoRA r={lora.rank} on a frozen {base} "
               f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer)
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
