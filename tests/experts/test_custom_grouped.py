@@ -280,7 +280,10 @@ def test_interpreter_micro_batches_add_into_grad(monkeypatch):
 @interpreter_only
 @pytest.mark.parametrize("targets", [("gate_up", "down"), ("down",)], ids=["both", "down"])
 @pytest.mark.parametrize("splits", [[21, 0, 0, 34, 1], [0, 0]], ids=["uneven", "no_rows"])
-def test_interpreter_kernels_with_adapters_match_float64(targets, splits):
+# F = 70: wider than one column tile, and a width grouped_mm pads (its d(act) share then
+# comes back as a strided view, which the epilogue must not read as if contiguous).
+@pytest.mark.parametrize("F_", [36, 70])
+def test_interpreter_kernels_with_adapters_match_float64(targets, splits, F_):
     """LoRA through the Triton op: the gate_up delta added in the first epilogue, the down
     adapter's A applied to act inside the op and its share of d(act) added in the SwiGLU
     gradient's epilogue; the frozen base gets no gradient."""
@@ -289,8 +292,8 @@ def test_interpreter_kernels_with_adapters_match_float64(targets, splits):
 
     from te_mixtral.experts.custom_grouped import kernels_swiglu
 
-    x, counts, gate_up, down, dy = make_inputs(splits, 20, 36, seed=9)
-    pairs = random_adapters(splits, 20, 36, rank=3, seed=4, targets=targets)
+    x, counts, gate_up, down, dy = make_inputs(splits, 20, F_, seed=9)
+    pairs = random_adapters(splits, 20, F_, rank=3, seed=4, targets=targets)
     got = run_with_adapters(kernels_swiglu, x, counts, gate_up, down, pairs, 0.9, dy)
     want = reference_lora_f64(x, splits, gate_up, down, pairs, 0.9, dy)
     if sum(splits) == 0:

@@ -311,9 +311,11 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     b_icontig, else [L, I, n], a tensor or an `NF4Operand` (read without TMA); out is [R, n]
     (None for EPI_SWIGLU_BWD without act).
     `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands; `add`, a
-    contiguous tensor added to the sums (the kernel's ADD).
+    tensor added to the sums (the kernel's ADD), read as a contiguous one: a strided view (as
+    grouped_mm returns for a width it pads) is copied first.
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
     ensure_cuda_context(a_RI.device)
+    add = None if add is None else add.contiguous()
     R, I = a_RI.shape
     L = w.shape[0]
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
