@@ -1,0 +1,271 @@
+"""quant/nf4.py and quant/frozen_nf4.py on the CPU: a LoRA base held in NF4 alone.
+
+The format against a float64 reference (QLoRA's code values, each block's absmax exactly);
+rows that fill from checkpoints and seeded draws; tier custom_grouped over the NF4 base, its
+grouped_mm path and its Triton kernels (dequantising inside their K loops) in the
+interpreter, against float64 over the dequantised weights; the model: a checkpoint loaded
+into the NF4 base, merged on export, adapters that PEFT loads onto transformers' Mixtral with
+the dequantised base. Resume: tests/training/test_resume.py.
+
+Run directly, the `test_interpreter_*` tests are skipped; `test_nf4_kernels_in_interpreter`
+runs them in a fresh process with TRITON_INTERPRET=1 (tests/README.md).
+"""
+
+import os
+import sys
+from functools import partial
+
+import peft
+import pytest
+import torch
+from background import Command
+from conftest import interpreter_runs_reduced_loop_bounds
+from expert_reference import random_adapters, reference_lora_f64
+from experts.test_adapters import assert_close, run_with_adapters
+from experts.test_custom_grouped import TINY, make_inputs
+from model.test_hf_parity import random_packed_batch, rel_err
+from model.test_lora import ALL_TARGETS, SINGLE, VOCAB, hf_checkpoint, run_config
+
+from te_mixtral.config import LoRAConfig, ModelConfig
+from te_mixtral.data.tokenizer import Tokenizer, train_tokenizer
+from te_mixtral.errors import Diverged
+from te_mixtral.experts.adapters import with_fused_adapters
+from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
+from te_mixtral.experts.grouped_mm import offsets
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
+from te_mixtral.experts.quant.nf4 import BLOCK, dequantize_nf4, quantize_nf4
+from te_mixtral.model.hf_config import model_config_from_hf
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.lora import add_adapters, base_weights, freeze_base, merged
+from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
+from te_mixtral.training.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from te_mixtral.training.peft_adapters import save_adapter
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+FP32_REL_TOL = 1e-5
+# bitsandbytes' NF4 values (`get_4bit_type("nf4")`), typed out again: the reference.
+NF4_F64 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], dtype=torch.float64)
+
+
+def reference_nf4(w_NI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code index [N, I], absmax [N, blocks]) in float64, block by block, nearest code by search."""
+    rows, width = w_NI.shape
+    index = torch.empty(rows, width, dtype=torch.int64)
+    absmax = torch.zeros(rows, (width + BLOCK - 1) // BLOCK, dtype=torch.float64)
+    for b, start in enumerate(range(0, width, BLOCK)):
+        block = w_NI[:, start:start + BLOCK].double()
+        absmax[:, b] = block.abs().amax(-1)
+        normed = block / torch.where(absmax[:, b:b + 1] == 0, 1.0, absmax[:, b:b + 1])
+        index[:, start:start + BLOCK] = (normed[..., None] - NF4_F64).abs().argmin(-1)
+    return index, absmax
+
+
+def nf4_weights(gate_up, down):
+    stacks = []
+    for w in (gate_up, down):
+        stacks.append(FrozenNF4Weight(w.shape))
+        stacks[-1].copy_(w)
+    return stacks
+
+
+def test_quantise_and_dequantise_match_a_float64_reference():
+    """Odd width (the last block short, the last byte half-filled), rows of very different
+    magnitude, and an all-zero block (its values code to 0)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 2 * BLOCK + 7, generator=gen) * torch.logspace(-3, 2, 6)[:, None]
+    w[2, BLOCK:2 * BLOCK] = 0
+    packed, absmax = quantize_nf4(w)
+    index, want_absmax = reference_nf4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, BLOCK + 4)
+    assert torch.equal(absmax.double(), want_absmax)  # the block's absmax, exactly
+    unpacked = torch.stack([packed >> 4, packed & 15], -1).flatten(-2)[:, :w.shape[1]].long()
+    assert torch.equal(unpacked, index)
+    assert (index[2, BLOCK:2 * BLOCK] == 7).all()  # CODE[7] == 0
+    want = (NF4_F64[index] * want_absmax.repeat_interleave(BLOCK, -1)[:, :w.shape[1]]).float()
+    assert torch.equal(dequantize_nf4(packed, absmax, w.shape[1]), want)
+    assert torch.equal(dequantize_nf4(packed, absmax, w.shape[1], torch.bfloat16), want.bfloat16())
+    # Every block's largest value comes back exactly (code +-1).
+    assert torch.equal(dequantize_nf4(packed, absmax, w.shape[1]).abs().amax(-1), w.abs().amax(-1))
+
+
+def test_rows_fill_from_tensors_and_from_seeded_draws():
+    gen = torch.Generator().manual_seed(3)
+    weight = FrozenNF4Weight((3, 8, 70))
+    assert weight.shape == (3, 8, 70) and weight.numel() == 3 * 8 * 70
+    rows = torch.randn(4, 70, generator=gen)
+    weight[1, 2:6].copy_(rows)
+    packed, absmax = quantize_nf4(rows)
+    assert torch.equal(weight.packed[1, 2:6], packed) and torch.equal(weight.scale[1, 2:6], absmax)
+    assert torch.equal(weight.dequantized()[1, 2:6], dequantize_nf4(packed, absmax, 70))
+    with pytest.raises(ValueError, match="cannot fill NF4 rows of shape"):
+        weight[0].copy_(torch.zeros(8, 69))
+    weight[2].normal_(0.0, 0.02, generator=torch.Generator().manual_seed(5))
+    drawn = torch.empty(8, 70, dtype=weight.source_dtype).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(weight.packed[2], quantize_nf4(drawn)[0])
+
+
+@pytest.mark.parametrize("targets", [("gate_up", "down"), ("down",)], ids=["both", "down"])
+@pytest.mark.parametrize("splits", [[21, 0, 0, 34, 1], [0, 0]], ids=["uneven", "no_rows"])
+def test_the_tier_over_an_nf4_base_matches_float64(targets, splits):
+    """The grouped_mm path (the CPU's): the weights dequantised, then multiplied; y and the
+    gradients of x and every adapter tensor against float64 over the dequantised weights."""
+    x, counts, gate_up, down, dy = make_inputs(splits, 21, 36, seed=2)
+    w1, w2 = nf4_weights(gate_up, down)
+    pairs = random_adapters(splits, 21, 36, rank=3, seed=4, targets=targets)
+    tier = CustomGroupedTier(nf4_base=True)
+    assert isinstance(tier.expert_weight((2, 4, 8)), FrozenNF4Weight)
+    got = run_with_adapters(tier, x, counts, w1, w2, pairs, 0.9, dy)
+    want = reference_lora_f64(x, splits, w1.dequantized(), w2.dequantized(), pairs, 0.9, dy)
+    if sum(splits) == 0:
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in got[1:])
+    else:
+        assert_close(got, want, f"nf4 {targets}")
+
+
+# --- the Triton kernels over an NF4 base, in the interpreter -------------------------
+
+INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+PLANNED_COMMANDS = [INTERPRETER_RUN]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
+@interpreter_runs_reduced_loop_bounds
+def test_nf4_kernels_in_interpreter(planned_command):
+    result, _ = planned_command(INTERPRETER_RUN)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+NF4_CASES = {
+    # name: (splits, D, F, tiles, keep_hidden): D odd (a half-filled last byte per row of
+    # gate_up, a short last block), F past one block; the K tails and every row tile masked.
+    "uneven_odd_width": ([13, 0, 0, 20, 1], 21, 70, dict(TINY, BLOCK_N=32, BLOCK_I=32), True),
+    "shipped_tiles_recomputed": ([33, 0, 17], 40, 24, None, False),
+    "split_tail_recomputed": ([9, 0, 20, 5], 16, 36, "split", False),
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", NF4_CASES)
+def test_interpreter_nf4_kernels_match_the_torch_path(case):
+    """The kernels dequantise each weight tile in their K loop (forward, the SwiGLU-gradient
+    dgrad and gate_up's dgrad), the adapters fused as over a BF16 base: in fp32 the same
+    numbers as dequantising whole and multiplying in torch, and as float64 over the
+    dequantised weights; selective recompute changes nothing, bit for bit."""
+    from experts.test_custom_grouped import SPLIT
+
+    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
+
+    splits, D, F_, tiles, keep_hidden = NF4_CASES[case]
+    per_op = dict.fromkeys(CONFIGS["large"], TINY if tiles == "split" else tiles)
+    if tiles == "split":
+        per_op |= SPLIT
+    configs = None if tiles is None else dict.fromkeys(CONFIGS, per_op)
+    x, counts, gate_up, down, dy = make_inputs(splits, D, F_, seed=len(case))
+    w1, w2 = nf4_weights(gate_up, down)
+    pairs = random_adapters(splits, D, F_, rank=3, seed=6)
+
+    def kernels(x_RD, counts_L, g, d, adapters, keep=keep_hidden):  # as custom_grouped.kernels_swiglu, own tiles
+        op = partial(grouped_swiglu, x_RD, counts_L, g, d, configs=configs, keep_hidden=keep)
+        return with_fused_adapters(op, x_RD, offsets(counts_L), adapters, recompute=not keep)
+
+    got = run_with_adapters(kernels, x, counts, w1, w2, pairs, 0.9, dy)
+    assert_close(got, run_with_adapters(grouped_mm_swiglu, x, counts, w1, w2, pairs, 0.9, dy), case)
+    assert_close(got, reference_lora_f64(x, splits, w1.dequantized(), w2.dequantized(), pairs, 0.9, dy), case)
+    if not keep_hidden:
+        kept = run_with_adapters(lambda *a: kernels(*a, keep=True), x, counts, w1, w2, pairs, 0.9, dy)
+        assert all(torch.equal(a, b) for a, b in zip(got, kept))
+
+
+# --- the model over an NF4 base ---------------------------------------------------------
+
+def nf4_model(folder, lora: LoRAConfig, seed=7):
+    ours = MixtralForCausalLM(model_config_from_hf(folder), TORCH, SINGLE, CustomGroupedTier(nf4_base=True))
+    load_hf_weights(ours, folder, SINGLE)
+    add_adapters(ours, lora, seed, SINGLE)
+    freeze_base(ours)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(".B"):
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return ours
+
+
+def test_a_seeded_nf4_base_is_the_seeded_bf16_base_quantised():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
+    built = {}
+    for name, tier in (("bf16", LoopTier()), ("nf4", CustomGroupedTier(nf4_base=True))):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = MixtralForCausalLM(cfg, TORCH, SINGLE, tier)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        init_weights(model, 11, SINGLE)
+        built[name] = base_weights(model)
+    assert built["bf16"].keys() == built["nf4"].keys()
+    for name, weight in built["nf4"].items():
+        if isinstance(weight, FrozenNF4Weight):
+            assert torch.equal(weight.packed, quantize_nf4(built["bf16"][name])[0]), name
+        else:
+            assert torch.equal(weight, built["bf16"][name]), name
+
+
+def test_a_checkpoint_loads_into_an_nf4_base_which_exports_merged(tmp_path):
+    """Per-expert w1, w3, w2 quantised into their rows as they load; not in the state dict;
+    the weight count is the model's; --save-hf writes the dequantised base, adapters merged;
+    a NaN in a block (its absmax NaN) is refused on export."""
+    hf = hf_checkpoint(tmp_path / "base", dtype=torch.float32)
+    ours = nf4_model(tmp_path / "base", LoRAConfig(rank=3, alpha=6.0, targets=ALL_TARGETS))
+    weights = base_weights(ours)
+    reference = dict(hf.named_parameters())
+    assert sum(w.numel() for name, w in weights.items() if ".adapters." not in name) == hf.num_parameters()
+    assert not any(name.endswith((".packed", ".scale")) for name in ours.state_dict())
+    stack = weights["model.layers.1.mlp.experts.gate_up_proj"]
+    want = quantize_nf4(reference["model.layers.1.mlp.experts.gate_up_proj"].detach())
+    assert torch.equal(stack.packed, want[0]) and torch.equal(stack.scale, want[1])
+
+    tokenizer = Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
+    save_hf_checkpoint(ours, tmp_path / "merged", SINGLE, torch.float32, tokenizer)
+    from safetensors.torch import load_file
+
+    exported = {}
+    for file in (tmp_path / "merged").glob("*.safetensors"):
+        exported.update(load_file(file))
+    adapter = ours.model.layers[1].mlp.experts.adapters["down_proj"]
+    down = merged(weights["model.layers.1.mlp.experts.down_proj"].dequantized(), adapter.A, adapter.B, adapter.scale)
+    for expert in range(down.shape[0]):
+        assert torch.equal(exported[f"model.layers.1.block_sparse_moe.experts.{expert}.w2.weight"], down[expert])
+    assert torch.equal(exported["model.norm.weight"], reference["model.norm.weight"].detach())
+
+    row = torch.randn(40)
+    row[3] = float("nan")
+    ours.model.layers[0].mlp.experts.down_proj[2, 5:6].copy_(row[None])
+    with pytest.raises(Diverged, match="the weights are not finite"):
+        save_hf_checkpoint(ours, tmp_path / "merged-nan", SINGLE, torch.float32, tokenizer)
+
+
+def test_peft_loads_the_adapters_onto_the_dequantised_base(tmp_path):
+    """The adapters trained over the NF4 base, saved in PEFT's format, loaded by PEFT onto
+    transformers' Mixtral whose experts hold the dequantised base: the same logits."""
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=ALL_TARGETS)
+    hf = hf_checkpoint(tmp_path / "base", dtype=torch.float32)
+    ours = nf4_model(tmp_path / "base", lora)
+    with torch.no_grad():
+        for name, weight in base_weights(ours).items():
+            if isinstance(weight, FrozenNF4Weight):
+                dict(hf.named_parameters())[name].copy_(weight.dequantized())
+    save_adapter(ours, tmp_path / "adapter", run_config(lora), SINGLE)
+    reference = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter")
+    batch = random_packed_batch(VOCAB)
+    with torch.no_grad():
+        want = reference(input_ids=batch.input_ids, position_ids=batch.packed.position_ids_BS, use_cache=False).logits
+        got = ours(batch.input_ids, batch.packed)
+    assert rel_err(got, want) < 1e-5
