@@ -90,6 +90,8 @@ def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     ({"lora.rank": "8", "optimizer": "master_adamw", "dtype": "bf16"}, "lora trains small fp32 adapters"),
     ({"lora.rank": "8", "sharding": "fsdp"}, "train.sharding fsdp is for full fine-tuning"),
     ({"save_adapter": "out"}, "save_adapter exports LoRA adapters: set lora.rank"),
+    ({"lora.base": "nf4"}, "lora.base nf4 holds the base frozen for LoRA: set lora.rank"),
+    ({"lora.rank": "8", "lora.base": "int4"}, "lora.base must be one of default, nf4, got 'int4'"),
 ])
 def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
     with pytest.raises(UserError) as raised:
@@ -103,6 +105,15 @@ def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
     with pytest.raises(UserError, match=f"tier '{tier}' does not run LoRA adapters .*tiers that do: loop, "
                                         f"grouped_linear, custom_grouped, device_mxfp8"):
         load_run_config(tiny, {"lora.rank": "8", "tier": tier}, 1)
+
+
+@pytest.mark.parametrize("tier", ["loop", "grouped_linear", "device_mxfp8"])
+def test_only_custom_grouped_holds_an_nf4_base(tier):
+    tiny = str(REPO / "configs" / "tiny.yaml")
+    load_run_config(tiny, {"lora.rank": "8", "lora.base": "nf4", "tier": "custom_grouped"}, 1)
+    with pytest.raises(UserError, match=f"tier '{tier}' cannot hold a frozen base in lora.base nf4; tiers that can: "
+                                        "custom_grouped$"):
+        load_run_config(tiny, {"lora.rank": "8", "lora.base": "nf4", "tier": tier}, 1)
 
 
 @pytest.mark.parametrize("overrides, fragment", [

@@ -62,10 +62,6 @@ class CustomGroupedTier(ExpertTier):
     def check_available(self, device: torch.device) -> None:
         if torch.device(device).type != "cuda":
             return  # the grouped_mm path runs anywhere
-        capability = torch.cuda.get_device_capability(device)
-        if self.nf4_base and tuple(capability) < AMPERE:
-            raise TierUnavailable(f"lora.base nf4 dequantises into BF16 tensor cores, which need an Ampere GPU "
-                                  f"(sm_80) or later; this one is sm_{capability[0]}{capability[1]}")
         if importlib.util.find_spec("triton") is None:
             raise TierUnavailable(
                 "tier custom_grouped needs Triton on CUDA; pip install triton, "
@@ -76,6 +72,10 @@ class CustomGroupedTier(ExpertTier):
                 "tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output "
                 "never leaves them): set lora.dropout 0, or leave down_proj out of lora.targets"
             )
+        capability = torch.cuda.get_device_capability(device) if self.nf4_base else AMPERE
+        if tuple(capability) < AMPERE:
+            raise TierUnavailable(f"lora.base nf4 dequantises into BF16 tensor cores, which need an Ampere GPU "
+                                  f"(sm_80) or later; this one is sm_{capability[0]}{capability[1]}")
 
     def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
         if not x_RD.is_cuda:
