@@ -27,6 +27,10 @@ FP8 (the device_mxfp8 tier's fp8-hopper mode)
 - fp8_row_counts.py  whether its kernels compile again as a rank's row count grows
 - lora_fp8_base.py   LoRA over an FP8 frozen base against a BF16 one, in accuracy
 
+NF4 (LoRA's 4-bit frozen base, `--lora.base nf4`)
+- nf4_accuracy.py    LoRA over an NF4 frozen base against a BF16 one, beside bitsandbytes' NF4
+- lora_base_compare.py  what the two accuracy scripts share: one LoRA step, errors between bases
+
 Whole steps
 - optimizer_step.py  one AdamW step of several optimizers against the bandwidth floor
 - training_core.py   the app's bf16-master core against its fp32 one, run by run

@@ -18,6 +18,13 @@
 #                        (one H100 holds it)
 #     lora-fp8-32layer-norecompute   the same without recompute (one H200 holds it)
 #     fp8-accuracy   the FP8 base against the BF16 base on one batch (benchmarks/lora_fp8_base.py), 1 and 4 layers
+#     nf4-tests      the GPU tests of the NF4 base (tests/gpu/test_nf4_gpu.py; its bitsandbytes test needs
+#                    bitsandbytes installed, e.g. pip install --no-deps .whl/bitsandbytes-*.whl, else it skips)
+#     nf4-accuracy   the NF4 base against the BF16 base on one batch, 1 and 4 layers, beside bitsandbytes'
+#                    NF4 on the same weights (benchmarks/nf4_accuracy.py; without bitsandbytes, ours alone)
+#     lora-nf4-32layer       all 32 layers, LoRA r=16 over the NF4 base (--lora.base nf4), selective recompute
+#     lora-nf4-32layer-full  the same with full recompute (the estimate's fit for a 48 GB card)
+#     nf4            nf4-tests, nf4-accuracy and lora-nf4-32layer in one go
 #     profile-8layer CUDA kernel time per step by kind (benchmarks/kernel_profile.py), 8 layers, LoRA r=16,
 #                    device_mxfp8 (FP8 base) then custom_grouped (BF16 base)
 #     peft-32layer   transformers + PEFT on all 32 layers, the same tokens, gradient checkpointing
@@ -40,7 +47,12 @@ train() {  # name, GPUs, extra arguments
     launch "$name" "$nproc" run_finetune_ep.py "${COMMON[@]}" --batch_size "$nproc" "$@" --output-dir "$OUT_DIR/$name"
 }
 
-for run in "$@"; do
+runs=()
+for run in "$@"; do  # a name that stands for several runs
+    if [ "$run" = nf4 ]; then runs+=(nf4-tests nf4-accuracy lora-nf4-32layer); else runs+=("$run"); fi
+done
+
+for run in "${runs[@]}"; do
     case $run in
         lora-tests)
             step "$run"
@@ -49,6 +61,12 @@ for run in "$@"; do
         fp8-tests)
             step "$run"
             launch "$run" 1 -m pytest -q tests/gpu/test_device_mxfp8_gpu.py ;;
+        nf4-tests)
+            step "$run"
+            launch "$run" 1 -m pytest -q -rs tests/gpu/test_nf4_gpu.py ;;
+        nf4-accuracy)
+            step "$run"
+            launch "$run" 1 -m benchmarks.nf4_accuracy --layers 1 4 ;;
         tests)
             step "$run"
             launch "$run" 1 -m pytest -q tests/gpu/test_lora_gpu.py tests/gpu/test_memory_lora_gpu.py \
@@ -63,6 +81,8 @@ for run in "$@"; do
         lora-fp8-8layer) train "$run" 1 --model.num_hidden_layers 8 "${LORA[@]}" --tier device_mxfp8 ;;
         lora-fp8-32layer) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute selective ;;
         lora-fp8-32layer-norecompute) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute none ;;
+        lora-nf4-32layer) train "$run" 1 "${LORA[@]}" --lora.base nf4 --recompute selective ;;
+        lora-nf4-32layer-full) train "$run" 1 "${LORA[@]}" --lora.base nf4 --recompute full ;;
         fp8-accuracy)  # one layer: the op's own error; four: with the routing it changes downstream
             step "$run"
             for layers in 1 4; do

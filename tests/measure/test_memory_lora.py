@@ -14,8 +14,11 @@ from measure.test_memory import (
     tiny,
 )
 
-from te_mixtral.model.lora import add_adapters, freeze_base
-from te_mixtral.model.mixtral import causal_lm_loss, init_weights
+from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
+from te_mixtral.experts.registry import make_tier
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
+from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.planning.memory import estimate_memory
 from te_mixtral.training.loop import default_dtype
 from te_mixtral.training.optimizer import make_optimizer
@@ -69,3 +72,18 @@ def test_activation_estimate_bounds_what_the_forward_keeps(targets, tier, precis
     measured = held_after_forward(model, lambda: forward_loss(model, cfg, ids, packed))
     estimate = estimate_memory(cfg, 1, device="cpu").forward_saved
     assert measured <= estimate <= UPPER_BOUND_SLACK * measured
+
+
+def test_an_nf4_base_is_counted_exactly():
+    """`lora.base nf4`: the experts' packed codes and block scales in place of the base's
+    dtype, the rest of the base and the adapters as over any frozen base."""
+    cfg = lora_cfg("custom_grouped", **{"lora.base": "nf4"})
+    with default_dtype(torch.float32):
+        model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, make_tier("custom_grouped", cfg))
+        init_weights(model, 1, SINGLE)
+    add_adapters(model, cfg.lora, 2, SINGLE)
+    freeze_base(model)
+    stacks = [w for w in base_weights(model).values() if isinstance(w, FrozenNF4Weight)]
+    assert len(stacks) == 2 * cfg.model.num_hidden_layers
+    held = sum(p.nbytes for p in model.parameters()) + sum(part.nbytes for w in stacks for part in w.parts())
+    assert estimate_memory(cfg, 1, device="cpu").parameters == held

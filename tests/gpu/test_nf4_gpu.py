@@ -1,0 +1,79 @@
+"""LoRA over a frozen NF4 base (experts/quant/frozen_nf4.py) on a CUDA GPU: the compiled
+Triton kernels, dequantising NF4 tiles into BF16 dots, against float64 over the dequantised
+weights (the tolerance of test_lora_gpu.py: bf16 operands land between 1e-3 and 1e-2), with
+selective recompute and with no host synchronisation; and our NF4 against bitsandbytes' on
+the same weights, where bitsandbytes is installed."""
+
+import importlib.util
+
+import pytest
+import torch
+from expert_reference import GPU_SPLITS, random_adapters, reference_lora_f64, rel_err
+from experts.test_adapters import run_with_adapters
+from gpu.test_lora_gpu import BF16_REL_TOL, D, F_, RANK, inputs
+
+from te_mixtral.experts.custom_grouped import CustomGroupedTier
+from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def nf4_inputs(splits, seed):
+    x, counts, gate_up, down, dy = inputs(splits, seed)
+    stacks = []
+    for w in (gate_up, down):
+        stacks.append(FrozenNF4Weight(w.shape).cuda())
+        stacks[-1].copy_(w)
+    return x, counts, *stacks, dy
+
+
+@pytest.mark.parametrize("keep_hidden", [True, False], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("case", ["uneven", "zero_middle", "one_expert"])
+def test_nf4_kernels_with_adapters_match_float64(case, keep_hidden):
+    splits = GPU_SPLITS[case]
+    x, counts, gate_up, down, dy = nf4_inputs(splits, seed=len(case))
+    tier = CustomGroupedTier(nf4_base=True)
+    tier.check_available(torch.device("cuda"))
+    call = tier if keep_hidden else tier.recompute_hidden
+    pairs = random_adapters(splits, D, F_, RANK, seed=3, device="cuda", dtype=torch.bfloat16)
+    got = run_with_adapters(call, x, counts, gate_up, down, pairs, 2.0, dy)
+    want = reference_lora_f64(x, splits, gate_up.dequantized(torch.bfloat16), down.dequantized(torch.bfloat16),
+                              pairs, 2.0, dy)
+    names = ("y", "dx", "dA_gate_up", "dB_gate_up", "dA_down", "dB_down")
+    for name, out, ref in zip(names, got, want):
+        assert torch.isfinite(out).all(), f"{case} {name}"
+        assert rel_err(out, ref) <= BF16_REL_TOL, f"{case} {name}: {rel_err(out, ref):.2e}"
+
+
+def test_nf4_kernels_never_synchronise():
+    x, counts, gate_up, down, dy = nf4_inputs(GPU_SPLITS["uneven"], seed=4)
+    pairs = random_adapters(GPU_SPLITS["uneven"], D, F_, RANK, seed=3, device="cuda", dtype=torch.bfloat16)
+    tier = CustomGroupedTier(nf4_base=True)
+    run_with_adapters(tier, x, counts, gate_up, down, pairs, 2.0, dy)  # compile outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_with_adapters(tier, x, counts, gate_up, down, pairs, 2.0, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_our_nf4_is_bitsandbytes_nf4():
+    """Rows whose width is a multiple of 64 block as bitsandbytes blocks the flattened
+    tensor: the dequantised weights agree but for values on a midpoint between two codes,
+    which the two round apart by a float32 ulp of the division (none expected in this draw,
+    at most a handful)."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    w = torch.randn(64, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).bfloat16()
+    ours = FrozenNF4Weight(w.shape).cuda()
+    ours.copy_(w)
+    packed, state = quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    theirs = dequantize_4bit(packed, state, blocksize=64, quant_type="nf4")
+    assert torch.equal(state.absmax.float().view(64, -1), ours.scale)
+    differ = (ours.dequantized(torch.bfloat16) != theirs).sum().item()
+    assert differ <= 8, f"{differ} of {w.numel()} values differ from bitsandbytes'"
