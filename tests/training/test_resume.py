@@ -1,7 +1,7 @@
 """Resume: a run stopped after N of 2N steps and resumed from its checkpoint trains exactly
 like the run that was never stopped (CPU, EP=2 over two gloo ranks), with fp32 parameters and
 torch's AdamW, with bf16 parameters whose fp32 master lives in MasterAdamW's remainders, and
-with LoRA adapters (dropout on) over a frozen base."""
+with LoRA adapters (dropout on) over a frozen base, and over a frozen NF4 base."""
 
 import json
 import shutil
@@ -17,9 +17,11 @@ COMMON = ["--ep-size", "2", "--steps", str(2 * N), "--timing_warmup_steps", "1",
           "--checkpoint-every", str(N)]
 
 
-# LoRA with dropout: the adapters' AdamW state and the dropout RNG must both carry over.
+# LoRA with dropout: the adapters' AdamW state and the dropout RNG must both carry over. Over
+# an NF4 base (tier custom_grouped), which the resumed run quantises again from the seed.
 OPTIMIZERS = {"fp32-adamw": [], "bf16-master-adamw": ["--dtype", "bf16", "--optimizer", "master_adamw"],
-              "lora": ["--lora.rank", "4", "--lora.dropout", "0.1"]}
+              "lora": ["--lora.rank", "4", "--lora.dropout", "0.1"],
+              "lora-nf4": ["--tier", "custom_grouped", "--lora.rank", "4", "--lora.base", "nf4"]}
 
 
 def whole_run(optimizer: str) -> list[str]:
@@ -40,7 +42,7 @@ def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
     train_and_save(whole, whole_run(optimizer), nproc=2)
     assert sorted(p.name for p in (whole / "ckpt").iterdir()) == ["latest", "step-000003", "step-000006"]
     saved = read_index(whole / "ckpt" / "step-000003" / ".metadata").state_dict_metadata
-    if optimizer == "lora":  # what trains, and nothing of the frozen base, which the resume makes again
+    if optimizer.startswith("lora"):  # what trains, and nothing of the frozen base, which the resume makes again
         assert saved and all(".adapters." in name for name in saved), sorted(saved)[:5]
     else:
         assert "model.model.embed_tokens.weight" in saved
