@@ -17,7 +17,8 @@ names them; a run picks one by `tier`.
     custom_grouped.py   tier `custom_grouped`
     device_mxfp8.py     tier `device_mxfp8`
     kernels/            Triton kernels: grouped GEMMs whose split sizes stay on the device
-    quant/              8-bit recipes: formats, casts and the scaled grouped GEMMs
+    quant/              8-bit recipes: formats, casts and the scaled grouped GEMMs; the
+                        frozen LoRA bases held in FP8 or NF4
 
 Each tier and what it runs:
 
@@ -28,7 +29,8 @@ Each tier and what it runs:
     custom_grouped  on CUDA kernels/grouped_swiglu.py, the whole FFN as one autograd op
                     (kernels/grouped_gemm.py, wgrad_gemm.py, schedule.py, epilogue.py,
                     grad_accumulation.py, tma_host.py); elsewhere grouped_mm.py; adapters
-                    fused into the op's epilogues (adapters.with_fused_adapters)
+                    fused into the op's epilogues (adapters.with_fused_adapters); with
+                    `lora.base nf4` a frozen base held in NF4 (quant/frozen_nf4.py)
     device_mxfp8    rows padded per expert to the mode's alignment (quant/padding.py;
                     fp8-hopper needs none), then by mode:
                     fp8-hopper      quant/fp8_swiglu.py: FP8 E4M3 with row-wise scales

@@ -10,7 +10,9 @@ TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests' way, in fp32)
                           fused into their epilogues), and its tile tables by regime:
                           what tier custom_grouped runs on CUDA
     grouped_gemm.py       `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e, with SwiGLU,
-                          scaled or split-reduction epilogues
+                          scaled or split-reduction epilogues; B may be NF4, dequantised
+                          tile by tile in the K loop
+    nf4_operand.py        a stacked weight in NF4 as the kernels read it
     wgrad_gemm.py         `_wgrad_gemm`: the weight gradients, the rows as reduction dim
     scaled_grouped_mm.py  FP8 grouped GEMMs with row-wise scales on the two kernels above,
                           in torch._scaled_grouped_mm's signature (device_mxfp8's fp8-hopper)

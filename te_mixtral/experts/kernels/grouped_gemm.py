@@ -19,6 +19,9 @@ persistent programs' schedule, is `schedule.py`'s; their epilogues' tile helpers
   split the reduction of the tiles that would leave programs idle in the last round
   (`TAIL_SPLIT`, `_tail_split`), and scale its sums by one factor per row of A and one per
   column of B (`SCALED`: FP8 operands with row-wise scales, `scaled_grouped_mm.py`).
+  B may also be a frozen base in NF4 (`B_NF4`, `nf4_operand.py`): each B tile is read as
+  packed 4-bit codes and block scales and dequantised in registers inside the K loop, in
+  either orientation, so the forward and both dgrads read half a byte per weight.
 
 No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
 fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
