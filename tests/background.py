@@ -10,6 +10,7 @@ only where this process's environment is still that one (else it is done again, 
 
 import os
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,19 @@ class Command:
         """Run it now, RUN_DIR standing for `folder`."""
         return subprocess.run(self._argv(folder), cwd=REPO, env=self._environ(folder, dict(os.environ)),
                               capture_output=True, text=True, timeout=self.timeout)
+
+
+def interpreter_run(test_file: str) -> Command:
+    """`test_file`'s `test_interpreter*` tests in a fresh pytest with TRITON_INTERPRET=1,
+    which must be set before triton is first imported (tests/README.md)."""
+    return Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
+                    "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+
+
+def assert_passed(result: subprocess.CompletedProcess) -> None:
+    """A pytest run exited 0, and ran tests of which none failed."""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
 
 
 class PlannedInBackground:

@@ -12,11 +12,10 @@ exact in fp32 and meaningless in bf16, so those tests use fp32 and small odd sha
 """
 
 import os
-import sys
 
 import pytest
 import torch
-from background import Command
+from background import assert_passed, interpreter_run
 from conftest import interpreter_runs_reduced_loop_bounds
 from expert_reference import reference_f64
 
@@ -147,8 +146,7 @@ if INTERPRETING:  # triton must not be imported before the variable is set
         tl.store(out_ptr + 1, shares)
 
 
-INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+INTERPRETER_RUN = interpreter_run(__file__)
 PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
 
 
@@ -156,9 +154,7 @@ PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.p
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_triton_kernels_in_interpreter(planned_command):
-    result, _ = planned_command(INTERPRETER_RUN)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    assert_passed(planned_command(INTERPRETER_RUN)[0])
 
 
 # Tiles far smaller than the shapes, so every case spans several row and column tiles,

@@ -18,7 +18,13 @@ import torch
 
 from te_mixtral.experts.kernels.nf4_operand import NF4Operand
 from te_mixtral.experts.quant.frozen import FrozenWeight
-from te_mixtral.experts.quant.nf4 import blocks, code_table, dequantize_nf4, packed_width, quantize_nf4
+from te_mixtral.experts.quant.nf4 import (
+    blocks,
+    code_table,
+    dequantize_nf4,
+    packed_width,
+    quantize_nf4,
+)
 
 
 class FrozenNF4Weight(FrozenWeight):

@@ -6,11 +6,10 @@ GEMM's input and output width).
 """
 
 import os
-import sys
 
 import pytest
 import torch
-from background import Command
+from background import assert_passed, interpreter_run
 from conftest import interpreter_runs_reduced_loop_bounds
 from expert_reference import random_adapters, reference_lora_f64
 from quant_reference import (
@@ -172,17 +171,14 @@ def test_weight_cache_sees_in_place_writes_and_never_a_freed_tensor():
 # --- the Triton quantisers, run by the interpreter in a fresh process --------------------------
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+INTERPRETER_RUN = interpreter_run(__file__)
 PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_triton_quantisers_in_interpreter(planned_command):
-    result, _ = planned_command(INTERPRETER_RUN)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    assert_passed(planned_command(INTERPRETER_RUN)[0])
 
 
 def _scaled(x, scale):

@@ -14,6 +14,7 @@ from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.quant.fp8_hopper import quantize_rowwise
 from te_mixtral.experts.quant.fp8_swiglu import FP8SwiGLUExperts
+from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
@@ -61,23 +62,33 @@ def test_only_fp8_hopper_holds_a_frozen_base():
 
 def test_a_seeded_fp8_base_is_the_seeded_bf16_base_quantised():
     """What makes the FP8 and BF16 bases of one seed comparable on one run."""
+    assert_seeded_base_is_bf16_quantised(fp8_base_tier(), quantize_rowwise)
+
+
+def assert_seeded_base_is_bf16_quantised(tier, quantize) -> None:
+    """A tiny model over `tier`'s frozen quantised base and one over a BF16 base, from one
+    seed: every quantised stack holds `quantize` of the BF16 one, every other weight is equal."""
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
     built = {}
-    for name, tier in (("bf16", LoopTier()), ("fp8", fp8_base_tier())):
+    for name, each in (("bf16", LoopTier()), ("quantised", tier)):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = MixtralForCausalLM(cfg, TORCH, SINGLE, tier)
+            model = MixtralForCausalLM(cfg, TORCH, SINGLE, each)
         finally:
             torch.set_default_dtype(torch.float32)
         init_weights(model, 11, SINGLE)
         built[name] = base_weights(model)
-    assert built["bf16"].keys() == built["fp8"].keys()
-    for name, weight in built["fp8"].items():
-        if isinstance(weight, FrozenFP8Weight):
-            assert torch.equal(weight.values.float(), quantize_rowwise(built["bf16"][name])[0].float()), name
+    assert built["bf16"].keys() == built["quantised"].keys()
+    stacks = 0
+    for name, weight in built["quantised"].items():
+        if isinstance(weight, FrozenWeight):
+            stacks += 1
+            for got, want in zip(weight.parts(), quantize(built["bf16"][name])):
+                assert torch.equal(got.float(), want.float()), name
         else:
             assert torch.equal(weight, built["bf16"][name]), name
+    assert stacks == 2 * cfg.num_hidden_layers
 
 
 def test_a_checkpoint_loads_into_an_fp8_base_which_exports_merged(tmp_path):
@@ -96,21 +107,32 @@ def test_a_checkpoint_loads_into_an_fp8_base_which_exports_merged(tmp_path):
             if name.endswith(".B"):
                 p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
 
+    assert_loads_and_exports_merged(ours, hf, tmp_path / "merged", quantize_rowwise)
+
+
+def export(ours, folder) -> None:
+    tokenizer = Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
+    save_hf_checkpoint(ours, folder, SINGLE, torch.float32, tokenizer)
+
+
+def assert_loads_and_exports_merged(ours, hf, folder, quantize) -> None:
+    """`ours`, a checkpoint read into a frozen quantised base with adapters: its weight count
+    is the checkpoint's, its quantised parts are not in the state dict, layer 1's gate_up
+    holds `quantize` of the checkpoint's, and --save-hf writes the dequantised base with the
+    adapters merged and the rest as it was."""
     weights = base_weights(ours)
     reference = dict(hf.named_parameters())
     assert sum(w.numel() for name, w in weights.items() if ".adapters." not in name) == hf.num_parameters()
-    assert not any(name.endswith((".values", ".scale")) for name in ours.state_dict())
     stack = weights["model.layers.1.mlp.experts.gate_up_proj"]
-    assert isinstance(stack, FrozenFP8Weight)
-    want = quantize_rowwise(reference["model.layers.1.mlp.experts.gate_up_proj"].detach())
-    assert torch.equal(stack.values.float(), want[0].float()) and torch.equal(stack.scale, want[1])
+    assert not any(name.endswith(tuple(f".{part}" for part in stack.part_names)) for name in ours.state_dict())
+    want = quantize(reference["model.layers.1.mlp.experts.gate_up_proj"].detach())
+    assert all(torch.equal(got.float(), part.float()) for got, part in zip(stack.parts(), want))
 
-    tokenizer = Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
-    save_hf_checkpoint(ours, tmp_path / "merged", SINGLE, torch.float32, tokenizer)
+    export(ours, folder)
     from safetensors.torch import load_file
 
     exported = {}
-    for file in (tmp_path / "merged").glob("*.safetensors"):
+    for file in folder.glob("*.safetensors"):
         exported.update(load_file(file))
     adapter = ours.model.layers[1].mlp.experts.adapters["down_proj"]
     down = merged(weights["model.layers.1.mlp.experts.down_proj"].dequantized(), adapter.A, adapter.B, adapter.scale)
@@ -128,6 +150,5 @@ def test_a_non_finite_fp8_base_is_not_exported(tmp_path):
     row = torch.randn(40)  # a row of down [L, D, F]: F wide
     row[3] = float("nan")
     ours.model.layers[0].mlp.experts.down_proj[2, 5:6].copy_(row[None])
-    tokenizer = Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
     with pytest.raises(Diverged, match="the weights are not finite"):
-        save_hf_checkpoint(ours, tmp_path / "merged", SINGLE, torch.float32, tokenizer)
+        export(ours, tmp_path / "merged")

@@ -12,34 +12,36 @@ runs them in a fresh process with TRITON_INTERPRET=1 (tests/README.md).
 """
 
 import os
-import sys
 from functools import partial
 
 import peft
 import pytest
 import torch
-from background import Command
+from background import assert_passed, interpreter_run
 from conftest import interpreter_runs_reduced_loop_bounds
 from expert_reference import random_adapters, reference_lora_f64
+from experts.quant.test_frozen_fp8 import (
+    assert_loads_and_exports_merged,
+    assert_seeded_base_is_bf16_quantised,
+    export,
+)
 from experts.test_adapters import assert_close, run_with_adapters
 from experts.test_custom_grouped import TINY, make_inputs
 from model.test_hf_parity import random_packed_batch, rel_err
 from model.test_lora import ALL_TARGETS, SINGLE, VOCAB, hf_checkpoint, run_config
 
-from te_mixtral.config import LoRAConfig, ModelConfig
-from te_mixtral.data.tokenizer import Tokenizer, train_tokenizer
+from te_mixtral.config import LoRAConfig
 from te_mixtral.errors import Diverged
 from te_mixtral.experts.adapters import with_fused_adapters
 from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
 from te_mixtral.experts.grouped_mm import offsets
-from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
 from te_mixtral.experts.quant.nf4 import BLOCK, dequantize_nf4, quantize_nf4
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
-from te_mixtral.model.lora import add_adapters, base_weights, freeze_base, merged
-from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
-from te_mixtral.training.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
+from te_mixtral.model.mixtral import MixtralForCausalLM
+from te_mixtral.training.hf_checkpoint import load_hf_weights
 from te_mixtral.training.peft_adapters import save_adapter
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -129,8 +131,7 @@ def test_the_tier_over_an_nf4_base_matches_float64(targets, splits):
 
 # --- the Triton kernels over an NF4 base, in the interpreter -------------------------
 
-INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+INTERPRETER_RUN = interpreter_run(__file__)
 PLANNED_COMMANDS = [INTERPRETER_RUN]
 
 
@@ -138,9 +139,7 @@ PLANNED_COMMANDS = [INTERPRETER_RUN]
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_nf4_kernels_in_interpreter(planned_command):
-    result, _ = planned_command(INTERPRETER_RUN)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    assert_passed(planned_command(INTERPRETER_RUN)[0])
 
 
 NF4_CASES = {
@@ -199,23 +198,7 @@ def nf4_model(folder, lora: LoRAConfig, seed=7):
 
 
 def test_a_seeded_nf4_base_is_the_seeded_bf16_base_quantised():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
-    built = {}
-    for name, tier in (("bf16", LoopTier()), ("nf4", CustomGroupedTier(nf4_base=True))):
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = MixtralForCausalLM(cfg, TORCH, SINGLE, tier)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        init_weights(model, 11, SINGLE)
-        built[name] = base_weights(model)
-    assert built["bf16"].keys() == built["nf4"].keys()
-    for name, weight in built["nf4"].items():
-        if isinstance(weight, FrozenNF4Weight):
-            assert torch.equal(weight.packed, quantize_nf4(built["bf16"][name])[0]), name
-        else:
-            assert torch.equal(weight, built["bf16"][name]), name
+    assert_seeded_base_is_bf16_quantised(CustomGroupedTier(nf4_base=True), quantize_nf4)
 
 
 def test_a_checkpoint_loads_into_an_nf4_base_which_exports_merged(tmp_path):
@@ -224,32 +207,13 @@ def test_a_checkpoint_loads_into_an_nf4_base_which_exports_merged(tmp_path):
     a NaN in a block (its absmax NaN) is refused on export."""
     hf = hf_checkpoint(tmp_path / "base", dtype=torch.float32)
     ours = nf4_model(tmp_path / "base", LoRAConfig(rank=3, alpha=6.0, targets=ALL_TARGETS))
-    weights = base_weights(ours)
-    reference = dict(hf.named_parameters())
-    assert sum(w.numel() for name, w in weights.items() if ".adapters." not in name) == hf.num_parameters()
-    assert not any(name.endswith((".packed", ".scale")) for name in ours.state_dict())
-    stack = weights["model.layers.1.mlp.experts.gate_up_proj"]
-    want = quantize_nf4(reference["model.layers.1.mlp.experts.gate_up_proj"].detach())
-    assert torch.equal(stack.packed, want[0]) and torch.equal(stack.scale, want[1])
-
-    tokenizer = Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
-    save_hf_checkpoint(ours, tmp_path / "merged", SINGLE, torch.float32, tokenizer)
-    from safetensors.torch import load_file
-
-    exported = {}
-    for file in (tmp_path / "merged").glob("*.safetensors"):
-        exported.update(load_file(file))
-    adapter = ours.model.layers[1].mlp.experts.adapters["down_proj"]
-    down = merged(weights["model.layers.1.mlp.experts.down_proj"].dequantized(), adapter.A, adapter.B, adapter.scale)
-    for expert in range(down.shape[0]):
-        assert torch.equal(exported[f"model.layers.1.block_sparse_moe.experts.{expert}.w2.weight"], down[expert])
-    assert torch.equal(exported["model.norm.weight"], reference["model.norm.weight"].detach())
+    assert_loads_and_exports_merged(ours, hf, tmp_path / "merged", quantize_nf4)
 
     row = torch.randn(40)
     row[3] = float("nan")
     ours.model.layers[0].mlp.experts.down_proj[2, 5:6].copy_(row[None])
     with pytest.raises(Diverged, match="the weights are not finite"):
-        save_hf_checkpoint(ours, tmp_path / "merged-nan", SINGLE, torch.float32, tokenizer)
+        export(ours, tmp_path / "merged-nan")
 
 
 def test_peft_loads_the_adapters_onto_the_dequantised_base(tmp_path):
