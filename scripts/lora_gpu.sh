@@ -24,6 +24,8 @@
 #                    NF4 on the same weights (benchmarks/nf4_accuracy.py; without bitsandbytes, ours alone)
 #     lora-nf4-32layer       all 32 layers, LoRA r=16 over the NF4 base (--lora.base nf4), selective recompute
 #     lora-nf4-32layer-full  the same with full recompute (the estimate's fit for a 48 GB card)
+#     lora-nf4-8x22b the whole Mixtral-8x22B (56 layers), LoRA r=16 over the NF4 base, full recompute
+#                    (one H200 holds it by the estimate, 102 GiB)
 #     nf4            nf4-tests, nf4-accuracy and lora-nf4-32layer in one go
 #     profile-8layer CUDA kernel time per step by kind (benchmarks/kernel_profile.py), 8 layers, LoRA r=16,
 #                    device_mxfp8 (FP8 base) then custom_grouped (BF16 base)
@@ -36,8 +38,9 @@
 USAGE="scripts/lora_gpu.sh OUT_DIR RUN [RUN ...]"
 source "$(dirname "${BASH_SOURCE[0]}")/runs_common.sh"
 
-COMMON=(--config configs/mixtral-8x7b.yaml --tier custom_grouped --steps 30 --timing_warmup_steps 5
-        --warmup_steps 3 --lr 2e-5 --seq_len 8192 --dtype bf16 --plots false)
+FLAGS=(--tier custom_grouped --steps 30 --timing_warmup_steps 5 --warmup_steps 3 --lr 2e-5 --seq_len 8192
+       --dtype bf16 --plots false)
+COMMON=(--config configs/mixtral-8x7b.yaml "${FLAGS[@]}")
 LORA=(--lora.rank 16)
 # The peer's config: all 32 layers, one sequence per GPU, rank 16 and alpha 16 as ours.
 PEER=(--config configs/mixtral-8x7b-lora.yaml --alpha 16)
@@ -83,6 +86,10 @@ for run in "${runs[@]}"; do
         lora-fp8-32layer-norecompute) train "$run" 1 "${LORA[@]}" --tier device_mxfp8 --recompute none ;;
         lora-nf4-32layer) train "$run" 1 "${LORA[@]}" --lora.base nf4 --recompute selective ;;
         lora-nf4-32layer-full) train "$run" 1 "${LORA[@]}" --lora.base nf4 --recompute full ;;
+        lora-nf4-8x22b)
+            step "$run"
+            launch "$run" 1 run_finetune_ep.py --config configs/mixtral-8x22b.yaml "${FLAGS[@]}" --batch_size 1 \
+                "${LORA[@]}" --lora.base nf4 --recompute full --output-dir "$OUT_DIR/$run" ;;
         fp8-accuracy)  # one layer: the op's own error; four: with the routing it changes downstream
             step "$run"
             for layers in 1 4; do
