@@ -161,7 +161,7 @@ def _rows_gemm(
                     w_rows, w_cols, width = (b_row0 + i0 + ri)[:, None], rn[None, :], N
                 b_ok = b_cols_ok & ((i0 + ri)[:, None] < I)
                 a = tl.load(a_ptrs, mask=a_rows_ok & ((i0 + ri)[None, :] < I), other=0.0)
-                b = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows, w_cols, width, b_ok, a.dtype)
+                b = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows, w_cols, width, b_ok).to(a.dtype)
             elif USE_TMA:
                 a = a_src.load([m0, i0])
                 if B_ICONTIG:
@@ -178,7 +178,7 @@ def _rows_gemm(
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if EPILOGUE == EPI_SWIGLU:
                 if B_NF4:  # the up rows sit N rows below the gate rows
-                    b_up = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows + N, w_cols, width, b_ok, a.dtype)
+                    b_up = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows + N, w_cols, width, b_ok).to(a.dtype)
                 elif USE_TMA:
                     b_up = tl.trans(b_src.load([b_row0 + N + n0, i0]))
                 elif EVEN_I:
@@ -239,15 +239,16 @@ def _rows_gemm(
 
 
 @triton.jit
-def _nf4_tile(packed_ptr, scale_ptr, code_ptr, w_rows, w_cols, width, mask, dtype: tl.constexpr):
+def _nf4_tile(packed_ptr, scale_ptr, code_ptr, w_rows, w_cols, width, mask):
     """The weight's elements at (w_rows, w_cols) of its stored 2-D view, `width` columns wide,
-    dequantised from NF4 (nf4.py): CODE[index] * absmax in float32, then `dtype`. Each byte
-    is read for both its values, and the code table, 64 bytes, stays in L1."""
+    dequantised from NF4 (nf4.py): CODE[index] * absmax in float32 (the caller rounds them to
+    its dot's dtype). Each byte is read for both its values, and the code table, 64 bytes,
+    stays in L1."""
     rows = w_rows.to(tl.int64)
     byte = tl.load(packed_ptr + rows * ((width + 1) // 2) + w_cols // 2, mask=mask, other=0)
     index = (byte.to(tl.int32) >> (4 - 4 * (w_cols % 2))) & 15  # value 2k: the high nibble
     scale = tl.load(scale_ptr + rows * ((width + 63) // 64) + w_cols // 64, mask=mask, other=0.0)
-    return (tl.load(code_ptr + index) * scale).to(dtype)
+    return tl.load(code_ptr + index) * scale
 
 
 @triton.jit
