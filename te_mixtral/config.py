@@ -258,7 +258,8 @@ class RunConfig:
     generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")
     gpu: str | None = setting(None, workload=False, resumable=True,
                               help="memory a rank may use, checked before anything is built: a GPU name (h100, h200, "
-                              "b200, a100-80gb, l40s, rtx4090) or a size (80GiB, 141GB); null: the device's own (te_mixtral/planning/memory.py)")
+                              "b200, a100-80gb, l40s, rtx4090) or a size (80GiB, 141GB); null: the device's own "
+                              "(te_mixtral/planning/memory.py)")
 
     @property
     def precision(self) -> str:

@@ -105,7 +105,8 @@ class ExpertTier(abc.ABC):
     def expert_weight(self, shape: tuple[int, ...]) -> nn.Module:
         """The storage of one stacked expert weight of the model this tier runs: a parameter
         in the default dtype, or what a tier reads instead (a frozen base in FP8,
-        device_mxfp8.py), which the model passes to `__call__` in its place."""
+        device_mxfp8.py, or in NF4, custom_grouped.py), which the model passes to `__call__`
+        in its place."""
         return nn.Parameter(torch.empty(shape))
 
     def recomputes_hidden(self, x_RD: torch.Tensor) -> bool:

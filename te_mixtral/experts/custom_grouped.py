@@ -44,14 +44,14 @@ class CustomGroupedTier(ExpertTier):
     @classmethod
     def from_config(cls, cfg) -> "CustomGroupedTier":
         adapts_down = cfg.lora.enabled and "down_proj" in cfg.lora.target_list()
-        return cls(cfg.lora.dropout if adapts_down else 0.0, nf4_base=cfg.lora.enabled and cfg.lora.base == "nf4")
+        return cls(cfg.lora.dropout if adapts_down else 0.0, nf4_base=_holds_nf4_base(cfg))
 
     @classmethod
     def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
         # The CUDA kernels keep gate_up's output alone and recompute the rest in the backward
         # (`recomputes_hidden`); the grouped_mm path elsewhere keeps what autograd keeps. An NF4
         # base is dequantised tile by tile inside the GEMMs: no copy of it in any dtype.
-        return ExpertMemory(fused_hidden=device == "cuda", frozen_nf4=cfg.lora.enabled and cfg.lora.base == "nf4")
+        return ExpertMemory(fused_hidden=device == "cuda", frozen_nf4=_holds_nf4_base(cfg))
 
     def expert_weight(self, shape):
         return FrozenNF4Weight(shape) if self.nf4_base else super().expert_weight(shape)
@@ -97,6 +97,10 @@ class CustomGroupedTier(ExpertTier):
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
         return kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden)
+
+
+def _holds_nf4_base(cfg) -> bool:
+    return cfg.lora.enabled and cfg.lora.base == "nf4"
 
 
 def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None, keep_hidden=True):
