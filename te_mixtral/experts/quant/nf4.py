@@ -66,7 +66,7 @@ def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # An all-zero block: every value codes to 0 whatever the divisor.
     normed = block_values / torch.where(absmax == 0, 1.0, absmax)[..., None]
     code = code_table(w.device)
-    index = torch.bucketize(normed, (code[1:] + code[:-1]) / 2).to(torch.uint8).flatten(-2)
+    index = torch.bucketize(normed, (code[1:] + code[:-1]) / 2, out_int32=True).to(torch.uint8).flatten(-2)
     index = index[..., :2 * packed_width(width)]
     packed = (index[..., 0::2] << 4) | index[..., 1::2]
     return packed.contiguous(), absmax.contiguous()
