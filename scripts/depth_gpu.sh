@@ -24,6 +24,9 @@
 #     fp8-full-ep4    the same with device_mxfp8, no FP8 weight cache
 #     full-ep4-fewest full-ep4 with the expert FFN recomputed in the first 27 of the 32 layers only,
 #                     the fewest that fit four H200s by the estimate (--estimate-memory 4 --gpu h200)
+#     full-ep4-cN     full-ep4-fewest without its phase profile, each MoE layer's exchanges in N
+#                     chunks overlapped with the experts (--ep_chunks N; c1: no overlap): the overlap's A/B
+#     lora-ep4-cN     LoRA r=16 over the whole model at EP=4, custom_grouped, no recompute, --ep_chunks N
 # Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
 # config's lr 2e-5, one packed 8192-token sequence per GPU per step, 15 steps of which the
 # first 5 are left out of the timing (the phase profile runs after them), the same seed.
@@ -82,6 +85,10 @@ for run in "$@"; do
         full-ep4) train "$run" 4 "${FULL[@]}" --tier custom_grouped ;;
         fp8-full-ep4) train "$run" 4 "${FULL[@]}" --tier device_mxfp8 --fp8_weight_cache false ;;
         full-ep4-fewest) train "$run" 4 "${FULL[@]}" --tier custom_grouped --recompute_layers 27 ;;
+        full-ep4-c*) train "$run" 4 "${FULL[@]}" --tier custom_grouped --recompute_layers 27 --profile_phases false \
+            --ep_chunks "${run#full-ep4-c}" ;;
+        lora-ep4-c*) train "$run" 4 configs/mixtral-8x7b.yaml --ep-size 4 --batch_size 4 --lr 2e-5 --warmup_steps 3 \
+            --dtype bf16 --tier custom_grouped --lora.rank 16 --recompute none --ep_chunks "${run#lora-ep4-c}" ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done
