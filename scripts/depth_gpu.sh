@@ -27,6 +27,8 @@
 #     full-ep4-cN     full-ep4-fewest without its phase profile, each MoE layer's exchanges in N
 #                     chunks overlapped with the experts (--ep_chunks N; c1: no overlap): the overlap's A/B
 #     lora-ep4-cN     LoRA r=16 over the whole model at EP=4, custom_grouped, no recompute, --ep_chunks N
+#     overlap-probe   whether an all-to-all runs under the expert GEMMs at all, four GPUs
+#                     (benchmarks/overlap_probe.py)
 # Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
 # config's lr 2e-5, one packed 8192-token sequence per GPU per step, 15 steps of which the
 # first 5 are left out of the timing (the phase profile runs after them), the same seed.
@@ -89,6 +91,9 @@ for run in "$@"; do
             --ep_chunks "${run#full-ep4-c}" ;;
         lora-ep4-c*) train "$run" 4 configs/mixtral-8x7b.yaml --ep-size 4 --batch_size 4 --lr 2e-5 --warmup_steps 3 \
             --dtype bf16 --tier custom_grouped --lora.rank 16 --recompute none --ep_chunks "${run#lora-ep4-c}" ;;
+        overlap-probe)
+            step "$run"
+            launch "$run" 4 -m benchmarks.overlap_probe --json "$OUT_DIR/$run.json" ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done
