@@ -18,6 +18,7 @@ RESULTS = REPO / "docs" / "results"
 INDEX = RESULTS / "README.md"
 EVERY_PAGE = "## Every page, newest first"
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+REFERENCE = re.compile(r"^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)  # [name]: target, for [text][name] links
 DATED_PAGE = re.compile(r"^\d{4}-\d{2}-\d{2}-.+\.md$")
 
 
@@ -34,9 +35,10 @@ def dated_pages() -> list[Path]:
 
 
 def links(path: Path) -> list[str]:
-    """The local targets of `path`'s markdown links, anchors cut off (code blocks left out)."""
+    """The local targets of `path`'s markdown links, inline and reference-style, anchors cut off
+    (code blocks left out)."""
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
-    targets = (t.split("#")[0] for t in LINK.findall(text) if not re.match(r"[a-z]+:", t))
+    targets = (t.split("#")[0] for t in LINK.findall(text) + REFERENCE.findall(text) if not re.match(r"[a-z]+:", t))
     return [t for t in targets if t]
 
 
