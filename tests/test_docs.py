@@ -112,3 +112,11 @@ def test_a_newer_page_of_a_question_retires_the_older_from_the_tables():
     assert standing(pages) == {"2026-01-02-b", "2026-01-01-a"}  # a still answers `memory` alone
     assert standing({k: v for k, v in pages.items() if k != "2026-01-01-a"}) == {"2026-01-02-b"}
     assert cited == {"2026-01-01-a"}
+
+
+def test_the_readme_fits_and_its_first_screen_shows_where_to_look():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail into docs/ and link it"
+    first_screen = "\n".join(lines[:25])
+    for target in ("docs/results/README.md", "docs/architecture.md", "docs/tutorial.md"):
+        assert f"]({target})" in first_screen, target
