@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What stands between a rank's share of the full Mixtral-8x7B and its targets, in one go: 16 layers
 # at EP=2 on two GPUs with each recompute setting and tier, each with its phase profile, a kernel
-# profile, the 2-layer one-GPU step, and the two peers (docs/depth.md says why each).
+# profile, the 2-layer one-GPU step, and the two peers (docs/full-model.md says why each).
 #
 # Usage: scripts/depth_gpu.sh OUT_DIR RUN [RUN ...]
 #   RUN is one of

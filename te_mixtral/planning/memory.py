@@ -108,7 +108,7 @@ OPTIMIZERS = {
     "master_fp32_moments": (2, 2, 2 + 8),
 }
 # Under expert parallelism the busiest rank receives more than the average T*K rows: up to
-# 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/runs, one step
+# 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/*/runs, one step
 # each; the peak is over all steps).
 ROUTING_IMBALANCE = 1.5
 # GEMM libraries' workspaces on a GPU (cuBLAS, cuBLASLt, TE), handed out by PyTorch's allocator.
