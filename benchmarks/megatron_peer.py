@@ -1,4 +1,4 @@
-"""Megatron-Core's GPT model with Mixtral-8x7B's MoE, trained at our workload: the peer our EP runs are measured against beside torchtitan.
+"""Megatron-Core's GPT model with Mixtral-8x7B's MoE, trained at our workload: a peer our EP runs are measured against.
 
 Megatron-Core (github.com/NVIDIA/Megatron-LM, the `megatron-core` package) is NVIDIA's
 library for training transformers at scale, and the one whose Mixtral-8x7B figures NVIDIA
@@ -75,9 +75,9 @@ split sizes on the host.
 Figures are ours (te_mixtral/measure/metrics.py), as the other peers': each step between
 synchronised host clocks, `--warmup` steps left out, median step time, tokens/s and model
 TFLOP/s per GPU from `train_flops` summed over the ranks' rows: 6 x active parameters x
-tokens (12.9 B active of 8x7B's 46.7 B: the dense part and 2 of 8 experts) plus causal
-attention per document, forward and backward; recomputation not counted. Rank 0's peak
-memory.
+tokens (12.75 B active of 8x7B's 46.7 B: the dense part and 2 of 8 experts) plus causal
+attention per document, forward and backward (679 TFLOP for one causal 8192-token sequence
+through all 32 layers); recomputation not counted. Rank 0's peak memory.
 
 Versions. megatron-core 0.19.2 (`pip install -e .[megatron-peer]`), which needs Python >=
 3.12 and, for the TE spec, Transformer Engine (2.20 on the GPU image, with torch 2.11); it
@@ -234,22 +234,22 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     `--moe-overlap`, its schedule plan, which the combined 1F1B schedule runs)."""
     batch = next(data_iterator)
     inputs = {"input_ids": batch["tokens"], "position_ids": batch["positions"], "attention_mask": None,
-              "labels": batch["labels"], "packed_seq_params": batch["packed"]}
+              "labels": batch["labels"], "packed_seq_params": packed_params(batch["cu_seqlens"], batch["max_seqlen"])}
     output = model.build_schedule_plan(**inputs) if return_schedule_plan else model(**inputs)
     return output, partial(loss_of, batch["loss_mask"])
 
 
 def device_batches(rows: list[dict], count: int) -> list[list[dict]]:
     """Each step's micro-batches, ready for `forward_step`: the pieces' positions and
-    packed-sequence descriptions made before the timing (their document lengths are read
-    on the host once here)."""
+    longest documents found before the timing (their lengths are read on the host once,
+    here)."""
     steps = []
     for row in rows:
         pieces = micro_batches(megatron_inputs(row), count)
         for piece in pieces:
             cu = piece["cu_seqlens"]
             piece["positions"] = document_positions(cu)
-            piece["packed"] = packed_params(cu, int(cu.diff().max()))
+            piece["max_seqlen"] = int(cu.diff().max())
         steps.append(pieces)
     return steps
 
@@ -407,7 +407,8 @@ def check_args(args) -> None:
     if args.recompute_modules is not None and args.recompute != "selective":
         raise UserError("--recompute-modules needs --recompute selective")
     if args.recompute_num_layers is not None and args.recompute != "full":
-        raise UserError("--recompute-num-layers needs --recompute full (Megatron's selective recompute is of every layer)")
+        raise UserError("--recompute-num-layers needs --recompute full "
+                        "(Megatron's selective recompute is of every layer)")
     if args.moe_overlap and args.micro_batches < 2:
         raise UserError("--moe-overlap overlaps one micro-batch's all-to-all with another's compute: "
                         "it needs --micro-batches 2 or more")
@@ -417,7 +418,8 @@ def check_args(args) -> None:
         if not 0 < args.optimizer_cpu_offload <= 1:
             raise UserError(f"--optimizer-cpu-offload takes a fraction in (0, 1], got {args.optimizer_cpu_offload}")
         if args.precision_aware_optimizer:
-            raise UserError("--optimizer-cpu-offload keeps fp32 optimizer states: leave out --precision-aware-optimizer")
+            raise UserError("--optimizer-cpu-offload keeps fp32 optimizer states: "
+                            "leave out --precision-aware-optimizer")
     if args.grads == "bf16" and not args.precision_aware_optimizer and args.optimizer_cpu_offload is None:
         raise UserError("--grads bf16 needs --precision-aware-optimizer or --optimizer-cpu-offload "
                         "(Megatron's optimizer takes bf16 gradients only on its precision-aware path)")
