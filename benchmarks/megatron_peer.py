@@ -92,8 +92,9 @@ several under torchrun (every rank holds E / --ep experts):
     torchrun --nproc-per-node 2 -m benchmarks.megatron_peer --layers 8 [--ep 2] \\
         [--moe-overlap --micro-batches 2] [--config configs/mixtral-8x7b-8layer.yaml] \\
         [--steps 15] [--warmup 5] [--json out.json]
-    torchrun --nproc-per-node 4 -m benchmarks.megatron_peer --layers 32 --precision-aware-optimizer \\
-        --grads bf16 --recompute full --recompute-num-layers 16
+    torchrun --nproc-per-node 4 -m benchmarks.megatron_peer --config configs/mixtral-8x7b.yaml \\
+        --batch-size 4 --precision-aware-optimizer --grads bf16 --recompute full
+    (scripts/depth_gpu.sh OUT megatron-4l-ep1 megatron-8l-ep2 megatron-32l-ep4: each beside ours)
 """
 
 import argparse
@@ -400,7 +401,7 @@ def check_args(args) -> None:
     """What can be refused before anything heavy loads; Megatron's own checks of the
     combination run when its configs are built."""
     check_model_peer(args)
-    for name in ("ep", "micro_batches", "recompute_num_layers"):
+    for name in ("batch_size", "ep", "micro_batches", "recompute_num_layers"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -426,14 +427,17 @@ def check_args(args) -> None:
 
 
 def workload_config(args):
-    """Our config of the workload: the file's, with `--layers`."""
-    return load_config(args.config, {} if args.layers is None else {"num_hidden_layers": str(args.layers)})
+    """Our config of the workload: the file's, with `--layers` and `--batch-size`."""
+    overrides = {"num_hidden_layers": args.layers, "batch_size": getattr(args, "batch_size", None)}
+    return load_config(args.config, {key: str(value) for key, value in overrides.items() if value is not None})
 
 
 def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/mixtral-8x7b-8layer.yaml")
     parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="packed rows per step over all GPUs, our train.batch_size (default: the config's)")
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: every rank)")
     parser.add_argument("--aux-loss-coeff", type=float, default=MIXTRAL_AUX_LOSS,
                         help=f"weight of Megatron's load-balancing loss (default {MIXTRAL_AUX_LOSS}, Mixtral's)")

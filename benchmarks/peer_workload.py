@@ -1,7 +1,7 @@
 """The workload the peer benchmarks train on, and how they report it.
 
-te_example.py (TE's own example), peft_peer.py (transformers + PEFT) and torchtitan_peer.py
-(torchtitan's MoE) train a peer at our workload: one packed row per GPU per step, either the
+te_example.py (TE's own example), peft_peer.py (transformers + PEFT), torchtitan_peer.py
+(torchtitan's MoE) and megatron_peer.py (Megatron-Core's) train a peer at our workload: one packed row per GPU per step, either the
 rows our own run of the config trains on (`our_rows`: same tokens, same document edges, each
 data-parallel rank its own) or random tokens in documents of one length (`random_rows`), in
 the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives

@@ -52,6 +52,7 @@ def test_bad_arguments_are_refused_in_one_line_before_heavy_imports():
     cases = [
         (["--steps", "5", "--warmup", "5"], "--warmup 5 must leave some of the --steps 5 to time"),
         (["--layers", "0"], "--layers must be positive, got 0"),
+        (["--batch-size", "0"], "--batch-size must be positive, got 0"),
         (["--ep", "0"], "--ep must be positive, got 0"),
         (["--micro-batches", "0"], "--micro-batches must be positive, got 0"),
         (["--recompute-modules", "moe_act"], "--recompute-modules needs --recompute selective"),
