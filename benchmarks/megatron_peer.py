@@ -344,11 +344,10 @@ def run(args, cfg) -> dict:
                                              device_id=device)
     model, optimizer, config = build(m, args, cfg, device)
     rank = torch.distributed.get_rank()
-    header = common.run_header(device, megatron_core=package_version("megatron-core"),
-                               transformer_engine=package_version("transformer_engine"), world_size=world,
+    header = common.run_header(device, megatron_core=package_version("megatron-core"), world_size=world,
                                expert_parallel=args.ep)
     if rank == 0:
-        print(common.header_line(header), flush=True)
+        print(f"{common.header_line(header)}  megatron-core {header['megatron_core']}", flush=True)
 
     if args.doc_len is None:
         rows = our_rows(cfg, args.steps, device, rank, world)
