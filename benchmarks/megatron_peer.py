@@ -104,15 +104,15 @@ from functools import partial
 
 from benchmarks import common
 from benchmarks.peer_workload import (
+    add_model_peer_flags,
+    add_run_flags,
     check_model_peer,
     document_positions,
-    our_rows,
-    random_rows,
-    report,
+    peer_main,
+    rank_rows,
     rows_per_gpu,
-    summarize_steps,
+    timed_steps,
 )
-from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 from te_mixtral.measure.report import package_version
 
@@ -318,7 +318,7 @@ def run(args, cfg) -> dict:
     import torch
 
     from te_mixtral.distributed.layout import shutdown
-    from te_mixtral.measure.metrics import StepTimer, train_flops
+    from te_mixtral.measure.metrics import train_flops
 
     m, world = cfg.model, int(os.environ.get("WORLD_SIZE", "1"))
     tokens = rows_per_gpu(cfg, world) * cfg.data.seq_len  # one GPU's
@@ -349,46 +349,24 @@ def run(args, cfg) -> dict:
     if rank == 0:
         print(f"{common.header_line(header)}  megatron-core {header['megatron_core']}", flush=True)
 
-    if args.doc_len is None:
-        rows = our_rows(cfg, args.steps, device, rank, world)
-    else:
-        generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
-        rows = random_rows(cfg, args.steps, args.doc_len, generator, device, world)
-    batches = device_batches(rows, args.micro_batches)
+    batches = device_batches(rank_rows(cfg, args, device, rank, world), args.micro_batches)
     # Global FLOPs: every rank's pieces (their documents differ), summed once before the timing.
     flops = torch.tensor([sum(train_flops(m, p["cu_seqlens"].cpu(), p["tokens"].shape[1]) for p in step)
                           for step in batches], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(flops)
-
-    # --- training: warm-up and timed steps are the same step
-    timer, losses = StepTimer(device), []
-    for step_batches in batches:
-        with timer.step():
-            loss = train_step(model, optimizer, step_batches, tokens)
-        losses.append(loss.item())
-
-    summary = summarize_steps(timer.times, args.warmup, tokens * world, flops.tolist(), device, world)
-    result = {
-        "header": header,
-        "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step_per_gpu": tokens,
-                     "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents",
-                     "steps": args.steps, "timing_warmup_steps": args.warmup, "lr": cfg.train.lr,
-                     "world_size": world, "expert_parallel": args.ep, "micro_batches": args.micro_batches,
-                     "aux_loss_coeff": args.aux_loss_coeff,
-                     "experts": "TE GroupedLinear (moe_grouped_gemm), alltoall dispatcher, moe_permute_fusion",
-                     "moe_overlap": args.moe_overlap, "delay_wgrad_compute": args.delay_wgrad_compute,
-                     "recompute": args.recompute,
-                     "recompute_modules": config.recompute_modules if args.recompute == "selective" else None,
-                     "recompute_num_layers": config.recompute_num_layers,
-                     "gradient_accumulation_fusion": config.gradient_accumulation_fusion,
-                     "optimizer": {"distributed": True, "overlap_grad_reduce": True, "grads": args.grads,
-                                   "precision_aware": args.precision_aware_optimizer,
-                                   "cpu_offload_fraction": args.optimizer_cpu_offload}},
-        "summary": summary,
-        "step_ms": [t * 1e3 for t in timer.times],
-        "loss": losses,
-        "flops_per_step": flops.tolist(),
-    }
+    result = timed_steps(
+        lambda step_batches: train_step(model, optimizer, step_batches, tokens), batches, args, cfg, header,
+        flops.tolist(), device, world,
+        {"expert_parallel": args.ep, "micro_batches": args.micro_batches, "aux_loss_coeff": args.aux_loss_coeff,
+         "experts": "TE GroupedLinear (moe_grouped_gemm), alltoall dispatcher, moe_permute_fusion",
+         "moe_overlap": args.moe_overlap, "delay_wgrad_compute": args.delay_wgrad_compute,
+         "recompute": args.recompute,
+         "recompute_modules": config.recompute_modules if args.recompute == "selective" else None,
+         "recompute_num_layers": config.recompute_num_layers,
+         "gradient_accumulation_fusion": config.gradient_accumulation_fusion,
+         "optimizer": {"distributed": True, "overlap_grad_reduce": True, "grads": args.grads,
+                       "precision_aware": args.precision_aware_optimizer,
+                       "cpu_offload_fraction": args.optimizer_cpu_offload}})
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
@@ -425,16 +403,9 @@ def check_args(args) -> None:
                         "(Megatron's optimizer takes bf16 gradients only on its precision-aware path)")
 
 
-def workload_config(args):
-    """Our config of the workload: the file's, with `--layers` and `--batch-size`."""
-    overrides = {"num_hidden_layers": args.layers, "batch_size": getattr(args, "batch_size", None)}
-    return load_config(args.config, {key: str(value) for key, value in overrides.items() if value is not None})
-
-
 def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/mixtral-8x7b-8layer.yaml")
-    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
+    add_model_peer_flags(parser)
     parser.add_argument("--batch-size", type=int, default=None,
                         help="packed rows per step over all GPUs, our train.batch_size (default: the config's)")
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: every rank)")
@@ -456,29 +427,14 @@ def parse_args(argv: list[str] | None = None):
                         help="this fraction of the optimizer states and update on the host (HybridDeviceOptimizer)")
     parser.add_argument("--grads", choices=("fp32", "bf16"), default="fp32",
                         help="gradient buffer and reduction dtype (default fp32, Megatron-LM's for bf16 training)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    parser.add_argument("--doc-len", type=int, default=None,
-                        help="random tokens in documents of this length (default: our run's rows)")
-    common.add_json_flag(parser)
+    add_run_flags(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        check_args(args)
-        cfg = workload_config(args)
-        # Heavy imports only once the arguments are known to be good: a mistake is refused at once.
-        result = run(args, cfg)
-    except UserError as error:
-        print(f"megatron_peer: error: {error}", file=sys.stderr)
-        return 2
-    if result is not None:
-        w = result["workload"]
-        report(f"Megatron-Core ({w['num_hidden_layers']} layers, EP {w['expert_parallel']} of {w['world_size']} "
-               f"GPUs, {w['tokens_per_step_per_gpu']} tokens/step/GPU)", result, args.json)
-    return 0
+    return peer_main("megatron_peer", parse_args(argv), check_args, run,
+                     lambda w: f"Megatron-Core ({w['num_hidden_layers']} layers, EP {w['expert_parallel']} of "
+                               f"{w['world_size']} GPUs, {w['tokens_per_step_per_gpu']} tokens/step/GPU)")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,8 @@ from benchmarks.megatron_peer import (
     optimizer_config_kwargs,
     parse_args,
     transformer_config_kwargs,
-    workload_config,
 )
-from benchmarks.peer_workload import random_rows, thd_row
+from benchmarks.peer_workload import random_rows, thd_row, workload_config
 from te_mixtral.measure.metrics import active_params_per_token, train_flops
 from te_mixtral.measure.model_state import count_parameters
 from te_mixtral.measure.report import package_version
