@@ -42,7 +42,12 @@ and its Mixtral recipe set them; `megatron/core/transformer/transformer_config.p
   bf16` (bf16 gradient buffer and reduction: 2 bytes): 10 bytes a parameter, as our
   master_adamw; or `--optimizer-cpu-offload FRACTION` (its `HybridDeviceOptimizer`: that
   fraction of the optimizer states and their update on the host, fp32, with the copies
-  overlapped; Megatron runs it on its precision-aware path).
+  overlapped; Megatron runs it on its precision-aware path). The whole model at EP=4 holds
+  12.9 B parameters a GPU (11.3 B of them its 2 experts a layer): 10 bytes each is 121 GB
+  before activations, which full recompute keeps small; offloaded, the host holds about 16
+  bytes for each (fp32 copy, gradient and moments), 206 GB a GPU at a fraction of 1, more
+  than four of them share on a host of 512 GiB, and a fraction the host can hold leaves more
+  fp32 moments on the GPU than fit there.
 - recompute (Megatron's options): `--recompute selective` with `--recompute-modules`
   (Megatron's default `core_attn`; `moe_act`, `layernorm`, `moe` and the rest it takes),
   `--recompute full` (whole layers; `--recompute-num-layers N`: the first N of them,

@@ -5,9 +5,9 @@ te_example.py (TE's own example), peft_peer.py (transformers + PEFT), torchtitan
 packed row per GPU per step, either the rows our own run of the config trains on (`our_rows`:
 same tokens, same document edges, each data-parallel rank its own) or random tokens in
 documents of one length (`random_rows`; `rank_rows` picks by `--doc-len`), in the THD layout
-TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives the per-
-document positions transformers and torchtitan take instead of the edges. `rows_per_gpu` is a
-GPU's share of the global batch; `check_steps` refuses the step counts and document length none
+TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives the
+per-document positions transformers and torchtitan take instead of the edges. `rows_per_gpu` is
+a GPU's share of the global batch; `check_steps` refuses the step counts and document length none
 can run; `summarize_steps` turns the timed steps into our runs' figures
 (te_mixtral/measure/metrics.py); `report` prints a peer run's one-line summary and writes its
 --json.

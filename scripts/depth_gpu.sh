@@ -34,8 +34,6 @@
 #     megatron-32l-ep4         the whole model, EP=4 on four GPUs; Megatron with its precision-aware
 #                              optimizer (bf16 moments, 16-bit master remainders), bf16 gradients and
 #                              full recompute of every layer, to fit; ours: full-ep4-fewest
-#     megatron-32l-ep4-offload the same, Megatron's optimizer wholly on the host instead
-#                              (--optimizer-cpu-offload 1: fp32 states, fp32 gradients)
 # Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
 # config's lr 2e-5, one packed 8192-token sequence per GPU per step, 15 steps of which the
 # first 5 are left out of the timing (the phase profile runs after them), the same seed.
@@ -116,8 +114,6 @@ for run in "$@"; do
         megatron-8l-ep2-overlap) beside "$run" 2 "--config $DEPTH --layers 8 --ep 2 --moe-overlap --micro-batches 2" \
             "$DEPTH" --model.num_hidden_layers 8 --ep-size 2 --recompute none --tier custom_grouped ;;
         megatron-32l-ep4) beside "$run" 4 "$MEGATRON_FULL --precision-aware-optimizer --grads bf16" \
-            "${FULL[@]}" --tier custom_grouped --recompute_layers 27 ;;
-        megatron-32l-ep4-offload) beside "$run" 4 "$MEGATRON_FULL --optimizer-cpu-offload 1" \
             "${FULL[@]}" --tier custom_grouped --recompute_layers 27 ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
