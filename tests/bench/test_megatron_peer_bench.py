@@ -185,6 +185,8 @@ def _one_rank():
     """A process group of one (gloo) and Megatron's parallel state over it."""
     from megatron.core import parallel_state
 
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already up in this process")
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=1, create_gloo_process_groups=False)
