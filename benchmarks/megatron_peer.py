@@ -199,13 +199,12 @@ def megatron_inputs(row: dict) -> dict:
 
 
 def micro_batches(batch: dict, count: int) -> list[dict]:
-    """`batch` (`megatron_inputs`) cut into `count` equal pieces of tokens; a document that
-    crosses a cut becomes one document in each piece, as attention sees it there."""
+    """`batch` (`megatron_inputs`) cut into `count` equal pieces of tokens (`count` divides
+    them: `run` checks); a document that crosses a cut becomes one document in each piece, as
+    attention sees it there."""
     import torch
 
     tokens = batch["tokens"].shape[1]
-    if tokens % count:
-        raise UserError(f"--micro-batches {count} does not divide the {tokens} tokens of a GPU's step")
     size, cu = tokens // count, batch["cu_seqlens"]
     pieces = []
     for start in range(0, tokens, size):
@@ -333,6 +332,8 @@ def run(args, cfg) -> dict:
     if args.recompute_num_layers is not None and args.recompute_num_layers > m.num_hidden_layers:
         raise UserError(f"--recompute-num-layers {args.recompute_num_layers} is more than the "
                         f"{m.num_hidden_layers} layers")
+    if tokens % args.micro_batches:
+        raise UserError(f"--micro-batches {args.micro_batches} does not divide the {tokens} tokens of a GPU's step")
     if args.moe_overlap and args.ep == 1:
         raise UserError("--moe-overlap hides the expert-parallel all-to-all: it needs --ep above 1")
     if not torch.cuda.is_available():
