@@ -16,11 +16,14 @@ experts); 1 is a perfect overlap, 0 none.
 
     torchrun --nproc_per_node 4 -m benchmarks.overlap_probe [--tokens 8192] [--family 8x7b] [--json F]
 
-Every figure is the median of many repetitions between CUDA events (benchmarks/common.py).
+Every figure is the median of REPS repetitions between CUDA events. Not common.median_ms: it
+sizes its repetitions by each rank's own first call, and ranks that run different numbers of
+all-to-alls wait for each other forever.
 """
 
 import argparse
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,22 @@ from benchmarks import common
 from te_mixtral.experts.registry import make_tier
 
 NUM_EXPERTS, TOP_K = 8, 2
+WARMUP, REPS = 3, 20
+
+
+def median_ms(step) -> float:
+    """Median of REPS timed calls of `step` after WARMUP untimed ones, the same count on every rank."""
+    for _ in range(WARMUP):
+        step()
+    dist.barrier()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPS)]
+    for begin, end in events:
+        begin.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(begin.elapsed_time(end) for begin, end in events)
 
 
 def hidden_share(comm_ms: float, work_ms: float, both_ms: float) -> float:
@@ -70,17 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         return dist.all_to_all_single(received, sent, async_op=True)
 
     jobs = {"experts": lambda: tier(x_RD, counts, gate_up, down), "matmul": lambda: x_RD @ dense}
-    comm_ms = common.median_ms(lambda: exchange().wait(), device)
+    comm_ms = median_ms(lambda: exchange().wait())
     results = {"comm_ms": comm_ms}
     for name, job in jobs.items():
-        alone = common.median_ms(job, device)
+        alone = median_ms(job)
 
         def both(job=job):
             work = exchange()
             job()
             work.wait()
 
-        together = common.median_ms(both, device)
+        together = median_ms(both)
         results[name] = {"alone_ms": alone, "with_comm_ms": together,
                          "hidden_share": hidden_share(comm_ms, alone, together)}
 
