@@ -62,7 +62,7 @@ for run in "$@"; do
         cg-selective) depth "$run" custom_grouped selective ;;
         cg-full) depth "$run" custom_grouped full ;;
         gl-selective) depth "$run" grouped_linear selective ;;
-        fp8-selective) depth "$run" device_mxfp8 selective --fp8_weight_cache false ;;
+        fp8-selective) depth "$run" device_mxfp8 selective --fp8.weight_cache false ;;
         profile)
             step "$run"
             launch "$run" 2 -m benchmarks.kernel_profile ours --config "$DEPTH" --tier custom_grouped \
@@ -80,7 +80,7 @@ for run in "$@"; do
                 --config configs/mixtral-8x7b-8layer.yaml "${PEER_STEPS[@]}" --json "$OUT_DIR/$run.json" ;;
         ours-8layer) train "$run" 1 configs/mixtral-8x7b-8layer.yaml --tier custom_grouped ;;
         full-ep4) train "$run" 4 "${FULL[@]}" --tier custom_grouped ;;
-        fp8-full-ep4) train "$run" 4 "${FULL[@]}" --tier device_mxfp8 --fp8_weight_cache false ;;
+        fp8-full-ep4) train "$run" 4 "${FULL[@]}" --tier device_mxfp8 --fp8.weight_cache false ;;
         full-ep4-fewest) train "$run" 4 "${FULL[@]}" --tier custom_grouped --recompute_layers 27 ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac

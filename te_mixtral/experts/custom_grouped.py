@@ -20,7 +20,7 @@ import torch
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import with_adapter, with_fused_adapters
-from te_mixtral.experts.base import ExpertMemory, ExpertTier, swiglu
+from te_mixtral.experts.base import ExpertLoad, ExpertMemory, ExpertTier, swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
 
 
@@ -37,10 +37,10 @@ class CustomGroupedTier(ExpertTier):
         return cls(cfg.lora.dropout if adapts_down else 0.0)
 
     @classmethod
-    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+    def memory(cls, cfg, load: ExpertLoad) -> ExpertMemory:
         # The CUDA kernels keep gate_up's output alone and recompute the rest in the backward
         # (`recomputes_hidden`); the grouped_mm path elsewhere keeps what autograd keeps.
-        return ExpertMemory(fused_hidden=device == "cuda")
+        return ExpertMemory.autograd(cfg.model.intermediate_size, load, fused=load.device == "cuda")
 
     def check_available(self, device: torch.device) -> None:
         if torch.device(device).type != "cuda":
