@@ -77,7 +77,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import save_adapter
-from te_mixtral.training.run_report import report_run
+from te_mixtral.training.run_report import Measured, report_run
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -307,17 +307,15 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     # --- report ------------------------------------------------------------------------
     # In this order: generating adds to the peak memory, and profiling (last: it steps the
     # optimizer while timing it) adds to the tier's calls after they are counted.
-    generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device, autocast)
-                 if cfg.generate is not None and not stopped else None)
-    peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
-    tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
-    phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)
-              if cfg.profile_phases and not stopped else None)
-    exit_code = report_run(
-        cfg, layout, header=header, ran_on=ran_on, estimated_peak_bytes=estimate.total, output_dir=output_dir,
-        run_log=run_log, state=state, first_step=first_step, step_times_s=timer.times, flops_per_step=flops_per_step,
-        run_load_YE=run_load_YE, peaks_by_rank=peaks_by_rank, tier_calls=tier_calls, phases=phases,
-        generated=generated, reference=reference, stopped=stopped)
+    measured = Measured(state, first_step, timer.times, flops_per_step, run_load_YE, stopped)
+    measured.generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device,
+                                        autocast) if cfg.generate is not None and not stopped else None)
+    measured.peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
+    measured.tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
+    measured.phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)
+                       if cfg.profile_phases and not stopped else None)
+    exit_code = report_run(cfg, layout, measured, header=header, estimated_peak_bytes=estimate.total,
+                           output_dir=output_dir, run_log=run_log, reference=reference)
     if stopped:
         raise stopped
     return TrainResult(exit_code, state.losses, model, optimizer)
