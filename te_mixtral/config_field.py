@@ -20,7 +20,7 @@ def setting(default, *, help: str, workload: bool = True, resumable: bool = Fals
     - `resumable`: the key may change on `--resume` without a note (where output goes, what
       happens between or after steps). Off by default, for the same reason;
     - `headline`: a reproduce command names it even at its default: the runs of a sweep
-      (`scripts/run_tiers.sh`) differ in it.
+      (`scripts/gpu_runs.py tiers`) differ in it.
     """
     return field(default=default,
                  metadata={"help": help, "workload": workload, "resumable": resumable, "headline": headline})
