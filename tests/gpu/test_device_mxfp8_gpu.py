@@ -21,7 +21,6 @@ import weakref
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 from expert_reference import accumulated_and_summed_grads, random_expert_inputs
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
@@ -29,6 +28,7 @@ from quant_reference import (
     rel_err,
     scaled_grouped_mm_stand_in,
 )
+from torch.utils.checkpoint import checkpoint
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import CustomGroupedTier

@@ -9,9 +9,8 @@ from measure.test_memory_lora import TARGETS, UPPER_BOUND_SLACK
 
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.registry import make_tier
-from te_mixtral.model.layers import resolve_backend
+from te_mixtral.model.layers import PackedSequences, resolve_backend
 from te_mixtral.model.lora import add_adapters, freeze_base
-from te_mixtral.model.layers import PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.planning.memory import estimate_memory
 from te_mixtral.training.loop import default_dtype

@@ -8,7 +8,6 @@ import pytest
 import torch
 from hf_reference import random_hf_mixtral
 from model.test_hf_parity import random_packed_batch, rel_err
-
 from transformers import MixtralForCausalLM
 
 from te_mixtral.config import LoRAConfig, RunConfig
