@@ -1,7 +1,7 @@
 """One typed configuration for a run, loaded from YAML, overridden from the command line,
 validated once.
 
-A YAML file has sections (`model`, `data`, `train`, `lora`, and `fp8`, tier device_mxfp8's
+A YAML file has sections (`model`, `data`, `train`, `lora` (lora_config.py), and `fp8`, tier device_mxfp8's
 options: te_mixtral/experts/options.py) and a few top-level keys (`tier`, `ep_size`, ...). Command-line overrides name a key either in full
 (`--train.lr 1e-4`) or by its bare name when that name is unique (`--lr 1e-4`); values are
 parsed as YAML scalars. Every problem is raised as a `UserError` whose message is one line
@@ -23,11 +23,12 @@ from typing import Literal
 
 import yaml
 
-from te_mixtral.config_checks import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, validate
+from te_mixtral.config_checks import validate
 from te_mixtral.config_field import setting
 from te_mixtral.errors import UserError
 from te_mixtral.experts.options import FP8Options
 from te_mixtral.files import write_text_atomic
+from te_mixtral.lora_config import LoRAConfig
 from te_mixtral.saved_config import MOVED_KEYS, SECTION_NAMES, flatten, upgrade_saved
 
 
@@ -147,32 +148,6 @@ def recomputed_layers(train: TrainConfig, num_layers: int) -> int:
     if train.recompute == "none":
         return 0
     return num_layers if train.recompute_layers is None else train.recompute_layers
-
-
-@dataclass
-class LoRAConfig:
-    """Low-rank adapters over a frozen base (te_mixtral/model/lora.py); rank 0 trains every weight."""
-
-    rank: int = setting(0, help="rank r of every adapter; 0: no adapters, every weight trains (full fine-tuning)")
-    alpha: float = setting(16.0, help="adapter scale numerator: the update is alpha / r * B @ A (alpha / sqrt(r) "
-                           "with rslora)")
-    dropout: float = setting(0.0, help="dropout on each adapter's input while training (the base path sees none)")
-    rslora: bool = setting(False, help="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
-    targets: str = setting(",".join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS),
-                           help="comma-separated projections to adapt, as PEFT names them: attention's "
-                           f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
-                           f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
-
-    def target_list(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
 @dataclass

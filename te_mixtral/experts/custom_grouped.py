@@ -33,7 +33,7 @@ class CustomGroupedTier(ExpertTier):
 
     @classmethod
     def from_config(cls, cfg) -> "CustomGroupedTier":
-        adapts_down = cfg.lora.enabled and "down_proj" in cfg.lora.target_list()
+        adapts_down = "down_proj" in cfg.lora.expert_targets()
         return cls(cfg.lora.dropout if adapts_down else 0.0)
 
     @classmethod

@@ -258,7 +258,7 @@ class DeviceMXFP8Tier(ExpertTier):
         hidden_grad = memory.hidden_grad + R * (2 * a * F + 5 * F)
         if frozen:
             # The SwiGLU output the down adapter reads, kept by the FP8 op.
-            adapts_down = "down_proj" in cfg.lora.target_list()
+            adapts_down = "down_proj" in cfg.lora.expert_targets()
             return replace(memory, hidden=memory.hidden + (a * R * F if adapts_down else 0), hidden_grad=hidden_grad,
                            weight_copies=copies,
                            weights_saved=(load.weight_bytes - 1) * weights - 4 * L * (2 * F + D),

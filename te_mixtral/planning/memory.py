@@ -76,8 +76,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from te_mixtral.config import (
-    LORA_DENSE_TARGETS,
-    LORA_EXPERT_TARGETS,
     RECOMPUTE,
     RunConfig,
     recomputed_layers,
@@ -266,9 +264,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     expert_hidden = tier.hidden
     # LoRA: each adapter keeps its rank-r product of the rows it reads (its input is kept
     # anyway) for B's gradient: per row of its layer, T for attention's, R for the experts'.
-    targets = lora.target_list() if lora.enabled else ()
-    dense_layer += a * lora.rank * T * sum(t in targets for t in LORA_DENSE_TARGETS)
-    expert_hidden += a * lora.rank * R * sum(t in targets for t in LORA_EXPERT_TARGETS)
+    dense_layer += a * lora.rank * T * len(lora.dense_targets())
+    expert_hidden += a * lora.rank * R * len(lora.expert_targets())
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
     layer_copies = dense_copies + expert_copies + tier.weight_copies
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
