@@ -319,22 +319,3 @@ def test_interpreter_recompute_with_adapters_changes_nothing(targets, splits):
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
 
-
-def test_dropout_on_the_down_adapters_input_is_refused_where_the_kernels_would_drop_none():
-    """The CUDA kernels keep SwiGLU's output inside the op, where the down adapter reads it: a
-    run that asks for dropout there is refused when its config loads (on CUDA), and a call
-    with such adapters is refused too, whatever built the tier."""
-    from te_mixtral.config import load_run_config
-    from te_mixtral.errors import TierUnavailable
-    from te_mixtral.experts.adapters import ExpertAdapters
-    from te_mixtral.experts.custom_grouped import CustomGroupedTier
-
-    lora = {"tier": "custom_grouped", "lora.rank": "4", "lora.dropout": "0.1"}
-    with pytest.raises(TierUnavailable, match="apply no dropout to the down adapter's input"):
-        load_run_config(None, {**lora, "device": "cuda"}, 1)
-    load_run_config(None, {**lora, "device": "cuda", "lora.targets": "q_proj,gate_up_proj"}, 1)
-    load_run_config(None, {**lora, "device": "cpu"}, 1)  # the grouped_mm path drops out as asked
-    x_RD, counts, gate_up, down, _ = make_inputs([3, 2], 8, 16, 0)
-    down_adapter = (torch.zeros(2, 4, 16), torch.zeros(2, 8, 4))
-    with pytest.raises(TierUnavailable, match="apply no dropout to the down adapter's input"):
-        CustomGroupedTier._kernels(x_RD, counts, gate_up, down, True, ExpertAdapters(None, down_adapter, 1.0, 0.1))
