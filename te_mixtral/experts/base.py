@@ -123,10 +123,11 @@ class ExpertTier(abc.ABC):
         (results.json's `tier_calls`); empty for a tier with one."""
         return {}
 
-    def expert_weight(self, shape: tuple[int, ...]) -> nn.Module:
+    def expert_weight(self, shape: tuple[int, ...], frozen: bool = False) -> nn.Module:
         """The storage of one stacked expert weight of the model this tier runs: a parameter
-        in the default dtype, or what a tier reads instead (a frozen base in FP8,
-        device_mxfp8.py), which the model passes to `__call__` in its place."""
+        in the default dtype, or, for a base that does not train (`frozen`: LoRA's), what a
+        tier reads instead (FP8 alone, device_mxfp8.py), which the model passes to `__call__`
+        in its place. The model says whether its base is frozen; the tier learns it here."""
         return nn.Parameter(torch.empty(shape))
 
     def recomputes_hidden(self, x_RD: torch.Tensor) -> bool:

@@ -23,7 +23,6 @@ from te_mixtral.experts.adapters import with_adapter, with_fused_adapters
 from te_mixtral.experts.base import ExpertLoad, ExpertMemory, ExpertTier, swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
 
-
 # The CUDA kernels keep SwiGLU's output inside the op, where the down adapter reads it.
 DOWN_DROPOUT = ("tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output never "
                 "leaves them): set lora.dropout 0, or leave down_proj out of lora.targets")

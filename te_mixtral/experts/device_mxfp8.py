@@ -184,25 +184,25 @@ class DeviceMXFP8Tier(ExpertTier):
     """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `FP8_MODES` (see above)."""
 
     name = "device_mxfp8"
-    takes_adapters = True  # in mode fp8-hopper, over a frozen FP8 base (check_available refuses the others)
+    takes_adapters = True  # in mode fp8-hopper, over a frozen FP8 base (expert_weight refuses the others)
 
     def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, min_rows_per_expert: int = 0,
-                 cache_weights: bool = True, frozen_base: bool = False):
+                 cache_weights: bool = True):
         """`model_dims` (hidden size, expert FFN size), when given, are checked against the
         mode that runs (`check_dims`) by `check_available`, before the model is built.
         `min_rows_per_expert`: in mode `fp8-hopper`, a call with fewer rows per local expert
         runs the BF16 `custom_grouped` kernels instead (0: FP8 at every size).
         `cache_weights` off: `fp8-hopper` quantises the expert weights at every use instead
-        of once per optimizer step (fp8_hopper.py). `frozen_base` (LoRA): the expert weights
-        do not train and are held in FP8 alone. A run config sets them from its `fp8`
-        section (`from_config`)."""
+        of once per optimizer step (fp8_hopper.py). A run config sets them from its `fp8`
+        section (`from_config`). A model whose base does not train (LoRA's) asks for frozen
+        expert weights (`expert_weight`), which this tier holds in FP8 alone."""
         if mode not in FP8_MODES:
             raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(FP8_MODES)}; got {mode!r}")
         self.requested_mode = mode
         self.model_dims = model_dims
         self.min_rows_per_expert = min_rows_per_expert
         self.cache_weights = cache_weights
-        self.frozen_base = frozen_base
+        self.frozen_base = False  # whether the model's expert weights are this tier's frozen FP8 ones
         self._calls: Counter[str] = Counter()  # calls per path: the mode, or BF16 under the break-even size
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
@@ -212,7 +212,7 @@ class DeviceMXFP8Tier(ExpertTier):
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
         options: FP8Options = cfg.fp8
         return cls(options.mode, (cfg.model.hidden_size, cfg.model.intermediate_size), options.min_rows_per_expert,
-                   options.weight_cache, frozen_base=cfg.lora.enabled)
+                   options.weight_cache)
 
     @classmethod
     def check_options(cls, cfg) -> None:
@@ -291,9 +291,6 @@ class DeviceMXFP8Tier(ExpertTier):
             check_dims(mode, *self.model_dims)
         if not self.cache_weights and mode != "fp8-hopper":
             raise weight_cache_refusal(f"mode '{mode}', which runs here,")
-        if self.frozen_base and mode != "fp8-hopper":
-            raise TierUnavailable(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (a Hopper "
-                                  f"GPU) only; mode '{mode}' runs here")
         if mode != self.mode:
             self._runner = _MODE_RUNNERS[mode](self)
         self.mode, self._device = mode, device
@@ -314,11 +311,15 @@ class DeviceMXFP8Tier(ExpertTier):
     def _bf16_under_break_even(self) -> bool:
         return self.mode == "fp8-hopper" and self.min_rows_per_expert > 0
 
-    def expert_weight(self, shape):
-        if not self.frozen_base:
+    def expert_weight(self, shape, frozen=False):
+        if not frozen:
             return super().expert_weight(shape)
-        if self.mode != "fp8-hopper":
+        if self.mode is None:
             raise RuntimeError("DeviceMXFP8Tier.expert_weight() of a frozen base needs check_available(device) first")
+        if self.mode != "fp8-hopper":
+            raise TierUnavailable(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (a Hopper "
+                                  f"GPU) only; mode '{self.mode}' runs here")
+        self.frozen_base = True
         return FrozenFP8Weight(shape, self._runner.value_dtype)
 
     def recomputes_hidden(self, x_RD) -> bool:

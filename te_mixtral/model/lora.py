@@ -146,13 +146,6 @@ def weight_tensor(weight: torch.Tensor | FrozenFP8Weight) -> torch.Tensor:
     return weight.dequantized() if isinstance(weight, FrozenFP8Weight) else weight.detach()
 
 
-def freeze_base(model: nn.Module) -> None:
-    """Every weight but the adapters' stops training."""
-    for name, param in model.named_parameters():
-        if not is_adapter_param(name):
-            param.requires_grad_(False)
-
-
 @torch.no_grad()
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W + s * B @ A in fp32, for a dense weight [out, in] or a stack [L, out, in]."""

@@ -55,7 +55,7 @@ from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog, check_tensorboard
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
-from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
+from te_mixtral.model.lora import add_adapters, base_weights
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.planning.memory import check_fits
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
@@ -96,11 +96,11 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     # would need twice the memory the run does.
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
     with torch.device(device), default_dtype(base_dtype):
-        model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers)
+        model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers,
+                                   frozen_base=cfg.lora.enabled)
     initialise(model, cfg, layout, model_dir)
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)
-        freeze_base(model)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
 
 

@@ -48,8 +48,8 @@ def tiny(tier="loop", world_size=1, **overrides) -> RunConfig:
 
 
 def build(m: ModelConfig, layout: Layout = SINGLE, tier: str = "loop", recompute: str = "none",
-          recompute_layers: int | None = None) -> MixtralForCausalLM:
-    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier), recompute, recompute_layers)
+          recompute_layers: int | None = None, frozen_base: bool = False) -> MixtralForCausalLM:
+    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier), recompute, recompute_layers, frozen_base)
 
 
 @pytest.mark.parametrize("m, ep", [(tiny().model, 1), (tiny().model, 4), (ODD, 1), (ODD, 3),
