@@ -1,13 +1,13 @@
 """One typed configuration for a run, loaded from YAML, overridden from the command line,
 validated once.
 
-A YAML file has three sections (`model`, `data`, `train`) and a few top-level keys
-(`tier`, `ep_size`, ...). Command-line overrides name a key either in full
+A YAML file has sections (`model`, `data`, `train`, `lora` (lora_config.py), and `fp8`, tier device_mxfp8's
+options: te_mixtral/experts/options.py) and a few top-level keys (`tier`, `ep_size`, ...). Command-line overrides name a key either in full
 (`--train.lr 1e-4`) or by its bare name when that name is unique (`--lr 1e-4`); values are
 parsed as YAML scalars. Every problem is raised as a `UserError` whose message is one line
 a user can act on.
 
-Each field carries its own meaning and role (`setting`: help text, whether it is part of
+Each field carries its own meaning and role (`setting`, config_field.py: help text, whether it is part of
 the timed workload, whether it may change on resume), so the results pages, the resume
 check and `--help` ask the fields (`workload_keys()`, ...) instead of keeping their own
 lists. A key that moves or is renamed gets one line in `saved_config.MOVED_KEYS`: configs
@@ -23,27 +23,13 @@ from typing import Literal
 
 import yaml
 
-from te_mixtral.config_checks import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, validate
+from te_mixtral.config_checks import validate
+from te_mixtral.config_field import setting
 from te_mixtral.errors import UserError
+from te_mixtral.experts.options import FP8Options
 from te_mixtral.files import write_text_atomic
-from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
-
-
-def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
-    """A config field that says what it means and what role it plays, so that the code that
-    asks "which keys ...?" reads the answer here instead of keeping its own list:
-
-    - `help`: one line, what the key means (`run_finetune_ep.py --help` lists it);
-    - `workload`: the key changes what a timed step computes, so a results page compares two
-      runs only when they agree on it. On by default: a new key keeps runs apart until it is
-      declared harmless, which is the safe mistake;
-    - `resumable`: the key may change on `--resume` without a note (where output goes, what
-      happens between or after steps). Off by default, for the same reason;
-    - `headline`: a reproduce command names it even at its default: the runs of a sweep
-      (`scripts/run_tiers.sh`) differ in it.
-    """
-    return field(default=default,
-                 metadata={"help": help, "workload": workload, "resumable": resumable, "headline": headline})
+from te_mixtral.lora_config import LoRAConfig
+from te_mixtral.saved_config import MOVED_KEYS, SECTION_NAMES, flatten, upgrade_saved
 
 
 @dataclass
@@ -165,39 +151,15 @@ def recomputed_layers(train: TrainConfig, num_layers: int) -> int:
 
 
 @dataclass
-class LoRAConfig:
-    """Low-rank adapters over a frozen base (te_mixtral/model/lora.py); rank 0 trains every weight."""
-
-    rank: int = setting(0, help="rank r of every adapter; 0: no adapters, every weight trains (full fine-tuning)")
-    alpha: float = setting(16.0, help="adapter scale numerator: the update is alpha / r * B @ A (alpha / sqrt(r) "
-                           "with rslora)")
-    dropout: float = setting(0.0, help="dropout on each adapter's input while training (the base path sees none)")
-    rslora: bool = setting(False, help="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
-    targets: str = setting(",".join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS),
-                           help="comma-separated projections to adapt, as PEFT names them: attention's "
-                           f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
-                           f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
-
-    def target_list(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
-
-
-@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    # A tier's own options (tier, ep_size, mxfp8_mode) are not the workload: they are what a
-    # results page compares.
+    # A tier's own options, declared beside the tiers (te_mixtral/experts/options.py).
+    fp8: FP8Options = field(default_factory=FP8Options)
+    # The tier and its layout (tier, ep_size, and the tiers' options) are not the workload:
+    # they are what a results page compares.
     tier: str = setting("loop", workload=False, headline=True,
                         help="expert FFN tier (loop, grouped_linear, custom_grouped, device_mxfp8) or a whole-model "
                         "baseline: hf (transformers' Mixtral as its users run it) or hf_eager (its per-expert loop)")
@@ -218,18 +180,6 @@ class RunConfig:
                                      help="a reference run's results JSON to check every step's loss against")
     dist_timeout_s: int = setting(300, workload=False, resumable=True,
                                   help="seconds a collective may wait before the job fails")
-    mxfp8_mode: str = setting("auto", workload=False,
-                              help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
-                              "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
-    fp8_min_rows_per_expert: int = setting(1024, workload=False,
-                                           help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
-                                           "expert runs the BF16 custom_grouped kernels, where FP8 is slower "
-                                           "(docs/precision.md); 0: FP8 at every size")
-    fp8_weight_cache: bool = setting(True, workload=False,
-                                     help="device_mxfp8 on Hopper: keep each expert weight's FP8 copies (a byte "
-                                     "per element per orientation, every layer) from its first use to the "
-                                     "optimizer step; false: quantise it at every use, so that with recompute "
-                                     "only the layer in flight holds them")
     tensorboard: bool = setting(False, workload=False, resumable=True,
                                 help="also write each step's scalars for TensorBoard into output_dir (needs the "
                                 "tensorboard package: pip install 'te_mixtral[tensorboard]')")
@@ -277,7 +227,7 @@ class RunConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRAConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRAConfig, "fp8": FP8Options}
 assert tuple(SECTIONS) == SECTION_NAMES
 
 def _field_types(cls) -> dict[str, object]:
@@ -405,7 +355,9 @@ def is_switch(bare: str) -> bool:
 
 
 def _full_key(bare: str) -> str:
-    """Resolve a bare override name (`lr`) to its full key (`train.lr`)."""
+    """Resolve a bare override name (`lr`) to its full key (`train.lr`); a key's old name
+    (`saved_config.MOVED_KEYS`) to today's, so that older command lines still run."""
+    bare = MOVED_KEYS.get(bare, bare)
     if "." in bare or bare in _field_types(RunConfig):
         return bare
     owners = [s for s, cls in SECTIONS.items() if bare in _field_types(cls)]

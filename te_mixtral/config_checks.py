@@ -3,7 +3,8 @@
 `config.load_config` runs `validate` once a config is read; a Hugging Face checkpoint's model
 section is checked again with `validate_model` when it replaces the config's. The tier's
 name and options are the registry's to check (`experts.registry.check_tier`), and
-`config.load_run_config` runs both. Each check takes the run config (`config.RunConfig`)
+`config.load_run_config` runs both. The lora section's checks live with its settings
+(lora_config.py); `validate` runs them. Each check takes the run config (`config.RunConfig`)
 unannotated: config.py imports this module, and this one stays below it.
 """
 
@@ -14,19 +15,11 @@ import math
 import typing
 from pathlib import PurePath
 
-from te_mixtral.errors import UserError
+from te_mixtral.errors import require as _check
+from te_mixtral.lora_config import validate_lora
 
 FLOAT32_MAX = 3.4028234663852886e38
 NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
-# The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
-# `target_parameters` (experts: each stacked weight is one target) give them.
-LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
 
 
 def validate(cfg, world_size: int = 1) -> None:
@@ -118,27 +111,6 @@ def _check_choices(cfg) -> None:
             if typing.get_origin(hints[f.name]) is typing.Literal:
                 allowed, value = typing.get_args(hints[f.name]), getattr(section, f.name)
                 _check(value in allowed, f"{prefix}{f.name} must be one of {', '.join(allowed)}, got '{value}'")
-
-
-def validate_lora(cfg) -> None:
-    """The checks of the lora section, and of what LoRA leaves out."""
-    lora, t = cfg.lora, cfg.train
-    _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
-    _check(cfg.save_adapter is None or lora.enabled, "save_adapter exports LoRA adapters: set lora.rank (e.g. 16)")
-    if not lora.enabled:
-        return
-    _check(0 < lora.alpha < math.inf, f"lora.alpha must be finite and above 0, got {lora.alpha}")
-    _check(0 <= lora.dropout < 1, f"lora.dropout must be in [0, 1), got {lora.dropout}")
-    known = LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS
-    targets = lora.target_list()
-    _check(bool(targets), "lora.targets names no projection: give one or more of " + ", ".join(known))
-    for target in targets:
-        _check(target in known, f"lora.targets: unknown projection '{target}' (known: {', '.join(known)})")
-    _check(len(set(targets)) == len(targets), f"lora.targets names a projection twice: {lora.targets}")
-    _check(t.optimizer == "adamw", "lora trains small fp32 adapters with train.optimizer adamw; master_adamw "
-           "(bf16 parameters) is for full fine-tuning")
-    _check(t.sharding == "none", "lora keeps the frozen base whole on each rank (experts split by EP); "
-           "train.sharding fsdp is for full fine-tuning")
 
 
 def validate_model(cfg) -> None:

@@ -8,7 +8,7 @@ moved or was renamed still loads, compares with today's runs on a results page a
 
 from te_mixtral.errors import UserError
 
-SECTION_NAMES = ("model", "data", "train", "lora")
+SECTION_NAMES = ("model", "data", "train", "lora", "fp8")
 
 
 def flatten(config: dict, where: str = "the config") -> dict[str, object]:
@@ -43,6 +43,9 @@ MOVED_KEYS = {
     "model.num_local_experts": "model.num_experts",
     "save_every": "train.save_every",
     "checkpoint_every": "train.checkpoint_every",
+    "mxfp8_mode": "fp8.mode",
+    "fp8_min_rows_per_expert": "fp8.min_rows_per_expert",
+    "fp8_weight_cache": "fp8.weight_cache",
 }
 
 

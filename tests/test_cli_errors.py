@@ -119,7 +119,7 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["--generate", ""], "encodes to no tokens"),
-    (["--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--hidden_size", "48", "--head_dim", "24"],
+    (["--tier", "device_mxfp8", "--fp8.mode", "mxfp8-emulated", "--hidden_size", "48", "--head_dim", "24"],
      "needs model.hidden_size to be a multiple of 32, got 48"),
     (["--loss-check", "EMPTY"], "has no losses to compare with"),
     (["--generate", "Once", "--generate-tokens", "5000"], "would pass model.max_position_embeddings (1024)"),

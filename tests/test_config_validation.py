@@ -106,9 +106,9 @@ def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    ({"mxfp8_mode": "mxfp8-emulated"}, "runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) only, "
+    ({"fp8.mode": "mxfp8-emulated"}, "runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) only, "
                                        "not in mode 'mxfp8-emulated'"),
-    ({"fp8_weight_cache": "false"}, "with LoRA the frozen base is held in FP8 alone, and there is no copy to drop"),
+    ({"fp8.weight_cache": "false"}, "with LoRA the frozen base is held in FP8 alone, and there is no copy to drop"),
 ])
 def test_device_mxfp8_takes_lora_over_its_hopper_fp8_base_only(overrides, fragment):
     base = {"lora.rank": "8", "tier": "device_mxfp8"}

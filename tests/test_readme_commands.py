@@ -66,7 +66,8 @@ NOT_RUN = {
     "python -m pytest -q": "this suite",
     "python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier custom_grouped --optimizer "
     "master_adamw": "full-width Mixtral-8x7B layers: a GPU's work",
-    "scripts/run_tiers.sh runs/h100 configs/mixtral-8x7b-2layer.yaml 1 1 hf grouped_linear custom_grouped":
+    "python3 scripts/gpu_runs.py tiers runs/h100 configs/mixtral-8x7b-2layer.yaml 1 1 hf grouped_linear "
+    "custom_grouped":
         "GPU tiers at full width",
     "python run_finetune_ep.py --config configs/mixtral-8x7b-lora.yaml --tier device_mxfp8 --model "
     "mistralai/Mixtral-8x7B-v0.1 --format chat --dataset my_chats.jsonl --save-adapter mixtral-lora":

@@ -20,27 +20,29 @@ import torch
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import with_adapter, with_fused_adapters
-from te_mixtral.experts.base import ExpertMemory, ExpertTier, swiglu
+from te_mixtral.experts.base import ExpertLoad, ExpertMemory, ExpertTier, swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
+
+# The CUDA kernels keep SwiGLU's output inside the op, where the down adapter reads it.
+DOWN_DROPOUT = ("tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output never "
+                "leaves them): set lora.dropout 0, or leave down_proj out of lora.targets")
 
 
 class CustomGroupedTier(ExpertTier):
     name = "custom_grouped"
     takes_adapters = True
 
-    def __init__(self, down_adapter_dropout: float = 0.0):
-        self.down_adapter_dropout = down_adapter_dropout
+    @classmethod
+    def check(cls, cfg) -> None:
+        # Said when the config loads; the call itself refuses such adapters too (`_kernels`).
+        if cfg.lora.dropout and "down_proj" in cfg.lora.expert_targets() and cfg.resolved_device() == "cuda":
+            raise TierUnavailable(DOWN_DROPOUT)
 
     @classmethod
-    def from_config(cls, cfg) -> "CustomGroupedTier":
-        adapts_down = cfg.lora.enabled and "down_proj" in cfg.lora.target_list()
-        return cls(cfg.lora.dropout if adapts_down else 0.0)
-
-    @classmethod
-    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+    def memory(cls, cfg, load: ExpertLoad) -> ExpertMemory:
         # The CUDA kernels keep gate_up's output alone and recompute the rest in the backward
         # (`recomputes_hidden`); the grouped_mm path elsewhere keeps what autograd keeps.
-        return ExpertMemory(fused_hidden=device == "cuda")
+        return ExpertMemory.autograd(cfg.model.intermediate_size, load, fused=load.device == "cuda")
 
     def check_available(self, device: torch.device) -> None:
         if torch.device(device).type != "cuda":
@@ -49,11 +51,6 @@ class CustomGroupedTier(ExpertTier):
             raise TierUnavailable(
                 "tier custom_grouped needs Triton on CUDA; pip install triton, "
                 "or choose tier grouped_linear or loop"
-            )
-        if self.down_adapter_dropout:
-            raise TierUnavailable(
-                "tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output "
-                "never leaves them): set lora.dropout 0, or leave down_proj out of lora.targets"
             )
 
     def __call__(self, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None):
@@ -73,6 +70,8 @@ class CustomGroupedTier(ExpertTier):
 
     @staticmethod
     def _kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden, adapters):
+        if adapters is not None and adapters.down is not None and adapters.dropout:
+            raise TierUnavailable(DOWN_DROPOUT)
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
         return kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden)

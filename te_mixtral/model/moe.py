@@ -31,12 +31,13 @@ from te_mixtral.model.router_losses import RouterStats
 class StackedExperts(nn.Module):
     """This rank's experts, stored stacked (gate_up [L, 2F, D], down [L, D, F]): the one
     parameter layout every tier reads; in the storage `tier` keeps them in (a parameter
-    unless the tier holds a frozen base its own way: ExpertTier.expert_weight)."""
+    unless the tier holds a `frozen` base its own way: ExpertTier.expert_weight)."""
 
-    def __init__(self, experts_per_rank: int, hidden_size: int, intermediate_size: int, tier: ExpertTier):
+    def __init__(self, experts_per_rank: int, hidden_size: int, intermediate_size: int, tier: ExpertTier,
+                 frozen: bool = False):
         super().__init__()
-        self.gate_up_proj = tier.expert_weight((experts_per_rank, 2 * intermediate_size, hidden_size))
-        self.down_proj = tier.expert_weight((experts_per_rank, hidden_size, intermediate_size))
+        self.gate_up_proj = tier.expert_weight((experts_per_rank, 2 * intermediate_size, hidden_size), frozen)
+        self.down_proj = tier.expert_weight((experts_per_rank, hidden_size, intermediate_size), frozen)
         self.adapters = nn.ModuleDict()  # LoRA's, by stacked weight name (model/lora.py); empty without
 
     def forward(self, tier: ExpertTier, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor,
@@ -52,11 +53,11 @@ class StackedExperts(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dispatcher: TokenDispatcher, tier: ExpertTier, experts_per_rank: int,
-                 recompute_experts: bool = False, z_loss_grad: bool = False):
+                 recompute_experts: bool = False, z_loss_grad: bool = False, frozen_base: bool = False):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
-        self.experts = StackedExperts(experts_per_rank, hidden_size, intermediate_size, tier)
+        self.experts = StackedExperts(experts_per_rank, hidden_size, intermediate_size, tier, frozen_base)
         self.dispatcher = dispatcher
         self.tier = tier
         self.recompute_experts = recompute_experts

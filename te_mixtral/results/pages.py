@@ -4,7 +4,7 @@
                                 [--notes FILE] [--suffix TEXT] [--no-plots] [--overwrite]
 
 A RUN is a run's output folder, its results.json, or a folder of runs such as
-`scripts/run_tiers.sh` leaves (`te_mixtral/results/runs.py` reads and checks them).
+`scripts/gpu_runs.py tiers` leaves (`te_mixtral/results/runs.py` reads and checks them).
 
 One page per GPU and world size. Step times only compare on the same hardware and the same
 number of processes, so runs are grouped by (device name, world size) and each group gets

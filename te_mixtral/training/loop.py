@@ -55,7 +55,7 @@ from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog, check_tensorboard
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
-from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
+from te_mixtral.model.lora import add_adapters, base_weights
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.planning.memory import check_fits
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
@@ -77,7 +77,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import save_adapter
-from te_mixtral.training.run_report import report_run
+from te_mixtral.training.run_report import Measured, report_run
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -97,11 +97,10 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
     with torch.device(device), default_dtype(base_dtype):
         model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers,
-                                   cfg.ep_chunks)
+                                   frozen_base=cfg.lora.enabled, ep_chunks=cfg.ep_chunks)
     initialise(model, cfg, layout, model_dir)
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)
-        freeze_base(model)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
 
 
@@ -308,17 +307,15 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     # --- report ------------------------------------------------------------------------
     # In this order: generating adds to the peak memory, and profiling (last: it steps the
     # optimizer while timing it) adds to the tier's calls after they are counted.
-    generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device, autocast)
-                 if cfg.generate is not None and not stopped else None)
-    peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
-    tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
-    phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)
-              if cfg.profile_phases and not stopped else None)
-    exit_code = report_run(
-        cfg, layout, header=header, ran_on=ran_on, estimated_peak_bytes=estimate.total, output_dir=output_dir,
-        run_log=run_log, state=state, first_step=first_step, step_times_s=timer.times, flops_per_step=flops_per_step,
-        run_load_YE=run_load_YE, peaks_by_rank=peaks_by_rank, tier_calls=tier_calls, phases=phases,
-        generated=generated, reference=reference, stopped=stopped)
+    measured = Measured(state, first_step, timer.times, flops_per_step, run_load_YE, stopped)
+    measured.generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device,
+                                        autocast) if cfg.generate is not None and not stopped else None)
+    measured.peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
+    measured.tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
+    measured.phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)
+                       if cfg.profile_phases and not stopped else None)
+    exit_code = report_run(cfg, layout, measured, header=header, estimated_peak_bytes=estimate.total,
+                           output_dir=output_dir, run_log=run_log, reference=reference)
     if stopped:
         raise stopped
     return TrainResult(exit_code, state.losses, model, optimizer)

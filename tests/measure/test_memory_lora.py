@@ -14,7 +14,7 @@ from measure.test_memory import (
     tiny,
 )
 
-from te_mixtral.model.lora import add_adapters, freeze_base
+from te_mixtral.model.lora import add_adapters
 from te_mixtral.model.mixtral import causal_lm_loss, init_weights
 from te_mixtral.planning.memory import estimate_memory
 from te_mixtral.training.loop import default_dtype
@@ -26,10 +26,9 @@ TARGETS = {"all": "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj", "experts
 
 def lora_model(cfg):
     with default_dtype(torch.bfloat16 if cfg.precision == "bf16" else torch.float32):
-        model = build(cfg.model, tier=cfg.tier, recompute=cfg.train.recompute)
+        model = build(cfg.model, tier=cfg.tier, recompute=cfg.train.recompute, frozen_base=True)
         init_weights(model, 1, SINGLE)
     add_adapters(model, cfg.lora, 2, SINGLE)
-    freeze_base(model)
     return model
 
 

@@ -227,7 +227,7 @@ def test_an_8bit_tier_is_judged_at_its_own_precision(tmp_path):
     paths = [make_run(tmp_path, "loop", "loop", 100.0, losses=LOOP_LOSSES),
              make_run(tmp_path, "mx", "device_mxfp8", 90.0, losses=eight_bit,
                       ran={"precision": "mxfp8", "recipe": "mxfp8-emulated"},
-                      overrides={"mxfp8_mode": "mxfp8-emulated"})]
+                      overrides={"fp8.mode": "mxfp8-emulated"})]
     md = page_for(paths).markdown
     row = table_row(md, "device_mxfp8")
     assert row[0] == "`device_mxfp8` (mxfp8-emulated)"
