@@ -230,6 +230,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps)  # rank 0's; inert elsewhere
     run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     stopped = None  # why the run stopped early (a Diverged error), if it did
+    saved = {}  # what this run wrote, by kind (on rank 0): the last of each, said at the end
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
         step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens, cfg.lora)
@@ -290,16 +291,16 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             run_log.evaluation(evaluation)
         try:  # a checkpoint that cannot be written fails on every rank alike: results.json keeps the run
             if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
-                checkpointer.save(state, model, optimizer, cfg)
+                saved["checkpoint"] = checkpointer.save(state, model, optimizer, cfg)
         except WriteFailed as e:
             stopped = e
             break
         try:  # each save refuses non-finite weights, on every rank
             if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
-                save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir,
-                                   cfg.data.tokenizer)
+                saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
+                                                        model_dir, cfg.data.tokenizer)
             if cfg.save_adapter and due(state.step, cfg.train.save_every, cfg.train.steps):
-                save_adapter(model, cfg.save_adapter, cfg, layout)
+                saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout)
         except Diverged as e:
             stopped = Diverged(f"after step {state.step}: {e}")
             break
@@ -317,7 +318,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         cfg, layout, header=header, ran_on=ran_on, estimated_peak_bytes=estimate.total, output_dir=output_dir,
         run_log=run_log, state=state, first_step=first_step, step_times_s=timer.times, flops_per_step=flops_per_step,
         run_load_YE=run_load_YE, peaks_by_rank=peaks_by_rank, tier_calls=tier_calls, phases=phases,
-        generated=generated, reference=reference, stopped=stopped)
+        generated=generated, reference=reference, stopped=stopped, saved=saved)
     if stopped:
         raise stopped
     return TrainResult(exit_code, state.losses, model, optimizer)

@@ -22,6 +22,7 @@ order in which they add to the peak memory and to the tier's calls.
 """
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -41,7 +42,7 @@ def report_run(cfg: RunConfig, layout: Layout, *, header: dict, ran_on: dict, es
                output_dir, run_log: RunLog, state: TrainState, first_step: int, step_times_s: list[float],
                flops_per_step: list[float], run_load_YE: torch.Tensor | None, peaks_by_rank: Sequence[int],
                tier_calls: dict, phases: tuple[dict, list[int]] | None, generated: dict | None,
-               reference: list[float] | None, stopped: UserError | None) -> int:
+               reference: list[float] | None, stopped: UserError | None, saved: dict[str, Path | None]) -> int:
     """Check the losses, write and print the run's results (rank 0), and return the exit
     code of a run that did not stop early: `ExitCode.OK`, or LOSS_CHECK_FAILED.
 
@@ -50,7 +51,8 @@ def report_run(cfg: RunConfig, layout: Layout, *, header: dict, ran_on: dict, es
     and expert, `peaks_by_rank` every rank's peak memory in bytes; `phases` is
     `profile_phases`' answer, `generated` `generate_text`'s, `reference` the loss-check
     reference's losses, each None when not asked for (`phases` and `generated` also when
-    the run stopped early, as `stopped` says)."""
+    the run stopped early, as `stopped` says). `saved` holds the last checkpoint, HF export
+    and adapter the run wrote (by those names; None on ranks that wrote no part of it)."""
     losses = state.losses
     timing_warmup = min(cfg.train.timing_warmup_steps, len(step_times_s) - 1)  # a resumed run has fewer steps
     peak_memory = max(peaks_by_rank)
@@ -105,6 +107,8 @@ def report_run(cfg: RunConfig, layout: Layout, *, header: dict, ran_on: dict, es
             print(check.table())
         if path is not None:
             print(f"results: {path}", flush=True)
+        for what, written in saved.items():  # only what was written: a save that failed stopped the run first
+            print(f"{what}: {written}", flush=True)
         if unwritten:
             raise WriteFailed("; ".join(unwritten) + (f"; and before that: {stopped}" if stopped else ""))
     return exit_code
