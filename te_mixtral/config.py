@@ -87,12 +87,18 @@ class DataConfig:
                                  "of wikitext; null: its default")
     split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
                          "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")
-    format: Literal["text", "chat"] = setting("text", help="text: each record's text_field is a document; chat: each record's "
-                          "messages_field is a conversation, rendered with the tokenizer's chat template and trained "
-                          "on the assistant's replies only (docs/data.md)")
+    format: Literal["text", "chat", "sharegpt", "alpaca"] = setting("text", help="text: each record's text_field is a "
+                          "document; chat: each record's messages_field is a conversation, rendered with the "
+                          "tokenizer's chat template and trained on the assistant's replies only; sharegpt "
+                          "(conversations of {from: human|gpt|system, value}) and alpaca (instruction, input, output): "
+                          "chat data in those layouts (docs/data.md)")
     text_field: str = setting("text", help="the field of each record that holds the text (format text)")
     messages_field: str = setting("messages", help="the field of each record that holds the conversation, a list "
                                   "of {role: system|user|assistant, content} (format chat)")
+    role_key: str = setting("role", help="format chat: the key of a message that holds its role (e.g. from)")
+    content_key: str = setting("content", help="format chat: the key of a message that holds its text (e.g. value)")
+    roles: str | None = setting(None, help="format chat: the data's role names as system, user or assistant, "
+                                "e.g. human:user,gpt:assistant (null: the data uses those names)")
     tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
                                     "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
                                     "null: model_path's, else a small BPE trained on the data and cached")
