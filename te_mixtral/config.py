@@ -26,7 +26,7 @@ import yaml
 from te_mixtral.config_checks import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, validate
 from te_mixtral.errors import UserError
 from te_mixtral.files import write_text_atomic
-from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
+from te_mixtral.saved_config import RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
 
 def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
@@ -230,9 +230,11 @@ class RunConfig:
                                      "per element per orientation, every layer) from its first use to the "
                                      "optimizer step; false: quantise it at every use, so that with recompute "
                                      "only the layer in flight holds them")
-    tensorboard: bool = setting(False, workload=False, resumable=True,
-                                help="also write each step's scalars for TensorBoard into output_dir (needs the "
-                                "tensorboard package: pip install 'te_mixtral[tensorboard]')")
+    report_to: str = setting("none", workload=False, resumable=True,
+                             help="experiment trackers that get each step's scalars, as HF Trainer's report_to: "
+                             "none, or any of tensorboard (into output_dir), wandb, mlflow, comma-separated "
+                             "(each needs its package: pip install 'te_mixtral[wandb]'; "
+                             "te_mixtral/measure/trackers.py)")
     plots: bool = setting(True, workload=False, resumable=True,
                           help="draw loss.png and step_time.png beside results.json at the end (needs matplotlib)")
     profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
@@ -398,6 +400,8 @@ def load_yaml(text: str, where: str):
 
 def is_switch(bare: str) -> bool:
     """Whether a command-line key is a true/false switch, so `--resume` alone means true."""
+    if bare.replace("-", "_") in RETYPED_KEYS:
+        return True
     try:
         return _key_types(_full_key(bare.replace("-", "_"))) == (bool,)
     except UserError:
@@ -476,8 +480,13 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             _apply(cfg, key, value)
             given.add(key)
     for bare, text in (overrides or {}).items():
-        key = _full_key(bare.replace("-", "_"))
-        _apply(cfg, key, _parse_override(key, text))
+        bare = bare.replace("-", "_")
+        if bare in RETYPED_KEYS:  # an older key: its value as today's key takes it
+            key, value = upgrade_key(bare, load_yaml(text, f"--{bare}"))
+        else:
+            key = _full_key(bare)
+            value = _parse_override(key, text)
+        _apply(cfg, key, value)
         given.add(key)
     _adopt_launcher(cfg, given, launch or {})
     for key, follows in FOLLOWS.items():

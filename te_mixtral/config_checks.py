@@ -22,6 +22,8 @@ NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's fi
 # `target_parameters` (experts: each stacked weight is one target) give them.
 LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
+# What `report_to` may name (te_mixtral/measure/trackers.py has each tracker).
+REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -54,6 +56,9 @@ def validate(cfg, world_size: int = 1) -> None:
            "either way, so reducing them after every micro-batch would only cost traffic)")
     _check(t.recompute_layers is None or t.recompute != "none",
            "train.recompute_layers counts the layers that recompute: it needs train.recompute selective or full")
+    trackers = [name.strip() for name in cfg.report_to.split(",")]
+    _check(all(name in REPORT_TO for name in trackers) and ("none" not in trackers or len(trackers) == 1),
+           f"report_to must be none or any of {', '.join(REPORT_TO[1:])}, comma-separated; got {cfg.report_to!r}")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(d.format == "text" or d.tokenizer is not None or cfg.model_path is not None,
            f"data.format {d.format} needs a tokenizer with a chat template: set data.tokenizer to its folder "

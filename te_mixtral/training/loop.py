@@ -52,7 +52,8 @@ from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_reference
 from te_mixtral.measure.phases import profile_phases
-from te_mixtral.measure.run_log import RunLog, check_tensorboard
+from te_mixtral.measure.run_log import RunLog
+from te_mixtral.measure.trackers import check_trackers
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
@@ -175,7 +176,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             if folder is not None:
                 locks.claim(Path(folder).expanduser(), what)
     check_outputs(cfg, model_dir, config_path)
-    check_tensorboard(cfg)
+    check_trackers(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
     layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)
