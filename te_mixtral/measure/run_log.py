@@ -130,14 +130,20 @@ class RunLog:
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         self._file = self._bar = None
         self._trackers = []
+        # (step, ms) of the steps a resumed run ran before this process, from its log: the
+        # step-time plot covers the whole run.
+        self.earlier_step_ms: list[tuple[int, float]] = []
         if output_dir is None:
             return
         path = output_dir / STEPS_FILE
         self.unwritten: list[str] = []  # what could not be written (a full disk), for the run's last line
         try:
             if cfg.resume and path.exists():
-                write_text_atomic(path, _kept_lines(path, first_step))
+                kept = _kept_lines(path, first_step)
+                write_text_atomic(path, kept)
                 self._file = path.open("ab", buffering=0)
+                self.earlier_step_ms = [(r["step"], r["step_ms"]) for r in map(json.loads, kept.splitlines())
+                                        if r.get("step_ms") is not None]
             else:
                 self._file = path.open("wb", buffering=0)
         except OSError as e:
@@ -210,7 +216,7 @@ class RunLog:
         """Close the log and, with `plots`, draw the run's plots beside results.json: its
         loss at every step (a resumed run's earlier steps too) with its held-out `evals`
         (evaluate.Evaluation dictionaries), and the times of this process's steps (from
-        `first_step`). Without matplotlib, say so in one line. Return what could not be
+        `first_step`) after those its log holds from before a resume. Without matplotlib, say so in one line. Return what could not be
         written (the log's end, a plot), one phrase each."""
         if self._file is None:
             return []
@@ -223,14 +229,14 @@ class RunLog:
         if importlib.util.find_spec("matplotlib") is None:
             print("te_mixtral: matplotlib is not installed, so no plots (pip install matplotlib)", flush=True)
             return self.unwritten
-        drawings = {LOSS_PLOT: lambda path, title: plots.loss_png([(self.cfg.tier, losses)], path, title,
-                                                                  [(e["step"], e["loss"]) for e in evals])}
+        drawings = {LOSS_PLOT: partial(plots.loss_figure, [(self.cfg.tier, losses)], title,
+                                       [(e["step"], e["loss"]) for e in evals])}
         if step_times_s:
-            drawings[STEP_TIME_PLOT] = partial(plots.step_times_png, first_step, [s * 1e3 for s in step_times_s],
-                                               timing_warmup)
-        for name, draw in drawings.items():
+            drawings[STEP_TIME_PLOT] = partial(plots.step_times_figure, first_step, [s * 1e3 for s in step_times_s],
+                                               timing_warmup, title, self.earlier_step_ms)
+        for name, figure in drawings.items():
             try:
-                draw(self.output_dir / name, title)
+                plots.save(figure(), self.output_dir / name)
             except OSError as e:
                 (self.output_dir / name).unlink(missing_ok=True)  # half a picture is none
                 self.unwritten.append(str(write_failure(str(self.output_dir / name), e)))
