@@ -60,6 +60,7 @@ def wandb_history(run_dir) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # wandb starts a service process of its own
 @pytest.mark.skipif(not (importlib.util.find_spec("wandb") and importlib.util.find_spec("mlflow")),
                     reason="needs wandb and mlflow (pip install -e '.[wandb,mlflow]')")
 def test_wandb_and_mlflow_get_the_scalars_of_every_step(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import json
 import peft
 import pytest
 import torch
+from conftest import REPO
 from hf_reference import random_hf_mixtral
 from launch import run_cli
 from torch.distributed.checkpoint import FileSystemReader
@@ -83,7 +84,7 @@ def test_the_frozen_base_never_reaches_the_optimizer(lora_run):
 
     # Nor is the base in the optimizer's groups, where AdamW (which skips a parameter without
     # a gradient) would hold it without a word.
-    cfg = load_config(None, {"lora.rank": "2", "model.num_hidden_layers": "1"})
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"lora.rank": "2"})
     model, _ = build_model(cfg, Layout(0, 1, 1, None, None), torch.device("cpu"))
     grouped = [p for group in make_optimizer(model, cfg).param_groups for p in group["params"]]
     adapters = [p for name, p in model.named_parameters() if is_adapter_param(name)]
