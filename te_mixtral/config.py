@@ -29,7 +29,7 @@ from te_mixtral.errors import UserError
 from te_mixtral.experts.options import FP8Options
 from te_mixtral.files import write_text_atomic
 from te_mixtral.lora_config import LoRAConfig
-from te_mixtral.saved_config import MOVED_KEYS, SECTION_NAMES, flatten, upgrade_saved
+from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
 
 @dataclass
@@ -73,12 +73,18 @@ class DataConfig:
                                  "of wikitext; null: its default")
     split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
                          "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")
-    format: Literal["text", "chat"] = setting("text", help="text: each record's text_field is a document; chat: each record's "
-                          "messages_field is a conversation, rendered with the tokenizer's chat template and trained "
-                          "on the assistant's replies only (docs/data.md)")
+    format: Literal["text", "chat", "sharegpt", "alpaca"] = setting("text", help="text: each record's text_field is a "
+                          "document; chat: each record's messages_field is a conversation, rendered with the "
+                          "tokenizer's chat template and trained on the assistant's replies only; sharegpt "
+                          "(conversations of {from: human|gpt|system, value}) and alpaca (instruction, input, output): "
+                          "chat data in those layouts (docs/data.md)")
     text_field: str = setting("text", help="the field of each record that holds the text (format text)")
     messages_field: str = setting("messages", help="the field of each record that holds the conversation, a list "
                                   "of {role: system|user|assistant, content} (format chat)")
+    role_key: str = setting("role", help="format chat: the key of a message that holds its role (e.g. from)")
+    content_key: str = setting("content", help="format chat: the key of a message that holds its text (e.g. value)")
+    roles: str | None = setting(None, help="format chat: the data's role names as system, user or assistant, "
+                                "e.g. human:user,gpt:assistant (null: the data uses those names)")
     tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
                                     "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
                                     "null: model_path's, else a small BPE trained on the data and cached")
@@ -180,9 +186,11 @@ class RunConfig:
                                      help="a reference run's results JSON to check every step's loss against")
     dist_timeout_s: int = setting(300, workload=False, resumable=True,
                                   help="seconds a collective may wait before the job fails")
-    tensorboard: bool = setting(False, workload=False, resumable=True,
-                                help="also write each step's scalars for TensorBoard into output_dir (needs the "
-                                "tensorboard package: pip install 'te_mixtral[tensorboard]')")
+    report_to: str = setting("none", workload=False, resumable=True,
+                             help="experiment trackers that get each step's scalars, as HF Trainer's report_to: "
+                             "none, or any of tensorboard (into output_dir), wandb, mlflow, comma-separated "
+                             "(each needs its package: pip install 'te_mixtral[wandb]'; "
+                             "te_mixtral/measure/trackers.py)")
     plots: bool = setting(True, workload=False, resumable=True,
                           help="draw loss.png and step_time.png beside results.json at the end (needs matplotlib)")
     profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
@@ -348,6 +356,8 @@ def load_yaml(text: str, where: str):
 
 def is_switch(bare: str) -> bool:
     """Whether a command-line key is a true/false switch, so `--resume` alone means true."""
+    if bare.replace("-", "_") in RETYPED_KEYS:
+        return True
     try:
         return _key_types(_full_key(bare.replace("-", "_"))) == (bool,)
     except UserError:
@@ -428,8 +438,13 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             _apply(cfg, key, value)
             given.add(key)
     for bare, text in (overrides or {}).items():
-        key = _full_key(bare.replace("-", "_"))
-        _apply(cfg, key, _parse_override(key, text))
+        bare = bare.replace("-", "_")
+        if bare in RETYPED_KEYS:  # an older key: its value as today's key takes it
+            key, value = upgrade_key(bare, load_yaml(text, f"--{bare}"))
+        else:
+            key = _full_key(bare)
+            value = _parse_override(key, text)
+        _apply(cfg, key, value)
         given.add(key)
     _adopt_launcher(cfg, given, launch or {})
     for key, follows in FOLLOWS.items():

@@ -20,6 +20,8 @@ from te_mixtral.lora_config import validate_lora
 
 FLOAT32_MAX = 3.4028234663852886e38
 NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
+# What `report_to` may name (te_mixtral/measure/trackers.py has each tracker).
+REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
 
 
 def validate(cfg, world_size: int = 1) -> None:
@@ -47,10 +49,18 @@ def validate(cfg, world_size: int = 1) -> None:
            "either way, so reducing them after every micro-batch would only cost traffic)")
     _check(t.recompute_layers is None or t.recompute != "none",
            "train.recompute_layers counts the layers that recompute: it needs train.recompute selective or full")
+    trackers = [name.strip() for name in cfg.report_to.split(",")]
+    _check(all(name in REPORT_TO for name in trackers) and ("none" not in trackers or len(trackers) == 1),
+           f"report_to must be none or any of {', '.join(REPORT_TO[1:])}, comma-separated; got {cfg.report_to!r}")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
-    _check(d.format != "chat" or d.tokenizer is not None or cfg.model_path is not None,
-           "data.format chat needs a tokenizer with a chat template: set data.tokenizer to its folder "
+    _check(d.format == "text" or d.tokenizer is not None or cfg.model_path is not None,
+           f"data.format {d.format} needs a tokenizer with a chat template: set data.tokenizer to its folder "
            "(e.g. examples/chat-tokenizer) or model_path to a checkpoint that has one")
+    mapped = [key for key, default in (("role_key", "role"), ("content_key", "content"), ("roles", None))
+              if getattr(d, key) != default]
+    _check(d.format == "chat" or not mapped,
+           f"data.{mapped[0] if mapped else ''} maps the messages of data.format chat; data.format {d.format} reads "
+           f"its own layout: drop it, or use data.format chat")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
     _check(t.timing_warmup_steps >= 0,
            f"train.timing_warmup_steps must be 0 or positive, got {t.timing_warmup_steps}")
@@ -135,7 +145,7 @@ def validate_model(cfg) -> None:
            f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts ({m.num_experts})")
     _check(d.seq_len <= m.max_position_embeddings,
            f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings ({m.max_position_embeddings})")
-    _check(d.tokenizer is not None or d.format == "chat" or d.tokenizer_vocab_size <= m.vocab_size,
+    _check(d.tokenizer is not None or d.format != "text" or d.tokenizer_vocab_size <= m.vocab_size,
            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) exceeds model.vocab_size ({m.vocab_size})")
     _check(m.num_experts % cfg.ep_size == 0,
            f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")

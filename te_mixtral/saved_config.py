@@ -49,6 +49,28 @@ MOVED_KEYS = {
 }
 
 
+def _tensorboard_as_report_to(on) -> str:
+    if not isinstance(on, bool):
+        raise UserError(f"tensorboard (now report_to tensorboard) must be true or false, got {on!r}")
+    return "tensorboard" if on else "none"
+
+
+# Keys that were renamed as their values changed type, old full key -> (today's key, the old
+# value as today's). They were switches, and stay so on the command line (`--tensorboard`
+# alone means true).
+RETYPED_KEYS = {
+    "tensorboard": ("report_to", _tensorboard_as_report_to),
+}
+
+
+def upgrade_key(key: str, value) -> tuple[str, object]:
+    """An old key and its value as today's key and value (others unchanged)."""
+    if key in RETYPED_KEYS:
+        new, convert = RETYPED_KEYS[key]
+        return new, convert(value)
+    return MOVED_KEYS.get(key, key), value
+
+
 def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
     """A config as some version of `to_dict` wrote it (or a YAML file), in today's layout.
 
@@ -57,7 +79,7 @@ def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
     keys in today's order: reproduce commands and page warnings list keys in that order.
     """
     flat = flatten(raw, where)
-    for old, new in MOVED_KEYS.items():
+    for old, new in [*MOVED_KEYS.items(), *((old, new) for old, (new, _) in RETYPED_KEYS.items())]:
         if old in flat and new in flat:
             raise UserError(f"{where} sets both '{old}' and '{new}', its new name: keep '{new}'")
-    return _nest({MOVED_KEYS.get(key, key): value for key, value in flat.items()})
+    return _nest(dict(upgrade_key(key, value) for key, value in flat.items()))

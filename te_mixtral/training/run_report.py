@@ -24,6 +24,7 @@ order in which they add to the peak memory and to the tier's calls.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,9 @@ class Measured:
     peaks_by_rank: Sequence[int] = ()  # every rank's peak memory, in bytes
     tier_calls: dict = field(default_factory=dict)  # this rank's calls of each of the tier's paths (`ExpertTier.calls`)
     phases: tuple[dict, list[int]] | None = None  # `profile_phases`' answer, when asked for
+    # The last checkpoint, HF export and adapter the run wrote (by those names; empty on ranks
+    # that wrote no part of them)
+    saved: dict[str, Path | None] = field(default_factory=dict)
 
 
 def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: dict, estimated_peak_bytes: int,
@@ -121,6 +125,8 @@ def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: di
             print(check.table())
         if path is not None:
             print(f"results: {path}", flush=True)
+        for what, written in measured.saved.items():  # only what was written: a save that failed stopped the run first
+            print(f"{what}: {written}", flush=True)
         if unwritten:
             raise WriteFailed("; ".join(unwritten) + (f"; and before that: {stopped}" if stopped else ""))
     return exit_code
