@@ -16,6 +16,8 @@ experts); 1 is a perfect overlap, 0 none.
 
     torchrun --nproc_per_node 4 -m benchmarks.overlap_probe [--tokens 8192] [--family 8x7b] [--json F]
 
+(under torchrun, as `python3 -m benchmarks.overlap_probe` is for one process: it needs two GPUs or more).
+
 Every figure is the median of REPS repetitions between CUDA events. Not common.median_ms: it
 sizes its repetitions by each rank's own first call, and ranks that run different numbers of
 all-to-alls wait for each other forever.
