@@ -25,7 +25,7 @@ import triton.language as tl
 
 from te_mixtral.optim.adamw_torch import StepScalars
 from te_mixtral.optim.moments8 import BLOCK as QBLOCK
-from te_mixtral.optim.moments8 import EXP_AVG, SQRT_EXP_AVG_SQ
+from te_mixtral.optim.moments8 import EXP_AVG, MIN_SCALE_EXPONENT, SQRT_EXP_AVG_SQ
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -155,7 +155,7 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
     a = bits & 0x7FFFFFFF
     exponent = a >> 23
     block_exponent = tl.max(a, axis=1) >> 23
-    top = tl.maximum(block_exponent, 1)[:, None]
+    top = tl.maximum(block_exponent, MIN_SCALE_EXPONENT)[:, None]
     significand = (a & 0x7FFFFF) | ((exponent > 0).to(tl.int32) << 23)
     e = tl.maximum(exponent, 1) - top + 15
     z = ((tl.maximum(e, 1) - 1) << 23) + significand
@@ -166,7 +166,7 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
     q = tl.where(block_exponent[:, None] == 255, 0, q)
     if SIGNED:
         q = q | ((bits < 0).to(tl.int32) << 7)
-    scale_bits = tl.where(block_exponent == 255, 0x7FC00000, tl.maximum(block_exponent, 1) << 23)
+    scale_bits = tl.where(block_exponent == 255, 0x7FC00000, tl.maximum(block_exponent, MIN_SCALE_EXPONENT) << 23)
     tl.store(codes_ptr + offs, q.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + blocks, scale_bits.to(tl.float32, bitcast=True), mask=block_mask)
 

@@ -11,7 +11,8 @@ Quantization" (Dettmers et al., 2022, bitsandbytes) trains language models with 
 moments to fp32 quality; torchao's AdamW8bit and AdamWFp8 do the same.
 
 The format. A moment tensor is cut into blocks of BLOCK consecutive values. Each block
-stores one fp32 scale, the power of two 2^floor(log2(max |x|)) of its largest value, and
+stores one fp32 scale, the power of two 2^floor(log2(max |x|)) of its largest value (at
+least 2^-108: MIN_SCALE_EXPONENT), and
 each value as an 8-bit float relative to it: 4 exponent bits cover the 16 binades below
 the scale (subnormals a few more), the rest are mantissa. Like the papers' block-wise
 "dynamic" quantisation, an outlier only coarsens its own block and small values keep their
@@ -78,6 +79,10 @@ class Format:
 EXP_AVG = Format(mantissa=3, signed=True, nonzero_stays_nonzero=False)
 SQRT_EXP_AVG_SQ = Format(mantissa=4, signed=False, nonzero_stays_nonzero=True)
 _TOP = 15  # the format's biased exponent of the scale's binade (4 exponent bits, none kept for inf)
+# The fp32 exponent field of the smallest scale, 2^-108: every code times it is an fp32 normal
+# (no flush to zero on any device), and fp32 subnormals and zeros fall below the format's normals,
+# where the rounding below treats them right. Smaller moments than this do not move a weight.
+MIN_SCALE_EXPONENT = 1 + 14 + 4
 
 
 def scales_shape(shape: torch.Size) -> tuple[int, int]:
@@ -112,7 +117,7 @@ def quantize(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     block_exponent = a.amax(dim=1, keepdim=True) >> _MANTISSA_BITS  # of the largest |x|; 255: non-finite
     significand = (a & 0x7FFFFF) | ((exponent > 0).to(torch.int32) << _MANTISSA_BITS)  # the implicit leading 1
     # The value's exponent in the format: _TOP for the block's largest binade, <= 0 below the normals.
-    e = torch.clamp(exponent, min=1) - torch.clamp(block_exponent, min=1) + _TOP
+    e = torch.clamp(exponent, min=1) - torch.clamp(block_exponent, min=MIN_SCALE_EXPONENT) + _TOP
     # Normals keep their exponent above the mantissa (a carry of the rounding moves it up);
     # below them the significand is shifted further right, so the step stays the subnormal unit.
     z = ((torch.clamp(e, min=1) - 1) << _MANTISSA_BITS) + significand
@@ -123,7 +128,8 @@ def quantize(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.where(block_exponent == 255, 0, q)
     if fmt.signed:
         q = q | ((bits < 0).to(torch.int32) << 7)
-    scale_bits = torch.where(block_exponent == 255, _NAN_BITS, torch.clamp(block_exponent, min=1) << _MANTISSA_BITS)
+    scale_bits = torch.where(block_exponent == 255, _NAN_BITS,
+                             torch.clamp(block_exponent, min=MIN_SCALE_EXPONENT) << _MANTISSA_BITS)
     return q.to(torch.uint8).view(-1), scale_bits.view(torch.float32).view(-1)
 
 
