@@ -24,6 +24,13 @@
 #     fp8-full-ep4    the same with device_mxfp8, no FP8 weight cache
 #     full-ep4-fewest full-ep4 with the expert FFN recomputed in the first 27 of the 32 layers only,
 #                     the fewest that fit four H200s by the estimate (--estimate-memory 4 --gpu h200)
+#     8layer-master   the loss reference for 8-bit moments: 8 layers on one GPU, custom_grouped,
+#                     master_adamw as the config has it (bf16 moments), 200 steps on the embedded text
+#     8layer-8bit     the same with the experts' moments in 8 bits (--expert_moments 8bit), its loss
+#                     checked against 8layer-master's (run that first, in the same call)
+#     full-ep4-8bit   full-ep4 with the experts' moments in 8 bits, recomputing the expert FFN in the
+#                     first 11 of the 32 layers, the fewest that fit four H200s by the estimate (27
+#                     without 8-bit moments; --recompute none needs 154 GiB a rank, not 140)
 # Every training run: full fine-tuning (no LoRA), bf16 parameters with master_adamw, the
 # config's lr 2e-5, one packed 8192-token sequence per GPU per step, 15 steps of which the
 # first 5 are left out of the timing (the phase profile runs after them), the same seed.
@@ -82,6 +89,10 @@ for run in "$@"; do
         full-ep4) train "$run" 4 "${FULL[@]}" --tier custom_grouped ;;
         fp8-full-ep4) train "$run" 4 "${FULL[@]}" --tier device_mxfp8 --fp8_weight_cache false ;;
         full-ep4-fewest) train "$run" 4 "${FULL[@]}" --tier custom_grouped --recompute_layers 27 ;;
+        8layer-master) train "$run" 1 configs/mixtral-8x7b-8layer.yaml --tier custom_grouped --steps 200 ;;
+        8layer-8bit) train "$run" 1 configs/mixtral-8x7b-8layer.yaml --tier custom_grouped --steps 200 \
+            --expert_moments 8bit --loss-check "$OUT_DIR/8layer-master/results.json" ;;
+        full-ep4-8bit) train "$run" 4 "${FULL[@]}" --tier custom_grouped --expert_moments 8bit --recompute_layers 11 ;;
         *) echo "unknown run '$run'"; failed+=("$run") ;;
     esac
 done
