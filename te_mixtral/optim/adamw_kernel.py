@@ -14,6 +14,13 @@ are as cheap as conversion instructions. On the GPU the compiler may fuse a mult
 an add into one FMA, so GPU results can differ from the torch path in the last fp32 bit of
 the master; the square root and the division are the correctly rounded ones, as in torch.
 
+8-bit moments (`moments8.py`): the second kernel works on whole blocks of 256 values, eight
+to a program as a [8, 256] tile, so that each block's largest value is a reduction along
+the tile's rows. It reads the codes and block scales, decodes them with integer operations
+(the square of the stored sqrt(v) is v), updates as above, and rounds the new moments back
+to codes by the same integer operations as moments8.quantize: 8 bytes read and 6 written
+per parameter (plus a scale per block for each moment), in one pass.
+
 The step-dependent scalars (`StepScalars`) are plain fp32 arguments: a new learning rate
 or step count neither recompiles the kernel nor synchronises with the host. One launch
 per tensor; the large expert tensors dominate the time, so launches are not batched.

@@ -4,9 +4,9 @@ Why. MasterAdamW keeps 2 bytes of remainder and two moments per weight; with bf1
 that is 6 bytes of state, with fp32 ones 10. The experts are nearly all of Mixtral's weights,
 so storing their moments in one byte each saves 2 (or 6) bytes per expert weight (what that
 makes of the whole Mixtral-8x7B: docs/full-model.md). Adam tolerates it because the
-moments are running averages whose rounding errors do not accumulate (each step rebuilds the
-moment from the stored one and a fresh gradient) and because an update divides one moment
-by the other, so what matters is relative precision: "8-bit Optimizers via Block-wise
+moments are running averages whose rounding errors fade (a step keeps a fraction beta of the
+error it read and adds its own rounding: tests/optim/test_moments8.py bounds the sum) and
+because an update divides one moment by the other, so what matters is relative precision: "8-bit Optimizers via Block-wise
 Quantization" (Dettmers et al., 2022, bitsandbytes) trains language models with 8-bit
 moments to fp32 quality; torchao's AdamW8bit and AdamWFp8 do the same.
 
