@@ -32,7 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from te_mixtral.optim.bits import bf16_to_fp32, join_master, round_to_bf16, split_master
-from te_mixtral.optim.moments8 import BLOCK, EXP_AVG, SQRT_EXP_AVG_SQ, dequantize, quantize
+from te_mixtral.optim.moments8 import (
+    BLOCK,
+    EXP_AVG,
+    SQRT_EXP_AVG_SQ,
+    dequantize,
+    quantize,
+)
 
 CHUNK = 1 << 22  # elements per slice: bounds the fp32/int32 temporaries on big tensors; whole 8-bit blocks
 

@@ -60,7 +60,11 @@ from itertools import chain
 import torch
 from torch.distributed.tensor import DTensor
 
-from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_8bit_torch, adamw_update_torch
+from te_mixtral.optim.adamw_torch import (
+    StepScalars,
+    adamw_update_8bit_torch,
+    adamw_update_torch,
+)
 from te_mixtral.optim.bits import join_master, split_master
 from te_mixtral.optim.moments8 import check_blockable, scales_shape
 
@@ -75,7 +79,10 @@ MOMENTS_8BIT = ("exp_avg_codes", "exp_avg_scales", "sqrt_exp_avg_sq_codes", "sqr
 def _triton_updates():
     """The kernels' launchers (moments as they are, 8-bit moments), or None where Triton does not import."""
     try:
-        from te_mixtral.optim.adamw_kernel import adamw_update_8bit_triton, adamw_update_triton
+        from te_mixtral.optim.adamw_kernel import (
+            adamw_update_8bit_triton,
+            adamw_update_triton,
+        )
     except ImportError:
         return None
     return adamw_update_triton, adamw_update_8bit_triton

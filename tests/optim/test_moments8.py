@@ -9,19 +9,33 @@ that holds whatever the gradients). The Triton kernel's bits: test_adamw_kernel.
 test_master_adamw.py.
 """
 
-import io
 import math
 
 import pytest
 import torch
-from adamw_reference import CLIP, U, bf16_grads, bits, error_in_u, fp32_weights
+from adamw_reference import (
+    CLIP,
+    U,
+    bf16_grads,
+    bits,
+    error_in_u,
+    fp32_weights,
+    save_and_resume,
+)
 
 from te_mixtral.config_checks import MOMENTS_8BIT_BLOCK
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_8bit_torch
 from te_mixtral.optim.bits import join_master, split_master
 from te_mixtral.optim.master_adamw import MOMENTS_8BIT
-from te_mixtral.optim.moments8 import BLOCK, EXP_AVG, SQRT_EXP_AVG_SQ, Format, dequantize, quantize
+from te_mixtral.optim.moments8 import (
+    BLOCK,
+    EXP_AVG,
+    SQRT_EXP_AVG_SQ,
+    Format,
+    dequantize,
+    quantize,
+)
 
 FORMATS = {"exp_avg": EXP_AVG, "sqrt_exp_avg_sq": SQRT_EXP_AVG_SQ}
 
@@ -251,18 +265,7 @@ def test_state_dict_round_trip_is_bit_exact():
             p.grad = g.view(w.shape).clone()
         opt.step()
 
-    ps, opt = make()
-    for g in grads[:3]:
-        step(ps, opt, g)
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach() for p in ps], "optimizer": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    resumed_ps, resumed = make()
-    with torch.no_grad():
-        for p, value in zip(resumed_ps, saved["params"]):
-            p.copy_(value)
-    resumed.load_state_dict(saved["optimizer"])
+    (ps, opt), (resumed_ps, resumed) = save_and_resume(make, step, grads, 3)
     for key, t in opt.state[ps[0]].items():
         loaded = resumed.state[resumed_ps[0]][key]
         assert loaded.dtype == t.dtype and torch.equal(bits(loaded), bits(t)), key
