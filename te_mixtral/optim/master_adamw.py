@@ -26,6 +26,9 @@ on the CPU; on the GPU the kernel may differ in the last fp32 bit where it fuses
 
 State per parameter: `remainder` (int16), `exp_avg`, `exp_avg_sq` (`moment_dtype`), `step`
 (a CPU float32 tensor, as torch keeps it, so reading it never waits for the GPU).
+`load_state_dict` restores them bit for bit in their own dtypes: torch's own loader would
+cast every floating state tensor to the parameter's dtype, which would round fp32 moments
+to bf16 and turn the int16 remainders into numbers.
 
 8-bit moments, per parameter group (`"moments_8bit": True`, a group option like lr): the two
 moments of that group's parameters are kept in 8 bits a value, in blocks of 256 with a
@@ -34,9 +37,6 @@ of 4 in bf16 or 8 in fp32). The master stays exact; the update is computed in fp
 from the moments read back, and the new moments are rounded to 8 bits when stored. Their
 state is `MOMENTS_8BIT` in place of `exp_avg` and `exp_avg_sq`. Meant for the experts:
 te_mixtral/training/optimizer.py puts them in such a group under `train.expert_moments 8bit`.
-`load_state_dict` restores them bit for bit in their own dtypes: torch's own loader would
-cast every floating state tensor to the parameter's dtype, which would round fp32 moments
-to bf16 and turn the int16 remainders into numbers.
 
 Sharded parameters (FSDP2's DTensors, te_mixtral/distributed/parallelize.py). The update is
 elementwise, so each rank updates its local shard alone: the state of a DTensor parameter is
