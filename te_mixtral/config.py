@@ -206,6 +206,12 @@ class RunConfig:
                         "baseline: hf (transformers' Mixtral as its users run it) or hf_eager (its per-expert loop)")
     ep_size: int = setting(1, workload=False, headline=True,
                            help="expert-parallel group size: ranks that split each layer's experts")
+    # Not the workload: the same tokens meet the same experts, only the rows' order inside
+    # a tier changes (gradients equal to rounding), so a resumed run may change it too.
+    ep_chunks: int = setting(1, workload=False, resumable=True,
+                             help="with ep_size > 1: cut each MoE layer's tokens into this many chunks whose "
+                             "all-to-alls run under the other chunks' experts, forward and backward "
+                             "(te_mixtral/distributed/dispatch.py); 1: no overlap")
     backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
                            "(te on CUDA where it is installed)")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")

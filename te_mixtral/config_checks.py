@@ -87,6 +87,7 @@ def validate(cfg, world_size: int = 1) -> None:
            f"data.max_documents must be positive or null, got {d.max_documents}")
     _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
+    _check(cfg.ep_chunks > 0, f"ep_chunks must be positive, got {cfg.ep_chunks}")
     _check(world_size % cfg.ep_size == 0,
            f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size})")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be at least 1, got {t.grad_accum_steps}")

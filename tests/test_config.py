@@ -20,7 +20,7 @@ from te_mixtral.errors import UserError
 from te_mixtral.saved_config import MOVED_KEYS, flatten, upgrade_saved
 
 TINY = str(REPO / "configs" / "tiny.yaml")
-SAVED_RUN = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x2-ep2" / "custom_grouped"
+SAVED_RUN = REPO / "docs" / "results" / "2026-11-21-kernel-notes" / "runs" / "2026-11-21-h200-x2-ep2" / "custom_grouped"
 
 
 def old_layout(config: dict) -> dict:

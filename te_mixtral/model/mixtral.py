@@ -77,14 +77,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str,
+                 ep_chunks: int = 1):
         super().__init__()
         self.recompute_layer = recompute == "full"
         self.input_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.self_attn = Attention(m, backend)
         self.post_attention_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_rank, layout.ep_group,
-                                        backend.permute())
+                                        backend.permute(), ep_chunks)
         self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_experts, m.num_experts_per_tok,
                             dispatcher, tier, m.num_experts // layout.ep_size,
                             recompute_experts=recompute == "selective", z_loss_grad=m.router_z_loss_coef != 0)
@@ -102,11 +103,11 @@ class DecoderLayer(nn.Module):
 
 class MixtralBody(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str,
-                 recompute_layers: int):
+                 recompute_layers: int, ep_chunks: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(m, backend, layout, tier, recompute if i < recompute_layers else "none")
+            DecoderLayer(m, backend, layout, tier, recompute if i < recompute_layers else "none", ep_chunks)
             for i in range(m.num_hidden_layers))
         self.norm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta, backend)
@@ -114,13 +115,14 @@ class MixtralBody(nn.Module):
 
 class MixtralForCausalLM(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str = "none",
-                 recompute_layers: int | None = None):
-        """`recompute` in the first `recompute_layers` decoder layers (None: all of them)."""
+                 recompute_layers: int | None = None, ep_chunks: int = 1):
+        """`recompute` in the first `recompute_layers` decoder layers (None: all of them); each
+        MoE layer's exchanges in `ep_chunks` overlapped chunks (distributed/dispatch.py)."""
         super().__init__()
         self.config = m
         self.tier = tier  # every MoE layer's; read by the training loop for its `calls()`
         layers = m.num_hidden_layers if recompute_layers is None else recompute_layers
-        self.model = MixtralBody(m, backend, layout, tier, recompute, layers)
+        self.model = MixtralBody(m, backend, layout, tier, recompute, layers, ep_chunks)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -77,11 +77,15 @@ class MoEBlock(nn.Module):
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> DispatchOutput:
         """Send each token's k copies to the ranks of their experts, sorted by local expert."""
+        return self.dispatcher.dispatch(self._travelling(x_TD), experts_TK, weights_TK)
+
+    @staticmethod
+    def _travelling(x_TD: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x_TD.device.type):
             # The experts compute in the autocast dtype anyway; casting before dispatch
             # halves the bytes the all-to-all moves.
-            x_TD = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
-        return self.dispatcher.dispatch(x_TD, experts_TK, weights_TK)
+            return x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
+        return x_TD
 
     def run_experts(self, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
         """The expert tier over this rank's sorted rows: [R, D] in, [R, D] out."""
@@ -99,6 +103,7 @@ class MoEBlock(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         weights_TK, experts_TK, stats = self.route(x_TD)
-        routed = self.dispatch(x_TD, weights_TK, experts_TK)
-        y_RD = self.run_experts(routed.x_RD, routed.tokens_per_expert_L)
-        return self.combine(y_RD, routed).view_as(x_BSD), stats
+        # dispatch, run_experts and combine, the exchanges of one chunk of tokens under the
+        # experts of another where the dispatcher overlaps them (distributed/dispatch.py).
+        y_TD = self.dispatcher.run(self._travelling(x_TD), experts_TK, weights_TK, self.run_experts)
+        return y_TD.view_as(x_BSD), stats

@@ -111,7 +111,7 @@ OPTIMIZERS = {
 # remainder, a byte for each moment, and an fp32 scale per block of 256 values for each.
 EXPERT_STATE_8BIT = 2 + 2 * (1 + 4 / 256)
 # Under expert parallelism the busiest rank receives more than the average T*K rows: up to
-# 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/runs, one step
+# 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/*/runs, one step
 # each; the peak is over all steps).
 ROUTING_IMBALANCE = 1.5
 # GEMM libraries' workspaces on a GPU (cuBLAS, cuBLASLt, TE), handed out by PyTorch's allocator.

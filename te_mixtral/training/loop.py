@@ -96,7 +96,8 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     # would need twice the memory the run does.
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
     with torch.device(device), default_dtype(base_dtype):
-        model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers)
+        model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers,
+                                   cfg.ep_chunks)
     initialise(model, cfg, layout, model_dir)
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)

@@ -251,7 +251,7 @@ def test_accumulation_keeps_one_micro_batch_of_activations_and_every_gradient():
 
 
 def recorded_runs():
-    for path in sorted((REPO / "docs" / "results" / "runs").glob("*/*/results.json")):
+    for path in sorted((REPO / "docs" / "results").glob("**/runs/*/*/results.json")):
         yield pytest.param(json.loads(path.read_text()), id=f"{path.parent.parent.name}/{path.parent.name}")
 
 
