@@ -275,6 +275,20 @@ DEPTH_RUNS = {
     # whether an all-to-all runs under the expert GEMMs at all, four GPUs (benchmarks/overlap_probe.py)
     "overlap-probe": [Launch("overlap-probe", 4, ("-m", "benchmarks.overlap_probe", "--json",
                                                   "{out}/overlap-probe.json"), tail=None)],
+    # the loss reference for 8-bit moments: 8 layers on one GPU, custom_grouped, master_adamw as
+    # the config has it (bf16 moments), 200 steps on the embedded text
+    "8layer-master": depth_train("8layer-master", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped",
+                                 "--steps", "200"),
+    # the same with the experts' moments in 8 bits (--expert_moments 8bit), its loss checked
+    # against 8layer-master's (run that first, in the same call)
+    "8layer-8bit": depth_train("8layer-8bit", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped",
+                               "--steps", "200", "--expert_moments", "8bit", "--loss-check",
+                               "{out}/8layer-master/results.json"),
+    # full-ep4 with the experts' moments in 8 bits, recomputing the expert FFN in the first 11 of
+    # the 32 layers, the fewest that fit four H200s by the estimate (27 without 8-bit moments;
+    # --recompute none needs 154 GiB a rank, not 140)
+    "full-ep4-8bit": depth_train("full-ep4-8bit", 4, *FULL, "--tier", "custom_grouped", "--expert_moments", "8bit",
+                                 "--recompute_layers", "11"),
     # Megatron-Core beside ours (benchmarks/megatron_peer.py, then our run at the same layers, EP,
     # GPUs and rows, both with Mixtral's load-balancing loss at 0.02):
     # 4 layers on one GPU; ours: custom_grouped, no recompute

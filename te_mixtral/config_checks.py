@@ -22,6 +22,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
 # What `report_to` may name (te_mixtral/measure/trackers.py has each tracker).
 REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
+# Values per block of 8-bit moments: te_mixtral/optim/moments8.py's BLOCK (a test holds them equal;
+# this module stays free of torch).
+MOMENTS_8BIT_BLOCK = 256
 
 
 def validate(cfg, world_size: int = 1) -> None:
@@ -44,6 +47,8 @@ def validate(cfg, world_size: int = 1) -> None:
     _check_choices(cfg)
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
+    _check(t.expert_moments == "same" or t.optimizer == "master_adamw",
+           "train.expert_moments 8bit is master_adamw's: it needs train.optimizer master_adamw")
     _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",
            "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp (unsharded gradients are whole "
            "either way, so reducing them after every micro-batch would only cost traffic)")
@@ -147,5 +152,9 @@ def validate_model(cfg) -> None:
            f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings ({m.max_position_embeddings})")
     _check(d.tokenizer is not None or d.format != "text" or d.tokenizer_vocab_size <= m.vocab_size,
            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) exceeds model.vocab_size ({m.vocab_size})")
+    _check(cfg.train.expert_moments == "same" or m.hidden_size * m.intermediate_size % MOMENTS_8BIT_BLOCK == 0,
+           f"train.expert_moments 8bit keeps blocks of {MOMENTS_8BIT_BLOCK} values within each expert's weights: "
+           f"model.hidden_size x model.intermediate_size ({m.hidden_size} x {m.intermediate_size}) must be a "
+           f"multiple of {MOMENTS_8BIT_BLOCK}")
     _check(m.num_experts % cfg.ep_size == 0,
            f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")

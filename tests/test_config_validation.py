@@ -97,6 +97,18 @@ def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"expert_moments": "4bit"}, "train.expert_moments must be one of same, 8bit"),
+    ({"expert_moments": "8bit"}, "train.expert_moments 8bit is master_adamw's"),
+    ({"expert_moments": "8bit", "optimizer": "master_adamw", "dtype": "bf16", "intermediate_size": "90"},
+     "model.hidden_size x model.intermediate_size (64 x 90) must be a multiple of 256"),
+])
+def test_bad_expert_moments_setting_is_refused_in_one_line(overrides, fragment):
+    with pytest.raises(UserError) as raised:
+        load_config(str(REPO / "configs" / "tiny.yaml"), overrides)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("tier", ["hf", "hf_eager"])
 def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
     tiny = str(REPO / "configs" / "tiny.yaml")

@@ -93,7 +93,7 @@ from te_mixtral.measure.model_state import (
     count_parameters,
     held_fsdp,
     held_unsharded,
-    local_parameters,
+    local_parts,
 )
 from te_mixtral.measure.report import format_table
 
@@ -106,6 +106,9 @@ OPTIMIZERS = {
     "master_bf16": (2, 2, 2 + 4),
     "master_fp32_moments": (2, 2, 2 + 8),
 }
+# The experts' state under `train.expert_moments: 8bit` (te_mixtral/optim/moments8.py): the
+# remainder, a byte for each moment, and an fp32 scale per block of 256 values for each.
+EXPERT_STATE_8BIT = 2 + 2 * (1 + 4 / 256)
 # Under expert parallelism the busiest rank receives more than the average T*K rows: up to
 # 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/*/runs, one step
 # each; the peak is over all steps).
@@ -207,6 +210,15 @@ def optimizer_mode(cfg: RunConfig) -> str:
     return "master_bf16" if cfg.train.moment_dtype == "bf16" else "master_fp32_moments"
 
 
+def state_bytes(cfg: RunConfig, expert: bool, optimizer: str | None = None) -> float:
+    """Optimizer state per parameter, of an expert weight or another, for the run's optimizer
+    (or the `OPTIMIZERS` mode `optimizer`)."""
+    optimizer = optimizer or optimizer_mode(cfg)
+    if expert and optimizer != "adamw_fp32" and cfg.train.expert_moments == "8bit":
+        return EXPERT_STATE_8BIT
+    return OPTIMIZERS[optimizer][2]
+
+
 def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str | None = None,
                     fsdp: bool | None = None, device: str | None = None) -> MemoryEstimate:
     """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
@@ -298,8 +310,10 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     if tier.weights_saved:  # the tier holds the experts in less than the parameters' dtype
         saved_weights = m.num_hidden_layers * tier.weights_saved
         held = {name: (weights - saved_weights, grads, flight) for name, (weights, grads, flight) in held.items()}
-    local = local_parameters(params, world_size // ep, world_size) if sharded else params.total
-    state = s_bytes * local
+    local_dense, local_experts = (local_parts(params, world_size // ep, world_size) if sharded
+                                  else (params.dense, params.experts))
+    local = local_dense + local_experts
+    state = 0 if lora.enabled else round(s_bytes * local_dense + state_bytes(cfg, True, optimizer) * local_experts)
     L = m.num_hidden_layers
 
     workspace = WORKSPACE_BYTES if device == "cuda" else 0
@@ -323,8 +337,9 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     }
     micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
     base = f"{'bf16' if p_bytes == 2 else 'fp32'} base{f', {tier.holds}' if tier.holds else ''}"
+    eight_bit = ", experts' moments 8-bit" if state_bytes(cfg, True, optimizer) == EXPERT_STATE_8BIT else ""
     trains = (f"LoRA r={lora.rank} on a frozen {base} "
-              f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer)
+              f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer + eight_bit)
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
                 f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {trains}, recompute {recompute}"
                 + (f" in {recomputing} of {m.num_hidden_layers} layers" if kept and recomputing else "")
@@ -341,6 +356,8 @@ def _lighter(cfg: RunConfig, device: str) -> list[tuple[str, dict, dict]]:
                for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:] if cfg.tier not in BASELINES]
     if t.optimizer == "adamw" and device == "cuda":  # master_adamw keeps bf16 parameters: GPU runs only
         lighter.append(("--optimizer master_adamw --dtype bf16", {"optimizer": "master_adamw", "dtype": "bf16"}, {}))
+    if t.optimizer == "master_adamw" and t.expert_moments == "same":
+        lighter.append(("--expert_moments 8bit", {"expert_moments": "8bit"}, {}))
     lighter += [(setting, {}, run) for setting, run in lighter_settings(cfg)]
     if t.sharding == "fsdp" and t.grad_accum_steps > 1 and t.fsdp_reduce == "step":
         lighter.append(("--fsdp_reduce micro_batch", {"fsdp_reduce": "micro_batch"}, {}))

@@ -99,6 +99,26 @@ def test_parameters_gradients_and_adamw_state_are_exact_on_cpu():
     assert_state_counted_exactly(estimate_memory(cfg, 1, device="cpu"), model, optimizer)
 
 
+@pytest.mark.parametrize("expert_moments", ["same", "8bit"])
+def test_master_adamw_state_is_exact_on_cpu(expert_moments):
+    """Remainders, moments (bf16), and under `expert_moments 8bit` the experts' codes and block
+    scales: the bytes the optimizer holds after a step (step counts, scalars, left out)."""
+    cfg = tiny(optimizer="master_adamw", dtype="bf16", expert_moments=expert_moments)
+    model = build(cfg.model)
+    init_weights(model, 0, SINGLE)
+    optimizer = make_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    held = sum(t.nbytes for s in optimizer.state.values() for key, t in s.items() if key != "step")
+    estimate = estimate_memory(cfg, 1, device="cpu")
+    assert estimate.optimizer_state == held
+    experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    per_expert = 6 if expert_moments == "same" else 2 + 2 * (1 + 4 / 256)  # 8-bit: a byte a moment + a scale per 256
+    assert held == 6 * dense + per_expert * experts
+
+
 def assert_state_counted_exactly(estimate, model, optimizer) -> None:
     """The estimate's parameters, gradients and AdamW state are the bytes the model and its
     optimizer hold after a step (a frozen parameter has no gradient)."""
@@ -318,7 +338,8 @@ def test_a_refusal_names_the_settings_that_would_fit(capsys):
         with pytest.raises(UserError):
             check_fits(full_model(tier="custom_grouped", recompute=setting, recompute_layers=str(layers - 1)), 4,
                        "cuda")
-    with pytest.raises(UserError, match="; together, --recompute full --fp8.weight_cache false would fit"):
+    with pytest.raises(UserError, match="; together, --recompute full --expert_moments 8bit --fp8.weight_cache false "
+                                        "would fit"):
         check_fits(full_model(tier="device_mxfp8"), 4, "cuda")
     check_fits(full_model(tier="device_mxfp8", recompute="full", **{"fp8.weight_cache": "false"}), 4, "cuda")
     # The config as it ships (fp32 AdamW, no recompute): master_adamw and the most recompute.
