@@ -58,7 +58,7 @@ def outputs(ffn, x, counts, gate_up, down, dy):
 
 
 def columns() -> tuple[dict, dict]:
-    fp8 = DeviceMXFP8Tier("fp8-hopper")  # bf16_below=0: FP8 at every size
+    fp8 = DeviceMXFP8Tier("fp8-hopper")  # min_rows_per_expert=0: FP8 at every size
     fp8.check_available(torch.device("cuda"))
     found, skipped = {"custom_grouped": CustomGroupedTier(), "device_mxfp8 (fp8-rowwise)": fp8}, {}
     for name, build in FP8_PEERS.items():

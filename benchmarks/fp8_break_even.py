@@ -1,7 +1,7 @@
 """Where FP8 starts to pay: `device_mxfp8` (mode `fp8-hopper`, FP8 at every size) against the
 BF16 `custom_grouped` tier, expert FFN forward + backward, by rows per local expert.
 
-This picks `fp8_min_rows_per_expert`, the size under which the tier runs the BF16 kernels.
+This picks `fp8.min_rows_per_expert`, the size under which the tier runs the BF16 kernels.
 The cell is `benchmarks/expert_ffn.py`'s: 4 local experts, uniform rows, bf16 inputs and
 weights, an (empty) optimizer step after every step, so the FP8 weights are made again in
 every step, as with one micro-batch per optimizer step. `x bf16` is the BF16 time over the
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     device = common.cuda_or_refuse("fp8_break_even")
     if device is None:
         return 2
-    fp8 = DeviceMXFP8Tier("fp8-hopper", bf16_below=0)
+    fp8 = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=0)
     fp8.check_available(device)
     columns = {"custom_grouped": CustomGroupedTier(), "device_mxfp8": fp8}
     header, rows = run_header(device, FULL["8x7b"]), []

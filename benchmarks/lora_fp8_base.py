@@ -6,8 +6,8 @@ and `device_mxfp8` over the same base quantised to FP8 as it loads (Hopper's row
 experts/quant/frozen_fp8.py). The adapters are the same, B drawn at random (zero, as training
 starts, would leave A without a gradient). On one packed batch it prints, as relative
 Frobenius errors of the FP8 model against the BF16 one: the logits, the loss, and the
-gradients of the adapters (benchmarks/lora_base_compare.py). The loss curves of whole runs
-are compared by scripts/lora_gpu.sh.
+gradients of the adapters (benchmarks/lora_base_compare.py). The loss curves of whole runs are
+compared by `scripts/gpu_runs.py lora`.
 
     python3 -m benchmarks.lora_fp8_base [--layers 4] [--tokens 8192]
 

@@ -32,7 +32,6 @@ from benchmarks.lora_base_compare import CONFIG, batch_ids, error_rows, run
 from te_mixtral.config import load_config
 from te_mixtral.measure.report import format_table
 
-
 BF16 = {"tier": "custom_grouped", "lora.rank": "16"}  # rank 16 on a config without LoRA (tiny.yaml) too
 
 

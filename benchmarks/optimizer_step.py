@@ -14,6 +14,10 @@ gradients, timed, then freed before the next):
   small updates are lost to rounding: the speed of light, not a usable recipe.
 - `MasterAdamW bf16 m` / `fp32 m`: te_mixtral.optim.MasterAdamW, bf16 parameters, int16
   remainders (exact fp32 master), moments in bf16 or fp32; 10 or 14 B/param.
+- `MasterAdamW 8-bit m`: the same with every matrix's moments in 8-bit blocks
+  (te_mixtral/optim/moments8.py; `train.expert_moments 8bit` does it for the experts, 89% of
+  the parameters here), the vectors' in bf16: 6 B/param (and a scale per 256 values for
+  each moment); moved: reads 8, writes 6.
 - `TE FusedAdam bf16 m` / `fp32 m`: transformer_engine.pytorch.optimizers.FusedAdam with
   master_weights=True, store_param_remainders=True (the same 16-bit-remainder master),
   exp_avg/exp_avg_sq in bf16 or fp32; skipped where TE does not import.
@@ -100,6 +104,12 @@ def te_fused_adam(moment_dtype: torch.dtype):
     return build
 
 
+def master_adamw_8bit(params):
+    matrices, vectors = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    return MasterAdamW([{"params": matrices, "moments_8bit": True}, {"params": vectors}], lr=1e-4, weight_decay=0.1,
+                       moment_dtype=torch.bfloat16)
+
+
 def variants() -> list[Variant]:
     return [
         Variant("torch fp32", 16, 28, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), torch.float32),
@@ -108,6 +118,7 @@ def variants() -> list[Variant]:
                 lambda ps: MasterAdamW(ps, lr=1e-4, weight_decay=0.1, moment_dtype=torch.bfloat16)),
         Variant("MasterAdamW fp32 m", 14, 26,
                 lambda ps: MasterAdamW(ps, lr=1e-4, weight_decay=0.1, moment_dtype=torch.float32)),
+        Variant("MasterAdamW 8-bit m", 6, 14, master_adamw_8bit),
         Variant("TE FusedAdam bf16 m", 10, 18, te_fused_adam(torch.bfloat16)),
         Variant("TE FusedAdam fp32 m", 14, 26, te_fused_adam(torch.float32)),
     ]

@@ -1,23 +1,46 @@
 """The workload the peer benchmarks train on, and how they report it.
 
-te_example.py (TE's own example), peft_peer.py (transformers + PEFT) and torchtitan_peer.py
-(torchtitan's MoE) train a peer at our workload: one packed row per GPU per step, either the
-rows our own run of the config trains on (`our_rows`: same tokens, same document edges, each
-data-parallel rank its own) or random tokens in documents of one length (`random_rows`), in
-the THD layout TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives
-the per-document positions transformers and torchtitan take instead of the edges.
-`rows_per_gpu` is a GPU's share of the global batch; `check_steps` refuses the step counts
-and document length none can run; `summarize_steps`
-turns the timed steps into our runs' figures (te_mixtral/measure/metrics.py); `report` prints a
-peer run's one-line summary and writes its --json.
+te_example.py (TE's own example), peft_peer.py (transformers + PEFT), torchtitan_peer.py
+(torchtitan's MoE) and megatron_peer.py (Megatron-Core's) train a peer at our workload: one
+packed row per GPU per step, either the rows our own run of the config trains on (`our_rows`:
+same tokens, same document edges, each data-parallel rank its own) or random tokens in
+documents of one length (`random_rows`; `rank_rows` picks by `--doc-len`), in the THD layout
+TE's `DataCollatorWithFlattening` yields (`thd_row`); `document_positions` gives the
+per-document positions transformers and torchtitan take instead of the edges. `rows_per_gpu` is
+a GPU's share of the global batch; `check_steps` refuses the step counts and document length none
+can run; `summarize_steps` turns the timed steps into our runs' figures
+(te_mixtral/measure/metrics.py); `report` prints a peer run's one-line summary and writes its
+--json.
+
+The model peers (torchtitan's, Megatron-Core's) share their command line and their run's frame:
+`add_model_peer_flags` and `add_run_flags` (the flags), `workload_config` (our config with
+them), `peer_main` (refusals in one line, then the run and its report) and `timed_steps` (each
+step timed as our runs time one, and the result every peer writes).
 
 torch is imported inside the functions: the peers refuse bad arguments before it loads.
 """
 
+import sys
 from pathlib import Path
 
-from benchmarks.common import write_json
+from benchmarks.common import add_json_flag, write_json
+from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
+
+
+def add_model_peer_flags(parser) -> None:
+    """`--config` and `--layers`: the workload of the peers that build a model from our config."""
+    parser.add_argument("--config", default="configs/mixtral-8x7b-8layer.yaml")
+    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
+
+
+def add_run_flags(parser) -> None:
+    """`--steps`, `--warmup`, `--doc-len` and `--json` as every peer takes them."""
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
+    parser.add_argument("--doc-len", type=int, default=None,
+                        help="random tokens in documents of this length (default: our run's rows)")
+    add_json_flag(parser)
 
 
 def check_steps(args) -> None:
@@ -36,6 +59,29 @@ def check_model_peer(args) -> None:
         raise UserError(f"--layers must be positive, got {args.layers}")
     if args.json is not None and not args.json.parent.is_dir():
         raise UserError(f"--json {args.json}: no folder {args.json.parent} to write it in")
+
+
+def workload_config(args):
+    """Our config of the workload: the file's, with `--layers` (and `--batch-size`, where a
+    peer takes it)."""
+    overrides = {"num_hidden_layers": args.layers, "batch_size": getattr(args, "batch_size", None)}
+    return load_config(args.config, {key: str(value) for key, value in overrides.items() if value is not None})
+
+
+def peer_main(script: str, args, check, run, describe) -> int:
+    """A model peer's main after parsing: `check(args)` and our config refuse bad input in
+    one line (exit 2) before `run(args, cfg)` imports anything heavy; rank 0's result is
+    reported (`describe` names the run from its workload)."""
+    try:
+        check(args)
+        cfg = workload_config(args)
+        result = run(args, cfg)
+    except UserError as error:
+        print(f"{script}: error: {error}", file=sys.stderr)
+        return 2
+    if result is not None:
+        report(describe(result["workload"]), result, args.json)
+    return 0
 
 
 def thd_row(input_ids, cu_seqlens, max_length: int) -> dict:
@@ -91,6 +137,45 @@ def random_rows(cfg, steps: int, doc_len: int, generator, device, world_size: in
     cu_seqlens = torch.tensor(starts + [tokens], dtype=torch.int32, device=device)
     return [thd_row(torch.randint(cfg.model.vocab_size, (1, tokens), generator=generator, device=device),
                     cu_seqlens, min(doc_len, seq_len)) for _ in range(steps)]
+
+
+def rank_rows(cfg, args, device, rank: int = 0, world_size: int = 1) -> list[dict]:
+    """This rank's rows for `--steps`: our run's (`our_rows`), or with `--doc-len` random
+    documents, seeded by the config's seed and the rank."""
+    import torch
+
+    if args.doc_len is None:
+        return our_rows(cfg, args.steps, device, rank, world_size)
+    generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
+    return random_rows(cfg, args.steps, args.doc_len, generator, device, world_size)
+
+
+def timed_steps(step, batches: list, args, cfg, header: dict, flops: list[float], device, world_size: int,
+                workload: dict) -> dict:
+    """`step(batch)` (one training step; its loss, on the device) for each batch, each timed
+    as our runs time a step, and the peer's result: `header`, the workload (the fields every
+    peer has, then the peer's own `workload`), the summary, each step's time, loss and
+    global FLOPs (`flops`, summed over the ranks)."""
+    from te_mixtral.measure.metrics import StepTimer
+
+    # warm-up and timed steps are the same step
+    timer, losses = StepTimer(device), []
+    for batch in batches:
+        with timer.step():
+            loss = step(batch)
+        losses.append(loss.item())
+    m, tokens = cfg.model, rows_per_gpu(cfg, world_size) * cfg.data.seq_len
+    return {
+        "header": header,
+        "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step_per_gpu": tokens,
+                     "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents",
+                     "steps": args.steps, "timing_warmup_steps": args.warmup, "lr": cfg.train.lr,
+                     "world_size": world_size, **workload},
+        "summary": summarize_steps(timer.times, args.warmup, tokens * world_size, flops, device, world_size),
+        "step_ms": [t * 1e3 for t in timer.times],
+        "loss": losses,
+        "flops_per_step": flops,
+    }
 
 
 def summarize_steps(step_s: list[float], warmup: int, tokens_per_step: int, flops: list[float], device,

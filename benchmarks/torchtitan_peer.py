@@ -107,15 +107,15 @@ from types import SimpleNamespace
 
 from benchmarks import common
 from benchmarks.peer_workload import (
+    add_model_peer_flags,
+    add_run_flags,
     check_model_peer,
     document_positions,
-    our_rows,
-    random_rows,
-    report,
+    peer_main,
+    rank_rows,
     rows_per_gpu,
-    summarize_steps,
+    timed_steps,
 )
-from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 from te_mixtral.measure.report import package_version
 
@@ -232,7 +232,7 @@ def run(args, cfg) -> dict:
     import torch
 
     from te_mixtral.distributed.layout import shutdown
-    from te_mixtral.measure.metrics import StepTimer, train_flops
+    from te_mixtral.measure.metrics import train_flops
 
     m, world = cfg.model, int(os.environ.get("WORLD_SIZE", "1"))
     tokens = rows_per_gpu(cfg, world) * cfg.data.seq_len  # one GPU's
@@ -258,39 +258,17 @@ def run(args, cfg) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=True)
 
-    if args.doc_len is None:
-        rows = our_rows(cfg, args.steps, device, rank, world)
-    else:
-        generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
-        rows = random_rows(cfg, args.steps, args.doc_len, generator, device, world)
+    rows = rank_rows(cfg, args, device, rank, world)
     # Global FLOPs: every rank's rows (their documents differ), summed once before the timing.
     flops = torch.tensor([train_flops(m, r["cu_seq_lens_q"].cpu(), tokens) for r in rows], dtype=torch.float64,
                          device=device)
     torch.distributed.all_reduce(flops)
-    batches = [titan_inputs(r) for r in rows]
-
-    # --- training: warm-up and timed steps are the same step
-    timer, losses = StepTimer(device), []
-    for batch in batches:
-        with timer.step():
-            loss = train_step(model, optimizer, batch, amp)
-        losses.append(loss.item())
-
-    summary = summarize_steps(timer.times, args.warmup, tokens * world, flops.tolist(), device, world)
-    result = {
-        "header": header,
-        "workload": {"config": args.config, "num_hidden_layers": m.num_hidden_layers, "tokens_per_step_per_gpu": tokens,
-                     "rows": "ours" if args.doc_len is None else f"random, {args.doc_len}-token documents",
-                     "steps": args.steps, "timing_warmup_steps": args.warmup, "lr": cfg.train.lr,
-                     "attention": args.attention, "world_size": world, "expert_parallel": ep,
-                     "experts": "GroupedExperts (torch._grouped_mm), ExpertParallel all-to-all",
-                     "dtype": args.dtype,
-                     "optimizer": f"torch.optim.AdamW(fused=True), FSDP2 {args.dtype} parameters, bf16 compute"},
-        "summary": summary,
-        "step_ms": [t * 1e3 for t in timer.times],
-        "loss": losses,
-        "flops_per_step": flops.tolist(),
-    }
+    result = timed_steps(
+        lambda batch: train_step(model, optimizer, batch, amp), [titan_inputs(r) for r in rows], args, cfg, header,
+        flops.tolist(), device, world,
+        {"attention": args.attention, "expert_parallel": ep,
+         "experts": "GroupedExperts (torch._grouped_mm), ExpertParallel all-to-all", "dtype": args.dtype,
+         "optimizer": f"torch.optim.AdamW(fused=True), FSDP2 {args.dtype} parameters, bf16 compute"})
     shutdown(wait_for_peers=True)  # no rank tears its connections down under a peer still at work
     return result if rank == 0 else None
 
@@ -301,40 +279,20 @@ def check_args(args) -> None:
         raise UserError(f"--ep must be positive, got {args.ep}")
 
 
-def workload_config(args):
-    """Our config of the workload: the file's, with `--layers`."""
-    return load_config(args.config, {} if args.layers is None else {"num_hidden_layers": str(args.layers)})
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/mixtral-8x7b-8layer.yaml")
-    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
+    add_model_peer_flags(parser)
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: every rank)")
     parser.add_argument("--attention", choices=ATTENTION, default="flex",
                         help="torchtitan's attention backend (default: flex, FlexAttention with its document mask)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="torchtitan's training.dtype: of parameters, gradients and AdamW states (default: "
                              "float32, its default; compute is bf16 either way)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    parser.add_argument("--doc-len", type=int, default=None,
-                        help="random tokens in documents of this length (default: our run's rows)")
-    common.add_json_flag(parser)
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-        cfg = workload_config(args)
-        # Heavy imports only once the arguments are known to be good: a mistake is refused at once.
-        result = run(args, cfg)
-    except UserError as error:
-        print(f"torchtitan_peer: error: {error}", file=sys.stderr)
-        return 2
-    if result is not None:
-        w = result["workload"]
-        report(f"torchtitan MoE ({w['num_hidden_layers']} layers, EP {w['expert_parallel']} of {w['world_size']} "
-               f"GPUs, {w['tokens_per_step_per_gpu']} tokens/step/GPU, {w['attention']})", result, args.json)
-    return 0
+    add_run_flags(parser)
+    return peer_main("torchtitan_peer", parser.parse_args(argv), check_args, run,
+                     lambda w: f"torchtitan MoE ({w['num_hidden_layers']} layers, EP {w['expert_parallel']} of "
+                               f"{w['world_size']} GPUs, {w['tokens_per_step_per_gpu']} tokens/step/GPU, "
+                               f"{w['attention']})")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """One typed configuration for a run, loaded from YAML, overridden from the command line,
 validated once.
 
-A YAML file has three sections (`model`, `data`, `train`) and a few top-level keys
-(`tier`, `ep_size`, ...). Command-line overrides name a key either in full
+A YAML file has sections (`model`, `data`, `train`, `lora` (lora_config.py), and `fp8`, tier device_mxfp8's
+options: te_mixtral/experts/options.py) and a few top-level keys (`tier`, `ep_size`, ...). Command-line overrides name a key either in full
 (`--train.lr 1e-4`) or by its bare name when that name is unique (`--lr 1e-4`); values are
 parsed as YAML scalars. Every problem is raised as a `UserError` whose message is one line
 a user can act on.
 
-Each field carries its own meaning and role (`setting`: help text, whether it is part of
+Each field carries its own meaning and role (`setting`, config_field.py: help text, whether it is part of
 the timed workload, whether it may change on resume), so the results pages, the resume
 check and `--help` ask the fields (`workload_keys()`, ...) instead of keeping their own
 lists. A key that moves or is renamed gets one line in `saved_config.MOVED_KEYS`: configs
@@ -23,27 +23,13 @@ from typing import Literal
 
 import yaml
 
-from te_mixtral.config_checks import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, validate
+from te_mixtral.config_checks import validate
+from te_mixtral.config_field import setting
 from te_mixtral.errors import UserError
+from te_mixtral.experts.options import FP8Options
 from te_mixtral.files import write_text_atomic
-from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
-
-
-def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
-    """A config field that says what it means and what role it plays, so that the code that
-    asks "which keys ...?" reads the answer here instead of keeping its own list:
-
-    - `help`: one line, what the key means (`run_finetune_ep.py --help` lists it);
-    - `workload`: the key changes what a timed step computes, so a results page compares two
-      runs only when they agree on it. On by default: a new key keeps runs apart until it is
-      declared harmless, which is the safe mistake;
-    - `resumable`: the key may change on `--resume` without a note (where output goes, what
-      happens between or after steps). Off by default, for the same reason;
-    - `headline`: a reproduce command names it even at its default: the runs of a sweep
-      (`scripts/run_tiers.sh`) differ in it.
-    """
-    return field(default=default,
-                 metadata={"help": help, "workload": workload, "resumable": resumable, "headline": headline})
+from te_mixtral.lora_config import LoRAConfig
+from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
 
 @dataclass
@@ -87,12 +73,18 @@ class DataConfig:
                                  "of wikitext; null: its default")
     split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
                          "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")
-    format: Literal["text", "chat"] = setting("text", help="text: each record's text_field is a document; chat: each record's "
-                          "messages_field is a conversation, rendered with the tokenizer's chat template and trained "
-                          "on the assistant's replies only (docs/data.md)")
+    format: Literal["text", "chat", "sharegpt", "alpaca"] = setting("text", help="text: each record's text_field is a "
+                          "document; chat: each record's messages_field is a conversation, rendered with the "
+                          "tokenizer's chat template and trained on the assistant's replies only; sharegpt "
+                          "(conversations of {from: human|gpt|system, value}) and alpaca (instruction, input, output): "
+                          "chat data in those layouts (docs/data.md)")
     text_field: str = setting("text", help="the field of each record that holds the text (format text)")
     messages_field: str = setting("messages", help="the field of each record that holds the conversation, a list "
                                   "of {role: system|user|assistant, content} (format chat)")
+    role_key: str = setting("role", help="format chat: the key of a message that holds its role (e.g. from)")
+    content_key: str = setting("content", help="format chat: the key of a message that holds its text (e.g. value)")
+    roles: str | None = setting(None, help="format chat: the data's role names as system, user or assistant, "
+                                "e.g. human:user,gpt:assistant (null: the data uses those names)")
     tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
                                     "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
                                     "null: model_path's, else a small BPE trained on the data and cached")
@@ -128,6 +120,9 @@ class TrainConfig:
     optimizer: Literal["adamw", "master_adamw"] = setting("adamw", help="adamw (fp32 parameters, torch's AdamW: the reference) or master_adamw "
                              "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
     moment_dtype: Literal["bf16", "fp32"] = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
+    expert_moments: Literal["same", "8bit"] = setting("same", help="master_adamw's moments of the expert weights: same "
+                                                      "(moment_dtype, as the others') or 8bit (block-wise 8-bit, about 2 "
+                                                      "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py)")
     recompute: Literal["none", "selective", "full"] = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
@@ -165,48 +160,26 @@ def recomputed_layers(train: TrainConfig, num_layers: int) -> int:
 
 
 @dataclass
-class LoRAConfig:
-    """Low-rank adapters over a frozen base (te_mixtral/model/lora.py); rank 0 trains every weight."""
-
-    rank: int = setting(0, help="rank r of every adapter; 0: no adapters, every weight trains (full fine-tuning)")
-    alpha: float = setting(16.0, help="adapter scale numerator: the update is alpha / r * B @ A (alpha / sqrt(r) "
-                           "with rslora)")
-    dropout: float = setting(0.0, help="dropout on each adapter's input while training (the base path sees none)")
-    rslora: bool = setting(False, help="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
-    targets: str = setting(",".join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS),
-                           help="comma-separated projections to adapt, as PEFT names them: attention's "
-                           f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
-                           f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
-    base: Literal["default", "nf4"] = setting("default", help="how the frozen base's expert weights are held: "
-                                              "default (the run's compute dtype; FP8 in tier device_mxfp8) or nf4 "
-                                              "(QLoRA's 4-bit NormalFloat, dequantised inside tier custom_grouped's "
-                                              "GEMMs: experts/quant/frozen_nf4.py)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
-
-    def target_list(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
-
-
-@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    # A tier's own options (tier, ep_size, mxfp8_mode) are not the workload: they are what a
-    # results page compares.
+    # A tier's own options, declared beside the tiers (te_mixtral/experts/options.py).
+    fp8: FP8Options = field(default_factory=FP8Options)
+    # The tier and its layout (tier, ep_size, and the tiers' options) are not the workload:
+    # they are what a results page compares.
     tier: str = setting("loop", workload=False, headline=True,
                         help="expert FFN tier (loop, grouped_linear, custom_grouped, device_mxfp8) or a whole-model "
                         "baseline: hf (transformers' Mixtral as its users run it) or hf_eager (its per-expert loop)")
     ep_size: int = setting(1, workload=False, headline=True,
                            help="expert-parallel group size: ranks that split each layer's experts")
+    # Not the workload: the same tokens meet the same experts, only the rows' order inside
+    # a tier changes (gradients equal to rounding), so a resumed run may change it too.
+    ep_chunks: int = setting(1, workload=False, resumable=True,
+                             help="with ep_size > 1: cut each MoE layer's tokens into this many chunks whose "
+                             "all-to-alls run under the other chunks' experts, forward and backward "
+                             "(te_mixtral/distributed/dispatch.py); 1: no overlap")
     backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
                            "(te on CUDA where it is installed)")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
@@ -216,21 +189,11 @@ class RunConfig:
                                      help="a reference run's results JSON to check every step's loss against")
     dist_timeout_s: int = setting(300, workload=False, resumable=True,
                                   help="seconds a collective may wait before the job fails")
-    mxfp8_mode: str = setting("auto", workload=False,
-                              help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
-                              "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
-    fp8_min_rows_per_expert: int = setting(1024, workload=False,
-                                           help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
-                                           "expert runs the BF16 custom_grouped kernels, where FP8 is slower "
-                                           "(docs/precision.md); 0: FP8 at every size")
-    fp8_weight_cache: bool = setting(True, workload=False,
-                                     help="device_mxfp8 on Hopper: keep each expert weight's FP8 copies (a byte "
-                                     "per element per orientation, every layer) from its first use to the "
-                                     "optimizer step; false: quantise it at every use, so that with recompute "
-                                     "only the layer in flight holds them")
-    tensorboard: bool = setting(False, workload=False, resumable=True,
-                                help="also write each step's scalars for TensorBoard into output_dir (needs the "
-                                "tensorboard package: pip install 'te_mixtral[tensorboard]')")
+    report_to: str = setting("none", workload=False, resumable=True,
+                             help="experiment trackers that get each step's scalars, as HF Trainer's report_to: "
+                             "none, or any of tensorboard (into output_dir), wandb, mlflow, comma-separated "
+                             "(each needs its package: pip install 'te_mixtral[wandb]'; "
+                             "te_mixtral/measure/trackers.py)")
     plots: bool = setting(True, workload=False, resumable=True,
                           help="draw loss.png and step_time.png beside results.json at the end (needs matplotlib)")
     profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
@@ -276,7 +239,7 @@ class RunConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRAConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRAConfig, "fp8": FP8Options}
 assert tuple(SECTIONS) == SECTION_NAMES
 
 def _field_types(cls) -> dict[str, object]:
@@ -397,6 +360,8 @@ def load_yaml(text: str, where: str):
 
 def is_switch(bare: str) -> bool:
     """Whether a command-line key is a true/false switch, so `--resume` alone means true."""
+    if bare.replace("-", "_") in RETYPED_KEYS:
+        return True
     try:
         return _key_types(_full_key(bare.replace("-", "_"))) == (bool,)
     except UserError:
@@ -404,7 +369,9 @@ def is_switch(bare: str) -> bool:
 
 
 def _full_key(bare: str) -> str:
-    """Resolve a bare override name (`lr`) to its full key (`train.lr`)."""
+    """Resolve a bare override name (`lr`) to its full key (`train.lr`); a key's old name
+    (`saved_config.MOVED_KEYS`) to today's, so that older command lines still run."""
+    bare = MOVED_KEYS.get(bare, bare)
     if "." in bare or bare in _field_types(RunConfig):
         return bare
     owners = [s for s, cls in SECTIONS.items() if bare in _field_types(cls)]
@@ -475,8 +442,13 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             _apply(cfg, key, value)
             given.add(key)
     for bare, text in (overrides or {}).items():
-        key = _full_key(bare.replace("-", "_"))
-        _apply(cfg, key, _parse_override(key, text))
+        bare = bare.replace("-", "_")
+        if bare in RETYPED_KEYS:  # an older key: its value as today's key takes it
+            key, value = upgrade_key(bare, load_yaml(text, f"--{bare}"))
+        else:
+            key = _full_key(bare)
+            value = _parse_override(key, text)
+        _apply(cfg, key, value)
         given.add(key)
     _adopt_launcher(cfg, given, launch or {})
     for key, follows in FOLLOWS.items():

@@ -3,7 +3,8 @@
 `config.load_config` runs `validate` once a config is read; a Hugging Face checkpoint's model
 section is checked again with `validate_model` when it replaces the config's. The tier's
 name and options are the registry's to check (`experts.registry.check_tier`), and
-`config.load_run_config` runs both. Each check takes the run config (`config.RunConfig`)
+`config.load_run_config` runs both. The lora section's checks live with its settings
+(lora_config.py); `validate` runs them. Each check takes the run config (`config.RunConfig`)
 unannotated: config.py imports this module, and this one stays below it.
 """
 
@@ -14,19 +15,16 @@ import math
 import typing
 from pathlib import PurePath
 
-from te_mixtral.errors import UserError
+from te_mixtral.errors import require as _check
+from te_mixtral.lora_config import validate_lora
 
 FLOAT32_MAX = 3.4028234663852886e38
 NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
-# The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
-# `target_parameters` (experts: each stacked weight is one target) give them.
-LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
+# What `report_to` may name (te_mixtral/measure/trackers.py has each tracker).
+REPORT_TO = ("none", "tensorboard", "wandb", "mlflow")
+# Values per block of 8-bit moments: te_mixtral/optim/moments8.py's BLOCK (a test holds them equal;
+# this module stays free of torch).
+MOMENTS_8BIT_BLOCK = 256
 
 
 def validate(cfg, world_size: int = 1) -> None:
@@ -49,15 +47,25 @@ def validate(cfg, world_size: int = 1) -> None:
     _check_choices(cfg)
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
+    _check(t.expert_moments == "same" or t.optimizer == "master_adamw",
+           "train.expert_moments 8bit is master_adamw's: it needs train.optimizer master_adamw")
     _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",
            "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp (unsharded gradients are whole "
            "either way, so reducing them after every micro-batch would only cost traffic)")
     _check(t.recompute_layers is None or t.recompute != "none",
            "train.recompute_layers counts the layers that recompute: it needs train.recompute selective or full")
+    trackers = [name.strip() for name in cfg.report_to.split(",")]
+    _check(all(name in REPORT_TO for name in trackers) and ("none" not in trackers or len(trackers) == 1),
+           f"report_to must be none or any of {', '.join(REPORT_TO[1:])}, comma-separated; got {cfg.report_to!r}")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
-    _check(d.format != "chat" or d.tokenizer is not None or cfg.model_path is not None,
-           "data.format chat needs a tokenizer with a chat template: set data.tokenizer to its folder "
+    _check(d.format == "text" or d.tokenizer is not None or cfg.model_path is not None,
+           f"data.format {d.format} needs a tokenizer with a chat template: set data.tokenizer to its folder "
            "(e.g. examples/chat-tokenizer) or model_path to a checkpoint that has one")
+    mapped = [key for key, default in (("role_key", "role"), ("content_key", "content"), ("roles", None))
+              if getattr(d, key) != default]
+    _check(d.format == "chat" or not mapped,
+           f"data.{mapped[0] if mapped else ''} maps the messages of data.format chat; data.format {d.format} reads "
+           f"its own layout: drop it, or use data.format chat")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
     _check(t.timing_warmup_steps >= 0,
            f"train.timing_warmup_steps must be 0 or positive, got {t.timing_warmup_steps}")
@@ -82,6 +90,7 @@ def validate(cfg, world_size: int = 1) -> None:
            f"data.max_documents must be positive or null, got {d.max_documents}")
     _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
+    _check(cfg.ep_chunks > 0, f"ep_chunks must be positive, got {cfg.ep_chunks}")
     _check(world_size % cfg.ep_size == 0,
            f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size})")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be at least 1, got {t.grad_accum_steps}")
@@ -119,29 +128,6 @@ def _check_choices(cfg) -> None:
                 _check(value in allowed, f"{prefix}{f.name} must be one of {', '.join(allowed)}, got '{value}'")
 
 
-def validate_lora(cfg) -> None:
-    """The checks of the lora section, and of what LoRA leaves out."""
-    lora, t = cfg.lora, cfg.train
-    _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
-    _check(cfg.save_adapter is None or lora.enabled, "save_adapter exports LoRA adapters: set lora.rank (e.g. 16)")
-    _check(lora.base == "default" or lora.enabled, f"lora.base {lora.base} holds the base frozen for LoRA: set "
-           "lora.rank (e.g. 16)")
-    if not lora.enabled:
-        return
-    _check(0 < lora.alpha < math.inf, f"lora.alpha must be finite and above 0, got {lora.alpha}")
-    _check(0 <= lora.dropout < 1, f"lora.dropout must be in [0, 1), got {lora.dropout}")
-    known = LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS
-    targets = lora.target_list()
-    _check(bool(targets), "lora.targets names no projection: give one or more of " + ", ".join(known))
-    for target in targets:
-        _check(target in known, f"lora.targets: unknown projection '{target}' (known: {', '.join(known)})")
-    _check(len(set(targets)) == len(targets), f"lora.targets names a projection twice: {lora.targets}")
-    _check(t.optimizer == "adamw", "lora trains small fp32 adapters with train.optimizer adamw; master_adamw "
-           "(bf16 parameters) is for full fine-tuning")
-    _check(t.sharding == "none", "lora keeps the frozen base whole on each rank (experts split by EP); "
-           "train.sharding fsdp is for full fine-tuning")
-
-
 def validate_model(cfg) -> None:
     """The checks of the model section, and of what must fit it."""
     m, d = cfg.model, cfg.data
@@ -164,7 +150,11 @@ def validate_model(cfg) -> None:
            f"model.num_experts_per_tok ({m.num_experts_per_tok}) exceeds model.num_experts ({m.num_experts})")
     _check(d.seq_len <= m.max_position_embeddings,
            f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings ({m.max_position_embeddings})")
-    _check(d.tokenizer is not None or d.format == "chat" or d.tokenizer_vocab_size <= m.vocab_size,
+    _check(d.tokenizer is not None or d.format != "text" or d.tokenizer_vocab_size <= m.vocab_size,
            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) exceeds model.vocab_size ({m.vocab_size})")
+    _check(cfg.train.expert_moments == "same" or m.hidden_size * m.intermediate_size % MOMENTS_8BIT_BLOCK == 0,
+           f"train.expert_moments 8bit keeps blocks of {MOMENTS_8BIT_BLOCK} values within each expert's weights: "
+           f"model.hidden_size x model.intermediate_size ({m.hidden_size} x {m.intermediate_size}) must be a "
+           f"multiple of {MOMENTS_8BIT_BLOCK}")
     _check(m.num_experts % cfg.ep_size == 0,
            f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")

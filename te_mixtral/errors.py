@@ -67,6 +67,12 @@ class UserError(Exception):
     exit_code = ExitCode.BAD_INPUT
 
 
+def require(condition: bool, message: str) -> None:
+    """A check of the user's input in one line: `UserError(message)` unless `condition`."""
+    if not condition:
+        raise UserError(message)
+
+
 class Diverged(UserError):
     """The loss, the gradient norm or the weights stopped being finite."""
 

@@ -8,7 +8,7 @@ moved or was renamed still loads, compares with today's runs on a results page a
 
 from te_mixtral.errors import UserError
 
-SECTION_NAMES = ("model", "data", "train", "lora")
+SECTION_NAMES = ("model", "data", "train", "lora", "fp8")
 
 
 def flatten(config: dict, where: str = "the config") -> dict[str, object]:
@@ -43,7 +43,32 @@ MOVED_KEYS = {
     "model.num_local_experts": "model.num_experts",
     "save_every": "train.save_every",
     "checkpoint_every": "train.checkpoint_every",
+    "mxfp8_mode": "fp8.mode",
+    "fp8_min_rows_per_expert": "fp8.min_rows_per_expert",
+    "fp8_weight_cache": "fp8.weight_cache",
 }
+
+
+def _tensorboard_as_report_to(on) -> str:
+    if not isinstance(on, bool):
+        raise UserError(f"tensorboard (now report_to tensorboard) must be true or false, got {on!r}")
+    return "tensorboard" if on else "none"
+
+
+# Keys that were renamed as their values changed type, old full key -> (today's key, the old
+# value as today's). They were switches, and stay so on the command line (`--tensorboard`
+# alone means true).
+RETYPED_KEYS = {
+    "tensorboard": ("report_to", _tensorboard_as_report_to),
+}
+
+
+def upgrade_key(key: str, value) -> tuple[str, object]:
+    """An old key and its value as today's key and value (others unchanged)."""
+    if key in RETYPED_KEYS:
+        new, convert = RETYPED_KEYS[key]
+        return new, convert(value)
+    return MOVED_KEYS.get(key, key), value
 
 
 def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
@@ -54,7 +79,7 @@ def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
     keys in today's order: reproduce commands and page warnings list keys in that order.
     """
     flat = flatten(raw, where)
-    for old, new in MOVED_KEYS.items():
+    for old, new in [*MOVED_KEYS.items(), *((old, new) for old, (new, _) in RETYPED_KEYS.items())]:
         if old in flat and new in flat:
             raise UserError(f"{where} sets both '{old}' and '{new}', its new name: keep '{new}'")
-    return _nest({MOVED_KEYS.get(key, key): value for key, value in flat.items()})
+    return _nest(dict(upgrade_key(key, value) for key, value in flat.items()))

@@ -1,6 +1,7 @@
 """Config fields carry their own meaning and role: `--help` lists them, saved configs of
 older runs (keys since moved) still load, and bare names still find moved keys."""
 
+import dataclasses
 import json
 import re
 
@@ -10,6 +11,7 @@ from conftest import REPO
 from launch import run_cli
 
 from te_mixtral.config import (
+    is_switch,
     load_config,
     resumable_keys,
     settings,
@@ -17,10 +19,11 @@ from te_mixtral.config import (
     workload_keys,
 )
 from te_mixtral.errors import UserError
+from te_mixtral.experts.options import FP8Options
 from te_mixtral.saved_config import MOVED_KEYS, flatten, upgrade_saved
 
 TINY = str(REPO / "configs" / "tiny.yaml")
-SAVED_RUN = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x2-ep2" / "custom_grouped"
+SAVED_RUN = REPO / "docs" / "results" / "2026-11-21-kernel-notes" / "runs" / "2026-11-21-h200-x2-ep2" / "custom_grouped"
 
 
 def old_layout(config: dict) -> dict:
@@ -89,6 +92,18 @@ def test_a_key_in_both_places_is_refused():
 def test_moved_keys_name_keys_that_exist_today():
     assert set(MOVED_KEYS.values()) <= set(settings())
     assert not set(MOVED_KEYS) & set(settings())
+
+
+def test_the_fp8_tiers_old_top_level_keys_read_as_its_section():
+    """Runs saved, and command lines written, before the FP8 tier's options became the `fp8`
+    section name them at the top level; both still set the section."""
+    want = FP8Options(mode="mxfp8-emulated", min_rows_per_expert=7, weight_cache=False)
+    old = {"mxfp8-mode": "mxfp8-emulated", "fp8_min_rows_per_expert": "7", "fp8-weight-cache": "false"}
+    assert load_config(TINY, old).fp8 == want
+    saved = {k: v for k, v in to_dict(load_config(TINY)).items() if k != "fp8"}
+    saved.update(mxfp8_mode="mxfp8-emulated", fp8_min_rows_per_expert=7, fp8_weight_cache=False)
+    assert upgrade_saved(saved)["fp8"] == dataclasses.asdict(want)
+    assert is_switch("fp8_weight_cache") and is_switch("fp8.weight_cache")
 
 
 def test_bare_names_find_the_moved_keys():

@@ -99,6 +99,18 @@ def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"expert_moments": "4bit"}, "train.expert_moments must be one of same, 8bit"),
+    ({"expert_moments": "8bit"}, "train.expert_moments 8bit is master_adamw's"),
+    ({"expert_moments": "8bit", "optimizer": "master_adamw", "dtype": "bf16", "intermediate_size": "90"},
+     "model.hidden_size x model.intermediate_size (64 x 90) must be a multiple of 256"),
+])
+def test_bad_expert_moments_setting_is_refused_in_one_line(overrides, fragment):
+    with pytest.raises(UserError) as raised:
+        load_config(str(REPO / "configs" / "tiny.yaml"), overrides)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("tier", ["hf", "hf_eager"])
 def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
     tiny = str(REPO / "configs" / "tiny.yaml")
@@ -117,9 +129,9 @@ def test_only_custom_grouped_holds_an_nf4_base(tier):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    ({"mxfp8_mode": "mxfp8-emulated"}, "runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) only, "
+    ({"fp8.mode": "mxfp8-emulated"}, "runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) only, "
                                        "not in mode 'mxfp8-emulated'"),
-    ({"fp8_weight_cache": "false"}, "with LoRA the frozen base is held in FP8 alone, and there is no copy to drop"),
+    ({"fp8.weight_cache": "false"}, "with LoRA the frozen base is held in FP8 alone, and there is no copy to drop"),
 ])
 def test_device_mxfp8_takes_lora_over_its_hopper_fp8_base_only(overrides, fragment):
     base = {"lora.rank": "8", "tier": "device_mxfp8"}

@@ -3,11 +3,14 @@
 the entry point's own parsing and validation, in-process.
 
 And every README command a CPU can run, runs as written, on what ships, from a user's folder
-of their own (tests/workers/readme_commands.py), in README order: `python run_finetune_ep.py`
-lines in this process (`run_cli`), the launchers' lines and the tiny checkpoint they fine-tune
-in the background from the session's start. Training commands that do not set `--steps` run
-two steps (their evaluation, checkpoint and export still come: each is due after the last
-step). What is not run says why in `NOT_RUN`; a new README command must be one or the other.
+of their own (tests/workers/readme_commands.py). Each bash block is a sequence, run in order in
+a folder of its own, so a command may rely on the ones before it in its block (a resume on the
+run before it) and on nothing else: blocks of `python run_finetune_ep.py` lines in this process
+(`run_cli`), the others (launchers, the tiny checkpoint they fine-tune) in the background from
+the session's start. Training commands that do not set `--steps` run two steps (their
+evaluation, checkpoint and export still come: each is due after the last step), and a step
+count the README sets after them stands for as many steps beyond (`STEPS`). What is not run
+says why in `NOT_RUN`; a new README command must be one or the other.
 """
 
 import json
@@ -32,11 +35,16 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 LAUNCHERS = ("python run_finetune_ep.py", "torchrun ", "accelerate launch ")
 
 
-def readme_lines() -> list[str]:
-    """Every command line of the README's bash blocks, once, in order, continued lines joined."""
+def readme_blocks() -> list[list[str]]:
+    """The README's bash blocks in order, each its command lines in order, continued lines joined."""
     blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
-    lines = [" ".join(line.split()) for line in "\n".join(blocks).replace("\\\n", " ").splitlines()]
-    return list(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+    return [[line for line in (" ".join(raw.split()) for raw in block.replace("\\\n", " ").splitlines())
+             if line and not line.startswith("#")] for block in blocks]
+
+
+def readme_lines() -> list[str]:
+    """Every command line of the README's bash blocks, once, in order."""
+    return list(dict.fromkeys(line for block in readme_blocks() for line in block))
 
 
 COMMANDS = [line for line in readme_lines() if line.startswith(LAUNCHERS) and "run_finetune_ep.py" in line]
@@ -58,7 +66,8 @@ NOT_RUN = {
     "python -m pytest -q": "this suite",
     "python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier custom_grouped --optimizer "
     "master_adamw": "full-width Mixtral-8x7B layers: a GPU's work",
-    "scripts/run_tiers.sh runs/h100 configs/mixtral-8x7b-2layer.yaml 1 1 hf grouped_linear custom_grouped":
+    "python3 scripts/gpu_runs.py tiers runs/h100 configs/mixtral-8x7b-2layer.yaml 1 1 hf grouped_linear "
+    "custom_grouped":
         "GPU tiers at full width",
     "python run_finetune_ep.py --config configs/mixtral-8x7b-lora.yaml --tier device_mxfp8 --model "
     "mistralai/Mixtral-8x7B-v0.1 --format chat --dataset my_chats.jsonl --save-adapter mixtral-lora":
@@ -66,23 +75,30 @@ NOT_RUN = {
 }
 # A README placeholder, and what stands for it here: the checkpoint its own first line makes.
 PLACEHOLDERS = {"PATH_OR_HUB_ID": "tiny-mixtral"}
+# A README step count, and what stands for it here: the config's 40 steps run as 2, so a
+# resume to 60 (20 more) runs to 4.
+STEPS = {"--steps 60": "--steps 4"}
 # A user's own files the README names, and what they hold here.
 USER_FILES = {"my_chats.jsonl": REPO / "examples" / "chat.jsonl"}
 
 
 def as_run(command: str) -> str:
-    """`command` as run here: placeholders filled, two steps where it trains and sets no `--steps`."""
-    for placeholder, value in PLACEHOLDERS.items():
+    """`command` as run here: placeholders filled, step counts as in `STEPS`, two steps where it
+    trains and sets no `--steps`."""
+    for placeholder, value in {**PLACEHOLDERS, **STEPS}.items():
         command = command.replace(placeholder, value)
     trains = "run_finetune_ep.py" in command and "--estimate-memory" not in command
     return command + " --steps 2" if trains and "--steps" not in command.split() else command
 
 
-RUN = [line for line in readme_lines() if line not in NOT_RUN]
-RUN_HERE = [line for line in RUN if line.startswith(LAUNCHERS[0])]
-RUN_BEHIND = [line for line in RUN if line not in RUN_HERE]
+# The README's sequences as run here: each block's lines but those not run, in order.
+SEQUENCES = [seq for seq in ([line for line in block if line not in NOT_RUN] for block in readme_blocks()) if seq]
+SEQUENCES_HERE = [seq for seq in SEQUENCES if all(line.startswith(LAUNCHERS[0]) for line in seq)]
+SEQUENCES_BEHIND = [seq for seq in SEQUENCES if seq not in SEQUENCES_HERE]
+RUN_HERE = [(i, line) for i, seq in enumerate(SEQUENCES_HERE) for line in seq]
+RUN_BEHIND = [(i, line) for i, seq in enumerate(SEQUENCES_BEHIND) for line in seq]
 BACKGROUND = Command((sys.executable, str(REPO / "tests" / "workers" / "readme_commands.py"), RUN_DIR,
-                      *map(as_run, RUN_BEHIND)), timeout=900)
+                      json.dumps([[as_run(line) for line in seq] for seq in SEQUENCES_BEHIND])), timeout=900)
 PLANNED_COMMANDS = [BACKGROUND]  # run from the session's start (conftest.py's planned_command)
 
 
@@ -133,20 +149,35 @@ def test_a_reproduce_command_names_a_following_key_only_where_it_would_follow_el
 
 def test_every_readme_command_is_run_or_says_why_not():
     assert set(NOT_RUN) <= set(readme_lines()), set(NOT_RUN) - set(readme_lines())  # no stale entry
-    assert any("PATH_OR_HUB_ID" in line for line in RUN_BEHIND)
-    assert "python scripts/make_tiny_mixtral.py tiny-mixtral" in RUN_BEHIND  # the checkpoint it stands for
+    assert set(STEPS) <= {f"--steps {w}" for line in readme_lines() for w in re.findall(r"--steps (\d+)", line)}
+    behind = [line for _, line in RUN_BEHIND]
+    assert any("PATH_OR_HUB_ID" in line for line in behind)
     assert len(RUN_HERE) >= 6 and len(RUN_BEHIND) >= 4
+    # The checkpoint the placeholder stands for is made first in the sequence that fine-tunes and
+    # resumes it, and the resume comes after the run it continues.
+    [sequence] = [seq for seq in SEQUENCES_BEHIND if any("--resume" in line for line in seq)]
+    assert sequence[0] == "python scripts/make_tiny_mixtral.py tiny-mixtral"
+    first, resume = sequence[1:]
+    assert resume.startswith(first) and "--checkpoint-dir ckpt" in first
+
+
+def run_id(item: tuple[int, str]) -> str:
+    return f"block {item[0]}: {item[1]}"
 
 
 @pytest.fixture(scope="module")
 def ran_here(tmp_path_factory) -> dict:
-    """{README line: CompletedProcess} of the `python run_finetune_ep.py` lines, run in order in
-    one user's folder."""
-    folder = tmp_path_factory.mktemp("readme")
-    user_folder(folder)
-    for name, source in USER_FILES.items():
-        shutil.copy(source, folder / name)
-    return {line: run_cli(shlex.split(as_run(line))[2:], cwd=folder) for line in RUN_HERE}
+    """{(sequence, README line): CompletedProcess} of the sequences of `python run_finetune_ep.py`
+    lines, each run in order in a user's folder of its own."""
+    ran = {}
+    for i, sequence in enumerate(SEQUENCES_HERE):
+        folder = tmp_path_factory.mktemp(f"readme{i}")
+        user_folder(folder)
+        for name, source in USER_FILES.items():
+            shutil.copy(source, folder / name)
+        for line in sequence:
+            ran[i, line] = run_cli(shlex.split(as_run(line))[2:], cwd=folder)
+    return ran
 
 
 def assert_ran(command: str, returncode: int, stdout: str, stderr: str) -> None:
@@ -155,20 +186,25 @@ def assert_ran(command: str, returncode: int, stdout: str, stderr: str) -> None:
         assert "results: " in stdout, stdout[-2000:]
 
 
-@pytest.mark.parametrize("command", RUN_HERE)
-def test_readme_command_runs_as_written(command, ran_here):
-    proc = ran_here[command]
-    assert_ran(command, proc.returncode, proc.stdout, proc.stderr)
+@pytest.mark.parametrize("item", RUN_HERE, ids=run_id)
+def test_readme_command_runs_as_written(item, ran_here):
+    proc = ran_here[item]
+    assert_ran(item[1], proc.returncode, proc.stdout, proc.stderr)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", RUN_BEHIND)
-def test_readme_launcher_command_runs_as_written(command, planned_command):
+@pytest.mark.parametrize("item", RUN_BEHIND, ids=run_id)
+def test_readme_launcher_command_runs_as_written(item, planned_command):
     proc, folder = planned_command(BACKGROUND)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    outcomes = {o["command"]: o for o in json.loads((folder / "outcomes.json").read_text())}
-    outcome = outcomes[as_run(command)]
+    sequence, command = item
+    outcomes = json.loads((folder / "outcomes.json").read_text())
+    [outcome] = [o for o in outcomes if (o["sequence"], o["command"]) == (sequence, as_run(command))]
     assert_ran(command, outcome["returncode"], outcome["stdout"], outcome["stderr"])
+    ran_in = folder / str(sequence)
     if "--save-hf finetuned" in command:  # evaluated on held-out conversations, checkpointed, exported
-        assert "eval  step    2/2" in outcome["stdout"], outcome["stdout"][-2000:]
-        assert (folder / "finetuned" / "config.json").exists() and any((folder / "ckpt").iterdir())
+        steps = 4 if "--resume" in command else 2
+        assert f"eval  step    {steps}/{steps}" in outcome["stdout"], outcome["stdout"][-2000:]
+        assert (ran_in / "finetuned" / "config.json").exists() and any((ran_in / "ckpt").iterdir())
+    if "--resume" in command:  # on from the run before it, not from the start
+        assert "resuming from ckpt/step-000002 (step 2 of 4)" in outcome["stdout"], outcome["stdout"][-2000:]

@@ -6,7 +6,10 @@ and the mask of the tokens trained on.
 - `chat`: each record's `data.messages_field` is a conversation, rendered with the
   tokenizer's chat template; only the assistant's replies are trained, and a
   conversation's edges are its length, since it holds an eos after every reply
-  (te_mixtral/data/chat.py).
+  (te_mixtral/data/chat.py). `data.role_key`, `data.content_key` and `data.roles` read
+  another layout of messages.
+- `sharegpt` and `alpaca`: chat data in those two community layouts, read as conversations
+  (te_mixtral/data/chat_layouts.py) and trained as `chat` is.
 
 The rest of data/ asks `FORMATS[cfg.format]` and never branches on a format's name: a new
 format is one more class here. Chat's module is imported only when chat data is read:
@@ -16,6 +19,7 @@ transformers takes seconds to import, and text runs do not need it.
 import datasets
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data import chat_layouts
 from te_mixtral.data.tokenizer import Tokenizer, load_tokenizer
 from te_mixtral.errors import UserError
 
@@ -30,21 +34,21 @@ class TextFormat:
     unit = "documents"  # what one record is, as messages count them
     masked = False  # every token is trained, and an eos is a document edge
 
-    def field(self, cfg: DataConfig) -> str:
-        return cfg.text_field
+    def fields(self, cfg: DataConfig) -> list[str]:
+        """The fields every record must have."""
+        return [cfg.text_field]
 
-    def field_key(self) -> str:
-        return "text_field"
+    def missing_field_advice(self, cfg: DataConfig, columns: list[str]) -> str:
+        """What the message for a data set without one of `fields` advises."""
+        return "set data.text_field" + (" (or data.format chat: records that hold conversations)"
+                                        if cfg.messages_field in columns else "")
 
-    def missing_field_hint(self, cfg: DataConfig, columns: list[str]) -> str:
-        """What the message for a data set without the field adds, where its records look
-        like another format's."""
-        return " (or data.format chat: records that hold conversations)" if cfg.messages_field in columns else ""
-
-    def check_field(self, cfg: DataConfig, source: datasets.Dataset, field: str) -> None:
-        """Refuse a field that does not hold text."""
-        if getattr(source.features[field], "dtype", None) not in ("string", "large_string"):
-            raise UserError(f"field '{field}' of data set '{cfg.dataset}' does not hold text")
+    def records(self, cfg: DataConfig, source: datasets.Dataset) -> datasets.Dataset:
+        """The one column of a source that the rest of data/ reads, its field checked; text
+        that is empty or blank is left for `without_empty`."""
+        if getattr(source.features[cfg.text_field], "dtype", None) not in ("string", "large_string"):
+            raise UserError(f"field '{cfg.text_field}' of data set '{cfg.dataset}' does not hold text")
+        return source.select_columns([cfg.text_field])
 
     def without_empty(self, records: datasets.Dataset, field: str) -> datasets.Dataset:
         """The records less those whose text is empty or blank (blank lines of a .txt file)."""
@@ -74,17 +78,17 @@ class ChatFormat:
     unit = "conversations"
     masked = True  # the assistant's tokens only, and a conversation's edges are its length
 
-    def field(self, cfg: DataConfig) -> str:
-        return cfg.messages_field
+    def fields(self, cfg: DataConfig) -> list[str]:
+        return [cfg.messages_field]
 
-    def field_key(self) -> str:
-        return "messages_field"
+    def missing_field_advice(self, cfg: DataConfig, columns: list[str]) -> str:
+        return "set data.messages_field (and for messages not of {role, content}: data.role_key, data.content_key, " \
+               "data.roles)"
 
-    def missing_field_hint(self, cfg: DataConfig, columns: list[str]) -> str:
-        return ""
-
-    def check_field(self, cfg: DataConfig, source: datasets.Dataset, field: str) -> None:
-        """Nothing to check before reading: each conversation is checked as it is rendered."""
+    def records(self, cfg: DataConfig, source: datasets.Dataset) -> datasets.Dataset:
+        """The conversations, as {role, content} messages; each is checked as it is rendered."""
+        return chat_layouts.as_messages(source, chat_layouts.MessageLayout(
+            cfg.messages_field, cfg.role_key, cfg.content_key, chat_layouts.parse_roles(cfg.roles)))
 
     def without_empty(self, records: datasets.Dataset, field: str) -> datasets.Dataset:
         """The records as they are: an empty conversation is refused as it is rendered."""
@@ -123,4 +127,32 @@ class ChatFormat:
                          f"replies only, so there is nothing to train on")
 
 
-FORMATS = {fmt.name: fmt for fmt in (TextFormat(), ChatFormat())}
+class ShareGPTFormat(ChatFormat):
+    name = "sharegpt"
+
+    def fields(self, cfg: DataConfig) -> list[str]:
+        return [chat_layouts.SHAREGPT.field]
+
+    def missing_field_advice(self, cfg: DataConfig, columns: list[str]) -> str:
+        return OTHER_LAYOUTS
+
+    def records(self, cfg: DataConfig, source: datasets.Dataset) -> datasets.Dataset:
+        return chat_layouts.as_messages(source, chat_layouts.SHAREGPT)
+
+
+class AlpacaFormat(ChatFormat):
+    name = "alpaca"
+
+    def fields(self, cfg: DataConfig) -> list[str]:
+        return ["instruction", "output"]  # "input" and "system" where there are any
+
+    def missing_field_advice(self, cfg: DataConfig, columns: list[str]) -> str:
+        return OTHER_LAYOUTS
+
+    def records(self, cfg: DataConfig, source: datasets.Dataset) -> datasets.Dataset:
+        return chat_layouts.alpaca_as_messages(source)
+
+
+OTHER_LAYOUTS = ("for another layout of conversations use data.format chat with data.messages_field, data.role_key, "
+                 "data.content_key and data.roles")
+FORMATS = {fmt.name: fmt for fmt in (TextFormat(), ChatFormat(), ShareGPTFormat(), AlpacaFormat())}

@@ -156,10 +156,9 @@ def _is_local(name: str) -> bool:
 
 def load_records(cfg: DataConfig) -> datasets.Dataset:
     """The data set's records in their stored order, `data.split` of them, as one column:
-    the field that `data.format` reads. Texts that are empty or blank (blank lines of a .txt
+    the field that `data.format` reads (a chat layout's records turned into conversations). Texts that are empty or blank (blank lines of a .txt
     file) are skipped; then the first `max_documents` records are kept."""
     fmt = FORMATS[cfg.format]
-    field = fmt.field(cfg)
     if cfg.subset is not None and (cfg.dataset == "embedded" or _is_local(cfg.dataset)):
         raise UserError(f"data.subset '{cfg.subset}' names a subset of a hub data set, and '{cfg.dataset}' is not "
                         f"one (local files and the embedded text have none): leave data.subset unset")
@@ -174,13 +173,13 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
         sources = [_hub_dataset(cfg.dataset, cfg.subset, cfg.split)]
 
     for source in sources:
-        if field not in source.column_names:
-            raise UserError(
-                f"data set '{cfg.dataset}' has no field '{field}' (fields: {', '.join(source.column_names)}); "
-                f"set data.{fmt.field_key()}{fmt.missing_field_hint(cfg, source.column_names)}"
-            )
-        fmt.check_field(cfg, source, field)
-    records = datasets.concatenate_datasets([source.select_columns([field]) for source in sources])
+        for field in fmt.fields(cfg):
+            if field not in source.column_names:
+                raise UserError(
+                    f"data set '{cfg.dataset}' has no field '{field}' (fields: {', '.join(source.column_names)}); "
+                    f"{fmt.missing_field_advice(cfg, source.column_names)}")
+    records = datasets.concatenate_datasets([fmt.records(cfg, source) for source in sources])
+    (field,) = records.column_names
     if not _is_hub(cfg.dataset):  # the hub loader took the split itself
         records = _take_split(records, cfg.split)
     records = fmt.without_empty(records, field)

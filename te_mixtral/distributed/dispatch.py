@@ -1,6 +1,6 @@
 """Token dispatch: send each routed token copy to the rank that owns its expert, and back.
 
-Shape suffixes: see te_mixtral/__init__.py (here L = E / P).
+Shape suffixes: see te_mixtral/__init__.py (here L = E / P, C = the chunks of a layer's tokens).
 
 One MoE layer does
 
@@ -11,8 +11,21 @@ One MoE layer does
     ... the expert tier runs on x_RD ...
     and the inverse of each step, then a weighted sum of each token's K expert outputs.
 
-The only host synchronisation is the split sizes all_to_all_single needs on the host; a
-single-rank group skips the exchange entirely and stays sync-free.
+Communication under compute (`run`, with `chunks` > 1). The layer's tokens are cut into C
+contiguous chunks and every chunk's exchange is launched at once (asynchronously, on the
+process group's own stream); the experts of chunk c start as soon as its rows arrive, while
+the rows of chunk c+1 are still travelling, and chunk c's outputs travel back while chunk
+c+1's experts run. Only the first chunk's dispatch and the last chunk's return are exposed.
+The backward mirrors it: each exchange is a pair of autograd nodes, a start and a wait, and
+the autograd engine runs nodes made later first, so the reverse exchange of one chunk is
+launched before, and waited for after, the expert backward of its neighbour. A token's K
+rows stay within its chunk, so chunking changes no token's result, only the order of rows
+inside the tier (equal to rounding; tests/distributed/test_ep_gradients.py).
+
+Host synchronisation. all_to_all_single needs the split sizes on the host: every layer's
+forward waits once for the GPU to deliver them (all chunks' counts travel in one exchange and
+come back in one copy). The backward reuses them and never waits. A single-rank group skips
+the exchange entirely and stays sync-free.
 
 The permute and its inverse with the weighted sum (`LocalPermute`) come in two kinds that
 give the same rows in the same order: `TorchPermute` in plain PyTorch (a stable argsort and
@@ -21,6 +34,7 @@ backend TE's fused `moe_permute` / `moe_unpermute` (te_permute.py), which undo t
 merge each token's K weighted rows in one kernel each way.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +44,7 @@ import torch.distributed as dist
 
 @dataclass
 class DispatchOutput:
-    x_RD: torch.Tensor  # rows for the local experts, sorted by local expert
+    x_RD: torch.Tensor  # rows for the local experts, sorted by local expert (in flight until `arrive`)
     tokens_per_expert_L: torch.Tensor  # int64, on the rows' device
     # What `combine` needs to undo the dispatch:
     unsort: object  # the local permute's record of the sort (TorchPermute: the order of the copies)
@@ -38,6 +52,7 @@ class DispatchOutput:
     regroup_R: torch.Tensor | None  # received row order -> local-expert order (None: no exchange)
     send_splits: list[int] | None
     recv_splits: list[int] | None
+    exchange: "_Exchange | None" = None  # the rows' exchange while in flight
 
 
 class LocalPermute(Protocol):
@@ -68,67 +83,163 @@ class TorchPermute:
         return weighted.view(num_copies // top_k, top_k, -1).sum(1).to(y_sorted.dtype)
 
 
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_RD, tokens_per_expert_L) -> y_RD
+
+
 class TokenDispatcher(Protocol):
     def dispatch(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> DispatchOutput: ...
 
     def combine(self, y_RD: torch.Tensor, state: DispatchOutput) -> torch.Tensor: ...
 
+    def run(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor,
+            experts: ExpertsFn) -> torch.Tensor:
+        """dispatch, `experts`, combine: [T, D] in, [T, D] out."""
+        ...
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; its backward is the same exchange reversed."""
+
+class _Exchange:
+    """One all_to_all_single in flight, forward or backward: what its wait needs."""
+
+    def __init__(self, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup):
+        self.send_splits, self.recv_splits, self.group = send_splits, recv_splits, group
+        self.work: dist.Work | None = None
+        self.grad_in: torch.Tensor | None = None  # the backward's result, until _Start's backward takes it
+
+    def launch(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        self.work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group,
+                                           async_op=True)
+        return out
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.work = None
+
+
+class _Start(torch.autograd.Function):
+    """Launches the exchange and returns its (not yet filled) output; `_Wait` makes it valid.
+    Backward: waits for the reverse exchange that `_Wait`'s backward launched, and returns
+    its result (the gradient arriving here is only the token that orders the two nodes)."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        return out
+    def forward(ctx, x, exchange: _Exchange):
+        ctx.exchange = exchange
+        return exchange.launch(x, exchange.send_splits, exchange.recv_splits)
+
+    @staticmethod
+    def backward(ctx, _token):
+        exchange = ctx.exchange
+        exchange.wait()
+        grad_in, exchange.grad_in = exchange.grad_in, None
+        return grad_in, None
+
+
+class _Wait(torch.autograd.Function):
+    """Waits for the exchange `_Start` launched. Backward: launches the reverse exchange of
+    the gradient and returns at once, so that the nodes between this one and `_Start` (the
+    experts of another chunk) run while it travels."""
+
+    @staticmethod
+    def forward(ctx, out, exchange: _Exchange):
+        ctx.exchange = exchange
+        exchange.wait()
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        send_splits, recv_splits = ctx.splits
-        grad_in = grad_out.new_empty((sum(send_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), send_splits, recv_splits, group=ctx.group)
-        return grad_in, None, None, None
+        exchange = ctx.exchange
+        exchange.grad_in = exchange.launch(grad_out, exchange.recv_splits, exchange.send_splits)
+        return grad_out, None
 
 
 class AllToAllDispatcher:
-    """Expert-parallel dispatch over an EP group; with one rank it is a local permutation."""
+    """Expert-parallel dispatch over an EP group; with one rank it is a local permutation.
+    `chunks` > 1: `run` overlaps the exchanges with the experts (module docstring)."""
 
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: dist.ProcessGroup | None,
-                 permute: LocalPermute | None = None):
+                 permute: LocalPermute | None = None, chunks: int = 1):
         self.permute = permute or TorchPermute()
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.experts_per_rank = num_experts // ep_size
         self.first_local_expert = ep_rank * self.experts_per_rank
         self.group = group
+        self.chunks = chunks
 
     def dispatch(self, x_TD, experts_TK, weights_TK) -> DispatchOutput:
-        x_sorted, unsort = self.permute.sort(x_TD, experts_TK)
-        tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
-        if self.ep_size == 1:  # one rank holds every expert: L == E
-            return DispatchOutput(x_sorted, tokens_per_expert_E, unsort, weights_TK, None, None, None)
-
-        # Each rank learns how many rows it receives for each local expert from each source.
-        recv_counts_PL = torch.empty_like(tokens_per_expert_E)
-        dist.all_to_all_single(recv_counts_PL, tokens_per_expert_E, group=self.group)
-        recv_counts_PL = recv_counts_PL.view(self.ep_size, self.experts_per_rank)
-        send_splits = tokens_per_expert_E.view(self.ep_size, self.experts_per_rank).sum(1).tolist()
-        recv_splits = recv_counts_PL.sum(1).tolist()
-        x_recv = _AllToAll.apply(x_sorted, send_splits, recv_splits, self.group)
-
-        local_expert_R = torch.repeat_interleave(
-            torch.arange(self.experts_per_rank, device=x_TD.device).repeat(self.ep_size), recv_counts_PL.flatten()
-        )
-        regroup_R = torch.argsort(local_expert_R, stable=True)
-        return DispatchOutput(
-            x_recv[regroup_R], recv_counts_PL.sum(0), unsort, weights_TK, regroup_R, send_splits, recv_splits
-        )
+        (routed,) = self._start_dispatch(x_TD, experts_TK, weights_TK, chunks=1)
+        return self._arrive(routed)
 
     def combine(self, y_RD, state: DispatchOutput) -> torch.Tensor:
-        if state.regroup_R is not None:
-            y_recv = torch.empty_like(y_RD)
-            y_recv[state.regroup_R] = y_RD
-            y_RD = _AllToAll.apply(y_recv, state.recv_splits, state.send_splits, self.group)
-        return self.permute.unsort(y_RD, state.unsort, state.weights_TK)
+        return self._finish_combine(self._start_combine(y_RD, state), state)
+
+    def run(self, x_TD, experts_TK, weights_TK, experts: ExpertsFn) -> torch.Tensor:
+        # One rank: nothing travels, nothing to hide. Never a chunk without tokens.
+        chunks = min(self.chunks, x_TD.shape[0]) if self.ep_size > 1 else 1
+        returning = []
+        for routed in self._start_dispatch(x_TD, experts_TK, weights_TK, chunks):
+            routed = self._arrive(routed)
+            returning.append((self._start_combine(experts(routed.x_RD, routed.tokens_per_expert_L), routed), routed))
+        return torch.cat([self._finish_combine(y, routed) for y, routed in returning])
+
+    # --- the steps, each chunk's in order: start dispatch, arrive, (experts), start combine, finish
+
+    def _start_dispatch(self, x_TD, experts_TK, weights_TK, chunks: int) -> list[DispatchOutput]:
+        """Sort each chunk's copies and launch their exchanges; the rows are in flight."""
+        pieces = list(zip(*(t.tensor_split(chunks) for t in (x_TD, experts_TK, weights_TK))))
+        # Each chunk's copies per global expert, [C, E]. An index_add, not bincount, which
+        # asks the GPU for the largest index first (a host sync).
+        tokens_per_expert_CE = torch.stack([
+            torch.zeros(self.num_experts, dtype=torch.int64, device=e.device).index_add_(
+                0, e.flatten(), torch.ones(e.numel(), dtype=torch.int64, device=e.device))
+            for _, e, _ in pieces])
+        sorted_pieces = [self.permute.sort(x, e) for x, e, _ in pieces]
+        if self.ep_size == 1:  # one rank holds every expert: L == E
+            return [DispatchOutput(x_sorted, tokens_per_expert_E, unsort, w, None, None, None)
+                    for (x_sorted, unsort), tokens_per_expert_E, (_, _, w)
+                    in zip(sorted_pieces, tokens_per_expert_CE, pieces)]
+
+        # Each rank learns how many rows it receives for each local expert of each chunk from
+        # each source: one exchange of counts for all chunks, then one copy to the host.
+        P, C, L = self.ep_size, len(pieces), self.experts_per_rank
+        send_counts_PCL = tokens_per_expert_CE.view(C, P, L).transpose(0, 1).contiguous()
+        recv_counts_PCL = torch.empty_like(send_counts_PCL)
+        dist.all_to_all_single(recv_counts_PCL, send_counts_PCL, group=self.group)
+        splits = torch.cat([send_counts_PCL.sum(2), recv_counts_PCL.sum(2)]).T.tolist()  # [C][2P]
+        local_expert = torch.arange(L, device=x_TD.device).repeat(P)
+        routed = []
+        for c, ((x_sorted, unsort), (_, _, weights), chunk_splits) in enumerate(zip(sorted_pieces, pieces, splits)):
+            send_splits, recv_splits = chunk_splits[:P], chunk_splits[P:]
+            exchange = _Exchange(send_splits, recv_splits, self.group)
+            x_recv = _Start.apply(x_sorted, exchange)
+            local_expert_R = torch.repeat_interleave(local_expert, recv_counts_PCL[:, c].flatten(),
+                                                     output_size=sum(recv_splits))
+            regroup_R = torch.argsort(local_expert_R, stable=True)
+            routed.append(DispatchOutput(x_recv, recv_counts_PCL[:, c].sum(0), unsort, weights, regroup_R,
+                                         send_splits, recv_splits, exchange))
+        return routed
+
+    @staticmethod
+    def _arrive(routed: DispatchOutput) -> DispatchOutput:
+        """Wait for the chunk's rows and put them in local-expert order."""
+        if routed.exchange is None:
+            return routed
+        x_recv = _Wait.apply(routed.x_RD, routed.exchange)
+        routed.x_RD, routed.exchange = x_recv[routed.regroup_R], None
+        return routed
+
+    def _start_combine(self, y_RD, state: DispatchOutput) -> torch.Tensor:
+        """Launch the rows' way back (in flight until `_finish_combine`)."""
+        if state.regroup_R is None:
+            return y_RD
+        y_recv = torch.empty_like(y_RD)
+        y_recv[state.regroup_R] = y_RD
+        state.exchange = _Exchange(state.recv_splits, state.send_splits, self.group)
+        return _Start.apply(y_recv, state.exchange)
+
+    def _finish_combine(self, y_sorted, state: DispatchOutput) -> torch.Tensor:
+        """Wait for the rows to come back, then un-sort and sum each token's K outputs."""
+        if state.exchange is not None:
+            y_sorted = _Wait.apply(y_sorted, state.exchange)
+            state.exchange = None
+        return self.permute.unsort(y_sorted, state.unsort, state.weights_TK)

@@ -11,6 +11,8 @@ names them; a run picks one by `tier`.
     registry.py         every name a run's `tier` takes: the expert tiers and the
                         whole-model baselines (hf, hf_eager)
     adapters.py         ExpertAdapters: LoRA's expert adapters as a tier receives them
+    options.py          the tiers' own options as the config holds them (the `fp8`
+                        section), their choices as Literals; imports no torch
     grouped_mm.py       per-expert GEMMs through torch's F.grouped_mm, aligned
     loop.py             tier `loop`
     grouped_linear.py   tier `grouped_linear`
@@ -38,7 +40,7 @@ Each tier and what it runs:
                                     (quant/fp8_cast.py), GEMMs on
                                     kernels/scaled_grouped_mm.py; with LoRA a frozen base
                                     held in FP8 alone (quant/frozen_fp8.py); below
-                                    fp8_min_rows_per_expert, custom_grouped's BF16 kernels
+                                    fp8.min_rows_per_expert, custom_grouped's BF16 kernels
                     mxfp8-te        quant/te_mxfp8.py: Transformer Engine's MXFP8 on
                                     Blackwell
                     mxfp8-emulated  quant/scaled_grouped.py over quant/mxfp8.py: MXFP8

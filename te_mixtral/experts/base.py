@@ -21,7 +21,8 @@ the rows' device. Experts with zero rows, and R == 0, are valid inputs.
 """
 
 import abc
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,16 +38,48 @@ def swiglu(gate_up_RF2: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ExpertMemory:
-    """What a tier keeps in memory beyond a plain autograd expert FFN, as the fit check
-    (te_mixtral/planning/memory.py) counts it. The defaults are autograd's: every hidden row
-    kept, the weights in the parameters' own dtype."""
+class ExpertLoad:
+    """What the fit check (te_mixtral/planning/memory.py) tells a tier when it asks what the
+    tier holds: the device, the rows one forward routes to this rank's experts, and the bytes
+    of an element of the activations and of the parameters."""
 
-    fused_hidden: bool = False  # keeps gate_up's output alone (R x 2F), not also silu(gate) and the SwiGLU output
-    fp8: bool = False  # runs its GEMMs in FP8: FP8 copies of the expert weights, and of h for the down wgrad
-    frozen_fp8: bool = False  # LoRA: the frozen expert weights held in FP8 alone, a copy of none
-    weight_cache: bool = True  # the FP8 weight copies kept from a layer's first forward to the optimizer step
-    frozen_nf4: bool = False  # LoRA: the frozen expert weights held in NF4 alone, dequantised inside the GEMMs
+    device: str  # "cuda" or "cpu"
+    rows: int  # R
+    local_experts: int  # L
+    activation_bytes: int  # the compute dtype's
+    weight_bytes: int  # the parameters' (with LoRA, the frozen base's: the compute dtype)
+
+
+@dataclass(frozen=True)
+class ExpertMemory:
+    """What a tier holds for one decoder layer on this rank, in bytes: the tier says, the fit
+    check adds (te_mixtral/planning/memory.py). `autograd` is a plain PyTorch expert FFN's."""
+
+    hidden: int  # what the forward saves for the backward: the hidden rows, and the tier's own extras
+    hidden_grad: int  # in flight in the backward beside the input's and output's gradients
+    weight_copies: int = 0  # copies of the expert weights (FP8, say) the tier makes while a layer runs
+    weight_copies_saved: int = 0  # of those, what a layer that recomputes nothing keeps for its backward
+    weight_copies_cached: int = 0  # of those, kept from a layer's first forward to the optimizer step
+    weights_saved: int = 0  # bytes the tier's storage of the expert weights saves on the parameters'
+    holds: str = ""  # how the tier holds the experts when it saves some, for the estimate's title
+
+    @classmethod
+    def autograd(cls, intermediate_size: int, load: ExpertLoad, fused: bool = False) -> "ExpertMemory":
+        """Autograd's SwiGLU FFN: gate_up's output (R x 2F), silu(gate) and the product (R x F
+        each), and their gradients in the backward; `fused`: a tier that keeps gate_up's output
+        alone and makes the rest again in the backward."""
+        a, R, F = load.activation_bytes, load.rows, intermediate_size
+        return cls(hidden=a * R * (2 * F if fused else 4 * F), hidden_grad=a * R * (F if fused else 2 * F))
+
+    def held_in(self, frozen_weight: type, load: ExpertLoad, hidden_size: int,
+                intermediate_size: int) -> "ExpertMemory":
+        """This, with the layer's expert weights (gate_up [L, 2F, D], down [L, D, F]) held in
+        `frozen_weight`'s format (a `FrozenWeight` class, experts/quant/frozen.py) in place of
+        the parameters' dtype."""
+        L, D, F = load.local_experts, hidden_size, intermediate_size
+        shapes = ((L, 2 * F, D), (L, D, F))
+        saved = sum(load.weight_bytes * math.prod(shape) - frozen_weight.stored_bytes(shape) for shape in shapes)
+        return replace(self, weights_saved=saved, holds=f"its experts in {frozen_weight.format}")
 
 
 class ExpertTier(abc.ABC):
@@ -79,10 +112,10 @@ class ExpertTier(abc.ABC):
         config loads, before anything runs; a tier with no options has nothing to check."""
 
     @classmethod
-    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
-        """What this tier keeps for a run of `cfg` on `device` ("cuda", "cpu"), `rows` rows
-        routed to this rank's `local_experts` experts; a plain autograd tier keeps the defaults."""
-        return ExpertMemory()
+    def memory(cls, cfg, load: ExpertLoad) -> ExpertMemory:
+        """What this tier holds per layer for a run of `cfg` (`load`: the device, the rows
+        routed to this rank's experts, ...); a plain autograd tier holds autograd's."""
+        return ExpertMemory.autograd(cfg.model.intermediate_size, load)
 
     @classmethod
     def lighter(cls, cfg) -> list[tuple[str, dict]]:
@@ -102,11 +135,12 @@ class ExpertTier(abc.ABC):
         (results.json's `tier_calls`); empty for a tier with one."""
         return {}
 
-    def expert_weight(self, shape: tuple[int, ...]) -> nn.Module:
+    def expert_weight(self, shape: tuple[int, ...], frozen: bool = False) -> nn.Module:
         """The storage of one stacked expert weight of the model this tier runs: a parameter
-        in the default dtype, or what a tier reads instead (a frozen base in FP8,
-        device_mxfp8.py, or in NF4, custom_grouped.py), which the model passes to `__call__`
-        in its place."""
+        in the default dtype, or, for a base that does not train (`frozen`: LoRA's), what a
+        tier reads instead (FP8 alone, device_mxfp8.py; NF4 with `lora.base nf4`,
+        custom_grouped.py), which the model passes to `__call__` in its place. The model says
+        whether its base is frozen; the tier learns it here."""
         return nn.Parameter(torch.empty(shape))
 
     def recomputes_hidden(self, x_RD: torch.Tensor) -> bool:

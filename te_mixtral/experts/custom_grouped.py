@@ -25,11 +25,15 @@ import torch
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import with_adapter, with_fused_adapters
-from te_mixtral.experts.base import ExpertMemory, ExpertTier, swiglu
+from te_mixtral.experts.base import ExpertLoad, ExpertMemory, ExpertTier, swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
 from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
 
 AMPERE = (8, 0)  # BF16 tensor cores: what the NF4 base is dequantised into
+
+# The CUDA kernels keep SwiGLU's output inside the op, where the down adapter reads it.
+DOWN_DROPOUT = ("tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output never "
+                "leaves them): set lora.dropout 0, or leave down_proj out of lora.targets")
 
 
 class CustomGroupedTier(ExpertTier):
@@ -37,24 +41,37 @@ class CustomGroupedTier(ExpertTier):
     takes_adapters = True
     frozen_bases = ("nf4",)
 
-    def __init__(self, down_adapter_dropout: float = 0.0, nf4_base: bool = False):
-        self.down_adapter_dropout = down_adapter_dropout
-        self.nf4_base = nf4_base
+    def __init__(self, frozen_format: str = "default"):
+        """`frozen_format` (the config's `lora.base`): how this tier holds expert weights the
+        model asks for frozen (`expert_weight`): "default" as parameters, "nf4" in NF4."""
+        self.frozen_format = frozen_format
+        self.nf4_base = False  # whether the model's expert weights are this tier's frozen NF4 ones
 
     @classmethod
     def from_config(cls, cfg) -> "CustomGroupedTier":
-        adapts_down = cfg.lora.enabled and "down_proj" in cfg.lora.target_list()
-        return cls(cfg.lora.dropout if adapts_down else 0.0, nf4_base=_holds_nf4_base(cfg))
+        return cls(cfg.lora.base)
 
     @classmethod
-    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
+    def check(cls, cfg) -> None:
+        # Said when the config loads; the call itself refuses such adapters too (`_kernels`).
+        if cfg.lora.dropout and "down_proj" in cfg.lora.expert_targets() and cfg.resolved_device() == "cuda":
+            raise TierUnavailable(DOWN_DROPOUT)
+
+    @classmethod
+    def memory(cls, cfg, load: ExpertLoad) -> ExpertMemory:
         # The CUDA kernels keep gate_up's output alone and recompute the rest in the backward
         # (`recomputes_hidden`); the grouped_mm path elsewhere keeps what autograd keeps. An NF4
         # base is dequantised tile by tile inside the GEMMs: no copy of it in any dtype.
-        return ExpertMemory(fused_hidden=device == "cuda", frozen_nf4=_holds_nf4_base(cfg))
+        memory = ExpertMemory.autograd(cfg.model.intermediate_size, load, fused=load.device == "cuda")
+        if cfg.lora.enabled and cfg.lora.base == "nf4":
+            return memory.held_in(FrozenNF4Weight, load, cfg.model.hidden_size, cfg.model.intermediate_size)
+        return memory
 
-    def expert_weight(self, shape):
-        return FrozenNF4Weight(shape) if self.nf4_base else super().expert_weight(shape)
+    def expert_weight(self, shape, frozen=False):
+        if not (frozen and self.frozen_format == "nf4"):
+            return super().expert_weight(shape)
+        self.nf4_base = True
+        return FrozenNF4Weight(shape)
 
     def describe(self) -> dict:
         return {"frozen_base": "nf4, dequantised in the grouped GEMMs"} if self.nf4_base else {}
@@ -67,12 +84,7 @@ class CustomGroupedTier(ExpertTier):
                 "tier custom_grouped needs Triton on CUDA; pip install triton, "
                 "or choose tier grouped_linear or loop"
             )
-        if self.down_adapter_dropout:
-            raise TierUnavailable(
-                "tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output "
-                "never leaves them): set lora.dropout 0, or leave down_proj out of lora.targets"
-            )
-        capability = torch.cuda.get_device_capability(device) if self.nf4_base else AMPERE
+        capability = torch.cuda.get_device_capability(device) if self.frozen_format == "nf4" else AMPERE
         if tuple(capability) < AMPERE:
             raise TierUnavailable(f"lora.base nf4 dequantises into BF16 tensor cores, which need an Ampere GPU "
                                   f"(sm_80) or later; this one is sm_{capability[0]}{capability[1]}")
@@ -94,13 +106,11 @@ class CustomGroupedTier(ExpertTier):
 
     @staticmethod
     def _kernels(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden, adapters):
+        if adapters is not None and adapters.down is not None and adapters.dropout:
+            raise TierUnavailable(DOWN_DROPOUT)
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
         return kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden)
-
-
-def _holds_nf4_base(cfg) -> bool:
-    return cfg.lora.enabled and cfg.lora.base == "nf4"
 
 
 def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None, keep_hidden=True):

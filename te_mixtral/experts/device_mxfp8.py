@@ -22,16 +22,19 @@ are held in FP8 alone, quantised once as they load (quant/frozen_fp8.py): the ti
 adapters, runs every call in FP8 (there is no BF16 copy to fall back to) and no weight
 gradient. The other modes have no frozen FP8 base and refuse LoRA in one line.
 
-In mode `fp8-hopper` a call with fewer rows per local expert than `fp8_min_rows_per_expert`
-(a config key; 0 turns it off) runs the BF16 `custom_grouped` kernels instead: there FP8
-is slower than BF16 (docs/precision.md): `describe()` says so, and `calls()` (results.json's
+In mode `fp8-hopper` a call with fewer rows per local expert than `min_rows_per_expert` (the
+config's `fp8.min_rows_per_expert`; 0 turns it off) runs the BF16 `custom_grouped` kernels
+instead: there FP8 is slower than BF16 (docs/precision.md): `describe()` says so, and `calls()` (results.json's
 `tier_calls`) counts the calls that ran each path.
 
-`mode="auto"` (the config's `mxfp8_mode` default) picks the hardware path: sm_90 runs
+`mode="auto"` (the config's `fp8.mode` default) picks the hardware path: sm_90 runs
 `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. The CPU, any other GPU, or a mode the
 device cannot run (say `mxfp8-te` on Hopper, or on Blackwell without TE), is a
 `TierUnavailable` with one line saying why. A mode never falls back to another, and
-emulation runs only where it was asked for by name (`--mxfp8_mode mxfp8-emulated`).
+emulation runs only where it was asked for by name (`--fp8.mode mxfp8-emulated`).
+
+The tier's options are the config's `fp8` section (`FP8Options`, declared with their choices
+in experts/options.py, which imports no torch).
 
 All modes share the frame below: pad every expert's rows to the mode's alignment on the
 device (quant/padding.py), run the expert MLP on the padded rows, drop the padding.
@@ -44,13 +47,14 @@ its grouped-tensor path (`describe()["kernel"]` says whether it does).
 """
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
 from te_mixtral.errors import TierUnavailable, UserError
-from te_mixtral.experts.base import ExpertMemory, ExpertTier
+from te_mixtral.experts.base import ExpertLoad, ExpertMemory, ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
+from te_mixtral.experts.options import FP8_MODES, FP8Options
 from te_mixtral.experts.quant import te_mxfp8
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.experts.quant.mxfp8 import MXFP8EmulatedGemms
@@ -62,8 +66,6 @@ from te_mixtral.experts.quant.padding import (
 )
 from te_mixtral.experts.quant.scaled_grouped import GroupedGemms, scaled_grouped_swiglu
 
-# The modes a user can ask for (`RunConfig.mxfp8_mode`, validated against this tuple).
-MODES = ("auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated")
 HOPPER = (9, 0)
 BLACKWELL = ((10, 0), (12, 0))  # [first, past-the-end) capabilities where TE runs MXFP8
 
@@ -89,7 +91,7 @@ def select_mode(requested: str, device_type: str, capability=None, te_reason=lam
             where = device_type if capability is None else f"{device_type} {_sm(capability)}"
             raise TierUnavailable(
                 f"tier 'device_mxfp8' has no 8-bit grouped GEMM for {where}; "
-                "use --mxfp8_mode mxfp8-emulated to emulate MXFP8 numerics instead"
+                "use --fp8.mode mxfp8-emulated to emulate MXFP8 numerics instead"
             )
 
     reason = None
@@ -158,8 +160,8 @@ _MODE_RUNNERS = {
 
 
 def weight_cache_refusal(what: str) -> UserError:
-    """The one-line error for `fp8_weight_cache false` where `what` (a tier or a mode) runs."""
-    return UserError("fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper), whose "
+    """The one-line error for `fp8.weight_cache false` where `what` (a tier or a mode) runs."""
+    return UserError("fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper), whose "
                      f"FP8 weight copies it drops; {what} keeps none that way")
 
 
@@ -178,50 +180,29 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} ({_sm(torch.cuda.get_device_capability(device))})"
 
 
-@dataclass(frozen=True)
-class DeviceMXFP8Options:
-    """The tier's options. A run config spells them as top-level keys (`mxfp8_mode`,
-    `fp8_min_rows_per_expert`, `fp8_weight_cache`; `lora.rank` > 0 freezes the base), where
-    saved configs and command lines have always had them; the config stays importable
-    without torch, so it holds the keys and this tier reads them (`of`)."""
-
-    mode: str = "auto"  # one of MODES
-    bf16_below: int = 0  # fp8-hopper: fewer rows per local expert run custom_grouped in BF16
-    cache_weights: bool = True  # fp8-hopper: FP8 weight copies kept until the optimizer step
-    frozen_base: bool = False  # LoRA: the experts frozen, held in FP8 alone
-
-    @classmethod
-    def of(cls, cfg) -> "DeviceMXFP8Options":
-        return cls(cfg.mxfp8_mode, cfg.fp8_min_rows_per_expert, cfg.fp8_weight_cache, cfg.lora.enabled)
-
-    @property
-    def hopper_fp8(self) -> bool:
-        """Whether the mode is Hopper's FP8 (asked for, or picked by auto on Hopper)."""
-        return self.mode in ("auto", "fp8-hopper")
-
-
 class DeviceMXFP8Tier(ExpertTier):
-    """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `MODES` (see above)."""
+    """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `FP8_MODES` (see above)."""
 
     name = "device_mxfp8"
-    takes_adapters = True  # in mode fp8-hopper, over a frozen FP8 base (check_available refuses the others)
+    takes_adapters = True  # in mode fp8-hopper, over a frozen FP8 base (expert_weight refuses the others)
 
-    def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, bf16_below: int = 0,
-                 cache_weights: bool = True, frozen_base: bool = False):
+    def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, min_rows_per_expert: int = 0,
+                 cache_weights: bool = True):
         """`model_dims` (hidden size, expert FFN size), when given, are checked against the
         mode that runs (`check_dims`) by `check_available`, before the model is built.
-        `bf16_below`: in mode `fp8-hopper`, a call with fewer rows per local expert runs
-        the BF16 `custom_grouped` kernels instead (the config's `fp8_min_rows_per_expert`).
+        `min_rows_per_expert`: in mode `fp8-hopper`, a call with fewer rows per local expert
+        runs the BF16 `custom_grouped` kernels instead (0: FP8 at every size).
         `cache_weights` off: `fp8-hopper` quantises the expert weights at every use instead
-        of once per optimizer step (the config's `fp8_weight_cache`; fp8_hopper.py).
-        `frozen_base` (LoRA): the expert weights do not train and are held in FP8 alone."""
-        if mode not in MODES:
-            raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(MODES)}; got {mode!r}")
+        of once per optimizer step (fp8_hopper.py). A run config sets them from its `fp8`
+        section (`from_config`). A model whose base does not train (LoRA's) asks for frozen
+        expert weights (`expert_weight`), which this tier holds in FP8 alone."""
+        if mode not in FP8_MODES:
+            raise UserError(f"tier 'device_mxfp8' mode must be one of {', '.join(FP8_MODES)}; got {mode!r}")
         self.requested_mode = mode
         self.model_dims = model_dims
-        self.bf16_below = bf16_below
+        self.min_rows_per_expert = min_rows_per_expert
         self.cache_weights = cache_weights
-        self.frozen_base = frozen_base
+        self.frozen_base = False  # whether the model's expert weights are this tier's frozen FP8 ones
         self._calls: Counter[str] = Counter()  # calls per path: the mode, or BF16 under the break-even size
         self.mode: str | None = None  # the mode that runs, once a device is known
         self._device: torch.device | None = None
@@ -229,50 +210,68 @@ class DeviceMXFP8Tier(ExpertTier):
 
     @classmethod
     def from_config(cls, cfg) -> "DeviceMXFP8Tier":
-        options = DeviceMXFP8Options.of(cfg)
-        return cls(options.mode, (cfg.model.hidden_size, cfg.model.intermediate_size), options.bf16_below,
-                   options.cache_weights, frozen_base=options.frozen_base)
+        options: FP8Options = cfg.fp8
+        return cls(options.mode, (cfg.model.hidden_size, cfg.model.intermediate_size), options.min_rows_per_expert,
+                   options.weight_cache)
 
     @classmethod
     def check_options(cls, cfg) -> None:
-        options = DeviceMXFP8Options.of(cfg)
-        if options.mode not in MODES:
-            raise UserError(f"mxfp8_mode must be one of {', '.join(MODES)}, got '{options.mode}'")
-        if options.bf16_below < 0:
-            raise UserError(f"fp8_min_rows_per_expert must be 0 or more, got {options.bf16_below}")
-        if not options.cache_weights and (cfg.tier != cls.name or not options.hopper_fp8):
+        # The mode is one of FP8_MODES already: the config checks every Literal key.
+        options: FP8Options = cfg.fp8
+        if options.min_rows_per_expert < 0:
+            raise UserError(f"fp8.min_rows_per_expert must be 0 or more, got {options.min_rows_per_expert}")
+        if not options.weight_cache and (cfg.tier != cls.name or not options.hopper_fp8):
             raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != cls.name else f"mode '{options.mode}'")
 
     @classmethod
     def check(cls, cfg) -> None:
-        options = DeviceMXFP8Options.of(cfg)
-        if options.frozen_base and not options.hopper_fp8:
+        options: FP8Options = cfg.fp8
+        if cfg.lora.enabled and not options.hopper_fp8:
             raise UserError(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) "
                             f"only, not in mode '{options.mode}'")
-        if options.frozen_base and not options.cache_weights:
-            raise UserError("fp8_weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
+        if cfg.lora.enabled and not options.weight_cache:
+            raise UserError("fp8.weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
                             "base is held in FP8 alone, and there is no copy to drop")
 
     @classmethod
-    def memory(cls, cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
-        # The Hopper path keeps the experts' weights in FP8, one byte per element in each of two
-        # orientations, cached from a layer's first forward until the optimizer step, recompute
-        # or not; under its break-even size it runs custom_grouped's BF16 kernels, which keep
-        # none. (Blackwell's TE path is counted the same way; it has not been measured.)
+    def memory(cls, cfg, load: ExpertLoad) -> ExpertMemory:
+        # On CUDA the hidden rows are custom_grouped's (fused), also under the break-even
+        # size, where its BF16 kernels run and no FP8 copy is made. Above it the Hopper path
+        # keeps the experts' weights in FP8, one byte per element in each of two orientations,
+        # cached from a layer's first forward until the optimizer step, recompute or not; and
+        # h's FP8 copy for the down weight gradient (a byte per element) with its row scales.
+        # (Blackwell's TE path is counted the same way; it has not been measured.)
         # With LoRA it holds the frozen experts in FP8 alone (a byte per element and a float32
         # scale per row, in place of the base's dtype), runs every call in FP8 and caches no copy:
         # a layer's backward casts the dgrad orientation, a byte per element, while it runs.
-        options = DeviceMXFP8Options.of(cfg)
-        cuda = device == "cuda"
-        frozen = options.frozen_base and cuda
-        return ExpertMemory(fused_hidden=cuda, frozen_fp8=frozen, weight_cache=options.cache_weights,
-                            fp8=frozen or (cuda and runs_fp8(rows, local_experts, options.bf16_below)))
+        options: FP8Options = cfg.fp8
+        cuda = load.device == "cuda"
+        frozen = cfg.lora.enabled and cuda
+        a, R, L = load.activation_bytes, load.rows, load.local_experts
+        D, F = cfg.model.hidden_size, cfg.model.intermediate_size
+        memory = ExpertMemory.autograd(F, load, fused=cuda)
+        if not (frozen or (cuda and runs_fp8(R, L, options.min_rows_per_expert))):
+            return memory
+        weights = L * 3 * F * D  # this rank's expert weights in one layer, in elements
+        copies = (1 if frozen else 2) * weights
+        # The FP8 GEMMs' backward: d(h) beside d(gate_up), and the FP8 copies of both and of h.
+        hidden_grad = memory.hidden_grad + R * (2 * a * F + 5 * F)
+        if frozen:
+            # The SwiGLU output the down adapter reads, kept by the FP8 op.
+            adapts_down = "down_proj" in cfg.lora.expert_targets()
+            return replace(memory, hidden=memory.hidden + (a * R * F if adapts_down else 0), hidden_grad=hidden_grad,
+                           weight_copies=copies).held_in(FrozenFP8Weight, load, D, F)
+        # Without the weight cache they are made at every use: a kept layer saves one
+        # orientation (dgrad's) for its backward, a recomputed one nothing; both while it runs.
+        return replace(memory, hidden=memory.hidden + R * (F + 4), hidden_grad=hidden_grad, weight_copies=copies,
+                       weight_copies_saved=copies if options.weight_cache else copies // 2,
+                       weight_copies_cached=copies if options.weight_cache else 0)
 
     @classmethod
     def lighter(cls, cfg) -> list[tuple[str, dict]]:
-        options = DeviceMXFP8Options.of(cfg)
-        if options.hopper_fp8 and options.cache_weights and not options.frozen_base:
-            return [("--fp8_weight_cache false", {"fp8_weight_cache": False})]
+        options: FP8Options = cfg.fp8
+        if options.hopper_fp8 and options.weight_cache and not cfg.lora.enabled:
+            return [("--fp8.weight_cache false", {"fp8": replace(options, weight_cache=False)})]
         return []
 
     def check_available(self, device: torch.device) -> None:
@@ -290,9 +289,6 @@ class DeviceMXFP8Tier(ExpertTier):
             check_dims(mode, *self.model_dims)
         if not self.cache_weights and mode != "fp8-hopper":
             raise weight_cache_refusal(f"mode '{mode}', which runs here,")
-        if self.frozen_base and mode != "fp8-hopper":
-            raise TierUnavailable(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (a Hopper "
-                                  f"GPU) only; mode '{mode}' runs here")
         if mode != self.mode:
             self._runner = _MODE_RUNNERS[mode](self)
         self.mode, self._device = mode, device
@@ -302,22 +298,26 @@ class DeviceMXFP8Tier(ExpertTier):
         if self._runner is None:
             raise RuntimeError("DeviceMXFP8Tier.describe() needs check_available(device) first")
         kernel = self._runner.frozen_kernel if self.frozen_base else self._runner.kernel
-        if not self.frozen_base and self._bf16_below_here():
-            kernel += f"; BF16 custom_grouped kernels for calls under {self.bf16_below} rows per local expert"
+        if not self.frozen_base and self._bf16_under_break_even():
+            kernel += f"; BF16 custom_grouped kernels for calls under {self.min_rows_per_expert} rows per local expert"
         return {"recipe": self._runner.recipe, "kernel": kernel, "device": _device_name(self._device),
                 "precision": "fp8" if self.mode == "fp8-hopper" else "mxfp8"}
 
     def calls(self) -> dict[str, int]:
         return dict(self._calls)
 
-    def _bf16_below_here(self) -> bool:
-        return self.mode == "fp8-hopper" and self.bf16_below > 0
+    def _bf16_under_break_even(self) -> bool:
+        return self.mode == "fp8-hopper" and self.min_rows_per_expert > 0
 
-    def expert_weight(self, shape):
-        if not self.frozen_base:
+    def expert_weight(self, shape, frozen=False):
+        if not frozen:
             return super().expert_weight(shape)
-        if self.mode != "fp8-hopper":
+        if self.mode is None:
             raise RuntimeError("DeviceMXFP8Tier.expert_weight() of a frozen base needs check_available(device) first")
+        if self.mode != "fp8-hopper":
+            raise TierUnavailable(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (a Hopper "
+                                  f"GPU) only; mode '{self.mode}' runs here")
+        self.frozen_base = True
         return FrozenFP8Weight(shape, self._runner.value_dtype)
 
     def recomputes_hidden(self, x_RD) -> bool:
@@ -339,7 +339,7 @@ class DeviceMXFP8Tier(ExpertTier):
         # the FP8 GEMMs save (docs/precision.md has the measurements). Rows and experts are
         # shapes, known on the host: the choice needs no sync. A frozen base has no BF16 copy.
         if (not frozen and self.mode == "fp8-hopper"
-                and not runs_fp8(x_RD.shape[0], tokens_per_expert_L.numel(), self.bf16_below)):
+                and not runs_fp8(x_RD.shape[0], tokens_per_expert_L.numel(), self.min_rows_per_expert)):
             self._calls["bf16 custom_grouped"] += 1
             return _BF16_BELOW(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF)
         self._calls[f"{self.mode}, frozen FP8 base" if frozen else self.mode] += 1

@@ -13,7 +13,7 @@ registry imports on a machine with neither.
 """
 
 from te_mixtral.errors import UserError
-from te_mixtral.experts.base import ExpertMemory, ExpertTier
+from te_mixtral.experts.base import ExpertLoad, ExpertMemory, ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.grouped_linear import GroupedLinearTier
@@ -49,10 +49,10 @@ def make_tier(name: str, cfg=None) -> ExpertTier:
     return tier_class() if cfg is None else tier_class.from_config(cfg)
 
 
-def expert_memory(cfg, device: str, rows: int, local_experts: int) -> ExpertMemory:
-    """What the run's tier keeps (`ExpertTier.memory`); a baseline's experts, autograd's."""
+def expert_memory(cfg, load: ExpertLoad) -> ExpertMemory:
+    """What the run's tier holds per layer (`ExpertTier.memory`); a baseline's experts, autograd's."""
     tier = EXPERT_TIERS.get(cfg.tier)
-    return ExpertMemory() if tier is None else tier.memory(cfg, device, rows, local_experts)
+    return ExpertMemory.autograd(cfg.model.intermediate_size, load) if tier is None else tier.memory(cfg, load)
 
 
 def lighter_settings(cfg) -> list[tuple[str, dict]]:

@@ -59,10 +59,15 @@ def count_adapters(m: ModelConfig, ep_size: int, lora: LoRAConfig) -> int:
     return m.num_hidden_layers * lora.rank * (dense + (m.num_experts // ep_size) * expert)
 
 
+def local_parts(params: ParamCounts, expert_replicas: int, dense_replicas: int) -> tuple[int, int]:
+    """(dense, expert) parameters of this rank's shards: each dense weight split over
+    `dense_replicas` ranks, each expert over `expert_replicas`."""
+    return params.dense // dense_replicas, params.experts // expert_replicas
+
+
 def local_parameters(params: ParamCounts, expert_replicas: int, dense_replicas: int) -> int:
-    """Parameters of this rank's shards: each dense weight split over `dense_replicas` ranks,
-    each expert over `expert_replicas`."""
-    return params.dense // dense_replicas + params.experts // expert_replicas
+    """Parameters of this rank's shards (`local_parts`, summed)."""
+    return sum(local_parts(params, expert_replicas, dense_replicas))
 
 
 def held_unsharded(params: ParamCounts, p_bytes: int, g_bytes: int, accumulating: bool, tied: bool) -> dict:

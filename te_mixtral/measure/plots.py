@@ -10,6 +10,7 @@ state (a current figure, a backend picked at first use, which on a machine with 
 may be an interactive one); a bare `Figure` always renders with Agg to a file and leaves
 nothing behind.
 
+Each `*_figure` function returns the figure (tests read its lines back); `save` writes it.
 The PNGs are written without the "Software" metadata entry, so re-drawing the same numbers
 with the same matplotlib gives the same bytes and a regenerated page shows no spurious
 diff.
@@ -21,6 +22,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 PNG_METADATA = {"Software": None}
+# A loss curve this long gets a smoothed line (an EMA) over its raw one, drawn faint: step to
+# step noise hides the trend of a long run. Shorter ones are drawn raw, every step marked.
+SMOOTH_FROM_STEPS = 50
+# Each series gets its own line style and marker, and the first drawn is the widest: a later
+# series identical to an earlier one covers it only partly, so both stay visible.
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = "os^vDP*X"
 
 
 def _figure(width: float = 7.0, height: float = 4.0):
@@ -30,8 +38,31 @@ def _figure(width: float = 7.0, height: float = 4.0):
     return fig, fig.subplots()
 
 
-def step_time_png(labels: Sequence[str], median_ms: Sequence[float], p90_ms: Sequence[float], path: Path,
-                  title: str) -> Path:
+def _title(ax, title: str) -> None:
+    """A title of several lines (what, then how it was made), each wrapped to the figure's
+    width: constrained layout makes room above the axes for the lines, not beside the figure."""
+    ax.set_title(title, fontsize=9, wrap=True)
+
+
+def save(fig, path: Path) -> Path:
+    """Write a figure as a PNG with no "Software" entry (see the module docstring)."""
+    fig.savefig(path, metadata=PNG_METADATA)
+    return path
+
+
+def ema(values: Sequence[float], span: int) -> list[float]:
+    """The exponential moving average of `values` with weight 2 / (span + 1) per new value,
+    divided by the weights summed so far, so that the first values are not pulled to zero
+    (pandas' `ewm(span=span).mean()`; TensorBoard's smoothing debiases the same way)."""
+    alpha, total, weight, out = 2 / (span + 1), 0.0, 0.0, []
+    for value in values:
+        total = (1 - alpha) * total + value
+        weight = (1 - alpha) * weight + 1
+        out.append(total / weight)
+    return out
+
+
+def step_time_figure(labels: Sequence[str], median_ms: Sequence[float], p90_ms: Sequence[float], title: str):
     """One bar per run: its median step time, a whisker up to its p90, the median under the bar's name."""
     fig, ax = _figure(max(5.0, 1.3 * len(labels) + 2.0))
     positions = list(range(len(labels)))
@@ -44,45 +75,55 @@ def step_time_png(labels: Sequence[str], median_ms: Sequence[float], p90_ms: Seq
     ax.set_xticks(positions, ticks, fontsize=8)
     ax.set_ylabel("step time (ms): median, whisker to p90")
     ax.set_ylim(0, max(p90_ms) * 1.15 if p90_ms else 1)
-    ax.set_title(title, fontsize=9)
+    _title(ax, title)
     ax.grid(axis="y", alpha=0.3)
-    fig.savefig(path, metadata=PNG_METADATA)
-    return path
+    return fig
 
 
-def loss_png(curves: Sequence[tuple[str, Sequence[float]]], path: Path, title: str,
-             evals: Sequence[tuple[int, float]] = ()) -> Path:
+def loss_figure(curves: Sequence[tuple[str, Sequence[float]]], title: str, evals: Sequence[tuple[int, float]] = ()):
     """Every run's per-step loss on one set of axes; steps count from 1 as the training log
-    does. `evals`, (step, loss) of one run's held-out evaluations, are drawn over them."""
+    does. A curve of SMOOTH_FROM_STEPS steps or more is drawn faint, with its EMA over about
+    a twentieth of the run as a line of its own. `evals`, (step, loss) of one run's held-out
+    evaluations, are drawn over them."""
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = _figure()
-    markers = "os^vDP*X"
     for index, (label, losses) in enumerate(curves):
         steps = range(1, len(losses) + 1)
-        ax.plot(steps, losses, label=label, marker=markers[index % len(markers)], markersize=3, linewidth=1.2,
-                alpha=0.85)
+        under = len(curves) - 1 - index  # curves drawn after this one, over it
+        style = {"linestyle": LINE_STYLES[index % len(LINE_STYLES)], "linewidth": 1.2 + 0.8 * under}
+        if len(losses) < SMOOTH_FROM_STEPS:
+            ax.plot(steps, losses, label=label, marker=MARKERS[index % len(MARKERS)], markersize=3 + 1.5 * under,
+                    alpha=0.85, **style)
+            continue
+        raw = ax.plot(steps, losses, linewidth=0.8, alpha=0.25)[0]
+        span = max(5, len(losses) // 20)
+        ax.plot(steps, ema(losses, span), label=f"{label} (EMA, span {span} steps)", color=raw.get_color(), **style)
     if evals:
         ax.plot(*zip(*evals), label="held-out (eval)", color="#c44e52", marker="s", markersize=5, linewidth=1.2,
                 linestyle="--")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training and held-out loss (global mean)" if evals else "training loss (global mean)")
-    ax.set_title(title, fontsize=9)
+    _title(ax, title)
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=8)
-    fig.savefig(path, metadata=PNG_METADATA)
-    return path
+    return fig
 
 
-def step_times_png(first_step: int, step_ms: Sequence[float], timing_warmup: int, path: Path, title: str) -> Path:
-    """One run's step time at every step it ran (counted from `first_step`), its first
-    `timing_warmup` steps marked as the warm-up the statistics leave out, and the median of
-    the others as a line."""
+def step_times_figure(first_step: int, step_ms: Sequence[float], timing_warmup: int, title: str,
+                      earlier: Sequence[tuple[int, float]] = ()):
+    """One run's step time at every step this process ran (counted from `first_step`), its
+    first `timing_warmup` steps marked as the warm-up the statistics leave out, and the
+    median of the others as a line. `earlier`, (step, ms) of the steps a resumed run ran
+    before (its log's), are drawn before them in grey: the statistics are this process's."""
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = _figure()
+    if earlier:
+        ax.plot(*zip(*earlier), color="#999999", marker="o", markersize=3, linewidth=1.2, label="before the resume")
+        ax.axvline(first_step - 0.5, color="#999999", linewidth=1, linestyle=":")
     steps = list(range(first_step, first_step + len(step_ms)))
     ax.plot(steps, step_ms, color="#4c72b0", marker="o", markersize=3, linewidth=1.2, label="step")
     if timing_warmup:
@@ -92,17 +133,16 @@ def step_times_png(first_step: int, step_ms: Sequence[float], timing_warmup: int
         median = statistics.median(step_ms[timing_warmup:])
         ax.axhline(median, color="#555555", linewidth=1, linestyle="--", label=f"median {median:.1f} ms")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylim(0, max(step_ms) * 1.1 if step_ms else 1)
+    ax.set_ylim(0, max([*step_ms, *(ms for _, ms in earlier)]) * 1.1 if step_ms else 1)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
-    ax.set_title(title, fontsize=9)
+    _title(ax, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(path, metadata=PNG_METADATA)
-    return path
+    return fig
 
 
-def expert_load_png(tokens_per_expert_YE: Sequence[Sequence[int]], path: Path, title: str) -> Path:
+def expert_load_figure(tokens_per_expert_YE: Sequence[Sequence[int]], title: str):
     """One cell per layer and expert: its share of the layer's rows over the even share, so
     1 is balanced and every layer reads on one scale."""
     layers, experts = len(tokens_per_expert_YE), len(tokens_per_expert_YE[0])
@@ -115,6 +155,5 @@ def expert_load_png(tokens_per_expert_YE: Sequence[Sequence[int]], path: Path, t
     ax.tick_params(labelsize=7)
     ax.set_xlabel("expert")
     ax.set_ylabel("layer")
-    ax.set_title(title, fontsize=9)
-    fig.savefig(path, metadata=PNG_METADATA)
-    return path
+    _title(ax, title)
+    return fig

@@ -1,4 +1,4 @@
-"""The run as it goes: one JSON line per step, TensorBoard when asked for, a progress bar,
+"""The run as it goes: one JSON line per step, experiment trackers when asked for, a progress bar,
 and at the end the loss and step-time plots beside results.json.
 
 results.json is written once, at the end, so a run that is killed, hangs or diverges
@@ -41,9 +41,8 @@ strict JSON tools such as `jq` do not).
 At the end (`plots`, on by default) the run draws `loss.png` (with the held-out losses,
 where there are any) and `step_time.png` beside results.json with measure/plots.py; without matplotlib it says so in one line and trains on.
 
-`tensorboard: true` writes the same scalars (and the held-out loss of each evaluation)
-with `torch.utils.tensorboard` into the output folder itself, so `tensorboard --logdir runs`
-shows every run under its folder's name. The writer is flushed every step, like the JSONL.
+`report_to` sends the same scalars (and the held-out loss of each evaluation) to
+TensorBoard, Weights & Biases or MLflow (measure/trackers.py), as each step is logged.
 
 The progress bar is tqdm's, on stderr, and only when stderr is a terminal: in a log file
 or a test's captured output a redrawn bar is noise, and the plain line printed every
@@ -66,21 +65,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from te_mixtral.config import RunConfig
-from te_mixtral.errors import UserError
 from te_mixtral.files import write_failure, write_text_atomic
 from te_mixtral.measure import expert_load, plots
 from te_mixtral.measure.metrics import GIB
+from te_mixtral.measure.trackers import start_trackers
 
 STEPS_FILE = "steps.jsonl"
 LOSS_PLOT = "loss.png"
 STEP_TIME_PLOT = "step_time.png"
-
-
-def check_tensorboard(cfg: RunConfig) -> None:
-    """Refuse `tensorboard: true` in one line where the tensorboard package is missing
-    (every rank checks, before the first collective)."""
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("tensorboard: true needs the tensorboard package: pip install 'te_mixtral[tensorboard]'")
 
 
 def progress_line(step: int, total: int, loss: float, lr: float, step_s: float, aux: float) -> str:
@@ -102,7 +94,7 @@ def step_record(step: int, loss: float, router: dict, grad_norm: float, lr: floa
 
 
 def _scalars(record: dict) -> dict[str, float]:
-    """A steps.jsonl record as TensorBoard tags, grouped by their prefix."""
+    """A steps.jsonl record as the trackers' tags, grouped by their prefix."""
     load = record["expert_load"]
     scalars = {"loss/train": record["loss"], "loss/aux": record["aux_loss"], "loss/z": record["z_loss"],
                "optim/lr": record["lr"], "optim/grad_norm": record["grad_norm"], "speed/step_ms": record["step_ms"],
@@ -136,23 +128,27 @@ class RunLog:
         self.output_dir = output_dir
         self.cfg = cfg
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        self._file = self._tensorboard = self._bar = None
+        self._file = self._bar = None
+        self._trackers = []
+        # (step, ms) of the steps a resumed run ran before this process, from its log: the
+        # step-time plot covers the whole run.
+        self.earlier_step_ms: list[tuple[int, float]] = []
         if output_dir is None:
             return
         path = output_dir / STEPS_FILE
         self.unwritten: list[str] = []  # what could not be written (a full disk), for the run's last line
         try:
             if cfg.resume and path.exists():
-                write_text_atomic(path, _kept_lines(path, first_step))
+                kept = _kept_lines(path, first_step)
+                write_text_atomic(path, kept)
                 self._file = path.open("ab", buffering=0)
+                self.earlier_step_ms = [(r["step"], r["step_ms"]) for r in map(json.loads, kept.splitlines())
+                                        if r.get("step_ms") is not None]
             else:
                 self._file = path.open("wb", buffering=0)
         except OSError as e:
             raise write_failure(str(path), e) from None
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=str(output_dir))
+        self._trackers = start_trackers(output_dir, cfg)
         # disable=None: no bar where stderr is not a terminal (a log, a pipe).
         self._bar = tqdm(total=total, initial=first_step - 1, unit="step", file=sys.stderr, disable=None,
                          dynamic_ncols=True)
@@ -174,10 +170,8 @@ class RunLog:
         record = step_record(step, state.losses[-1], state.router[-1], state.grad_norms[-1], lr, step_s,
                              self.tokens_per_step, memory_bytes)
         self._append(record)
-        if self._tensorboard is not None:
-            for tag, value in _scalars(record).items():
-                self._tensorboard.add_scalar(tag, value, step)
-            self._tensorboard.flush()
+        for tracker in self._trackers:
+            tracker.log(_scalars(record), step)
         if step_s is None:
             return
         self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", refresh=False)
@@ -208,42 +202,41 @@ class RunLog:
 
     def evaluation(self, evaluation) -> None:
         """Log a held-out evaluation (training/evaluate.Evaluation): print it, write its line
-        and send its loss to TensorBoard."""
+        and send its loss to the trackers."""
         if self._file is None:
             return
         self.write(evaluation.line(self.cfg.train.steps))
         self._append({"step": evaluation.step, "eval_loss": evaluation.loss, "eval_perplexity": evaluation.perplexity,
                       "eval_targets": evaluation.targets})
-        if self._tensorboard is not None:
-            self._tensorboard.add_scalar("loss/eval", evaluation.loss, evaluation.step)
-            self._tensorboard.flush()
+        for tracker in self._trackers:
+            tracker.log({"loss/eval": evaluation.loss}, evaluation.step)
 
     def finish(self, losses: list[float], first_step: int, step_times_s: list[float], timing_warmup: int,
                title: str, evals: list[dict] = ()) -> list[str]:
         """Close the log and, with `plots`, draw the run's plots beside results.json: its
         loss at every step (a resumed run's earlier steps too) with its held-out `evals`
         (evaluate.Evaluation dictionaries), and the times of this process's steps (from
-        `first_step`). Without matplotlib, say so in one line. Return what could not be
+        `first_step`) after those its log holds from before a resume. Without matplotlib, say so in one line. Return what could not be
         written (the log's end, a plot), one phrase each."""
         if self._file is None:
             return []
         self._bar.close()
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close()
         if not self.cfg.plots:
             return self.unwritten
         if importlib.util.find_spec("matplotlib") is None:
             print("te_mixtral: matplotlib is not installed, so no plots (pip install matplotlib)", flush=True)
             return self.unwritten
-        drawings = {LOSS_PLOT: lambda path, title: plots.loss_png([(self.cfg.tier, losses)], path, title,
-                                                                  [(e["step"], e["loss"]) for e in evals])}
+        drawings = {LOSS_PLOT: partial(plots.loss_figure, [(self.cfg.tier, losses)], title,
+                                       [(e["step"], e["loss"]) for e in evals])}
         if step_times_s:
-            drawings[STEP_TIME_PLOT] = partial(plots.step_times_png, first_step, [s * 1e3 for s in step_times_s],
-                                               timing_warmup)
-        for name, draw in drawings.items():
+            drawings[STEP_TIME_PLOT] = partial(plots.step_times_figure, first_step, [s * 1e3 for s in step_times_s],
+                                               timing_warmup, title, self.earlier_step_ms)
+        for name, figure in drawings.items():
             try:
-                draw(self.output_dir / name, title)
+                plots.save(figure(), self.output_dir / name)
             except OSError as e:
                 (self.output_dir / name).unlink(missing_ok=True)  # half a picture is none
                 self.unwritten.append(str(write_failure(str(self.output_dir / name), e)))

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, LoRAConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.adapters import ExpertAdapters
 from te_mixtral.experts.quant.frozen import FrozenWeight
+from te_mixtral.lora_config import LORA_EXPERT_TARGETS, LoRAConfig
 
 
 class LowRank(nn.Module):
@@ -94,20 +94,19 @@ def adapter_seed(seed: int, layer_index: int, global_expert: int) -> int:
 def add_adapters(model: nn.Module, lora: LoRAConfig, seed: int, layout: Layout) -> None:
     """Give `model` (te_mixtral's Mixtral, its weights in place) the adapters `lora` targets,
     initialised from `seed`, on its device, in fp32."""
-    targets = lora.target_list()
     m = model.config
     device = next(model.parameters()).device
     dense = torch.Generator(device).manual_seed(adapter_seed(seed, -1, -1))
     experts_per_rank = m.num_experts // layout.ep_size
     for layer_index, layer in enumerate(model.model.layers):
         attention = layer.self_attn
-        for target in (t for t in LORA_DENSE_TARGETS if t in targets):
+        for target in lora.dense_targets():
             base = getattr(attention, target)
             out_features, in_features = base.weight.shape
             adapter = attention.adapters[target] = LowRank(in_features, out_features, lora).to(device)
             adapter.A.uniform_(-_a_bound(in_features), _a_bound(in_features), generator=dense)
         experts = layer.mlp.experts
-        for target in (t for t in LORA_EXPERT_TARGETS if t in targets):
+        for target in lora.expert_targets():
             _, out_features, in_features = getattr(experts, target).shape
             adapter = experts.adapters[target] = StackedLowRank(experts_per_rank, in_features, out_features,
                                                                 lora).to(device)
@@ -145,13 +144,6 @@ def base_weights(model: nn.Module) -> dict[str, torch.Tensor | FrozenWeight]:
 def weight_tensor(weight: torch.Tensor | FrozenWeight) -> torch.Tensor:
     """A weight of `base_weights` as a tensor: a frozen quantised stack dequantised to float32."""
     return weight.dequantized() if isinstance(weight, FrozenWeight) else weight.detach()
-
-
-def freeze_base(model: nn.Module) -> None:
-    """Every weight but the adapters' stops training."""
-    for name, param in model.named_parameters():
-        if not is_adapter_param(name):
-            param.requires_grad_(False)
 
 
 @torch.no_grad()

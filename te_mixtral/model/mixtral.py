@@ -77,17 +77,19 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str):
+    def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str,
+                 frozen_base: bool, ep_chunks: int = 1):
         super().__init__()
         self.recompute_layer = recompute == "full"
         self.input_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.self_attn = Attention(m, backend)
         self.post_attention_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_rank, layout.ep_group,
-                                        backend.permute())
+                                        backend.permute(), ep_chunks)
         self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_experts, m.num_experts_per_tok,
                             dispatcher, tier, m.num_experts // layout.ep_size,
-                            recompute_experts=recompute == "selective", z_loss_grad=m.router_z_loss_coef != 0)
+                            recompute_experts=recompute == "selective", z_loss_grad=m.router_z_loss_coef != 0,
+                            frozen_base=frozen_base)
 
     def forward(self, x_BSD, rotary, packed):
         if self.recompute_layer:
@@ -102,11 +104,12 @@ class DecoderLayer(nn.Module):
 
 class MixtralBody(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str,
-                 recompute_layers: int):
+                 recompute_layers: int, frozen_base: bool, ep_chunks: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(m, backend, layout, tier, recompute if i < recompute_layers else "none")
+            DecoderLayer(m, backend, layout, tier, recompute if i < recompute_layers else "none", frozen_base,
+                         ep_chunks)
             for i in range(m.num_hidden_layers))
         self.norm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta, backend)
@@ -114,16 +117,21 @@ class MixtralBody(nn.Module):
 
 class MixtralForCausalLM(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str = "none",
-                 recompute_layers: int | None = None):
-        """`recompute` in the first `recompute_layers` decoder layers (None: all of them)."""
+                 recompute_layers: int | None = None, frozen_base: bool = False, ep_chunks: int = 1):
+        """`recompute` in the first `recompute_layers` decoder layers (None: all of them).
+        `frozen_base` (LoRA): no weight made here trains, and the tier may hold the expert
+        weights its own way (`ExpertTier.expert_weight`); adapters added later train. Each MoE
+        layer's exchanges in `ep_chunks` overlapped chunks (distributed/dispatch.py)."""
         super().__init__()
         self.config = m
         self.tier = tier  # every MoE layer's; read by the training loop for its `calls()`
         layers = m.num_hidden_layers if recompute_layers is None else recompute_layers
-        self.model = MixtralBody(m, backend, layout, tier, recompute, layers)
+        self.model = MixtralBody(m, backend, layout, tier, recompute, layers, frozen_base, ep_chunks)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if frozen_base:  # the one place the base is frozen
+            self.requires_grad_(False)
         self.routing: RouterStats | None = None  # the latest forward's, on this rank
 
     def forward(self, input_ids_BS, packed: PackedSequences) -> torch.Tensor:

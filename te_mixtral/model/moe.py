@@ -31,12 +31,13 @@ from te_mixtral.model.router_losses import RouterStats
 class StackedExperts(nn.Module):
     """This rank's experts, stored stacked (gate_up [L, 2F, D], down [L, D, F]): the one
     parameter layout every tier reads; in the storage `tier` keeps them in (a parameter
-    unless the tier holds a frozen base its own way: ExpertTier.expert_weight)."""
+    unless the tier holds a `frozen` base its own way: ExpertTier.expert_weight)."""
 
-    def __init__(self, experts_per_rank: int, hidden_size: int, intermediate_size: int, tier: ExpertTier):
+    def __init__(self, experts_per_rank: int, hidden_size: int, intermediate_size: int, tier: ExpertTier,
+                 frozen: bool = False):
         super().__init__()
-        self.gate_up_proj = tier.expert_weight((experts_per_rank, 2 * intermediate_size, hidden_size))
-        self.down_proj = tier.expert_weight((experts_per_rank, hidden_size, intermediate_size))
+        self.gate_up_proj = tier.expert_weight((experts_per_rank, 2 * intermediate_size, hidden_size), frozen)
+        self.down_proj = tier.expert_weight((experts_per_rank, hidden_size, intermediate_size), frozen)
         self.adapters = nn.ModuleDict()  # LoRA's, by stacked weight name (model/lora.py); empty without
 
     def forward(self, tier: ExpertTier, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor,
@@ -52,11 +53,11 @@ class StackedExperts(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dispatcher: TokenDispatcher, tier: ExpertTier, experts_per_rank: int,
-                 recompute_experts: bool = False, z_loss_grad: bool = False):
+                 recompute_experts: bool = False, z_loss_grad: bool = False, frozen_base: bool = False):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
-        self.experts = StackedExperts(experts_per_rank, hidden_size, intermediate_size, tier)
+        self.experts = StackedExperts(experts_per_rank, hidden_size, intermediate_size, tier, frozen_base)
         self.dispatcher = dispatcher
         self.tier = tier
         self.recompute_experts = recompute_experts
@@ -77,11 +78,15 @@ class MoEBlock(nn.Module):
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> DispatchOutput:
         """Send each token's k copies to the ranks of their experts, sorted by local expert."""
+        return self.dispatcher.dispatch(self._travelling(x_TD), experts_TK, weights_TK)
+
+    @staticmethod
+    def _travelling(x_TD: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x_TD.device.type):
             # The experts compute in the autocast dtype anyway; casting before dispatch
             # halves the bytes the all-to-all moves.
-            x_TD = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
-        return self.dispatcher.dispatch(x_TD, experts_TK, weights_TK)
+            return x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
+        return x_TD
 
     def run_experts(self, x_RD: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
         """The expert tier over this rank's sorted rows: [R, D] in, [R, D] out."""
@@ -99,6 +104,7 @@ class MoEBlock(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         weights_TK, experts_TK, stats = self.route(x_TD)
-        routed = self.dispatch(x_TD, weights_TK, experts_TK)
-        y_RD = self.run_experts(routed.x_RD, routed.tokens_per_expert_L)
-        return self.combine(y_RD, routed).view_as(x_BSD), stats
+        # dispatch, run_experts and combine, the exchanges of one chunk of tokens under the
+        # experts of another where the dispatcher overlaps them (distributed/dispatch.py).
+        y_TD = self.dispatcher.run(self._travelling(x_TD), experts_TK, weights_TK, self.run_experts)
+        return y_TD.view_as(x_BSD), stats

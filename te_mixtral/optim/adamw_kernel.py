@@ -14,6 +14,13 @@ are as cheap as conversion instructions. On the GPU the compiler may fuse a mult
 an add into one FMA, so GPU results can differ from the torch path in the last fp32 bit of
 the master; the square root and the division are the correctly rounded ones, as in torch.
 
+8-bit moments (`moments8.py`): the second kernel works on whole blocks of 256 values, eight
+to a program as a [8, 256] tile, so that each block's largest value is a reduction along
+the tile's rows. It reads the codes and block scales, decodes them with integer operations
+(the square of the stored sqrt(v) is v), updates as above, and rounds the new moments back
+to codes by the same integer operations as moments8.quantize: 8 bytes read and 6 written
+per parameter (plus a scale per block for each moment), in one pass.
+
 The step-dependent scalars (`StepScalars`) are plain fp32 arguments: a new learning rate
 or step count neither recompiles the kernel nor synchronises with the host. One launch
 per tensor; the large expert tensors dominate the time, so launches are not batched.
@@ -24,6 +31,8 @@ import triton
 import triton.language as tl
 
 from te_mixtral.optim.adamw_torch import StepScalars
+from te_mixtral.optim.moments8 import BLOCK as QBLOCK
+from te_mixtral.optim.moments8 import EXP_AVG, MIN_SCALE_EXPONENT, SQRT_EXP_AVG_SQ
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -66,6 +75,36 @@ def _store_fp32(ptr, offs, x, mask, IS_FP32: tl.constexpr):
 
 
 @triton.jit
+def _join_master(param_ptr, remainder_ptr, offs, mask):
+    """master bits = (bf16 bits << 16) + remainder; no overflow for any pair split_master makes."""
+    param_bits = tl.load(param_ptr + offs, mask=mask, other=0).to(tl.int32)
+    remainder = tl.load(remainder_ptr + offs, mask=mask, other=0).to(tl.int32)
+    return ((param_bits << 16) + remainder).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_master(param_ptr, remainder_ptr, offs, master, mask):
+    """Split: round half up on the 16 dropped bits (bits.split_master)."""
+    high, low, is_nan = _halves(master)
+    up = low >= 0x8000
+    new_param = tl.where(is_nan, 0x7FC0, high + up.to(tl.int32))
+    new_remainder = tl.where(is_nan, 0, low - up.to(tl.int32) * 0x10000)
+    tl.store(param_ptr + offs, new_param.to(tl.int16), mask=mask)
+    tl.store(remainder_ptr + offs, new_remainder.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _adamw(master, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps):
+    """The update in fp32, as adamw_torch._adamw: (master, m, v, sqrt(v))."""
+    master = master * decay
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + (one_minus_beta2 * g) * g
+    sqrt_v = tl.sqrt_rn(v)
+    denom = tl.div_rn(sqrt_v, bc2_sqrt) + eps
+    return master + tl.div_rn(neg_step_size * m, denom), m, v, sqrt_v
+
+
+@triton.jit
 def _master_adamw_kernel(
     param_ptr, remainder_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, n,
     decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps,
@@ -73,30 +112,94 @@ def _master_adamw_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: tensors > 2^31
     mask = offs < n
-
-    # master bits = (bf16 bits << 16) + remainder; no overflow for any pair split_master makes
-    param_bits = tl.load(param_ptr + offs, mask=mask, other=0).to(tl.int32)
-    remainder = tl.load(remainder_ptr + offs, mask=mask, other=0).to(tl.int32)
-    master = ((param_bits << 16) + remainder).to(tl.float32, bitcast=True)
+    master = _join_master(param_ptr, remainder_ptr, offs, mask)
     g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32) * tl.load(grad_scale_ptr)  # e.g. the clip factor
     m = _load_fp32(exp_avg_ptr, offs, mask, M_FP32)
     v = _load_fp32(exp_avg_sq_ptr, offs, mask, V_FP32)
-
-    master = master * decay
-    m = m + one_minus_beta1 * (g - m)
-    v = v * beta2 + (one_minus_beta2 * g) * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    master = master + tl.div_rn(neg_step_size * m, denom)
-
-    # split: round half up on the 16 dropped bits (bits.split_master)
-    high, low, is_nan = _halves(master)
-    up = low >= 0x8000
-    new_param = tl.where(is_nan, 0x7FC0, high + up.to(tl.int32))
-    new_remainder = tl.where(is_nan, 0, low - up.to(tl.int32) * 0x10000)
-    tl.store(param_ptr + offs, new_param.to(tl.int16), mask=mask)
-    tl.store(remainder_ptr + offs, new_remainder.to(tl.int16), mask=mask)
+    master, m, v, _ = _adamw(master, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size,
+                             bc2_sqrt, eps)
+    _store_master(param_ptr, remainder_ptr, offs, master, mask)
     _store_fp32(exp_avg_ptr, offs, m, mask, M_FP32)
     _store_fp32(exp_avg_sq_ptr, offs, v, mask, V_FP32)
+
+
+# --- 8-bit moments (moments8.py): the same operations as its torch functions ---------------
+
+
+@triton.jit
+def _rne_shift(z, shift):
+    """z >> shift rounded to nearest, ties to even (moments8._rne_shift)."""
+    q = z >> shift
+    rest = z - (q << shift)
+    half = 1 << (shift - 1)
+    up = (rest > half) | ((rest == half) & ((q & 1) == 1))
+    return q + up.to(tl.int32)
+
+
+@triton.jit
+def _dequantize(codes_ptr, scales_ptr, offs, blocks, mask, block_mask,
+                MANTISSA: tl.constexpr, MAX_MAGNITUDE: tl.constexpr, SUBNORMAL_UNIT: tl.constexpr,
+                SIGNED: tl.constexpr):
+    """[blocks, BLOCK] fp32 values of the codes at `offs` (moments8.dequantize)."""
+    c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scales_ptr + blocks, mask=block_mask, other=0.0)
+    magnitude = c & MAX_MAGNITUDE
+    e = magnitude >> MANTISSA
+    mantissa = magnitude & ((1 << MANTISSA) - 1)
+    normal = (((e + 112) << 23) | (mantissa << (23 - MANTISSA))).to(tl.float32, bitcast=True)
+    value = tl.where(e > 0, normal, mantissa.to(tl.float32) * SUBNORMAL_UNIT)
+    if SIGNED:
+        value = tl.where(c >= 128, -value, value)
+    return value * scale[:, None]
+
+
+@triton.jit
+def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
+                    MANTISSA: tl.constexpr, MAX_MAGNITUDE: tl.constexpr, SIGNED: tl.constexpr,
+                    NONZERO_STAYS_NONZERO: tl.constexpr):
+    """Store [blocks, BLOCK] fp32 values `x` as codes and their blocks' scales (moments8.quantize)."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    exponent = a >> 23
+    block_exponent = tl.max(a, axis=1) >> 23
+    top = tl.maximum(block_exponent, MIN_SCALE_EXPONENT)[:, None]
+    significand = (a & 0x7FFFFF) | ((exponent > 0).to(tl.int32) << 23)
+    e = tl.maximum(exponent, 1) - top + 15
+    z = ((tl.maximum(e, 1) - 1) << 23) + significand
+    shift = tl.minimum((23 - MANTISSA) + tl.maximum(1 - e, 0), 31)
+    q = tl.minimum(_rne_shift(z, shift), MAX_MAGNITUDE)
+    if NONZERO_STAYS_NONZERO:
+        q = tl.where((q == 0) & (a != 0), 1, q)
+    q = tl.where(block_exponent[:, None] == 255, 0, q)
+    if SIGNED:
+        q = q | ((bits < 0).to(tl.int32) << 7)
+    scale_bits = tl.where(block_exponent == 255, 0x7FC00000, tl.maximum(block_exponent, MIN_SCALE_EXPONENT) << 23)
+    tl.store(codes_ptr + offs, q.to(tl.uint8), mask=mask)
+    tl.store(scales_ptr + blocks, scale_bits.to(tl.float32, bitcast=True), mask=block_mask)
+
+
+@triton.jit
+def _master_adamw_8bit_kernel(
+    param_ptr, remainder_ptr, grad_ptr, m_codes_ptr, m_scales_ptr, r_codes_ptr, r_scales_ptr, grad_scale_ptr,
+    n_blocks, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps,
+    GRAD_FP32: tl.constexpr, BLOCKS: tl.constexpr, QBLOCK: tl.constexpr,
+    M_MANTISSA: tl.constexpr, M_MAX: tl.constexpr, M_UNIT: tl.constexpr,
+    R_MANTISSA: tl.constexpr, R_MAX: tl.constexpr, R_UNIT: tl.constexpr,
+):
+    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # int64: tensors > 2^31
+    block_mask = blocks < n_blocks
+    offs = blocks[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    mask = block_mask[:, None] & (offs >= 0)  # whole blocks: a block is in or out
+    master = _join_master(param_ptr, remainder_ptr, offs, mask)
+    g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32) * tl.load(grad_scale_ptr)
+    m = _dequantize(m_codes_ptr, m_scales_ptr, offs, blocks, mask, block_mask, M_MANTISSA, M_MAX, M_UNIT, True)
+    sqrt_v = _dequantize(r_codes_ptr, r_scales_ptr, offs, blocks, mask, block_mask, R_MANTISSA, R_MAX, R_UNIT, False)
+    master, m, _, sqrt_v = _adamw(master, g, m, sqrt_v * sqrt_v, decay, one_minus_beta1, beta2, one_minus_beta2,
+                                  neg_step_size, bc2_sqrt, eps)
+    _store_master(param_ptr, remainder_ptr, offs, master, mask)
+    _quantize_store(m_codes_ptr, m_scales_ptr, offs, blocks, m, mask, block_mask, M_MANTISSA, M_MAX, True, False)
+    _quantize_store(r_codes_ptr, r_scales_ptr, offs, blocks, sqrt_v, mask, block_mask, R_MANTISSA, R_MAX, False,
+                    True)
 
 
 def _bits_or_fp32(t):
@@ -121,4 +224,25 @@ def adamw_update_triton(param, remainder, grad, exp_avg, exp_avg_sq, scalars: St
         s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
         GRAD_FP32=grad.dtype == torch.float32, M_FP32=exp_avg.dtype == torch.float32,
         V_FP32=exp_avg_sq.dtype == torch.float32, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )
+
+
+def adamw_update_8bit_triton(param, remainder, grad, m_codes, m_scales, r_codes, r_scales, scalars: StepScalars,
+                             grad_scale: torch.Tensor) -> None:
+    """Same contract as `adamw_torch.adamw_update_8bit_torch`, as one kernel launch."""
+    n = param.numel()
+    if n == 0:
+        return
+    grad = grad.contiguous()
+    for t in (param, remainder, m_codes, m_scales, r_codes, r_scales):
+        if not t.is_contiguous():
+            raise ValueError("MasterAdamW needs contiguous parameters and state")
+    s, m, r = scalars, EXP_AVG, SQRT_EXP_AVG_SQ
+    n_blocks = n // QBLOCK
+    _master_adamw_8bit_kernel[(triton.cdiv(n_blocks, BLOCK // QBLOCK),)](
+        param.view(torch.int16), remainder, _bits_or_fp32(grad), m_codes, m_scales, r_codes, r_scales, grad_scale,
+        n_blocks, s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
+        GRAD_FP32=grad.dtype == torch.float32, BLOCKS=BLOCK // QBLOCK, QBLOCK=QBLOCK,
+        M_MANTISSA=m.mantissa, M_MAX=m.max_magnitude, M_UNIT=m.subnormal_unit,
+        R_MANTISSA=r.mantissa, R_MAX=r.max_magnitude, R_UNIT=r.subnormal_unit, num_warps=NUM_WARPS,
     )

@@ -18,7 +18,8 @@ AdamW differ from each other by about as much as this does from either.
 
 The master is rebuilt from the bf16 parameter and its int16 remainder, updated, and split
 again (`bits.py`); moments are read and written in their own dtype (bf16 moments rounded
-to nearest even). Every operation below is one torch op, so nothing is fused into an FMA:
+to nearest even), or in 8-bit blocks (`moments8.py`, `adamw_update_8bit_torch`: the second
+moment stored as its square root, the one the update computes). Every operation below is one torch op, so nothing is fused into an FMA:
 the Triton kernel run in the CPU interpreter gives the same bits. The square root is taken
 in float64 and rounded once to fp32, which is the correctly rounded fp32 square root (as
 the kernel's `sqrt_rn` is): torch's fp32 `sqrt` on CPU is not always correctly rounded
@@ -31,8 +32,15 @@ from dataclasses import dataclass
 import torch
 
 from te_mixtral.optim.bits import bf16_to_fp32, join_master, round_to_bf16, split_master
+from te_mixtral.optim.moments8 import (
+    BLOCK,
+    EXP_AVG,
+    SQRT_EXP_AVG_SQ,
+    dequantize,
+    quantize,
+)
 
-CHUNK = 1 << 22  # elements per slice: bounds the fp32/int32 temporaries on big tensors
+CHUNK = 1 << 22  # elements per slice: bounds the fp32/int32 temporaries on big tensors; whole 8-bit blocks
 
 
 def _fp32(x: float) -> float:
@@ -73,21 +81,42 @@ def _store(dst: torch.Tensor, x_fp32: torch.Tensor) -> None:
         dst.copy_(x_fp32)
 
 
-def _update(param, remainder, grad, exp_avg, exp_avg_sq, s: StepScalars, grad_scale: torch.Tensor) -> None:
-    master = join_master(param.view(torch.int16), remainder)
-    g = _load(grad) * grad_scale
-    m = _load(exp_avg)
-    v = _load(exp_avg_sq)
+def _adamw(master, g, m, v, s: StepScalars):
+    """The update in fp32: (master, m, v, sqrt(v)), the new values."""
     master = master * s.decay
     m = m + s.one_minus_beta1 * (g - m)
     v = v * s.beta2 + (s.one_minus_beta2 * g) * g
-    denom = torch.sqrt(v.double()).float() / s.bc2_sqrt + s.eps  # see the docstring on sqrt
-    master = master + (s.neg_step_size * m) / denom
+    sqrt_v = torch.sqrt(v.double()).float()  # see the docstring on sqrt
+    denom = sqrt_v / s.bc2_sqrt + s.eps
+    return master + (s.neg_step_size * m) / denom, m, v, sqrt_v
+
+
+def _store_master(param: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -> None:
     bf16_bits, new_remainder = split_master(master)
     param.view(torch.int16).copy_(bf16_bits)
     remainder.copy_(new_remainder)
+
+
+def _update(param, remainder, grad, exp_avg, exp_avg_sq, s: StepScalars, grad_scale: torch.Tensor) -> None:
+    master = join_master(param.view(torch.int16), remainder)
+    g = _load(grad) * grad_scale
+    master, m, v, _ = _adamw(master, g, _load(exp_avg), _load(exp_avg_sq), s)
+    _store_master(param, remainder, master)
     _store(exp_avg, m)
     _store(exp_avg_sq, v)
+
+
+def _update_8bit(param, remainder, grad, m_codes, m_scales, r_codes, r_scales, s: StepScalars,
+                 grad_scale: torch.Tensor) -> None:
+    master = join_master(param.view(torch.int16), remainder)
+    g = _load(grad) * grad_scale
+    sqrt_v = dequantize(r_codes, r_scales, SQRT_EXP_AVG_SQ)
+    master, m, _, sqrt_v = _adamw(master, g, dequantize(m_codes, m_scales, EXP_AVG), sqrt_v * sqrt_v, s)
+    _store_master(param, remainder, master)
+    for codes, scales, x, fmt in ((m_codes, m_scales, m, EXP_AVG), (r_codes, r_scales, sqrt_v, SQRT_EXP_AVG_SQ)):
+        new_codes, new_scales = quantize(x, fmt)
+        codes.copy_(new_codes)
+        scales.copy_(new_scales)
 
 
 def adamw_update_torch(param: torch.Tensor, remainder: torch.Tensor, grad: torch.Tensor,
@@ -99,3 +128,18 @@ def adamw_update_torch(param: torch.Tensor, remainder: torch.Tensor, grad: torch
     flat = [t.view(-1) for t in (param, remainder, grad.contiguous(), exp_avg, exp_avg_sq)]
     for start in range(0, param.numel(), CHUNK):
         _update(*(t[start:start + CHUNK] for t in flat), scalars, grad_scale)
+
+
+def adamw_update_8bit_torch(param: torch.Tensor, remainder: torch.Tensor, grad: torch.Tensor,
+                            m_codes: torch.Tensor, m_scales: torch.Tensor, r_codes: torch.Tensor,
+                            r_scales: torch.Tensor, scalars: StepScalars, grad_scale: torch.Tensor) -> None:
+    """`adamw_update_torch` with 8-bit moments (moments8.py): the first moment as `m_codes` and
+    `m_scales`, the square root of the second as `r_codes` and `r_scales`; read, updated in
+    fp32 and stored again. The update itself uses the new fp32 moments, before they are
+    rounded to 8 bits (as bitsandbytes does)."""
+    flat = [t.view(-1) for t in (param, remainder, grad.contiguous(), m_codes, r_codes)]
+    m_scales, r_scales = m_scales.view(-1), r_scales.view(-1)
+    for start in range(0, param.numel(), CHUNK):
+        p, rem, g, mc, rc = (t[start:start + CHUNK] for t in flat)
+        blocks = slice(start // BLOCK, (start + CHUNK) // BLOCK)
+        _update_8bit(p, rem, g, mc, m_scales[blocks], rc, r_scales[blocks], scalars, grad_scale)

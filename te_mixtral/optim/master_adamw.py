@@ -30,6 +30,14 @@ State per parameter: `remainder` (int16), `exp_avg`, `exp_avg_sq` (`moment_dtype
 cast every floating state tensor to the parameter's dtype, which would round fp32 moments
 to bf16 and turn the int16 remainders into numbers.
 
+8-bit moments, per parameter group (`"moments_8bit": True`, a group option like lr): the two
+moments of that group's parameters are kept in 8 bits a value, in blocks of 256 with a
+power-of-two scale each (`moments8.py` says how and why; about 2.03 bytes for both instead
+of 4 in bf16 or 8 in fp32). The master stays exact; the update is computed in fp32 as above
+from the moments read back, and the new moments are rounded to 8 bits when stored. Their
+state is `MOMENTS_8BIT` in place of `exp_avg` and `exp_avg_sq`. Meant for the experts:
+te_mixtral/training/optimizer.py puts them in such a group under `train.expert_moments 8bit`.
+
 Sharded parameters (FSDP2's DTensors, te_mixtral/distributed/parallelize.py). The update is
 elementwise, so each rank updates its local shard alone: the state of a DTensor parameter is
 made of DTensors sharded like it (torch.zeros_like keeps the placement), and the step runs
@@ -52,21 +60,32 @@ from itertools import chain
 import torch
 from torch.distributed.tensor import DTensor
 
-from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_torch
+from te_mixtral.optim.adamw_torch import (
+    StepScalars,
+    adamw_update_8bit_torch,
+    adamw_update_torch,
+)
 from te_mixtral.optim.bits import join_master, split_master
+from te_mixtral.optim.moments8 import check_blockable, scales_shape
 
 IMPLS = ("auto", "triton", "torch")
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+# The state of a parameter whose group has moments_8bit (moments8.py): exp_avg, and the square
+# root of exp_avg_sq, each as uint8 codes shaped like the parameter and fp32 scales per block.
+MOMENTS_8BIT = ("exp_avg_codes", "exp_avg_scales", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_scales")
 
 
 @functools.cache
-def _triton_update():
-    """The kernel's launcher, or None where Triton does not import."""
+def _triton_updates():
+    """The kernels' launchers (moments as they are, 8-bit moments), or None where Triton does not import."""
     try:
-        from te_mixtral.optim.adamw_kernel import adamw_update_triton
+        from te_mixtral.optim.adamw_kernel import (
+            adamw_update_8bit_triton,
+            adamw_update_triton,
+        )
     except ImportError:
         return None
-    return adamw_update_triton
+    return adamw_update_triton, adamw_update_8bit_triton
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -98,9 +117,9 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
         if moment_dtype not in MOMENT_DTYPES:
             raise ValueError(f"moment_dtype must be torch.float32 or torch.bfloat16, not {moment_dtype}")
-        if impl == "triton" and _triton_update() is None:
+        if impl == "triton" and _triton_updates() is None:
             raise ValueError("impl='triton' but triton does not import here")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "moments_8bit": False}
         super().__init__(params, defaults)
         self.moment_dtype = moment_dtype
         self.impl = impl
@@ -108,6 +127,12 @@ class MasterAdamW(torch.optim.Optimizer):
             if p.dtype != torch.bfloat16 or not _local(p).is_contiguous():
                 raise ValueError(f"MasterAdamW needs contiguous bf16 parameters, got {p.dtype} "
                                  f"{tuple(p.shape)}; build it with MasterAdamW.from_fp32 from fp32 ones")
+        for group in self.param_groups:
+            for p in group["params"] if group["moments_8bit"] else ():
+                check_blockable(_local(p).shape, "a parameter in a group with moments_8bit")
+                if isinstance(p, DTensor) and any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
+                    raise ValueError(f"8-bit moments need a parameter sharded along its first dimension only, "
+                                     f"got placements {p.placements}")
         for p, remainder in (remainders or {}).items():
             if isinstance(remainder, DTensor) != isinstance(p, DTensor) or remainder.shape != p.shape or remainder.dtype != torch.int16:
                 raise ValueError(f"the remainder of a {tuple(p.shape)} parameter must be an int16 tensor laid out "
@@ -144,21 +169,33 @@ class MasterAdamW(torch.optim.Optimizer):
             return DTensor.from_local(master, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         return master
 
-    def _state(self, p: torch.Tensor) -> dict:
+    def _state(self, p: torch.Tensor, moments_8bit: bool) -> dict:
         state = self.state[p]
         if "remainder" not in state:
             state["remainder"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+            for key in MOMENTS_8BIT if moments_8bit else ("exp_avg", "exp_avg_sq"):
+                state[key] = self._zero_moment(p, key)
         return state
 
-    def _update_fn(self, p: torch.Tensor):
-        triton_update = _triton_update()
-        if self.impl == "triton" or (self.impl == "auto" and p.is_cuda and triton_update is not None):
-            return triton_update
-        return adamw_update_torch
+    def _zero_moment(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """A zero moment of `p` for state `key`: `moment_dtype`, or 8-bit codes or their scales."""
+        if key in ("exp_avg", "exp_avg_sq"):
+            return torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+        if key.endswith("_codes"):
+            return torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+        local = torch.zeros(scales_shape(_local(p).shape), dtype=torch.float32, device=p.device)
+        if isinstance(p, DTensor):  # sharded along the rows, as the parameter (the constructor checked)
+            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                      shape=torch.Size(scales_shape(p.shape)), stride=(local.shape[1], 1))
+        return local
+
+    def _update_fn(self, p: torch.Tensor, moments_8bit: bool):
+        triton_updates = _triton_updates()
+        if self.impl == "triton" or (self.impl == "auto" and p.is_cuda and triton_updates is not None):
+            return triton_updates[moments_8bit]
+        return adamw_update_8bit_torch if moments_8bit else adamw_update_torch
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
@@ -176,12 +213,15 @@ class MasterAdamW(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("MasterAdamW does not support sparse gradients")
-                state = self._state(p)
+                moments_8bit = group["moments_8bit"]
+                state = self._state(p, moments_8bit)
                 state["step"] += 1
                 scalars = StepScalars.for_step(float(group["lr"]), group["weight_decay"], beta1, beta2,
                                                group["eps"], int(state["step"].item()))
-                tensors = (p, state["remainder"], p.grad, state["exp_avg"], state["exp_avg_sq"])
-                self._update_fn(p)(*(_local(t) for t in tensors), scalars, self._grad_scale(grad_scale, p.device))
+                moments = MOMENTS_8BIT if moments_8bit else ("exp_avg", "exp_avg_sq")
+                tensors = (p, state["remainder"], p.grad, *(state[key] for key in moments))
+                self._update_fn(p, moments_8bit)(*(_local(t) for t in tensors), scalars,
+                                                 self._grad_scale(grad_scale, p.device))
         return loss
 
     @staticmethod
@@ -192,13 +232,12 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then the tensors put back with their own dtypes (see the module
-        docstring); moments take this optimizer's `moment_dtype` (no-op on a normal resume)."""
+        docstring); moments that are not 8-bit take this optimizer's `moment_dtype` (no-op on a
+        normal resume)."""
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         for param_id, p in zip(saved_ids, self._params()):
-            saved = state_dict["state"].get(param_id, {})
-            if "remainder" in saved:
-                self.state[p]["remainder"] = saved["remainder"].to(p.device, torch.int16, copy=True)
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in saved:
-                    self.state[p][key] = saved[key].to(p.device, self.moment_dtype, copy=True)
+            for key, saved in state_dict["state"].get(param_id, {}).items():
+                if key != "step" and isinstance(saved, torch.Tensor):
+                    dtype = self.moment_dtype if key in ("exp_avg", "exp_avg_sq") else saved.dtype
+                    self.state[p][key] = saved.to(p.device, dtype, copy=True)

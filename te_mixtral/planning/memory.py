@@ -19,9 +19,9 @@ between forward and backward whatever the forward saved for the backward: per de
                   PyTorch backend's SDPA also keeps its [B, 1, S, S] document mask
     routing       router probabilities (fp32, T x E), top-k indices and weights
     dispatch      the R = T*K dispatched rows (R x D), the expert tier's input
-    experts       the expert FFN's hidden rows: gate_up output (R x 2F), and for every tier
-                  but custom_grouped and device_mxfp8 on CUDA also silu(gate) and the SwiGLU
-                  output (R x F each); device_mxfp8's FP8 weight copies (see "weight copies")
+    experts       what the expert tier says it keeps (`ExpertTier.memory`, in bytes): autograd's
+                  hidden rows, gate_up output (R x 2F), silu(gate) and the SwiGLU output (R x F
+                  each), or less where a tier fuses them; a tier's own weight copies (FP8, say)
     combine       the expert outputs for the routing-weighted sum: in fp32 (R x D x 4) on
                   PyTorch, as they are on TE (its fused unpermute)
 
@@ -76,8 +76,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from te_mixtral.config import (
-    LORA_DENSE_TARGETS,
-    LORA_EXPERT_TARGETS,
     RECOMPUTE,
     RunConfig,
     recomputed_layers,
@@ -85,7 +83,7 @@ from te_mixtral.config import (
 from te_mixtral.config_checks import validate_model
 from te_mixtral.distributed.launcher_env import main_rank_from_env
 from te_mixtral.errors import UserError
-from te_mixtral.experts.quant.nf4 import stored_bytes as nf4_bytes
+from te_mixtral.experts.base import ExpertLoad
 from te_mixtral.experts.registry import BASELINES, expert_memory, lighter_settings
 from te_mixtral.files import size_text
 from te_mixtral.measure.capacity import GiB, capacity
@@ -95,7 +93,7 @@ from te_mixtral.measure.model_state import (
     count_parameters,
     held_fsdp,
     held_unsharded,
-    local_parameters,
+    local_parts,
 )
 from te_mixtral.measure.report import format_table
 
@@ -108,8 +106,11 @@ OPTIMIZERS = {
     "master_bf16": (2, 2, 2 + 4),
     "master_fp32_moments": (2, 2, 2 + 8),
 }
+# The experts' state under `train.expert_moments: 8bit` (te_mixtral/optim/moments8.py): the
+# remainder, a byte for each moment, and an fp32 scale per block of 256 values for each.
+EXPERT_STATE_8BIT = 2 + 2 * (1 + 4 / 256)
 # Under expert parallelism the busiest rank receives more than the average T*K rows: up to
-# 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/runs, one step
+# 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/*/runs, one step
 # each; the peak is over all steps).
 ROUTING_IMBALANCE = 1.5
 # GEMM libraries' workspaces on a GPU (cuBLAS, cuBLASLt, TE), handed out by PyTorch's allocator.
@@ -209,6 +210,15 @@ def optimizer_mode(cfg: RunConfig) -> str:
     return "master_bf16" if cfg.train.moment_dtype == "bf16" else "master_fp32_moments"
 
 
+def state_bytes(cfg: RunConfig, expert: bool, optimizer: str | None = None) -> float:
+    """Optimizer state per parameter, of an expert weight or another, for the run's optimizer
+    (or the `OPTIMIZERS` mode `optimizer`)."""
+    optimizer = optimizer or optimizer_mode(cfg)
+    if expert and optimizer != "adamw_fp32" and cfg.train.expert_moments == "8bit":
+        return EXPERT_STATE_8BIT
+    return OPTIMIZERS[optimizer][2]
+
+
 def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = None, recompute: str | None = None,
                     fsdp: bool | None = None, device: str | None = None) -> MemoryEstimate:
     """Bytes per rank for `cfg` launched on `world_size` ranks (see the module docstring).
@@ -241,20 +251,13 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     params = count_parameters(m, ep)
     accumulating = cfg.train.grad_accum_steps > 1
     batch = cfg.train.batch_size // (world_size * cfg.train.grad_accum_steps)  # one micro-batch
-    S, D, V, F = cfg.data.seq_len, m.hidden_size, m.vocab_size, m.intermediate_size
+    S, D, V = cfg.data.seq_len, m.hidden_size, m.vocab_size
     E, K = m.num_experts, m.num_experts_per_tok
     H, G, Hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
     T = batch * S
     R = round(T * K * (ROUTING_IMBALANCE if ep > 1 else 1))
-    # What the tier keeps beyond autograd's expert FFN: its own to say (ExpertTier.memory).
-    tier = expert_memory(cfg, device, R, E // ep)
-    fused, fp8, frozen_fp8 = tier.fused_hidden, tier.fp8, tier.frozen_fp8
-    hidden = 2 * F if fused else 4 * F  # the expert FFN's hidden rows per routed row, in elements
-    fp8_weights = (1 if frozen_fp8 else 2) * params.experts_per_layer if fp8 else 0
-    # Without the weight cache they are made at every use: a kept layer saves one orientation
-    # (dgrad's) for its backward, a recomputed one nothing; both while the layer runs.
-    cached_fp8 = fp8_weights if tier.weight_cache and not frozen_fp8 else 0
-    saved_fp8 = 0 if frozen_fp8 else fp8_weights if tier.weight_cache else fp8_weights // 2
+    # What the expert FFN holds per layer, in bytes: the tier's own to say (ExpertTier.memory).
+    tier = expert_memory(cfg, ExpertLoad(device, R, E // ep, activation_bytes=a, weight_bytes=p_bytes))
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
     # from a bf16 one) and the normalised rows in the residual dtype.
@@ -270,23 +273,19 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
                    + a * T * Hd * (2 * H + 2 * G) + 4 * T * H + mask  # attention
                    + 4 * T * E + 32 * T * K + 4 * T  # routing: probs; indices and weights
                    + a * R * D + combine * R * D)  # dispatched rows; combine
-    # The FP8 path also keeps h's FP8 copy for the down weight gradient (a byte per element) and
-    # its row scales (measured on Hopper; Blackwell's TE path is counted the same).
-    expert_hidden = a * R * hidden + (R * (F + 4) if fp8 and not frozen_fp8 else 0)
+    expert_hidden = tier.hidden
     # LoRA: each adapter keeps its rank-r product of the rows it reads (its input is kept
     # anyway) for B's gradient: per row of its layer, T for attention's, R for the experts'.
-    targets = lora.target_list() if lora.enabled else ()
-    dense_layer += a * lora.rank * T * sum(t in targets for t in LORA_DENSE_TARGETS)
-    expert_hidden += a * lora.rank * R * sum(t in targets for t in LORA_EXPERT_TARGETS)
-    if frozen_fp8 and "down_proj" in targets:  # the SwiGLU output its adapter reads, kept by the FP8 op
-        expert_hidden += a * R * F
+    dense_layer += a * lora.rank * T * len(lora.dense_targets())
+    expert_hidden += a * lora.rank * R * len(lora.expert_targets())
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
-    layer_copies = dense_copies + expert_copies + fp8_weights
+    layer_copies = dense_copies + expert_copies + tier.weight_copies
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
     # the experts' weight copies; full keeps the layer's input alone.
-    saved = {"none": (dense_layer + expert_hidden, dense_copies + expert_copies + saved_fp8),
-             "selective": (dense_layer, dense_copies + cached_fp8),
-             "full": (r * T * D, cached_fp8)}
+    cached = tier.weight_copies_cached
+    saved = {"none": (dense_layer + expert_hidden, dense_copies + expert_copies + tier.weight_copies_saved),
+             "selective": (dense_layer, dense_copies + cached),
+             "full": (r * T * D, cached)}
     recomputing = recomputed_layers(replace(cfg.train, recompute=recompute), m.num_hidden_layers)
     kept = m.num_hidden_layers - recomputing  # layers that keep what `none` keeps
     layers_saved = recomputing * saved[recompute][0] + kept * saved["none"][0]
@@ -299,11 +298,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     head_copy = copy * V * D
 
     # The expert backward in flight: gradients of its input and output rows, the gradient of
-    # the weighted combine, and the hidden's gradient (custom_grouped writes it over h and
-    # re-creates only the SwiGLU output).
-    expert_bwd = R * (2 * a * D + combine * D + a * (F if fused else 2 * F))
-    if fp8_weights:  # d(h) beside d(gate_up), and the FP8 copies of both and of h the GEMMs read
-        expert_bwd += R * (2 * a * F + 5 * F)
+    # the weighted combine, and what the tier's backward holds (ExpertMemory.hidden_grad).
+    expert_bwd = R * (2 * a * D + combine * D) + tier.hidden_grad
     one_layer = dense_layer + expert_hidden  # a recomputed layer saves as much as a kept one
 
     sharded = fsdp and world_size > 1
@@ -311,15 +307,13 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     held = (held_fsdp(params, world_size // ep, world_size, p_bytes, g_bytes, accumulating, whole_until_last)
             if sharded
             else held_unsharded(params, p_bytes, g_bytes, accumulating, m.tie_word_embeddings))
-    if frozen_fp8:
-        fp8_saved = m.num_hidden_layers * ((p_bytes - 1) * params.experts_per_layer - 4 * (E // ep) * (2 * F + D))
-        held = {name: (weights - fp8_saved, grads, flight) for name, (weights, grads, flight) in held.items()}
-    if tier.frozen_nf4:  # packed codes and block scales in place of the base's dtype (quant/nf4.py)
-        nf4_layer = (E // ep) * (nf4_bytes(2 * F, D) + nf4_bytes(D, F))
-        nf4_saved = m.num_hidden_layers * (p_bytes * params.experts_per_layer - nf4_layer)
-        held = {name: (weights - nf4_saved, grads, flight) for name, (weights, grads, flight) in held.items()}
-    local = local_parameters(params, world_size // ep, world_size) if sharded else params.total
-    state = s_bytes * local
+    if tier.weights_saved:  # the tier holds the experts in less than the parameters' dtype
+        saved_weights = m.num_hidden_layers * tier.weights_saved
+        held = {name: (weights - saved_weights, grads, flight) for name, (weights, grads, flight) in held.items()}
+    local_dense, local_experts = (local_parts(params, world_size // ep, world_size) if sharded
+                                  else (params.dense, params.experts))
+    local = local_dense + local_experts
+    state = 0 if lora.enabled else round(s_bytes * local_dense + state_bytes(cfg, True, optimizer) * local_experts)
     L = m.num_hidden_layers
 
     workspace = WORKSPACE_BYTES if device == "cuda" else 0
@@ -336,16 +330,16 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     phases = {
         "head backward": phase("head backward", layers_copies + head_copy, layers_saved + head + logits,
                                2 * 4 * T * V),
-        # The cache keeps every layer's FP8 weights through the backward and the step.
-        "layer 0 backward": phase("layer 0 backward", layer_copies + (L - 1) * cached_fp8, one_layer + logits,
+        # A tier's cached weight copies stay in every layer through the backward and the step.
+        "layer 0 backward": phase("layer 0 backward", layer_copies + (L - 1) * cached, one_layer + logits,
                                   expert_bwd),
-        "optimizer step": phase("optimizer step", L * cached_fp8, logits, 0),
+        "optimizer step": phase("optimizer step", L * cached, logits, 0),
     }
     micro = f" per micro-batch, {cfg.train.grad_accum_steps} micro-batches" if accumulating else ""
-    frozen_experts = ", its experts in FP8" if frozen_fp8 else ", its experts in NF4" if tier.frozen_nf4 else ""
-    base = f"{'bf16' if p_bytes == 2 else 'fp32'} base{frozen_experts}"
+    base = f"{'bf16' if p_bytes == 2 else 'fp32'} base{f', {tier.holds}' if tier.holds else ''}"
+    eight_bit = ", experts' moments 8-bit" if state_bytes(cfg, True, optimizer) == EXPERT_STATE_8BIT else ""
     trains = (f"LoRA r={lora.rank} on a frozen {base} "
-              f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer)
+              f"({adapters / 1e6:,.1f} M adapter parameters)" if lora.enabled else optimizer + eight_bit)
     describe = (f"world {world_size}, EP {ep}, {T} tokens ({batch} x {S}){micro}, {E // ep} of {E} experts, "
                 f"{cfg.tier} on {backend} {'bf16' if a == 2 else 'fp32'}, {trains}, recompute {recompute}"
                 + (f" in {recomputing} of {m.num_hidden_layers} layers" if kept and recomputing else "")
@@ -362,6 +356,8 @@ def _lighter(cfg: RunConfig, device: str) -> list[tuple[str, dict, dict]]:
                for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:] if cfg.tier not in BASELINES]
     if t.optimizer == "adamw" and device == "cuda":  # master_adamw keeps bf16 parameters: GPU runs only
         lighter.append(("--optimizer master_adamw --dtype bf16", {"optimizer": "master_adamw", "dtype": "bf16"}, {}))
+    if t.optimizer == "master_adamw" and t.expert_moments == "same":
+        lighter.append(("--expert_moments 8bit", {"expert_moments": "8bit"}, {}))
     lighter += [(setting, {}, run) for setting, run in lighter_settings(cfg)]
     if t.sharding == "fsdp" and t.grad_accum_steps > 1 and t.fsdp_reduce == "step":
         lighter.append(("--fsdp_reduce micro_batch", {"fsdp_reduce": "micro_batch"}, {}))

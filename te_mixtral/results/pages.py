@@ -4,7 +4,7 @@
                                 [--notes FILE] [--suffix TEXT] [--no-plots] [--overwrite]
 
 A RUN is a run's output folder, its results.json, or a folder of runs such as
-`scripts/run_tiers.sh` leaves (`te_mixtral/results/runs.py` reads and checks them).
+`scripts/gpu_runs.py tiers` leaves (`te_mixtral/results/runs.py` reads and checks them).
 
 One page per GPU and world size. Step times only compare on the same hardware and the same
 number of processes, so runs are grouped by (device name, world size) and each group gets
@@ -312,19 +312,18 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
         where = f"{runs[0].header['device']} x {runs[0].world_size}"
         made = (f"{max(r.date for r in runs):%Y-%m-%d}, {_versions(runs[-1])}\n"
                 f"runs and their commands: {page.stem}.md (python -m te_mixtral.results.pages)")
-        written.append(draw.step_time_png([r.label for r in runs], [r.summary["median_step_ms"] for r in runs],
-                                          [r.summary["p90_step_ms"] for r in runs],
-                                          step_time,
-                                          f"Step time per tier, {where}\n{made}"))
-        written.append(draw.loss_png([(r.label, r.results["losses"]) for r in runs],
-                                     loss, f"Training loss per step, {where}\n{made}"))
+        written.append(draw.save(draw.step_time_figure(
+            [r.label for r in runs], [r.summary["median_step_ms"] for r in runs],
+            [r.summary["p90_step_ms"] for r in runs], f"Step time per tier, {where}\n{made}"), step_time))
+        written.append(draw.save(draw.loss_figure(
+            [(r.label, r.results["losses"]) for r in runs], f"Training loss per step, {where}\n{made}"), loss))
         for run in runs:
             load = run.results.get("expert_load")
             if isinstance(load, dict) and "tokens_per_expert" in load:
                 first, last = load["tokens_per_expert_steps"]
-                written.append(draw.expert_load_png(
-                    load["tokens_per_expert"], out_dir / expert_load_png_name(page.stem, run),
-                    f"Expert load of {run.label}, steps {first}-{last}, {where}\n{made}"))
+                written.append(draw.save(draw.expert_load_figure(
+                    load["tokens_per_expert"], f"Expert load of {run.label}, steps {first}-{last}, {where}\n{made}"),
+                    out_dir / expert_load_png_name(page.stem, run)))
     return written
 
 

@@ -2,7 +2,7 @@
 
 A run is named by its output folder (what `run_finetune_ep.py --output-dir` wrote:
 results.json and config.yaml), by its results.json file, or by a folder whose sub-folders
-are runs (what `scripts/run_tiers.sh OUT_DIR ...` leaves: OUT_DIR/loop, OUT_DIR/hf, ...).
+are runs (what `scripts/gpu_runs.py tiers OUT_DIR ...` leaves: OUT_DIR/loop, OUT_DIR/hf, ...).
 """
 
 from dataclasses import dataclass

@@ -83,7 +83,7 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.global_state import GlobalView, global_state_dict
-from te_mixtral.distributed.layout import Layout, all_reduce_max
+from te_mixtral.distributed.layout import Layout, all_reduce_max, is_expert_param
 from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line
 from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.experts.registry import BASELINES
@@ -97,7 +97,7 @@ from te_mixtral.files import (
     write_text_atomic,
 )
 from te_mixtral.model.lora import base_weights
-from te_mixtral.planning.memory import OPTIMIZERS, optimizer_mode
+from te_mixtral.planning.memory import state_bytes
 from te_mixtral.saved_config import flatten, upgrade_saved
 from te_mixtral.training.dcp_index import INDEX, IndexedReader, read_index
 
@@ -240,7 +240,7 @@ class Checkpointer:
         self.layout = layout
         self.device = device
         self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
-        self.state_bytes = OPTIMIZERS[optimizer_mode(cfg)][2]  # the optimizer's state per parameter
+        self.state_bytes = {expert: state_bytes(cfg, expert) for expert in (False, True)}  # per parameter
         self.single = layout.world_size == 1  # one process: DCP runs without torch.distributed
         require_writable(self.dir, "checkpoint directory")
 
@@ -255,8 +255,8 @@ class Checkpointer:
         written once, however many ranks hold a copy of it.
         """
         view = GlobalView(self.layout)
-        one = sum(view.of(name, p).numel() * (p.element_size() + self.state_bytes)
-                  for name, p in model.named_parameters() if p.requires_grad)  # what a checkpoint holds
+        one = round(sum(view.of(name, p).numel() * (p.element_size() + self.state_bytes[is_expert_param(name)])
+                        for name, p in model.named_parameters() if p.requires_grad))  # what a checkpoint holds
         complete = [p for p in self.dir.iterdir() if _STEP_FOLDER.fullmatch(p.name)]
         needed = (self.keep + 1 - min(len(complete), self.keep)) * one
         reclaimable = sum(folder_bytes(p) for p in self._leftovers())

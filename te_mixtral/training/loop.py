@@ -52,10 +52,11 @@ from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_reference
 from te_mixtral.measure.phases import profile_phases
-from te_mixtral.measure.run_log import RunLog, check_tensorboard
+from te_mixtral.measure.run_log import RunLog
+from te_mixtral.measure.trackers import check_trackers
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
-from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
+from te_mixtral.model.lora import add_adapters, base_weights
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.planning.memory import check_fits
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
@@ -77,7 +78,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import save_adapter
-from te_mixtral.training.run_report import report_run
+from te_mixtral.training.run_report import Measured, report_run
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -96,11 +97,11 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     # would need twice the memory the run does.
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
     with torch.device(device), default_dtype(base_dtype):
-        model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers)
+        model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers,
+                                   frozen_base=cfg.lora.enabled, ep_chunks=cfg.ep_chunks)
     initialise(model, cfg, layout, model_dir)
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)
-        freeze_base(model)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
 
 
@@ -175,7 +176,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             if folder is not None:
                 locks.claim(Path(folder).expanduser(), what)
     check_outputs(cfg, model_dir, config_path)
-    check_tensorboard(cfg)
+    check_trackers(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
     layout = init_layout(cfg.ep_size, device.type, cfg.dist_timeout_s)
@@ -230,6 +231,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps)  # rank 0's; inert elsewhere
     run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     stopped = None  # why the run stopped early (a Diverged error), if it did
+    saved = {}  # what this run wrote, by kind (on rank 0): the last of each, said at the end
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
         step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens, cfg.lora)
@@ -290,16 +292,16 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             run_log.evaluation(evaluation)
         try:  # a checkpoint that cannot be written fails on every rank alike: results.json keeps the run
             if checkpointer and due(state.step, cfg.train.checkpoint_every, cfg.train.steps):
-                checkpointer.save(state, model, optimizer, cfg)
+                saved["checkpoint"] = checkpointer.save(state, model, optimizer, cfg)
         except WriteFailed as e:
             stopped = e
             break
         try:  # each save refuses non-finite weights, on every rank
             if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
-                save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer, model_dir,
-                                   cfg.data.tokenizer)
+                saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
+                                                        model_dir, cfg.data.tokenizer)
             if cfg.save_adapter and due(state.step, cfg.train.save_every, cfg.train.steps):
-                save_adapter(model, cfg.save_adapter, cfg, layout)
+                saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout)
         except Diverged as e:
             stopped = Diverged(f"after step {state.step}: {e}")
             break
@@ -307,17 +309,16 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     # --- report ------------------------------------------------------------------------
     # In this order: generating adds to the peak memory, and profiling (last: it steps the
     # optimizer while timing it) adds to the tier's calls after they are counted.
-    generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device, autocast)
-                 if cfg.generate is not None and not stopped else None)
-    peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
-    tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
-    phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)
-              if cfg.profile_phases and not stopped else None)
-    exit_code = report_run(
-        cfg, layout, header=header, ran_on=ran_on, estimated_peak_bytes=estimate.total, output_dir=output_dir,
-        run_log=run_log, state=state, first_step=first_step, step_times_s=timer.times, flops_per_step=flops_per_step,
-        run_load_YE=run_load_YE, peaks_by_rank=peaks_by_rank, tier_calls=tier_calls, phases=phases,
-        generated=generated, reference=reference, stopped=stopped)
+    measured = Measured(state, first_step, timer.times, flops_per_step, run_load_YE, stopped)
+    measured.generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device,
+                                        autocast) if cfg.generate is not None and not stopped else None)
+    measured.peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
+    measured.tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
+    measured.saved = saved
+    measured.phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)
+                       if cfg.profile_phases and not stopped else None)
+    exit_code = report_run(cfg, layout, measured, header=header, estimated_peak_bytes=estimate.total,
+                           output_dir=output_dir, run_log=run_log, reference=reference)
     if stopped:
         raise stopped
     return TrainResult(exit_code, state.losses, model, optimizer)

@@ -10,6 +10,9 @@
   Written here rather than taken from TE: TE's FusedAdam with the same state runs at about
   half the memory-bandwidth floor (benchmarks/optimizer_step.py measures both).
   Under `train.sharding: fsdp` it steps each rank's shards (te_mixtral/optim/master_adamw.py).
+  With `train.expert_moments: 8bit` the experts' moments are block-wise 8-bit
+  (te_mixtral/optim/moments8.py): about 8 bytes per expert parameter in all, the experts
+  being nearly all of Mixtral's weights; the others keep `moment_dtype`.
 
 Norms and other vectors get no weight decay in either.
 """
@@ -20,7 +23,7 @@ import torch
 from torch import nn
 
 from te_mixtral.config import RunConfig
-from te_mixtral.distributed.layout import clip_factor, clip_grad_norm
+from te_mixtral.distributed.layout import clip_factor, clip_grad_norm, is_expert_param
 from te_mixtral.distributed.parallelize import shard_like
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.optim.master_adamw import split_to_bf16
@@ -44,10 +47,14 @@ def make_optimizer(model: nn.Module, cfg: RunConfig,
     the model's fp32 parameters are split here. Either way the masters equal the fp32 values
     bit for bit."""
     t = cfg.train
-    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    matrices = [p for p in trained if p.dim() >= 2]
-    vectors = [p for p in trained if p.dim() < 2]
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # LoRA: the adapters alone
+    experts_8bit = t.optimizer == "master_adamw" and t.expert_moments == "8bit"
+    matrices = [p for name, p in trained if p.dim() >= 2 and not (experts_8bit and is_expert_param(name))]
+    vectors = [p for _, p in trained if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": t.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    if experts_8bit:
+        experts = [p for name, p in trained if is_expert_param(name)]
+        groups.append({"params": experts, "weight_decay": t.weight_decay, "moments_8bit": True})
     if t.optimizer == "master_adamw":
         options = {"lr": t.lr, "betas": (t.beta1, t.beta2), "moment_dtype": MOMENT_DTYPES[t.moment_dtype]}
         if remainders is None:

@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from te_mixtral.config import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, RunConfig
+from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.files import fsync_path, replace_files, write_failure
 from te_mixtral.training.checkpoint import require_finite_weights
@@ -44,8 +44,8 @@ PREFIX = "base_model.model."  # PeftModel's name of the wrapped transformers mod
 
 def peft_config(cfg: RunConfig) -> dict:
     """The adapter_config.json PEFT reads for these adapters (its LoraConfig's fields)."""
-    lora, targets = cfg.lora, cfg.lora.target_list()
-    expert_targets = [f"mlp.experts.{t}" for t in LORA_EXPERT_TARGETS if t in targets]
+    lora = cfg.lora
+    expert_targets = [f"mlp.experts.{t}" for t in lora.expert_targets()]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -54,7 +54,7 @@ def peft_config(cfg: RunConfig) -> dict:
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0 if expert_targets else lora.dropout,
         "use_rslora": lora.rslora,
-        "target_modules": [t for t in LORA_DENSE_TARGETS if t in targets],
+        "target_modules": list(lora.dense_targets()),
         "target_parameters": expert_targets,
         "bias": "none",
         "fan_in_fan_out": False,

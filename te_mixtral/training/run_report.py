@@ -2,8 +2,9 @@
 tables rank 0 prints.
 
 `report_run` is the training loop's last phase (training/loop.py). It is handed what the
-steps and the run's setup left (losses, step times, FLOPs, peak memory, evaluations, why
-the run stopped, if it did) and
+steps measured as one `Measured` (losses, step times, FLOPs, peak memory, evaluations, why
+the run stopped, if it did) and what the run's setup left (its header, the memory estimate,
+the output folder, the step log, the loss-check reference), and
 
 - holds the losses to the loss-check reference (`measure/loss_check.py`), on every rank
   alike, so that every rank exits with the same code;
@@ -22,6 +23,8 @@ order in which they add to the peak memory and to the tier's calls.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -37,39 +40,56 @@ from te_mixtral.training.evaluate import evaluations_table
 from te_mixtral.training.outputs import CONFIG_FILE
 
 
-def report_run(cfg: RunConfig, layout: Layout, *, header: dict, ran_on: dict, estimated_peak_bytes: int,
-               output_dir, run_log: RunLog, state: TrainState, first_step: int, step_times_s: list[float],
-               flops_per_step: list[float], run_load_YE: torch.Tensor | None, peaks_by_rank: Sequence[int],
-               tier_calls: dict, phases: tuple[dict, list[int]] | None, generated: dict | None,
-               reference: list[float] | None, stopped: UserError | None) -> int:
+@dataclass
+class Measured:
+    """What this process's steps measured, and what the loop measures after them (in the
+    order that the module docstring's last paragraph gives)."""
+
+    state: TrainState  # the losses, gradient norms, router statistics and evaluations of every step so far
+    first_step: int  # this process's first step (counted from 1; a resumed run starts later)
+    step_times_s: list[float]  # this process's step times, from first_step
+    flops_per_step: list[float]  # over all ranks
+    run_load_YE: torch.Tensor | None  # tokens per layer and expert over this process's steps
+    stopped: UserError | None  # why the run stopped early, if it did (then no phases, no generated text)
+    generated: dict | None = None  # `generate_text`'s answer, when asked for
+    peaks_by_rank: Sequence[int] = ()  # every rank's peak memory, in bytes
+    tier_calls: dict = field(default_factory=dict)  # this rank's calls of each of the tier's paths (`ExpertTier.calls`)
+    phases: tuple[dict, list[int]] | None = None  # `profile_phases`' answer, when asked for
+    # The last checkpoint, HF export and adapter the run wrote (by those names; empty on ranks
+    # that wrote no part of them)
+    saved: dict[str, Path | None] = field(default_factory=dict)
+
+
+def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: dict, estimated_peak_bytes: int,
+               output_dir, run_log: RunLog, reference: list[float] | None) -> int:
     """Check the losses, write and print the run's results (rank 0), and return the exit
     code of a run that did not stop early: `ExitCode.OK`, or LOSS_CHECK_FAILED.
 
-    `estimated_peak_bytes` is the fit check's estimate of a rank's peak; `step_times_s`
-    are this process's step times (from `first_step`), `run_load_YE` its tokens per layer
-    and expert, `peaks_by_rank` every rank's peak memory in bytes; `phases` is
-    `profile_phases`' answer, `generated` `generate_text`'s, `reference` the loss-check
-    reference's losses, each None when not asked for (`phases` and `generated` also when
-    the run stopped early, as `stopped` says)."""
+    `header` is results.json's (`report.run_header`, with what ran under "ran"),
+    `estimated_peak_bytes` the fit check's estimate of a rank's peak, `reference` the
+    loss-check reference's losses (None when not asked for)."""
+    ran_on, state, stopped = header["ran"], measured.state, measured.stopped
     losses = state.losses
+    step_times_s = measured.step_times_s
     timing_warmup = min(cfg.train.timing_warmup_steps, len(step_times_s) - 1)  # a resumed run has fewer steps
-    peak_memory = max(peaks_by_rank)
+    peak_memory = max(measured.peaks_by_rank)
     summary = metrics.summarize(
-        step_times_s, timing_warmup, cfg.train.batch_size * cfg.data.seq_len, layout.world_size, flops_per_step,
-        metrics.peak_flops(header["device"]), peak_memory,
+        step_times_s, timing_warmup, cfg.train.batch_size * cfg.data.seq_len, layout.world_size,
+        measured.flops_per_step, metrics.peak_flops(header["device"]), peak_memory,
     ) if step_times_s else {}  # none when the first step diverged
     exit_code = ExitCode.OK
     # The estimate beside the measured peak, so that every run checks the estimate.
-    extra = {"estimated_peak_gib": estimated_peak_bytes / 2**30, "peak_memory_gib_by_rank": [p / 2**30 for p in peaks_by_rank],
+    extra = {"estimated_peak_gib": estimated_peak_bytes / 2**30,
+             "peak_memory_gib_by_rank": [p / 2**30 for p in measured.peaks_by_rank],
              "grad_norms": state.grad_norms,
              **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
-             **expert_load.results_entries(state.router, run_load_YE, (first_step, cfg.train.steps))}
-    if tier_calls:  # on this rank, evaluation included: which of the tier's paths ran
-        extra["tier_calls"] = tier_calls
-    if phases is not None:
-        extra["phases_ms"], extra["expert_rows_per_rank"] = phases
-    if generated is not None:
-        extra["generate"] = generated
+             **expert_load.results_entries(state.router, measured.run_load_YE, (measured.first_step, cfg.train.steps))}
+    if measured.tier_calls:  # on this rank, evaluation included: which of the tier's paths ran
+        extra["tier_calls"] = measured.tier_calls
+    if measured.phases is not None:
+        extra["phases_ms"], extra["expert_rows_per_rank"] = measured.phases
+    if measured.generated is not None:
+        extra["generate"] = measured.generated
     if reference is not None and not stopped:
         # An 8-bit tier is held to its own tolerance, whatever the rest of the model runs in.
         check = check_losses(losses, reference, ran_on.get("precision", cfg.precision))
@@ -91,20 +111,22 @@ def report_run(cfg: RunConfig, layout: Layout, *, header: dict, ran_on: dict, es
         except OSError as e:
             unwritten.append(str(write_failure(f"{output_dir / CONFIG_FILE}", e)))
         unwritten += run_log.finish(
-            losses, first_step, step_times_s, timing_warmup,
+            losses, measured.first_step, step_times_s, timing_warmup,
             f"{cfg.tier} on {header['device']} x{layout.world_size}, {cfg.precision}: {output_dir.name}", state.evals)
         if summary:
             print(report.timing_table(summary, header))
         if state.evals:
             print(evaluations_table(state.evals))
-        if generated is not None:
-            print(f"generate: {generated['prompt']!r} -> {generated['text']!r}")
-        if phases is not None and summary:  # neither when the run stopped early
+        if measured.generated is not None:
+            print(f"generate: {measured.generated['prompt']!r} -> {measured.generated['text']!r}")
+        if measured.phases is not None and summary:  # neither when the run stopped early
             print(report.phases_table(extra["phases_ms"], summary["median_step_ms"]))
         if "loss_check" in extra:
             print(check.table())
         if path is not None:
             print(f"results: {path}", flush=True)
+        for what, written in measured.saved.items():  # only what was written: a save that failed stopped the run first
+            print(f"{what}: {written}", flush=True)
         if unwritten:
             raise WriteFailed("; ".join(unwritten) + (f"; and before that: {stopped}" if stopped else ""))
     return exit_code

@@ -21,8 +21,8 @@ from bench.refusals import refusals
 from conftest import REPO
 from launch import app_command
 
-from benchmarks.peer_workload import our_rows, random_rows, summarize_steps
-from benchmarks.torchtitan_peer import titan_inputs, workload_config
+from benchmarks.peer_workload import our_rows, random_rows, summarize_steps, workload_config
+from benchmarks.torchtitan_peer import titan_inputs
 from te_mixtral.measure.model_state import count_parameters
 from te_mixtral.measure.report import package_version
 

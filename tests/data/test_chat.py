@@ -289,8 +289,8 @@ def test_chat_needs_a_tokenizer_folder_with_a_template(tmp_path):
             PackedData(cfg, batch_size=1, rank=0, world_size=1, seed=0)
     with pytest.raises(UserError, match="data.format chat needs a tokenizer"):
         load_config(None, {"format": "chat"})
-    with pytest.raises(UserError, match="data.format must be one of text, chat"):
-        load_config(None, {"format": "sharegpt"})
+    with pytest.raises(UserError, match="data.format must be one of text, chat, sharegpt, alpaca"):
+        load_config(None, {"format": "openai"})
     # Text records that hold conversations point at data.format.
     with pytest.raises(UserError, match="or data.format chat"):
         load_records(DataConfig(dataset=str(path)))

@@ -12,6 +12,10 @@ EXAMPLES = {
     "text": DataConfig(max_documents=8),
     "chat": DataConfig(dataset=str(REPO / "examples" / "chat.jsonl"), format="chat",
                        tokenizer=str(REPO / "examples" / "chat-tokenizer"), max_documents=8),
+    "sharegpt": DataConfig(dataset=str(REPO / "examples" / "chat-sharegpt.jsonl"), format="sharegpt",
+                           tokenizer=str(REPO / "examples" / "chat-tokenizer"), max_documents=8),
+    "alpaca": DataConfig(dataset=str(REPO / "examples" / "chat-alpaca.json"), format="alpaca",
+                         tokenizer=str(REPO / "examples" / "chat-tokenizer"), max_documents=8),
 }
 
 
@@ -25,7 +29,8 @@ def test_a_format_returns_ids_and_a_mask_of_equal_length(name):
     fmt = FORMATS[name]
     records = load_records(cfg)
     tokenizer = fmt.tokenizer(cfg, records)
-    ids, trained = fmt.encode(tokenizer, records[fmt.field(cfg)], list(range(len(records))))
+    (field,) = records.column_names
+    ids, trained = fmt.encode(tokenizer, records[field], list(range(len(records))))
     assert len(ids) == len(records) and all(doc and doc[-1] == tokenizer.eos_id for doc in ids)
     if trained is None:  # every token is trained
         assert not fmt.masked

@@ -9,7 +9,9 @@ gradients are compared with the single process's, shard by shard, twice: after t
 gradient reduction and after the global-norm clipping (a small `grad_clip`, so it scales).
 
 Odd sizes on purpose: 6 experts top-3 at EP=2 and EP=3 (3 ranks), and 4 experts at
-EP=2 x DP=2 (4 ranks: experts replicated over two EP groups). A rank of an EP group of size
+EP=2 x DP=2 (4 ranks: experts replicated over two EP groups). EP=2 also runs with its
+exchanges overlapped in three chunks of tokens (`--ep_chunks 3`), whose gradients must be the
+unoverlapped path's. A rank of an EP group of size
 EP holds experts ep_rank*L .. (ep_rank+1)*L - 1, L = E / EP (distributed/layout.py).
 """
 
@@ -24,7 +26,8 @@ COMMON = ["--steps", "1", "--timing_warmup_steps", "0", "--batch_size", "12", "-
           "--grad_clip", str(GRAD_CLIP)]
 SIX_TOP3 = ["--model.num_experts", "6", "--model.num_experts_per_tok", "3"]
 FOUR_TOP2 = ["--model.num_experts", "4", "--model.num_experts_per_tok", "2"]
-LAYOUTS = [(SIX_TOP3, 2, 2), (SIX_TOP3, 3, 3), (FOUR_TOP2, 4, 2)]  # (model, nproc, ep)
+OVERLAPPED = ["--ep_chunks", "3"]
+LAYOUTS = [(SIX_TOP3, 2, 2), (SIX_TOP3, 3, 3), (FOUR_TOP2, 4, 2), (SIX_TOP3 + OVERLAPPED, 2, 2)]  # (model, nproc, ep)
 
 
 def run_args(model_args: list[str], ep: int) -> list[str]:
@@ -32,8 +35,9 @@ def run_args(model_args: list[str], ep: int) -> list[str]:
 
 
 # Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
-PLANNED_RUNS = {1: [run_args(model, 1) for model in (SIX_TOP3, FOUR_TOP2)],
-                **{nproc: [run_args(model, ep)] for model, nproc, ep in LAYOUTS}}  # one layout per rank count
+PLANNED_RUNS = {1: [run_args(model, 1) for model in (SIX_TOP3, FOUR_TOP2)]}
+for _model, _nproc, _ep in LAYOUTS:
+    PLANNED_RUNS.setdefault(_nproc, []).append(run_args(_model, _ep))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,9 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, what: str) -> N
 
 
 def assert_same_gradients(gradients, model_args: list[str], nproc: int, ep: int) -> None:
-    (want_reduced, want_clipped), = gradients(model_args, 1, 1)
+    # One process has nothing to overlap: its reference is the same model's plain run.
+    single = model_args[:-len(OVERLAPPED)] if model_args[-len(OVERLAPPED):] == OVERLAPPED else model_args
+    (want_reduced, want_clipped), = gradients(single, 1, 1)
     # The clipping must really scale, or the clipped comparison repeats the reduced one.
     norm = torch.stack([g.norm() for g in want_reduced.values()]).norm().item()
     assert norm > 2 * GRAD_CLIP, norm
@@ -102,7 +108,12 @@ def test_four_experts_ep2_dp2(gradients):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_args,nproc,ep", LAYOUTS, ids=["ep2", "ep3", "ep2xdp2"])
+def test_overlapped_exchanges_ep2(gradients):
+    assert_same_gradients(gradients, SIX_TOP3 + OVERLAPPED, nproc=2, ep=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_args,nproc,ep", LAYOUTS[:3], ids=["ep2", "ep3", "ep2xdp2"])
 def test_summary_counts_the_whole_global_step(gradients, model_args, nproc, ep):
     """tokens/s and TFLOP/s per GPU, times the step time they were computed with, give back
     the global step's tokens and the single process's model FLOPs: the same work is counted

@@ -1,7 +1,8 @@
 """`train.sharding: fsdp` with `train.optimizer: master_adamw`: FSDP2's bf16 shards step exactly
 as the unsharded parameters do, checkpoint and resume bit for bit (sharded, and unsharded from
 the sharded checkpoint: each expert found where FSDP's cut of the EP cut put it), and export
-the same HF checkpoint (4 gloo ranks, EP=2 x DP=2 and EP=4; tests/workers/sharded_master_adamw.py)."""
+the same HF checkpoint (4 gloo ranks, EP=2 x DP=2 with the experts' moments in 8 bits, their
+block scales sharded with the experts, and EP=4; tests/workers/sharded_master_adamw.py)."""
 
 import filecmp
 

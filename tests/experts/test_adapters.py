@@ -9,7 +9,7 @@ from conftest import REPO
 from expert_reference import random_adapters, reference_lora_f64
 from experts.test_custom_grouped import FP32_REL_TOL, SPLITS, make_inputs
 
-from te_mixtral.config import load_config
+from te_mixtral.config import load_run_config
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.adapters import ExpertAdapters
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
@@ -55,12 +55,17 @@ def test_the_tiers_that_take_adapters_say_so():
 
 def test_custom_grouped_refuses_dropout_it_cannot_apply():
     """On a GPU the down adapter reads SwiGLU's output inside the Triton op, where no dropout
-    mask can reach: a run that asks for one is refused in one line, not trained without it."""
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"tier": "custom_grouped", "lora.rank": "4",
-                                                             "lora.dropout": "0.1"})
-    tier = CustomGroupedTier.from_config(cfg)
-    tier.check_available(torch.device("cpu"))  # the grouped_mm path applies it
+    mask can reach: a run that asks for one is refused in one line when its config loads, not
+    trained without it; and a call with such adapters is refused, whatever built the tier."""
+    lora = {"tier": "custom_grouped", "lora.rank": "4", "lora.dropout": "0.1"}
     with pytest.raises(TierUnavailable, match="no dropout to the down adapter's input"):
-        tier.check_available(torch.device("cuda"))
-    cfg.lora.targets = "q_proj,gate_up_proj"  # no down adapter: nothing to refuse
-    CustomGroupedTier.from_config(cfg).check_available(torch.device("cuda"))
+        load_run_config(str(REPO / "configs" / "tiny.yaml"), {**lora, "device": "cuda"}, 1)
+    load_run_config(str(REPO / "configs" / "tiny.yaml"), {**lora, "device": "cpu"}, 1)  # grouped_mm applies it
+    # no down adapter: nothing to refuse
+    load_run_config(str(REPO / "configs" / "tiny.yaml"), {**lora, "device": "cuda", "lora.targets": "q_proj,gate_up_proj"},
+                    1)
+    x_RD = torch.randn(5, 8)
+    down_adapter = (torch.zeros(2, 4, 16), torch.zeros(2, 8, 4))
+    with pytest.raises(TierUnavailable, match="no dropout to the down adapter's input"):
+        CustomGroupedTier._kernels(x_RD, torch.tensor([3, 2]), torch.randn(2, 32, 8), torch.randn(2, 8, 16), True,
+                                   ExpertAdapters(None, down_adapter, 1.0, 0.1))

@@ -317,3 +317,4 @@ def test_interpreter_recompute_with_adapters_changes_nothing(targets, splits):
     assert len(kept) == len(recomputed) == 2 + 2 * len(targets)
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
+

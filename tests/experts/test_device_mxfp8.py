@@ -134,7 +134,7 @@ def test_auto_mode_by_device():
 
 
 @pytest.mark.parametrize("mode, device_type, capability, te_reason, message", [
-    ("auto", "cpu", None, None, "no 8-bit grouped GEMM for cpu; use --mxfp8_mode mxfp8-emulated"),
+    ("auto", "cpu", None, None, "no 8-bit grouped GEMM for cpu; use --fp8.mode mxfp8-emulated"),
     ("auto", "cuda", (8, 0), None, "no 8-bit grouped GEMM for cuda sm_80"),
     ("auto", "cuda", (12, 0), None, "no 8-bit grouped GEMM for cuda sm_120"),
     ("auto", "cuda", (10, 0), "not installed", "mode 'mxfp8-te' (picked by mode 'auto') here: not installed"),
@@ -156,7 +156,7 @@ def test_tier_from_the_registry_describes_what_runs():
         tier.describe()
     with pytest.raises(TierUnavailable):  # auto never picks emulation
         tier.check_available(torch.device("cpu"))
-    tier = make_tier("device_mxfp8", load_config(None, {"mxfp8_mode": "mxfp8-emulated"}))
+    tier = make_tier("device_mxfp8", load_config(None, {"fp8.mode": "mxfp8-emulated"}))
     tier.check_available(torch.device("cpu"))
     assert tier.describe() == {
         "recipe": "mxfp8-emulated",
@@ -171,32 +171,32 @@ def test_tier_from_the_registry_describes_what_runs():
 
 
 def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
-    cfg = load_config(None, {"mxfp8_mode": "mxfp8-emulated", "fp8_min_rows_per_expert": "100000"})
+    cfg = load_config(None, {"fp8.mode": "mxfp8-emulated", "fp8.min_rows_per_expert": "100000"})
     tier = make_tier("device_mxfp8", cfg)
-    assert tier.bf16_below == 100000 and load_config(None, {}).fp8_min_rows_per_expert == 1024
+    assert tier.min_rows_per_expert == 100000 and load_config(None, {}).fp8.min_rows_per_expert == 1024
     tier.check_available(torch.device("cpu"))
     assert "BF16" not in tier.describe()["kernel"]  # emulation is for numerics: MXFP8 at every size
     gen = torch.Generator().manual_seed(12)
     x_RD, counts, gate_up, down = mlp_inputs(gen)
     y = tier(x_RD, counts, gate_up, down)
     assert not torch.equal(y, make_tier("custom_grouped")(x_RD, counts, gate_up, down))
-    with pytest.raises(UserError, match="fp8_min_rows_per_expert must be 0 or more"):
-        load_run_config(None, {"tier": "device_mxfp8", "fp8_min_rows_per_expert": "-1"}, 1)
+    with pytest.raises(UserError, match="fp8.min_rows_per_expert must be 0 or more"):
+        load_run_config(None, {"tier": "device_mxfp8", "fp8.min_rows_per_expert": "-1"}, 1)
 
 
 def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off():
-    assert load_config(None, {}).fp8_weight_cache
-    cfg = load_config(None, {"mxfp8_mode": "mxfp8-emulated", "fp8_weight_cache": "false"})
+    assert load_config(None, {}).fp8.weight_cache
+    cfg = load_config(None, {"fp8.mode": "mxfp8-emulated", "fp8.weight_cache": "false"})
     tier = make_tier("device_mxfp8", cfg)
     assert tier.cache_weights is False
-    with pytest.raises(UserError, match="fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper") as error:
+    with pytest.raises(UserError, match="fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper") as error:
         tier.check_available(torch.device("cpu"))  # emulation keeps no such copies: not ignored silently
     assert "\n" not in str(error.value)
     # Named where the config loads, before any data is read: another tier, or a mode that is not Hopper's.
-    for overrides in ({"tier": "custom_grouped"}, {"tier": "device_mxfp8", "mxfp8_mode": "mxfp8-te"}):
-        with pytest.raises(UserError, match="fp8_weight_cache false is for tier device_mxfp8 in mode fp8-hopper"):
-            load_run_config(None, {**overrides, "fp8_weight_cache": "false"}, 1)
-    load_run_config(None, {"tier": "device_mxfp8", "fp8_weight_cache": "false"}, 1)  # auto: Hopper's
+    for overrides in ({"tier": "custom_grouped"}, {"tier": "device_mxfp8", "fp8.mode": "mxfp8-te"}):
+        with pytest.raises(UserError, match="fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper"):
+            load_run_config(None, {**overrides, "fp8.weight_cache": "false"}, 1)
+    load_run_config(None, {"tier": "device_mxfp8", "fp8.weight_cache": "false"}, 1)  # auto: Hopper's
 
 
 def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_path():
@@ -206,7 +206,7 @@ def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_p
     gen = torch.Generator().manual_seed(13)
     x_RD, counts, gate_up, down = mlp_inputs(gen, num_experts=4, max_rows=50)  # <= 200 rows
     rows_per_expert = x_RD.shape[0] / 4
-    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=int(rows_per_expert) + 1)
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=int(rows_per_expert) + 1)
     tier.mode, tier._device = "fp8-hopper", x_RD.device
 
     class FP8StandIn:  # zeros for output: nothing else returns them here
@@ -220,6 +220,6 @@ def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_p
     assert tier.calls() == {"bf16 custom_grouped": 1}
     assert "BF16 custom_grouped kernels for calls under" in tier.describe()["kernel"]
 
-    tier.bf16_below = int(rows_per_expert)  # now at or above the threshold: the FP8 runner
+    tier.min_rows_per_expert = int(rows_per_expert)  # now at or above the threshold: the FP8 runner
     assert torch.equal(tier(x_RD, counts, gate_up, down), torch.zeros_like(x_RD))
     assert tier.calls() == {"bf16 custom_grouped": 1, "fp8-hopper": 1}

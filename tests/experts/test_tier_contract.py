@@ -75,10 +75,10 @@ def test_doc_example_tier_matches_loop():
 def test_config_help_names_every_tier_and_mode():
     # config.py stays a leaf at import time, so its help text lists the names itself.
     from te_mixtral.config import settings
-    from te_mixtral.experts.device_mxfp8 import MODES
+    from te_mixtral.experts.options import FP8_MODES
 
     assert all(name in settings()["tier"].metadata["help"] for name in registry.RUN_NAMES)
-    assert all(mode in settings()["mxfp8_mode"].metadata["help"] for mode in MODES)
+    assert all(mode in settings()["fp8.mode"].metadata["help"] for mode in FP8_MODES)
 
 
 def test_the_registry_and_the_training_loop_import_without_triton_or_te():

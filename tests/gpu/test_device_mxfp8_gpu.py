@@ -21,7 +21,6 @@ import weakref
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 from expert_reference import accumulated_and_summed_grads, random_expert_inputs
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
@@ -29,6 +28,7 @@ from quant_reference import (
     rel_err,
     scaled_grouped_mm_stand_in,
 )
+from torch.utils.checkpoint import checkpoint
 
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
@@ -186,12 +186,12 @@ def test_fp8_hopper_tier_close_to_fp32(split):
 def test_fp8_hopper_runs_bf16_custom_grouped_below_its_break_even_size():
     inputs = make_inputs(SPLITS["uneven"], seed=6)  # 432 rows over 4 experts: 108 per expert
     bf16 = run(CustomGroupedTier(), *inputs)
-    for bf16_below, expect_bf16 in ((109, True), (108, False)):
-        tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=bf16_below)
+    for min_rows, expect_bf16 in ((109, True), (108, False)):
+        tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=min_rows)
         tier.check_available(torch.device("cuda"))
         got = run(tier, *inputs)
         assert "BF16 custom_grouped kernels for calls under" in tier.describe()["kernel"]
-        assert all(torch.equal(a, b) for a, b in zip(got, bf16)) == expect_bf16, bf16_below
+        assert all(torch.equal(a, b) for a, b in zip(got, bf16)) == expect_bf16, min_rows
         assert_close(got, reference(*inputs), FP8_ROWWISE_MLP_RTOL)
 
 
@@ -209,10 +209,10 @@ def test_fp8_hopper_without_the_weight_cache_computes_the_same_bits():
 
 @hopper
 def test_without_the_weight_cache_a_recomputed_call_keeps_no_fp8_weights():
-    # With fp8_weight_cache off, torch's checkpoint drops the FP8 weights the forward made
+    # With fp8.weight_cache off, torch's checkpoint drops the FP8 weights the forward made
     # (saved tensors, like the rest) and the recompute makes them again: none outlive the
     # forward, which is what lets a recomputed layer hold them only while it runs.
-    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=0, cache_weights=False)
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=0, cache_weights=False)
     tier.check_available(torch.device("cuda"))
     gemms, made = tier._runner.gemms, []
     quantize = gemms._quantize_weight
@@ -246,7 +246,7 @@ def test_fp8_hopper_micro_batches_add_into_grad(param_dtype):
     # From the second micro-batch the FP8 wgrad kernel adds into .grad. Against the
     # micro-batches' gradients summed apart, only roundings differ: the bf16 output of each
     # wgrad there, one rounding to the parameters' dtype per addition here.
-    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=0)
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=0)
     tier.check_available(torch.device("cuda"))
 
     def op(*args):

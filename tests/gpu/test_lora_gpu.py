@@ -91,10 +91,10 @@ def test_frozen_fp8_base_matches_float64_within_the_fp8_tolerance(case):
     anywhere near the base."""
     splits = GPU_SPLITS[case]
     x, counts, gate_up, down, dy = inputs(splits, seed=len(case) + 10)
-    tier = DeviceMXFP8Tier("fp8-hopper", bf16_below=10**9, frozen_base=True)  # a frozen base ignores bf16_below
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=10**9)  # a frozen base ignores min_rows_per_expert
     tier.check_available(torch.device("cuda"))
     with torch.device("cuda"):  # where a run builds its model
-        frozen = [tier.expert_weight(w.shape) for w in (gate_up, down)]
+        frozen = [tier.expert_weight(w.shape, frozen=True) for w in (gate_up, down)]
     for storage, w in zip(frozen, (gate_up, down)):
         storage[:].copy_(w)
     pairs = random_adapters(splits, D, F_, RANK, seed=3, device="cuda", dtype=torch.bfloat16)

@@ -9,9 +9,8 @@ from measure.test_memory_lora import TARGETS, UPPER_BOUND_SLACK
 
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.registry import make_tier
-from te_mixtral.model.layers import resolve_backend
-from te_mixtral.model.lora import add_adapters, freeze_base
-from te_mixtral.model.layers import PackedSequences
+from te_mixtral.model.layers import PackedSequences, resolve_backend
+from te_mixtral.model.lora import add_adapters
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 from te_mixtral.planning.memory import estimate_memory
 from te_mixtral.training.loop import default_dtype
@@ -43,11 +42,10 @@ def test_forward_keeps_what_the_estimate_counts(tier, lora, shapes):
     expert_tier = make_tier(cfg.tier, cfg)
     expert_tier.check_available(torch.device("cuda"))  # device_mxfp8: Hopper's FP8, its frozen base with LoRA
     with torch.device("cuda"), default_dtype(torch.bfloat16):
-        model = MixtralForCausalLM(cfg.model, backend, SINGLE, expert_tier, "none")
+        model = MixtralForCausalLM(cfg.model, backend, SINGLE, expert_tier, "none", frozen_base=bool(lora))
         init_weights(model, 1, SINGLE)
     if lora:
         add_adapters(model, cfg.lora, 2, SINGLE)
-        freeze_base(model)
     ids, packed = random_batch(cfg)
     ids, packed = ids.cuda(), packed.to("cuda")
 

@@ -110,7 +110,7 @@ def test_fp8_hopper_trains_like_loop_at_ep2_under_fsdp(tmp_path):
     extra = ["--batch_size", "2", "--optimizer", "master_adamw", "--lr", "3e-3"]
     reference, _ = train(tmp_path, "loop", "loop", 2, "--ep-size", "2", "--sharding", "fsdp", *extra)
     _, stdout = train(tmp_path, "fp8", "device_mxfp8", 2, "--ep-size", "2", "--sharding", "fsdp",
-                      "--fp8_min_rows_per_expert", "0", "--loss-check", str(reference), *extra)
+                      "--fp8.min_rows_per_expert", "0", "--loss-check", str(reference), *extra)
     assert "fp8-rowwise" in stdout and "loss check passed" in stdout, stdout[-3000:]
 
 

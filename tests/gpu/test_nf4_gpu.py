@@ -10,7 +10,7 @@ import pytest
 import torch
 from expert_reference import GPU_SPLITS, random_adapters, reference_lora_f64
 from experts.test_adapters import run_with_adapters
-from gpu.test_lora_gpu import D, F_, RANK, assert_within_bf16, inputs
+from gpu.test_lora_gpu import F_, RANK, D, assert_within_bf16, inputs
 
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
@@ -35,7 +35,7 @@ def nf4_inputs(splits, seed):
 def test_nf4_kernels_with_adapters_match_float64(case, keep_hidden):
     splits = GPU_SPLITS[case]
     x, counts, gate_up, down, dy = nf4_inputs(splits, seed=len(case))
-    tier = CustomGroupedTier(nf4_base=True)
+    tier = CustomGroupedTier("nf4")
     tier.check_available(torch.device("cuda"))
     call = tier if keep_hidden else tier.recompute_hidden
     pairs = random_adapters(splits, D, F_, RANK, seed=3, device="cuda", dtype=torch.bfloat16)
@@ -48,7 +48,7 @@ def test_nf4_kernels_with_adapters_match_float64(case, keep_hidden):
 def test_nf4_kernels_never_synchronise():
     x, counts, gate_up, down, dy = nf4_inputs(GPU_SPLITS["uneven"], seed=4)
     pairs = random_adapters(GPU_SPLITS["uneven"], D, F_, RANK, seed=3, device="cuda", dtype=torch.bfloat16)
-    tier = CustomGroupedTier(nf4_base=True)
+    tier = CustomGroupedTier("nf4")
     run_with_adapters(tier, x, counts, gate_up, down, pairs, 2.0, dy)  # compile outside
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

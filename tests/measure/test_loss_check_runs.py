@@ -44,7 +44,7 @@ def test_wrong_tier_fails_the_check(loop_results, tmp_path, monkeypatch, capsys)
 
 def test_mxfp8_numerics_within_their_tolerance(loop_results, tmp_path):
     """MXFP8-quantised expert GEMMs (emulated on the CPU) against the fp32 loop."""
-    proc = run_cli([*ARGS, "--tier", "device_mxfp8", "--mxfp8_mode", "mxfp8-emulated", "--output-dir",
+    proc = run_cli([*ARGS, "--tier", "device_mxfp8", "--fp8.mode", "mxfp8-emulated", "--output-dir",
                     str(tmp_path), "--loss-check", str(loop_results)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "loss check passed" in proc.stdout and "mean" in proc.stdout and "(<= 5e-02)" in proc.stdout

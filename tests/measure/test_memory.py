@@ -26,6 +26,7 @@ from te_mixtral.config import (
 )
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import UserError
+from te_mixtral.experts.options import FP8Options
 from te_mixtral.experts.registry import make_tier
 from te_mixtral.measure.capacity import GPUS, GiB, parse_capacity
 from te_mixtral.measure.model_state import count_parameters
@@ -47,8 +48,8 @@ def tiny(tier="loop", world_size=1, **overrides) -> RunConfig:
 
 
 def build(m: ModelConfig, layout: Layout = SINGLE, tier: str = "loop", recompute: str = "none",
-          recompute_layers: int | None = None) -> MixtralForCausalLM:
-    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier), recompute, recompute_layers)
+          recompute_layers: int | None = None, frozen_base: bool = False) -> MixtralForCausalLM:
+    return MixtralForCausalLM(m, TORCH, layout, make_tier(tier), recompute, recompute_layers, frozen_base)
 
 
 @pytest.mark.parametrize("m, ep", [(tiny().model, 1), (tiny().model, 4), (ODD, 1), (ODD, 3),
@@ -96,6 +97,26 @@ def test_parameters_gradients_and_adamw_state_are_exact_on_cpu():
     causal_lm_loss(model(ids, packed), ids, torch.tensor(float(ids.numel()))).backward()
     optimizer.step()
     assert_state_counted_exactly(estimate_memory(cfg, 1, device="cpu"), model, optimizer)
+
+
+@pytest.mark.parametrize("expert_moments", ["same", "8bit"])
+def test_master_adamw_state_is_exact_on_cpu(expert_moments):
+    """Remainders, moments (bf16), and under `expert_moments 8bit` the experts' codes and block
+    scales: the bytes the optimizer holds after a step (step counts, scalars, left out)."""
+    cfg = tiny(optimizer="master_adamw", dtype="bf16", expert_moments=expert_moments)
+    model = build(cfg.model)
+    init_weights(model, 0, SINGLE)
+    optimizer = make_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    held = sum(t.nbytes for s in optimizer.state.values() for key, t in s.items() if key != "step")
+    estimate = estimate_memory(cfg, 1, device="cpu")
+    assert estimate.optimizer_state == held
+    experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    per_expert = 6 if expert_moments == "same" else 2 + 2 * (1 + 4 / 256)  # 8-bit: a byte a moment + a scale per 256
+    assert held == 6 * dense + per_expert * experts
 
 
 def assert_state_counted_exactly(estimate, model, optimizer) -> None:
@@ -231,7 +252,7 @@ def test_accumulation_keeps_one_micro_batch_of_activations_and_every_gradient():
 
 
 def recorded_runs():
-    for path in sorted((REPO / "docs" / "results" / "runs").glob("*/*/results.json")):
+    for path in sorted((REPO / "docs" / "results").glob("**/runs/*/*/results.json")):
         yield pytest.param(json.loads(path.read_text()), id=f"{path.parent.parent.name}/{path.parent.name}")
 
 
@@ -244,11 +265,10 @@ def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
         pytest.skip("recorded by the FP8 tier before its fused SwiGLU and weight cache, which the estimate "
                     "no longer describes")
     cfg = RunConfig(ModelConfig(**raw["model"]), DataConfig(**raw["data"]), TrainConfig(**raw["train"]),
-                    LoRAConfig(**raw.get("lora", {})), tier=raw["tier"], ep_size=raw["ep_size"],
-                    fp8_min_rows_per_expert=raw.get("fp8_min_rows_per_expert", 2048),
-                    fp8_weight_cache=raw.get("fp8_weight_cache", True))
+                    LoRAConfig(**raw.get("lora", {})), FP8Options(**{"min_rows_per_expert": 2048, **raw.get("fp8", {})}),
+                    tier=raw["tier"], ep_size=raw["ep_size"])
     if raw["tier"] == "device_mxfp8" and "BF16 custom_grouped kernels" not in header["ran"]["kernel"]:
-        cfg.fp8_min_rows_per_expert = 0  # recorded before the break-even rule: FP8 at every size
+        cfg.fp8.min_rows_per_expert = 0  # recorded before the break-even rule: FP8 at every size
     cfg.backend = "torch" if header["ran"]["backend"] == "transformers" else header["ran"]["backend"]
     estimate = estimate_memory(cfg, header["world_size"], device="cuda")
     assert estimate.total / GiB == pytest.approx(result["summary"]["peak_memory_gib"], rel=0.15)
@@ -318,9 +338,10 @@ def test_a_refusal_names_the_settings_that_would_fit(capsys):
         with pytest.raises(UserError):
             check_fits(full_model(tier="custom_grouped", recompute=setting, recompute_layers=str(layers - 1)), 4,
                        "cuda")
-    with pytest.raises(UserError, match="; together, --recompute full --fp8_weight_cache false would fit"):
+    with pytest.raises(UserError, match="; together, --recompute full --expert_moments 8bit --fp8.weight_cache false "
+                                        "would fit"):
         check_fits(full_model(tier="device_mxfp8"), 4, "cuda")
-    check_fits(full_model(tier="device_mxfp8", recompute="full", fp8_weight_cache="false"), 4, "cuda")
+    check_fits(full_model(tier="device_mxfp8", recompute="full", **{"fp8.weight_cache": "false"}), 4, "cuda")
     # The config as it ships (fp32 AdamW, no recompute): master_adamw and the most recompute.
     with pytest.raises(UserError, match="; together, --recompute full --optimizer master_adamw --dtype bf16 would fit"):
         check_fits(load_config(str(REPO / "configs" / "mixtral-8x7b.yaml"),
@@ -333,9 +354,9 @@ def test_a_refusal_names_the_settings_that_would_fit(capsys):
 
 def test_fp8_weight_copies_are_counted_only_where_fp8_runs():
     """device_mxfp8 on a GPU holds each expert weight in FP8 twice (two orientations) until
-    the optimizer step; under fp8_min_rows_per_expert it runs the BF16 kernels and holds none."""
+    the optimizer step; under fp8.min_rows_per_expert it runs the BF16 kernels and holds none."""
     def total(min_rows, tier="device_mxfp8"):
-        cfg = tiny(tier, fp8_min_rows_per_expert=str(min_rows), dtype="bf16")
+        cfg = tiny(tier, **{"fp8.min_rows_per_expert": str(min_rows)}, dtype="bf16")
         return estimate_memory(cfg, 1, device="cuda")
 
     fp8, bf16 = total(0), total(10**9)
@@ -347,12 +368,12 @@ def test_fp8_weight_copies_are_counted_only_where_fp8_runs():
 
 @pytest.mark.parametrize("recompute, saved_share", [("none", 0.5), ("selective", 0), ("full", 0)])
 def test_fp8_weight_copies_without_the_cache_live_with_their_layer(recompute, saved_share):
-    """fp8_weight_cache false: a kept layer saves its FP8 weights' dgrad orientation for its
+    """fp8.weight_cache false: a kept layer saves its FP8 weights' dgrad orientation for its
     backward (half of what the cache holds); a recomputed one makes them again, so only the
     layer whose backward runs holds them."""
     def phases(cache):
-        cfg = tiny("device_mxfp8", fp8_min_rows_per_expert="0", dtype="bf16", recompute=recompute,
-                   fp8_weight_cache=str(cache).lower())
+        cfg = tiny("device_mxfp8", dtype="bf16", recompute=recompute,
+                   **{"fp8.min_rows_per_expert": "0", "fp8.weight_cache": str(cache).lower()})
         return estimate_memory(cfg, 1, device="cuda").phases
 
     cached, uncached = phases(True), phases(False)
@@ -391,7 +412,7 @@ def test_the_estimate_names_the_fewest_layers_that_must_recompute(capsys):
     assert "Fewer layers" not in capsys.readouterr().out
     # Where the peak is not at the start of the backward, recompute saves nothing: none is named.
     one_gpu = load_config(str(REPO / "configs" / "mixtral-8x7b-8layer.yaml"),
-                          {"num_hidden_layers": "4", "tier": "device_mxfp8", "fp8_weight_cache": "false",
+                          {"num_hidden_layers": "4", "tier": "device_mxfp8", "fp8.weight_cache": "false",
                            "recompute": "selective", "gpu": "h100"}, 1)
     print_estimate(one_gpu, 1)
     assert "No layer needs recompute here: --recompute none fits too" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from conftest import REPO
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
 from te_mixtral.measure import run_log
+from te_mixtral.measure.trackers import check_trackers
 from te_mixtral.training.optimizer import learning_rate
 from te_mixtral.training.outputs import check_outputs
 
@@ -170,8 +171,8 @@ def test_missing_packages(tmp_path, monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("tensorboard", "matplotlib") else real(name, *a))
-    with pytest.raises(UserError, match=r"tensorboard: true needs the tensorboard package: pip install"):
-        run_log.check_tensorboard(load_config(None, {"tensorboard": "true"}))
+    with pytest.raises(UserError, match=r"report_to tensorboard needs the tensorboard package: pip install"):
+        check_trackers(load_config(None, {"tensorboard": "true"}))
     cfg = load_config(None, {"output_dir": str(tmp_path)})
     log = run_log.RunLog(tmp_path, cfg, first_step=1, total=1)
     log.step(1, fake_state(1.0), 1e-3, 0.1, 2**30, print_line=False)

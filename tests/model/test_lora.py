@@ -8,7 +8,6 @@ import pytest
 import torch
 from hf_reference import random_hf_mixtral
 from model.test_hf_parity import random_packed_batch, rel_err
-
 from transformers import MixtralForCausalLM
 
 from te_mixtral.config import LoRAConfig, RunConfig
@@ -18,7 +17,7 @@ from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
-from te_mixtral.model.lora import add_adapters, freeze_base, is_adapter_param, lora_adapters
+from te_mixtral.model.lora import add_adapters, is_adapter_param, lora_adapters
 from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
 from te_mixtral.model.mixtral import causal_lm_loss
 from te_mixtral.training.hf_checkpoint import load_hf_weights, save_hf_checkpoint
@@ -42,10 +41,9 @@ def hf_checkpoint(folder, dtype=torch.float64):
 def adapted(folder, lora: LoRAConfig, tier=None, dtype=torch.float64, seed=7):
     """Our model with `folder`'s weights and `lora`'s adapters, B drawn at random (a zero B
     would leave every A without a gradient)."""
-    ours = Ours(model_config_from_hf(folder), TORCH, SINGLE, tier or LoopTier())
+    ours = Ours(model_config_from_hf(folder), TORCH, SINGLE, tier or LoopTier(), frozen_base=True)
     load_hf_weights(ours, folder, SINGLE)
     add_adapters(ours, lora, seed, SINGLE)
-    freeze_base(ours)
     ours.to(dtype)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

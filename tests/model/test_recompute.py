@@ -137,3 +137,31 @@ def test_ep2_trains_alike_with_and_without_recompute(tmp_path, launch_planned):
         for rank, (got, want) in enumerate(zip(weights, want_weights)):
             for name in want:
                 assert torch.equal(got[name], want[name]), f"{recompute}, rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_the_training_loop_recomputes_the_layers_it_is_told(recompute, tmp_path, monkeypatch):
+    """Through the loop (`train`): with train.recompute_layers 1 of 3, only the first layer's
+    part (the experts, or the whole layer) is wrapped for recompute, at every step; a loop
+    that dropped the key would recompute all three, or none."""
+    from te_mixtral.model import mixtral, moe
+    from te_mixtral.model.recompute import recomputed
+    from te_mixtral.training.loop import train
+
+    wrapped = []  # what was wrapped for recompute, once per forward that keeps a graph
+
+    def spy(fn, *args):
+        if torch.is_grad_enabled():
+            wrapped.append(getattr(fn, "__self__", fn))
+        return recomputed(fn, *args)
+
+    monkeypatch.setattr(mixtral, "recomputed", spy)
+    monkeypatch.setattr(moe, "recomputed", spy)
+    steps = 2
+    cfg = load_run_config(str(REPO / "configs" / "tiny.yaml"), {
+        "seq_len": "32", "num_hidden_layers": "3", "steps": str(steps), "timing_warmup_steps": "0",
+        "max_documents": "40", "recompute": recompute, "recompute_layers": "1", "plots": "false",
+        "output_dir": str(tmp_path)})
+    model = train(cfg).model
+    first = model.model.layers[0]
+    assert wrapped == [first if recompute == "full" else first.mlp.experts] * steps

@@ -15,8 +15,19 @@ from adamw_reference import CLIP, U, bf16_grads, bits, error_in_u, fp32_weights
 from background import Command
 
 from te_mixtral.optim import MasterAdamW
-from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_torch
+from te_mixtral.optim.adamw_torch import (
+    StepScalars,
+    adamw_update_8bit_torch,
+    adamw_update_torch,
+)
 from te_mixtral.optim.bits import join_master, split_master
+from te_mixtral.optim.moments8 import (
+    BLOCK,
+    EXP_AVG,
+    SQRT_EXP_AVG_SQ,
+    dequantize,
+    quantize,
+)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
@@ -44,14 +55,43 @@ def kernel_case(n: int, grad_dtype, moment_dtype, seed: int):
 def test_interpreter_kernel_equals_torch_path(n, grad_dtype, moment_dtype):
     from te_mixtral.optim.adamw_kernel import adamw_update_triton
 
-    case = kernel_case(n, grad_dtype, moment_dtype, seed=n)
+    assert_same_bits_after_three_steps(kernel_case(n, grad_dtype, moment_dtype, seed=n), adamw_update_torch,
+                                       adamw_update_triton)
+
+
+def assert_same_bits_after_three_steps(case, torch_update, kernel_update) -> None:
+    """Both paths from `case`, steps 1, 2 and 9 in a row: every tensor the same bits."""
     by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
     for step in (1, 2, 9):
         scalars = StepScalars.for_step(3e-3, 0.1, 0.9, 0.999, 1e-8, step)
-        adamw_update_torch(*by_torch, scalars, CLIP)
-        adamw_update_triton(*by_kernel, scalars, CLIP)
+        torch_update(*by_torch, scalars, CLIP)
+        kernel_update(*by_kernel, scalars, CLIP)
     for x, y in zip(by_torch, by_kernel):
         assert torch.equal(bits(x), bits(y))
+
+
+def kernel_case_8bit(blocks: int, grad_dtype, seed: int):
+    """`kernel_case`'s parameter and gradient (NaN, inf) with random 8-bit moments over many
+    binades, a block of zero moments and one whose moments are far below the smallest scale."""
+    param, remainder, grad, m, v = kernel_case(blocks * BLOCK, grad_dtype, torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    spread = torch.exp(torch.randn(blocks, 1, generator=gen) * 8).expand(-1, BLOCK).reshape(-1)
+    m, sqrt_v = m * spread, v.sqrt() * spread
+    if blocks > 2:
+        m[BLOCK:2 * BLOCK], sqrt_v[BLOCK:2 * BLOCK] = 0.0, 0.0
+        m[2 * BLOCK:3 * BLOCK] *= 1e-35
+        sqrt_v[2 * BLOCK:3 * BLOCK] *= 1e-35
+    return [param, remainder, grad, *quantize(m, EXP_AVG), *quantize(sqrt_v, SQRT_EXP_AVG_SQ)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("blocks", [0, 1, 3, 8, 9, 21])  # a program takes 8 blocks
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_interpreter_8bit_kernel_equals_torch_path(blocks, grad_dtype):
+    from te_mixtral.optim.adamw_kernel import adamw_update_8bit_triton
+
+    assert_same_bits_after_three_steps(kernel_case_8bit(blocks, grad_dtype, seed=blocks), adamw_update_8bit_torch,
+                                       adamw_update_8bit_triton)
 
 
 @interpreter_only
@@ -65,13 +105,16 @@ def test_interpreter_optimizer_impls_agree():
             size = torch.Size(shape).numel()
             params.append(torch.nn.Parameter(w[start:start + size].view(shape).clone()))
             start += size
-        opt = MasterAdamW.from_fp32(params, lr=1e-3, moment_dtype=torch.bfloat16, impl=impl)
-        for g in bf16_grads(3, start, 15):
+        experts = torch.nn.Parameter(w[:4 * BLOCK].view(2, 2 * BLOCK).clone())  # in a group with 8-bit moments
+        opt = MasterAdamW.from_fp32([{"params": params}, {"params": [experts], "moments_8bit": True}], lr=1e-3,
+                                    moment_dtype=torch.bfloat16, impl=impl)
+        params.append(experts)
+        for g in bf16_grads(3, start + 4 * BLOCK, 15):
             offset = 0
             for p in params:
                 p.grad, offset = g[offset:offset + p.numel()].view(p.shape), offset + p.numel()
             opt.step()
-        results.append([bits(opt.master(p)) for p in params])
+        results.append([bits(opt.master(p)) for p in params] + [bits(t) for t in opt.state[experts].values()])
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
@@ -88,6 +131,21 @@ def test_triton_kernel_in_interpreter(planned_command):
     assert " passed" in result.stdout and " failed" not in result.stdout
 
 
+def one_step_each_on_cuda(case, torch_update, kernel_update, lr: float = 3e-3):
+    """For step numbers 1, 2 and 9: (torch path's tensors, kernel's) after one step each from
+    `case`, their masters checked within 4 U of each other (a fused multiply-add's ulp)."""
+    for step in (1, 2, 9):
+        by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
+        scalars = StepScalars.for_step(lr, 0.1, 0.9, 0.999, 1e-8, step)
+        torch_update(*by_torch, scalars, CLIP.cuda())
+        kernel_update(*by_kernel, scalars, CLIP.cuda())
+        masters = [join_master(p.view(torch.int16), r) for p, r, *_ in (by_torch, by_kernel)]
+        finite = masters[0].isfinite()
+        assert torch.equal(finite, masters[1].isfinite())
+        assert error_in_u(masters[1][finite], masters[0][finite], lr) <= 4
+        yield by_torch, by_kernel
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernel_matches_torch_path(moment_dtype):
@@ -97,18 +155,25 @@ def test_cuda_kernel_matches_torch_path(moment_dtype):
     that rounded differently once make the paths drift apart, so each step starts afresh.)"""
     from te_mixtral.optim.adamw_kernel import adamw_update_triton
 
-    lr = 3e-3
     case = [t.cuda() for t in kernel_case(1 << 20, torch.bfloat16, moment_dtype, seed=16)]
-    for step in (1, 2, 9):
-        by_torch, by_kernel = [t.clone() for t in case], [t.clone() for t in case]
-        scalars = StepScalars.for_step(lr, 0.1, 0.9, 0.999, 1e-8, step)
-        adamw_update_torch(*by_torch, scalars, CLIP.cuda())
-        adamw_update_triton(*by_kernel, scalars, CLIP.cuda())
-        masters = [join_master(p.view(torch.int16), r) for p, r, *_ in (by_torch, by_kernel)]
-        finite = masters[0].isfinite()
-        assert torch.equal(finite, masters[1].isfinite())
-        assert error_in_u(masters[1][finite], masters[0][finite], lr) <= 4
+    for by_torch, by_kernel in one_step_each_on_cuda(case, adamw_update_torch, adamw_update_triton):
         for x, y in zip(by_torch[3:], by_kernel[3:]):  # m near cancellation: atol
             atol = 8 * U * x[x.isfinite()].abs().max().item()
             rtol = 2**-7 if moment_dtype == torch.bfloat16 else 4 * U
             torch.testing.assert_close(y, x, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.cuda
+def test_cuda_8bit_kernel_matches_torch_path():
+    """As above with 8-bit moments, one step from the same state: a fused multiply-add may move
+    a new moment by an fp32 ulp, and with it across a rounding boundary of the format, so the
+    moments read back may differ by one code step; the masters by a few U."""
+    from te_mixtral.optim.adamw_kernel import adamw_update_8bit_triton
+
+    case = [t.cuda() for t in kernel_case_8bit(1 << 12, torch.bfloat16, seed=17)]
+    for by_torch, by_kernel in one_step_each_on_cuda(case, adamw_update_8bit_torch, adamw_update_8bit_triton):
+        for at, fmt in ((3, EXP_AVG), (5, SQRT_EXP_AVG_SQ)):
+            x, y = (dequantize(t[at], t[at + 1], fmt) for t in (by_torch, by_kernel))
+            step_size = 2.0 ** -fmt.mantissa * x.abs() + fmt.subnormal_unit * by_torch[at + 1].repeat_interleave(BLOCK)
+            both = x.isfinite() & y.isfinite()
+            assert torch.equal(x.isfinite(), y.isfinite()) and ((x - y).abs()[both] <= step_size[both] * 1.01).all()

@@ -15,11 +15,17 @@ The Triton kernel's own tests are in test_adamw_kernel.py; the shared helpers in
 tests/adamw_reference.py.
 """
 
-import io
-
 import pytest
 import torch
-from adamw_reference import CLIP, U, bf16_grads, bits, error_in_u, fp32_weights
+from adamw_reference import (
+    CLIP,
+    U,
+    bf16_grads,
+    bits,
+    error_in_u,
+    fp32_weights,
+    save_and_resume,
+)
 
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.optim.adamw_torch import StepScalars, adamw_update_torch
@@ -267,19 +273,8 @@ def test_state_dict_round_trip_is_bit_exact(moment_dtype):
         ps[0].grad, ps[1].grad = g[:n], g[n:]
         opt.step()
 
-    ps, opt = make()
-    for g in grads[:3]:
-        step(ps, opt, g)
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach() for p in ps], "optimizer": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-
-    resumed_ps, resumed = make()  # fresh remainders from w: every one must be overwritten
-    with torch.no_grad():
-        for p, value in zip(resumed_ps, saved["params"]):
-            p.copy_(value)
-    resumed.load_state_dict(saved["optimizer"])
+    # The resumed optimizer starts from fresh remainders from w: every one must be overwritten.
+    (ps, opt), (resumed_ps, resumed) = save_and_resume(make, step, grads, 3)
     for p, q in zip(ps, resumed_ps):
         state, loaded = opt.state[p], resumed.state[q]
         assert loaded["remainder"].dtype == torch.int16

@@ -227,7 +227,7 @@ def test_an_8bit_tier_is_judged_at_its_own_precision(tmp_path):
     paths = [make_run(tmp_path, "loop", "loop", 100.0, losses=LOOP_LOSSES),
              make_run(tmp_path, "mx", "device_mxfp8", 90.0, losses=eight_bit,
                       ran={"precision": "mxfp8", "recipe": "mxfp8-emulated"},
-                      overrides={"mxfp8_mode": "mxfp8-emulated"})]
+                      overrides={"fp8.mode": "mxfp8-emulated"})]
     md = page_for(paths).markdown
     row = table_row(md, "device_mxfp8")
     assert row[0] == "`device_mxfp8` (mxfp8-emulated)"
@@ -376,7 +376,8 @@ def test_committed_pages_regenerate_unchanged(committed, monkeypatch):
 
 def test_runs_saved_before_num_experts_was_renamed_still_load():
     """Committed runs saved `model.num_local_experts` (HF's name); they read as `num_experts`."""
-    run_dir = REPO / "docs" / "results" / "runs" / "2026-11-21-h200-x4-ep4" / "custom_grouped"
+    runs = REPO / "docs" / "results" / "2026-11-21-kernel-notes" / "runs"  # the page that cites them
+    run_dir = runs / "2026-11-21-h200-x4-ep4" / "custom_grouped"
     assert "num_local_experts" in (run_dir / "config.yaml").read_text()  # the old name, as saved
     assert load_config(str(run_dir / "config.yaml"), world_size=4).model.num_experts == 8
     (run,) = find_runs([str(run_dir)])

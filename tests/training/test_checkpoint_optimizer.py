@@ -5,7 +5,7 @@ The optimizer that receives the checkpoint has taken other steps, with other gra
 its moments, step count (bias correction) and, for master_adamw, the low bits of the fp32
 master all differ from the saved ones: a restore that skipped any of them changes the next
 update. Both optimizers (train.optimizer adamw and master_adamw, the latter with bf16
-parameters) are checked.
+parameters, and with its experts' moments in 8 bits) are checked.
 """
 
 import dataclasses
@@ -24,7 +24,11 @@ from te_mixtral.training.optimizer import make_optimizer
 
 SINGLE = Layout(0, 1, 1, None, None)
 CPU = torch.device("cpu")
-OPTIMIZERS = {"adamw": {"dtype": "fp32"}, "master_adamw": {"dtype": "bf16"}}
+OPTIMIZERS = {"adamw": {"optimizer": "adamw", "dtype": "fp32"},
+              "master_adamw": {"optimizer": "master_adamw", "dtype": "bf16"},
+              # the experts' moments as 8-bit codes and block scales (whole blocks: 16 x 32 values a row)
+              "master_adamw-8bit": {"optimizer": "master_adamw", "dtype": "bf16", "expert_moments": "8bit",
+                                    "intermediate_size": "32"}}
 
 
 def make(cfg, seed: int, steps: int):
@@ -50,7 +54,7 @@ def small_config(tmp_path, name: str):
     return load_config(None, {
         "checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "64", "hidden_size": "16", "intermediate_size": "24",
         "num_hidden_layers": "1", "num_attention_heads": "2", "num_key_value_heads": "1", "head_dim": "8",
-        "num_experts": "2", "tokenizer_vocab_size": "64", "steps": "10", "optimizer": name, "lr": "1e-2",
+        "num_experts": "2", "tokenizer_vocab_size": "64", "steps": "10", "lr": "1e-2",
         "weight_decay": "0.1", **OPTIMIZERS[name]})
 
 
@@ -97,15 +101,17 @@ def test_a_parameter_never_stepped_is_restored_as_fresh(tmp_path, name):
         assert torch.equal(saved, want) and torch.equal(resumed, want), f"{name}: {key}"
 
 
-@pytest.mark.parametrize("name, moments", [("adamw", "bf16"), ("master_adamw", "bf16"), ("master_adamw", "fp32")])
+@pytest.mark.parametrize("name, moments", [("adamw", "bf16"), ("master_adamw", "bf16"), ("master_adamw", "fp32"),
+                                           ("master_adamw-8bit", "bf16")])
 def test_free_space_check_sizes_what_a_save_writes(tmp_path, monkeypatch, name, moments):
     """The up-front check counts each optimizer's real state: master_adamw's remainders and
-    moments (bf16 or fp32) beside its bf16 weights, adamw's two fp32 moments."""
+    moments (bf16 or fp32; the experts' in 8 bits) beside its bf16 weights, adamw's two fp32
+    moments."""
     cfg = load_config(None, {
-        "checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "512", "hidden_size": "64", "intermediate_size": "96",
-        "num_hidden_layers": "2", "num_attention_heads": "4", "num_key_value_heads": "2", "head_dim": "16",
-        "num_experts": "4", "tokenizer_vocab_size": "512", "steps": "10", "optimizer": name,
-        "moment_dtype": moments, "checkpoint_keep": "1", **OPTIMIZERS[name]})
+        **OPTIMIZERS[name], "checkpoint_dir": str(tmp_path / "ckpt"), "vocab_size": "512", "hidden_size": "64",
+        "intermediate_size": "192", "num_hidden_layers": "2", "num_attention_heads": "4", "num_key_value_heads": "2",
+        "head_dim": "16", "num_experts": "4", "tokenizer_vocab_size": "512", "steps": "10",
+        "moment_dtype": moments, "checkpoint_keep": "1"})
     model, optimizer = make(cfg, seed=1, steps=1)
     ckpt = Checkpointer(cfg, SINGLE, CPU, "a" * 64)
     asked = []

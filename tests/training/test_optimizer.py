@@ -84,15 +84,17 @@ def mixtral(cfg) -> torch.nn.Module:
 MODELS = {"mixtral": mixtral, "linear-layernorm": lambda cfg: model_with_grads(2, 1.0)}
 
 
-@pytest.mark.parametrize("optimizer, dtype", [("adamw", "fp32"), ("master_adamw", "bf16")])
+@pytest.mark.parametrize("optimizer, dtype, expert_moments", [("adamw", "fp32", "same"), ("master_adamw", "bf16", "same"),
+                                                              ("master_adamw", "bf16", "8bit")])
 @pytest.mark.parametrize("model_name", MODELS)
-def test_weight_decay_shrinks_the_matrices_and_no_vector(optimizer, dtype, model_name):
+def test_weight_decay_shrinks_the_matrices_and_no_vector(optimizer, dtype, expert_moments, model_name):
     """Every parameter of two dimensions or more (projections, experts, embeddings) decays and
     no vector does (norm weights, biases), told apart by shape, never by name: the second
     model's LayerNorm weight is called `1.weight`. With zero gradients Adam's update is
     0 / (0 + eps) = 0, so one step at lr 1 multiplies a decayed parameter by 1 - weight_decay
     and leaves any other exactly as it was."""
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"optimizer": optimizer, "dtype": dtype,
+                                                           "expert_moments": expert_moments,
                                                            "weight_decay": "0.5", "lr": "1.0"})
     model = MODELS[model_name](cfg)
     opt = make_optimizer(model, cfg)
@@ -113,3 +115,16 @@ def test_weight_decay_shrinks_the_matrices_and_no_vector(optimizer, dtype, model
             torch.testing.assert_close(after[name], before[name] * 0.5, rtol=1e-6, atol=0, msg=f"{name} did not decay")
         else:
             assert torch.equal(after[name], before[name]), f"{name} (a vector) decayed"
+
+
+def test_8bit_expert_moments_are_the_experts_alone():
+    """`train.expert_moments 8bit` puts every expert weight, and nothing else, in the group with
+    8-bit moments; the others keep `moment_dtype`."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"optimizer": "master_adamw", "dtype": "bf16",
+                                                           "expert_moments": "8bit"})
+    model = mixtral(cfg)
+    opt = make_optimizer(model, cfg)
+    eight_bit = {id(p) for g in opt.param_groups if g["moments_8bit"] for p in g["params"]}
+    experts = {id(p) for name, p in model.named_parameters() if ".experts." in name}
+    assert eight_bit == experts and len(experts) == 2 * cfg.model.num_hidden_layers
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))

@@ -13,9 +13,9 @@ import pytest
 from conftest import REPO
 from launch import assert_one_line_error, run_cli
 
+from te_mixtral import files
 from te_mixtral.config import load_config, save_config
 from te_mixtral.errors import ExitCode, UserError
-from te_mixtral import files
 from te_mixtral.files import replace_files, require_free_space, size_text
 from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files

@@ -111,12 +111,12 @@ def test_a_prompt_that_leaves_nothing_to_generate_is_refused(tokenizer):
 @pytest.mark.parametrize("hidden, ffn, bad", [(48, 64, "hidden_size"), (64, 48, "intermediate_size")])
 def test_mxfp8_refuses_sizes_its_blocks_cannot_take_before_building(hidden, ffn, bad):
     cfg = load_config(None, {**TINY, "hidden_size": str(hidden), "intermediate_size": str(ffn),
-                             "tier": "device_mxfp8", "mxfp8_mode": "mxfp8-emulated"})
+                             "tier": "device_mxfp8", "fp8.mode": "mxfp8-emulated"})
     tier = DeviceMXFP8Tier.from_config(cfg)
     with pytest.raises(UserError, match=f"model.{bad} to be a multiple of 32, got 48"):
         tier.check_available("cpu")
     DeviceMXFP8Tier.from_config(load_config(None, {**TINY, "hidden_size": "64", "intermediate_size": "96",
-                                                   "mxfp8_mode": "mxfp8-emulated"})).check_available("cpu")
+                                                   "fp8.mode": "mxfp8-emulated"})).check_available("cpu")
 
 
 def test_results_record_the_global_gradient_norm_of_every_step(tmp_path, launch_planned):

@@ -1,12 +1,14 @@
-"""Run README command lines as a user would, from a folder of their own, one after another.
+"""Run README command sequences as a user would, each from a folder of its own, in order.
 
-Usage: python tests/workers/readme_commands.py FOLDER COMMAND...
+Usage: python tests/workers/readme_commands.py FOLDER SEQUENCES
 
-FOLDER becomes a user's working folder: the repository's `run_finetune_ep.py`, `configs/`,
+SEQUENCES is a JSON list of lists of command lines (a README bash block each). Sequence i runs
+in FOLDER/i, made a user's working folder: the repository's `run_finetune_ep.py`, `configs/`,
 `examples/` and `scripts/` linked in, so the commands' relative paths read as in the README,
-and what they write (`runs/`, `ckpt/`, `finetuned/`) lands there. Each COMMAND runs through
-the shell, its `python`, `torchrun` and `accelerate` this interpreter's. Writes
-FOLDER/outcomes.json: [{"command", "returncode", "stdout", "stderr"}] in order.
+and what they write (`runs/`, `ckpt/`, `finetuned/`) lands there for the commands after them.
+Each command runs through the shell, its `python`, `torchrun` and `accelerate` this
+interpreter's. Writes FOLDER/outcomes.json: [{"sequence", "command", "returncode", "stdout",
+"stderr"}] in order.
 """
 
 import json
@@ -39,15 +41,18 @@ def user_folder(folder: Path) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def main(folder: Path, commands: list[str]) -> None:
-    env = user_folder(folder)
+def main(folder: Path, sequences: list[list[str]]) -> None:
     outcomes = []
-    for command in commands:
-        proc = subprocess.run(command, shell=True, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-        outcomes.append({"command": command, "returncode": proc.returncode, "stdout": proc.stdout,
-                         "stderr": proc.stderr})
+    for i, sequence in enumerate(sequences):
+        (folder / str(i)).mkdir()
+        env = user_folder(folder / str(i))
+        for command in sequence:
+            proc = subprocess.run(command, shell=True, cwd=folder / str(i), env=env, capture_output=True, text=True,
+                                  timeout=300)
+            outcomes.append({"sequence": i, "command": command, "returncode": proc.returncode, "stdout": proc.stdout,
+                             "stderr": proc.stderr})
     (folder / "outcomes.json").write_text(json.dumps(outcomes, indent=1))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]))

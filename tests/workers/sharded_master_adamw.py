@@ -1,5 +1,6 @@
 """torchrun worker (4 ranks): master_adamw on a model sharded by FSDP against the same model
-unsharded, at EP=2 (x DP=2, bf16 moments) and EP=4 (fp32 moments), in one process group.
+unsharded, at EP=2 (x DP=2, bf16 moments, the experts' in 8 bits) and EP=4 (fp32 moments), in one
+process group.
 
 Usage: torchrun --nproc_per_node=4 tests/workers/sharded_master_adamw.py OUT_DIR
 
@@ -46,7 +47,7 @@ from te_mixtral.training.optimizer import (
 )
 
 out_dir = Path(sys.argv[1])
-MODEL = {"vocab_size": "64", "hidden_size": "16", "intermediate_size": "24", "num_hidden_layers": "2",
+MODEL = {"vocab_size": "64", "hidden_size": "16", "intermediate_size": "32", "num_hidden_layers": "2",
          "num_attention_heads": "2", "num_key_value_heads": "1", "head_dim": "8", "num_experts": "4",
          "tokenizer_vocab_size": "64", "dtype": "bf16", "device": "cpu", "optimizer": "master_adamw",
          "sharding": "fsdp", "steps": "10", "lr": "1e-2", "batch_size": "4"}
@@ -87,18 +88,17 @@ def state_of(model, optimizer):
     state = {}
     for name, p in model.named_parameters():
         s = optimizer.state[p]
-        state[name] = {"param": whole(p.detach()).view(torch.int16).clone(), "remainder": whole(s["remainder"]).clone(),
-                       "exp_avg": whole(s["exp_avg"]).clone(), "exp_avg_sq": whole(s["exp_avg_sq"]).clone(),
-                       "step": s["step"].clone()}
+        state[name] = {"param": whole(p.detach()).view(torch.int16).clone(),
+                       **{key: whole(t).clone() for key, t in s.items()}}
     return state
 
 
 layout = init_layout(2, "cpu", 120)
-for ep, moments in ((2, "bf16"), (4, "fp32")):
+for ep, moments, expert_moments in ((2, "bf16", "8bit"), (4, "fp32", "same")):
     if ep != layout.ep_size:
         layout = mesh_layout(ep, "cpu")
     folder = out_dir / f"ep{ep}"
-    cfg = load_config(None, {**MODEL, "ep_size": str(ep), "moment_dtype": moments,
+    cfg = load_config(None, {**MODEL, "ep_size": str(ep), "moment_dtype": moments, "expert_moments": expert_moments,
                              "checkpoint_dir": str(folder / "ckpt")}, world_size=4)
     folder.mkdir(parents=True, exist_ok=True)
 

@@ -13,14 +13,8 @@ import torch
 import torch.distributed as dist
 from bench.titan_on_cpu import PATCHES, count_in_float
 
-from benchmarks.peer_workload import random_rows, rows_per_gpu
-from benchmarks.torchtitan_peer import (
-    build_parallel,
-    job_config,
-    loss_of,
-    titan_inputs,
-    workload_config,
-)
+from benchmarks.peer_workload import random_rows, rows_per_gpu, workload_config
+from benchmarks.torchtitan_peer import build_parallel, job_config, loss_of, titan_inputs
 from te_mixtral.distributed.layout import shutdown
 
 for module, name, value in PATCHES:

@@ -57,7 +57,6 @@ from te_mixtral.experts.kernels.schedule import FP32_TILE, tile_config
 from te_mixtral.experts.kernels.tma_host import tma_ok
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
-
 # Tile configurations by regime, chosen by the sweeps of benchmarks/custom_grouped_bench.py
 # on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers); the large regime's
 # dgrads and down projection since retimed on an H200 at training shapes (docs/kernels.md,

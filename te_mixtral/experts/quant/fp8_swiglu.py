@@ -9,7 +9,7 @@ composition stays as the readable reference, and the CPU tests run it), with few
 over the [Q, F] and [Q, 2F] tensors:
 
     forward   gu = x @ gate_up^T           x cast row-wise; gate_up's FP8 copies cached
-                                           (unless fp8_weight_cache is off)
+                                           (unless fp8.weight_cache is off)
               y  = silu(gate) * up @ down^T the SwiGLU computed inside the row-wise cast
                                            of its output (fp8_cast, swiglu=True): h is
                                            never written in bf16, its FP8 copy h_q is kept
@@ -64,7 +64,7 @@ class FP8SwiGLUExperts:
     function with its arguments (a test's float64 stand-in). `value_dtype` float32 (with a
     float32 `out_dtype`) runs the same kernels and data flow with unrounded values, so a CPU
     test can check the wiring against the unquantised MLP to float32 rounding.
-    `cache_weights`: see `FP8HopperGemms.weight` (the config's `fp8_weight_cache`).
+    `cache_weights`: see `FP8HopperGemms.weight` (the config's `fp8.weight_cache`).
     """
 
     def __init__(self, scaled_grouped_mm=None, value_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16,

@@ -52,6 +52,13 @@ class FrozenWeight(nn.Module, abc.ABC):
     def parts(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.part_names)
 
+    @classmethod
+    def stored_bytes(cls, shape: tuple[int, ...]) -> int:
+        """Bytes a weight of `shape` takes in this format: its parts, made on the meta device
+        (no memory), so what is counted is what the format allocates."""
+        with torch.device("meta"):
+            return sum(part.nbytes for part in cls(shape).parts())
+
     def __getitem__(self, index) -> "QuantizedRows":
         return QuantizedRows(self, index)
 

@@ -51,11 +51,6 @@ def blocks(width: int) -> int:
     return (width + BLOCK - 1) // BLOCK
 
 
-def stored_bytes(rows: int, width: int) -> int:
-    """Bytes that `rows` rows of `width` values take in NF4: packed codes and scales."""
-    return rows * (packed_width(width) + 4 * blocks(width))
-
-
 def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed [..., ceil(I/2)] uint8, absmax [..., ceil(I/64)] float32) of w [..., I].
     Value 2k sits in byte k's high nibble, value 2k + 1 in its low one."""

@@ -462,23 +462,22 @@ def test_interpreter_model_over_a_frozen_fp8_base_equals_the_loop_tier(recompute
     from te_mixtral.distributed.layout import Layout
     from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
     from te_mixtral.model.layers import TORCH
-    from te_mixtral.model.lora import add_adapters, freeze_base
+    from te_mixtral.model.lora import add_adapters
     from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 
     single = Layout(0, 1, 1, None, None)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
-    fp8 = DeviceMXFP8Tier("fp8-hopper", frozen_base=True)
+    fp8 = DeviceMXFP8Tier("fp8-hopper")
     fp8.mode, fp8._device = "fp8-hopper", torch.device("cpu")
     fp8._runner = FP8SwiGLUExperts(value_dtype=torch.float32, out_dtype=torch.float32)
     torch.manual_seed(0)
     batch = random_packed_batch(cfg.vocab_size)
     results = {}
     for name, tier in (("loop", LoopTier()), ("fp8", fp8)):
-        model = MixtralForCausalLM(cfg, TORCH, single, tier, recompute)
+        model = MixtralForCausalLM(cfg, TORCH, single, tier, recompute, frozen_base=True)
         init_weights(model, 5, single)
         add_adapters(model, LoRAConfig(rank=4, alpha=8.0, targets="q_proj,v_proj,gate_up_proj,down_proj"), 6, single)
-        freeze_base(model)
         with torch.no_grad():
             for param_name, p in model.named_parameters():
                 if param_name.endswith(".B"):

@@ -18,7 +18,7 @@ from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
-from te_mixtral.model.lora import add_adapters, base_weights, freeze_base, merged
+from te_mixtral.model.lora import add_adapters, base_weights, merged
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.training.hf_checkpoint import load_hf_weights, save_hf_checkpoint
 
@@ -28,7 +28,7 @@ E4M3_HALF_ULP = 2.0**-4  # E4M3 keeps 3 mantissa bits
 def fp8_base_tier() -> DeviceMXFP8Tier:
     """The tier as check_available leaves it on a Hopper GPU, with LoRA's frozen base: the
     storage is what is tested here, and it needs no GPU."""
-    tier = DeviceMXFP8Tier("fp8-hopper", frozen_base=True)
+    tier = DeviceMXFP8Tier("fp8-hopper")
     tier.mode, tier._runner = "fp8-hopper", FP8SwiGLUExperts()
     return tier
 
@@ -53,11 +53,12 @@ def test_rows_fill_from_tensors_and_from_seeded_draws():
 
 
 def test_only_fp8_hopper_holds_a_frozen_base():
-    tier = DeviceMXFP8Tier("mxfp8-emulated", frozen_base=True)
+    tier = DeviceMXFP8Tier("mxfp8-emulated")
+    tier.check_available(torch.device("cpu"))
     with pytest.raises(TierUnavailable, match="runs LoRA over a frozen FP8 base in mode fp8-hopper"):
-        tier.check_available(torch.device("cpu"))
+        tier.expert_weight((2, 4, 8), frozen=True)
     assert isinstance(DeviceMXFP8Tier("fp8-hopper").expert_weight((2, 4, 8)), torch.nn.Parameter)
-    assert isinstance(fp8_base_tier().expert_weight((2, 4, 8)), FrozenFP8Weight)
+    assert isinstance(fp8_base_tier().expert_weight((2, 4, 8), frozen=True), FrozenFP8Weight)
 
 
 def test_a_seeded_fp8_base_is_the_seeded_bf16_base_quantised():
@@ -74,7 +75,7 @@ def assert_seeded_base_is_bf16_quantised(tier, quantize) -> None:
     for name, each in (("bf16", LoopTier()), ("quantised", tier)):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = MixtralForCausalLM(cfg, TORCH, SINGLE, each)
+            model = MixtralForCausalLM(cfg, TORCH, SINGLE, each, frozen_base=True)
         finally:
             torch.set_default_dtype(torch.float32)
         init_weights(model, 11, SINGLE)
@@ -98,10 +99,9 @@ def test_a_checkpoint_loads_into_an_fp8_base_which_exports_merged(tmp_path):
     dequantised base with the adapters merged."""
     hf = hf_checkpoint(tmp_path / "base", dtype=torch.float32)
     lora = LoRAConfig(rank=3, alpha=6.0, targets=ALL_TARGETS)
-    ours = MixtralForCausalLM(model_config_from_hf(tmp_path / "base"), TORCH, SINGLE, fp8_base_tier())
+    ours = MixtralForCausalLM(model_config_from_hf(tmp_path / "base"), TORCH, SINGLE, fp8_base_tier(), frozen_base=True)
     load_hf_weights(ours, tmp_path / "base", SINGLE)
     add_adapters(ours, lora, 7, SINGLE)
-    freeze_base(ours)
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if name.endswith(".B"):
@@ -145,7 +145,7 @@ def test_a_non_finite_fp8_base_is_not_exported(tmp_path):
     """A NaN in a checkpoint's expert row makes that row's scale NaN: the export refuses, as
     for any weight that is not finite."""
     hf_checkpoint(tmp_path / "base", dtype=torch.float32)
-    ours = MixtralForCausalLM(model_config_from_hf(tmp_path / "base"), TORCH, SINGLE, fp8_base_tier())
+    ours = MixtralForCausalLM(model_config_from_hf(tmp_path / "base"), TORCH, SINGLE, fp8_base_tier(), frozen_base=True)
     load_hf_weights(ours, tmp_path / "base", SINGLE)
     row = torch.randn(40)  # a row of down [L, D, F]: F wide
     row[3] = float("nan")

@@ -39,7 +39,7 @@ from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
 from te_mixtral.experts.quant.nf4 import BLOCK, dequantize_nf4, quantize_nf4
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
-from te_mixtral.model.lora import add_adapters, base_weights, freeze_base
+from te_mixtral.model.lora import add_adapters, base_weights
 from te_mixtral.model.mixtral import MixtralForCausalLM
 from te_mixtral.training.hf_checkpoint import load_hf_weights
 from te_mixtral.training.peft_adapters import save_adapter
@@ -119,8 +119,11 @@ def test_the_tier_over_an_nf4_base_matches_float64(targets, splits):
     x, counts, gate_up, down, dy = make_inputs(splits, 21, 36, seed=2)
     w1, w2 = nf4_weights(gate_up, down)
     pairs = random_adapters(splits, 21, 36, rank=3, seed=4, targets=targets)
-    tier = CustomGroupedTier(nf4_base=True)
-    assert isinstance(tier.expert_weight((2, 4, 8)), FrozenNF4Weight)
+    tier = CustomGroupedTier("nf4")
+    assert isinstance(tier.expert_weight((2, 4, 8), frozen=True), FrozenNF4Weight)
+    # A base that trains, or one frozen in the default format, is a parameter.
+    assert isinstance(tier.expert_weight((2, 4, 8)), torch.nn.Parameter)
+    assert isinstance(CustomGroupedTier().expert_weight((2, 4, 8), frozen=True), torch.nn.Parameter)
     got = run_with_adapters(tier, x, counts, w1, w2, pairs, 0.9, dy)
     want = reference_lora_f64(x, splits, w1.dequantized(), w2.dequantized(), pairs, 0.9, dy)
     if sum(splits) == 0:
@@ -186,10 +189,9 @@ def test_interpreter_nf4_kernels_match_the_torch_path(case):
 # --- the model over an NF4 base ---------------------------------------------------------
 
 def nf4_model(folder, lora: LoRAConfig, seed=7):
-    ours = MixtralForCausalLM(model_config_from_hf(folder), TORCH, SINGLE, CustomGroupedTier(nf4_base=True))
+    ours = MixtralForCausalLM(model_config_from_hf(folder), TORCH, SINGLE, CustomGroupedTier("nf4"), frozen_base=True)
     load_hf_weights(ours, folder, SINGLE)
     add_adapters(ours, lora, seed, SINGLE)
-    freeze_base(ours)
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if name.endswith(".B"):
@@ -198,7 +200,7 @@ def nf4_model(folder, lora: LoRAConfig, seed=7):
 
 
 def test_a_seeded_nf4_base_is_the_seeded_bf16_base_quantised():
-    assert_seeded_base_is_bf16_quantised(CustomGroupedTier(nf4_base=True), quantize_nf4)
+    assert_seeded_base_is_bf16_quantised(CustomGroupedTier("nf4"), quantize_nf4)
 
 
 def test_a_checkpoint_loads_into_an_nf4_base_which_exports_merged(tmp_path):

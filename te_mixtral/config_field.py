@@ -1,0 +1,26 @@
+"""`setting`: a config field that carries its own meaning and role.
+
+The config's sections (config.py) and the tiers' own options (experts/options.py) declare
+their keys with it, so the code that asks "which keys ...?" (the results pages, the resume
+check, `--help`) reads the answer from the fields instead of keeping its own list. It lives
+below both, so that a tier's options need not import the config they are part of.
+"""
+
+from dataclasses import field
+
+
+def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
+    """A config field that says what it means and what role it plays, so that the code that
+    asks "which keys ...?" reads the answer here instead of keeping its own list:
+
+    - `help`: one line, what the key means (`run_finetune_ep.py --help` lists it);
+    - `workload`: the key changes what a timed step computes, so a results page compares two
+      runs only when they agree on it. On by default: a new key keeps runs apart until it is
+      declared harmless, which is the safe mistake;
+    - `resumable`: the key may change on `--resume` without a note (where output goes, what
+      happens between or after steps). Off by default, for the same reason;
+    - `headline`: a reproduce command names it even at its default: the runs of a sweep
+      (`scripts/gpu_runs.py tiers`) differ in it.
+    """
+    return field(default=default,
+                 metadata={"help": help, "workload": workload, "resumable": resumable, "headline": headline})

@@ -1,0 +1,41 @@
+"""The expert tiers' own options, as a run config holds them: one dataclass per tier that has
+any, a section of the config (`RunConfig.fp8`), its choices declared as `Literal`s.
+
+This module imports no torch: config.py reads it while a config loads, before anything
+heavy is imported. The tier reads its section (`from_config`) and checks what its own
+choices cannot say (`check_options`, `check`).
+"""
+
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+from te_mixtral.config_field import setting
+
+# The modes tier device_mxfp8 runs in (its module's docstring says what each computes).
+FP8Mode = Literal["auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated"]
+FP8_MODES = typing.get_args(FP8Mode)
+
+
+@dataclass
+class FP8Options:
+    """Tier device_mxfp8's options (te_mixtral/experts/device_mxfp8.py). Not the workload: a
+    results page compares the runs that differ in them."""
+
+    mode: FP8Mode = setting("auto", workload=False,
+                            help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
+                            "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
+    min_rows_per_expert: int = setting(1024, workload=False,
+                                       help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
+                                       "expert runs the BF16 custom_grouped kernels, where FP8 is slower "
+                                       "(docs/precision.md); 0: FP8 at every size")
+    weight_cache: bool = setting(True, workload=False,
+                                 help="device_mxfp8 on Hopper: keep each expert weight's FP8 copies (a byte "
+                                 "per element per orientation, every layer) from its first use to the "
+                                 "optimizer step; false: quantise it at every use, so that with recompute "
+                                 "only the layer in flight holds them")
+
+    @property
+    def hopper_fp8(self) -> bool:
+        """Whether the mode is Hopper's FP8 (asked for, or picked by auto on Hopper)."""
+        return self.mode in ("auto", "fp8-hopper")

@@ -1,0 +1,80 @@
+"""LoRA's settings in one place, as PEFT's `LoraConfig` holds them: the `lora` section of a
+run config, the projections it can adapt, and its checks.
+
+The adapters themselves are model/lora.py's; what a tier receives of them at each call,
+experts/adapters.py's. This module imports no torch: config.py reads it while a config loads.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from te_mixtral.config_field import setting
+from te_mixtral.errors import require as _check
+
+# The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
+# `target_parameters` (experts: each stacked weight is one target) give them.
+LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters over a frozen base (te_mixtral/model/lora.py); rank 0 trains every weight."""
+
+    rank: int = setting(0, help="rank r of every adapter; 0: no adapters, every weight trains (full fine-tuning)")
+    alpha: float = setting(16.0, help="adapter scale numerator: the update is alpha / r * B @ A (alpha / sqrt(r) "
+                           "with rslora)")
+    dropout: float = setting(0.0, help="dropout on each adapter's input while training (the base path sees none)")
+    rslora: bool = setting(False, help="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
+    targets: str = setting(",".join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS),
+                           help="comma-separated projections to adapt, as PEFT names them: attention's "
+                           f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
+                           f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
+    base: Literal["default", "nf4"] = setting("default", help="how the frozen base's expert weights are held: "
+                                              "default (the run's compute dtype; FP8 in tier device_mxfp8) or nf4 "
+                                              "(QLoRA's 4-bit NormalFloat, dequantised inside tier custom_grouped's "
+                                              "GEMMs: experts/quant/frozen_nf4.py)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+    def target_list(self) -> tuple[str, ...]:
+        """The projections `targets` names, as written."""
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+    def dense_targets(self) -> tuple[str, ...]:
+        """Attention's adapted projections, in LORA_DENSE_TARGETS' order; () without LoRA."""
+        return tuple(t for t in LORA_DENSE_TARGETS if self.enabled and t in self.target_list())
+
+    def expert_targets(self) -> tuple[str, ...]:
+        """The experts' adapted stacked weights, in LORA_EXPERT_TARGETS' order; () without LoRA."""
+        return tuple(t for t in LORA_EXPERT_TARGETS if self.enabled and t in self.target_list())
+
+
+def validate_lora(cfg) -> None:
+    """The checks of the lora section, and of what LoRA leaves out."""
+    lora, t = cfg.lora, cfg.train
+    _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
+    _check(cfg.save_adapter is None or lora.enabled, "save_adapter exports LoRA adapters: set lora.rank (e.g. 16)")
+    _check(lora.base == "default" or lora.enabled, f"lora.base {lora.base} holds the base frozen for LoRA: set "
+           "lora.rank (e.g. 16)")
+    if not lora.enabled:
+        return
+    _check(0 < lora.alpha < math.inf, f"lora.alpha must be finite and above 0, got {lora.alpha}")
+    _check(0 <= lora.dropout < 1, f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    known = LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS
+    targets = lora.target_list()
+    _check(bool(targets), "lora.targets names no projection: give one or more of " + ", ".join(known))
+    for target in targets:
+        _check(target in known, f"lora.targets: unknown projection '{target}' (known: {', '.join(known)})")
+    _check(len(set(targets)) == len(targets), f"lora.targets names a projection twice: {lora.targets}")
+    _check(t.optimizer == "adamw", "lora trains small fp32 adapters with train.optimizer adamw; master_adamw "
+           "(bf16 parameters) is for full fine-tuning")
+    _check(t.sharding == "none", "lora keeps the frozen base whole on each rank (experts split by EP); "
+           "train.sharding fsdp is for full fine-tuning")

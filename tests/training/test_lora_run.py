@@ -1,0 +1,91 @@
+"""A LoRA fine-tune of a Hugging Face checkpoint through the command line, as a user runs it:
+the run names what it wrote, PEFT loads the adapters it exported (dropout on expert targets
+included), and the frozen base never reaches the optimizer or a checkpoint."""
+
+import json
+
+import peft
+import pytest
+import torch
+from conftest import REPO
+from hf_reference import random_hf_mixtral
+from launch import run_cli
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import MixtralForCausalLM
+
+from te_mixtral.config import load_config
+from te_mixtral.distributed.layout import Layout
+from te_mixtral.model.lora import is_adapter_param
+from te_mixtral.training.loop import build_model
+from te_mixtral.training.optimizer import make_optimizer
+
+TINY = dict(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+LORA = ["--lora.rank", "2", "--lora.dropout", "0.1", "--lora.targets", "q_proj,v_proj,gate_up_proj,down_proj"]
+STEPS = ["--steps", "2", "--timing_warmup_steps", "0", "--batch_size", "2", "--seq_len", "64",
+         "--tokenizer_vocab_size", "300", "--max_documents", "50"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """One LoRA run of a random HF checkpoint: a checkpoint after each step, the adapters
+    and the merged model exported."""
+    root = tmp_path_factory.mktemp("lora_run")
+    torch.manual_seed(0)
+    random_hf_mixtral(**TINY).save_pretrained(root / "base")
+    proc = run_cli(["--model", str(root / "base"), *STEPS, *LORA, "--output-dir", str(root / "run"),
+                    "--checkpoint-dir", str(root / "ckpt"), "--checkpoint_every", "1",
+                    "--save-hf", str(root / "merged"), "--save-adapter", str(root / "adapter")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, proc
+
+
+def test_the_run_ends_naming_what_it_wrote(lora_run, tmp_path):
+    root, proc = lora_run
+    tail = proc.stdout.splitlines()[-4:]
+    assert tail == [f"results: {root / 'run' / 'results.json'}", f"checkpoint: {root / 'ckpt' / 'step-000002'}",
+                    f"HF export: {root / 'merged'}", f"adapter: {root / 'adapter'}"], proc.stdout[-2000:]
+    # Only what was written: a run that saves nothing names nothing but its results.
+    proc = run_cli([*STEPS, "--model.num_hidden_layers", "1", "--output-dir", str(tmp_path / "plain")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == f"results: {tmp_path / 'plain' / 'results.json'}"
+
+
+def test_peft_loads_adapters_trained_with_dropout_on_expert_targets(lora_run):
+    """PEFT refuses dropout on a parameter target: the export must leave it out (dropout acts
+    only in training, so the adapters are the same without it) and still load, exactly."""
+    root, _ = lora_run
+    saved = json.loads((root / "adapter" / "adapter_config.json").read_text())
+    assert saved["target_parameters"] and saved["lora_dropout"] == 0.0
+    base = MixtralForCausalLM.from_pretrained(root / "base").eval()
+    merged = MixtralForCausalLM.from_pretrained(root / "merged").eval()
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before, want = base(input_ids=ids).logits, merged(input_ids=ids).logits
+        got = peft.PeftModel.from_pretrained(base, root / "adapter").eval()(input_ids=ids).logits  # adapts `base`
+    assert (want - before).abs().max() > 1e-4  # the adapters trained
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_frozen_base_never_reaches_the_optimizer(lora_run):
+    root, _ = lora_run
+    # No checkpoint holds optimizer state, or a weight, of the base: adapters only, each with
+    # both AdamW moments.
+    checkpoints = sorted((root / "ckpt").glob("step-*"))
+    assert len(checkpoints) == 2
+    for folder in checkpoints:
+        keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        names = {key.split(".", 1)[1].rsplit(".", 1)[0] for key in keys if key.startswith("optimizer.")}
+        weights = {key.split(".", 1)[1] for key in keys if key.startswith("model.")}
+        assert names == weights and weights and all(is_adapter_param(n) for n in weights), sorted(keys)
+        assert {key for key in keys if key.startswith("optimizer.")} == {
+            f"optimizer.{n}.{m}" for n in names for m in ("exp_avg", "exp_avg_sq", "step")}
+
+    # Nor is the base in the optimizer's groups, where AdamW (which skips a parameter without
+    # a gradient) would hold it without a word.
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"lora.rank": "2"})
+    model, _ = build_model(cfg, Layout(0, 1, 1, None, None), torch.device("cpu"))
+    grouped = [p for group in make_optimizer(model, cfg).param_groups for p in group["params"]]
+    adapters = [p for name, p in model.named_parameters() if is_adapter_param(name)]
+    assert len(grouped) == len(adapters) > 0 and {id(p) for p in grouped} == {id(p) for p in adapters}
