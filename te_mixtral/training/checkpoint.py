@@ -88,7 +88,9 @@ from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.files import (
+    SCRATCH_MARKER,
     folder_bytes,
+    make_scratch,
     publish_folder,
     require_free_space,
     require_writable,
@@ -242,6 +244,8 @@ class Checkpointer:
         self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
         self.state_bytes = OPTIMIZERS[optimizer_mode(cfg)][2]  # the optimizer's state per parameter
         self.single = layout.world_size == 1  # one process: DCP runs without torch.distributed
+        # Never deleted with a checkpoint, even where the user put it inside one.
+        self.output_dir = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir is not None else None
         require_writable(self.dir, "checkpoint directory")
 
     def check_free_space(self, model: torch.nn.Module) -> None:
@@ -264,7 +268,13 @@ class Checkpointer:
                            reclaimable)
 
     def _leftovers(self) -> list[Path]:
-        return [p for p in self.dir.iterdir() if p.name.startswith("step-") and p.name.endswith((".tmp", ".old"))]
+        return leftovers(self.dir)
+
+    def _may_delete(self, path: Path) -> bool:
+        """Whether `path` is a checkpoint folder this manager wrote (`written_here`) that holds
+        nothing the run writes elsewhere (its output folder)."""
+        return written_here(path) and not (self.output_dir is not None and (
+            self.output_dir == path.resolve() or path.resolve() in self.output_dir.parents))
 
     def save(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              cfg: RunConfig) -> Path:
@@ -276,10 +286,16 @@ class Checkpointer:
         if self.layout.is_main:
             try:
                 for leftover in self._leftovers():  # of runs that died while saving
+                    if not self._may_delete(leftover):
+                        raise WriteFailed(_not_ours(leftover))
                     shutil.rmtree(leftover)
-                tmp.mkdir()
+                if (self.dir / name).exists() and not self._may_delete(self.dir / name):
+                    raise WriteFailed(_not_ours(self.dir / name))  # a stale future this save replaces
+                make_scratch(tmp)
             except OSError as e:
                 problem = write_failure(f"checkpoint folder {tmp}", e)
+            except WriteFailed as e:
+                problem = e
         _fail_together(problem, self.layout, self.device, f"checkpoint {tmp} failed on rank 0 (see its error)")
         # A collective that fails inside DCP (a peer died) is no write failure: it goes on up.
         try:
@@ -327,13 +343,15 @@ class Checkpointer:
     def _prune(self, latest: str) -> None:
         """Keep the newest `keep` checkpoints up to `latest`; delete the rest, and leftovers of
         interrupted saves. A checkpoint *newer* than `latest` belongs to a run that died before
-        it could point `latest` at it, a future this run has replaced."""
+        it could point `latest` at it, a future this run has replaced. Only what this manager
+        wrote goes (`_may_delete`): a link, or a folder of the user's named like a checkpoint,
+        stays."""
         latest_step = int(_STEP_FOLDER.fullmatch(latest)[1])
         folders = [p for p in self.dir.iterdir() if p.name.startswith("step-")]
         complete = {int(m[1]): p for p in folders if (m := _STEP_FOLDER.fullmatch(p.name))}
         kept = {complete[step] for step in sorted(s for s in complete if s <= latest_step)[-self.keep:]}
         for path in folders:
-            if path not in kept:
+            if path not in kept and self._may_delete(path):
                 shutil.rmtree(path, ignore_errors=True)
 
     def last_saved(self) -> Path | None:
@@ -438,6 +456,24 @@ class Checkpointer:
         if meta["step"] >= cfg.train.steps:
             raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
                             f"nothing left to do (raise --steps to train further)")
+
+
+def leftovers(folder: Path) -> list[Path]:
+    """The leftovers of interrupted saves in the checkpoint folder `folder`, which the next
+    save deletes."""
+    return [p for p in folder.iterdir() if p.name.startswith("step-") and p.name.endswith((".tmp", ".old"))]
+
+
+def written_here(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder a `Checkpointer` wrote: a folder (not a link to
+    one) holding the marker it was made with, or (a checkpoint written before the marker) its
+    meta.json."""
+    return path.is_dir() and not path.is_symlink() and any((path / name).is_file() for name in (SCRATCH_MARKER, META))
+
+
+def _not_ours(path: Path) -> str:
+    return (f"{path} is in the way of a checkpoint save, which would delete it, and nothing shows te_mixtral wrote "
+            f"it (no {SCRATCH_MARKER} or {META}; a link; or the run's output folder is inside it): move it away")
 
 
 # What meta.json must hold for `load_latest` to read it: key -> its type.

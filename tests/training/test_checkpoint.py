@@ -117,6 +117,39 @@ def test_old_checkpoints_are_pruned_and_abandoned_futures_dropped(setup):
     assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000003"]
 
 
+def test_a_save_deletes_only_folders_the_checkpointer_wrote(setup, tmp_path):
+    """A user's folder named like a leftover or a checkpoint, a link to a folder, and a
+    checkpoint holding the run's output folder (reached through a link) are never deleted."""
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    theirs = ckpt.dir / "step-000009.tmp"  # named like an interrupted save's leftover
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(WriteFailed, match=f"{theirs} is in the way of a checkpoint save"):
+        save(ckpt, cfg, model, optimizer, 1)
+    assert (theirs / "notes.txt").read_text() == "mine"
+    theirs.rename(tmp_path / "moved")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data.bin").write_text("mine")
+    (ckpt.dir / "step-000000").symlink_to(elsewhere)  # a link named like the oldest checkpoint
+    (ckpt.dir / "step-000001").mkdir()  # a folder of the user's, named like one
+    (ckpt.dir / "step-000001" / "notes.txt").write_text("mine")
+    save(ckpt, cfg, model, optimizer, 2)
+    out = tmp_path / "out"  # the run's output folder: a link into the checkpoint of step 2
+    (ckpt.dir / "step-000002" / "results").mkdir()
+    out.symlink_to(ckpt.dir / "step-000002" / "results")
+    (out / "steps.jsonl").write_text("{}\n")
+    ckpt.output_dir = out.resolve()  # as Checkpointer(cfg) takes it from output_dir
+    for step in (3, 4, 5):
+        save(ckpt, cfg, model, optimizer, step)
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == [
+        LATEST, "step-000000", "step-000001", "step-000002", "step-000004", "step-000005"]
+    assert (elsewhere / "data.bin").is_file() and (out / "steps.jsonl").is_file()
+    assert (ckpt.dir / "step-000001" / "notes.txt").is_file()
+
+
 @pytest.mark.parametrize("damage, file, message", [
     ("truncate", "rank00000.pt", "truncated or corrupt"),
     ("flip", "rank00000.pt", "SHA-256 differs"),
@@ -367,11 +400,12 @@ def test_free_space_counts_every_kept_checkpoint_and_frees_leftovers(setup, monk
     # A save that died on a full disk left 'step-000003.tmp': the next save deletes it first,
     # so it counts as free, and the two checkpoints already here as written.
     leftover = ckpt.dir / "step-000003.tmp"
-    leftover.mkdir()
+    files.make_scratch(leftover)  # as the save made it
     (leftover / "rank00000.pt").write_bytes(bytes(one // 2))
-    free(one - one // 2)
+    reclaimable = files.folder_bytes(leftover)  # the file, and the marker
+    free(one - reclaimable)
     ckpt.check_free_space(model)
-    free(one - one // 2 - 1)
+    free(one - reclaimable - 1)
     with pytest.raises(UserError, match="not enough free space"):
         ckpt.check_free_space(model)
     monkeypatch.undo()

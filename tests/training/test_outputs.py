@@ -56,7 +56,7 @@ def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
 def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_path, monkeypatch):
     final, new = tmp_path / "final", tmp_path / "final.tmp"
     final.mkdir()
-    new.mkdir()
+    files.make_scratch(new)  # as an export makes its temporary folder
     for name, text in [("mine.txt", "user"), ("a.bin", "old a"), ("b.bin", "old b"), (EXPORT_MARKER, "old")]:
         (final / name).write_text(text)
     for name in ("a.bin", EXPORT_MARKER):
@@ -75,12 +75,53 @@ def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_
         replace_files(new, final, owned, EXPORT_MARKER)
     assert moved[0] == EXPORT_MARKER  # the folder stops calling itself complete first
     old = tmp_path / "final.old"
-    assert sorted(p.name for p in old.iterdir()) == sorted(["a.bin", "b.bin", EXPORT_MARKER])
+    assert sorted(p.name for p in old.iterdir()) == sorted(["a.bin", "b.bin", EXPORT_MARKER, files.SCRATCH_MARKER])
     monkeypatch.setattr(os, "rename", real_rename)
     replace_files(new, final, owned, EXPORT_MARKER)  # the next export starts over
     assert {p.name: p.read_text() for p in final.iterdir()} == {"mine.txt": "user", "a.bin": "new",
                                                                 EXPORT_MARKER: "new"}
     assert not old.exists() and not new.exists()
+
+
+@pytest.mark.parametrize("suffix", [".tmp", ".old"])
+@pytest.mark.parametrize("key", ["save_hf", "save_adapter"])
+def test_a_folder_named_like_an_exports_scratch_folder_is_refused_not_deleted(tmp_path, key, suffix):
+    export = tmp_path / "export"
+    theirs = tmp_path / f"export{suffix}"  # the user's own, named as the export's temporary or backup folder
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_text("mine")
+    cfg = load_config(None, {key: str(export), "output_dir": str(tmp_path / "out"), "overwrite": "true",
+                             **({"lora.rank": "4"} if key == "save_adapter" else {})})
+    with pytest.raises(UserError, match=f"{theirs} is in the way: te_mixtral writes .* and deletes it"):
+        check_outputs(cfg, None)
+    # Where the folder appeared after the check (during training), the export refuses too.
+    new = tmp_path / "new"
+    files.make_scratch(new)
+    (new / EXPORT_MARKER).write_text("{}")
+    export.mkdir()
+    (export / EXPORT_MARKER).write_text("{}")
+    with pytest.raises(UserError, match="is in the way"):
+        if suffix == ".tmp":  # where an export clears its temporary folder before it writes
+            files.remove_scratch(theirs, "the export")
+        else:
+            replace_files(new, export, is_export_file, EXPORT_MARKER)
+    assert (theirs / "model.safetensors").read_text() == "mine"
+    # What te_mixtral made, it deletes.
+    (theirs / "model.safetensors").unlink()
+    theirs.rmdir()
+    files.make_scratch(theirs)
+    check_outputs(cfg, None)
+
+
+def test_an_output_folder_inside_a_checkpoint_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-000002").mkdir(parents=True)
+    link = tmp_path / "out"
+    link.symlink_to(ckpt / "step-000002")
+    for out in (ckpt / "step-000004" / "run", link / "run"):
+        cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true"})
+        with pytest.raises(UserError, match=f"output_dir {out} is inside checkpoint .*step-00000[24], which"):
+            check_outputs(cfg, None)
 
 
 def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monkeypatch):
