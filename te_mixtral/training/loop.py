@@ -156,7 +156,7 @@ class TrainResult:
 
 def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | None = None) -> TrainResult:
     """Run the configured job; `config_path` is the `--config` file it was read from. With
-    `locks`, rank 0 locks the output and checkpoint folders into it against a second run."""
+    `locks`, rank 0 locks the output, checkpoint and export folders into it against a second run."""
     # --- setup -------------------------------------------------------------------------
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -175,6 +175,10 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             if folder is not None:
                 locks.claim(Path(folder).expanduser(), what)
     check_outputs(cfg, model_dir, config_path)
+    if locks is not None and main_rank_from_env():  # after the checks: they refuse what no export may write into
+        for what, folder in (("save_hf", cfg.save_hf), ("save_adapter", cfg.save_adapter)):
+            if folder is not None:
+                locks.claim(Path(folder).expanduser(), what)
     check_tensorboard(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)

@@ -232,9 +232,9 @@ time.sleep(300)
 
 
 def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies(tmp_path):
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ckpt)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True)
+    out, ckpt, export = tmp_path / "out", tmp_path / "ckpt", tmp_path / "export"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ckpt), str(export)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         # --overwrite and --resume allow replacing another run's files, never while it writes them.
@@ -242,6 +242,9 @@ def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies
                 f"output_dir {out} is in use by another run (pid {holder.pid} on {socket.gethostname()}, started")
         refused(run_cli([*SHORT, "--output-dir", str(tmp_path / "b"), "--checkpoint-dir", str(ckpt), "--overwrite"]),
                 f"checkpoint_dir {ckpt} is in use by another run (pid {holder.pid}")
+        for key, lora in (("--save-hf", []), ("--save-adapter", ["--lora.rank", "2"])):  # exported to at once
+            refused(run_cli([*SHORT, "--output-dir", str(tmp_path / key), key, str(export), *lora]),
+                    f"{key[2:].replace('-', '_')} {export} is in use by another run (pid {holder.pid}")
     finally:
         holder.kill()  # no cleanup, as the OOM killer would: the operating system releases the lock
         holder.wait()
