@@ -177,6 +177,10 @@ class LoRAConfig:
                            help="comma-separated projections to adapt, as PEFT names them: attention's "
                            f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
                            f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
+    change_on_resume: bool = setting(False, workload=False, resumable=True,
+                                     help="with resume: accept lora.targets leaving out some of the checkpoint's (their "
+                                     "trained adapters are dropped) or another lora.alpha or rslora (the trained "
+                                     "adapters rescale); without it such a resume is refused")
 
     @property
     def enabled(self) -> bool:

@@ -324,6 +324,7 @@ class Checkpointer:
                 "world_size": self.layout.world_size,
                 "ep_size": self.layout.ep_size,
                 "tokenizer_sha256": self.tokenizer_hash,
+                "base_model": base_model(cfg.model_path),
                 **asdict(state),
                 "config": to_dict(cfg),
                 "files": {name: e for share in entries for name, e in sorted(share.items())},
@@ -436,10 +437,13 @@ class Checkpointer:
         if saved_optimizer != cfg.train.optimizer:
             raise UserError(f"checkpoint {folder} was written with train.optimizer {saved_optimizer}, which keeps "
                             f"other state than {cfg.train.optimizer}; resume it with --optimizer {saved_optimizer}")
+        _check_lora_adapters(meta["config"].get("lora", {}), cfg, folder)
         if cfg.lora.enabled:  # the checkpoint holds the adapters; the base is read or made again
             saved_path = meta["config"].get("model_path")
             saved_seed = meta["config"].get("train", {}).get("seed")
-            if saved_path != cfg.model_path:
+            # One folder however it is spelled (`/x/m`, `/x/m/`, `m` from /x); older checkpoints
+            # kept only the spelling, read from here.
+            if meta.get("base_model", base_model(saved_path)) != base_model(cfg.model_path):
                 raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path}, not "
                                 f"{cfg.model_path}: resume with --model {saved_path}")
             if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
@@ -474,6 +478,44 @@ def written_here(path: Path) -> bool:
 def _not_ours(path: Path) -> str:
     return (f"{path} is in the way of a checkpoint save, which would delete it, and nothing shows te_mixtral wrote "
             f"it (no {SCRATCH_MARKER} or {META}; a link; or the run's output folder is inside it): move it away")
+
+
+def base_model(model_path: str | None) -> str | None:
+    """What `--model` names, the same however it is spelled: a local folder's resolved path,
+    else the hub id as given (None: a base made from the seed)."""
+    if model_path is None or not Path(model_path).expanduser().exists():
+        return model_path
+    return str(Path(model_path).expanduser().resolve())
+
+
+# The lora keys whose change on resume changes what the saved adapters compute.
+_ADAPTER_KEYS = ("rank", "targets", "alpha", "rslora")
+
+
+def _check_lora_adapters(saved: dict, cfg: RunConfig, folder: Path) -> None:
+    """Refuse to resume LoRA adapters under other lora settings, naming the difference:
+    another rank or new targets cannot load (no adapters of that shape or target were
+    trained); fewer targets would drop trained adapters, another alpha or rslora rescale
+    them, which `lora.change_on_resume` allows."""
+    now = to_dict(cfg)["lora"]
+    saved = {key: saved.get(key, now[key]) for key in _ADAPTER_KEYS}  # older checkpoints: as now
+    if saved["rank"] != now["rank"]:
+        raise UserError(f"checkpoint {folder} was written with lora.rank {saved['rank']}, not {now['rank']} (its "
+                        f"weights have other shapes): resume with --lora.rank {saved['rank']}")
+    if not cfg.lora.enabled:
+        return
+    saved_targets = [t.strip() for t in saved["targets"].split(",") if t.strip()]
+    added = [t for t in cfg.lora.target_list() if t not in saved_targets]
+    if added:
+        raise UserError(f"checkpoint {folder} holds no trained adapters for lora.targets {', '.join(added)}: resume "
+                        f"with --lora.targets {','.join(saved_targets)}")
+    changes = [f"lora.targets leaves out {', '.join(t for t in saved_targets if t not in cfg.lora.target_list())}, "
+               f"whose trained adapters would be dropped"] if len(saved_targets) > len(cfg.lora.target_list()) else []
+    changes += [f"lora.{key} is {now[key]}, not the checkpoint's {saved[key]}, which rescales the trained adapters"
+                for key in ("alpha", "rslora") if saved[key] != now[key]]
+    if changes and not cfg.lora.change_on_resume:
+        raise UserError(f"checkpoint {folder}: {'; '.join(changes)}; resume with the checkpoint's lora settings, or "
+                        f"pass --lora.change_on_resume to do so")
 
 
 # What meta.json must hold for `load_latest` to read it: key -> its type.

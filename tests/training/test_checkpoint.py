@@ -23,6 +23,7 @@ from te_mixtral.errors import Diverged, UserError, WriteFailed
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.files import require_writable, sha256_of
 from te_mixtral.model.layers import TORCH
+from te_mixtral.model.lora import add_adapters, freeze_base
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.training.checkpoint import (
     LATEST,
@@ -411,3 +412,51 @@ def test_free_space_counts_every_kept_checkpoint_and_frees_leftovers(setup, monk
     monkeypatch.undo()
     save(ckpt, cfg, model, optimizer, 4)
     assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000002", "step-000004"]
+
+
+def _lora_run(setup, tmp_path, **lora):
+    """A LoRA model and optimizer over a base saved as an HF folder, under the setup's config
+    with `lora` (lora.* keys) and `model_path` overridden."""
+    cfg, _, ckpt = setup
+    cfg = dataclasses.replace(cfg, model_path=lora.pop("model_path", str(tmp_path / "base")),
+                              lora=dataclasses.replace(cfg.lora, **{"rank": 2, **lora}), resume=True)
+    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, LoopTier())
+    init_weights(model, 0, SINGLE)
+    add_adapters(model, cfg.lora, 0, SINGLE)
+    freeze_base(model)
+    return cfg, model, make_optimizer(model, cfg)
+
+
+def test_a_lora_resume_under_other_adapter_settings_is_refused_naming_the_difference(setup, tmp_path):
+    (tmp_path / "base").mkdir()
+    cfg, model, optimizer = _lora_run(setup, tmp_path, targets="q_proj,v_proj,down_proj")
+    ckpt = setup[2]
+    save(ckpt, cfg, model, optimizer, 2)
+    for lora, message in [
+        ({"targets": "q_proj,down_proj"}, "lora.targets leaves out v_proj, whose trained adapters would be dropped"),
+        ({"alpha": 32.0}, "lora.alpha is 32.0, not the checkpoint's 16.0"),
+        ({"rslora": True}, "lora.rslora is True, not the checkpoint's False"),
+        ({"rank": 4}, "was written with lora.rank 2, not 4 (its weights have other shapes): resume with --lora.rank 2"),
+        ({"targets": "q_proj,v_proj,k_proj,down_proj"}, "holds no trained adapters for lora.targets k_proj"),
+    ]:
+        cfg, model, optimizer = _lora_run(setup, tmp_path, **{"targets": "q_proj,v_proj,down_proj", **lora})
+        with pytest.raises(UserError, match=re.escape(message)):
+            ckpt.load_latest(model, optimizer, cfg)
+    # Asked for: the adapters left out are dropped, the others load.
+    cfg, model, optimizer = _lora_run(setup, tmp_path, targets="q_proj,down_proj", change_on_resume=True)
+    assert ckpt.load_latest(model, optimizer, cfg).step == 2
+
+
+def test_a_lora_base_folder_is_one_however_it_is_spelled(setup, tmp_path, monkeypatch):
+    (tmp_path / "base").mkdir()
+    cfg, model, optimizer = _lora_run(setup, tmp_path, model_path=str(tmp_path / "base"))
+    ckpt = setup[2]
+    save(ckpt, cfg, model, optimizer, 2)
+    monkeypatch.chdir(tmp_path)
+    for spelling in (f"{tmp_path}/base/", "base", "./base/"):
+        cfg, model, optimizer = _lora_run(setup, tmp_path, model_path=spelling)
+        assert ckpt.load_latest(model, optimizer, cfg).step == 2
+    (tmp_path / "other").mkdir()  # another folder is still another base
+    cfg, model, optimizer = _lora_run(setup, tmp_path, model_path="other")
+    with pytest.raises(UserError, match="holds LoRA adapters trained over the base model"):
+        ckpt.load_latest(model, optimizer, cfg)
