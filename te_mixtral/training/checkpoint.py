@@ -20,7 +20,8 @@ Everything the next step depends on, and nothing that can be recomputed:
   world size, so a resumed run reads exactly the batches the lost one would have read, at any
   world size;
 - the losses, gradient norms and evaluations so far, so that a resumed run's results.json
-  tells the whole story; the run's config, so that resuming into a different model is
+  tells the whole story; the run's id, which its steps.jsonl lines carry too, so that a
+  resume into another run's output folder is told from one into its own; the run's config, so that resuming into a different model is
   refused; and the SHA-256 of the tokenizer's JSON, so that resuming with a different one
   (a tokenizer trained on other data gives the same ids other meanings) is refused too.
 
@@ -70,6 +71,7 @@ import os
 import pickle
 import re
 import shutil
+import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -230,6 +232,9 @@ class TrainState:
     evals: list[dict] = field(default_factory=list)  # evaluate.Evaluation dictionaries
     router: list[dict] = field(default_factory=list)  # measure/expert_load.step_record, per step
     grad_norms: list[float | None] = field(default_factory=list)  # None: a step of an older checkpoint
+    # Made by a fresh run, kept by its resumes. Each rank makes one, and rank 0's is the one
+    # written (into meta.json and steps.jsonl: rank 0 writes both).
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class Checkpointer:
@@ -423,8 +428,10 @@ class Checkpointer:
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
         # Checkpoints saved before the router records or the gradient norms were kept have none.
         grad_norms = meta.get("grad_norms", [None] * meta["step"])
+        # Checkpoints saved before run ids: the resumed run makes one.
         return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]),
-                          list(meta.get("router", [])), grad_norms)
+                          list(meta.get("router", [])), grad_norms, **({"run_id": str(meta["run_id"])}
+                                                                       if "run_id" in meta else {}))
 
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         # A checkpoint saved before a config key moved or was renamed: read it in today's layout.

@@ -231,7 +231,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     timer = metrics.StepTimer(device)
     flops_per_step = []
     first_step = state.step + 1  # counted from 1; a resumed run starts later
-    run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps)  # rank 0's; inert elsewhere
+    run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps, state.run_id)  # rank 0's; inert elsewhere
     run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     stopped = None  # why the run stopped early (a Diverged error), if it did
     for step in range(state.step, cfg.train.steps):

@@ -118,22 +118,33 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
     """Refuse to resume a checkpoint into the steps.jsonl of another run, which the resumed
     run would continue as if it were its own (two runs spliced into one log).
 
-    A run's losses are its fingerprint: the checkpoint's meta.json holds every step's loss
-    up to its own, and the log the same numbers, written from the same floats. Where a
-    step is in both, the two must agree; two runs that agree at every step are one run to
-    any reader. A checkpoint that cannot be read is left for the resume to report."""
+    A run's id is in its checkpoints' meta.json and in every line of its log: a line with
+    another id is another run's. (Losses are no proof: two runs of one seed and data log
+    the same first loss.) Where the checkpoint or a line has no id (written before run ids
+    were), the losses are compared instead: the checkpoint holds every step's loss up to its
+    own, and the log the same numbers, written from the same floats. A checkpoint that
+    cannot be read is left for the resume to report."""
     try:
         folder = ckpt / (ckpt / LATEST).read_text().strip()
-        saved = json.loads((folder / META).read_text())["losses"]
+        meta = json.loads((folder / META).read_text())
+        saved, run_id = meta["losses"], meta.get("run_id")
         lines = log.read_text().splitlines() if log.is_file() else []
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
     for line in lines:
         try:
             record = json.loads(line)
-            step, loss = int(record["step"]), float(record["loss"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a killed run: the resume drops it
+            step = int(record["step"])
+            if run_id is not None and record.get("run_id") not in (None, run_id):
+                raise UserError(f"{log} is the log of another run than checkpoint {folder}'s (its run id "
+                                f"{str(record['run_id'])[:12]}..., the checkpoint's {str(run_id)[:12]}...), and "
+                                f"resuming would splice the two; resume into the checkpoint's own output folder, "
+                                f"or a new one")
+            if run_id is not None and "run_id" in record:
+                continue
+            loss = float(record["loss"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a line cut short by a killed run: the resume drops it; an evaluation's line
         if not 1 <= step <= len(saved):
             continue  # past the checkpoint: the resume drops it
         expected = float(saved[step - 1])

@@ -275,3 +275,30 @@ def test_resuming_into_another_runs_log_is_refused(tmp_path):
             check_outputs(cfg, None)
         log(4.5, 4.25, 3.5)  # the checkpoint's own run, which went on past it before it stopped
         check_outputs(cfg, None)
+
+
+def test_a_log_is_the_checkpoints_run_only_if_it_carries_the_checkpoints_run_id(tmp_path):
+    # Two runs of one seed and data log the same first loss: only the run id tells them apart.
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    (ckpt / "step-000001").mkdir(parents=True)
+    (ckpt / "latest").write_text("step-000001\n")
+    (ckpt / "step-000001" / "meta.json").write_text(json.dumps({"losses": [4.5], "run_id": "a" * 32}))
+    out.mkdir()
+    cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true"})
+    for run_id, refused_ in (("b" * 32, True), ("a" * 32, False)):
+        (out / "steps.jsonl").write_text(json.dumps({"run_id": run_id, "step": 1, "loss": 4.5}) + "\n")
+        if refused_:
+            with pytest.raises(UserError, match=r"is the log of another run than checkpoint .*\(its run id bbbbbbbbbbbb"):
+                check_outputs(cfg, None)
+        else:
+            check_outputs(cfg, None)
+
+
+@pytest.mark.slow
+def test_a_run_writes_its_id_into_its_log_and_its_checkpoints(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    proc = run_cli([*SHORT, "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids = {json.loads(line)["run_id"] for line in (out / "steps.jsonl").read_text().splitlines()}
+    saved = {json.loads((folder / "meta.json").read_text())["run_id"] for folder in ckpt.glob("step-*")}
+    assert len(ids) == 1 and ids == saved
