@@ -55,10 +55,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", action="store_true",
                         help="show this help, with every config key's value, default and meaning, and exit")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
-    parser.add_argument("--estimate-memory", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
+    # Bare, it takes this launch's world size (const 0, which no count given can be: `_ranks`).
+    parser.add_argument("--estimate-memory", nargs="?", type=_ranks, const=0, metavar="WORLD_SIZE",
                         help="print the per-rank memory estimate (for WORLD_SIZE ranks; default: this launch's) "
                              "and exit without building anything")
     return parser
+
+
+def _ranks(text: str) -> int:
+    """--estimate-memory's WORLD_SIZE: a number of ranks, 1 or more."""
+    try:
+        ranks = int(text)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise UserError(f"--estimate-memory takes a number of ranks (1 or more), got {text}")
+    return ranks
 
 
 def _shown(value) -> str:
@@ -88,8 +100,6 @@ def help_text(cfg: RunConfig, config_path: str) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     args, rest = _parser().parse_known_args(argv)
-    if args.estimate_memory is not None and args.estimate_memory < 0:
-        raise UserError(f"--estimate-memory takes a number of ranks, got {args.estimate_memory}")
     overrides = {}
     while rest:
         flag = rest.pop(0)

@@ -15,6 +15,7 @@ saved by older runs are read through `upgrade_saved`.
 """
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -315,7 +316,7 @@ def _apply(cfg: RunConfig, key: str, value) -> None:
     target = getattr(cfg, section) if section else cfg
     types_ = _field_types(type(target))
     if name not in types_:
-        raise UserError(f"unknown config key '{key}'")
+        raise UserError(f"unknown config key '{key}'{did_you_mean(key)}")
     setattr(target, name, _coerce(key, value, types_[name]))
 
 
@@ -411,7 +412,17 @@ def _full_key(bare: str) -> str:
         return f"{owners[0]}.{bare}"
     if owners:
         raise UserError(f"'{bare}' is ambiguous: write one of {', '.join(f'{s}.{bare}' for s in owners)}")
-    raise UserError(f"unknown config key '{bare}'")
+    raise UserError(f"unknown config key '{bare}'{did_you_mean(bare)}")
+
+
+def did_you_mean(key: str) -> str:
+    """' (did you mean --train.steps?)' for the key closest to a mistyped `key` (`stpes`,
+    `lora_rank`), as the command line writes it; '' when none is close."""
+    full = list(settings())
+    bare = [k.rpartition(".")[2] for k in full]
+    names = full + [name for name in bare if bare.count(name) == 1] + ["model"]  # `--model`: model_path
+    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.75)
+    return f" (did you mean --{close[0]}?)" if close else ""
 
 
 @dataclass(frozen=True)

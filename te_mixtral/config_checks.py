@@ -33,12 +33,13 @@ def validate(cfg, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment.
     The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
-    for key in ("output_dir", "checkpoint_dir", "save_hf", "loss_check", "model_path"):
+    for key in ("output_dir", "checkpoint_dir", "save_hf", "save_adapter", "loss_check", "model_path"):
         # An empty path is no path: it would stand for the current folder, or switch the key off.
         _check(getattr(cfg, key) != "", f"{key} is an empty path: name one, or leave it unset (null)")
-    # save_hf's name gets a suffix: the export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.
+    # An export's name gets a suffix: it is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.
     for key, path, suffix in [("output_dir", cfg.output_dir, 0), ("checkpoint_dir", cfg.checkpoint_dir, 0),
-                              ("save_hf", cfg.save_hf, len(".tmp")), ("loss_check", cfg.loss_check, 0),
+                              ("save_hf", cfg.save_hf, len(".tmp")), ("save_adapter", cfg.save_adapter, len(".tmp")),
+                              ("loss_check", cfg.loss_check, 0),
                               ("model_path", cfg.model_path, 0), ("data.dataset", d.dataset, 0),
                               ("data.tokenizer", d.tokenizer, 0)]:
         longest = max((part for part in PurePath(path or "").parts), key=lambda part: len(part.encode()), default="")
@@ -82,6 +83,10 @@ def validate(cfg, world_size: int = 1) -> None:
            f"data.max_documents must be positive or null, got {d.max_documents}")
     _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
+    _check(world_size != 1 or cfg.ep_size == 1,
+           f"ep_size {cfg.ep_size} splits each layer's experts over {cfg.ep_size} processes, and this is one: "
+           f"launch {cfg.ep_size} (or a multiple) with torchrun, e.g. `torchrun --nproc_per_node={cfg.ep_size} "
+           f"run_finetune_ep.py --ep-size {cfg.ep_size}`")
     _check(world_size % cfg.ep_size == 0,
            f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size})")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be at least 1, got {t.grad_accum_steps}")

@@ -22,7 +22,11 @@ from te_mixtral.errors import ExitCode
 @pytest.mark.parametrize("args, fragment", [
     (["--no_such_key", "1"], "unknown config key 'no_such_key'"),
     (["--train.steps", "many"], "'train.steps' must be int"),
-    (["--ep-size", "3"], "not divisible by ep_size (3)"),
+    (["--ep-size", "3"], "ep_size 3 splits each layer's experts over 3 processes, and this is one: launch 3 (or a "
+                         "multiple) with torchrun"),
+    (["--stpes", "3"], "unknown config key 'stpes' (did you mean --steps?)"),
+    (["--lora_rank", "4"], "unknown config key 'lora_rank' (did you mean --lora.rank?)"),
+    (["--save-adapter", ""], "save_adapter is an empty path"),
     (["--batch_size", "6", "--grad_accum_steps", "4"],
      "train.batch_size (6) is not divisible by the world size (1) x train.grad_accum_steps (4)"),
     (["--grad_accum_steps", "0"], "train.grad_accum_steps must be at least 1, got 0"),
@@ -124,6 +128,9 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     (["--loss-check", "EMPTY"], "has no losses to compare with"),
     (["--generate", "Once", "--generate-tokens", "5000"], "would pass model.max_position_embeddings (1024)"),
     (["--subset", "wikitext-2-raw-v1"], "data.subset 'wikitext-2-raw-v1' names a subset of a hub data set"),
+    # Not the emulation, which LoRA refuses too.
+    (["--tier", "device_mxfp8", "--lora.rank", "4"], "with LoRA it runs in mode fp8-hopper only (a Hopper GPU): use "
+                                                     "another tier here, e.g. --tier loop"),
 ])
 def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp_path):
     empty = tmp_path / "empty.json"

@@ -72,11 +72,14 @@ def _sm(capability) -> str:
     return f"sm_{capability[0]}{capability[1]}"
 
 
-def select_mode(requested: str, device_type: str, capability=None, te_reason=lambda: None) -> str:
+def select_mode(requested: str, device_type: str, capability=None, te_reason=lambda: None,
+                frozen_base: bool = False) -> str:
     """The mode that runs for `requested` on this device, or `TierUnavailable` saying why.
 
     `capability` is the CUDA compute capability, `te_reason()` why TE's MXFP8 cannot run
     (None if it can); both are arguments so every branch is testable without the hardware.
+    With `frozen_base` (LoRA), which only mode fp8-hopper runs, the way out named is another
+    tier, not the emulation, which LoRA cannot use either.
     """
     blackwell = capability is not None and BLACKWELL[0] <= tuple(capability) < BLACKWELL[1]
     mode = requested
@@ -87,10 +90,10 @@ def select_mode(requested: str, device_type: str, capability=None, te_reason=lam
             mode = "mxfp8-te"
         else:
             where = device_type if capability is None else f"{device_type} {_sm(capability)}"
-            raise TierUnavailable(
-                f"tier 'device_mxfp8' has no 8-bit grouped GEMM for {where}; "
-                "use --mxfp8_mode mxfp8-emulated to emulate MXFP8 numerics instead"
-            )
+            instead = ("with LoRA it runs in mode fp8-hopper only (a Hopper GPU): use another tier here, e.g. "
+                       "--tier loop" if frozen_base else
+                       "use --mxfp8_mode mxfp8-emulated to emulate MXFP8 numerics instead")
+            raise TierUnavailable(f"tier 'device_mxfp8' has no 8-bit grouped GEMM for {where}; {instead}")
 
     reason = None
     if device_type not in ("cpu", "cuda"):
@@ -285,7 +288,8 @@ class DeviceMXFP8Tier(ExpertTier):
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        mode = select_mode(self.requested_mode, device.type, capability, te_mxfp8.unavailable_reason)
+        mode = select_mode(self.requested_mode, device.type, capability, te_mxfp8.unavailable_reason,
+                           self.frozen_base)
         if self.model_dims is not None:
             check_dims(mode, *self.model_dims)
         if not self.cache_weights and mode != "fp8-hopper":

@@ -213,10 +213,11 @@ def test_a_free_space_refusal_shows_the_difference_between_the_sizes(tmp_path, m
         require_free_space(tmp_path, 15_800_000, "the export")
 
 
-def test_estimate_memory_refuses_a_negative_world_size():
-    proc = run_cli(["--estimate-memory", "-1"])
+@pytest.mark.parametrize("ranks", ["-1", "0", "two"])
+def test_estimate_memory_refuses_what_is_no_number_of_ranks(ranks):
+    proc = run_cli(["--estimate-memory", ranks])
     assert proc.returncode == ExitCode.BAD_INPUT
-    assert_one_line_error(proc, "--estimate-memory takes a number of ranks, got -1")
+    assert_one_line_error(proc, f"--estimate-memory takes a number of ranks (1 or more), got {ranks}")
 
 
 # Holds the folders it is given as a run would, until it is killed.
