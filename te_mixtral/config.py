@@ -26,7 +26,7 @@ import yaml
 
 from te_mixtral.config_checks import LORA_DENSE_TARGETS, LORA_EXPERT_TARGETS, validate
 from te_mixtral.errors import UserError
-from te_mixtral.files import write_text_atomic
+from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.saved_config import SECTION_NAMES, flatten, upgrade_saved
 
 
@@ -469,6 +469,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     cfg = RunConfig()
     given = set()  # the keys the file, the command line or the launcher set
     if path is not None:
+        require_regular_file(Path(path), "config")
         try:
             if Path(path).stat().st_size > MAX_CONFIG_BYTES:
                 raise UserError(f"config {path} is {Path(path).stat().st_size} bytes, not a config (those are a few "

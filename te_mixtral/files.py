@@ -29,6 +29,7 @@ Pitfall: a full disk does not always raise `OSError`. `torch.save` raises a `Run
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -147,6 +148,25 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
     fsync_path(final)
     remove_scratch(old, "the export it replaces")
     fsync_path(final.parent)
+
+
+# What a path that is no regular file is, as a refusal names it.
+_KINDS = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
+          stat.S_ISBLK: "a block device", stat.S_ISDIR: "a folder"}
+
+
+def require_regular_file(path: Path, what: str) -> None:
+    """Refuse an input that is there but no regular file, before it is opened: te_mixtral
+    reads its inputs whole, and opening a FIFO waits for a writer, reading a device may never
+    end. A missing path is the caller's to report."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = next((kind for test, kind in _KINDS.items() if test(mode)), "no regular file")
+        raise UserError(f"{what} {path} is not a regular file but {kind}, which te_mixtral cannot read as a whole "
+                        f"file: give a file")
 
 
 def require_writable(path: Path, what: str) -> None:

@@ -179,3 +179,23 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130():
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == ExitCode.INTERRUPTED
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), "interrupted")
+
+
+@pytest.mark.parametrize("key, what", [("--dataset", "data file"), ("--config", "config"),
+                                       ("--loss-check", "results file"), ("--tokenizer", "tokenizer file")])
+def test_an_input_that_is_a_fifo_is_refused_not_waited_on(tmp_path, key, what):
+    fifo = tmp_path / "input.jsonl"
+    os.mkfifo(fifo)  # opening it for reading waits for a writer, which never comes
+
+    def waited(signum, frame):
+        raise TimeoutError(f"{key} {fifo}: still waiting on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(60)
+    try:
+        proc = run_cli([key, str(fifo), "--output-dir", str(tmp_path / "out")])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    assert_one_line_error(proc, f"{what} {fifo} is not a regular file but a FIFO (named pipe)")
