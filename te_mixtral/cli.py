@@ -124,7 +124,8 @@ def main(argv: list[str]) -> int:
         return _run(argv)
     except KeyboardInterrupt:  # before training: once it starts, training/loop.py says where it stopped
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun sends a second one
-        print_error("interrupted before the first step", ExitCode.INTERRUPTED)
+        if main_rank_from_env():  # every rank got the Ctrl-C
+            print_error("interrupted before the first step", ExitCode.INTERRUPTED)
         return ExitCode.INTERRUPTED
 
 
@@ -139,7 +140,7 @@ def _run(argv: list[str]) -> int:
 
             return print_estimate(cfg, world_size)
     except UserError as e:
-        return report_error(e, world_size_from_env())
+        return report_error(e, world_size_from_env(), main_rank_from_env())
     if args.help:
         print(help_text(cfg, args.config))
         return 0

@@ -64,26 +64,38 @@ def test_tier_this_machine_cannot_run():
     assert_one_line_error(proc, "grouped_linear")
 
 
+def our_torchrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "te_mixtral.torchrun", *args], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.slow
-def test_every_rank_fails_cleanly_and_our_torchrun_passes_the_exit_code_on():
+def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code_on():
     # world 2 is not divisible by EP=4 ... and 4 experts / EP 4 is fine: only the world check fails.
     # torchrun itself would exit 1, as for any failure; `python -m te_mixtral.torchrun` is torchrun
-    # exiting with the ranks' code.
-    proc = subprocess.run([sys.executable, "-m", "te_mixtral.torchrun", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "run_finetune_ep.py"), "--ep-size", "4"],
-                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=120)
+    # exiting with the ranks' code, and saying nothing of its own.
+    proc = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), "--ep-size", "4")
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
     lines = assert_one_line_error(proc, "world size (2) is not divisible by ep_size (4)")
-    assert len(lines) == 2  # one per rank, each naming its exit code
-    assert all(line.endswith("[exit code 2]") for line in lines)
-    assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr  # torchrun's summary, no traceback
+    assert proc.stderr.splitlines() == lines and len(lines) == 1, proc.stderr[-3000:]  # rank 0's, and nothing else
+    assert lines[0].endswith("[exit code 2]")
+
+
+def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line():
+    for args, fragment in [(["--no_such_option", "run_finetune_ep.py"], "unrecognized arguments: --no_such_option"),
+                           (["--nproc_per_node=many", "run_finetune_ep.py"], "Unsupported nproc_per_node value: many"),
+                           (["--standalone", "--nproc_per_node=0", "run_finetune_ep.py"], "torchrun refused its arguments")]:
+        proc = our_torchrun(*args)
+        assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+        assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("te_mixtral.torchrun: error: ")
+        assert fragment in proc.stderr
 
 
 @pytest.mark.slow
 def test_hf_tier_is_single_process():
+    # Under torchrun itself: one line of ours for the job, whatever torchrun adds after it.
     proc = run_app(["--tier", "hf"], nproc=2, timeout=120)
-    assert_one_line_error(proc, "single process")
+    assert len(assert_one_line_error(proc, "single process")) == 1, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("option", [["--profile_phases", "true"], ["--loss-check", "REFERENCE"]],

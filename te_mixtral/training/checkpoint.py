@@ -86,7 +86,7 @@ from torch.distributed.tensor import DTensor
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.global_state import GlobalView, global_state_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max
-from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line
+from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line, only_here, see_elsewhere
 from te_mixtral.experts.quant.frozen_fp8 import FrozenFP8Weight
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.files import (
@@ -131,7 +131,7 @@ def _fail_together(problem: UserError | None, layout: Layout, device: torch.devi
     """Raise `problem` on the rank that has one and `WriteFailed(elsewhere)` on the others,
     so that no rank is left waiting in the next collective; every rank must call it."""
     if _any_rank(problem is not None, layout, device):
-        raise problem or WriteFailed(elsewhere)
+        raise only_here(problem) if problem else see_elsewhere(WriteFailed(elsewhere))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -403,7 +403,8 @@ class Checkpointer:
                 problem = str(e)
         # A rank with a bad file must not leave the others waiting in the next collective.
         if _any_rank(problem is not None, self.layout, self.device):
-            raise UserError(problem or f"checkpoint {folder} failed verification on another rank (see its error)")
+            raise only_here(UserError(problem)) if problem else see_elsewhere(UserError(
+                f"checkpoint {folder} failed verification on another rank (see its error)"))
         try:
             with _dcp_quietly():
                 dcp.load(global_state_dict(model, optimizer, self.layout), storage_reader=IndexedReader(folder, index),

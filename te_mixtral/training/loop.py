@@ -42,7 +42,7 @@ from te_mixtral.errors import (
     Interrupted,
     UserError,
     WriteFailed,
-    print_error,
+    report_line,
     report_error,
 )
 from te_mixtral.experts.loop import LoopTier
@@ -355,11 +355,11 @@ def main(cfg: RunConfig, config_path: str | None = None) -> int:
             shutdown(wait_for_peers=True)
         return exit_code
     except UserError as e:
-        return report_error(e, world_size_from_env())
+        return report_error(e, world_size_from_env(), main_rank_from_env())
     except RuntimeError as e:
         if not _lost_a_peer(e):
             raise
         reason = (str(e).strip().splitlines() or ["no detail"])[0]
-        print_error(f"a collective failed, another rank probably died or hung (see its log); resume from the last "
-                    f"checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER)
-        return ExitCode.LOST_A_PEER
+        return report_line(f"a collective failed, another rank probably died or hung (see its log); resume from the "
+                           f"last checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER,
+                           world_size_from_env(), main_rank_from_env())

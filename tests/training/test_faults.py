@@ -98,7 +98,7 @@ def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path)
                     str(tmp_path / "out")], nproc=2, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
     assert proc.returncode != 0
-    assert len(lines) == 2, proc.stderr[-3000:]  # one per rank
+    assert len(lines) == 1, proc.stderr[-3000:]  # one per job: rank 0's
     assert all(f"checkpoint directory {blocker / 'ckpt'} is not writable" in line for line in lines)
     assert "step" not in proc.stdout  # no training step ran
 
