@@ -17,7 +17,7 @@ from te_mixtral.config import load_config, save_config
 from te_mixtral.errors import ExitCode, UserError
 from te_mixtral import files
 from te_mixtral.files import replace_files, require_free_space, size_text
-from te_mixtral.folder_lock import FolderLocks
+from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
 from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
@@ -50,7 +50,9 @@ def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not stale.exists() and not (tmp_path / "export.old").exists()
     assert (folder / "README.md").read_text() == "my model card" and (folder / "eval_results.json").is_file()
-    assert all(is_export_file(p.name) for p in folder.iterdir() if p.name not in ("README.md", "eval_results.json"))
+    # ... and the lock that kept a second run from exporting there meanwhile (te_mixtral/folder_lock.py).
+    assert all(is_export_file(p.name) for p in folder.iterdir()
+               if p.name not in ("README.md", "eval_results.json", LOCK_FILE))
 
 
 def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_path, monkeypatch):
@@ -223,7 +225,7 @@ def test_estimate_memory_refuses_what_is_no_number_of_ranks(ranks):
 # Holds the folders it is given as a run would, until it is killed.
 HOLD = """import sys, time
 from pathlib import Path
-from te_mixtral.folder_lock import FolderLocks
+from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
 locks = FolderLocks()
 for folder in sys.argv[1:]:
     locks.claim(Path(folder), "a folder")
