@@ -76,7 +76,7 @@ def report_error(error: Exception, world_size: int, main_rank: bool) -> int:
     """`report_line` an error: its message, its exit code (`BAD_INPUT` for an exception that
     names none) and its scope."""
     return report_line(str(error), int(getattr(error, "exit_code", ExitCode.BAD_INPUT)), world_size, main_rank,
-                  getattr(error, "scope", ALIKE))
+                       getattr(error, "scope", ALIKE))
 
 
 def only_here(error: "UserError") -> "UserError":

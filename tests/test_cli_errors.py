@@ -84,7 +84,8 @@ def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code
 def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line():
     for args, fragment in [(["--no_such_option", "run_finetune_ep.py"], "unrecognized arguments: --no_such_option"),
                            (["--nproc_per_node=many", "run_finetune_ep.py"], "Unsupported nproc_per_node value: many"),
-                           (["--standalone", "--nproc_per_node=0", "run_finetune_ep.py"], "torchrun refused its arguments")]:
+                           (["--standalone", "--nproc_per_node=0", "run_finetune_ep.py"],
+                            "torchrun refused its arguments")]:
         proc = our_torchrun(*args)
         assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
         assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("te_mixtral.torchrun: error: ")

@@ -21,9 +21,10 @@ Everything the next step depends on, and nothing that can be recomputed:
   world size;
 - the losses, gradient norms and evaluations so far, so that a resumed run's results.json
   tells the whole story; the run's id, which its steps.jsonl lines carry too, so that a
-  resume into another run's output folder is told from one into its own; the run's config, so that resuming into a different model is
-  refused; and the SHA-256 of the tokenizer's JSON, so that resuming with a different one
-  (a tokenizer trained on other data gives the same ids other meanings) is refused too.
+  resume into another run's output folder is told from one into its own; the run's config,
+  so that resuming into a different model is refused; and the SHA-256 of the tokenizer's
+  JSON, so that resuming with a different one (a tokenizer trained on other data gives the
+  same ids other meanings) is refused too.
 
 Resuming on another layout computes the same steps with the work cut differently: the
 losses equal an uninterrupted run's at the new layout to fp32 rounding (sums are added in
@@ -452,8 +453,8 @@ class Checkpointer:
             # One folder however it is spelled (`/x/m`, `/x/m/`, `m` from /x); older checkpoints
             # kept only the spelling, read from here.
             if meta.get("base_model", base_model(saved_path)) != base_model(cfg.model_path):
-                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path}, not "
-                                f"{cfg.model_path}: resume with --model {saved_path}")
+                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path}, "
+                                f"not {cfg.model_path}: resume with --model {saved_path}")
             if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
                 raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
                                 f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")

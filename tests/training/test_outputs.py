@@ -291,7 +291,7 @@ def test_a_log_is_the_checkpoints_run_only_if_it_carries_the_checkpoints_run_id(
     for run_id, refused_ in (("b" * 32, True), ("a" * 32, False)):
         (out / "steps.jsonl").write_text(json.dumps({"run_id": run_id, "step": 1, "loss": 4.5}) + "\n")
         if refused_:
-            with pytest.raises(UserError, match=r"is the log of another run than checkpoint .*\(its run id bbbbbbbbbbbb"):
+            with pytest.raises(UserError, match=r"is the log of another run .*\(its run id bbbbbbbbbbbb"):
                 check_outputs(cfg, None)
         else:
             check_outputs(cfg, None)
