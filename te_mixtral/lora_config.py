@@ -31,6 +31,11 @@ class LoRAConfig:
                            f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
                            f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
 
+    change_on_resume: bool = setting(False, workload=False, resumable=True,
+                                     help="with resume: accept lora.targets leaving out some of the checkpoint's (their "
+                                     "trained adapters are dropped) or another lora.alpha or rslora (the trained "
+                                     "adapters rescale); without it such a resume is refused")
+
     @property
     def enabled(self) -> bool:
         return self.rank > 0

@@ -90,6 +90,9 @@ def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     ({"lora.rank": "8", "optimizer": "master_adamw", "dtype": "bf16"}, "lora trains small fp32 adapters"),
     ({"lora.rank": "8", "sharding": "fsdp"}, "train.sharding fsdp is for full fine-tuning"),
     ({"save_adapter": "out"}, "save_adapter exports LoRA adapters: set lora.rank"),
+    # tiny.yaml: hidden 64, 2 KV heads of 16; k_proj's update has rank 32 at most, the experts' 64.
+    ({"lora.rank": "65"}, "lora.rank 65 is above every adapted projection's rank (at most 64"),
+    ({"lora.rank": "33", "lora.targets": "k_proj,v_proj"}, "use --lora.rank 32 or less"),
 ])
 def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
     with pytest.raises(UserError) as raised:
