@@ -55,10 +55,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", action="store_true",
                         help="show this help, with every config key's value, default and meaning, and exit")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
-    parser.add_argument("--estimate-memory", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
+    # Bare, it takes this launch's world size (const 0, which no count given can be: `_ranks`).
+    parser.add_argument("--estimate-memory", nargs="?", type=_ranks, const=0, metavar="WORLD_SIZE",
                         help="print the per-rank memory estimate (for WORLD_SIZE ranks; default: this launch's) "
                              "and exit without building anything")
     return parser
+
+
+def _ranks(text: str) -> int:
+    """--estimate-memory's WORLD_SIZE: a number of ranks, 1 or more."""
+    try:
+        ranks = int(text)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise UserError(f"--estimate-memory takes a number of ranks (1 or more), got {text}")
+    return ranks
 
 
 def _shown(value) -> str:
@@ -88,8 +100,6 @@ def help_text(cfg: RunConfig, config_path: str) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     args, rest = _parser().parse_known_args(argv)
-    if args.estimate_memory is not None and args.estimate_memory < 0:
-        raise UserError(f"--estimate-memory takes a number of ranks, got {args.estimate_memory}")
     overrides = {}
     while rest:
         flag = rest.pop(0)
@@ -114,7 +124,8 @@ def main(argv: list[str]) -> int:
         return _run(argv)
     except KeyboardInterrupt:  # before training: once it starts, training/loop.py says where it stopped
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun sends a second one
-        print_error("interrupted before the first step", ExitCode.INTERRUPTED)
+        if main_rank_from_env():  # every rank got the Ctrl-C
+            print_error("interrupted before the first step", ExitCode.INTERRUPTED)
         return ExitCode.INTERRUPTED
 
 
@@ -129,7 +140,7 @@ def _run(argv: list[str]) -> int:
 
             return print_estimate(cfg, world_size)
     except UserError as e:
-        return report_error(e, world_size_from_env())
+        return report_error(e, world_size_from_env(), main_rank_from_env())
     if args.help:
         print(help_text(cfg, args.config))
         return 0

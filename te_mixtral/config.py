@@ -15,6 +15,7 @@ saved by older runs are read through `upgrade_saved`.
 """
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from te_mixtral.config_checks import validate
 from te_mixtral.config_field import setting
 from te_mixtral.errors import UserError
 from te_mixtral.experts.options import FP8Options
-from te_mixtral.files import write_text_atomic
+from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.lora_config import LoRAConfig
 from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
@@ -122,7 +123,8 @@ class TrainConfig:
     moment_dtype: Literal["bf16", "fp32"] = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
     expert_moments: Literal["same", "8bit"] = setting("same", help="master_adamw's moments of the expert weights: same "
                                                       "(moment_dtype, as the others') or 8bit (block-wise 8-bit, about 2 "
-                                                      "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py)")
+                                                      "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py; "
+                                                      "CPU only for now: its CUDA kernel is not yet right)")
     recompute: Literal["none", "selective", "full"] = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
@@ -279,7 +281,7 @@ def _apply(cfg: RunConfig, key: str, value) -> None:
     target = getattr(cfg, section) if section else cfg
     types_ = _field_types(type(target))
     if name not in types_:
-        raise UserError(f"unknown config key '{key}'")
+        raise UserError(f"unknown config key '{key}'{did_you_mean(key)}")
     setattr(target, name, _coerce(key, value, types_[name]))
 
 
@@ -379,7 +381,17 @@ def _full_key(bare: str) -> str:
         return f"{owners[0]}.{bare}"
     if owners:
         raise UserError(f"'{bare}' is ambiguous: write one of {', '.join(f'{s}.{bare}' for s in owners)}")
-    raise UserError(f"unknown config key '{bare}'")
+    raise UserError(f"unknown config key '{bare}'{did_you_mean(bare)}")
+
+
+def did_you_mean(key: str) -> str:
+    """' (did you mean --train.steps?)' for the key closest to a mistyped `key` (`stpes`,
+    `lora_rank`), as the command line writes it; '' when none is close."""
+    full = list(settings())
+    bare = [k.rpartition(".")[2] for k in full]
+    names = full + [name for name in bare if bare.count(name) == 1] + ["model"]  # `--model`: model_path
+    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.75)
+    return f" (did you mean --{close[0]}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -426,6 +438,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     cfg = RunConfig()
     given = set()  # the keys the file, the command line or the launcher set
     if path is not None:
+        require_regular_file(Path(path), "config")
         try:
             if Path(path).stat().st_size > MAX_CONFIG_BYTES:
                 raise UserError(f"config {path} is {Path(path).stat().st_size} bytes, not a config (those are a few "

@@ -31,12 +31,13 @@ def validate(cfg, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment.
     The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
-    for key in ("output_dir", "checkpoint_dir", "save_hf", "loss_check", "model_path"):
+    for key in ("output_dir", "checkpoint_dir", "save_hf", "save_adapter", "loss_check", "model_path"):
         # An empty path is no path: it would stand for the current folder, or switch the key off.
         _check(getattr(cfg, key) != "", f"{key} is an empty path: name one, or leave it unset (null)")
-    # save_hf's name gets a suffix: the export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.
+    # An export's name gets a suffix: it is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.
     for key, path, suffix in [("output_dir", cfg.output_dir, 0), ("checkpoint_dir", cfg.checkpoint_dir, 0),
-                              ("save_hf", cfg.save_hf, len(".tmp")), ("loss_check", cfg.loss_check, 0),
+                              ("save_hf", cfg.save_hf, len(".tmp")), ("save_adapter", cfg.save_adapter, len(".tmp")),
+                              ("loss_check", cfg.loss_check, 0),
                               ("model_path", cfg.model_path, 0), ("data.dataset", d.dataset, 0),
                               ("data.tokenizer", d.tokenizer, 0)]:
         longest = max((part for part in PurePath(path or "").parts), key=lambda part: len(part.encode()), default="")
@@ -91,6 +92,10 @@ def validate(cfg, world_size: int = 1) -> None:
     _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
     _check(cfg.ep_chunks > 0, f"ep_chunks must be positive, got {cfg.ep_chunks}")
+    _check(world_size != 1 or cfg.ep_size == 1,
+           f"ep_size {cfg.ep_size} splits each layer's experts over {cfg.ep_size} processes, and this is one: "
+           f"launch {cfg.ep_size} (or a multiple) with torchrun, e.g. `torchrun --nproc_per_node={cfg.ep_size} "
+           f"run_finetune_ep.py --ep-size {cfg.ep_size}`")
     _check(world_size % cfg.ep_size == 0,
            f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size})")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be at least 1, got {t.grad_accum_steps}")
@@ -158,3 +163,22 @@ def validate_model(cfg) -> None:
            f"multiple of {MOMENTS_8BIT_BLOCK}")
     _check(m.num_experts % cfg.ep_size == 0,
            f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")
+    if cfg.lora.enabled:
+        _check_lora_rank(cfg)
+
+
+def _check_lora_rank(cfg) -> None:
+    """Refuse a lora.rank above what any adapted projection can use. An adapter's update
+    B @ A [out, in] has rank at most min(in, out): past that, r adds parameters, memory and
+    time to every adapter and nothing it can learn. PEFT accepts any r above 0 (its LoRA
+    checks nothing else), so such a config is legal there; here it is refused, as the slip it
+    almost always is (1024 for 16), naming the largest rank that still counts."""
+    m, targets = cfg.model, cfg.lora.target_list()
+    attention, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    in_out = {"q_proj": (m.hidden_size, attention), "k_proj": (m.hidden_size, kv), "v_proj": (m.hidden_size, kv),
+              "o_proj": (attention, m.hidden_size), "gate_up_proj": (m.hidden_size, 2 * m.intermediate_size),
+              "down_proj": (m.intermediate_size, m.hidden_size)}
+    useful = max(min(in_out[t]) for t in targets if t in in_out)
+    _check(cfg.lora.rank <= useful,
+           f"lora.rank {cfg.lora.rank} is above every adapted projection's rank (at most {useful}: min(in, out) of "
+           f"{', '.join(targets)}), so the extra rank learns nothing: use --lora.rank {useful} or less")

@@ -1,9 +1,17 @@
 """Errors a user can act on, and how they are reported.
 
 Anything raised as a `UserError` is printed by the entry point as one line
-(`te_mixtral: error: ...`) on every rank, followed by a non-zero exit and no traceback.
-Every rank runs the same checks on the same inputs before the first collective, so every
-rank fails the same way and no rank is left waiting in a collective.
+(`te_mixtral: error: ...`), followed by a non-zero exit and no traceback. Every rank runs
+the same checks on the same inputs before the first collective, so every rank fails the
+same way and no rank is left waiting in a collective.
+
+One line per job, not one per rank: what every rank raises alike, rank 0 says (`report_line`).
+The other ranks wait `PEER_GRACE_S` before they say it, so that they say it only where rank
+0 did not fail the same way: torchrun stops every rank as soon as one exits non-zero. A
+problem of one rank's own (`only_here`: a file that rank could not write or verify) is said
+at once by that rank; the line that points at it from the other ranks (`see_elsewhere`:
+"... on another rank (see its error)") is said by rank 0 alone, which waits for the other's
+line before it exits.
 
 The exit code says what kind of failure it was, so that a script can tell a run to fix
 from one to retry (docs/checkpoints.md lists them). torchrun and `accelerate launch` exit 1
@@ -25,9 +33,12 @@ class ExitCode(IntEnum):
     WRITE_FAILED = 5  # a checkpoint, export or results.json could not be written (a full disk)
     INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report 128 + the signal number
 
-# torchrun stops every rank as soon as one exits non-zero. The others check the same input
-# and fail the same way moments later; this long lets each of them say so itself.
+# torchrun stops every rank as soon as one exits non-zero (it looks every 0.1 s): a rank
+# that waits this long after rank 0 failed alike is stopped before it repeats rank 0's line.
 PEER_GRACE_S = 3.0
+
+# Which ranks raise an error (`UserError.scope`), and so which ranks say it (`report_line`).
+ALIKE, ONLY_HERE, SEE_ELSEWHERE = "alike", "only here", "see elsewhere"
 
 
 def error_line(message: str, exit_code: int) -> str:
@@ -45,14 +56,39 @@ def print_error(message: str, exit_code: int) -> None:
     sys.stderr.flush()
 
 
-def report_error(error: Exception, world_size: int) -> int:
-    """Print `error` as the one-line message and return its exit code; `world_size` is
-    how many ranks torchrun started (`distributed.launcher_env.world_size_from_env`)."""
-    exit_code = int(getattr(error, "exit_code", ExitCode.BAD_INPUT))
-    print_error(str(error), exit_code)
-    if world_size > 1:
-        time.sleep(PEER_GRACE_S)
+def report_line(message: str, exit_code: int, world_size: int, main_rank: bool, scope: str = ALIKE) -> int:
+    """Print `message` as the job's one line where it is this rank's to print (module
+    docstring) and return `exit_code`; `world_size` is how many ranks the launcher started
+    and `main_rank` whether this is rank 0 (`distributed.launcher_env`)."""
+    if world_size == 1 or scope == ONLY_HERE:
+        print_error(message, exit_code)
+    elif main_rank:
+        print_error(message, exit_code)
+        if scope == SEE_ELSEWHERE:  # the rank the line points at prints its own: let it
+            time.sleep(PEER_GRACE_S)
+    elif scope == ALIKE:
+        time.sleep(PEER_GRACE_S)  # stopped here by the launcher where rank 0 failed alike
+        print_error(message, exit_code)
     return exit_code
+
+
+def report_error(error: Exception, world_size: int, main_rank: bool) -> int:
+    """`report_line` an error: its message, its exit code (`BAD_INPUT` for an exception that
+    names none) and its scope."""
+    return report_line(str(error), int(getattr(error, "exit_code", ExitCode.BAD_INPUT)), world_size, main_rank,
+                       getattr(error, "scope", ALIKE))
+
+
+def only_here(error: "UserError") -> "UserError":
+    """Mark `error` as this rank's own problem, which the other ranks did not meet."""
+    error.scope = ONLY_HERE
+    return error
+
+
+def see_elsewhere(error: "UserError") -> "UserError":
+    """Mark `error` as the line that points at another rank's problem."""
+    error.scope = SEE_ELSEWHERE
+    return error
 
 
 def first_line(error: Exception) -> str:
@@ -65,6 +101,7 @@ class UserError(Exception):
     """Bad input: a config value, a path, a tier this machine cannot run."""
 
     exit_code = ExitCode.BAD_INPUT
+    scope = ALIKE  # raised on every rank alike, unless marked `only_here` or `see_elsewhere`
 
 
 def require(condition: bool, message: str) -> None:

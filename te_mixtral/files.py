@@ -15,6 +15,12 @@ is not writable or cannot hold what it will write: `require_writable` and
 `require_free_space` say so with a message a user can act on. A write that fails anyway
 (the disk filled up meanwhile) ends in one line, `write_failure`, not a traceback.
 
+A temporary or backup folder beside an output (`DIR.tmp`, `DIR.old`, a checkpoint's
+`step-N.tmp`) is deleted only when it proves te_mixtral made it: `make_scratch` writes
+`SCRATCH_MARKER` into it as it creates it, and `remove_scratch` refuses, in one line naming
+it, a folder of that name without the marker (the user's own folder that happens to have
+the name). Never by following a symbolic link: the link is not the folder it points to.
+
 Pitfall: a full disk does not always raise `OSError`. `torch.save` raises a `RuntimeError`
 ("PytorchStreamWriter failed writing file" or "unexpected pos"), safetensors its own
 `SafetensorError`; the writers catch those too.
@@ -23,6 +29,7 @@ Pitfall: a full disk does not always raise `OSError`. `torch.save` raises a `Run
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -55,20 +62,56 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_path(path.parent)
 
 
+SCRATCH_MARKER = ".te_mixtral_scratch"  # in every temporary or backup folder te_mixtral makes
+
+
+def sibling(path: Path, suffix: str) -> Path:
+    """`DIR.tmp` or `DIR.old` beside `DIR`."""
+    return path.with_name(path.name + suffix)
+
+
+def make_scratch(path: Path) -> None:
+    """Create the folder `path` (not there yet) and mark it as te_mixtral's to delete."""
+    path.mkdir(parents=True)
+    (path / SCRATCH_MARKER).write_text("made by te_mixtral as a temporary or backup folder; it deletes it\n")
+
+
+def is_scratch(path: Path) -> bool:
+    """Whether `path` is a folder (not a link to one) that `make_scratch` made."""
+    return path.is_dir() and not path.is_symlink() and (path / SCRATCH_MARKER).is_file()
+
+
+def check_scratch(path: Path, what: str) -> None:
+    """Refuse, in one line naming it, a folder at `path` that te_mixtral would delete (`what`
+    it would be) but did not make."""
+    if (path.exists() or path.is_symlink()) and not is_scratch(path):
+        raise UserError(f"{path} is in the way: te_mixtral writes {what} there and deletes it, and it has no "
+                        f"{SCRATCH_MARKER} to show te_mixtral made it; move it away or delete it yourself")
+
+
+def remove_scratch(path: Path, what: str) -> None:
+    """Delete the folder `path` if te_mixtral made it (`check_scratch` otherwise)."""
+    check_scratch(path, what)
+    if path.exists():
+        shutil.rmtree(path)
+
+
 def publish_folder(tmp: Path, final: Path) -> None:
-    """Rename a finished temporary folder to its final name.
+    """Rename a finished temporary folder (made by `make_scratch`) to its final name.
 
     A folder cannot replace a non-empty folder in one rename, so an existing `final` is first
     moved aside to `final.old` and deleted after: a crash between the two renames leaves the
-    previous contents under `final.old`, never a mixture.
+    previous contents under `final.old`, never a mixture. The caller vouches that an
+    existing `final` is its own to replace; `final` keeps the marker of the folder it was
+    made as.
     """
     fsync_path(tmp)
     if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+        old = sibling(final, ".old")
+        remove_scratch(old, "the folder it replaces")
         os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old)
+        shutil.rmtree(old)  # what was `final`
     else:
         os.rename(tmp, final)
     fsync_path(final.parent)
@@ -83,25 +126,47 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
     to `final.old` first (`marker`, which says a set is complete, the first of them), the
     new ones come in (`marker` the last), then `final.old` is deleted: a crash midway leaves
     the earlier set whole in `final.old`, or the new one whole in `final`, and `final`
-    without a marker until its set is complete.
+    without a marker until its set is complete. `tmp` was made by `make_scratch`; its
+    `SCRATCH_MARKER` stays behind, and `final` never gets one (it is the user's folder).
     """
     fsync_path(tmp)
     if not final.exists():
         os.rename(tmp, final)
+        (final / SCRATCH_MARKER).unlink()
         fsync_path(final.parent)
         return
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    old.mkdir()
+    old = sibling(final, ".old")
+    remove_scratch(old, "the export it replaces")
+    make_scratch(old)
     for path in sorted(final.iterdir(), key=lambda p: p.name != marker):
         if owned(path.name) and path.is_file():
             os.rename(path, old / path.name)
     for path in sorted(tmp.iterdir(), key=lambda p: p.name == marker):
-        os.rename(path, final / path.name)
-    tmp.rmdir()
+        if path.name != SCRATCH_MARKER:
+            os.rename(path, final / path.name)
+    remove_scratch(tmp, "the export")
     fsync_path(final)
-    shutil.rmtree(old)
+    remove_scratch(old, "the export it replaces")
     fsync_path(final.parent)
+
+
+# What a path that is no regular file is, as a refusal names it.
+_KINDS = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
+          stat.S_ISBLK: "a block device", stat.S_ISDIR: "a folder"}
+
+
+def require_regular_file(path: Path, what: str) -> None:
+    """Refuse an input that is there but no regular file, before it is opened: te_mixtral
+    reads its inputs whole, and opening a FIFO waits for a writer, reading a device may never
+    end. A missing path is the caller's to report."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = next((kind for test, kind in _KINDS.items() if test(mode)), "no regular file")
+        raise UserError(f"{what} {path} is not a regular file but {kind}, which te_mixtral cannot read as a whole "
+                        f"file: give a file")
 
 
 def require_writable(path: Path, what: str) -> None:

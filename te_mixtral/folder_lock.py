@@ -1,9 +1,10 @@
-"""One run at a time in a folder: a lock that the output and checkpoint folders carry
-while a run writes them.
+"""One run at a time in a folder: a lock that the output, checkpoint and export folders
+(`save_hf`, `save_adapter`) carry while a run writes them.
 
 Two runs writing one folder at once would each think the folder theirs: one replaces the
-other's results.json, their steps.jsonl lines interleave, and one prunes the other's
-checkpoints while the other still reports them intact. So rank 0 takes an exclusive
+other's results.json, their steps.jsonl lines interleave, one prunes the other's
+checkpoints while the other still reports them intact, and one export deletes the other's
+temporary folder while it is written. So rank 0 takes an exclusive
 `fcntl.flock` on `LOCK_FILE` in each folder before it writes there, and holds it for the
 life of the run; a second run is refused in one line that names the first (its pid, host
 and start, which the holder writes into the file).

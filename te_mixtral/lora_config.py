@@ -35,6 +35,10 @@ class LoRAConfig:
                                               "default (the run's compute dtype; FP8 in tier device_mxfp8) or nf4 "
                                               "(QLoRA's 4-bit NormalFloat, dequantised inside tier custom_grouped's "
                                               "GEMMs: experts/quant/frozen_nf4.py)")
+    change_on_resume: bool = setting(False, workload=False, resumable=True,
+                                     help="with resume: accept lora.targets leaving out some of the checkpoint's (their "
+                                     "trained adapters are dropped) or another lora.alpha or rslora (the trained "
+                                     "adapters rescale); without it such a resume is refused")
 
     @property
     def enabled(self) -> bool:

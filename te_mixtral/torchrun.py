@@ -1,4 +1,5 @@
-"""`python -m te_mixtral.torchrun ...`: torchrun, with the ranks' exit code passed on.
+"""`python -m te_mixtral.torchrun ...`: torchrun, with the ranks' exit code passed on and
+one line for a failed job.
 
 torchrun takes the same arguments (`--standalone --nproc_per_node=2 run_finetune_ep.py
 --ep-size 2`), but exits 1 whenever a rank fails, whatever that rank's own exit code: its
@@ -6,23 +7,43 @@ elastic agent turns every failure into one `ChildFailedError`. A script that lau
 torchrun (or with `accelerate launch`, which runs torchrun's launcher inside) therefore
 cannot tell bad input (2) from a lost peer (3), a diverged run (4), a full disk (5) or
 Ctrl-C (130), nor any of them from a failed loss check (1): the codes of
-`te_mixtral.errors.ExitCode` that `python run_finetune_ep.py` returns.
+`te_mixtral.errors.ExitCode` that `python run_finetune_ep.py` returns. And torchrun prints,
+after the rank's one line, its agent's log of the failure, a traceback of that
+`ChildFailedError` and a summary of every rank's failure: 20 to 40 lines for one bad flag.
+No exit code of a rank keeps torchrun quiet: any code but 0 ends that way.
 
 This module runs torchrun's own launcher (`torch.distributed.run.run`) in this process
 and exits with the code a failed rank exited with: rank 0's if it failed by itself (rank 0
 is the rank that reports: a peer's death is its LOST_A_PEER), else the lowest failed
 rank's. Ranks the launcher stopped itself with SIGTERM once another had failed do not
 count (unless that is all there is); a rank killed by a signal counts as 128 + the signal,
-as shells count it. torchrun's summary of the failure is printed as torchrun prints it,
-without the launcher's own traceback.
+as shells count it. It prints nothing of the launcher's: the failed rank has said why in
+its own line (te_mixtral/errors.py), or in its traceback where it crashed. Only a rank
+killed by a signal, which could say nothing, gets a line here.
+
+torchrun's own argument errors (an unknown option, `--nproc_per_node=0`) are one line and
+exit 2, as argparse's convention has it, instead of a usage screen or a traceback.
 """
 
+import logging
 import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import get_args_parser, run
+
+from te_mixtral.errors import ExitCode, first_line
+
+PROG = "te_mixtral.torchrun"
+
+
+class _ArgumentError(Exception):
+    """torchrun refused its arguments."""
+
+
+def _refuse(message: str):
+    raise _ArgumentError(message)
 
 
 def _shell_code(exitcode: int) -> int:
@@ -30,14 +51,46 @@ def _shell_code(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _quiet_agent() -> None:
+    """Silence the log of torchrun's agent (each failed rank, the SIGTERM it sends the
+    others): the failed rank has said why. Its loggers set their own levels (torch's
+    `elastic.utils.logging.get_logger`), so each is set, not their parent."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def main(argv: list[str]) -> int:
     """Launch as torchrun would; return the exit code the failed ranks meant."""
+    parser = get_args_parser()
+    parser.prog = PROG
+    parser.error = _refuse  # argparse's usage screen and exit, as one line
     try:
-        run(parse_args(argv))
+        args = parser.parse_args(argv)
+        _quiet_agent()
+        run(args)
+    except _ArgumentError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
+    except (ValueError, AssertionError) as e:  # how torchrun refuses what its arguments mean, before any rank starts
+        print(f"{PROG}: error: torchrun refused its arguments ({first_line(e)}): check --nproc-per-node, --nnodes "
+              f"and the rest against `torchrun --help`", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
     except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr, flush=True)
         failed = {rank: f.exitcode for rank, f in e.failures.items() if f.exitcode != -signal.SIGTERM}
-        return _shell_code(failed[min(failed)] if failed else -signal.SIGTERM)
+        rank = min(failed) if failed else min(e.failures)
+        exitcode = failed[rank] if failed else -signal.SIGTERM
+        if exitcode < 0:  # killed: the rank could say nothing itself
+            print(f"{PROG}: error: rank {rank} was killed by {_signal_name(-exitcode)} (the out-of-memory killer "
+                  f"sends SIGKILL)", file=sys.stderr, flush=True)
+        return _shell_code(exitcode)
     except SignalException as e:  # the launcher itself was stopped (Ctrl-C: SIGINT)
         return 128 + int(e.sigval)
     except KeyboardInterrupt:

@@ -66,6 +66,15 @@ def test_two_processes_with_accelerates_precision_and_accumulation(tmp_path):
     assert len(results["losses"]) == 2
 
 
+@pytest.mark.slow
+def test_a_bad_setting_under_accelerate_launch_is_one_line_per_job():
+    proc = accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
+                              "--mixed_precision", "no", "--dynamo_backend", "no"], ["--ep-size", "4"])
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
+    assert lines == ["te_mixtral: error: world size (2) is not divisible by ep_size (4) [exit code 2]"], proc.stderr
+
+
 @pytest.mark.parametrize("flags, key, value", [
     (["--mixed_precision", "bf16"], "train.dtype", "bf16"),
     (["--mixed_precision", "no"], "train.dtype", "fp32"),  # accelerate's "no": no autocast

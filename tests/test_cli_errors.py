@@ -22,7 +22,11 @@ from te_mixtral.errors import ExitCode
 @pytest.mark.parametrize("args, fragment", [
     (["--no_such_key", "1"], "unknown config key 'no_such_key'"),
     (["--train.steps", "many"], "'train.steps' must be int"),
-    (["--ep-size", "3"], "not divisible by ep_size (3)"),
+    (["--ep-size", "3"], "ep_size 3 splits each layer's experts over 3 processes, and this is one: launch 3 (or a "
+                         "multiple) with torchrun"),
+    (["--stpes", "3"], "unknown config key 'stpes' (did you mean --steps?)"),
+    (["--lora_rank", "4"], "unknown config key 'lora_rank' (did you mean --lora.rank?)"),
+    (["--save-adapter", ""], "save_adapter is an empty path"),
     (["--batch_size", "6", "--grad_accum_steps", "4"],
      "train.batch_size (6) is not divisible by the world size (1) x train.grad_accum_steps (4)"),
     (["--grad_accum_steps", "0"], "train.grad_accum_steps must be at least 1, got 0"),
@@ -60,20 +64,32 @@ def test_tier_this_machine_cannot_run():
     assert_one_line_error(proc, "grouped_linear")
 
 
+def our_torchrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "te_mixtral.torchrun", *args], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.slow
-def test_every_rank_fails_cleanly_and_our_torchrun_passes_the_exit_code_on():
+def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code_on():
     # world 2 is not divisible by EP=4 ... and 4 experts / EP 4 is fine: only the world check fails.
     # torchrun itself would exit 1, as for any failure; `python -m te_mixtral.torchrun` is torchrun
-    # exiting with the ranks' code.
-    proc = subprocess.run([sys.executable, "-m", "te_mixtral.torchrun", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "run_finetune_ep.py"), "--ep-size", "4"],
-                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=120)
+    # exiting with the ranks' code, and saying nothing of its own.
+    proc = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), "--ep-size", "4")
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
     lines = assert_one_line_error(proc, "world size (2) is not divisible by ep_size (4)")
-    assert len(lines) == 2  # one per rank, each naming its exit code
-    assert all(line.endswith("[exit code 2]") for line in lines)
-    assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr  # torchrun's summary, no traceback
+    assert proc.stderr.splitlines() == lines and len(lines) == 1, proc.stderr[-3000:]  # rank 0's, and nothing else
+    assert lines[0].endswith("[exit code 2]")
+
+
+def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line():
+    for args, fragment in [(["--no_such_option", "run_finetune_ep.py"], "unrecognized arguments: --no_such_option"),
+                           (["--nproc_per_node=many", "run_finetune_ep.py"], "Unsupported nproc_per_node value: many"),
+                           (["--standalone", "--nproc_per_node=0", "run_finetune_ep.py"],
+                            "torchrun refused its arguments")]:
+        proc = our_torchrun(*args)
+        assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+        assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("te_mixtral.torchrun: error: ")
+        assert fragment in proc.stderr
 
 
 def test_hf_tier_is_single_process(monkeypatch):
@@ -126,6 +142,9 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     (["--loss-check", "EMPTY"], "has no losses to compare with"),
     (["--generate", "Once", "--generate-tokens", "5000"], "would pass model.max_position_embeddings (1024)"),
     (["--subset", "wikitext-2-raw-v1"], "data.subset 'wikitext-2-raw-v1' names a subset of a hub data set"),
+    # Not the emulation, which LoRA refuses too.
+    (["--tier", "device_mxfp8", "--lora.rank", "4"], "or with LoRA (a frozen FP8 base needs a Hopper GPU) another tier, "
+                                                     "e.g. --tier custom_grouped"),
 ])
 def test_what_would_fail_after_training_is_refused_before_it(args, fragment, tmp_path):
     empty = tmp_path / "empty.json"
@@ -174,3 +193,23 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130():
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == ExitCode.INTERRUPTED
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), "interrupted")
+
+
+@pytest.mark.parametrize("key, what", [("--dataset", "data file"), ("--config", "config"),
+                                       ("--loss-check", "results file"), ("--tokenizer", "tokenizer file")])
+def test_an_input_that_is_a_fifo_is_refused_not_waited_on(tmp_path, key, what):
+    fifo = tmp_path / "input.jsonl"
+    os.mkfifo(fifo)  # opening it for reading waits for a writer, which never comes
+
+    def waited(signum, frame):
+        raise TimeoutError(f"{key} {fifo}: still waiting on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(60)
+    try:
+        proc = run_cli([key, str(fifo), "--output-dir", str(tmp_path / "out")])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    assert_one_line_error(proc, f"{what} {fifo} is not a regular file but a FIFO (named pipe)")

@@ -92,6 +92,9 @@ def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     ({"save_adapter": "out"}, "save_adapter exports LoRA adapters: set lora.rank"),
     ({"lora.base": "nf4"}, "lora.base nf4 holds the base frozen for LoRA: set lora.rank"),
     ({"lora.rank": "8", "lora.base": "int4"}, "lora.base must be one of default, nf4, got 'int4'"),
+    # tiny.yaml: hidden 64, 2 KV heads of 16; k_proj's update has rank 32 at most, the experts' 64.
+    ({"lora.rank": "65"}, "lora.rank 65 is above every adapted projection's rank (at most 64"),
+    ({"lora.rank": "33", "lora.targets": "k_proj,v_proj"}, "use --lora.rank 32 or less"),
 ])
 def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
     with pytest.raises(UserError) as raised:

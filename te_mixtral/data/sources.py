@@ -32,6 +32,7 @@ import datasets
 from te_mixtral.config import DataConfig
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
+from te_mixtral.files import require_regular_file
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
 # How long a connection to the hub may take before it counts as unreachable.
@@ -53,6 +54,7 @@ def _local_datasets(path: Path) -> list[datasets.Dataset]:
         if not files:
             raise UserError(f"folder {path} holds no {'/'.join(LOCAL_BUILDERS)} files")
     elif path.suffix in LOCAL_BUILDERS:
+        require_regular_file(path, "data file")
         files = [path]
     else:
         raise UserError(f"cannot read {path}: data files must end in {', '.join(LOCAL_BUILDERS)}")

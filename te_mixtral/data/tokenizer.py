@@ -27,7 +27,7 @@ import tokenizers
 
 from te_mixtral.config import DataConfig
 from te_mixtral.errors import UserError, first_line
-from te_mixtral.files import write_text_atomic
+from te_mixtral.files import require_regular_file, write_text_atomic
 
 EOS_CANDIDATES = ("</s>", "<eos>", "<|endoftext|>")
 # Part of the tokenizer cache key: change it whenever the training recipe changes, so an
@@ -131,8 +131,9 @@ def load_tokenizer(cfg: DataConfig, documents: list[str]) -> Tokenizer:
     path = Path(cfg.tokenizer).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"tokenizer file {path} does not exist")
+    require_regular_file(path, "tokenizer file")
     try:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:

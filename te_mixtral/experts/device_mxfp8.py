@@ -89,10 +89,10 @@ def select_mode(requested: str, device_type: str, capability=None, te_reason=lam
             mode = "mxfp8-te"
         else:
             where = device_type if capability is None else f"{device_type} {_sm(capability)}"
-            raise TierUnavailable(
-                f"tier 'device_mxfp8' has no 8-bit grouped GEMM for {where}; "
-                "use --fp8.mode mxfp8-emulated to emulate MXFP8 numerics instead"
-            )
+            # Both ways out: the emulation refuses LoRA, whose frozen FP8 base is Hopper's alone.
+            raise TierUnavailable(f"tier 'device_mxfp8' has no 8-bit grouped GEMM for {where}; use --fp8.mode "
+                                  "mxfp8-emulated to emulate MXFP8 numerics instead, or with LoRA (a frozen FP8 base "
+                                  "needs a Hopper GPU) another tier, e.g. --tier custom_grouped")
 
     reason = None
     if device_type not in ("cpu", "cuda"):

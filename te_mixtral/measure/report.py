@@ -29,7 +29,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.errors import UserError
-from te_mixtral.files import require_writable, write_failure, write_text_atomic
+from te_mixtral.files import require_regular_file, require_writable, write_failure, write_text_atomic
 
 RESULTS_FILE = "results.json"
 CORE_KEYS = ("header", "summary", "losses")
@@ -150,6 +150,7 @@ def write_results(
 def read_results(path: Path | str) -> dict:
     """Load a results.json, or raise a one-line `UserError` saying why it is unusable."""
     path = Path(path)
+    require_regular_file(path, "results file")
     try:
         text = path.read_text()
     except FileNotFoundError:

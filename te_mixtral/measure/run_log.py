@@ -7,6 +7,8 @@ halfway would leave nothing to look at but its console. Rank 0 therefore also wr
 written: `tail -f`, `pandas.read_json(path, lines=True)` or another process can follow the
 run. Each line holds
 
+    run_id           the run's id, the same in its checkpoints' meta.json: a resume
+                     continues only the log of the run its checkpoint is from
     step             optimizer steps completed, counted from 1 (a resumed run counts on)
     loss             the global LM loss, as results.json's "losses"
     aux_loss         the load-balancing loss, global and unweighted ("aux_losses")
@@ -121,11 +123,14 @@ def _kept_lines(path: Path, first_step: int) -> str:
 class RunLog:
     """The run log of rank 0; on the other ranks (`output_dir` None) every method does nothing.
 
-    `first_step` is the first step this process runs, counted from 1; `total` the run's last.
+    `first_step` is the first step this process runs, counted from 1; `total` the run's last;
+    `run_id` the run's (training/checkpoint.TrainState), written into every line.
     """
 
-    def __init__(self, output_dir: Path | None, cfg: RunConfig, first_step: int, total: int):
+    def __init__(self, output_dir: Path | None, cfg: RunConfig, first_step: int, total: int,
+                 run_id: str | None = None):
         self.output_dir = output_dir
+        self.run_id = run_id
         self.cfg = cfg
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         self._file = self._bar = None
@@ -187,6 +192,8 @@ class RunLog:
         the log stops there, said once; the run trains on (results.json holds every step)."""
         if not self._file or self.unwritten:
             return
+        if self.run_id is not None:
+            record = {"run_id": self.run_id, **record}
         line, start = (json.dumps(record) + "\n").encode(), self._file.tell()
         try:
             written = 0

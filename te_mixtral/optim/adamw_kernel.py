@@ -36,6 +36,8 @@ from te_mixtral.optim.moments8 import EXP_AVG, MIN_SCALE_EXPONENT, SQRT_EXP_AVG_
 
 BLOCK = 2048
 NUM_WARPS = 8
+# A compiled kernel reads a module's global only as a constexpr (the interpreter reads any).
+_MIN_SCALE_EXPONENT = tl.constexpr(MIN_SCALE_EXPONENT)
 
 
 @triton.jit
@@ -162,7 +164,7 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
     a = bits & 0x7FFFFFFF
     exponent = a >> 23
     block_exponent = tl.max(a, axis=1) >> 23
-    top = tl.maximum(block_exponent, MIN_SCALE_EXPONENT)[:, None]
+    top = tl.maximum(block_exponent, _MIN_SCALE_EXPONENT)[:, None]
     significand = (a & 0x7FFFFF) | ((exponent > 0).to(tl.int32) << 23)
     e = tl.maximum(exponent, 1) - top + 15
     z = ((tl.maximum(e, 1) - 1) << 23) + significand
@@ -173,7 +175,7 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
     q = tl.where(block_exponent[:, None] == 255, 0, q)
     if SIGNED:
         q = q | ((bits < 0).to(tl.int32) << 7)
-    scale_bits = tl.where(block_exponent == 255, 0x7FC00000, tl.maximum(block_exponent, MIN_SCALE_EXPONENT) << 23)
+    scale_bits = tl.where(block_exponent == 255, 0x7FC00000, tl.maximum(block_exponent, _MIN_SCALE_EXPONENT) << 23)
     tl.store(codes_ptr + offs, q.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + blocks, scale_bits.to(tl.float32, bitcast=True), mask=block_mask)
 

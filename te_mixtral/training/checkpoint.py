@@ -20,9 +20,11 @@ Everything the next step depends on, and nothing that can be recomputed:
   world size, so a resumed run reads exactly the batches the lost one would have read, at any
   world size;
 - the losses, gradient norms and evaluations so far, so that a resumed run's results.json
-  tells the whole story; the run's config, so that resuming into a different model is
-  refused; and the SHA-256 of the tokenizer's JSON, so that resuming with a different one
-  (a tokenizer trained on other data gives the same ids other meanings) is refused too.
+  tells the whole story; the run's id, which its steps.jsonl lines carry too, so that a
+  resume into another run's output folder is told from one into its own; the run's config,
+  so that resuming into a different model is refused; and the SHA-256 of the tokenizer's
+  JSON, so that resuming with a different one (a tokenizer trained on other data gives the
+  same ids other meanings) is refused too.
 
 Resuming on another layout computes the same steps with the work cut differently: the
 losses equal an uninterrupted run's at the new layout to fp32 rounding (sums are added in
@@ -70,6 +72,7 @@ import os
 import pickle
 import re
 import shutil
+import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -84,11 +87,13 @@ from torch.distributed.tensor import DTensor
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.global_state import GlobalView, global_state_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max, is_expert_param
-from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line
+from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line, only_here, see_elsewhere
 from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.experts.registry import BASELINES
 from te_mixtral.files import (
+    SCRATCH_MARKER,
     folder_bytes,
+    make_scratch,
     publish_folder,
     require_free_space,
     require_writable,
@@ -127,7 +132,7 @@ def _fail_together(problem: UserError | None, layout: Layout, device: torch.devi
     """Raise `problem` on the rank that has one and `WriteFailed(elsewhere)` on the others,
     so that no rank is left waiting in the next collective; every rank must call it."""
     if _any_rank(problem is not None, layout, device):
-        raise problem or WriteFailed(elsewhere)
+        raise only_here(problem) if problem else see_elsewhere(WriteFailed(elsewhere))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -228,6 +233,9 @@ class TrainState:
     evals: list[dict] = field(default_factory=list)  # evaluate.Evaluation dictionaries
     router: list[dict] = field(default_factory=list)  # measure/expert_load.step_record, per step
     grad_norms: list[float | None] = field(default_factory=list)  # None: a step of an older checkpoint
+    # Made by a fresh run, kept by its resumes. Each rank makes one, and rank 0's is the one
+    # written (into meta.json and steps.jsonl: rank 0 writes both).
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class Checkpointer:
@@ -242,6 +250,8 @@ class Checkpointer:
         self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
         self.state_bytes = {expert: state_bytes(cfg, expert) for expert in (False, True)}  # per parameter
         self.single = layout.world_size == 1  # one process: DCP runs without torch.distributed
+        # Never deleted with a checkpoint, even where the user put it inside one.
+        self.output_dir = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir is not None else None
         require_writable(self.dir, "checkpoint directory")
 
     def check_free_space(self, model: torch.nn.Module) -> None:
@@ -264,7 +274,13 @@ class Checkpointer:
                            reclaimable)
 
     def _leftovers(self) -> list[Path]:
-        return [p for p in self.dir.iterdir() if p.name.startswith("step-") and p.name.endswith((".tmp", ".old"))]
+        return leftovers(self.dir)
+
+    def _may_delete(self, path: Path) -> bool:
+        """Whether `path` is a checkpoint folder this manager wrote (`written_here`) that holds
+        nothing the run writes elsewhere (its output folder)."""
+        return written_here(path) and not (self.output_dir is not None and (
+            self.output_dir == path.resolve() or path.resolve() in self.output_dir.parents))
 
     def save(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              cfg: RunConfig) -> Path:
@@ -276,10 +292,16 @@ class Checkpointer:
         if self.layout.is_main:
             try:
                 for leftover in self._leftovers():  # of runs that died while saving
+                    if not self._may_delete(leftover):
+                        raise WriteFailed(_not_ours(leftover))
                     shutil.rmtree(leftover)
-                tmp.mkdir()
+                if (self.dir / name).exists() and not self._may_delete(self.dir / name):
+                    raise WriteFailed(_not_ours(self.dir / name))  # a stale future this save replaces
+                make_scratch(tmp)
             except OSError as e:
                 problem = write_failure(f"checkpoint folder {tmp}", e)
+            except WriteFailed as e:
+                problem = e
         _fail_together(problem, self.layout, self.device, f"checkpoint {tmp} failed on rank 0 (see its error)")
         # A collective that fails inside DCP (a peer died) is no write failure: it goes on up.
         try:
@@ -308,6 +330,7 @@ class Checkpointer:
                 "world_size": self.layout.world_size,
                 "ep_size": self.layout.ep_size,
                 "tokenizer_sha256": self.tokenizer_hash,
+                "base_model": base_model(cfg.model_path),
                 **asdict(state),
                 "config": to_dict(cfg),
                 "files": {name: e for share in entries for name, e in sorted(share.items())},
@@ -327,13 +350,15 @@ class Checkpointer:
     def _prune(self, latest: str) -> None:
         """Keep the newest `keep` checkpoints up to `latest`; delete the rest, and leftovers of
         interrupted saves. A checkpoint *newer* than `latest` belongs to a run that died before
-        it could point `latest` at it, a future this run has replaced."""
+        it could point `latest` at it, a future this run has replaced. Only what this manager
+        wrote goes (`_may_delete`): a link, or a folder of the user's named like a checkpoint,
+        stays."""
         latest_step = int(_STEP_FOLDER.fullmatch(latest)[1])
         folders = [p for p in self.dir.iterdir() if p.name.startswith("step-")]
         complete = {int(m[1]): p for p in folders if (m := _STEP_FOLDER.fullmatch(p.name))}
         kept = {complete[step] for step in sorted(s for s in complete if s <= latest_step)[-self.keep:]}
         for path in folders:
-            if path not in kept:
+            if path not in kept and self._may_delete(path):
                 shutil.rmtree(path, ignore_errors=True)
 
     def last_saved(self) -> Path | None:
@@ -379,7 +404,8 @@ class Checkpointer:
                 problem = str(e)
         # A rank with a bad file must not leave the others waiting in the next collective.
         if _any_rank(problem is not None, self.layout, self.device):
-            raise UserError(problem or f"checkpoint {folder} failed verification on another rank (see its error)")
+            raise only_here(UserError(problem)) if problem else see_elsewhere(UserError(
+                f"checkpoint {folder} failed verification on another rank (see its error)"))
         try:
             with _dcp_quietly():
                 dcp.load(global_state_dict(model, optimizer, self.layout), storage_reader=IndexedReader(folder, index),
@@ -404,8 +430,10 @@ class Checkpointer:
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
         # Checkpoints saved before the router records or the gradient norms were kept have none.
         grad_norms = meta.get("grad_norms", [None] * meta["step"])
+        # Checkpoints saved before run ids: the resumed run makes one.
         return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]),
-                          list(meta.get("router", [])), grad_norms)
+                          list(meta.get("router", [])), grad_norms, **({"run_id": str(meta["run_id"])}
+                                                                       if "run_id" in meta else {}))
 
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
@@ -418,12 +446,15 @@ class Checkpointer:
         if saved_optimizer != cfg.train.optimizer:
             raise UserError(f"checkpoint {folder} was written with train.optimizer {saved_optimizer}, which keeps "
                             f"other state than {cfg.train.optimizer}; resume it with --optimizer {saved_optimizer}")
+        _check_lora_adapters(meta["config"].get("lora", {}), cfg, folder)
         if cfg.lora.enabled:  # the checkpoint holds the adapters; the base is read or made again
             saved_path = meta["config"].get("model_path")
             saved_seed = meta["config"].get("train", {}).get("seed")
-            if saved_path != cfg.model_path:
-                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path}, not "
-                                f"{cfg.model_path}: resume with --model {saved_path}")
+            # One folder however it is spelled (`/x/m`, `/x/m/`, `m` from /x); older checkpoints
+            # kept only the spelling, read from here.
+            if meta.get("base_model", base_model(saved_path)) != base_model(cfg.model_path):
+                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path}, "
+                                f"not {cfg.model_path}: resume with --model {saved_path}")
             if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
                 raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
                                 f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")
@@ -438,6 +469,62 @@ class Checkpointer:
         if meta["step"] >= cfg.train.steps:
             raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
                             f"nothing left to do (raise --steps to train further)")
+
+
+def leftovers(folder: Path) -> list[Path]:
+    """The leftovers of interrupted saves in the checkpoint folder `folder`, which the next
+    save deletes."""
+    return [p for p in folder.iterdir() if p.name.startswith("step-") and p.name.endswith((".tmp", ".old"))]
+
+
+def written_here(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder a `Checkpointer` wrote: a folder (not a link to
+    one) holding the marker it was made with, or (a checkpoint written before the marker) its
+    meta.json."""
+    return path.is_dir() and not path.is_symlink() and any((path / name).is_file() for name in (SCRATCH_MARKER, META))
+
+
+def _not_ours(path: Path) -> str:
+    return (f"{path} is in the way of a checkpoint save, which would delete it, and nothing shows te_mixtral wrote "
+            f"it (no {SCRATCH_MARKER} or {META}; a link; or the run's output folder is inside it): move it away")
+
+
+def base_model(model_path: str | None) -> str | None:
+    """What `--model` names, the same however it is spelled: a local folder's resolved path,
+    else the hub id as given (None: a base made from the seed)."""
+    if model_path is None or not Path(model_path).expanduser().exists():
+        return model_path
+    return str(Path(model_path).expanduser().resolve())
+
+
+# The lora keys whose change on resume changes what the saved adapters compute.
+_ADAPTER_KEYS = ("rank", "targets", "alpha", "rslora")
+
+
+def _check_lora_adapters(saved: dict, cfg: RunConfig, folder: Path) -> None:
+    """Refuse to resume LoRA adapters under other lora settings, naming the difference:
+    another rank or new targets cannot load (no adapters of that shape or target were
+    trained); fewer targets would drop trained adapters, another alpha or rslora rescale
+    them, which `lora.change_on_resume` allows."""
+    now = to_dict(cfg)["lora"]
+    saved = {key: saved.get(key, now[key]) for key in _ADAPTER_KEYS}  # older checkpoints: as now
+    if saved["rank"] != now["rank"]:
+        raise UserError(f"checkpoint {folder} was written with lora.rank {saved['rank']}, not {now['rank']} (its "
+                        f"weights have other shapes): resume with --lora.rank {saved['rank']}")
+    if not cfg.lora.enabled:
+        return
+    saved_targets = [t.strip() for t in saved["targets"].split(",") if t.strip()]
+    added = [t for t in cfg.lora.target_list() if t not in saved_targets]
+    if added:
+        raise UserError(f"checkpoint {folder} holds no trained adapters for lora.targets {', '.join(added)}: resume "
+                        f"with --lora.targets {','.join(saved_targets)}")
+    changes = [f"lora.targets leaves out {', '.join(t for t in saved_targets if t not in cfg.lora.target_list())}, "
+               f"whose trained adapters would be dropped"] if len(saved_targets) > len(cfg.lora.target_list()) else []
+    changes += [f"lora.{key} is {now[key]}, not the checkpoint's {saved[key]}, which rescales the trained adapters"
+                for key in ("alpha", "rslora") if saved[key] != now[key]]
+    if changes and not cfg.lora.change_on_resume:
+        raise UserError(f"checkpoint {folder}: {'; '.join(changes)}; resume with the checkpoint's lora settings, or "
+                        f"pass --lora.change_on_resume to do so")
 
 
 # What meta.json must hold for `load_latest` to read it: key -> its type.

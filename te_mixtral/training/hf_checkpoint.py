@@ -48,9 +48,12 @@ from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import (
     folder_bytes,
     fsync_path,
+    make_scratch,
+    remove_scratch,
     replace_files,
     require_free_space,
     require_writable,
+    sibling,
     write_failure,
 )
 from te_mixtral.model.hf_config import hf_config, model_config_from_hf
@@ -339,12 +342,12 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     if not (sends or sharded):
         return None
     m = model.config
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp = sibling(out_dir, ".tmp")
     writer = None
     if layout.is_main:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while exporting
-            tmp.mkdir(parents=True)
+            remove_scratch(tmp, "the export")  # left by a run that died while exporting
+            make_scratch(tmp)
         except OSError as e:
             raise write_failure(f"{tmp} for the Hugging Face export", e) from None
         writer = _ShardWriter(tmp, m.num_hidden_layers + 1)
@@ -415,4 +418,4 @@ def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in base_weights(model).items()
                 if not is_adapter_param(name))
     require_free_space(out_dir.parent, numel * itemsize, "the Hugging Face export",
-                       folder_bytes(out_dir.with_name(out_dir.name + ".tmp")))
+                       folder_bytes(sibling(out_dir, ".tmp")))

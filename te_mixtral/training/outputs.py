@@ -11,13 +11,19 @@ what is already there unless that is plainly its own to replace, or the user sai
   or to be read again. A folder in use by a running run is refused in any case
   (te_mixtral/folder_lock.py).
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
-  fresh run would prune them away at its first save.
+  fresh run would prune them away at its first save. A save deletes leftovers of an
+  interrupted one (`step-N.tmp`, `step-N.old`) and pruning deletes old checkpoints, but only
+  folders the checkpointer wrote (training/checkpoint.py `written_here`): anything else of
+  those names, and an output folder inside a checkpoint's folder, are refused here.
 - `save_hf` and `save_adapter`: an export replaces only the files an export writes (`is_export_file`), and
   keeps whatever else the folder holds (a model card, evaluation results). It may replace
   an earlier te_mixtral export (marked by `EXPORT_MARKER`); export-named files of anyone
   else only with `overwrite`. It is never the current folder, the output or checkpoint
   folder, the `--model` folder, the data set or the tokenizer, nor a folder holding one of
-  them: those are not exports (and a data folder would read the export as data).
+  them: those are not exports (and a data folder would read the export as data). The
+  export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`, both deleted
+  after: a folder of either name that te_mixtral did not make (`files.check_scratch`) is
+  refused, never deleted.
 
 Every rank runs these checks on its own before the first collective, so all fail alike.
 """
@@ -30,9 +36,10 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
+from te_mixtral.files import check_scratch, sibling
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
-from te_mixtral.training.checkpoint import LATEST, META
+from te_mixtral.training.checkpoint import LATEST, META, leftovers, written_here
 
 CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json at the end
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
@@ -66,6 +73,8 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
         _check_output_folder(out, cfg, {what: Path(p).expanduser() for what, p in inputs.items() if p})
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)
+    if ckpt is not None:
+        _check_checkpoint_folder(ckpt, out)
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
@@ -109,22 +118,33 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
     """Refuse to resume a checkpoint into the steps.jsonl of another run, which the resumed
     run would continue as if it were its own (two runs spliced into one log).
 
-    A run's losses are its fingerprint: the checkpoint's meta.json holds every step's loss
-    up to its own, and the log the same numbers, written from the same floats. Where a
-    step is in both, the two must agree; two runs that agree at every step are one run to
-    any reader. A checkpoint that cannot be read is left for the resume to report."""
+    A run's id is in its checkpoints' meta.json and in every line of its log: a line with
+    another id is another run's. (Losses are no proof: two runs of one seed and data log
+    the same first loss.) Where the checkpoint or a line has no id (written before run ids
+    were), the losses are compared instead: the checkpoint holds every step's loss up to its
+    own, and the log the same numbers, written from the same floats. A checkpoint that
+    cannot be read is left for the resume to report."""
     try:
         folder = ckpt / (ckpt / LATEST).read_text().strip()
-        saved = json.loads((folder / META).read_text())["losses"]
+        meta = json.loads((folder / META).read_text())
+        saved, run_id = meta["losses"], meta.get("run_id")
         lines = log.read_text().splitlines() if log.is_file() else []
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
     for line in lines:
         try:
             record = json.loads(line)
-            step, loss = int(record["step"]), float(record["loss"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a killed run: the resume drops it
+            step = int(record["step"])
+            if run_id is not None and record.get("run_id") not in (None, run_id):
+                raise UserError(f"{log} is the log of another run than checkpoint {folder}'s (its run id "
+                                f"{str(record['run_id'])[:12]}..., the checkpoint's {str(run_id)[:12]}...), and "
+                                f"resuming would splice the two; resume into the checkpoint's own output folder, "
+                                f"or a new one")
+            if run_id is not None and "run_id" in record:
+                continue
+            loss = float(record["loss"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a line cut short by a killed run: the resume drops it; an evaluation's line
         if not 1 <= step <= len(saved):
             continue  # past the checkpoint: the resume drops it
         expected = float(saved[step - 1])
@@ -132,6 +152,19 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
             raise UserError(f"{log} is the log of another run than checkpoint {folder}'s (step {step}: loss {loss} "
                             f"there, {expected} in the checkpoint), and resuming would splice the two; resume "
                             f"into the checkpoint's own output folder, or a new one")
+
+
+def _check_checkpoint_folder(ckpt: Path, out: Path | None) -> None:
+    """Refuse what a save or pruning would delete that the checkpointer did not write."""
+    if out is not None and ckpt.resolve() in out.resolve().parents:
+        inside = out.resolve().relative_to(ckpt.resolve()).parts[0]
+        if inside.startswith("step-"):
+            raise UserError(f"output_dir {out} is inside checkpoint {ckpt / inside}, which a later save may replace "
+                            f"and pruning deletes: choose an output folder outside it")
+    for leftover in leftovers(ckpt) if ckpt.is_dir() else []:
+        if not written_here(leftover):
+            raise UserError(f"{leftover} is in the way: a checkpoint save deletes leftovers of that name, and nothing "
+                            f"shows te_mixtral wrote it; move it away or delete it yourself")
 
 
 def _holds_checkpoints(folder: Path) -> bool:
@@ -148,6 +181,8 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
             raise UserError(f"{key} {folder} would write into {what} ({path}): export to a folder of its own")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{key} {folder} is a file, not a folder")
+    check_scratch(sibling(folder, ".tmp"), f"the {key} export")
+    check_scratch(sibling(folder, ".old"), f"the export that {key} replaces")
     if not folder.is_dir() or overwrite or _holds_export(folder):
         return
     theirs = sorted(p.name for p in folder.iterdir() if is_export_file(p.name))

@@ -25,7 +25,6 @@ Hugging Face export gathers the experts (hf_checkpoint.py).
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from safetensors.torch import save_file
 
 from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
-from te_mixtral.files import fsync_path, replace_files, write_failure
+from te_mixtral.files import fsync_path, make_scratch, remove_scratch, replace_files, sibling, write_failure
 from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.hf_checkpoint import gather_experts
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
@@ -97,10 +96,10 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
                 tensors[expert_key(index, target, targets, "lora_B")] = b
     if not layout.is_main:
         return None
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp = sibling(out_dir, ".tmp")
     try:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while exporting
-        tmp.mkdir(parents=True)
+        remove_scratch(tmp, "the export")  # left by a run that died while exporting
+        make_scratch(tmp)
         save_file({name: t.contiguous() for name, t in tensors.items()}, tmp / "adapter_model.safetensors")
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         # Marks the folder as ours, so that a later export may replace it (training/outputs.py).

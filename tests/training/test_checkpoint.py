@@ -23,6 +23,7 @@ from te_mixtral.errors import Diverged, UserError, WriteFailed
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.files import require_writable, sha256_of
 from te_mixtral.model.layers import TORCH
+from te_mixtral.model.lora import add_adapters
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.training.checkpoint import (
     LATEST,
@@ -115,6 +116,39 @@ def test_old_checkpoints_are_pruned_and_abandoned_futures_dropped(setup):
     ckpt.keep = 1
     save(ckpt, cfg, model, optimizer, 3)
     assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000003"]
+
+
+def test_a_save_deletes_only_folders_the_checkpointer_wrote(setup, tmp_path):
+    """A user's folder named like a leftover or a checkpoint, a link to a folder, and a
+    checkpoint holding the run's output folder (reached through a link) are never deleted."""
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    theirs = ckpt.dir / "step-000009.tmp"  # named like an interrupted save's leftover
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(WriteFailed, match=f"{theirs} is in the way of a checkpoint save"):
+        save(ckpt, cfg, model, optimizer, 1)
+    assert (theirs / "notes.txt").read_text() == "mine"
+    theirs.rename(tmp_path / "moved")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data.bin").write_text("mine")
+    (ckpt.dir / "step-000000").symlink_to(elsewhere)  # a link named like the oldest checkpoint
+    (ckpt.dir / "step-000001").mkdir()  # a folder of the user's, named like one
+    (ckpt.dir / "step-000001" / "notes.txt").write_text("mine")
+    save(ckpt, cfg, model, optimizer, 2)
+    out = tmp_path / "out"  # the run's output folder: a link into the checkpoint of step 2
+    (ckpt.dir / "step-000002" / "results").mkdir()
+    out.symlink_to(ckpt.dir / "step-000002" / "results")
+    (out / "steps.jsonl").write_text("{}\n")
+    ckpt.output_dir = out.resolve()  # as Checkpointer(cfg) takes it from output_dir
+    for step in (3, 4, 5):
+        save(ckpt, cfg, model, optimizer, step)
+    assert sorted(p.name for p in ckpt.dir.iterdir()) == [
+        LATEST, "step-000000", "step-000001", "step-000002", "step-000004", "step-000005"]
+    assert (elsewhere / "data.bin").is_file() and (out / "steps.jsonl").is_file()
+    assert (ckpt.dir / "step-000001" / "notes.txt").is_file()
 
 
 @pytest.mark.parametrize("damage, file, message", [
@@ -367,13 +401,61 @@ def test_free_space_counts_every_kept_checkpoint_and_frees_leftovers(setup, monk
     # A save that died on a full disk left 'step-000003.tmp': the next save deletes it first,
     # so it counts as free, and the two checkpoints already here as written.
     leftover = ckpt.dir / "step-000003.tmp"
-    leftover.mkdir()
+    files.make_scratch(leftover)  # as the save made it
     (leftover / "rank00000.pt").write_bytes(bytes(one // 2))
-    free(one - one // 2)
+    reclaimable = files.folder_bytes(leftover)  # the file, and the marker
+    free(one - reclaimable)
     ckpt.check_free_space(model)
-    free(one - one // 2 - 1)
+    free(one - reclaimable - 1)
     with pytest.raises(UserError, match="not enough free space"):
         ckpt.check_free_space(model)
     monkeypatch.undo()
     save(ckpt, cfg, model, optimizer, 4)
     assert sorted(p.name for p in ckpt.dir.iterdir()) == [LATEST, "step-000002", "step-000004"]
+
+
+def _lora_run(setup, tmp_path, **lora):
+    """A LoRA model and optimizer over a base saved as an HF folder, under the setup's config
+    with `lora` (lora.* keys) and `model_path` overridden."""
+    cfg, _, ckpt = setup
+    cfg = dataclasses.replace(cfg, model_path=lora.pop("model_path", str(tmp_path / "base")),
+                              lora=dataclasses.replace(cfg.lora, **{"rank": 2, **lora}), resume=True)
+    model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, LoopTier(), frozen_base=True)
+    init_weights(model, 0, SINGLE)
+    add_adapters(model, cfg.lora, 0, SINGLE)
+    return cfg, model, make_optimizer(model, cfg)
+
+
+def test_a_lora_resume_under_other_adapter_settings_is_refused_naming_the_difference(setup, tmp_path):
+    (tmp_path / "base").mkdir()
+    cfg, model, optimizer = _lora_run(setup, tmp_path, targets="q_proj,v_proj,down_proj")
+    ckpt = setup[2]
+    save(ckpt, cfg, model, optimizer, 2)
+    for lora, message in [
+        ({"targets": "q_proj,down_proj"}, "lora.targets leaves out v_proj, whose trained adapters would be dropped"),
+        ({"alpha": 32.0}, "lora.alpha is 32.0, not the checkpoint's 16.0"),
+        ({"rslora": True}, "lora.rslora is True, not the checkpoint's False"),
+        ({"rank": 4}, "was written with lora.rank 2, not 4 (its weights have other shapes): resume with --lora.rank 2"),
+        ({"targets": "q_proj,v_proj,k_proj,down_proj"}, "holds no trained adapters for lora.targets k_proj"),
+    ]:
+        cfg, model, optimizer = _lora_run(setup, tmp_path, **{"targets": "q_proj,v_proj,down_proj", **lora})
+        with pytest.raises(UserError, match=re.escape(message)):
+            ckpt.load_latest(model, optimizer, cfg)
+    # Asked for: the adapters left out are dropped, the others load.
+    cfg, model, optimizer = _lora_run(setup, tmp_path, targets="q_proj,down_proj", change_on_resume=True)
+    assert ckpt.load_latest(model, optimizer, cfg).step == 2
+
+
+def test_a_lora_base_folder_is_one_however_it_is_spelled(setup, tmp_path, monkeypatch):
+    (tmp_path / "base").mkdir()
+    cfg, model, optimizer = _lora_run(setup, tmp_path, model_path=str(tmp_path / "base"))
+    ckpt = setup[2]
+    save(ckpt, cfg, model, optimizer, 2)
+    monkeypatch.chdir(tmp_path)
+    for spelling in (f"{tmp_path}/base/", "base", "./base/"):
+        cfg, model, optimizer = _lora_run(setup, tmp_path, model_path=spelling)
+        assert ckpt.load_latest(model, optimizer, cfg).step == 2
+    (tmp_path / "other").mkdir()  # another folder is still another base
+    cfg, model, optimizer = _lora_run(setup, tmp_path, model_path="other")
+    with pytest.raises(UserError, match="holds LoRA adapters trained over the base model"):
+        ckpt.load_latest(model, optimizer, cfg)

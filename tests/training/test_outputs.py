@@ -17,7 +17,7 @@ from te_mixtral import files
 from te_mixtral.config import load_config, save_config
 from te_mixtral.errors import ExitCode, UserError
 from te_mixtral.files import replace_files, require_free_space, size_text
-from te_mixtral.folder_lock import FolderLocks
+from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
 from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
@@ -50,13 +50,15 @@ def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not stale.exists() and not (tmp_path / "export.old").exists()
     assert (folder / "README.md").read_text() == "my model card" and (folder / "eval_results.json").is_file()
-    assert all(is_export_file(p.name) for p in folder.iterdir() if p.name not in ("README.md", "eval_results.json"))
+    # ... and the lock that kept a second run from exporting there meanwhile (te_mixtral/folder_lock.py).
+    assert all(is_export_file(p.name) for p in folder.iterdir()
+               if p.name not in ("README.md", "eval_results.json", LOCK_FILE))
 
 
 def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_path, monkeypatch):
     final, new = tmp_path / "final", tmp_path / "final.tmp"
     final.mkdir()
-    new.mkdir()
+    files.make_scratch(new)  # as an export makes its temporary folder
     for name, text in [("mine.txt", "user"), ("a.bin", "old a"), ("b.bin", "old b"), (EXPORT_MARKER, "old")]:
         (final / name).write_text(text)
     for name in ("a.bin", EXPORT_MARKER):
@@ -75,12 +77,53 @@ def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_
         replace_files(new, final, owned, EXPORT_MARKER)
     assert moved[0] == EXPORT_MARKER  # the folder stops calling itself complete first
     old = tmp_path / "final.old"
-    assert sorted(p.name for p in old.iterdir()) == sorted(["a.bin", "b.bin", EXPORT_MARKER])
+    assert sorted(p.name for p in old.iterdir()) == sorted(["a.bin", "b.bin", EXPORT_MARKER, files.SCRATCH_MARKER])
     monkeypatch.setattr(os, "rename", real_rename)
     replace_files(new, final, owned, EXPORT_MARKER)  # the next export starts over
     assert {p.name: p.read_text() for p in final.iterdir()} == {"mine.txt": "user", "a.bin": "new",
                                                                 EXPORT_MARKER: "new"}
     assert not old.exists() and not new.exists()
+
+
+@pytest.mark.parametrize("suffix", [".tmp", ".old"])
+@pytest.mark.parametrize("key", ["save_hf", "save_adapter"])
+def test_a_folder_named_like_an_exports_scratch_folder_is_refused_not_deleted(tmp_path, key, suffix):
+    export = tmp_path / "export"
+    theirs = tmp_path / f"export{suffix}"  # the user's own, named as the export's temporary or backup folder
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_text("mine")
+    cfg = load_config(None, {key: str(export), "output_dir": str(tmp_path / "out"), "overwrite": "true",
+                             **({"lora.rank": "4"} if key == "save_adapter" else {})})
+    with pytest.raises(UserError, match=f"{theirs} is in the way: te_mixtral writes .* and deletes it"):
+        check_outputs(cfg, None)
+    # Where the folder appeared after the check (during training), the export refuses too.
+    new = tmp_path / "new"
+    files.make_scratch(new)
+    (new / EXPORT_MARKER).write_text("{}")
+    export.mkdir()
+    (export / EXPORT_MARKER).write_text("{}")
+    with pytest.raises(UserError, match="is in the way"):
+        if suffix == ".tmp":  # where an export clears its temporary folder before it writes
+            files.remove_scratch(theirs, "the export")
+        else:
+            replace_files(new, export, is_export_file, EXPORT_MARKER)
+    assert (theirs / "model.safetensors").read_text() == "mine"
+    # What te_mixtral made, it deletes.
+    (theirs / "model.safetensors").unlink()
+    theirs.rmdir()
+    files.make_scratch(theirs)
+    check_outputs(cfg, None)
+
+
+def test_an_output_folder_inside_a_checkpoint_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-000002").mkdir(parents=True)
+    link = tmp_path / "out"
+    link.symlink_to(ckpt / "step-000002")
+    for out in (ckpt / "step-000004" / "run", link / "run"):
+        cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true"})
+        with pytest.raises(UserError, match=f"output_dir {out} is inside checkpoint .*step-00000[24], which"):
+            check_outputs(cfg, None)
 
 
 def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monkeypatch):
@@ -172,16 +215,17 @@ def test_a_free_space_refusal_shows_the_difference_between_the_sizes(tmp_path, m
         require_free_space(tmp_path, 15_800_000, "the export")
 
 
-def test_estimate_memory_refuses_a_negative_world_size():
-    proc = run_cli(["--estimate-memory", "-1"])
+@pytest.mark.parametrize("ranks", ["-1", "0", "two"])
+def test_estimate_memory_refuses_what_is_no_number_of_ranks(ranks):
+    proc = run_cli(["--estimate-memory", ranks])
     assert proc.returncode == ExitCode.BAD_INPUT
-    assert_one_line_error(proc, "--estimate-memory takes a number of ranks, got -1")
+    assert_one_line_error(proc, f"--estimate-memory takes a number of ranks (1 or more), got {ranks}")
 
 
 # Holds the folders it is given as a run would, until it is killed.
 HOLD = """import sys, time
 from pathlib import Path
-from te_mixtral.folder_lock import FolderLocks
+from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
 locks = FolderLocks()
 for folder in sys.argv[1:]:
     locks.claim(Path(folder), "a folder")
@@ -191,9 +235,9 @@ time.sleep(300)
 
 
 def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies(tmp_path):
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ckpt)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True)
+    out, ckpt, export = tmp_path / "out", tmp_path / "ckpt", tmp_path / "export"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ckpt), str(export)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         # --overwrite and --resume allow replacing another run's files, never while it writes them.
@@ -201,6 +245,9 @@ def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies
                 f"output_dir {out} is in use by another run (pid {holder.pid} on {socket.gethostname()}, started")
         refused(run_cli([*SHORT, "--output-dir", str(tmp_path / "b"), "--checkpoint-dir", str(ckpt), "--overwrite"]),
                 f"checkpoint_dir {ckpt} is in use by another run (pid {holder.pid}")
+        for key, lora in (("--save-hf", []), ("--save-adapter", ["--lora.rank", "2"])):  # exported to at once
+            refused(run_cli([*SHORT, "--output-dir", str(tmp_path / key), key, str(export), *lora]),
+                    f"{key[2:].replace('-', '_')} {export} is in use by another run (pid {holder.pid}")
     finally:
         holder.kill()  # no cleanup, as the OOM killer would: the operating system releases the lock
         holder.wait()
@@ -231,3 +278,30 @@ def test_resuming_into_another_runs_log_is_refused(tmp_path):
             check_outputs(cfg, None)
         log(4.5, 4.25, 3.5)  # the checkpoint's own run, which went on past it before it stopped
         check_outputs(cfg, None)
+
+
+def test_a_log_is_the_checkpoints_run_only_if_it_carries_the_checkpoints_run_id(tmp_path):
+    # Two runs of one seed and data log the same first loss: only the run id tells them apart.
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    (ckpt / "step-000001").mkdir(parents=True)
+    (ckpt / "latest").write_text("step-000001\n")
+    (ckpt / "step-000001" / "meta.json").write_text(json.dumps({"losses": [4.5], "run_id": "a" * 32}))
+    out.mkdir()
+    cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true"})
+    for run_id, refused_ in (("b" * 32, True), ("a" * 32, False)):
+        (out / "steps.jsonl").write_text(json.dumps({"run_id": run_id, "step": 1, "loss": 4.5}) + "\n")
+        if refused_:
+            with pytest.raises(UserError, match=r"is the log of another run .*\(its run id bbbbbbbbbbbb"):
+                check_outputs(cfg, None)
+        else:
+            check_outputs(cfg, None)
+
+
+@pytest.mark.slow
+def test_a_run_writes_its_id_into_its_log_and_its_checkpoints(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    proc = run_cli([*SHORT, "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids = {json.loads(line)["run_id"] for line in (out / "steps.jsonl").read_text().splitlines()}
+    saved = {json.loads((folder / "meta.json").read_text())["run_id"] for folder in ckpt.glob("step-*")}
+    assert len(ids) == 1 and ids == saved
