@@ -458,6 +458,11 @@ class Checkpointer:
             if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
                 raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
                                 f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")
+            # The same weights held in another format are another base; older checkpoints held the default.
+            saved_base = meta["config"].get("lora", {}).get("base", "default")
+            if saved_base != cfg.lora.base:
+                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base held in lora.base "
+                                f"{saved_base}, not {cfg.lora.base}: resume with --lora.base {saved_base}")
         if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
             raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
                             f"resume with the config it was written with ({folder / META})")

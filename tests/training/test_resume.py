@@ -68,8 +68,9 @@ def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
 
 @pytest.mark.slow
 def test_lora_resume_needs_the_same_base(tmp_path, launch_planned):
-    """A LoRA checkpoint holds the adapters alone; resuming over another base (here: made from
-    another seed) would pair them with weights they were not trained on, and is refused."""
+    """A LoRA checkpoint holds the adapters alone; resuming over another base (made from
+    another seed, or held in another format) would pair them with weights they were not
+    trained on, and is refused."""
     whole = tmp_path / "whole"
     launch_planned(2)
     train_and_save(whole, whole_run("lora"), nproc=2)
@@ -78,3 +79,10 @@ def test_lora_resume_needs_the_same_base(tmp_path, launch_planned):
                     str(whole / "ckpt"), "--output-dir", str(tmp_path / "other"), "--resume"])
     assert proc.returncode != 0
     assert "holds LoRA adapters trained over the base made from seed 1234, not 7: resume with --seed 1234" in proc.stderr
+    # The same base held in another format (NF4 here) is another base too; steps left to train.
+    proc = run_cli([*COMMON, *OPTIMIZERS["lora"], "--ep-size", "1", "--tier", "custom_grouped", "--lora.base", "nf4",
+                    "--steps", str(2 * N + 1), "--checkpoint-dir", str(whole / "ckpt"), "--output-dir",
+                    str(tmp_path / "nf4"), "--resume"])
+    assert proc.returncode != 0
+    assert ("holds LoRA adapters trained over the base held in lora.base default, not nf4: resume with --lora.base "
+            "default") in proc.stderr, proc.stderr[-2000:]
