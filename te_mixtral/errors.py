@@ -35,7 +35,11 @@ class ExitCode(IntEnum):
 
 # torchrun stops every rank as soon as one exits non-zero (it looks every 0.1 s): a rank
 # that waits this long after rank 0 failed alike is stopped before it repeats rank 0's line.
-PEER_GRACE_S = 3.0
+# Counted from this rank's own failure, and ranks do not reach a check at the same moment:
+# on a loaded 2-core machine rank 0 reached one more than 3 s after the others.
+PEER_GRACE_S = 10.0
+# How long rank 0 waits for a line another rank prints at once (`see_elsewhere`).
+OWN_LINE_S = 3.0
 
 # Which ranks raise an error (`UserError.scope`), and so which ranks say it (`report_line`).
 ALIKE, ONLY_HERE, SEE_ELSEWHERE = "alike", "only here", "see elsewhere"
@@ -65,7 +69,7 @@ def report_line(message: str, exit_code: int, world_size: int, main_rank: bool, 
     elif main_rank:
         print_error(message, exit_code)
         if scope == SEE_ELSEWHERE:  # the rank the line points at prints its own: let it
-            time.sleep(PEER_GRACE_S)
+            time.sleep(OWN_LINE_S)
     elif scope == ALIKE:
         time.sleep(PEER_GRACE_S)  # stopped here by the launcher where rank 0 failed alike
         print_error(message, exit_code)
