@@ -15,12 +15,16 @@ Communication under compute (`run`, with `chunks` > 1). The layer's tokens are c
 contiguous chunks and every chunk's exchange is launched at once (asynchronously, on the
 process group's own stream); the experts of chunk c start as soon as its rows arrive, while
 the rows of chunk c+1 are still travelling, and chunk c's outputs travel back while chunk
-c+1's experts run. Only the first chunk's dispatch and the last chunk's return are exposed.
-The backward mirrors it: each exchange is a pair of autograd nodes, a start and a wait, and
-the autograd engine runs nodes made later first, so the reverse exchange of one chunk is
-launched before, and waited for after, the expert backward of its neighbour. A token's K
-rows stay within its chunk, so chunking changes no token's result, only the order of rows
-inside the tier (equal to rounding; tests/distributed/test_ep_gradients.py).
+c+1's experts run. The backward mirrors it: each exchange is a pair of autograd nodes, a
+start and a wait, and the autograd engine runs nodes made later first, so the reverse
+exchange of one chunk is launched before, and waited for after, the expert backward of its
+neighbour. A token's K rows stay within its chunk, so chunking changes no token's result,
+only the order of rows inside the tier (equal to rounding; tests/distributed/test_ep_gradients.py).
+
+Only the first chunk's dispatch and the last chunk's return would then be exposed, where the
+GPU runs NCCL's kernels beside the experts. On H200s it does not: our persistent grouped
+GEMMs hold every SM until they end, so the exchanges wait for gaps between kernels, and
+chunking only adds launches and smaller GEMMs (docs/parallelism.md). `chunks` defaults to 1.
 
 Host synchronisation. all_to_all_single needs the split sizes on the host: every layer's
 forward waits once for the GPU to deliver them (all chunks' counts travel in one exchange and
