@@ -181,7 +181,8 @@ class RunConfig:
     ep_chunks: int = setting(1, workload=False, resumable=True,
                              help="with ep_size > 1: cut each MoE layer's tokens into this many chunks whose "
                              "all-to-alls run under the other chunks' experts, forward and backward "
-                             "(te_mixtral/distributed/dispatch.py); 1: no overlap")
+                             "(te_mixtral/distributed/dispatch.py); 1: no overlap. Off by default: on H200s the "
+                             "exchanges do not run under our expert GEMMs, and chunks cost 3-5 percent (docs/parallelism.md)")
     backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
                            "(te on CUDA where it is installed)")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
