@@ -103,7 +103,7 @@ def test_the_index_cites_the_standing_pages_and_no_other():
 
 
 def test_a_newer_page_of_a_question_retires_the_older_from_the_tables():
-    listing = f"""| date | page | question | superseded by |
+    listing = """| date | page | question | superseded by |
 | 2026-01-02 | [b](2026-01-02-b.md) | speed | |
 | 2026-01-02 | [b0](2026-01-02-b0.md) | speed | [b](2026-01-02-b.md) |
 | 2026-01-01 | [a](2026-01-01-a.md) | speed, memory | |

@@ -42,8 +42,8 @@ from te_mixtral.errors import (
     Interrupted,
     UserError,
     WriteFailed,
-    report_line,
     report_error,
+    report_line,
 )
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from te_mixtral.distributed import dispatch
-
 from te_mixtral.distributed.dispatch import AllToAllDispatcher
 from te_mixtral.distributed.layout import init_layout, shutdown
 
