@@ -164,8 +164,9 @@ def test_cuda_kernel_matches_torch_path(moment_dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason="on an H200 (2026-11-28) the kernel's masters differed from the torch path's "
-                   "by more than 4 U: training refuses expert_moments 8bit on CUDA until this passes")
+@pytest.mark.xfail(strict=True, reason="on an H200 the kernel's masters differed from the torch path's by more than "
+                   "4 U (docs/results/2026-11-28-8bit-expert-moments.md): training refuses expert_moments 8bit on "
+                   "CUDA until this passes")
 def test_cuda_8bit_kernel_matches_torch_path():
     """As above with 8-bit moments, one step from the same state: a fused multiply-add may move
     a new moment by an fp32 ulp, and with it across a rounding boundary of the format, so the
