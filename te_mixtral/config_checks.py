@@ -16,7 +16,7 @@ import typing
 from pathlib import PurePath
 
 from te_mixtral.errors import require as _check
-from te_mixtral.lora_config import validate_lora
+from te_mixtral.lora_config import validate_lora, validate_lora_rank
 
 FLOAT32_MAX = 3.4028234663852886e38
 NAME_MAX = 255  # the bytes of one file or folder name on Linux's and macOS's filesystems
@@ -164,21 +164,5 @@ def validate_model(cfg) -> None:
     _check(m.num_experts % cfg.ep_size == 0,
            f"model.num_experts ({m.num_experts}) is not divisible by ep_size ({cfg.ep_size})")
     if cfg.lora.enabled:
-        _check_lora_rank(cfg)
+        validate_lora_rank(cfg)
 
-
-def _check_lora_rank(cfg) -> None:
-    """Refuse a lora.rank above what any adapted projection can use. An adapter's update
-    B @ A [out, in] has rank at most min(in, out): past that, r adds parameters, memory and
-    time to every adapter and nothing it can learn. PEFT accepts any r above 0 (its LoRA
-    checks nothing else), so such a config is legal there; here it is refused, as the slip it
-    almost always is (1024 for 16), naming the largest rank that still counts."""
-    m, targets = cfg.model, cfg.lora.target_list()
-    attention, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    in_out = {"q_proj": (m.hidden_size, attention), "k_proj": (m.hidden_size, kv), "v_proj": (m.hidden_size, kv),
-              "o_proj": (attention, m.hidden_size), "gate_up_proj": (m.hidden_size, 2 * m.intermediate_size),
-              "down_proj": (m.intermediate_size, m.hidden_size)}
-    useful = max(min(in_out[t]) for t in targets if t in in_out)
-    _check(cfg.lora.rank <= useful,
-           f"lora.rank {cfg.lora.rank} is above every adapted projection's rank (at most {useful}: min(in, out) of "
-           f"{', '.join(targets)}), so the extra rank learns nothing: use --lora.rank {useful} or less")

@@ -82,3 +82,20 @@ def validate_lora(cfg) -> None:
            "(bf16 parameters) is for full fine-tuning")
     _check(t.sharding == "none", "lora keeps the frozen base whole on each rank (experts split by EP); "
            "train.sharding fsdp is for full fine-tuning")
+
+
+def validate_lora_rank(cfg) -> None:
+    """Refuse a lora.rank above what any adapted projection can use. An adapter's update
+    B @ A [out, in] has rank at most min(in, out): past that, r adds parameters, memory and
+    time to every adapter and nothing it can learn. PEFT accepts any r above 0 (its LoRA
+    checks nothing else), so such a config is legal there; here it is refused, as the slip it
+    almost always is (1024 for 16), naming the largest rank that still counts."""
+    m, targets = cfg.model, cfg.lora.target_list()
+    attention, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    in_out = {"q_proj": (m.hidden_size, attention), "k_proj": (m.hidden_size, kv), "v_proj": (m.hidden_size, kv),
+              "o_proj": (attention, m.hidden_size), "gate_up_proj": (m.hidden_size, 2 * m.intermediate_size),
+              "down_proj": (m.intermediate_size, m.hidden_size)}
+    useful = max(min(in_out[t]) for t in targets if t in in_out)
+    _check(cfg.lora.rank <= useful,
+           f"lora.rank {cfg.lora.rank} is above every adapted projection's rank (at most {useful}: min(in, out) of "
+           f"{', '.join(targets)}), so the extra rank learns nothing: use --lora.rank {useful} or less")

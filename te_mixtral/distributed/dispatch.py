@@ -160,13 +160,12 @@ class AllToAllDispatcher:
     """Expert-parallel dispatch over an EP group; with one rank it is a local permutation.
     `chunks` > 1: `run` overlaps the exchanges with the experts (module docstring)."""
 
-    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: dist.ProcessGroup | None,
+    def __init__(self, num_experts: int, ep_size: int, group: dist.ProcessGroup | None,
                  permute: LocalPermute | None = None, chunks: int = 1):
         self.permute = permute or TorchPermute()
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.experts_per_rank = num_experts // ep_size
-        self.first_local_expert = ep_rank * self.experts_per_rank
         self.group = group
         self.chunks = chunks
 

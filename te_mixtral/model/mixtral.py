@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.self_attn = Attention(m, backend)
         self.post_attention_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
-        dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_rank, layout.ep_group,
+        dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_group,
                                         backend.permute(), ep_chunks)
         self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_experts, m.num_experts_per_tok,
                             dispatcher, tier, m.num_experts // layout.ep_size,

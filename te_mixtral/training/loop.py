@@ -177,15 +177,17 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
-    if locks is not None and main_rank_from_env():  # first: a folder in use is refused as such
-        for what, folder in (("output_dir", cfg.output_dir), ("checkpoint_dir", cfg.checkpoint_dir)):
-            if folder is not None:
-                locks.claim(Path(folder).expanduser(), what)
+
+    def claim(*keys: str) -> None:
+        """Rank 0 locks the folders these config keys name against a second run."""
+        if locks is not None and main_rank_from_env():
+            for key in keys:
+                if getattr(cfg, key) is not None:
+                    locks.claim(Path(getattr(cfg, key)).expanduser(), key)
+
+    claim("output_dir", "checkpoint_dir")  # first: a folder in use is refused as such
     check_outputs(cfg, model_dir, config_path)
-    if locks is not None and main_rank_from_env():  # after the checks: they refuse what no export may write into
-        for what, folder in (("save_hf", cfg.save_hf), ("save_adapter", cfg.save_adapter)):
-            if folder is not None:
-                locks.claim(Path(folder).expanduser(), what)
+    claim("save_hf", "save_adapter")  # after the checks: they refuse what no export may write into
     check_trackers(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)

@@ -36,7 +36,7 @@ def round_trip(permute, x_TD, experts_TK, weights_TK):
     """Dispatch, an expert-dependent map of each row (a row sent to the wrong expert would be
     scaled wrongly), combine; the output, the rows as sorted, and the gradients of the inputs
     that need one (None for one that does not)."""
-    dispatcher = AllToAllDispatcher(EXPERTS, 1, 0, None, permute)
+    dispatcher = AllToAllDispatcher(EXPERTS, 1, None, permute)
     routed = dispatcher.dispatch(x_TD, experts_TK, weights_TK)
     expert_R = torch.repeat_interleave(torch.arange(EXPERTS, device=x_TD.device), routed.tokens_per_expert_L)
     y_RD = routed.x_RD * (1.0 + expert_R.to(routed.x_RD.dtype)).unsqueeze(1)

@@ -22,7 +22,7 @@ EXPERTS, TOP_K, TOKENS, HIDDEN = 4, 2, 3, 5
 
 layout = init_layout(ep_size=2, device="cpu", timeout_s=60)
 local = EXPERTS // layout.ep_size
-dispatchers = {chunks: AllToAllDispatcher(EXPERTS, layout.ep_size, layout.ep_rank, layout.ep_group, chunks=chunks)
+dispatchers = {chunks: AllToAllDispatcher(EXPERTS, layout.ep_size, layout.ep_group, chunks=chunks)
                for chunks in (1, 2, 4)}
 
 
