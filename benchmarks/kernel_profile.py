@@ -3,7 +3,8 @@
 Step timings say which model is faster; this says where. It trains a few steps under
 `torch.profiler` and reports, per optimizer step, the kernel time of steps 4-6 of 8 (the first
 two skipped, the third a profiler warm-up), grouped by kernel name into kinds (GEMMs,
-attention, optimizer, copies, ...), then the 40 longest kernels:
+attention, optimizer, copies, ...), the time the GPU sat idle between kernels (waiting for the
+host, as for each MoE layer's split sizes, or for another rank), then the 40 longest kernels:
 
     python3 -m benchmarks.kernel_profile ours [--config configs/mixtral-8x7b-8layer.yaml] [--tier custom_grouped] \
         [training flags, e.g. --lora.rank 16]
@@ -41,10 +42,27 @@ def report(prof, label: str) -> None:
     for name, ms, _ in rows:
         kinds[next((kind for kind, pattern in KINDS if re.search(pattern, name, re.I)), "other")] += ms
     print(f"=== {label}: {sum(r[1] for r in rows):.1f} ms of CUDA kernels per step")
+    idle_ms, span_ms = idle_between_kernels(prof)
+    print(f"  GPU idle between kernels: {idle_ms / ACTIVE:.1f} ms per step of {span_ms / ACTIVE:.1f} "
+          f"({100 * idle_ms / max(span_ms, 1e-9):.1f} %)")
     for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:14s} {ms:8.1f} ms")
     for name, ms, count in rows[:40]:
         print(f"{ms:8.2f} ms {count:6d}x  {name[:150]}")
+
+
+def idle_between_kernels(prof) -> tuple[float, float]:
+    """The time no kernel ran, in ms, between the window's first kernel and its last, and that
+    span: where the GPU waited for the host (a split size copied back, a launch) or a peer."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    if not spans:
+        return 0.0, 0.0
+    idle, reach = 0, spans[0][1]
+    for start, end in spans[1:]:
+        idle += max(0, start - reach)
+        reach = max(reach, end)
+    return idle / 1e3, (reach - spans[0][0]) / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

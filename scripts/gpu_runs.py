@@ -272,6 +272,20 @@ DEPTH_RUNS = {
                                      "--batch_size", "4", "--lr", "2e-5", "--warmup_steps", "3", "--dtype", "bf16",
                                      "--tier", "custom_grouped", "--lora.rank", "16", "--recompute", "none",
                                      "--ep_chunks", str(n)) for n in (1, 2)},
+    # The padded exchange's A/B (--ep_capacity: no host wait for split sizes; 0: exact splits),
+    # 16 layers, EP=2, custom_grouped, selective recompute; then each one's kernel profile, whose
+    # "GPU idle between kernels" line shows the host's waits
+    **{f"ep2-cap{cap}": depth_16(f"ep2-cap{cap}", "custom_grouped", "selective", "--profile_phases", "false",
+                                 "--ep_capacity", cap) for cap in ("0", "1.5")},
+    **{f"profile-ep2-cap{cap}": [Launch(f"profile-ep2-cap{cap}", 2, (
+        "-m", "benchmarks.kernel_profile", "ours", "--config", DEPTH, "--tier", "custom_grouped", "--output-dir",
+        f"{{out}}/profile-ep2-cap{cap}", "--ep-size", "2", "--recompute", "selective", "--ep_capacity", cap),
+        show=12)] for cap in ("0", "1.5")},
+    # lora-ep4-c1 with the padded exchange
+    "lora-ep4-cap1.5": depth_train("lora-ep4-cap1.5", 4, "configs/mixtral-8x7b.yaml", "--ep-size", "4",
+                                   "--batch_size", "4", "--lr", "2e-5", "--warmup_steps", "3", "--dtype", "bf16",
+                                   "--tier", "custom_grouped", "--lora.rank", "16", "--recompute", "none",
+                                   "--ep_capacity", "1.5"),
     # whether an all-to-all runs under the expert GEMMs at all, four GPUs (benchmarks/overlap_probe.py)
     "overlap-probe": [Launch("overlap-probe", 4, ("-m", "benchmarks.overlap_probe", "--json",
                                                   "{out}/overlap-probe.json"), tail=None)],

@@ -183,6 +183,11 @@ class RunConfig:
                              "all-to-alls run under the other chunks' experts, forward and backward "
                              "(te_mixtral/distributed/dispatch.py); 1: no overlap. Off by default: on H200s the "
                              "exchanges do not run under our expert GEMMs, and chunks cost 3-5 percent (docs/parallelism.md)")
+    ep_capacity: float = setting(0.0, workload=False, resumable=True,
+                                 help="with ep_size > 1: 0 exchanges each MoE layer's rows exactly, the host waiting "
+                                 "for their counts every layer; > 0 sends each rank blocks of this many times its "
+                                 "even share of rows, padded, so the host never waits (a step whose routing needs "
+                                 "more runs again with more; te_mixtral/distributed/dispatch.py). Tier custom_grouped only")
     backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
                            "(te on CUDA where it is installed)")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")

@@ -92,6 +92,12 @@ def validate(cfg, world_size: int = 1) -> None:
     _check(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
     _check(cfg.ep_chunks > 0, f"ep_chunks must be positive, got {cfg.ep_chunks}")
+    _check(0 <= cfg.ep_capacity < math.inf, f"ep_capacity must be 0 or a finite share above 0, got {cfg.ep_capacity}")
+    _check(cfg.ep_capacity == 0 or cfg.ep_size > 1,
+           f"ep_capacity {cfg.ep_capacity} pads the exchange between expert-parallel ranks, and ep_size is 1: "
+           f"nothing is exchanged; leave it 0")
+    _check(cfg.ep_capacity == 0 or cfg.ep_chunks == 1,
+           f"ep_capacity pads one exchange per layer; ep_chunks {cfg.ep_chunks} cuts it in chunks: use one of them")
     _check(world_size != 1 or cfg.ep_size == 1,
            f"ep_size {cfg.ep_size} splits each layer's experts over {cfg.ep_size} processes, and this is one: "
            f"launch {cfg.ep_size} (or a multiple) with torchrun, e.g. `torchrun --nproc_per_node={cfg.ep_size} "

@@ -141,3 +141,17 @@ def test_device_mxfp8_takes_lora_over_its_hopper_fp8_base_only(overrides, fragme
     load_run_config(str(REPO / "configs" / "tiny.yaml"), base, 1)  # auto: Hopper's FP8 on a GPU
     with pytest.raises(UserError, match=re.escape(fragment)):
         load_run_config(str(REPO / "configs" / "tiny.yaml"), {**base, **overrides}, 1)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"ep_capacity": "-1"}, "ep_capacity must be 0 or a finite share above 0"),
+    ({"ep_capacity": "1.5"}, "ep_capacity 1.5 pads the exchange between expert-parallel ranks, and ep_size is 1"),
+    ({"ep_capacity": "1.5", "ep_size": "2", "ep_chunks": "2"}, "ep_capacity pads one exchange per layer"),
+    ({"ep_capacity": "1.5", "ep_size": "2", "tier": "loop"}, "tier 'loop' needs its split sizes on the host"),
+])
+def test_padded_exchange_settings_it_cannot_honour_are_refused(overrides, fragment):
+    with pytest.raises(UserError) as raised:
+        load_run_config(str(REPO / "configs" / "tiny.yaml"), {"tier": "custom_grouped", **overrides}, 2)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+    load_run_config(str(REPO / "configs" / "tiny.yaml"), {"tier": "custom_grouped", "ep_size": "2",
+                                                         "ep_capacity": "1.5"}, 2)

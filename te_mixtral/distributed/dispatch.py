@@ -31,6 +31,18 @@ forward waits once for the GPU to deliver them (all chunks' counts travel in one
 come back in one copy). The backward reuses them and never waits. A single-rank group skips
 the exchange entirely and stays sync-free.
 
+Padded exchange (`capacity` > 0): no wait at all. Each rank sends every other rank a block of
+exactly `capacity` x its even share of rows (T*K / P, rounded up), its rows for that rank
+first and zeros after, so every split is known on the host before the layer runs; the
+receiver puts the rows it got in local-expert order on the device, and the tier runs over
+P blocks' worth of rows, of which the counts on the device say how many are real
+(`ExpertTier.takes_padded_rows`). It costs the padding's bytes on the wire and in the
+tier's rows, about what the busiest rank holds anyway. The results are exact only if no
+rank sends any rank more than a block: rows past a full block are dropped, and each
+dispatcher records the largest share it was asked to send (`needed`); the training loop
+reads it with the step's losses, once a step, and runs a step whose share outgrew the
+capacity again with a larger one (training/loop.py), so no such step is ever applied.
+
 The permute and its inverse with the weighted sum (`LocalPermute`) come in two kinds that
 give the same rows in the same order: `TorchPermute` in plain PyTorch (a stable argsort and
 a gather; a scatter, an fp32 product and a sum back), and on the Transformer Engine
@@ -38,12 +50,14 @@ backend TE's fused `moe_permute` / `moe_unpermute` (te_permute.py), which undo t
 merge each token's K weighted rows in one kernel each way.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 @dataclass
@@ -57,6 +71,11 @@ class DispatchOutput:
     send_splits: list[int] | None
     recv_splits: list[int] | None
     exchange: "_Exchange | None" = None  # the rows' exchange while in flight
+    # Padded exchange: where each copy sits in the blocks sent ([T*K], the spare row P*C past
+    # the last block for a copy that did not fit), and each received row's place among the
+    # tier's rows ([P*C], the spare row P*C for padding). `regroup_R` is then None.
+    slot_TK: torch.Tensor | None = None
+    place_Q: torch.Tensor | None = None
 
 
 class LocalPermute(Protocol):
@@ -161,13 +180,21 @@ class AllToAllDispatcher:
     `chunks` > 1: `run` overlaps the exchanges with the experts (module docstring)."""
 
     def __init__(self, num_experts: int, ep_size: int, group: dist.ProcessGroup | None,
-                 permute: LocalPermute | None = None, chunks: int = 1):
+                 permute: LocalPermute | None = None, chunks: int = 1, capacity: float = 0.0):
         self.permute = permute or TorchPermute()
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.experts_per_rank = num_experts // ep_size
         self.group = group
         self.chunks = chunks
+        self.capacity = capacity  # 0: exact splits, learnt by the host; > 0: padded blocks (module docstring)
+        self.needed: torch.Tensor | None = None  # the largest share sent to a rank since `take_needed`, on the device
+
+    def take_needed(self) -> torch.Tensor | None:
+        """The largest number of rows this dispatcher sent one rank, over its even share, in the
+        calls since the last take (a float32 on the device; None if it padded nothing)."""
+        needed, self.needed = self.needed, None
+        return needed
 
     def dispatch(self, x_TD, experts_TK, weights_TK) -> DispatchOutput:
         (routed,) = self._start_dispatch(x_TD, experts_TK, weights_TK, chunks=1)
@@ -197,6 +224,9 @@ class AllToAllDispatcher:
                 0, e.flatten(), torch.ones(e.numel(), dtype=torch.int64, device=e.device))
             for _, e, _ in pieces])
         sorted_pieces = [self.permute.sort(x, e) for x, e, _ in pieces]
+        if self.ep_size > 1 and self.capacity > 0:
+            ((x_sorted, unsort),), ((_, _, weights),) = sorted_pieces, pieces
+            return [self._start_padded(x_sorted, unsort, weights, tokens_per_expert_CE[0])]
         if self.ep_size == 1:  # one rank holds every expert: L == E
             return [DispatchOutput(x_sorted, tokens_per_expert_E, unsort, w, None, None, None)
                     for (x_sorted, unsort), tokens_per_expert_E, (_, _, w)
@@ -228,15 +258,23 @@ class AllToAllDispatcher:
         if routed.exchange is None:
             return routed
         x_recv = _Wait.apply(routed.x_RD, routed.exchange)
+        if routed.place_Q is not None:  # padded: scatter the real rows, padding to the spare row
+            rows = x_recv.shape[0]
+            x_RD = x_recv.new_zeros((rows + 1, *x_recv.shape[1:])).index_copy_(0, routed.place_Q, x_recv)
+            routed.x_RD, routed.exchange = x_RD[:rows], None
+            return routed
         routed.x_RD, routed.exchange = x_recv[routed.regroup_R], None
         return routed
 
     def _start_combine(self, y_RD, state: DispatchOutput) -> torch.Tensor:
         """Launch the rows' way back (in flight until `_finish_combine`)."""
-        if state.regroup_R is None:
+        if state.place_Q is not None:  # padded: each received row's output back to its place; padding gets any row
+            y_recv = y_RD.index_select(0, state.place_Q.clamp(max=y_RD.shape[0] - 1))
+        elif state.regroup_R is None:
             return y_RD
-        y_recv = torch.empty_like(y_RD)
-        y_recv[state.regroup_R] = y_RD
+        else:
+            y_recv = torch.empty_like(y_RD)
+            y_recv[state.regroup_R] = y_RD
         state.exchange = _Exchange(state.recv_splits, state.send_splits, self.group)
         return _Start.apply(y_recv, state.exchange)
 
@@ -245,4 +283,43 @@ class AllToAllDispatcher:
         if state.exchange is not None:
             y_sorted = _Wait.apply(y_sorted, state.exchange)
             state.exchange = None
+        if state.slot_TK is not None:  # padded: each copy's row out of its block (a dropped copy's: any row)
+            y_sorted = y_sorted.index_select(0, state.slot_TK.clamp(max=y_sorted.shape[0] - 1))
         return self.permute.unsort(y_sorted, state.unsort, state.weights_TK)
+
+    def _start_padded(self, x_sorted, unsort, weights_TK, tokens_per_expert_E) -> DispatchOutput:
+        """Launch the padded exchange of one layer's sorted copies: P blocks of `block` rows
+        each way, every split known on the host, every index made on the device."""
+        P, L, device = self.ep_size, self.experts_per_rank, x_sorted.device
+        copies = x_sorted.shape[0]
+        block = max(1, math.ceil(self.capacity * copies / P))
+        send_counts_PL = tokens_per_expert_E.view(P, L)
+        recv_counts_PL = torch.empty_like(send_counts_PL)
+        dist.all_to_all_single(recv_counts_PL, send_counts_PL, group=self.group)
+        send_P = send_counts_PL.sum(1)
+        share = send_P.max().float() * P / max(copies, 1)
+        self.needed = share if self.needed is None else torch.maximum(self.needed, share)
+
+        # The sorted copies go to their destination's block in order; those past a full block
+        # to the spare row, which is never sent.
+        destination_TK = torch.repeat_interleave(torch.arange(P, device=device), send_P, output_size=copies)
+        place_TK = torch.arange(copies, device=device) - (send_P.cumsum(0) - send_P)[destination_TK]
+        slot_TK = torch.where(place_TK < block, destination_TK * block + place_TK, P * block)
+        send = x_sorted.new_zeros((P * block + 1, *x_sorted.shape[1:])).index_copy_(0, slot_TK, x_sorted)
+        splits = [block] * P
+        exchange = _Exchange(splits, splits, self.group)
+        x_recv = _Start.apply(send[:P * block], exchange)
+
+        # Received block p holds its rows by local expert, the first of them real: what fitted.
+        # Among the tier's rows, expert l's come first from source 0, then 1, ...
+        ends_PL = recv_counts_PL.cumsum(1).clamp(max=block)
+        kept_PL = ends_PL - F.pad(ends_PL[:, :-1], (1, 0))
+        starts_LP = (kept_PL.T.flatten().cumsum(0) - kept_PL.T.flatten()).view(L, P)
+        within_Q = torch.arange(block, device=device).repeat(P)
+        source_Q = torch.arange(P, device=device).repeat_interleave(block)
+        expert_Q = torch.searchsorted(ends_PL, within_Q.view(P, block), right=True).flatten().clamp(max=L - 1)
+        real_Q = within_Q < ends_PL[:, -1][source_Q]
+        row_Q = starts_LP[expert_Q, source_Q] + within_Q - (ends_PL - kept_PL)[source_Q, expert_Q]
+        place_Q = torch.where(real_Q, row_Q, P * block)
+        return DispatchOutput(x_recv, kept_PL.sum(0), unsort, weights_TK, None, splits, splits, exchange,
+                              slot_TK, place_Q)

@@ -92,6 +92,10 @@ class ExpertTier(abc.ABC):
     name: str  # the name the registry lists it under (te_mixtral/experts/registry.py)
     takes_adapters: bool = False  # whether `__call__` runs LoRA adapters (lora.rank > 0)
     frozen_bases: tuple[str, ...] = ()  # the `lora.base` formats besides "default" it holds a frozen base in
+    # Whether rows past the last expert's may follow the real ones (the padded exchange's,
+    # distributed/dispatch.py): the tier leaves them out of every result but its own output
+    # rows there, which it may fill with anything.
+    takes_padded_rows: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> "ExpertTier":

@@ -39,6 +39,7 @@ DOWN_DROPOUT = ("tier custom_grouped's kernels apply no dropout to the down adap
 class CustomGroupedTier(ExpertTier):
     name = "custom_grouped"
     takes_adapters = True
+    takes_padded_rows = True  # its kernels read the split sizes on the device and go no further
     frozen_bases = ("nf4",)
 
     def __init__(self, frozen_format: str = "default"):

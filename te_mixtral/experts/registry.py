@@ -76,6 +76,10 @@ def check_tier(cfg, world_size: int) -> None:
         takers = ", ".join(name for name, tier in EXPERT_TIERS.items() if cfg.lora.base in tier.frozen_bases)
         raise UserError(f"tier '{cfg.tier}' cannot hold a frozen base in lora.base {cfg.lora.base}; tiers that can: "
                         f"{takers}")
+    if cfg.ep_capacity > 0 and (cfg.tier in BASELINES or not EXPERT_TIERS[cfg.tier].takes_padded_rows):
+        takers = ", ".join(name for name, tier in EXPERT_TIERS.items() if tier.takes_padded_rows)
+        raise UserError(f"tier '{cfg.tier}' needs its split sizes on the host, so it cannot take the padded exchange "
+                        f"(ep_capacity {cfg.ep_capacity}); tiers that can: {takers}")
     if cfg.tier in EXPERT_TIERS:
         EXPERT_TIERS[cfg.tier].check(cfg)
     if cfg.tier in BASELINES and cfg.profile_phases:

@@ -145,6 +145,18 @@ class MixtralForCausalLM(nn.Module):
         self.routing = RouterStats.cat(layer_stats)
         return self.lm_head(self.model.norm(x_BSD))
 
+    def pad_exchanges(self, capacity: float) -> None:
+        """Every MoE layer's exchange padded to `capacity` times the even share (0: exact
+        splits): distributed/dispatch.py."""
+        for layer in self.model.layers:
+            layer.mlp.dispatcher.capacity = capacity
+
+    def exchange_needed(self) -> torch.Tensor | None:
+        """The largest share of its rows any layer sent one rank since the last call, over the
+        even share (on the device); None where no exchange was padded."""
+        needed = [n for layer in self.model.layers if (n := layer.mlp.dispatcher.take_needed()) is not None]
+        return torch.stack(needed).max() if needed else None
+
     def router_losses(self, layout: Layout) -> RouterLosses:
         """The latest forward's router losses and expert load over the global batch (a
         collective: every rank calls it after the same forward)."""

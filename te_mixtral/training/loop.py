@@ -61,6 +61,7 @@ from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_we
 from te_mixtral.planning.memory import check_fits
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
 from te_mixtral.training.evaluate import evaluate
+from te_mixtral.training.exchange_capacity import ExchangeCapacity
 from te_mixtral.training.generate import encode_prompt, generate_text
 from te_mixtral.training.hf_checkpoint import (
     adopt_checkpoint,
@@ -237,6 +238,8 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
               f"ran: {ran_on}", flush=True)
 
     # --- steps -------------------------------------------------------------------------
+    exchange = ExchangeCapacity(cfg.ep_capacity)
+    exchange.start(model)
     timer = metrics.StepTimer(device)
     flops_per_step = []
     first_step = state.step + 1  # counted from 1; a resumed run starts later
@@ -260,25 +263,34 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         targets = sum((micro.labels != -100).sum() for micro in micro_batches)
         totals = torch.stack([targets.double(), torch.tensor(step_flops, device=device, dtype=torch.float64)])
         all_reduce_sum(totals, layout)
-        # The LM loss, then the router's two (a step's are its micro-batches' mean: see
-        # model/router_losses.py), float64: they divide by totals.
-        step_losses = torch.zeros(3, dtype=torch.float64, device=device)
-        step_load_YE = 0
-        for micro in micro_batches:  # gradients add up in .grad, one micro-batch after another
-            set_gradient_sync(model, layout, cfg.train.sharding,
-                              micro is micro_batches[-1] or cfg.train.fsdp_reduce == "micro_batch")
-            with autocast:
-                logits = model(micro.input_ids, micro.packed)
-            loss = causal_lm_loss(logits, micro.labels, totals[0])
-            router = model.router_losses(layout)
-            (loss + router.weighted(cfg.model) / len(micro_batches)).backward()
-            step_losses += torch.stack([loss, router.aux / len(micro_batches), router.z / len(micro_batches)]).detach()
-            step_load_YE = step_load_YE + router.tokens_per_expert_YE
-        # Once per optimizer step: the sums the last micro-batch's backward started, awaited.
-        reduce_gradients(model, layout, cfg.train.sharding)
-        grad_norm, grad_scale = clip_gradients(optimizer, model, cfg.train.grad_clip, layout)  # global norm
-        global_loss, global_aux, global_z, norm = torch.cat(
-            [all_reduce_sum(step_losses, layout), grad_norm.to(step_losses.dtype)[None]]).tolist()
+        while True:  # once, unless a padded exchange was short (then again, with room enough)
+            # The LM loss, then the router's two (a step's are its micro-batches' mean: see
+            # model/router_losses.py), float64: they divide by totals.
+            step_losses = torch.zeros(3, dtype=torch.float64, device=device)
+            step_load_YE = 0
+            for micro in micro_batches:  # gradients add up in .grad, one micro-batch after another
+                set_gradient_sync(model, layout, cfg.train.sharding,
+                                  micro is micro_batches[-1] or cfg.train.fsdp_reduce == "micro_batch")
+                with autocast:
+                    logits = model(micro.input_ids, micro.packed)
+                loss = causal_lm_loss(logits, micro.labels, totals[0])
+                router = model.router_losses(layout)
+                (loss + router.weighted(cfg.model) / len(micro_batches)).backward()
+                step_losses += torch.stack([loss, router.aux / len(micro_batches),
+                                            router.z / len(micro_batches)]).detach()
+                step_load_YE = step_load_YE + router.tokens_per_expert_YE
+            # Once per optimizer step: the sums the last micro-batch's backward started, awaited.
+            reduce_gradients(model, layout, cfg.train.sharding)
+            grad_norm, grad_scale = clip_gradients(optimizer, model, cfg.train.grad_clip, layout)  # global norm
+            global_loss, global_aux, global_z, norm, *needed = torch.cat(
+                [all_reduce_sum(step_losses, layout), grad_norm.to(step_losses.dtype)[None],
+                 *exchange.needed(model, layout)]).tolist()
+            if not exchange.short(needed):
+                break
+            # Some rank had more rows for another than its padded blocks held, and dropped
+            # them: nothing of this step is applied; it runs again with room for them.
+            optimizer.zero_grad(set_to_none=True)
+            exchange.raise_to(model, needed[0], state.step + 1, layout.is_main)
         state.losses.append(global_loss)
         state.grad_norms.append(norm)
         state.router.append(expert_load.step_record(global_aux, global_z, step_load_YE))
@@ -299,7 +311,8 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
 
         # --- between steps: evaluate, checkpoint, export (not timed) ---------------------
         if eval_batches and due(state.step, cfg.train.eval_every, cfg.train.steps):
-            evaluation = evaluate(model, eval_batches, state.step, layout, device, autocast)
+            with exchange.exact(model):
+                evaluation = evaluate(model, eval_batches, state.step, layout, device, autocast)
             state.evals.append(asdict(evaluation))
             run_log.evaluation(evaluation)
         try:  # a checkpoint that cannot be written fails on every rank alike: results.json keeps the run
@@ -321,9 +334,11 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     # --- report ------------------------------------------------------------------------
     # In this order: generating adds to the peak memory, and profiling (last: it steps the
     # optimizer while timing it) adds to the tier's calls after they are counted.
-    measured = Measured(state, first_step, timer.times, flops_per_step, run_load_YE, stopped)
-    measured.generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device,
-                                        autocast) if cfg.generate is not None and not stopped else None)
+    measured = Measured(state, first_step, timer.times, flops_per_step, run_load_YE, stopped,
+                        exchange=exchange.record())
+    with exchange.exact(model):
+        measured.generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device,
+                                            autocast) if cfg.generate is not None and not stopped else None)
     measured.peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
     measured.tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
     measured.saved = saved

@@ -52,6 +52,7 @@ class Measured:
     run_load_YE: torch.Tensor | None  # tokens per layer and expert over this process's steps
     stopped: UserError | None  # why the run stopped early, if it did (then no phases, no generated text)
     generated: dict | None = None  # `generate_text`'s answer, when asked for
+    exchange: dict = field(default_factory=dict)  # the padded exchange's capacity over the run (ExchangeCapacity.record)
     peaks_by_rank: Sequence[int] = ()  # every rank's peak memory, in bytes
     tier_calls: dict = field(default_factory=dict)  # this rank's calls of each of the tier's paths (`ExpertTier.calls`)
     phases: tuple[dict, list[int]] | None = None  # `profile_phases`' answer, when asked for
@@ -81,7 +82,7 @@ def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: di
     # The estimate beside the measured peak, so that every run checks the estimate.
     extra = {"estimated_peak_gib": estimated_peak_bytes / 2**30,
              "peak_memory_gib_by_rank": [p / 2**30 for p in measured.peaks_by_rank],
-             "grad_norms": state.grad_norms,
+             "grad_norms": state.grad_norms, **measured.exchange,
              **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
              **expert_load.results_entries(state.router, measured.run_load_YE, (measured.first_step, cfg.train.steps))}
     if measured.tier_calls:  # on this rank, evaluation included: which of the tier's paths ran

@@ -10,8 +10,9 @@ gradient reduction and after the global-norm clipping (a small `grad_clip`, so i
 
 Odd sizes on purpose: 6 experts top-3 at EP=2 and EP=3 (3 ranks), and 4 experts at
 EP=2 x DP=2 (4 ranks: experts replicated over two EP groups). EP=2 also runs with its
-exchanges overlapped in three chunks of tokens (`--ep_chunks 3`), whose gradients must be the
-unoverlapped path's. A rank of an EP group of size
+exchanges overlapped in three chunks of tokens (`--ep_chunks 3`), and padded to a capacity
+too small for step 1 (`--ep_capacity 0.5`, so the step runs again), whose gradients must be
+the plain path's. A rank of an EP group of size
 EP holds experts ep_rank*L .. (ep_rank+1)*L - 1, L = E / EP (distributed/layout.py).
 """
 
@@ -27,7 +28,12 @@ COMMON = ["--steps", "1", "--timing_warmup_steps", "0", "--batch_size", "12", "-
 SIX_TOP3 = ["--model.num_experts", "6", "--model.num_experts_per_tok", "3"]
 FOUR_TOP2 = ["--model.num_experts", "4", "--model.num_experts_per_tok", "2"]
 OVERLAPPED = ["--ep_chunks", "3"]
-LAYOUTS = [(SIX_TOP3, 2, 2), (SIX_TOP3, 3, 3), (FOUR_TOP2, 4, 2), (SIX_TOP3 + OVERLAPPED, 2, 2)]  # (model, nproc, ep)
+# Padded exchanges with room for half the even share: step 1 always outgrows it (a rank's
+# largest share is at least its mean), drops rows, and must run again with room enough.
+PADDED = ["--tier", "custom_grouped", "--ep_capacity", "0.5"]
+EXCHANGES = (OVERLAPPED, PADDED)  # ways of exchanging that must change no gradient
+LAYOUTS = [(SIX_TOP3, 2, 2), (SIX_TOP3, 3, 3), (FOUR_TOP2, 4, 2), (SIX_TOP3 + OVERLAPPED, 2, 2),
+           (SIX_TOP3 + PADDED, 2, 2)]  # (model, nproc, ep)
 
 
 def run_args(model_args: list[str], ep: int) -> list[str]:
@@ -57,12 +63,15 @@ def gradients(tmp_path_factory, launch_planned):
                 [(out, run_args(model, ep)) for out, (model, _, _) in zip(outs, keys)], nproc)
             for each_key, out, (results, _, reduced) in zip(keys, outs, trained):
                 run.summaries[each_key] = results["summary"]
+                run.results[each_key] = results
                 clipped = [torch.load(out / "weights" / f"clipped{r}.pt") for r in range(nproc)]
-                assert [len(g) for g in reduced] == [len(g) for g in clipped] == [1] * nproc
-                runs[each_key] = [(r[0], c[0]) for r, c in zip(reduced, clipped)]
+                # One reduction a step, and one more for a step run again; the last is applied.
+                calls = 1 + len(results.get("ep_capacity", {}).get("steps_run_again", []))
+                assert [len(g) for g in reduced] == [len(g) for g in clipped] == [calls] * nproc
+                runs[each_key] = [(r[-1], c[-1]) for r, c in zip(reduced, clipped)]
         return runs[key]
 
-    run.summaries = {}
+    run.summaries, run.results = {}, {}
     return run
 
 
@@ -76,8 +85,8 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, what: str) -> N
 
 
 def assert_same_gradients(gradients, model_args: list[str], nproc: int, ep: int) -> None:
-    # One process has nothing to overlap: its reference is the same model's plain run.
-    single = model_args[:-len(OVERLAPPED)] if model_args[-len(OVERLAPPED):] == OVERLAPPED else model_args
+    # One process exchanges nothing: its reference is the same model's plain run.
+    single = next((model_args[:-len(way)] for way in EXCHANGES if model_args[-len(way):] == way), model_args)
     (want_reduced, want_clipped), = gradients(single, 1, 1)
     # The clipping must really scale, or the clipped comparison repeats the reduced one.
     norm = torch.stack([g.norm() for g in want_reduced.values()]).norm().item()
@@ -110,6 +119,15 @@ def test_four_experts_ep2_dp2(gradients):
 @pytest.mark.slow
 def test_overlapped_exchanges_ep2(gradients):
     assert_same_gradients(gradients, SIX_TOP3 + OVERLAPPED, nproc=2, ep=2)
+
+
+@pytest.mark.slow
+def test_padded_exchanges_ep2_run_a_short_step_again(gradients):
+    """No host sync for split sizes: every exchange padded, step 1's too small, so run again;
+    the applied gradients are the single process's all the same."""
+    assert_same_gradients(gradients, SIX_TOP3 + PADDED, nproc=2, ep=2)
+    capacity = gradients.results[(tuple(SIX_TOP3 + PADDED), 2, 2)]["ep_capacity"]
+    assert capacity["steps_run_again"] == [1] and capacity["final"] > 1, capacity
 
 
 @pytest.mark.slow

@@ -318,3 +318,41 @@ def test_interpreter_recompute_with_adapters_changes_nothing(targets, splits):
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
 
+
+
+def padded(inputs, extra: int):
+    """`inputs` with `extra` rows of NaN after the real ones (and zeros in dy there): what the
+    padded exchange hands the tier (distributed/dispatch.py), made as hostile as it can be."""
+    x, counts, gate_up, down, dy = inputs
+    return (torch.cat([x, torch.full((extra, x.shape[1]), float("nan"))]), counts, gate_up, down,
+            torch.cat([dy, torch.zeros(extra, dy.shape[1])]))
+
+
+def assert_padding_changes_nothing(fn, inputs, what):
+    """Every result of the real rows, bit for bit, as without the padding rows."""
+    rows = inputs[0].shape[0]
+    want = run(fn, *inputs)
+    got = run(fn, *padded(inputs, 7))
+    for name, a, b in zip(("y", "dx", "d_gate_up", "d_down"), got, want):
+        a = a[:rows] if name in ("y", "dx") else a
+        assert torch.equal(a, b), f"{what}: {name} changed by rows past the last expert's"
+
+
+@pytest.mark.parametrize("splits", [[5, 0, 7], [0, 0, 0]])
+def test_cpu_path_takes_padded_rows(splits):
+    tier = make_tier("custom_grouped")
+    assert tier.takes_padded_rows
+    assert_padding_changes_nothing(tier, make_inputs(splits, 20, 36, seed=5), "grouped_mm path")
+
+
+@interpreter_only
+@pytest.mark.parametrize("keep_hidden", [True, False], ids=["kept", "recomputed"])
+def test_interpreter_kernels_take_padded_rows(keep_hidden):
+    """The kernels schedule from the device-side split sizes and never touch a row past them:
+    NaN there leaves every real result, and the weight gradients, exactly as they were."""
+    from te_mixtral.experts.custom_grouped import kernels_swiglu
+
+    def fn(*args):
+        return kernels_swiglu(*args, keep_hidden=keep_hidden)
+
+    assert_padding_changes_nothing(fn, make_inputs([21, 0, 0, 34, 1], 20, 36, seed=7), "kernels")
