@@ -8,6 +8,7 @@ launches), and one launcher runs any of them the same way.
     python3 scripts/gpu_runs.py depth OUT_DIR RUN [RUN ...]       docs/depth.md's runs
     python3 scripts/gpu_runs.py lora OUT_DIR RUN [RUN ...]        docs/lora.md's runs
     python3 scripts/gpu_runs.py list [depth|lora]                the named runs, and the commands they launch
+    python3 scripts/gpu_runs.py lanes OUT_DIR "GPUS CATALOG RUN ..." ...   several of the above at once
 
 (`scripts/gpu_check.sh`, `run_tiers.sh`, `multi_gpu.sh`, `depth_gpu.sh` and `lora_gpu.sh`
 call these with the same arguments: dated results pages name those command lines.)
@@ -30,6 +31,11 @@ call these with the same arguments: dated results pages name those command lines
   EP=4 (docs/depth.md says why each). Every training run: full fine-tuning, bf16 parameters
   with master_adamw, the config's lr 2e-5, one packed 8192-token sequence per GPU per step,
   15 steps of which the first 5 are left out of the timing, the same seed.
+- lanes: each quoted lane is one of the command lines above without OUT_DIR ("0,1 depth
+  ep2-cap0" runs `depth OUT_DIR/lane1 ep2-cap0` on GPUs 0 and 1), all lanes at once on their
+  own GPUs, so that one call of a machine with several GPUs runs several one-GPU jobs side by
+  side. Each lane's output goes to OUT_DIR/laneK.log and its last lines to the screen once all
+  have ended. KILL_AFTER_S=N in the environment: stop every lane still running after N seconds.
 - lora: the adapter tests, then Mixtral-8x7B LoRA runs beside full fine-tuning, the FP8 and
   NF4 bases and transformers + PEFT (and Mixtral-8x22B over the NF4 base). Every run: custom_grouped (BF16 base) unless named, one packed
   8192-token sequence per GPU per step, 30 steps, the same seed, so that the runs' losses
@@ -511,7 +517,40 @@ def sections(argv: list[str]) -> tuple[Path, dict[str, list]]:
     raise SystemExit(f"unknown catalog '{catalog}'\nusage:\n{USAGE}")
 
 
+def run_lanes(out: Path, lanes: list[str]) -> int:
+    """`lanes`: each "GPUS CATALOG ARG ..." a process of this script on those GPUs, all at once."""
+    out.mkdir(parents=True, exist_ok=True)
+    kill_after = float(os.environ.get("KILL_AFTER_S", "0")) or None
+    running = []
+    for k, lane in enumerate(lanes, 1):
+        gpus, catalog, *rest = lane.split()
+        log = open(out / f"lane{k}.log", "w")
+        command = [sys.executable, __file__, catalog, str(out / f"lane{k}"), *rest]
+        print(f"lane{k} (GPUs {gpus}): {shlex.join(command[1:])}", flush=True)
+        running.append((k, log, subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                                 env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus},
+                                                 start_new_session=True)))
+    start, codes = time.monotonic(), {}
+    for k, log, process in running:
+        try:
+            codes[k] = process.wait(timeout=None if kill_after is None
+                                    else max(0.0, kill_after - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)  # the lane's torchrun and its ranks too
+            codes[k] = f"killed after KILL_AFTER_S={kill_after:g} s"
+            process.wait()
+        log.close()
+    for k, _, _ in running:
+        lines = (out / f"lane{k}.log").read_text(errors="replace").splitlines()
+        print(f"\n##### lane{k}: {codes[k]}\n" + "\n".join(lines[-40:]), flush=True)
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["lanes"]:
+        if len(argv) < 3:
+            raise SystemExit(f"usage:\n{USAGE}")
+        return run_lanes(Path(argv[1]).resolve(), argv[2:])
     if argv[:1] == ["list"]:
         for catalog in argv[1:] or list(CATALOGS):
             for name, runs in CATALOGS[catalog].items():

@@ -54,3 +54,14 @@ def test_the_catalogs_are_listed_and_a_wrong_name_is_refused(capsys):
                for line in listed)
     with pytest.raises(SystemExit, match="unknown or no run: nope; depth's runs: cg-none"):
         gpu_runs.sections(["depth", "out", "nope"])
+
+
+def test_lanes_run_side_by_side_and_report_each(tmp_path, capsys):
+    """Each lane is this script again, into its own folder and log; a failing lane fails the
+    call, and every lane's end is shown."""
+    code = gpu_runs.main(["lanes", str(tmp_path), "0 lora nope", "1,2 depth nor-this"])
+    shown = capsys.readouterr().out
+    assert code == 1
+    assert "##### lane1: 1" in shown and "##### lane2: 1" in shown
+    assert "unknown or no run: nope; lora's runs" in (tmp_path / "lane1.log").read_text()
+    assert "unknown or no run: nor-this; depth's runs" in (tmp_path / "lane2.log").read_text()
