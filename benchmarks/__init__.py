@@ -36,6 +36,7 @@ Whole steps
 - training_core.py   the app's bf16-master core against its fp32 one, run by run
 - te_example.py      TE's own te_mixtral example trained at our workload
 - peft_peer.py       transformers + PEFT LoRA trained at our workload
+- axolotl_peer.py    axolotl's ScatterMoE-LoRA (and its QLoRA) trained at our workload
 - torchtitan_peer.py torchtitan's MoE at Mixtral's shapes, its EP, trained at our workload
 - kernel_profile.py  kernel time per step by kind, for our run or TE's example
 """

@@ -68,13 +68,13 @@ def workload_config(args):
     return load_config(args.config, {key: str(value) for key, value in overrides.items() if value is not None})
 
 
-def peer_main(script: str, args, check, run, describe) -> int:
-    """A model peer's main after parsing: `check(args)` and our config refuse bad input in
-    one line (exit 2) before `run(args, cfg)` imports anything heavy; rank 0's result is
-    reported (`describe` names the run from its workload)."""
+def peer_main(script: str, args, check, run, describe, workload=workload_config) -> int:
+    """A model peer's main after parsing: `check(args)` and our config (`workload(args)`)
+    refuse bad input in one line (exit 2) before `run(args, cfg)` imports anything heavy;
+    rank 0's result is reported (`describe` names the run from its workload)."""
     try:
         check(args)
-        cfg = workload_config(args)
+        cfg = workload(args)
         result = run(args, cfg)
     except UserError as error:
         print(f"{script}: error: {error}", file=sys.stderr)

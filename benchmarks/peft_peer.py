@@ -67,6 +67,8 @@ import sys
 
 from benchmarks import common
 from benchmarks.peer_workload import (
+    add_model_peer_flags,
+    add_run_flags,
     check_model_peer,
     document_positions,
     our_rows,
@@ -86,15 +88,13 @@ def attention_implementation() -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
 
 
-def build_peft_model(cfg, device, dtype, attention: str = "sdpa", gradient_checkpointing: bool = True):
+def build_mixtral(cfg, device, dtype, attention: str = "sdpa", gradient_checkpointing: bool = True):
     """transformers' `MixtralForCausalLM` at `cfg.model`'s shapes, randomly initialised in
-    `dtype` directly on `device`, with PEFT's LoRA for `cfg.lora` (module docstring)."""
+    `dtype` directly on `device` (module docstring)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import MixtralForCausalLM
 
     from te_mixtral.model.hf_config import hf_config
-    from te_mixtral.training.peft_adapters import peft_config
 
     with torch.device(device):  # built where it runs: no host copy, no fp32 copy
         model = MixtralForCausalLM._from_config(hf_config(cfg.model), dtype=dtype, attn_implementation=attention)
@@ -103,9 +103,23 @@ def build_peft_model(cfg, device, dtype, attention: str = "sdpa", gradient_check
         # The name PEFT's recipes call; newer transformers warn that it became
         # `activation_checkpointing_enable`, which older ones lack.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def add_peft_adapters(model, cfg):
+    """`model` under PEFT's LoRA for `cfg.lora`, as `--save-adapter` describes it (module docstring)."""
+    from peft import LoraConfig, get_peft_model
+
+    from te_mixtral.training.peft_adapters import peft_config
+
     # adapter_config.json's fields, less the two that describe the file rather than the adapters.
     settings = {k: v for k, v in peft_config(cfg).items() if k not in ("peft_type", "base_model_name_or_path")}
     return get_peft_model(model, LoraConfig(**{**settings, "inference_mode": False}))
+
+
+def build_peft_model(cfg, device, dtype, attention: str = "sdpa", gradient_checkpointing: bool = True):
+    """`build_mixtral`'s model with PEFT's LoRA for `cfg.lora`."""
+    return add_peft_adapters(build_mixtral(cfg, device, dtype, attention, gradient_checkpointing), cfg)
 
 
 def packed_row(thd: dict) -> dict:
@@ -143,13 +157,13 @@ def workload_config(args, world: int = 1):
     return cfg
 
 
-def cuda_device():
+def cuda_device(peer: str = "the transformers + PEFT peer"):
     """The GPU the peer runs on (torchrun's LOCAL_RANK'th under a launch); a one-line refusal
     on a machine without one."""
     import torch
 
     if not torch.cuda.is_available():
-        raise UserError("the transformers + PEFT peer needs a CUDA GPU, and none is visible")
+        raise UserError(f"{peer} needs a CUDA GPU, and none is visible")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -229,20 +243,22 @@ def check_args(args) -> None:
         raise UserError(f"--alpha must be positive, got {args.alpha}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/mixtral-8x7b-8layer.yaml")
-    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the config's)")
+def add_lora_flags(parser, recipes: str) -> None:
+    """`--rank`, `--alpha` and `--gradient-checkpointing` (on by default, as `recipes` run it):
+    the LoRA peers' own flags."""
     parser.add_argument("--rank", type=int, default=None,
                         help=f"LoRA rank r (default: the config's lora.rank, {DEFAULT_RANK} where that is 0)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="LoRA alpha, the scale's numerator (default: the config's lora.alpha)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-    parser.add_argument("--doc-len", type=int, default=None, help="random tokens in documents of this length (default: our run's rows)")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                        help="recompute each layer in the backward, as PEFT's recipes do (default: on)")
-    common.add_json_flag(parser)
+                        help=f"recompute each layer in the backward, as {recipes} do (default: on)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_peer_flags(parser)
+    add_lora_flags(parser, "PEFT's recipes")
+    add_run_flags(parser)
     args = parser.parse_args(argv)
     try:
         check_args(args)

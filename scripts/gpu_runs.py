@@ -37,7 +37,8 @@ call these with the same arguments: dated results pages name those command lines
   side. Each lane's output goes to OUT_DIR/laneK.log and its last lines to the screen once all
   have ended. KILL_AFTER_S=N in the environment: stop every lane still running after N seconds.
 - lora: the adapter tests, then Mixtral-8x7B LoRA runs beside full fine-tuning, the FP8 and
-  NF4 bases and transformers + PEFT (and Mixtral-8x22B over the NF4 base). Every run: custom_grouped (BF16 base) unless named, one packed
+  NF4 bases, transformers + PEFT and axolotl's ScatterMoE-LoRA (and Mixtral-8x22B over the
+  NF4 base). Every run: custom_grouped (BF16 base) unless named, one packed
   8192-token sequence per GPU per step, 30 steps, the same seed, so that the runs' losses
   compare the bases step by step.
 
@@ -50,7 +51,7 @@ have gone, so that a call with a time limit still ends with its summary.
 Transformer Engine and `datasets` must already be importable (installing them is the
 caller's business: pip, an NGC container, or a machine-specific `source ...` first);
 torchtitan too for depth's `titan`, the TE example (scripts/fetch_te_example.sh) for
-`te-8layer`.
+`te-8layer`, axolotl's files (scripts/fetch_axolotl.sh) and bitsandbytes for lora's `axolotl-*`.
 """
 
 import os
@@ -342,8 +343,13 @@ LORA_FLAGS = ("--tier", "custom_grouped", "--steps", "30", "--timing_warmup_step
               "2e-5", "--seq_len", "8192", "--dtype", "bf16", "--plots", "false")
 LORA_COMMON = ("--config", "configs/mixtral-8x7b.yaml", *LORA_FLAGS)
 LORA = ("--lora.rank", "16")
-# The peer's config: all 32 layers, one sequence per GPU, rank 16 and alpha 16 as ours.
-PEFT_PEER = ("--config", "configs/mixtral-8x7b-lora.yaml", "--alpha", "16")
+# The LoRA peers' config: all 32 layers, one sequence per GPU, rank 16 and alpha 16 as ours.
+LORA_PEER = ("--config", "configs/mixtral-8x7b-lora.yaml", "--alpha", "16")
+
+
+def axolotl_peer(name: str, *extra: str) -> Launch:
+    """benchmarks/axolotl_peer.py on one GPU at the LoRA peers' config, its JSON as OUT_DIR/NAME.json."""
+    return Launch(name, 1, ("-m", "benchmarks.axolotl_peer", *LORA_PEER, *extra, "--json", f"{{out}}/{name}.json"))
 
 
 def lora_train(name: str, nproc: int, *extra: str) -> list[Launch]:
@@ -416,11 +422,21 @@ LORA_RUNS = {
                                                     "--recompute", "full", "--output-dir", "{out}/lora-nf4-8x22b"))],
     # transformers + PEFT on all 32 layers, the same tokens, gradient checkpointing
     # (benchmarks/peft_peer.py; one H200 holds it)
-    "peft-32layer": [Launch("peft-32layer", 1, ("-m", "benchmarks.peft_peer", *PEFT_PEER, "--json",
+    "peft-32layer": [Launch("peft-32layer", 1, ("-m", "benchmarks.peft_peer", *LORA_PEER, "--json",
                                                 "{out}/peft-32layer.json"))],
     # the same on two GPUs under torchrun, DistributedDataParallel (two H200s)
-    "peft-32layer-ddp": [Launch("peft-32layer-ddp", 2, ("-m", "benchmarks.peft_peer", *PEFT_PEER, "--json",
+    "peft-32layer-ddp": [Launch("peft-32layer-ddp", 2, ("-m", "benchmarks.peft_peer", *LORA_PEER, "--json",
                                                         "{out}/peft-32layer-ddp.json"))],
+    # axolotl 0.21's ScatterMoE-LoRA (benchmarks/axolotl_peer.py; needs .peers/axolotl, made by
+    # scripts/fetch_axolotl.sh, and bitsandbytes for the NF4 base), to run first: its GPU tests, then
+    # 2 layers over each base, 10 steps
+    "axolotl-smoke": [*pytest_gpu("axolotl-tests", "-rs", "tests/gpu/test_axolotl_peer_gpu.py"),
+                      *(axolotl_peer(f"axolotl-2layer-{base}", "--base", base, "--layers", "2", "--steps", "10",
+                                     "--warmup", "3") for base in ("bf16", "nf4"))],
+    # all 32 layers, the tokens of peft-32layer, bf16 base, gradient checkpointing (one H200 holds it)
+    "axolotl-32layer": [axolotl_peer("axolotl-32layer")],
+    # the same over bitsandbytes' NF4 (axolotl's QLoRA: load_in_4bit with quantize_moe_experts)
+    "axolotl-qlora-32layer": [axolotl_peer("axolotl-qlora-32layer", "--base", "nf4")],
 }
 
 # nf4-tests, nf4-accuracy and lora-nf4-32layer in one go
