@@ -377,6 +377,10 @@ LORA_RUNS = {
     "lora-8layer": lora_train("lora-8layer", 1, "--model.num_hidden_layers", "8", *LORA),
     # all 32 layers, LoRA r=16, selective recompute (one H200 holds it)
     "lora-32layer": lora_train("lora-32layer", 1, *LORA, "--recompute", "selective"),
+    # the same recomputing the expert FFN in the first 13 layers only, the fewest that fit one
+    # H200 (the run axolotl's and the NF4 base's are compared with)
+    "lora-32layer-fewest": lora_train("lora-32layer-fewest", 1, *LORA, "--recompute", "selective",
+                                      "--recompute_layers", "13"),
     # all 32 layers, LoRA r=16, EP=2 on two GPUs, no recompute (two H200s hold it)
     "lora-32layer-ep2": lora_train("lora-32layer-ep2", 2, *LORA, "--ep-size", "2"),
     # the same with full recompute (two H100s hold it)
