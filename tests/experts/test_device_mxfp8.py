@@ -199,27 +199,38 @@ def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off(
     load_run_config(None, {"tier": "device_mxfp8", "fp8.weight_cache": "false"}, 1)  # auto: Hopper's
 
 
-def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_path():
-    """The switch itself, on the CPU: a tier told its mode is fp8-hopper (as check_available
-    would on an H100) runs custom_grouped under the threshold; at it and above, the FP8
-    runner runs (a stand-in here: FP8 GEMMs need the GPU)."""
+@pytest.mark.parametrize("sizes", [[6, 6, 6, 6], [21, 0, 2, 1]], ids=["even", "uneven"])
+def test_fp8_hopper_runs_custom_grouped_under_the_break_even_and_fp8_from_it(sizes):
+    """The switch itself, on the CPU, each side bit for bit what it switches to, forward and
+    backward: a tier told its mode is fp8-hopper (as check_available would on an H100), with
+    the MXFP8 emulation standing in for its FP8 GEMMs (they need the GPU). The rule is on the
+    mean rows per local expert, a shape, so an uneven split switches as an even one."""
     gen = torch.Generator().manual_seed(13)
-    x_RD, counts, gate_up, down = mlp_inputs(gen, num_experts=4, max_rows=50)  # <= 200 rows
-    rows_per_expert = x_RD.shape[0] / 4
-    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=int(rows_per_expert) + 1)
-    tier.mode, tier._device = "fp8-hopper", x_RD.device
+    _, _, gate_up, down = mlp_inputs(gen)
+    counts = torch.tensor(sizes)
+    x_RD = torch.randn(int(counts.sum()), gate_up.shape[2], generator=gen, requires_grad=True)
+    dy = torch.randn(x_RD.shape, generator=gen)
 
-    class FP8StandIn:  # zeros for output: nothing else returns them here
-        recipe, kernel, row_align, min_rows = "fp8-rowwise", "fp8 stand-in", 16, 16
+    def run(ffn):
+        y = ffn(x_RD, counts, gate_up, down)
+        return (y, *torch.autograd.grad(y, (x_RD, gate_up, down), dy))
 
-        def mlp(self, x_QD, padded, gate_up_L2FD, down_LDF):
-            return torch.zeros_like(x_QD)
+    emulated = DeviceMXFP8Tier("mxfp8-emulated")
+    emulated.check_available(torch.device("cpu"))
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=7)  # the mean is 6 rows
+    tier.mode, tier._device, tier._runner = "fp8-hopper", x_RD.device, emulated._runner
+    bf16, fp8 = run(make_tier("custom_grouped")), run(emulated)
+    assert not torch.equal(bf16[0], fp8[0])  # the two paths differ: the checks below can fail
 
-    tier._runner = FP8StandIn()
-    assert torch.equal(tier(x_RD, counts, gate_up, down), make_tier("custom_grouped")(x_RD, counts, gate_up, down))
+    with _OpRecorder() as recorder:  # the choice reads shapes only: no op waits for the device
+        below = run(tier)
+    assert recorder.ops and not recorder.ops & SYNCHRONISING_OPS
+    assert all(torch.equal(a, b) for a, b in zip(below, bf16))
     assert tier.calls() == {"bf16 custom_grouped": 1}
-    assert "BF16 custom_grouped kernels for calls under" in tier.describe()["kernel"]
+    assert "BF16 custom_grouped kernels for calls under 7 rows per local expert" in tier.describe()["kernel"]
 
-    tier.min_rows_per_expert = int(rows_per_expert)  # now at or above the threshold: the FP8 runner
-    assert torch.equal(tier(x_RD, counts, gate_up, down), torch.zeros_like(x_RD))
-    assert tier.calls() == {"bf16 custom_grouped": 1, "fp8-hopper": 1}
+    for at_or_above in (6, 0):  # the mean itself, and 0: FP8 at every size
+        tier.min_rows_per_expert = at_or_above
+        assert all(torch.equal(a, b) for a, b in zip(run(tier), fp8))
+    assert tier.calls() == {"bf16 custom_grouped": 1, "fp8-hopper": 2}
+    assert "BF16" not in tier.describe()["kernel"]
