@@ -316,6 +316,10 @@ class DeviceMXFP8Tier(ExpertTier):
     def calls(self) -> dict[str, int]:
         return dict(self._calls)
 
+    def sync_free(self) -> bool:
+        # See the module docstring: mxfp8-te only where TE takes its grouped-tensor path.
+        return self.mode in ("fp8-hopper", "mxfp8-emulated")
+
     def _bf16_under_break_even(self) -> bool:
         return self.mode == "fp8-hopper" and self.min_rows_per_expert > 0
 

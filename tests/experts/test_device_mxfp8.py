@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
+from host_syncs import SYNCHRONISING_OPS, OpRecorder
 from quant_reference import MXFP8_MLP_RTOL, group_bounds, mlp_inputs, rel_err
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_mixtral.config import load_config, load_run_config
 from te_mixtral.errors import TierUnavailable, UserError
@@ -68,27 +68,6 @@ def test_tier_handles_no_rows_at_all():
 
 # --- no host synchronisation -----------------------------------------------------------------
 
-# Ops that make the host wait for the GPU when their tensors live there: reading a value
-# (.item(), .tolist(), int(t)), an output whose size depends on the data, or a tensor made
-# from Python data on its way to the device (assigning a Python number into a CUDA tensor
-# is one: a host-to-device copy from pageable memory).
-SYNCHRONISING_OPS = {
-    "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.lift_fresh",
-    "aten.repeat_interleave", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim",
-    "aten.equal", "aten.is_nonzero",
-}
-
-
-class _OpRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def _shape_only_kernel(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
     """torch._scaled_grouped_mm's output shape, no arithmetic: the kernel itself reads the
     offsets on the device, so only what the tier does around it is under test here."""
@@ -101,7 +80,7 @@ def _shape_only_kernel(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None
 def test_no_synchronising_op_in_forward_and_backward(gemms):
     """The CPU half of tests/gpu's set_sync_debug_mode("error") check: every aten op the
     tier issues, forward and backward, is one that never waits for the GPU."""
-    with _OpRecorder() as recorder:
+    with OpRecorder() as recorder:
         t = torch.zeros(3, dtype=torch.int64)
         t[-1] = 1
     assert "aten.lift_fresh" in recorder.ops  # the recorder does see such ops
@@ -119,7 +98,7 @@ def test_no_synchronising_op_in_forward_and_backward(gemms):
             y_QD = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, hopper_gemms)
             return unpad_rows(y_QD, padded)
 
-    with _OpRecorder() as recorder:
+    with OpRecorder() as recorder:
         torch.autograd.grad(tier(x_RD, counts, gate_up, down), (x_RD, gate_up, down), dy)
     assert recorder.ops and not recorder.ops & SYNCHRONISING_OPS
 
@@ -222,7 +201,7 @@ def test_fp8_hopper_runs_custom_grouped_under_the_break_even_and_fp8_from_it(siz
     bf16, fp8 = run(make_tier("custom_grouped")), run(emulated)
     assert not torch.equal(bf16[0], fp8[0])  # the two paths differ: the checks below can fail
 
-    with _OpRecorder() as recorder:  # the choice reads shapes only: no op waits for the device
+    with OpRecorder() as recorder:  # the choice reads shapes only: no op waits for the device
         below = run(tier)
     assert recorder.ops and not recorder.ops & SYNCHRONISING_OPS
     assert all(torch.equal(a, b) for a, b in zip(below, bf16))
