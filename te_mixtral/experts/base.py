@@ -139,6 +139,13 @@ class ExpertTier(abc.ABC):
         (results.json's `tier_calls`); empty for a tier with one."""
         return {}
 
+    def sync_free(self) -> bool:
+        """Whether a call on a GPU never waits for it from the host (split sizes stay on the
+        device, every shape comes from shapes), so that a CUDA graph can capture it: what
+        generation's decode step asks (training/generate.py). A tier that says so is checked
+        under `torch.cuda.set_sync_debug_mode("error")` in tests/gpu."""
+        return False
+
     def expert_weight(self, shape: tuple[int, ...], frozen: bool = False) -> nn.Module:
         """The storage of one stacked expert weight of the model this tier runs: a parameter
         in the default dtype, or, for a base that does not train (`frozen`: LoRA's), what a

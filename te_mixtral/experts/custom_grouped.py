@@ -77,6 +77,9 @@ class CustomGroupedTier(ExpertTier):
     def describe(self) -> dict:
         return {"frozen_base": "nf4, dequantised in the grouped GEMMs"} if self.nf4_base else {}
 
+    def sync_free(self) -> bool:
+        return True  # the kernels read the split sizes on the device (kernels/grouped_swiglu.py)
+
     def check_available(self, device: torch.device) -> None:
         if torch.device(device).type != "cuda":
             return  # the grouped_mm path runs anywhere

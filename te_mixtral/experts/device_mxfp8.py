@@ -22,10 +22,18 @@ are held in FP8 alone, quantised once as they load (quant/frozen_fp8.py): the ti
 adapters, runs every call in FP8 (there is no BF16 copy to fall back to) and no weight
 gradient. The other modes have no frozen FP8 base and refuse LoRA in one line.
 
-In mode `fp8-hopper` a call with fewer rows per local expert than `min_rows_per_expert` (the
-config's `fp8.min_rows_per_expert`; 0 turns it off) runs the BF16 `custom_grouped` kernels
-instead: there FP8 is slower than BF16 (docs/precision.md): `describe()` says so, and `calls()` (results.json's
-`tier_calls`) counts the calls that ran each path.
+In mode `fp8-hopper` (`auto` on Hopper) a call with fewer rows per local expert than
+`min_rows_per_expert` (the config's `fp8.min_rows_per_expert`, by default the break-even measured
+on H100 and H200; 0 turns it off) runs the BF16 `custom_grouped` kernels instead: there FP8 is
+slower than BF16, because every optimizer step quantises the weights again and few rows do not
+repay it (docs/precision.md states the break-even per GPU, and `benchmarks/fp8_break_even.py`
+measures it). `describe()` says so, and `calls()` (results.json's `tier_calls`) counts the calls
+that ran each path. The choice is the call's: rows and local experts are shapes, known on the
+host, so it needs no sync. No other mode switches: `mxfp8-te` has no break-even measured (no
+Blackwell GPU has run it), so it runs MXFP8 at every size rather than at a threshold nobody
+measured; the emulation is for numerics. A frozen FP8 base (LoRA) runs FP8 at every size too:
+it has no BF16 copy to switch to, and it quantises its weights once as they load, not at every
+optimizer step.
 
 `mode="auto"` (the config's `fp8.mode` default) picks the hardware path: sm_90 runs
 `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. The CPU, any other GPU, or a mode the
@@ -250,7 +258,9 @@ class DeviceMXFP8Tier(ExpertTier):
         a, R, L = load.activation_bytes, load.rows, load.local_experts
         D, F = cfg.model.hidden_size, cfg.model.intermediate_size
         memory = ExpertMemory.autograd(F, load, fused=cuda)
-        if not (frozen or (cuda and runs_fp8(R, L, options.min_rows_per_expert))):
+        # Only Hopper's mode switches to BF16 under the break-even (`auto` is counted as Hopper's).
+        bf16_below = options.hopper_fp8 and not runs_fp8(R, L, options.min_rows_per_expert)
+        if not (frozen or (cuda and not bf16_below)):
             return memory
         weights = L * 3 * F * D  # this rank's expert weights in one layer, in elements
         copies = (1 if frozen else 2) * weights
@@ -306,6 +316,10 @@ class DeviceMXFP8Tier(ExpertTier):
     def calls(self) -> dict[str, int]:
         return dict(self._calls)
 
+    def sync_free(self) -> bool:
+        # See the module docstring: mxfp8-te only where TE takes its grouped-tensor path.
+        return self.mode in ("fp8-hopper", "mxfp8-emulated")
+
     def _bf16_under_break_even(self) -> bool:
         return self.mode == "fp8-hopper" and self.min_rows_per_expert > 0
 
@@ -337,7 +351,8 @@ class DeviceMXFP8Tier(ExpertTier):
         assert frozen or (adapters is None and keep_hidden), "adapters and own recompute come with a frozen base"
         # Below the break-even size the FP8 casts and the weights' quantisation cost more than
         # the FP8 GEMMs save (docs/precision.md has the measurements). Rows and experts are
-        # shapes, known on the host: the choice needs no sync. A frozen base has no BF16 copy.
+        # shapes, known on the host: the choice needs no sync. A frozen base has no BF16 copy
+        # (and no per-step quantisation to repay).
         if (not frozen and self.mode == "fp8-hopper"
                 and not runs_fp8(x_RD.shape[0], tokens_per_expert_L.numel(), self.min_rows_per_expert)):
             self._calls["bf16 custom_grouped"] += 1

@@ -9,6 +9,7 @@ Shape suffixes: see te_mixtral/__init__.py.
     router_losses.py  Mixtral's load-balancing loss and ST-MoE's router z-loss, over ranks
     lora.py           LoRA: low-rank adapters over a frozen base
     recompute.py      activation recompute (`train.recompute`)
+    kv_cache.py       generation's KV cache (training/generate.py)
     hf_config.py      our ModelConfig to and from transformers' MixtralConfig
     hf_model.py       the `hf` baselines: transformers' MixtralForCausalLM as is
 """

@@ -11,6 +11,9 @@ initialisation, copied by name), so its losses are comparable step by step.
 Packed documents: passing position_ids that restart at 0 makes transformers build a
 document-separating causal mask itself.
 
+Generation (training/generate.py) passes the cache `kv_cache` makes, transformers' own
+`DynamicCache`.
+
 Router losses: the forward asks transformers for its router logits and its own
 load-balancing loss (`output_router_logits`), so an `hf` run trains with transformers' aux
 loss, not ours, and a loss check against it compares like with like. The z-loss and the
@@ -19,6 +22,7 @@ Mixtral has no z-loss).
 """
 
 import dataclasses
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,9 @@ class HFMixtral(nn.Module):
         self.config = m
         self.hf = MixtralForCausalLM(cfg)
         self.routing: RouterStats | None = None  # the latest forward's
+        # transformers renamed `past_key_values` to `cache` (5.24 warns at the old name).
+        forward_arguments = inspect.signature(self.hf.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward_arguments else "past_key_values"
         self.aux_loss: torch.Tensor | None = None  # transformers' load_balancing_loss_func, the latest forward's
 
     @classmethod
@@ -55,9 +62,10 @@ class HFMixtral(nn.Module):
         wrapped.hf.load_state_dict(ours.state_dict())
         return wrapped
 
-    def forward(self, input_ids_BS: torch.Tensor, packed: PackedSequences) -> torch.Tensor:
-        out = self.hf(input_ids=input_ids_BS, position_ids=packed.position_ids_BS, use_cache=False,
-                      output_router_logits=True)
+    def forward(self, input_ids_BS: torch.Tensor, packed: PackedSequences, cache=None) -> torch.Tensor:
+        given = {} if cache is None else {self._cache_argument: cache}
+        out = self.hf(input_ids=input_ids_BS, position_ids=packed.position_ids_BS, use_cache=cache is not None,
+                      output_router_logits=True, **given)
         self.aux_loss = out.aux_loss
         top_k = self.config.num_experts_per_tok
         layers = []
@@ -67,6 +75,12 @@ class HFMixtral(nn.Module):
             layers.append(RouterStats.of_layer(logits_TE, probs_TE, torch.topk(probs_TE, top_k, dim=-1).indices))
         self.routing = RouterStats.cat(layers)
         return out.logits
+
+    def kv_cache(self, length: int):
+        """An empty cache for one sequence (transformers' grows as it goes: `length` is not needed)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf.config)
 
     def router_losses(self, layout: Layout) -> RouterLosses:
         """As our model's, with transformers' aux loss in place of ours (one process: the

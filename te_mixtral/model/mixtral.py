@@ -16,6 +16,10 @@ forward again in its backward, "selective" only the expert FFN (see
 te_mixtral/model/recompute.py), in every layer or in the first `recompute_layers`
 (train.recompute_layers), the others keeping everything.
 
+Generation (training/generate.py) passes a `KVCache` (te_mixtral/model/kv_cache.py): the
+forward's tokens continue the cached ones, at the positions `packed` gives them, and attend to
+them; attention and the rotary embedding then run in PyTorch on either backend.
+
 Router losses. Each forward keeps its layers' routing statistics as `model.routing`, taken
 from the layers' return values outside any recomputed region; `model.router_losses(layout)`
 turns them into the load-balancing loss and z-loss of the global batch, and the expert load
@@ -30,7 +34,8 @@ from te_mixtral.config import ModelConfig
 from te_mixtral.distributed.dispatch import AllToAllDispatcher
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.experts.base import ExpertTier
-from te_mixtral.model.layers import Backend, PackedSequences
+from te_mixtral.model.kv_cache import KVCache, LayerCache
+from te_mixtral.model.layers import Backend, PackedSequences, TorchRotary
 from te_mixtral.model.moe import MoEBlock
 from te_mixtral.model.recompute import recomputed
 from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_losses
@@ -46,8 +51,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rotary = backend.rotary
 
-    def forward(self, packed: PackedSequences):
-        return self.rotary.tables(self.inv_freq, packed)
+    def forward(self, packed: PackedSequences, cached: bool = False):
+        """The tables; `cached`: in PyTorch's form, at the positions as given (a cached
+        generation's tokens start anywhere)."""
+        return (TorchRotary if cached else self.rotary).tables(self.inv_freq, packed)
 
 
 class Attention(nn.Module):
@@ -67,13 +74,18 @@ class Attention(nn.Module):
         y = getattr(self, name)(x)
         return y + self.adapters[name](x) if name in self.adapters else y
 
-    def forward(self, x_BSD, rotary, packed: PackedSequences):
+    def forward(self, x_BSD, rotary, packed: PackedSequences, cache: LayerCache | None = None):
         batch, seq, _ = x_BSD.shape
         q = self.project("q_proj", x_BSD).view(batch, seq, self.heads, self.head_dim)
         k = self.project("k_proj", x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
         v = self.project("v_proj", x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
-        q, k = self.rotary.apply(q, rotary, packed), self.rotary.apply(k, rotary, packed)
-        return self.project("o_proj", self.core(q, k, v, packed).reshape(batch, seq, -1))
+        rope = self.rotary if cache is None else TorchRotary
+        q, k = rope.apply(q, rotary, packed), rope.apply(k, rotary, packed)
+        if cache is None:
+            out = self.core(q, k, v, packed)
+        else:
+            out = cache.attend(q, k, v, packed.position_ids_BS[0])
+        return self.project("o_proj", out.reshape(batch, seq, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -91,13 +103,13 @@ class DecoderLayer(nn.Module):
                             recompute_experts=recompute == "selective", z_loss_grad=m.router_z_loss_coef != 0,
                             frozen_base=frozen_base)
 
-    def forward(self, x_BSD, rotary, packed):
+    def forward(self, x_BSD, rotary, packed, cache: LayerCache | None = None):
         if self.recompute_layer:
-            return recomputed(self._forward, x_BSD, rotary, packed)
-        return self._forward(x_BSD, rotary, packed)
+            return recomputed(self._forward, x_BSD, rotary, packed, cache)
+        return self._forward(x_BSD, rotary, packed, cache)
 
-    def _forward(self, x_BSD, rotary, packed) -> tuple[torch.Tensor, RouterStats]:
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rotary, packed)
+    def _forward(self, x_BSD, rotary, packed, cache=None) -> tuple[torch.Tensor, RouterStats]:
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rotary, packed, cache)
         y_BSD, stats = self.mlp(self.post_attention_layernorm(x_BSD))
         return x_BSD + y_BSD, stats
 
@@ -134,13 +146,14 @@ class MixtralForCausalLM(nn.Module):
             self.requires_grad_(False)
         self.routing: RouterStats | None = None  # the latest forward's, on this rank
 
-    def forward(self, input_ids_BS, packed: PackedSequences) -> torch.Tensor:
-        """Logits [B, S, V] for a packed batch; the routing statistics go to `self.routing`."""
+    def forward(self, input_ids_BS, packed: PackedSequences, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [B, S, V] for a packed batch; the routing statistics go to `self.routing`.
+        With `cache` (one sequence, B = 1), the tokens continue the ones it holds."""
         x_BSD = self.model.embed_tokens(input_ids_BS)
-        rotary = self.model.rotary(packed)
+        rotary = self.model.rotary(packed, cached=cache is not None)
         layer_stats = []
-        for layer in self.model.layers:
-            x_BSD, stats = layer(x_BSD, rotary, packed)
+        for i, layer in enumerate(self.model.layers):
+            x_BSD, stats = layer(x_BSD, rotary, packed, None if cache is None else cache.layers[i])
             layer_stats.append(stats)
         self.routing = RouterStats.cat(layer_stats)
         return self.lm_head(self.model.norm(x_BSD))
@@ -161,6 +174,10 @@ class MixtralForCausalLM(nn.Module):
         """The latest forward's router losses and expert load over the global batch (a
         collective: every rank calls it after the same forward)."""
         return router_losses(self.routing, layout)
+
+    def kv_cache(self, length: int) -> KVCache:
+        """An empty cache for one sequence of up to `length` tokens (training/generate.py)."""
+        return KVCache(self.config.num_hidden_layers, length)
 
 
 def expert_seed(seed: int, layer_index: int, global_expert: int) -> int:

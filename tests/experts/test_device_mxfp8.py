@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
+from host_syncs import SYNCHRONISING_OPS, OpRecorder
 from quant_reference import MXFP8_MLP_RTOL, group_bounds, mlp_inputs, rel_err
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_mixtral.config import load_config, load_run_config
 from te_mixtral.errors import TierUnavailable, UserError
@@ -68,27 +68,6 @@ def test_tier_handles_no_rows_at_all():
 
 # --- no host synchronisation -----------------------------------------------------------------
 
-# Ops that make the host wait for the GPU when their tensors live there: reading a value
-# (.item(), .tolist(), int(t)), an output whose size depends on the data, or a tensor made
-# from Python data on its way to the device (assigning a Python number into a CUDA tensor
-# is one: a host-to-device copy from pageable memory).
-SYNCHRONISING_OPS = {
-    "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.lift_fresh",
-    "aten.repeat_interleave", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim",
-    "aten.equal", "aten.is_nonzero",
-}
-
-
-class _OpRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def _shape_only_kernel(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
     """torch._scaled_grouped_mm's output shape, no arithmetic: the kernel itself reads the
     offsets on the device, so only what the tier does around it is under test here."""
@@ -101,7 +80,7 @@ def _shape_only_kernel(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None
 def test_no_synchronising_op_in_forward_and_backward(gemms):
     """The CPU half of tests/gpu's set_sync_debug_mode("error") check: every aten op the
     tier issues, forward and backward, is one that never waits for the GPU."""
-    with _OpRecorder() as recorder:
+    with OpRecorder() as recorder:
         t = torch.zeros(3, dtype=torch.int64)
         t[-1] = 1
     assert "aten.lift_fresh" in recorder.ops  # the recorder does see such ops
@@ -119,7 +98,7 @@ def test_no_synchronising_op_in_forward_and_backward(gemms):
             y_QD = scaled_grouped_swiglu(pad_rows(x_RD, padded), padded.offsets_L, gate_up, down, hopper_gemms)
             return unpad_rows(y_QD, padded)
 
-    with _OpRecorder() as recorder:
+    with OpRecorder() as recorder:
         torch.autograd.grad(tier(x_RD, counts, gate_up, down), (x_RD, gate_up, down), dy)
     assert recorder.ops and not recorder.ops & SYNCHRONISING_OPS
 
@@ -199,27 +178,38 @@ def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off(
     load_run_config(None, {"tier": "device_mxfp8", "fp8.weight_cache": "false"}, 1)  # auto: Hopper's
 
 
-def test_fp8_hopper_switches_to_bf16_under_the_break_even_size_and_counts_each_path():
-    """The switch itself, on the CPU: a tier told its mode is fp8-hopper (as check_available
-    would on an H100) runs custom_grouped under the threshold; at it and above, the FP8
-    runner runs (a stand-in here: FP8 GEMMs need the GPU)."""
+@pytest.mark.parametrize("sizes", [[6, 6, 6, 6], [21, 0, 2, 1]], ids=["even", "uneven"])
+def test_fp8_hopper_runs_custom_grouped_under_the_break_even_and_fp8_from_it(sizes):
+    """The switch itself, on the CPU, each side bit for bit what it switches to, forward and
+    backward: a tier told its mode is fp8-hopper (as check_available would on an H100), with
+    the MXFP8 emulation standing in for its FP8 GEMMs (they need the GPU). The rule is on the
+    mean rows per local expert, a shape, so an uneven split switches as an even one."""
     gen = torch.Generator().manual_seed(13)
-    x_RD, counts, gate_up, down = mlp_inputs(gen, num_experts=4, max_rows=50)  # <= 200 rows
-    rows_per_expert = x_RD.shape[0] / 4
-    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=int(rows_per_expert) + 1)
-    tier.mode, tier._device = "fp8-hopper", x_RD.device
+    _, _, gate_up, down = mlp_inputs(gen)
+    counts = torch.tensor(sizes)
+    x_RD = torch.randn(int(counts.sum()), gate_up.shape[2], generator=gen, requires_grad=True)
+    dy = torch.randn(x_RD.shape, generator=gen)
 
-    class FP8StandIn:  # zeros for output: nothing else returns them here
-        recipe, kernel, row_align, min_rows = "fp8-rowwise", "fp8 stand-in", 16, 16
+    def run(ffn):
+        y = ffn(x_RD, counts, gate_up, down)
+        return (y, *torch.autograd.grad(y, (x_RD, gate_up, down), dy))
 
-        def mlp(self, x_QD, padded, gate_up_L2FD, down_LDF):
-            return torch.zeros_like(x_QD)
+    emulated = DeviceMXFP8Tier("mxfp8-emulated")
+    emulated.check_available(torch.device("cpu"))
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=7)  # the mean is 6 rows
+    tier.mode, tier._device, tier._runner = "fp8-hopper", x_RD.device, emulated._runner
+    bf16, fp8 = run(make_tier("custom_grouped")), run(emulated)
+    assert not torch.equal(bf16[0], fp8[0])  # the two paths differ: the checks below can fail
 
-    tier._runner = FP8StandIn()
-    assert torch.equal(tier(x_RD, counts, gate_up, down), make_tier("custom_grouped")(x_RD, counts, gate_up, down))
+    with OpRecorder() as recorder:  # the choice reads shapes only: no op waits for the device
+        below = run(tier)
+    assert recorder.ops and not recorder.ops & SYNCHRONISING_OPS
+    assert all(torch.equal(a, b) for a, b in zip(below, bf16))
     assert tier.calls() == {"bf16 custom_grouped": 1}
-    assert "BF16 custom_grouped kernels for calls under" in tier.describe()["kernel"]
+    assert "BF16 custom_grouped kernels for calls under 7 rows per local expert" in tier.describe()["kernel"]
 
-    tier.min_rows_per_expert = int(rows_per_expert)  # now at or above the threshold: the FP8 runner
-    assert torch.equal(tier(x_RD, counts, gate_up, down), torch.zeros_like(x_RD))
-    assert tier.calls() == {"bf16 custom_grouped": 1, "fp8-hopper": 1}
+    for at_or_above in (6, 0):  # the mean itself, and 0: FP8 at every size
+        tier.min_rows_per_expert = at_or_above
+        assert all(torch.equal(a, b) for a, b in zip(run(tier), fp8))
+    assert tier.calls() == {"bf16 custom_grouped": 1, "fp8-hopper": 2}
+    assert "BF16" not in tier.describe()["kernel"]

@@ -354,9 +354,10 @@ def test_a_refusal_names_the_settings_that_would_fit(capsys):
 
 def test_fp8_weight_copies_are_counted_only_where_fp8_runs():
     """device_mxfp8 on a GPU holds each expert weight in FP8 twice (two orientations) until
-    the optimizer step; under fp8.min_rows_per_expert it runs the BF16 kernels and holds none."""
-    def total(min_rows, tier="device_mxfp8"):
-        cfg = tiny(tier, **{"fp8.min_rows_per_expert": str(min_rows)}, dtype="bf16")
+    the optimizer step; under fp8.min_rows_per_expert Hopper's mode runs the BF16 kernels and
+    holds none. Blackwell's mode has no break-even and runs MXFP8 at every size."""
+    def total(min_rows, tier="device_mxfp8", mode="auto"):
+        cfg = tiny(tier, **{"fp8.min_rows_per_expert": str(min_rows), "fp8.mode": mode}, dtype="bf16")
         return estimate_memory(cfg, 1, device="cuda")
 
     fp8, bf16 = total(0), total(10**9)
@@ -364,6 +365,8 @@ def test_fp8_weight_copies_are_counted_only_where_fp8_runs():
     m = tiny().model
     copies = 2 * count_parameters(m).experts_per_layer * m.num_hidden_layers
     assert fp8.phases["head backward"]["weight copies"] - bf16.phases["head backward"]["weight copies"] == copies
+    assert total(10**9, mode="fp8-hopper").total == bf16.total
+    assert total(10**9, mode="mxfp8-te").total == total(0, mode="mxfp8-te").total == fp8.total
 
 
 @pytest.mark.parametrize("recompute, saved_share", [("none", 0.5), ("selective", 0), ("full", 0)])

@@ -1,29 +1,19 @@
-"""Held-out data is fixed and never trained on; greedy generation is transformers' greedy.
+"""Held-out data is fixed and never trained on; a chat run prompts its generation as a user turn.
 
 (The end-to-end checks, EP=2 eval loss and generation against transformers on an exported
-checkpoint, are in test_checkpoint_hf_out.py.)"""
+checkpoint, are in test_checkpoint_hf_out.py; greedy generation itself in test_generate.py.)"""
 
-import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import REPO
-from transformers import MixtralConfig, MixtralForCausalLM
 
 from te_mixtral.config import DataConfig
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.data.packing import PackedData, held_out_records
-from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
-from te_mixtral.experts.loop import LoopTier
-from te_mixtral.model.hf_config import model_config_from_hf
-from te_mixtral.model.layers import TORCH
-from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
-from te_mixtral.training.generate import encode_prompt, greedy_generate
-from te_mixtral.training.hf_checkpoint import load_hf_weights
-
-SINGLE = Layout(0, 1, 1, None, None)
+from te_mixtral.training.generate import encode_prompt
 
 
 def test_the_held_out_records_are_a_fixed_share_of_the_records():
@@ -72,33 +62,6 @@ def test_training_never_reads_a_held_out_record(accum):
     first_held = ranks[0].eval_stream.tokens[: ranks[0].eval_stream.lengths[0]].tolist()
     train = ranks[0].stream.tokens.tolist()
     assert not any(train[i : i + len(first_held)] == first_held for i in range(len(train) - len(first_held) + 1))
-
-
-def test_greedy_generation_equals_transformers(tmp_path):
-    torch.manual_seed(0)
-    hf_cfg = MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                           num_experts_per_tok=2, eos_token_id=None, bos_token_id=None,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    hf = MixtralForCausalLM(hf_cfg).eval()
-    hf.save_pretrained(tmp_path)
-    ours = Ours(model_config_from_hf(tmp_path), TORCH, SINGLE, LoopTier())
-    load_hf_weights(ours, tmp_path, SINGLE)
-    prompt = [5, 17, 3, 42]
-
-    def ours_greedy(eos_id):
-        return greedy_generate(ours, prompt, 10, eos_id, SINGLE, torch.device("cpu"), contextlib.nullcontext(), 1024)
-
-    def hf_greedy(eos_id):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=eos_id,
-                          pad_token_id=eos_id)
-        return out[0, len(prompt):].tolist()
-
-    full = hf_greedy(eos_id=None)
-    assert len(full) == 10
-    assert ours_greedy(eos_id=-1) == full  # -1: no token stops it
-    stop = full[2]  # make the third token the eos: both must stop right after it
-    assert ours_greedy(eos_id=stop) == hf_greedy(eos_id=stop) == full[: full.index(stop) + 1]
 
 
 def test_a_chat_run_prompts_as_a_user_turn():
