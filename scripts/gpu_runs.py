@@ -7,6 +7,7 @@ launches), and one launcher runs any of them the same way.
     python3 scripts/gpu_runs.py multi OUT_DIR NGPU [TIER ...]     the NCCL tests, every EP layout that fits
     python3 scripts/gpu_runs.py depth OUT_DIR RUN [RUN ...]       docs/depth.md's runs
     python3 scripts/gpu_runs.py lora OUT_DIR RUN [RUN ...]        docs/lora.md's runs
+    python3 scripts/gpu_runs.py rows OUT_DIR RUN [RUN ...]        few rows per expert: FP8's break-even, decoding
     python3 scripts/gpu_runs.py list [depth|lora]                the named runs, and the commands they launch
     python3 scripts/gpu_runs.py lanes OUT_DIR "GPUS CATALOG RUN ..." ...   several of the above at once
 
@@ -446,7 +447,18 @@ LORA_RUNS = {
 # nf4-tests, nf4-accuracy and lora-nf4-32layer in one go
 LORA_RUNS["nf4"] = [*LORA_RUNS["nf4-tests"], *LORA_RUNS["nf4-accuracy"], *LORA_RUNS["lora-nf4-32layer"]]
 
-CATALOGS = {"depth": DEPTH_RUNS, "lora": LORA_RUNS}
+# Few rows per expert: the FP8 tier's break-even, batch-1 decoding (one GPU each)
+ROWS_RUNS = {
+    # device_mxfp8 against custom_grouped by rows per local expert, its default fallback included
+    "fp8-break-even": [Launch("fp8-break-even", 1, ("-m", "benchmarks.fp8_break_even", "--json",
+                                                    "{out}/fp8_break_even.json"))],
+    # generation's GPU tests (graphed tokens equal eager ones), then greedy batch-1 decoding of
+    # the whole 8x7B beside transformers' generate and the bandwidth floor
+    "decode": [*pytest_gpu("generate-tests", "-m", "cuda", "tests/gpu/test_generate_gpu.py"),
+               Launch("decode-b1", 1, ("-m", "benchmarks.decode_b1", "--json", "{out}/decode_b1.json"), tail=40)],
+}
+
+CATALOGS = {"depth": DEPTH_RUNS, "lora": LORA_RUNS, "rows": ROWS_RUNS}
 
 
 # --- the launcher -----------------------------------------------------------------------
