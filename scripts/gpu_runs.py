@@ -28,8 +28,9 @@ call these with the same arguments: dated results pages name those command lines
   EP=1 x DP=2 on two GPUs, EP=2 x DP=2 on four. Default tiers: grouped_linear custom_grouped.
 - depth: what stands between a rank's share of the full Mixtral-8x7B and its targets: 16
   layers at EP=2 on two GPUs with each recompute setting and tier, each with its phase
-  profile, a kernel profile, the 2-layer one-GPU step, the two peers, and the full model at
-  EP=4 (docs/depth.md says why each). Every training run: full fine-tuning, bf16 parameters
+  profile, a kernel profile, the 2-layer one-GPU step, the two peers, the 8-layer kernel
+  profiles beside TE's example and the TE backend's fusions with and without, and the full
+  model at EP=4 (docs/full-model.md says why each). Every training run: full fine-tuning, bf16 parameters
   with master_adamw, the config's lr 2e-5, one packed 8192-token sequence per GPU per step,
   15 steps of which the first 5 are left out of the timing, the same seed.
 - lanes: each quoted lane is one of the command lines above without OUT_DIR ("0,1 depth
@@ -226,6 +227,29 @@ def beside_megatron(name: str, nproc: int, peer: tuple[str, ...], config: str, *
             *depth_train(f"{name}-ours", nproc, config, *ours, "--model.router_aux_loss_coef", "0.02")]
 
 
+EIGHT = "configs/mixtral-8x7b-8layer.yaml"
+
+
+def kernel_profile(name: str, which: str, *flags: str) -> Launch:
+    """benchmarks/kernel_profile.py at 8 layers on one GPU (ours: custom_grouped), its table
+    shown, its --json at OUT_DIR/NAME.json."""
+    ours = ("--tier", "custom_grouped", "--output-dir", f"{{out}}/{name}") if which == "ours" else ()
+    return Launch(name, 1, ("-m", "benchmarks.kernel_profile", which, "--config", EIGHT, *ours, *flags, "--json",
+                            f"{{out}}/{name}.json"), tail=0, show=18)
+
+
+# TE's te_mixtral example on one GPU at 8 layers (benchmarks/te_example.py; needs .peers/te_mixtral_example)
+TE_8LAYER = Launch("te-8layer", 1, ("-m", "benchmarks.te_example", "--example-dir", ".peers/te_mixtral_example",
+                                    "--config", EIGHT, *PEER_STEPS, "--json", "{out}/te-8layer.json"))
+
+
+def kernel_compare(first: str, second: str, *names: str) -> Launch:
+    """benchmarks/kernel_compare.py over two kernel_profile runs of the same call."""
+    return Launch(f"compare-{first}-{second}", 1, ("-m", "benchmarks.kernel_compare", f"{{out}}/{first}.json",
+                                                   f"{{out}}/{second}.json", *(("--names", *names) if names else ())),
+                  tail=None)
+
+
 def depth_16(name: str, tier: str, recompute: str, *extra: str) -> list[Launch]:
     """A 16-layer EP=2 run with its phase profile."""
     return depth_train(name, 2, DEPTH, "--ep-size", "2", "--tier", tier, "--recompute", recompute,
@@ -258,11 +282,27 @@ DEPTH_RUNS = {
                                   "varlen", "--dtype", "bfloat16", *PEER_STEPS, "--json", "{out}/titan.json"))],
     # TE's te_mixtral example on one GPU at 8 layers (16 do not fit one GPU)
     # (benchmarks/te_example.py; needs .peers/te_mixtral_example)
-    "te-8layer": [Launch("te-8layer", 1, ("-m", "benchmarks.te_example", "--example-dir", ".peers/te_mixtral_example",
-                                          "--config", "configs/mixtral-8x7b-8layer.yaml", *PEER_STEPS, "--json",
-                                          "{out}/te-8layer.json"))],
+    "te-8layer": [TE_8LAYER],
     # ours beside it: custom_grouped, 8 layers, one GPU
-    "ours-8layer": depth_train("ours-8layer", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped"),
+    "ours-8layer": depth_train("ours-8layer", 1, EIGHT, "--tier", "custom_grouped"),
+    # the kernel profiles of both at 8 layers on one GPU (benchmarks/kernel_profile.py) and their
+    # table side by side (benchmarks/kernel_compare.py)
+    "kernels-vs-te": [kernel_profile("kernels-ours", "ours"), kernel_profile("kernels-te", "te"),
+                      kernel_compare("kernels-ours", "kernels-te")],
+    # the TE backend's fusions (--te_fusions) at 8 layers on one GPU: ours with them, TE's example,
+    # ours without them (step times); then the three kernel profiles, ours against TE's and ours
+    # with against without
+    "fusions-8layer": [*depth_train("ours-8layer", 1, EIGHT, "--tier", "custom_grouped"),
+                       TE_8LAYER,
+                       *depth_train("ours-8layer-unfused", 1, EIGHT, "--tier", "custom_grouped", "--te_fusions",
+                                    "false"),
+                       kernel_profile("kernels-ours", "ours"), kernel_profile("kernels-te", "te"),
+                       kernel_profile("kernels-ours-unfused", "ours", "--te_fusions", "false"),
+                       kernel_compare("kernels-ours", "kernels-te"),
+                       kernel_compare("kernels-ours", "kernels-ours-unfused", "fused", "unfused")],
+    # the fusions' GPU tests (tests/gpu/test_fusions_gpu.py)
+    "fusion-tests": [Launch("fusion-tests", 1, ("-m", "pytest", "-q", "-rfEs", "tests/gpu/test_fusions_gpu.py"),
+                            tail=None)],
     # the full model itself: all 32 layers, EP=4 on four GPUs, custom_grouped, selective recompute
     # (the estimate's choice), phase profile (four H200s)
     "full-ep4": depth_train("full-ep4", 4, *FULL, "--tier", "custom_grouped"),

@@ -190,6 +190,11 @@ class RunConfig:
                                  "more runs again with more; te_mixtral/distributed/dispatch.py). Tier custom_grouped only")
     backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
                            "(te on CUDA where it is installed)")
+    # Not the workload: the same model and numerics, only how many kernels compute them (their
+    # roundings differ), so a resumed run may change it too.
+    te_fusions: bool = setting(True, workload=False, resumable=True,
+                               help="on the te backend: q, k and v by one GEMM, and TE's fused cross-entropy "
+                               "(te_mixtral/model/layers.py); false: one module at a time, for A/B timing")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
     output_dir: str | None = setting(None, workload=False, resumable=True,
                                      help="folder for results.json and config.yaml (null: a new runs/<date>-<tier>)")

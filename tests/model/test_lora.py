@@ -38,10 +38,10 @@ def hf_checkpoint(folder, dtype=torch.float64):
     return hf.to(dtype)
 
 
-def adapted(folder, lora: LoRAConfig, tier=None, dtype=torch.float64, seed=7):
+def adapted(folder, lora: LoRAConfig, tier=None, dtype=torch.float64, seed=7, backend=TORCH):
     """Our model with `folder`'s weights and `lora`'s adapters, B drawn at random (a zero B
     would leave every A without a gradient)."""
-    ours = Ours(model_config_from_hf(folder), TORCH, SINGLE, tier or LoopTier(), frozen_base=True)
+    ours = Ours(model_config_from_hf(folder), backend, SINGLE, tier or LoopTier(), frozen_base=True)
     load_hf_weights(ours, folder, SINGLE)
     add_adapters(ours, lora, seed, SINGLE)
     ours.to(dtype)
