@@ -181,9 +181,9 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
     q = tl.minimum(_rne_shift(z, shift), MAX_MAGNITUDE)
     if NONZERO_STAYS_NONZERO:
         q = tl.where((q == 0) & (a != 0), 1, q)
-    q = tl.where(block_exponent[:, None] == 255, 0, q)
     if SIGNED:
         q = q | ((bits < 0).to(tl.int32) << 7)
+    q = tl.where(block_exponent[:, None] == 255, 0, q)
     scale_bits = tl.where(block_exponent == 255, 0x7FC00000, tl.maximum(block_exponent, _MIN_SCALE_EXPONENT) << 23)
     tl.store(codes_ptr + offs, q.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + blocks, scale_bits.to(tl.float32, bitcast=True), mask=block_mask)
