@@ -337,6 +337,12 @@ DEPTH_RUNS = {
     # whether an all-to-all runs under the expert GEMMs at all, four GPUs (benchmarks/overlap_probe.py)
     "overlap-probe": [Launch("overlap-probe", 4, ("-m", "benchmarks.overlap_probe", "--json",
                                                   "{out}/overlap-probe.json"), tail=None)],
+    # the AdamW kernels on CUDA, bit for bit against the torch path on the CPU (compiled without
+    # fused multiply-adds), then the optimizer step's time against its bandwidth floor
+    "moments8-tests": [*pytest_gpu("adamw-kernel-tests", "-rs", "tests/optim/test_adamw_kernel.py", "-k",
+                                   "cuda or compiled"),
+                       Launch("optimizer-step", 1, ("-m", "benchmarks.optimizer_step", "--json",
+                                                    "{out}/optimizer_step.json"), tail=30)],
     # the loss reference for 8-bit moments: 8 layers on one GPU, custom_grouped, master_adamw as
     # the config has it (bf16 moments), 200 steps on the embedded text
     "8layer-master": depth_train("8layer-master", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped",

@@ -93,12 +93,6 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
         return HFMixtral.from_model(ours, BASELINES[cfg.tier]["experts"]), dict(BASELINES[cfg.tier])
     tier = make_tier(cfg.tier, cfg)
     tier.check_available(device)
-    if cfg.train.expert_moments == "8bit" and device.type == "cuda":
-        # Its fused kernel compiled and ran on an H200, but did not match the torch path it is
-        # tested against in the interpreter, and a loss check drifted (the results page below).
-        raise UserError("train.expert_moments 8bit runs on the CPU only for now: its CUDA kernel does not yet match "
-                        "its reference on a GPU (docs/results/2026-11-28-8bit-expert-moments.md); use "
-                        "--expert_moments same")
     backend = resolve_backend(cfg.backend, device.type, cfg.te_fusions)
     # LoRA's frozen base is made in the compute dtype: an fp32 copy of the whole model first
     # would need twice the memory the run does.
