@@ -211,6 +211,10 @@ def depth_train(name: str, nproc: int, config: str, *extra: str) -> list[Launch]
                                  "5", "--plots", "false", *extra, "--output-dir", f"{{out}}/{name}"))]
 
 
+def pytest_gpu(name: str, *tests: str) -> list[Launch]:
+    return [Launch(name, 1, ("-m", "pytest", "-q", *tests))]
+
+
 # megatron-core 0.19.2 from the wheel carried in .whl/ where it does not import (its only
 # dependencies, torch, numpy and packaging, are on the GPU image).
 MEGATRON_INSTALL = Launch("megatron-core", 1, ("-c", "python3 -c 'import megatron.core' 2>/dev/null || python3 -m pip "
@@ -402,10 +406,6 @@ def axolotl_peer(name: str, *extra: str) -> Launch:
 def lora_train(name: str, nproc: int, *extra: str) -> list[Launch]:
     return [Launch(name, nproc, ("run_finetune_ep.py", *LORA_COMMON, "--batch_size", str(nproc), *extra,
                                  "--output-dir", f"{{out}}/{name}"))]
-
-
-def pytest_gpu(name: str, *tests: str) -> list[Launch]:
-    return [Launch(name, 1, ("-m", "pytest", "-q", *tests))]
 
 
 LORA_RUNS = {
