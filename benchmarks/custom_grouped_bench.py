@@ -48,7 +48,7 @@ from te_mixtral.experts.kernels import grouped_swiglu as gs
 # TE GroupedLinear fwd+bwd TFLOP/s on an H100, 8x7B shapes, 4 experts: the figures the kernel's
 # targets were set against, not measured by this script (docs/kernels.md, "Targets").
 TE_H100 = {64: 86, 256: 290, 1024: 500, 4096: 572, 8192: 578}
-SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
+SWEEP_ROWS = {8192: "large", 64: "few rows, 64", 256: "medium", 1024: "large"}  # most uncertain first
 
 
 def log(out, line=""):

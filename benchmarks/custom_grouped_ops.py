@@ -46,21 +46,23 @@ PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 # A weight gradient's EPI_PARTS is how many column blocks its store walks.
 WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
                   cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
-# The plain GEMMs may split their last round of tiles in up to TAIL_SPLIT shares (`_tail_split`).
-SPLIT_K_FEW_ROWS = [cfg(64, 64, 128, 4, 4), cfg(64, 32, 256, 4, 4)] + [
-    cfg(*tile, tail_split=k) for tile in ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4, 2))
-    for k in (2, 4, 8)]
+
+
+def few_rows_candidates(bm):
+    """Row-GEMM tiles for at most `bm` rows per expert, each streaming its last round of
+    tiles (TAIL_SPLIT: te_mixtral/experts/kernels/stream_k.py), at most 4 or 8 programs a tile."""
+    return [cfg(bm, 128, 64, 4, 4, progs=2, tail_split=4), cfg(bm, 64, 128, 4, 4, tail_split=4),
+            cfg(bm, 128, 128, 4, 3, tail_split=8), cfg(bm, 256, 64, 4, 3, tail_split=4),
+            cfg(bm, 64, 64, 4, 6, progs=2, tail_split=8)]
+
+
 CANDIDATES = {
-    "small": {
-        "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2),
-                 # narrow tiles: with one local expert and an N of D, 64-wide tiles leave SMs idle
-                 cfg(64, 32, 128, 4, 6), cfg(64, 32, 256, 4, 4), cfg(64, 32, 128, 4, 4, progs=2)],
-        "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
-        "wgrad": WGRAD_FEW_ROWS,
-        # N = D gives 64 tiles of 64 columns per expert: split the long reduction instead
-        "down": SPLIT_K_FEW_ROWS,
-        "gate_up_dgrad": SPLIT_K_FEW_ROWS,
-    },
+    **{f"few rows, {bm}": {
+        "rows": few_rows_candidates(bm),
+        "gate_up": [cfg(bm, 64, 128, 4, 4, parts=2, tail_split=4), cfg(bm, 64, 64, 4, 6, parts=2, tail_split=4),
+                    cfg(bm, 128, 64, 4, 4, parts=2, tail_split=4), cfg(bm, 64, 128, 4, 4, parts=2)],
+        "wgrad": [dict(c, BLOCK_I=bm) for c in WGRAD_FEW_ROWS],
+    } for bm in gs.FEW_ROWS_BLOCKS},
     "medium": {
         "rows": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
                  cfg(128, 128, 64, 8, 3, progs=2)],
@@ -81,7 +83,6 @@ CANDIDATES = {
                   cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2)],
     },
 }
-CANDIDATES["small, 1 expert"] = CANDIDATES["split-K"] = CANDIDATES["small"]
 CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
-from te_mixtral.experts.kernels.schedule import dot_precision, max_programs, pick, swizzle
+from te_mixtral.experts.kernels.schedule import cdiv, dot_precision, max_programs, next_power_of_2, pick, swizzle
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 
@@ -166,13 +166,13 @@ def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=N
         g_src, x_src = descriptor(g, blocks[0]), descriptor(x, blocks[1])
     else:
         g_src, x_src = g, x
-    tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    tiles = L * cdiv(M, bm) * cdiv(N, bn)
     grid = (max(1, min(max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
     return _wgrad_gemm[grid](
         g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
         g.stride(0),
         USE_TMA=use_tma, DOT_PREC=dot_precision(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
         ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
-        BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
+        BLOCK_L=next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
