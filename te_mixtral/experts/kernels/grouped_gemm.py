@@ -83,7 +83,8 @@ def _rows_gemm(
     TAIL_SPLIT > 1 deals the reduction of the last, partly filled round of tiles out to the
     programs, at most TAIL_SPLIT of them a tile (stream_k.py): scratch [num_programs, 2,
     2 (EPI_SWIGLU: gate, up) or 1, BLOCK_M, BLOCK_N] float32 holds the pieces' partial sums,
-    and arrivals [num_programs] int32, zeros, counts the pieces of each streamed tile done.
+    and arrivals [>= num_programs] int32, zeros, counts the pieces of each streamed tile
+    done (and is left zero).
     SCALED (plain epilogue only) multiplies row r's sums by a_scale[r] and expert e's column
     c by b_scale[e, c] (float32, [R] and [L, N]) before the store.
     ADD adds a tensor to the sums: under the plain epilogue one laid out as out [R, N], after
@@ -317,7 +318,7 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     if tail_split > 1:  # two slots a program, of one accumulator tile or (SwiGLU) two
         slots = programs * 2 * (2 if epilogue == EPI_SWIGLU else 1)
         scratch = torch.empty(slots, bm, bn, dtype=torch.float32, device=a_RI.device)
-        arrivals = torch.zeros(programs, dtype=torch.int32, device=a_RI.device)
+        arrivals = stream_k.arrivals(a_RI.device, programs)
     kernel = _rows_gemm[(programs,)](
         a_src, b_src, counts_L, h if out is None else out,
         a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add,

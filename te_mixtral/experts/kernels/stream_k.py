@@ -24,11 +24,17 @@ When it runs (`plan`): only where the last round is at most 7/8 full (a fuller r
 less than a piece's fixed cost: the pipeline filled again, a partial stored and read back),
 over at most LIMIT programs per streamed tile, and never a piece of less than one step.
 
+The pieces count themselves in on one int32 per streamed tile, which the last piece sets
+back to zero, so the counters a launch leaves are the zeros the next one needs: `arrivals`
+keeps one buffer per CUDA stream (launches on a stream run one after another) rather than
+launching a memset before every streamed GEMM, four of them a step at few rows.
+
 This replaced splitting each tile of the last round into equal shares, which left the round
 as it was whenever its tiles outnumbered half the programs (92 tiles on 132 SMs: no split,
 the round as long as a full one), and split only the GEMMs with a plain epilogue.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -88,7 +94,7 @@ def add_pieces(acc, acc2, scratch_ptr, arrivals_ptr, pid, s, w0, streams, work, 
     partials and False (nothing to store).
 
     scratch holds [programs, 2, 1 + TWO, BM, BN] float32; arrivals [programs] int32, zeros,
-    one count a streamed tile."""
+    one count a streamed tile, which the last piece sets back to zero."""
     size: tl.constexpr = BLOCK_M * BLOCK_N
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tile_w = s.to(tl.int64) * k_blocks
@@ -102,6 +108,7 @@ def add_pieces(acc, acc2, scratch_ptr, arrivals_ptr, pid, s, w0, streams, work, 
     arrived = tl.atomic_add(arrivals_ptr + s, 1, sem="acq_rel", scope="gpu")
     last = arrived == pieces - 1
     if last:  # summed into acc: a second accumulator costs registers
+        tl.atomic_xchg(arrivals_ptr + s, 0, sem="relaxed", scope="gpu")  # zero for the next launch
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for q in range(first, first + pieces):
@@ -110,3 +117,21 @@ def add_pieces(acc, acc2, scratch_ptr, arrivals_ptr, pid, s, w0, streams, work, 
             if TWO:
                 acc2 += tl.load(slot + size + offs, cache_modifier=".cg")
     return acc, acc2, last
+
+
+_ARRIVALS: dict = {}  # (device, stream) -> the int32 zeros that streamed tiles count on
+
+
+def arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` int32 zeros for a launch's streamed tiles to count on: one buffer per
+    device and stream, which every launch leaves zero (`add_pieces`). Under CUDA-graph
+    capture a new one, zeroed inside the graph: a buffer captured once holds no zeros until
+    the graph replays."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device.type, device.index, stream)
+    held = _ARRIVALS.get(key)
+    if held is None or held.numel() < count:
+        held = _ARRIVALS[key] = torch.zeros(count, dtype=torch.int32, device=device)
+    return held
