@@ -294,7 +294,6 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     tensor added to the sums (the kernel's ADD), read as a contiguous one: a strided view (as
     grouped_mm returns for a width it pads) is copied first.
     Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
-    ensure_cuda_context(a_RI.device)
     add = None if add is None else add.contiguous()
     R, I = a_RI.shape
     L = w.shape[0]
@@ -306,6 +305,7 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     else:
         w2d = w.reshape(L * w.shape[1], w.shape[2])
     if use_tma:
+        ensure_cuda_context(a_RI.device)  # descriptors are encoded before the launch binds one
         a_src = descriptor(a_RI, [bm, bi])
         b_src = descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
     else:

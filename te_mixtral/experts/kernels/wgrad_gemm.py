@@ -156,12 +156,12 @@ def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=N
     """Launch `_wgrad_gemm`: out_LMN[e] = g[rows of e]^T @ x[rows of e], with g [R, M] and
     x [R, N], or with `k_major` g [M, R] and x [N, R] (rows contiguous, of one stride).
     `scales` is (g_scale_LM, x_scale_LN); `accumulate` makes it out_LMN[e] += instead."""
-    ensure_cuda_context(g.device)
     if k_major and not (g.stride(1) == x.stride(1) == 1 and g.stride(0) == x.stride(0)):
         raise ValueError("wgrad_gemm with k_major takes g and x with contiguous rows of one stride")
     L, M, N = out_LMN.shape
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     if use_tma:
+        ensure_cuda_context(g.device)  # descriptors are encoded before the launch binds one
         blocks = ([bm, bi], [bn, bi]) if k_major else ([bi, bm], [bi, bn])
         g_src, x_src = descriptor(g, blocks[0]), descriptor(x, blocks[1])
     else:
