@@ -19,9 +19,10 @@ start of the run (benchmarks/common.py): the bandwidth floor is the bytes one fw
 each weight gradient written, and the activations) over the copy bandwidth; the compute
 floor its FLOPs over the matmul rate. `x floor` is our step time over the bandwidth floor;
 past a few hundred rows per expert the compute floor is the higher, and `x roofline` is our
-step time over the higher of the two. Each point prints how far any op's forward output
-lies from grouped_mm's (relative Frobenius), so a column that computed something else
-shows, and an op that fails is named with its error while the rest run on.
+step time over the higher of the two. Each point prints how far any op's output and three
+gradients lie from grouped_mm's (the largest relative Frobenius difference), so a column
+that computed something else shows, and an op that fails is named with its error while the
+rest run on.
 
 `--tiles NAME` adds ours with one tile table at every point (`previous`: the tables before
 the few-rows ones, chosen by size as then; shown only where they differ from today's),
@@ -33,6 +34,7 @@ first, in parallel (`custom_grouped_ops.precompile`).
 """
 
 import argparse
+import json
 import sys
 
 import torch
@@ -55,7 +57,7 @@ from benchmarks.custom_grouped_ops import (
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.grouped_linear import GroupedLinearTier, te_grouped_swiglu
-from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu, regime
+from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu, regime, uses_descriptors
 
 TOKENS = "16,32,64,128,256,1024,4096,16384"
 SPLITS = ("uniform", "skewed", "empty")
@@ -115,37 +117,39 @@ def point_ops(ops: dict, tiles: list[str], sizes: list[int]) -> dict:
 
 
 def point(ops: dict, te, sizes: list[int], dims) -> dict:
-    """Step and GPU ms of each op at one point, and the largest relative difference of an
-    op's forward output from grouped_mm's (a check that every op computed the same thing)."""
+    """Step and GPU ms of each op at one point, and each op's largest relative difference
+    from grouped_mm's in y and the three gradients (a check that every op computed the same
+    thing; grouped_mm runs first)."""
     x, counts, w1, w2, dy = make_inputs(None, len(sizes), *dims, requires_grad=True, sizes=sizes)
-    ops = dict(ops)
+    ops = {"grouped_mm": ops["grouped_mm"], **ops}
     if te is not None:
         ops["TE"] = lambda x, counts, w1, w2: te(x, sizes, w1, w2)
-    step, gpu, outputs, errors = {}, {}, {}, {}
+    step, gpu, diffs, errors, reference = {}, {}, {}, {}, None
     for name, op in ops.items():
         try:
-            with torch.no_grad():
-                outputs[name] = op(x, counts, w1, w2).float()
+            y = op(x, counts, w1, w2)
+            got = (y.detach(), *torch.autograd.grad(y, (x, w1, w2), dy))
+            reference = reference or got
+            diffs[name] = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, reference))
+            del y, got
             step[name], gpu[name] = time_op(fwd_bwd(op, x, counts, w1, w2, dy))
         except Exception as error:  # one op that cannot run here must not cost the others
             errors[name] = common.first_line(error)
-            outputs.pop(name, None)
-    reference = outputs.get("grouped_mm")
-    diff = None if reference is None else max(
-        float((out - reference).norm() / reference.norm()) for out in outputs.values())
-    return {"ms": step, "gpu_ms": gpu, "forward_rel_diff": diff, "errors": errors}
+    return {"ms": step, "gpu_ms": gpu, "rel_diff": diffs, "errors": errors}
 
 
 def kernel_jobs(tiles: list[str], points: list[list[int]]) -> list[tuple]:
-    """Every (GEMM, config, rows per expert, experts) that ours and the `--tiles` tables run
-    at `points`, for `precompile`: one compile per kernel that a point's BLOCK_L, TMA choice
-    and config select."""
-    jobs = []
+    """(GEMM, config, rows per expert, experts) for `precompile`: one for each kernel that ours
+    and the `--tiles` tables run at `points`, a kernel being a GEMM's config compiled for an
+    expert count (BLOCK_L, and L == 1 alone) and a load path (TMA or pointers)."""
+    jobs = {}
     for sizes in points:
         rows, experts = sum(sizes), len(sizes)
         for table in (CONFIGS[regime(rows, experts)], *(table_at(name, rows, experts) for name in tiles)):
-            jobs += [(op, table[op], max(1, rows // experts), experts) for op in OPS]
-    return jobs
+            for op in OPS:
+                kernel = json.dumps((op, table[op], experts, uses_descriptors(rows, experts)), sort_keys=True)
+                jobs.setdefault(kernel, (op, table[op], max(1, rows // experts), experts))
+    return list(jobs.values())
 
 
 def main(argv=None) -> int:
@@ -222,7 +226,7 @@ def point_line(r: dict) -> str:
     if "ratio" not in r:
         return head + failed
     behind = "  BEHIND" if r["ratio"] < TARGET else ""
-    diff = "" if r["forward_rel_diff"] is None else f"  fwd diff {r['forward_rel_diff']:.1e}"
+    diff = f"  diff {max(r['rel_diff'].values()):.1e}" if r["rel_diff"] else ""
     return (f"{head}  ratio {r['ratio']:.2f} ({r['best_peer']}){behind}  GPU ratio {r['gpu_ratio']:.2f}  "
             f"floor {r['floor_ms']:.3f} x{r['floor_ratio']:.2f}  compute {r['compute_floor_ms']:.3f} "
             f"x{r['roofline_ratio']:.2f}{diff}{failed}")

@@ -71,13 +71,14 @@ def test_every_kernel_a_point_runs_is_compiled_first():
     from benchmarks.custom_grouped_ops import OPS, table_at
     from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, regime
 
-    points = [[16], [64, 64], [1024] * 8]
+    points = [[16], [64, 64], [1024] * 8, [1000] * 8]  # the last two: the same kernels
     jobs = grid.kernel_jobs(["previous"], points)
-    for sizes in points:
+    for sizes in points[:3]:
         L, per_expert = len(sizes), sizes[0]
         for table in (CONFIGS[regime(sum(sizes), L)], table_at("previous", sum(sizes), L)):
             for op in OPS:
                 assert (op, table[op], per_expert, L) in jobs
+    assert len(jobs) == len({(op, str(config), L) for op, config, _, L in jobs})  # each kernel once
 
 
 def test_previous_tables_run_only_where_they_differ():
@@ -94,12 +95,13 @@ def test_previous_tables_run_only_where_they_differ():
 def test_a_point_line_and_the_summary_name_a_failed_op(capsys):
     timed = {"split": "uniform", "tokens": 64, "experts": 2, "sizes": [64, 64], "floor_ms": 0.5,
              "compute_floor_ms": 0.1, "ms": {"ours": 0.6, "grouped_mm": 0.7}, "gpu_ms": {"ours": 0.55, "grouped_mm": 0.6},
-             "forward_rel_diff": 4e-3, "errors": {"TE": "RuntimeError: no"}, "best_peer": "grouped_mm",
+             "rel_diff": {"ours": 4e-3, "grouped_mm": 0.0}, "errors": {"TE": "RuntimeError: no"}, "best_peer": "grouped_mm",
              "ratio": 0.7 / 0.6, "gpu_ratio": 0.6 / 0.55, "floor_ratio": 1.2, "roofline_ratio": 1.2}
     failed = {"split": "uniform", "tokens": 16, "experts": 1, "sizes": [16], "floor_ms": 0.3, "compute_floor_ms": 0.01,
-              "ms": {"grouped_mm": 0.7}, "gpu_ms": {"grouped_mm": 0.6}, "forward_rel_diff": None,
+              "ms": {"grouped_mm": 0.7}, "gpu_ms": {"grouped_mm": 0.6}, "rel_diff": {"grouped_mm": 0.0},
               "errors": {"ours": "CompilationError: out of resources"}}
     assert "TE FAILED: RuntimeError: no" in grid.point_line(timed) and "x1.20" in grid.point_line(timed)
+    assert "diff 4.0e-03" in grid.point_line(timed)
     assert "ours FAILED: CompilationError" in grid.point_line(failed)
     grid.print_summary([timed, failed], "8x7b", [1, 2], ["uniform"], [16, 64])
     out = capsys.readouterr().out
