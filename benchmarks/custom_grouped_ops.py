@@ -61,8 +61,9 @@ def few_rows_candidates(bm):
 CANDIDATES = {
     **{f"few rows, {bm}": {
         "rows": few_rows_candidates(bm),
-        "gate_up": [cfg(bm, 64, 128, 4, 4, parts=2, tail_split=4), cfg(bm, 64, 64, 4, 6, parts=2, tail_split=4),
-                    cfg(bm, 128, 64, 4, 4, parts=2, tail_split=4), cfg(bm, 64, 128, 4, 4, parts=2)],
+        "gate_up": [cfg(bm, 64, 128, 4, 4, parts=2, tail_split=4), cfg(bm, 64, 128, 8, 4, parts=2, tail_split=4),
+                    cfg(bm, 64, 64, 4, 6, parts=2, tail_split=4), cfg(bm, 128, 64, 4, 4, parts=2, tail_split=4),
+                    cfg(bm, 64, 128, 4, 4, parts=2)],
         "wgrad": [dict(c, BLOCK_I=bm) for c in WGRAD_FEW_ROWS],
     } for bm in gs.FEW_ROWS_BLOCKS},
     "medium": {
