@@ -7,7 +7,7 @@ launches), and one launcher runs any of them the same way.
     python3 scripts/gpu_runs.py multi OUT_DIR NGPU [TIER ...]     the NCCL tests, every EP layout that fits
     python3 scripts/gpu_runs.py depth OUT_DIR RUN [RUN ...]       docs/depth.md's runs
     python3 scripts/gpu_runs.py lora OUT_DIR RUN [RUN ...]        docs/lora.md's runs
-    python3 scripts/gpu_runs.py rows OUT_DIR RUN [RUN ...]        few rows per expert: FP8's break-even, decoding
+    python3 scripts/gpu_runs.py rows OUT_DIR RUN [RUN ...]        few rows per expert: our kernels, FP8's break-even, decoding
     python3 scripts/gpu_runs.py list [depth|lora]                the named runs, and the commands they launch
     python3 scripts/gpu_runs.py lanes OUT_DIR "GPUS CATALOG RUN ..." ...   several of the above at once
 
@@ -493,8 +493,20 @@ LORA_RUNS = {
 # nf4-tests, nf4-accuracy and lora-nf4-32layer in one go
 LORA_RUNS["nf4"] = [*LORA_RUNS["nf4-tests"], *LORA_RUNS["nf4-accuracy"], *LORA_RUNS["lora-nf4-32layer"]]
 
-# Few rows per expert: the FP8 tier's break-even, batch-1 decoding (one GPU each)
+# Few rows per expert: custom_grouped's few-rows tables, the FP8 tier's break-even, batch-1
+# decoding (one GPU each)
+FEW_ROWS_GRID = ("-m", "benchmarks.custom_grouped_grid", "--tokens", "16,32,64,128,256,512,1024", "--splits", "uniform",
+                 "--tiles", "previous")
 ROWS_RUNS = {
+    # the BF16 grid at 16-1024 rows per expert over 1-8 local experts, both families: step time
+    # (host included) and GPU time against TE and grouped_mm, the floors, and the tables before
+    # the few-rows ones beside; then where the op's host time goes at one and two experts
+    "few-rows": [*(Launch(f"grid-{family}", 1, (*FEW_ROWS_GRID, "--family", family, "--json",
+                                                  f"{{out}}/grid-{family}.json"), tail=40) for family in ("8x7b", "8x22b")),
+                 Launch("host-time", 1, ("-m", "benchmarks.custom_grouped_host_time", "--cases", "1x16,1x64,2x64",
+                                         "--tiles", "previous", "--cprofile"), tail=60)],
+    # custom_grouped's CUDA tests (accuracy against float64 at every table, CUDA graphs, no host sync)
+    "few-rows-tests": pytest_gpu("custom-grouped-tests", "-m", "cuda", "tests/gpu/test_custom_grouped_gpu.py"),
     # device_mxfp8 against custom_grouped by rows per local expert, its default fallback included
     "fp8-break-even": [Launch("fp8-break-even", 1, ("-m", "benchmarks.fp8_break_even", "--json",
                                                     "{out}/fp8_break_even.json"))],
