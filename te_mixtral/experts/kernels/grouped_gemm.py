@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from te_mixtral.experts.kernels import stream_k
+from te_mixtral.experts.kernels.compile_ahead import launch
 from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
 from te_mixtral.experts.kernels.nf4_operand import NF4Operand
 from te_mixtral.experts.kernels.schedule import cdiv, dot_precision, max_programs, next_power_of_2, pick, swizzle
@@ -286,14 +287,15 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
 
 
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
-              epilogue=EPI_PLAIN, h=None, scales=None, add=None):
+              epilogue=EPI_PLAIN, h=None, scales=None, add=None, target=None):
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
     b_icontig, else [L, I, n], a tensor or an `NF4Operand` (read without TMA); out is [R, n]
     (None for EPI_SWIGLU_BWD without act).
     `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands; `add`, a
     tensor added to the sums (the kernel's ADD), read as a contiguous one: a strided view (as
     grouped_mm returns for a width it pads) is copied first.
-    Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
+    Returns Triton's compiled kernel (registers, spills, shared memory for reports); with a
+    `target` (a triton GPUTarget), only compiles it for that GPU (`compile_ahead.py`)."""
     add = None if add is None else add.contiguous()
     R, I = a_RI.shape
     L = w.shape[0]
@@ -319,8 +321,8 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         slots = programs * 2 * (2 if epilogue == EPI_SWIGLU else 1)
         scratch = torch.empty(slots, bm, bn, dtype=torch.float32, device=a_RI.device)
         arrivals = stream_k.arrivals(a_RI.device, programs)
-    kernel = _rows_gemm[(programs,)](
-        a_src, b_src, counts_L, h if out is None else out,
+    return launch(
+        _rows_gemm, programs, target, a_src, b_src, counts_L, h if out is None else out,
         a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add,
         *((None, None) if nf4 is None else (nf4.scale, nf4.code)), R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
@@ -331,4 +333,3 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         EPI_PARTS=cfg.get("EPI_PARTS", 4), TAIL_SPLIT=tail_split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return kernel

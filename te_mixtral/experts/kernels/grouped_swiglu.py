@@ -148,6 +148,9 @@ CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _SPLIT_TAIL_MEDIUM,
                                "gate_up_dgrad": _SPLIT_TAIL_MEDIUM,
                                "down_dgrad": tile_config(128, 128, 64, 4, 3, progs=2)}
 
+# An NF4 base (nf4_operand.py) is read with the BF16 tables.
+NF4_CONFIGS = CONFIGS
+
 
 def uses_descriptors(rows: int, experts: int) -> bool:
     """Whether the GEMMs load through TMA descriptors (else plain pointer loads): from 97
@@ -309,8 +312,9 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
-    it; by default CONFIGS, or FP32_CONFIGS for fp32 inputs); `use_tma` forces the
-    descriptor path on or off (default: `uses_descriptors`, where the tensors allow it).
+    it; by default CONFIGS, NF4_CONFIGS over an NF4 base, or FP32_CONFIGS for fp32 inputs);
+    `use_tma` forces the descriptor path on or off (default: `uses_descriptors`, where the
+    tensors allow it).
     `keep_hidden=False` is selective recompute done inside the op: the forward keeps only
     its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
     is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
@@ -331,7 +335,8 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     again from them; its gradient still leaves as h_add's.
     """
     if configs is None:
-        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else CONFIGS
+        nf4 = not all(isinstance(w, torch.Tensor) for w in (gate_up_L2FD, down_LDF))
+        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else NF4_CONFIGS if nf4 else CONFIGS
     if not keep_hidden and h_add_R2F is not None and h_add_factors is None:
         raise ValueError("grouped_swiglu's recompute makes the gate_up adapter's delta again: pass h_add_factors")
     if keep_hidden or h_add_R2F is None:
