@@ -65,7 +65,7 @@ EPI_SWIGLU_BWD = tl.constexpr(2)
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
     a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr, add_ptr,
-    nf4_scale_ptr, nf4_code_ptr,
+    nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales,
     R, N, I, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr, SCALED: tl.constexpr,
     ADD: tl.constexpr, B_NF4: tl.constexpr,
@@ -93,8 +93,9 @@ def _rows_gemm(
     activation, under EPI_SWIGLU one laid out as h [R, 2N] (LoRA's gate_up delta), under
     EPI_SWIGLU_BWD one laid out as act [R, N] (the down adapter's share of d(act)).
     B_NF4 (no TMA) reads B as NF4 (nf4_operand.py): b_src the packed codes of the 2-D view,
-    nf4_scale the block scales, nf4_code the 16 code values; each B tile is dequantised in
-    registers to A's dtype before its dot (`_nf4_tile`).
+    nf4_scale the block scales' 2-D view, nf4_code the 16 code values, nf4_row_bytes and
+    nf4_row_scales the two views' row strides; each B tile is dequantised in registers to A's
+    dtype before its dot (`_nf4_b_tile`).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -163,14 +164,9 @@ def _rows_gemm(
 
         for i0 in range(i_start, i_end, BLOCK_I):
             if B_NF4:
-                # The tile's [BLOCK_I, BLOCK_N] elements by their place in the stored [rows, cols] weight.
-                if B_ICONTIG:
-                    w_rows, w_cols, width = (b_row0 + rn)[None, :], (i0 + ri)[:, None], I
-                else:
-                    w_rows, w_cols, width = (b_row0 + i0 + ri)[:, None], rn[None, :], N
-                b_ok = b_cols_ok & ((i0 + ri)[:, None] < I)
                 a = tl.load(a_ptrs, mask=a_rows_ok & ((i0 + ri)[None, :] < I), other=0.0)
-                b = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows, w_cols, width, b_ok).to(a.dtype)
+                b = _nf4_b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales, b_row0, n0, i0,
+                                N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
             elif USE_TMA:
                 a = a_src.load([m0, i0])
                 if B_ICONTIG:
@@ -187,7 +183,8 @@ def _rows_gemm(
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if EPILOGUE == EPI_SWIGLU:
                 if B_NF4:  # the up rows sit N rows below the gate rows
-                    b_up = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows + N, w_cols, width, b_ok).to(a.dtype)
+                    b_up = _nf4_b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales, b_row0 + N,
+                                       n0, i0, N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
                 elif USE_TMA:
                     b_up = tl.trans(b_src.load([b_row0 + N + n0, i0]))
                 elif EVEN_I:
@@ -253,16 +250,61 @@ def _rows_gemm(
 
 
 @triton.jit
-def _nf4_tile(packed_ptr, scale_ptr, code_ptr, w_rows, w_cols, width, mask):
-    """The weight's elements at (w_rows, w_cols) of its stored 2-D view, `width` columns wide,
-    dequantised from NF4 (nf4.py): CODE[index] * absmax in float32 (the caller rounds them to
-    its dot's dtype). Each byte is read for both its values, and the code table, 64 bytes,
-    stays in L1."""
-    rows = w_rows.to(tl.int64)
-    byte = tl.load(packed_ptr + rows * ((width + 1) // 2) + w_cols // 2, mask=mask, other=0)
-    index = (byte.to(tl.int32) >> (4 - 4 * (w_cols % 2))) & 15  # value 2k: the high nibble
-    scale = tl.load(scale_ptr + rows * ((width + 63) // 64) + w_cols // 64, mask=mask, other=0.0)
-    return tl.load(code_ptr + index) * scale
+def _nf4_b_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0, n0, i0, N, I,
+                B_ICONTIG: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_I, BLOCK_N] B tile at (i0, n0) of the NF4 weight whose stored rows start at
+    b_row0, in float32 (the caller rounds it to its dot's dtype). Stored rows are [N, I] when
+    B_ICONTIG (the tile is read as [BLOCK_N, BLOCK_I] and transposed), else [I, N]; rows
+    past N, or past I, read as zeros."""
+    if B_ICONTIG:
+        rn = n0 + tl.arange(0, BLOCK_N)
+        return tl.trans(_nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0 + n0, rn < N, i0,
+                                  BLOCK_N, BLOCK_I))
+    ri = i0 + tl.arange(0, BLOCK_I)
+    return _nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0 + i0, ri < I, n0, BLOCK_I, BLOCK_N)
+
+
+@triton.jit
+def _nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, row0, rows_ok, col0,
+              ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows row0 + [0, ROWS) (those not rows_ok read as zeros), columns col0 + [0, COLS) of
+    the weight's stored 2-D view, dequantised from NF4 (nf4.py): CODE[index] * absmax in
+    float32. row_bytes and row_scales are the packed codes' and the scales' row strides;
+    col0 is a multiple of COLS, so a tile of at most 64 columns lies inside one scale block.
+
+    Each stored byte and scale is loaded once: a row's bytes as one contiguous run (16-byte
+    vectors where row_bytes allows), each byte for both its values, one scale per row and
+    block; the code is looked up in registers (`_nf4_code`). Loading the scale and the code
+    per value instead, the software pipeline stages a float32 tile per load per stage in
+    shared memory, several times the tile's own size: past any GPU's limit at the BF16 tiles."""
+    rows = (row0 + tl.arange(0, ROWS)).to(tl.int64)
+    k = col0 // 2 + tl.arange(0, COLS // 2)
+    byte = tl.load(packed_ptr + rows[:, None] * row_bytes + k[None, :],
+                   mask=rows_ok[:, None] & (k < row_bytes)[None, :], other=0).to(tl.int32)
+    values = tl.interleave(_nf4_code(code_ptr, byte >> 4), _nf4_code(code_ptr, byte & 15))  # value 2k: the high nibble
+    if COLS <= 64:
+        scale = tl.load(scale_ptr + rows * row_scales + col0 // 64, mask=rows_ok, other=0.0)
+        return values * scale[:, None]
+    else:
+        j = col0 // 64 + tl.arange(0, COLS // 64)
+        scale = tl.load(scale_ptr + rows[:, None] * row_scales + j[None, :],
+                        mask=rows_ok[:, None] & (j < row_scales)[None, :], other=0.0)
+        return tl.reshape(tl.reshape(values, (ROWS, COLS // 64, 64)) * scale[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
+def _nf4_code(code_ptr, index, FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 16):
+    """CODE[index] for a tensor of 4-bit indices in [FIRST, FIRST + COUNT), the way
+    bitsandbytes' CUDA kernels decode NF4: a binary tree of selects on the index bits, 15 in
+    all, over the code values held in registers. (tl.gather from the table took one to eight
+    warp shuffles a value, as the layout fell, and spilled at some tiles; a load a value from
+    the table would be staged in shared memory by the software pipeline.)"""
+    if COUNT == 1:
+        return tl.load(code_ptr + FIRST)
+    else:
+        half: tl.constexpr = COUNT // 2
+        return tl.where((index & half) != 0, _nf4_code(code_ptr, index, FIRST + half, half),
+                        _nf4_code(code_ptr, index, FIRST, half))
 
 
 @triton.jit
@@ -300,10 +342,12 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     R, I = a_RI.shape
     L = w.shape[0]
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
-    nf4 = None
-    if isinstance(w, NF4Operand):
-        nf4, use_tma = w, False
+    nf4_args = (None, None, 0, 0)
+    if isinstance(w, NF4Operand):  # the packed codes and the scales as 2-D views, rows and their strides
+        use_tma = False
         w2d = w.packed.reshape(L * w.shape[1], w.packed.shape[2])
+        scale2d = w.scale.reshape(L * w.shape[1], w.scale.shape[2])
+        nf4_args = (scale2d, w.code, w2d.stride(0), scale2d.stride(0))
     else:
         w2d = w.reshape(L * w.shape[1], w.shape[2])
     if use_tma:
@@ -324,9 +368,9 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     return launch(
         _rows_gemm, programs, target, a_src, b_src, counts_L, h if out is None else out,
         a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add,
-        *((None, None) if nf4 is None else (nf4.scale, nf4.code)), R, n, I, L, w.shape[1],
+        *nf4_args, R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
-        ADD=add is not None, B_NF4=nf4 is not None,
+        ADD=add is not None, B_NF4=nf4_args[0] is not None,
         USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=dot_precision(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),

@@ -148,8 +148,30 @@ CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _SPLIT_TAIL_MEDIUM,
                                "gate_up_dgrad": _SPLIT_TAIL_MEDIUM,
                                "down_dgrad": tile_config(128, 128, 64, 4, 3, progs=2)}
 
-# An NF4 base (nf4_operand.py) is read with the BF16 tables.
-NF4_CONFIGS = CONFIGS
+# An NF4 base (nf4_operand.py): the tables above, but where a tile cannot afford the B tile
+# it dequantises in registers (a float32 value per weight until the dot) or its shared
+# memory. Compiled for sm_80, sm_89 and sm_90, the BF16 tables' 128 x 256 tiles, the 4-warp
+# 128 x 128 one, gate_up's two 128 x 64 B tiles and the 4-warp tiles of 64 rows (32 for
+# gate_up) spilled registers (their SASS, compiled as tests/experts/test_kernel_resources.py
+# compiles them): they take 128 x 128 tiles of 8 warps, gate_up stepping 32 deep, and 8 warps
+# for the few rows. The few-rows gate_up over 64 rows takes 3 stages, and nothing flattens
+# (pipelining across tiles stages more in shared memory), so that every tile fits 99 KiB of
+# shared memory a block, the least of any GPU from sm_80 on (sm_86, sm_89), on sm_80, sm_89
+# and sm_90 alike (that test checks it). Chosen by compiling; not yet timed.
+_NF4_128 = tile_config(128, 128, 64, 8, 4)
+_NF4_GATE_UP = tile_config(128, 128, 32, 8, 4)
+_FEW_32, _FEW_64 = CONFIGS["few rows, 32"], CONFIGS["few rows, 64"]
+NF4_CONFIGS = {
+    "few rows, 16": CONFIGS["few rows, 16"],
+    "few rows, 32": {**_FEW_32, "gate_up": dict(_FEW_32["gate_up"], num_warps=8)},
+    "few rows, 64": {**_FEW_64, "gate_up": dict(_FEW_64["gate_up"], num_stages=3),
+                     **{gemm: dict(_FEW_64[gemm], num_warps=8) for gemm in ("down", "down_dgrad", "gate_up_dgrad")}},
+    "medium": {**CONFIGS["medium"], "gate_up": _NF4_GATE_UP, "gate_up_dgrad": _NF4_128},
+    "medium, few rows": {**CONFIGS["medium, few rows"], "gate_up": _NF4_GATE_UP, "down_dgrad": _NF4_128},
+    "large": {**CONFIGS["large"], "gate_up": tile_config(128, 128, 32, 8, 4, group=16),
+              "down": tile_config(128, 128, 64, 8, 4, group=16),
+              "down_dgrad": tile_config(128, 128, 64, 8, 4, group=16), "gate_up_dgrad": _NF4_128},
+}
 
 
 def uses_descriptors(rows: int, experts: int) -> bool:
