@@ -40,9 +40,10 @@ call these with the same arguments: dated results pages name those command lines
   have ended. KILL_AFTER_S=N in the environment: stop every lane still running after N seconds.
 - lora: the adapter tests, then Mixtral-8x7B LoRA runs beside full fine-tuning, the FP8 and
   NF4 bases, transformers + PEFT and axolotl's ScatterMoE-LoRA (and Mixtral-8x22B over the
-  NF4 base). Every run: custom_grouped (BF16 base) unless named, one packed
-  8192-token sequence per GPU per step, 30 steps, the same seed, so that the runs' losses
-  compare the bases step by step.
+  NF4 base). Every run: custom_grouped (BF16 base) unless named, one packed 8192-token
+  sequence per GPU per step, 30 steps, the same seed, so that the runs' losses compare the
+  bases step by step (nf4-smoke's short run aside: 2 layers, 8 steps, each of its runs under
+  a time limit).
 
 Each process's whole output goes to OUT_DIR/NAME.log; the screen gets its last lines (but the
 per-step ones), or all of it for the tier runs and the test suites. Every run is attempted
@@ -63,7 +64,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,11 +82,14 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # added to the environment
     tail: int | None = 18  # lines shown at the end (per-step lines left out); None: all of it as it comes
     show: int = 0  # also show each "=== " heading of the log with this many lines after it (a table)
+    timeout_s: int | None = None  # stopped past this many seconds (coreutils' timeout), a failure
 
     def command(self, out: Path) -> list[str]:
         program = list(self.program)
         if self.nproc > 1:
             program = ["torchrun", "--standalone", f"--nproc_per_node={self.nproc}"]
+        if self.timeout_s:
+            program = ["timeout", "--kill-after=10", str(self.timeout_s), *program]
         return program + [arg.replace("{out}", str(out)) for arg in self.args]
 
 
@@ -492,6 +496,12 @@ LORA_RUNS = {
 
 # nf4-tests, nf4-accuracy and lora-nf4-32layer in one go
 LORA_RUNS["nf4"] = [*LORA_RUNS["nf4-tests"], *LORA_RUNS["nf4-accuracy"], *LORA_RUNS["lora-nf4-32layer"]]
+# the NF4 base's kernels on a GPU in four minutes: its GPU tests, its accuracy, and 8 steps of
+# 2 layers, LoRA r=16 over it, each stopped if it runs long
+LORA_RUNS["nf4-smoke"] = [replace(run, timeout_s=seconds) for run, seconds in zip(
+    [*LORA_RUNS["nf4-tests"], *LORA_RUNS["nf4-accuracy"],
+     *lora_train("lora-nf4-2layer", 1, *LORA, "--lora.base", "nf4", "--recompute", "selective",
+                 "--model.num_hidden_layers", "2", "--steps", "8", "--timing_warmup_steps", "3")], (80, 70, 70))]
 
 # Few rows per expert: custom_grouped's few-rows tables, the FP8 tier's break-even, batch-1
 # decoding (one GPU each)
