@@ -22,18 +22,16 @@ import os
 
 import pytest
 import torch
+from triton.backends.compiler import GPUTarget
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(INTERPRETING, reason="compiles for GPUs; the interpreter runs kernels instead")
+from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
+from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, FP32_TILE, NF4_CONFIGS
+from te_mixtral.experts.kernels.scaled_grouped_mm import _FP8_TILE
+from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
+from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
 
-if not INTERPRETING:
-    from triton.backends.compiler import GPUTarget
-
-    from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
-    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, FP32_TILE, NF4_CONFIGS
-    from te_mixtral.experts.kernels.scaled_grouped_mm import _FP8_TILE
-    from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
-    from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
+# Under Triton's interpreter kernels are run, not compiled.
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for GPUs")
 
 KIB = 1024
 # Shared memory a block may have, by compute capability.

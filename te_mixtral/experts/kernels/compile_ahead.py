@@ -15,8 +15,6 @@ so a CPU test checks every tile a tier can pick on every GPU it claims
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
 
 
 def launch(kernel, programs: int, target: GPUTarget | None, *args, **kwargs):
@@ -29,6 +27,10 @@ def launch(kernel, programs: int, target: GPUTarget | None, *args, **kwargs):
 
 def compiled_for(target: GPUTarget, kernel, *args, **kwargs):
     """`kernel` compiled for `target` as a launch with these arguments would compile it."""
+    # Triton's launcher internals, imported here so that a launch never depends on them.
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
