@@ -34,8 +34,8 @@ call these with the same arguments: dated results pages name those command lines
   with master_adamw, the config's lr 2e-5, one packed 8192-token sequence per GPU per step,
   15 steps of which the first 5 are left out of the timing, the same seed.
 - lanes: each quoted lane is one of the command lines above without OUT_DIR ("0,1 depth
-  ep2-cap0" runs `depth OUT_DIR/lane1 ep2-cap0` on GPUs 0 and 1), all lanes at once on their
-  own GPUs, so that one call of a machine with several GPUs runs several one-GPU jobs side by
+  ep2-cap0" runs `depth OUT_DIR/lane1-depth ep2-cap0` on GPUs 0 and 1), or several joined by
+  " + " (run one after the other), all lanes at once on their own GPUs, so that one call of a machine with several GPUs runs several one-GPU jobs side by
   side. Each lane's output goes to OUT_DIR/laneK.log and its last lines to the screen once all
   have ended. KILL_AFTER_S=N in the environment: stop every lane still running after N seconds.
 - lora: the adapter tests, then Mixtral-8x7B LoRA runs beside full fine-tuning, the FP8 and
@@ -623,11 +623,14 @@ def run_lanes(out: Path, lanes: list[str]) -> int:
     kill_after = float(os.environ.get("KILL_AFTER_S", "0")) or None
     running = []
     for k, lane in enumerate(lanes, 1):
-        gpus, catalog, *rest = lane.split()
+        gpus, *segments = lane.split(maxsplit=1)
         log = open(out / f"lane{k}.log", "w")
-        command = [sys.executable, __file__, catalog, str(out / f"lane{k}"), *rest]
-        print(f"lane{k} (GPUs {gpus}): {shlex.join(command[1:])}", flush=True)
-        running.append((k, log, subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        # "CATALOG RUN ... + CATALOG RUN ...": one after the other, each into its own folder
+        commands = [shlex.join([sys.executable, __file__, catalog, str(out / f"lane{k}-{catalog}"), *rest])
+                    for catalog, *rest in (segment.split() for segment in " ".join(segments).split(" + "))]
+        print(f"lane{k} (GPUs {gpus}): {' ; '.join(commands)}", flush=True)
+        running.append((k, log, subprocess.Popen(["bash", "-c", " ; ".join(commands) + " ; exit $?"], cwd=REPO,
+                                                 stdout=log, stderr=subprocess.STDOUT,
                                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus},
                                                  start_new_session=True)))
     start, codes = time.monotonic(), {}
