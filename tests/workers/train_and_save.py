@@ -11,6 +11,10 @@ own model, optimizer and layout; only the process group is shared. RUNS.json may
 {"script": SCRIPT, "argv": [arguments], "output": DIR}: another worker script of tests/workers,
 run here as torchrun would run it alone (its layouts on the shared process group), what each
 rank prints kept in DIR/stdout{r} and DIR/stderr{r}; should it fail, this launch fails at once.
+And {"stopped_at": N, "whole": RUN, "resumed": RUN, "checkpoints": [FROM, TO]}: a run stopped
+after N steps and resumed, in this launch: the RUN never stopped trains (its checkpoints in
+FROM), TO is made what that run would have left had it been killed right after its step-N
+checkpoint, and the resumed RUN (--resume, its checkpoints in TO) trains on from there.
 
 Writes WEIGHTS_DIR/rank{r}.pt (the state dict) and WEIGHTS_DIR/grads{r}.pt: one dict of
 gradients per call of the loop's `reduce_gradients`, so the list's length is how many
@@ -23,6 +27,7 @@ import contextlib
 import json
 import os
 import runpy
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -107,6 +112,24 @@ def train_and_save(weights_dir: Path, argv: list[str]) -> int:
     return result.exit_code
 
 
+def stop_and_resume(step: int, whole: list, resumed: list, checkpoints: list[str]) -> int:
+    """Train `whole`, leave in the second checkpoint folder what it had left after `step`
+    steps (its later steps' checkpoints removed, `latest` naming step `step`), then train
+    `resumed` on from there."""
+    exit_code = train_and_save(Path(whole[0]), whole[1])
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        ckpt, into = map(Path, checkpoints)
+        shutil.copytree(ckpt, into)
+        kept = f"step-{step:06d}"
+        for later in into.glob("step-*"):
+            if later.name > kept:  # zero-padded: later steps sort after
+                shutil.rmtree(later)
+        (into / "latest").write_text(f"{kept}\n")
+    if dist.is_initialized():
+        dist.barrier()  # no rank resumes before the checkpoint is in place
+    return max(exit_code, train_and_save(Path(resumed[0]), resumed[1]))
+
+
 def keep_process_group(wait_for_peers: bool = False) -> None:
     """The scripts' `shutdown`: the peers reach the end of the script, the group stays."""
     if dist.is_initialized():
@@ -137,6 +160,15 @@ def run_script(script: str, argv: list[str], output: Path) -> int:
     return 0
 
 
+def run_job(run: list | dict) -> int:
+    """One job of RUNS.json (see the module)."""
+    if not isinstance(run, dict):
+        return train_and_save(Path(run[0]), run[1])
+    if "script" in run:
+        return run_script(run["script"], run["argv"], Path(run["output"]))
+    return stop_and_resume(run["stopped_at"], run["whole"], run["resumed"], run["checkpoints"])
+
+
 if sys.argv[1] == "--runs":
     runs = json.loads(Path(sys.argv[2]).read_text())
 else:
@@ -145,7 +177,6 @@ loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrap
 loop.clip_gradients = recording_clip_gradients
 loop.set_gradient_sync = recording_set_gradient_sync
 loop.init_layout = init_layout_once
-exit_codes = [run_script(run["script"], run["argv"], Path(run["output"])) if isinstance(run, dict)
-              else train_and_save(Path(run[0]), run[1]) for run in runs]
+exit_codes = [run_job(run) for run in runs]
 shutdown(wait_for_peers=True)
 sys.exit(max(exit_codes))
