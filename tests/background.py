@@ -1,8 +1,10 @@
-"""Work a session plans when it is collected, done in a thread of its own from its start while
-other tests run (conftest.py's `_planned_in_background`): the planned launches of training
-runs (`launch_planned`), then the commands modules list in `PLANNED_COMMANDS`. On a machine of
-a few cores this pays: a launch rarely keeps two cores busy (its launcher imports alone, gloo's
-ranks wait on each other), a single process keeps one, and so do most tests beside them.
+"""Work a session plans when it is collected, done in two threads of its own from its start
+while other tests run (conftest.py's `_planned_in_background`): one launches the planned
+training runs (`launch_planned`) one rank count after another, the other runs the commands
+modules list in `PLANNED_COMMANDS` one after another. On a machine of a few cores this pays:
+a launch rarely keeps two cores busy (its launcher imports alone, gloo's ranks wait on each
+other), a command rarely more than one, and most tests beside them keep one; and while the
+session's last tests wait for this work, neither core waits for the other's.
 
 Each piece of work gets the environment this process had when it was planned, and is used
 only where this process's environment is still that one (else it is done again, when needed).
@@ -48,22 +50,47 @@ class Command:
                               capture_output=True, text=True, timeout=self.timeout)
 
 
-def interpreter_run(test_file: str) -> Command:
-    """`test_file`'s `test_interpreter*` tests in a fresh pytest with TRITON_INTERPRET=1,
-    which must be set before triton is first imported (tests/README.md)."""
-    return Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
+@dataclass(frozen=True)
+class InterpreterTests:
+    """A test module's `test_interpreter*` tests, which run with TRITON_INTERPRET=1: set before
+    triton is first imported, so not in this process (tests/README.md). A module lists
+    `interpreter_run(__file__)` in its PLANNED_COMMANDS; the session runs those of every module
+    in one fresh pytest (`interpreter_command`: one start-up, not one per module)."""
+
+    test_file: str
+
+
+def interpreter_run(test_file: str) -> InterpreterTests:
+    return InterpreterTests(test_file)
+
+
+def interpreter_command(planned: list[InterpreterTests]) -> Command:
+    """The `test_interpreter*` tests of the modules `planned`, in one fresh pytest with
+    TRITON_INTERPRET=1, each test's outcome listed (-rA) for `assert_passed`."""
+    files = sorted({tests.test_file for tests in planned})
+    return Command((sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files, "-k",
                     "test_interpreter"), (("TRITON_INTERPRET", "1"),))
 
 
-def assert_passed(result: subprocess.CompletedProcess) -> None:
-    """A pytest run exited 0, and ran tests of which none failed."""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+def assert_passed(result: subprocess.CompletedProcess, test_file: str | None = None) -> None:
+    """A pytest run ran tests of which none failed; with `test_file`, of a run of several
+    modules (`interpreter_command`): that module's tests ran, and none of them failed."""
+    if test_file is None:
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert " passed" in result.stdout and " failed" not in result.stdout
+        return
+    module = Path(test_file).resolve().relative_to(REPO).as_posix()
+    outcomes = [line.split(" ", 1) for line in result.stdout.splitlines()
+                if line.startswith(("PASSED ", "FAILED ", "ERROR ")) and module in line]
+    failed = [line for outcome, line in outcomes if outcome != "PASSED"]
+    assert result.returncode in (0, 1) and outcomes and not failed, \
+        "\n".join(failed) + "\n" + result.stdout[-6000:] + result.stderr[-3000:]
 
 
 class PlannedInBackground:
-    """The planned launches ({nproc: [arguments, ...]}) and commands, started one after another
-    in a thread of their own as soon as this is made (see the module)."""
+    """The planned launches ({nproc: [arguments, ...]}) one after another in a thread of their
+    own, and the commands one after another in another, both started as soon as this is made
+    (see the module)."""
 
     def __init__(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path):
         launch.fix_inductor_cache_dir()
@@ -73,26 +100,31 @@ class PlannedInBackground:
         self._ran = {command: threading.Event() for command in commands}
         self._outcomes: dict[Command, tuple[subprocess.CompletedProcess, Path]] = {}
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._procs: set[subprocess.Popen] = set()  # those running now
         self._stopping = False
-        self._thread = threading.Thread(target=self._run_all, args=(runs, commands, folder), daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._launch_all, args=(runs, folder), daemon=True),
+                         threading.Thread(target=self._run_commands, args=(commands, folder), daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
-    def _start(self, argv: list[str], env: dict[str, str], stdout, stderr) -> subprocess.Popen | None:
+    def _run(self, argv: list[str], env: dict[str, str], stdout, stderr, timeout: float) -> tuple[list, int | None]:
+        """Run `argv` to its end, or until `timeout` (then None) or `stop`; (its arguments,
+        its exit code)."""
         with self._lock:
             if self._stopping:
-                return None
-            self._proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
-            return self._proc
-
-    def _finish(self, proc: subprocess.Popen, timeout: float) -> int | None:
+                return argv, None
+            proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
+            self._procs.add(proc)
         try:
-            return proc.wait(timeout=timeout)
+            return proc.args, proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
-            return None
+            return proc.args, None
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
 
-    def _run_all(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path) -> None:
+    def _launch_all(self, runs: dict[int, list[list[str]]], folder: Path) -> None:
         try:
             for nproc, planned in sorted(runs.items()):
                 todo = {launch._run_key(args, nproc, self.environ): folder / f"{nproc}-{i}"
@@ -102,26 +134,29 @@ class PlannedInBackground:
                 argv = launch.app_command(launch._runs_args(todo, folder / f"runs{nproc}.json"), nproc,
                                           launch.TRAIN_WORKER)
                 with open(folder / f"launch{nproc}.log", "w") as log:  # a failed launch's output, for whoever looks
-                    if (proc := self._start(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log)) is None:
-                        return
-                    if self._finish(proc, 300 * len(todo)) == 0:
-                        self._trained[nproc] = todo
+                    _, code = self._run(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log, 300 * len(todo))
+                if code == 0:
+                    self._trained[nproc] = todo
                 self._launched[nproc].set()
+        finally:
+            for event in self._launched.values():
+                event.set()
+
+    def _run_commands(self, commands: list[Command], folder: Path) -> None:
+        try:
             for i, command in enumerate(commands):
                 where = folder / f"command{i}"
                 where.mkdir()
                 with open(folder / f"command{i}.out", "w") as out, open(folder / f"command{i}.err", "w") as err:
-                    proc = self._start(command._argv(where), command._environ(where, self.environ), out, err)
-                    if proc is None:
-                        return
-                    code = self._finish(proc, command.timeout)
+                    argv, code = self._run(command._argv(where), command._environ(where, self.environ), out, err,
+                                           command.timeout)
                 if code is not None:
-                    done = subprocess.CompletedProcess(proc.args, code, (folder / f"command{i}.out").read_text(),
+                    done = subprocess.CompletedProcess(argv, code, (folder / f"command{i}.out").read_text(),
                                                        (folder / f"command{i}.err").read_text())
                     self._outcomes[command] = done, where
                 self._ran[command].set()
         finally:
-            for event in [*self._launched.values(), *self._ran.values()]:
+            for event in self._ran.values():
                 event.set()
 
     def _same_environment(self) -> bool:
@@ -146,12 +181,15 @@ class PlannedInBackground:
         return self._outcomes.get(command) if self._same_environment() else None
 
     def stop(self) -> None:
-        """End what is still running, if anything (an interrupted session), and the thread."""
+        """End what is still running, if anything (an interrupted session), and the threads."""
         with self._lock:
             self._stopping = True
-            if self._proc is not None and self._proc.poll() is None:
-                _end(self._proc)
-        self._thread.join()
+            running = list(self._procs)
+        for proc in running:
+            if proc.poll() is None:
+                _end(proc)
+        for thread in self._threads:
+            thread.join()
 
 
 def _end(proc: subprocess.Popen) -> None:

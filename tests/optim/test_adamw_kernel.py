@@ -7,12 +7,11 @@ is checked within an ulp (`cuda`). Units: see test_master_adamw.py.
 """
 
 import os
-import sys
 
 import pytest
 import torch
 from adamw_reference import CLIP, U, bf16_grads, bits, error_in_u, fp32_weights
-from background import Command
+from background import assert_passed, interpreter_run
 
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.optim.adamw_torch import (
@@ -118,17 +117,14 @@ def test_interpreter_optimizer_impls_agree():
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
-INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "interpreter"), (("TRITON_INTERPRET", "1"),))
+INTERPRETER_RUN = interpreter_run(__file__)
 PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 def test_triton_kernel_in_interpreter(planned_command):
     pytest.importorskip("triton")
-    result, _ = planned_command(INTERPRETER_RUN)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    assert_passed(planned_command(INTERPRETER_RUN)[0], __file__)
 
 
 def one_step_each_on_cuda(case, torch_update, kernel_update, lr: float = 3e-3):
