@@ -79,12 +79,14 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert "Signal 9 (SIGKILL)" in errors  # torchrun names the rank that died, and how
     assert not (out / "results.json").exists()
 
-    # The checkpoint `latest` names is whole: it verifies, loads and trains on.
+    # The checkpoint `latest` names is whole: it verifies, loads and trains on. On one rank, in
+    # this process, which reads both ranks' files (a resume on another layout, as
+    # tests/training/test_resume_reshard.py checks against a run never stopped).
     done = latest_step(ckpt)
-    proc = run_app([*SMALL, "--steps", str(done + 2), "--checkpoint-dir", str(ckpt), "--resume",
-                    "--log_every", "1", "--output-dir", str(out)], nproc=2)
+    proc = run_cli([*SMALL, "--ep-size", "1", "--steps", str(done + 2), "--checkpoint-dir", str(ckpt), "--resume",
+                    "--log_every", "1", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"(step {done} of {done + 2})" in proc.stdout
+    assert f"(step {done} of {done + 2}), written by 2 rank(s), read by 1" in proc.stdout
     assert f"train.steps 1000 -> {done + 2}" in proc.stdout  # the changed schedule is pointed out
     assert latest_step(ckpt) == done + 2
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
