@@ -9,8 +9,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -65,13 +63,14 @@ def test_rank_and_alpha_are_the_configs_unless_given():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_a_machine_without_cuda_is_refused_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "benchmarks.peft_peer", "--config", TINY], cwd=REPO,
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.splitlines()[-1] == ("peft_peer: error: the transformers + PEFT peer needs a CUDA GPU, "
-                                              "and none is visible")
-    assert not any(line.startswith("peft_peer") for line in result.stderr.splitlines()[:-1])
+def test_a_machine_without_cuda_is_refused_in_one_line(capsys):
+    from benchmarks.peft_peer import main
+
+    assert main(["--config", TINY]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == ("peft_peer: error: the transformers + PEFT peer needs a CUDA GPU, "
+                                                  "and none is visible")
+    assert not any(line.startswith("peft_peer") for line in err.splitlines()[:-1])
 
 
 @pytest.mark.parametrize("targets", [None, "k_proj,down_proj"])
