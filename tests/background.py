@@ -1,10 +1,13 @@
-"""Work a session plans when it is collected, done in two threads of its own from its start
-while other tests run (conftest.py's `_planned_in_background`): one launches the planned
-training runs (`launch_planned`) one rank count after another, the other runs the commands
-modules list in `PLANNED_COMMANDS` one after another. On a machine of a few cores this pays:
-a launch rarely keeps two cores busy (its launcher imports alone, gloo's ranks wait on each
-other), a command rarely more than one, and most tests beside them keep one; and while the
-session's last tests wait for this work, neither core waits for the other's.
+"""Work a session plans when it is collected, done by two threads of its own from its start
+while other tests run (conftest.py's `_planned_in_background`): the planned launches of
+training runs (`launch_planned`), one per rank count, and the commands modules list in
+`PLANNED_COMMANDS`. On a machine of a few cores this pays: a launch rarely keeps two cores busy
+(its launcher imports alone, gloo's ranks wait on each other), a command rarely more than one,
+and most tests beside them keep one; and with two at a time, neither core waits for the other
+while the session's last tests wait for this work. Each thread takes the next piece of work
+when it is done with one, the longest first as far as known: the first command (conftest.py
+puts the interpreter run there), then the launches by their runs times ranks, then the other
+commands.
 
 Each piece of work gets the environment this process had when it was planned, and is used
 only where this process's environment is still that one (else it is done again, when needed).
@@ -14,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,11 +92,10 @@ def assert_passed(result: subprocess.CompletedProcess, test_file: str | None = N
 
 
 class PlannedInBackground:
-    """The planned launches ({nproc: [arguments, ...]}) one after another in a thread of their
-    own, and the commands one after another in another, both started as soon as this is made
-    (see the module)."""
+    """The planned launches ({nproc: [arguments, ...]}) and commands, done by `threads` threads
+    started as soon as this is made (see the module)."""
 
-    def __init__(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path):
+    def __init__(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path, threads: int = 2):
         launch.fix_inductor_cache_dir()
         self.environ = dict(os.environ)
         self._launched = {nproc: threading.Event() for nproc in runs}
@@ -102,10 +105,24 @@ class PlannedInBackground:
         self._lock = threading.Lock()
         self._procs: set[subprocess.Popen] = set()  # those running now
         self._stopping = False
-        self._threads = [threading.Thread(target=self._launch_all, args=(runs, folder), daemon=True),
-                         threading.Thread(target=self._run_commands, args=(commands, folder), daemon=True)]
+        by_size = sorted(runs, key=lambda nproc: -nproc * len(runs[nproc]))
+        self._jobs = [*((self._command, (i, c, folder)) for i, c in enumerate(commands[:1])),
+                      *((self._launch, (nproc, runs[nproc], folder)) for nproc in by_size),
+                      *((self._command, (i, c, folder)) for i, c in enumerate(commands[1:], 1))]
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(threads)]
         for thread in self._threads:
             thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    return
+                job, args = self._jobs.pop(0)
+            try:
+                job(*args)
+            except Exception:  # noqa: BLE001 - its test does it again, and reports; the next one still runs
+                traceback.print_exc()
 
     def _run(self, argv: list[str], env: dict[str, str], stdout, stderr, timeout: float) -> tuple[list, int | None]:
         """Run `argv` to its end, or until `timeout` (then None) or `stop`; (its arguments,
@@ -124,40 +141,34 @@ class PlannedInBackground:
             with self._lock:
                 self._procs.discard(proc)
 
-    def _launch_all(self, runs: dict[int, list[list[str]]], folder: Path) -> None:
+    def _launch(self, nproc: int, planned: list[list[str]], folder: Path) -> None:
         try:
-            for nproc, planned in sorted(runs.items()):
-                todo = {launch._run_key(args, nproc, self.environ): folder / f"{nproc}-{i}"
-                        for i, args in enumerate(planned)}
-                for where in todo.values():
-                    where.mkdir()
-                argv = launch.app_command(launch._runs_args(todo, folder / f"runs{nproc}.json"), nproc,
-                                          launch.TRAIN_WORKER)
-                with open(folder / f"launch{nproc}.log", "w") as log:  # a failed launch's output, for whoever looks
-                    _, code = self._run(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log, 300 * len(todo))
-                if code == 0:
-                    self._trained[nproc] = todo
-                self._launched[nproc].set()
-        finally:
-            for event in self._launched.values():
-                event.set()
-
-    def _run_commands(self, commands: list[Command], folder: Path) -> None:
-        try:
-            for i, command in enumerate(commands):
-                where = folder / f"command{i}"
+            todo = {launch._run_key(args, nproc, self.environ): folder / f"{nproc}-{i}"
+                    for i, args in enumerate(planned)}
+            for where in todo.values():
                 where.mkdir()
-                with open(folder / f"command{i}.out", "w") as out, open(folder / f"command{i}.err", "w") as err:
-                    argv, code = self._run(command._argv(where), command._environ(where, self.environ), out, err,
-                                           command.timeout)
-                if code is not None:
-                    done = subprocess.CompletedProcess(argv, code, (folder / f"command{i}.out").read_text(),
-                                                       (folder / f"command{i}.err").read_text())
-                    self._outcomes[command] = done, where
-                self._ran[command].set()
+            argv = launch.app_command(launch._runs_args(todo, folder / f"runs{nproc}.json"), nproc,
+                                      launch.TRAIN_WORKER)
+            with open(folder / f"launch{nproc}.log", "w") as log:  # a failed launch's output, for whoever looks
+                _, code = self._run(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log, 300 * len(todo))
+            if code == 0:
+                self._trained[nproc] = todo
         finally:
-            for event in self._ran.values():
-                event.set()
+            self._launched[nproc].set()
+
+    def _command(self, i: int, command: Command, folder: Path) -> None:
+        try:
+            where = folder / f"command{i}"
+            where.mkdir()
+            with open(folder / f"command{i}.out", "w") as out, open(folder / f"command{i}.err", "w") as err:
+                argv, code = self._run(command._argv(where), command._environ(where, self.environ), out, err,
+                                       command.timeout)
+            if code is not None:
+                done = subprocess.CompletedProcess(argv, code, (folder / f"command{i}.out").read_text(),
+                                                   (folder / f"command{i}.err").read_text())
+                self._outcomes[command] = done, where
+        finally:
+            self._ran[command].set()
 
     def _same_environment(self) -> bool:
         return launch._run_key([], 0) == launch._run_key([], 0, self.environ)

@@ -68,14 +68,15 @@ def _planned_runs(items) -> dict[int, list[list[str]]]:
 
 def _planned_commands(items) -> list:
     """The `background.Command`s that modules whose tests use `planned_command` list in
-    `PLANNED_COMMANDS`, their `background.InterpreterTests` one command for all."""
+    `PLANNED_COMMANDS`, their `background.InterpreterTests` one command for all, first: the
+    session's longest piece of work."""
     from background import InterpreterTests, interpreter_command
 
     planned = list(dict.fromkeys(command for module in _planning(items, "planned_command")
                                  for command in getattr(module, "PLANNED_COMMANDS", [])))
     interpreted = _interpreter_tests(items)
-    return [command for command in planned if not isinstance(command, InterpreterTests)] + \
-        ([interpreter_command(interpreted)] if interpreted else [])
+    return ([interpreter_command(interpreted)] if interpreted else []) + \
+        [command for command in planned if not isinstance(command, InterpreterTests)]
 
 
 def _interpreter_tests(items) -> list:
