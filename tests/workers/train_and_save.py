@@ -138,16 +138,24 @@ def keep_process_group(wait_for_peers: bool = False) -> None:
 
 def run_script(script: str, argv: list[str], output: Path) -> int:
     """Run a worker script as `torchrun ... SCRIPT ARGV` would, on this launch's process group,
-    which its `shutdown` leaves for the next run. Should it fail, exit now, as it would alone:
-    torchrun then stops the other ranks, which a failed collective could leave waiting."""
+    which its `shutdown` leaves for the next run (and which a script that starts a group itself,
+    as the peers' do, joins). Should it fail, exit now, as it would alone: torchrun then stops
+    the other ranks, which a failed collective could leave waiting."""
     output.mkdir(parents=True, exist_ok=True)
     rank = os.environ.get("RANK", "0")  # the group may not be started yet: the script starts it
     sys.argv = [script, *argv]
+    start_group = dist.init_process_group
+
+    def start_group_once(*args, **kwargs):
+        if not dist.is_initialized():
+            start_group(*args, **kwargs)
+
     try:
         with (open(output / f"stdout{rank}", "w") as stdout, open(output / f"stderr{rank}", "w") as stderr,
               contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr),
               patch.object(layout_module, "init_layout", init_layout_once),
-              patch.object(layout_module, "shutdown", keep_process_group)):
+              patch.object(layout_module, "shutdown", keep_process_group),
+              patch.object(dist, "init_process_group", start_group_once)):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
