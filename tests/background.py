@@ -1,8 +1,13 @@
-"""Work a session plans when it is collected, done in a thread of its own from its start while
-other tests run (conftest.py's `_planned_in_background`): the planned launches of training
-runs (`launch_planned`), then the commands modules list in `PLANNED_COMMANDS`. On a machine of
-a few cores this pays: a launch rarely keeps two cores busy (its launcher imports alone, gloo's
-ranks wait on each other), a single process keeps one, and so do most tests beside them.
+"""Work a session plans when it is collected, done by two threads of its own from its start
+while other tests run (conftest.py's `_planned_in_background`): the planned launches of
+training runs (`launch_planned`), one per rank count, and the commands modules list in
+`PLANNED_COMMANDS`. On a machine of a few cores this pays: a launch rarely keeps two cores busy
+(its launcher imports alone, gloo's ranks wait on each other), a command rarely more than one,
+and most tests beside them keep one; and with two at a time, neither core waits for the other
+while the session's last tests wait for this work. Each thread takes the next piece of work
+when it is done with one, the longest first as far as known: the first command (conftest.py
+puts the interpreter run there), then the launches by their runs times ranks, then the other
+commands.
 
 Each piece of work gets the environment this process had when it was planned, and is used
 only where this process's environment is still that one (else it is done again, when needed).
@@ -12,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,24 +54,48 @@ class Command:
                               capture_output=True, text=True, timeout=self.timeout)
 
 
-def interpreter_run(test_file: str) -> Command:
-    """`test_file`'s `test_interpreter*` tests in a fresh pytest with TRITON_INTERPRET=1,
-    which must be set before triton is first imported (tests/README.md)."""
-    return Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
+@dataclass(frozen=True)
+class InterpreterTests:
+    """A test module's `test_interpreter*` tests, which run with TRITON_INTERPRET=1: set before
+    triton is first imported, so not in this process (tests/README.md). A module lists
+    `interpreter_run(__file__)` in its PLANNED_COMMANDS; the session runs those of every module
+    in one fresh pytest (`interpreter_command`: one start-up, not one per module)."""
+
+    test_file: str
+
+
+def interpreter_run(test_file: str) -> InterpreterTests:
+    return InterpreterTests(test_file)
+
+
+def interpreter_command(planned: list[InterpreterTests]) -> Command:
+    """The `test_interpreter*` tests of the modules `planned`, in one fresh pytest with
+    TRITON_INTERPRET=1, each test's outcome listed (-rA) for `assert_passed`."""
+    files = sorted({tests.test_file for tests in planned})
+    return Command((sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files, "-k",
                     "test_interpreter"), (("TRITON_INTERPRET", "1"),))
 
 
-def assert_passed(result: subprocess.CompletedProcess) -> None:
-    """A pytest run exited 0, and ran tests of which none failed."""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+def assert_passed(result: subprocess.CompletedProcess, test_file: str | None = None) -> None:
+    """A pytest run ran tests of which none failed; with `test_file`, of a run of several
+    modules (`interpreter_command`): that module's tests ran, and none of them failed."""
+    if test_file is None:
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert " passed" in result.stdout and " failed" not in result.stdout
+        return
+    module = Path(test_file).resolve().relative_to(REPO).as_posix()
+    outcomes = [line.split(" ", 1) for line in result.stdout.splitlines()
+                if line.startswith(("PASSED ", "FAILED ", "ERROR ")) and module in line]
+    failed = [line for outcome, line in outcomes if outcome != "PASSED"]
+    assert result.returncode in (0, 1) and outcomes and not failed, \
+        "\n".join(failed) + "\n" + result.stdout[-6000:] + result.stderr[-3000:]
 
 
 class PlannedInBackground:
-    """The planned launches ({nproc: [arguments, ...]}) and commands, started one after another
-    in a thread of their own as soon as this is made (see the module)."""
+    """The planned launches ({nproc: [arguments, ...]}) and commands, done by `threads` threads
+    started as soon as this is made (see the module)."""
 
-    def __init__(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path):
+    def __init__(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path, threads: int = 2):
         launch.fix_inductor_cache_dir()
         self.environ = dict(os.environ)
         self._launched = {nproc: threading.Event() for nproc in runs}
@@ -73,56 +103,72 @@ class PlannedInBackground:
         self._ran = {command: threading.Event() for command in commands}
         self._outcomes: dict[Command, tuple[subprocess.CompletedProcess, Path]] = {}
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._procs: set[subprocess.Popen] = set()  # those running now
         self._stopping = False
-        self._thread = threading.Thread(target=self._run_all, args=(runs, commands, folder), daemon=True)
-        self._thread.start()
+        by_size = sorted(runs, key=lambda nproc: -nproc * len(runs[nproc]))
+        self._jobs = [*((self._command, (i, c, folder)) for i, c in enumerate(commands[:1])),
+                      *((self._launch, (nproc, runs[nproc], folder)) for nproc in by_size),
+                      *((self._command, (i, c, folder)) for i, c in enumerate(commands[1:], 1))]
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
-    def _start(self, argv: list[str], env: dict[str, str], stdout, stderr) -> subprocess.Popen | None:
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    return
+                job, args = self._jobs.pop(0)
+            try:
+                job(*args)
+            except Exception:  # noqa: BLE001 - its test does it again, and reports; the next one still runs
+                traceback.print_exc()
+
+    def _run(self, argv: list[str], env: dict[str, str], stdout, stderr, timeout: float) -> tuple[list, int | None]:
+        """Run `argv` to its end, or until `timeout` (then None) or `stop`; (its arguments,
+        its exit code)."""
         with self._lock:
             if self._stopping:
-                return None
-            self._proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
-            return self._proc
-
-    def _finish(self, proc: subprocess.Popen, timeout: float) -> int | None:
+                return argv, None
+            proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
+            self._procs.add(proc)
         try:
-            return proc.wait(timeout=timeout)
+            return proc.args, proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
-            return None
-
-    def _run_all(self, runs: dict[int, list[list[str]]], commands: list[Command], folder: Path) -> None:
-        try:
-            for nproc, planned in sorted(runs.items()):
-                todo = {launch._run_key(args, nproc, self.environ): folder / f"{nproc}-{i}"
-                        for i, args in enumerate(planned)}
-                for where in todo.values():
-                    where.mkdir()
-                argv = launch.app_command(launch._runs_args(todo, folder / f"runs{nproc}.json"), nproc,
-                                          launch.TRAIN_WORKER)
-                with open(folder / f"launch{nproc}.log", "w") as log:  # a failed launch's output, for whoever looks
-                    if (proc := self._start(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log)) is None:
-                        return
-                    if self._finish(proc, 300 * len(todo)) == 0:
-                        self._trained[nproc] = todo
-                self._launched[nproc].set()
-            for i, command in enumerate(commands):
-                where = folder / f"command{i}"
-                where.mkdir()
-                with open(folder / f"command{i}.out", "w") as out, open(folder / f"command{i}.err", "w") as err:
-                    proc = self._start(command._argv(where), command._environ(where, self.environ), out, err)
-                    if proc is None:
-                        return
-                    code = self._finish(proc, command.timeout)
-                if code is not None:
-                    done = subprocess.CompletedProcess(proc.args, code, (folder / f"command{i}.out").read_text(),
-                                                       (folder / f"command{i}.err").read_text())
-                    self._outcomes[command] = done, where
-                self._ran[command].set()
+            return proc.args, None
         finally:
-            for event in [*self._launched.values(), *self._ran.values()]:
-                event.set()
+            with self._lock:
+                self._procs.discard(proc)
+
+    def _launch(self, nproc: int, planned: list[list[str]], folder: Path) -> None:
+        try:
+            todo = {launch._run_key(args, nproc, self.environ): folder / f"{nproc}-{i}"
+                    for i, args in enumerate(planned)}
+            for where in todo.values():
+                where.mkdir()
+            argv = launch.app_command(launch._runs_args(todo, folder / f"runs{nproc}.json"), nproc,
+                                      launch.TRAIN_WORKER)
+            with open(folder / f"launch{nproc}.log", "w") as log:  # a failed launch's output, for whoever looks
+                _, code = self._run(argv, {**self.environ, "OMP_NUM_THREADS": "1"}, log, log, 300 * len(todo))
+            if code == 0:
+                self._trained[nproc] = todo
+        finally:
+            self._launched[nproc].set()
+
+    def _command(self, i: int, command: Command, folder: Path) -> None:
+        try:
+            where = folder / f"command{i}"
+            where.mkdir()
+            with open(folder / f"command{i}.out", "w") as out, open(folder / f"command{i}.err", "w") as err:
+                argv, code = self._run(command._argv(where), command._environ(where, self.environ), out, err,
+                                       command.timeout)
+            if code is not None:
+                done = subprocess.CompletedProcess(argv, code, (folder / f"command{i}.out").read_text(),
+                                                   (folder / f"command{i}.err").read_text())
+                self._outcomes[command] = done, where
+        finally:
+            self._ran[command].set()
 
     def _same_environment(self) -> bool:
         return launch._run_key([], 0) == launch._run_key([], 0, self.environ)
@@ -146,12 +192,15 @@ class PlannedInBackground:
         return self._outcomes.get(command) if self._same_environment() else None
 
     def stop(self) -> None:
-        """End what is still running, if anything (an interrupted session), and the thread."""
+        """End what is still running, if anything (an interrupted session), and the threads."""
         with self._lock:
             self._stopping = True
-            if self._proc is not None and self._proc.poll() is None:
-                _end(self._proc)
-        self._thread.join()
+            running = list(self._procs)
+        for proc in running:
+            if proc.poll() is None:
+                _end(proc)
+        for thread in self._threads:
+            thread.join()
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -68,9 +68,23 @@ def _planned_runs(items) -> dict[int, list[list[str]]]:
 
 def _planned_commands(items) -> list:
     """The `background.Command`s that modules whose tests use `planned_command` list in
-    `PLANNED_COMMANDS`."""
-    return list(dict.fromkeys(command for module in _planning(items, "planned_command")
-                              for command in getattr(module, "PLANNED_COMMANDS", [])))
+    `PLANNED_COMMANDS`, their `background.InterpreterTests` one command for all, first: the
+    session's longest piece of work."""
+    from background import InterpreterTests, interpreter_command
+
+    planned = list(dict.fromkeys(command for module in _planning(items, "planned_command")
+                                 for command in getattr(module, "PLANNED_COMMANDS", [])))
+    interpreted = _interpreter_tests(items)
+    return ([interpreter_command(interpreted)] if interpreted else []) + \
+        [command for command in planned if not isinstance(command, InterpreterTests)]
+
+
+def _interpreter_tests(items) -> list:
+    """The `background.InterpreterTests` of `_planned_commands`, before they are made one."""
+    from background import InterpreterTests
+
+    return [command for module in _planning(items, "planned_command")
+            for command in getattr(module, "PLANNED_COMMANDS", []) if isinstance(command, InterpreterTests)]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -152,15 +166,24 @@ def launch_planned(request, tmp_path_factory, _planned_in_background):
 
 
 @pytest.fixture(scope="session")
-def planned_command(tmp_path_factory, _planned_in_background):
+def planned_command(request, tmp_path_factory, _planned_in_background):
     """`planned_command(command)`: (CompletedProcess, folder) of a `background.Command` that the
     test's module lists in `PLANNED_COMMANDS`: run in the background from the session's start
-    where that happens (`_planned_in_background`), else now."""
+    where that happens (`_planned_in_background`), else now. For a `background.InterpreterTests`,
+    those of the session's one run of every module's (`background.assert_passed` picks out the
+    module's own)."""
+    from background import InterpreterTests, interpreter_command
+
+    ran = {}
 
     def run(command):
+        if isinstance(command, InterpreterTests):
+            command = interpreter_command(_interpreter_tests(request.session.items) or [command])
         if _planned_in_background is not None and (done := _planned_in_background.command(command)):
             return done
-        folder = tmp_path_factory.mktemp("command")
-        return command.run(folder), folder
+        if command not in ran:
+            folder = tmp_path_factory.mktemp("command")
+            ran[command] = command.run(folder), folder
+        return ran[command]
 
     return run

@@ -135,6 +135,12 @@ RUN_DIR = "{run_dir}"
 # A planned run [WORKER, SCRIPT, *arguments] is no training run: it runs that worker script of
 # tests/workers (see `run_worker`).
 WORKER = "--worker"
+# A planned run [STOPPED_AT, N, *arguments] is two, in one launch: the run never stopped, into
+# its folder's `whole`, then the same run resumed (`--resume`) from what that run would have
+# left had it been killed right after its step-N checkpoint, into the folder itself (each with
+# its checkpoints in its `ckpt`; tests/workers/train_and_save.py). `train_and_save` answers
+# with the resumed run.
+STOPPED_AT = "--stopped-at"
 
 _inductor_cache_dir_fixed = False
 
@@ -169,6 +175,11 @@ def _job(args: tuple[str, ...], where: Path) -> list | dict:
         _, script, *rest = args
         return {"script": script, "argv": [a.replace(RUN_DIR, str(where / "out")) for a in rest],
                 "output": str(where)}
+    if args[:1] == (STOPPED_AT,):
+        _, step, *rest = args
+        return {"stopped_at": int(step), "checkpoints": [str(where / "whole" / "ckpt"), str(where / "ckpt")],
+                "whole": _job((*rest, "--checkpoint-dir", str(where / "whole" / "ckpt")), where / "whole"),
+                "resumed": _job((*rest, "--checkpoint-dir", str(where / "ckpt"), "--resume"), where)}
     return [str(where / "weights"), [*(a.replace(RUN_DIR, str(where)) for a in args), "--output-dir", str(where)]]
 
 

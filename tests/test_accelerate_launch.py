@@ -2,18 +2,19 @@
 honoured or refused in one line (te_mixtral/accelerate_launch.py).
 
 One real launch through accelerate's command line: two processes, bf16 and gradient
-accumulation. The other cases read the environment accelerate's own launcher code makes for
+accumulation (and one it refuses; both started with the session, in the background). The other cases read the environment accelerate's own launcher code makes for
 a command line (`accelerate_env`), in-process: each refusal comes before anything is built.
 """
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import yaml
+from background import Command
 from conftest import REPO
+from launch import RUN_DIR
 
 from te_mixtral.accelerate_launch import launch_settings
 from te_mixtral.cli import main
@@ -23,11 +24,22 @@ from te_mixtral.errors import ExitCode, UserError
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
-def accelerate_launch(launch_args: list[str], app_args: list[str], **env) -> subprocess.CompletedProcess:
+def accelerate_launch(launch_args: list[str], app_args: list[str], **env) -> Command:
     # `accelerate launch`, run by this interpreter (the `accelerate` script may be another's).
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "run_finetune_ep.py", *app_args]
-    return subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
-                          text=True, timeout=300)
+    return Command((sys.executable, "-m", "accelerate.commands.launch", *launch_args, "run_finetune_ep.py", *app_args),
+                   (("OMP_NUM_THREADS", "1"), *env.items()), timeout=300)
+
+
+# --multi_gpu is torchrun underneath, and on a CPU machine starts CPU processes (gloo).
+# Accumulation reaches a script through the environment only (DeepSpeed's launcher sets it).
+TWO_PROCESSES = accelerate_launch(
+    ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
+     "--mixed_precision", "bf16", "--dynamo_backend", "no"],
+    ["--ep-size", "2", "--steps", "2", "--seq_len", "32", "--batch_size", "4", "--output-dir", RUN_DIR],
+    ACCELERATE_GRADIENT_ACCUMULATION_STEPS="2")
+BAD_SETTING = accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--main_process_port",
+                                 "0", "--mixed_precision", "no", "--dynamo_backend", "no"], ["--ep-size", "4"])
+PLANNED_COMMANDS = [TWO_PROCESSES, BAD_SETTING]  # run from the session's start (conftest.py's planned_command)
 
 
 def accelerate_env(*flags: str) -> dict[str, str]:
@@ -47,29 +59,22 @@ def accelerate_env(*flags: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_two_processes_with_accelerates_precision_and_accumulation(tmp_path):
-    # --multi_gpu is torchrun underneath, and on a CPU machine starts CPU processes (gloo).
-    # Accumulation reaches a script through the environment only (DeepSpeed's launcher sets it).
-    proc = accelerate_launch(
-        ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
-         "--mixed_precision", "bf16", "--dynamo_backend", "no"],
-        ["--ep-size", "2", "--steps", "2", "--seq_len", "32", "--batch_size", "4", "--output-dir", str(tmp_path)],
-        ACCELERATE_GRADIENT_ACCUMULATION_STEPS="2")
+def test_two_processes_with_accelerates_precision_and_accumulation(planned_command):
+    proc, folder = planned_command(TWO_PROCESSES)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     notes = [line for line in proc.stdout.splitlines() if line.startswith("te_mixtral: from accelerate launch")]
     assert len(notes) == 1, proc.stdout  # rank 0 says what accelerate set, once
     assert "train.dtype bf16 (accelerate launch --mixed_precision bf16)" in notes[0]
-    results = json.loads((tmp_path / "results.json").read_text())
-    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    results = json.loads((folder / "results.json").read_text())
+    saved = yaml.safe_load((folder / "config.yaml").read_text())
     assert (results["header"]["world_size"], results["header"]["precision"]) == (2, "bf16")
     assert (saved["train"]["dtype"], saved["train"]["grad_accum_steps"], saved["ep_size"]) == ("bf16", 2, 2)
     assert len(results["losses"]) == 2
 
 
 @pytest.mark.slow
-def test_a_bad_setting_under_accelerate_launch_is_one_line_per_job():
-    proc = accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
-                              "--mixed_precision", "no", "--dynamo_backend", "no"], ["--ep-size", "4"])
+def test_a_bad_setting_under_accelerate_launch_is_one_line_per_job(planned_command):
+    proc, _ = planned_command(BAD_SETTING)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
     assert lines == ["te_mixtral: error: world size (2) is not divisible by ep_size (4) [exit code 2]"], proc.stderr

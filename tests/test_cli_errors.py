@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from background import Command
 from conftest import REPO
 from launch import app_command, assert_one_line_error, run_cli
 from safetensors.torch import load_file
@@ -64,29 +65,32 @@ def test_tier_this_machine_cannot_run():
     assert_one_line_error(proc, "grouped_linear")
 
 
-def our_torchrun(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "te_mixtral.torchrun", *args], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+def our_torchrun(*args: str) -> Command:
+    return Command((sys.executable, "-m", "te_mixtral.torchrun", *args), (("OMP_NUM_THREADS", "1"),), timeout=120)
+
+
+# world 2 is not divisible by EP=4 ... and 4 experts / EP 4 is fine: only the world check fails.
+BAD_SETTING = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), "--ep-size", "4")
+REFUSED = {our_torchrun("--no_such_option", "run_finetune_ep.py"): "unrecognized arguments: --no_such_option",
+           our_torchrun("--nproc_per_node=many", "run_finetune_ep.py"): "Unsupported nproc_per_node value: many",
+           our_torchrun("--standalone", "--nproc_per_node=0", "run_finetune_ep.py"): "torchrun refused its arguments"}
+PLANNED_COMMANDS = [BAD_SETTING, *REFUSED]  # run from the session's start (conftest.py's planned_command)
 
 
 @pytest.mark.slow
-def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code_on():
-    # world 2 is not divisible by EP=4 ... and 4 experts / EP 4 is fine: only the world check fails.
+def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code_on(planned_command):
     # torchrun itself would exit 1, as for any failure; `python -m te_mixtral.torchrun` is torchrun
     # exiting with the ranks' code, and saying nothing of its own.
-    proc = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), "--ep-size", "4")
+    proc, _ = planned_command(BAD_SETTING)
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
     lines = assert_one_line_error(proc, "world size (2) is not divisible by ep_size (4)")
     assert proc.stderr.splitlines() == lines and len(lines) == 1, proc.stderr[-3000:]  # rank 0's, and nothing else
     assert lines[0].endswith("[exit code 2]")
 
 
-def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line():
-    for args, fragment in [(["--no_such_option", "run_finetune_ep.py"], "unrecognized arguments: --no_such_option"),
-                           (["--nproc_per_node=many", "run_finetune_ep.py"], "Unsupported nproc_per_node value: many"),
-                           (["--standalone", "--nproc_per_node=0", "run_finetune_ep.py"],
-                            "torchrun refused its arguments")]:
-        proc = our_torchrun(*args)
+def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line(planned_command):
+    for command, fragment in REFUSED.items():
+        proc, _ = planned_command(command)
         assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
         assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("te_mixtral.torchrun: error: ")
         assert fragment in proc.stderr

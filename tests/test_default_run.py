@@ -1,13 +1,14 @@
-"""`python run_finetune_ep.py` alone: the tiny default model on the embedded data."""
+"""`python run_finetune_ep.py` alone: the tiny default model on the embedded data (its command
+line run in this process: the entry script's own process is started by other tests)."""
 
 import json
 
 import yaml
-from launch import run_app
+from launch import run_cli
 
 
 def test_default_run_trains_and_reports(tmp_path):
-    proc = run_app(["--output-dir", str(tmp_path)], timeout=240)
+    proc = run_cli(["--output-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     for metric in ("median step", "p90 step", "tokens/s/process", "TFLOP/s/process", "MFU", "peak memory"):
         assert metric in proc.stdout

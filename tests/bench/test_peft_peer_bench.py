@@ -7,17 +7,13 @@ Timing it needs CUDA; that part runs on GPU machines only."""
 import argparse
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from background import Command
 from bench.refusals import refusals
 from conftest import REPO
-from launch import app_command
+from launch import WORKER, run_worker
 
 from benchmarks.peer_workload import random_rows
 from benchmarks.peft_peer import (
@@ -65,13 +61,14 @@ def test_rank_and_alpha_are_the_configs_unless_given():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_a_machine_without_cuda_is_refused_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "benchmarks.peft_peer", "--config", TINY], cwd=REPO,
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.splitlines()[-1] == ("peft_peer: error: the transformers + PEFT peer needs a CUDA GPU, "
-                                              "and none is visible")
-    assert not any(line.startswith("peft_peer") for line in result.stderr.splitlines()[:-1])
+def test_a_machine_without_cuda_is_refused_in_one_line(capsys):
+    from benchmarks.peft_peer import main
+
+    assert main(["--config", TINY]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == ("peft_peer: error: the transformers + PEFT peer needs a CUDA GPU, "
+                                                  "and none is visible")
+    assert not any(line.startswith("peft_peer") for line in err.splitlines()[:-1])
 
 
 @pytest.mark.parametrize("targets", [None, "k_proj,down_proj"])
@@ -135,15 +132,15 @@ def test_the_whole_run_measures_on_cpu(doc_len):
     json.dumps(result)  # what --json writes
 
 
-DDP_RUN = Command((*app_command([TINY], 2, "tests/workers/peft_peer_ddp.py"),),
-                  (("OMP_NUM_THREADS", "1"), ("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))))
-PLANNED_COMMANDS = [DDP_RUN]  # run from the session's start (conftest.py's planned_command)
+DDP_SCRIPT = "tests/workers/peft_peer_ddp.py"
+PLANNED_RUNS = {2: [[WORKER, DDP_SCRIPT, TINY]]}  # run in the session's two-rank launch (conftest.py's launch_planned)
 
 
 @pytest.mark.slow
-def test_two_processes_train_as_distributed_data_parallel(planned_command):
+def test_two_processes_train_as_distributed_data_parallel(tmp_path, launch_planned):
     """Under torchrun (two CPU processes, gloo): each rank its own row, the adapters kept
     equal by DistributedDataParallel (tests/workers/peft_peer_ddp.py checks)."""
-    proc, _ = planned_command(DDP_RUN)
+    launch_planned(2)
+    proc = run_worker(tmp_path, DDP_SCRIPT, [TINY], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(": ok") == 2

@@ -166,7 +166,7 @@ PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.p
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_triton_kernels_in_interpreter(planned_command):
-    assert_passed(planned_command(INTERPRETER_RUN)[0])
+    assert_passed(planned_command(INTERPRETER_RUN)[0], __file__)
 
 
 # Tiles far smaller than the shapes, so every case spans several row and column tiles,

@@ -3,9 +3,11 @@ docs/architecture.md ("Adding a tier") runs as the doc says, matching the `loop`
 
 import ast
 import re
+import sys
 
 import pytest
 import torch
+from background import Command
 from conftest import REPO
 
 from te_mixtral.experts import registry
@@ -81,15 +83,17 @@ def test_config_help_names_every_tier_and_mode():
     assert all(mode in settings()["fp8.mode"].metadata["help"] for mode in FP8_MODES)
 
 
-def test_the_registry_and_the_training_loop_import_without_triton_or_te():
+# Imports in a fresh interpreter where triton and transformer_engine cannot be imported.
+WITHOUT_TRITON_OR_TE = Command((sys.executable, "-c",
+                                "import sys; sys.modules['triton'] = sys.modules['transformer_engine'] = None\n"
+                                "import te_mixtral.experts.registry, te_mixtral.training.loop, te_mixtral.cli"))
+PLANNED_COMMANDS = [WITHOUT_TRITON_OR_TE]  # run from the session's start (conftest.py's planned_command)
+
+
+def test_the_registry_and_the_training_loop_import_without_triton_or_te(planned_command):
     """The tiers load Triton and Transformer Engine where they run: choosing, checking and
     planning a run (the registry, the config, the training loop's module) needs neither."""
-    import subprocess
-    import sys
-
-    script = ("import sys; sys.modules['triton'] = sys.modules['transformer_engine'] = None\n"
-              "import te_mixtral.experts.registry, te_mixtral.training.loop, te_mixtral.cli")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc, _ = planned_command(WITHOUT_TRITON_OR_TE)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

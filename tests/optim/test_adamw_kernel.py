@@ -9,12 +9,11 @@ on the CPU: its PTX is checked here for every instruction that would round other
 
 import os
 import re
-import sys
 
 import pytest
 import torch
 from adamw_reference import CLIP, bf16_grads, bits, fp32_weights
-from background import Command
+from background import assert_passed, interpreter_run
 
 from te_mixtral.optim import MasterAdamW
 from te_mixtral.optim.adamw_torch import (
@@ -118,17 +117,14 @@ def test_interpreter_optimizer_impls_agree():
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
-INTERPRETER_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "interpreter"), (("TRITON_INTERPRET", "1"),))
+INTERPRETER_RUN = interpreter_run(__file__)
 PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 def test_triton_kernel_in_interpreter(planned_command):
     pytest.importorskip("triton")
-    result, _ = planned_command(INTERPRETER_RUN)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    assert_passed(planned_command(INTERPRETER_RUN)[0], __file__)
 
 
 # Argument types of the kernels as the launches pass them (bf16 tensors as int16 bits); others fp32.

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from background import Command
 from conftest import REPO
-from launch import app_command, assert_one_line_error, run_app, run_cli
+from launch import RUN_DIR, app_command, assert_one_line_error, run_cli
 
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.distributed.layout import Layout
@@ -79,27 +80,32 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert "Signal 9 (SIGKILL)" in errors  # torchrun names the rank that died, and how
     assert not (out / "results.json").exists()
 
-    # The checkpoint `latest` names is whole: it verifies, loads and trains on.
+    # The checkpoint `latest` names is whole: it verifies, loads and trains on. On one rank, in
+    # this process, which reads both ranks' files (a resume on another layout, as
+    # tests/training/test_resume_reshard.py checks against a run never stopped).
     done = latest_step(ckpt)
-    proc = run_app([*SMALL, "--steps", str(done + 2), "--checkpoint-dir", str(ckpt), "--resume",
-                    "--log_every", "1", "--output-dir", str(out)], nproc=2)
+    proc = run_cli([*SMALL, "--ep-size", "1", "--steps", str(done + 2), "--checkpoint-dir", str(ckpt), "--resume",
+                    "--log_every", "1", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"(step {done} of {done + 2})" in proc.stdout
+    assert f"(step {done} of {done + 2}), written by 2 rank(s), read by 1" in proc.stdout
     assert f"train.steps 1000 -> {done + 2}" in proc.stdout  # the changed schedule is pointed out
     assert latest_step(ckpt) == done + 2
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
 
 
+# Running as root, permissions would not stop us; a device where a folder should be does.
+UNWRITABLE = Command((*app_command([*SMALL, "--steps", "4", "--checkpoint-dir", "/dev/null/ckpt", "--output-dir",
+                                    f"{RUN_DIR}/out"], nproc=2),), (("OMP_NUM_THREADS", "1"),), timeout=120)
+PLANNED_COMMANDS = [UNWRITABLE]  # run from the session's start (conftest.py's planned_command)
+
+
 @pytest.mark.slow
-def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a folder")  # running as root, permissions would not stop us; this does
-    proc = run_app([*SMALL, "--steps", "4", "--checkpoint-dir", str(blocker / "ckpt"), "--output-dir",
-                    str(tmp_path / "out")], nproc=2, timeout=120)
+def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(planned_command):
+    proc, _ = planned_command(UNWRITABLE)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
     assert proc.returncode != 0
     assert len(lines) == 1, proc.stderr[-3000:]  # one per job: rank 0's
-    assert all(f"checkpoint directory {blocker / 'ckpt'} is not writable" in line for line in lines)
+    assert all("checkpoint directory /dev/null/ckpt is not writable" in line for line in lines)
     assert "step" not in proc.stdout  # no training step ran
 
 

@@ -1,13 +1,16 @@
 """Resume: a run stopped after N of 2N steps and resumed from its checkpoint trains exactly
 like the run that was never stopped (CPU, EP=2 over two gloo ranks), with fp32 parameters and
 torch's AdamW, with bf16 parameters whose fp32 master lives in MasterAdamW's remainders, and
-with LoRA adapters (dropout on) over a frozen base, and over a frozen NF4 base."""
+with LoRA adapters (dropout on) over a frozen base, and over a frozen NF4 base. Each pair
+trains in the session's two-rank launch, the resumed run building everything anew from its
+arguments and the checkpoint (launch.STOPPED_AT); and a user's resume, the app's own launch
+in processes of its own, continues the fp32 run exactly too."""
 
 import json
 import shutil
 
 import pytest
-from launch import RUN_DIR, run_app, run_cli, train_and_save
+from launch import RUN_DIR, STOPPED_AT, run_app, run_cli, train_and_save
 
 from te_mixtral.training.dcp_index import read_index
 
@@ -28,42 +31,63 @@ def whole_run(optimizer: str) -> list[str]:
     return [*COMMON, *OPTIMIZERS[optimizer], "--checkpoint-dir", f"{RUN_DIR}/ckpt"]
 
 
-# The runs never stopped train with the other modules' two-rank runs (conftest.py's
-# launch_planned); the resumed ones are the app's own launches, as a user resumes.
-PLANNED_RUNS = {2: [whole_run(optimizer) for optimizer in OPTIMIZERS]}
+def stopped_and_resumed(optimizer: str) -> list[str]:
+    return [STOPPED_AT, str(N), *COMMON, *OPTIMIZERS[optimizer]]
+
+
+# Trained with the other modules' two-rank runs (conftest.py's launch_planned).
+PLANNED_RUNS = {2: [whole_run("fp32-adamw"), *map(stopped_and_resumed, OPTIMIZERS)]}
+
+
+def steps_logged(output_dir) -> list[int]:
+    """The steps a run's log (steps.jsonl) holds a training step's line for."""
+    records = map(json.loads, (output_dir / "steps.jsonl").read_text().splitlines())
+    return [r["step"] for r in records if "loss" in r]  # not its evaluations' lines
+
+
+def assert_resumed_equals_whole(resumed, whole):
+    want = json.loads((whole / "results.json").read_text())
+    got = json.loads((resumed / "results.json").read_text())
+    assert got["losses"] == want["losses"]  # bit for bit: same data, LR, optimizer state, RNG
+    assert got["evals"] == want["evals"]
+    assert got["summary"]["timed_steps"] == N - 1  # the resumed process warms up again
+    # Only the remaining steps ran: the resumed run's log starts after its checkpoint.
+    assert steps_logged(resumed) == list(range(N + 1, 2 * N + 1))
+    assert (resumed / "ckpt" / "latest").read_text().strip() == "step-000006"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
-    common = [*COMMON, *OPTIMIZERS[optimizer]]
-    whole = tmp_path / "whole"
     launch_planned(2)
-    train_and_save(whole, whole_run(optimizer), nproc=2)
+    train_and_save(tmp_path, stopped_and_resumed(optimizer), nproc=2)
+    whole = tmp_path / "whole"
     assert sorted(p.name for p in (whole / "ckpt").iterdir()) == ["latest", "step-000003", "step-000006"]
     saved = read_index(whole / "ckpt" / "step-000003" / ".metadata").state_dict_metadata
     if optimizer.startswith("lora"):  # what trains, and nothing of the frozen base, which the resume makes again
         assert saved and all(".adapters." in name for name in saved), sorted(saved)[:5]
     else:
         assert "model.model.embed_tokens.weight" in saved
+    assert_resumed_equals_whole(tmp_path, whole)
+
+
+@pytest.mark.slow
+def test_a_users_resume_in_new_processes_equals_one_run(tmp_path, launch_planned):
+    whole = tmp_path / "whole"
+    launch_planned(2)
+    train_and_save(whole, whole_run("fp32-adamw"), nproc=2)
 
     # The state a run killed right after its step-N checkpoint leaves behind.
     resumed = tmp_path / "resumed"
     shutil.copytree(whole / "ckpt", resumed / "ckpt")
     shutil.rmtree(resumed / "ckpt" / "step-000006")
     (resumed / "ckpt" / "latest").write_text("step-000003\n")
-    proc = run_app([*common, "--checkpoint-dir", str(resumed / "ckpt"), "--output-dir", str(resumed), "--resume"],
+    proc = run_app([*COMMON, "--checkpoint-dir", str(resumed / "ckpt"), "--output-dir", str(resumed), "--resume"],
                    nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from {resumed / 'ckpt' / 'step-000003'} (step {N} of {2 * N})" in proc.stdout
     assert "step    4/6" in proc.stdout and "step    3/6" not in proc.stdout  # only the remaining steps ran
-
-    want = json.loads((whole / "results.json").read_text())
-    got = json.loads((resumed / "results.json").read_text())
-    assert got["losses"] == want["losses"]  # bit for bit: same data, LR, optimizer state, RNG
-    assert got["evals"] == want["evals"]
-    assert got["summary"]["timed_steps"] == N - 1  # the resumed process warms up again
-    assert (resumed / "ckpt" / "latest").read_text().strip() == "step-000006"
+    assert_resumed_equals_whole(resumed, whole)
 
 
 @pytest.mark.slow
@@ -71,9 +95,9 @@ def test_lora_resume_needs_the_same_base(tmp_path, launch_planned):
     """A LoRA checkpoint holds the adapters alone; resuming over another base (made from
     another seed, or held in another format) would pair them with weights they were not
     trained on, and is refused."""
-    whole = tmp_path / "whole"
     launch_planned(2)
-    train_and_save(whole, whole_run("lora"), nproc=2)
+    train_and_save(tmp_path / "lora", stopped_and_resumed("lora"), nproc=2)
+    whole = tmp_path / "lora" / "whole"
     # Refused as the checkpoint is read, on any layout: one process (EP 1) shows it in seconds.
     proc = run_cli([*COMMON, *OPTIMIZERS["lora"], "--ep-size", "1", "--seed", "7", "--checkpoint-dir",
                     str(whole / "ckpt"), "--output-dir", str(tmp_path / "other"), "--resume"])

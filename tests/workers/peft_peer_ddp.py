@@ -6,11 +6,13 @@ both ranks, and moved from where they started. Exits non-zero on any mismatch.
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks import peft_peer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, a folder of the repository
+from benchmarks import peft_peer  # noqa: E402
 
 built = []
 

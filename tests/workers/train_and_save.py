@@ -11,6 +11,10 @@ own model, optimizer and layout; only the process group is shared. RUNS.json may
 {"script": SCRIPT, "argv": [arguments], "output": DIR}: another worker script of tests/workers,
 run here as torchrun would run it alone (its layouts on the shared process group), what each
 rank prints kept in DIR/stdout{r} and DIR/stderr{r}; should it fail, this launch fails at once.
+And {"stopped_at": N, "whole": RUN, "resumed": RUN, "checkpoints": [FROM, TO]}: a run stopped
+after N steps and resumed, in this launch: the RUN never stopped trains (its checkpoints in
+FROM), TO is made what that run would have left had it been killed right after its step-N
+checkpoint, and the resumed RUN (--resume, its checkpoints in TO) trains on from there.
 
 Writes WEIGHTS_DIR/rank{r}.pt (the state dict) and WEIGHTS_DIR/grads{r}.pt: one dict of
 gradients per call of the loop's `reduce_gradients`, so the list's length is how many
@@ -23,6 +27,7 @@ import contextlib
 import json
 import os
 import runpy
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -107,6 +112,24 @@ def train_and_save(weights_dir: Path, argv: list[str]) -> int:
     return result.exit_code
 
 
+def stop_and_resume(step: int, whole: list, resumed: list, checkpoints: list[str]) -> int:
+    """Train `whole`, leave in the second checkpoint folder what it had left after `step`
+    steps (its later steps' checkpoints removed, `latest` naming step `step`), then train
+    `resumed` on from there."""
+    exit_code = train_and_save(Path(whole[0]), whole[1])
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        ckpt, into = map(Path, checkpoints)
+        shutil.copytree(ckpt, into)
+        kept = f"step-{step:06d}"
+        for later in into.glob("step-*"):
+            if later.name > kept:  # zero-padded: later steps sort after
+                shutil.rmtree(later)
+        (into / "latest").write_text(f"{kept}\n")
+    if dist.is_initialized():
+        dist.barrier()  # no rank resumes before the checkpoint is in place
+    return max(exit_code, train_and_save(Path(resumed[0]), resumed[1]))
+
+
 def keep_process_group(wait_for_peers: bool = False) -> None:
     """The scripts' `shutdown`: the peers reach the end of the script, the group stays."""
     if dist.is_initialized():
@@ -115,16 +138,24 @@ def keep_process_group(wait_for_peers: bool = False) -> None:
 
 def run_script(script: str, argv: list[str], output: Path) -> int:
     """Run a worker script as `torchrun ... SCRIPT ARGV` would, on this launch's process group,
-    which its `shutdown` leaves for the next run. Should it fail, exit now, as it would alone:
-    torchrun then stops the other ranks, which a failed collective could leave waiting."""
+    which its `shutdown` leaves for the next run (and which a script that starts a group itself,
+    as the peers' do, joins). Should it fail, exit now, as it would alone: torchrun then stops
+    the other ranks, which a failed collective could leave waiting."""
     output.mkdir(parents=True, exist_ok=True)
     rank = os.environ.get("RANK", "0")  # the group may not be started yet: the script starts it
     sys.argv = [script, *argv]
+    start_group = dist.init_process_group
+
+    def start_group_once(*args, **kwargs):
+        if not dist.is_initialized():
+            start_group(*args, **kwargs)
+
     try:
         with (open(output / f"stdout{rank}", "w") as stdout, open(output / f"stderr{rank}", "w") as stderr,
               contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr),
               patch.object(layout_module, "init_layout", init_layout_once),
-              patch.object(layout_module, "shutdown", keep_process_group)):
+              patch.object(layout_module, "shutdown", keep_process_group),
+              patch.object(dist, "init_process_group", start_group_once)):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
@@ -137,6 +168,15 @@ def run_script(script: str, argv: list[str], output: Path) -> int:
     return 0
 
 
+def run_job(run: list | dict) -> int:
+    """One job of RUNS.json (see the module)."""
+    if not isinstance(run, dict):
+        return train_and_save(Path(run[0]), run[1])
+    if "script" in run:
+        return run_script(run["script"], run["argv"], Path(run["output"]))
+    return stop_and_resume(run["stopped_at"], run["whole"], run["resumed"], run["checkpoints"])
+
+
 if sys.argv[1] == "--runs":
     runs = json.loads(Path(sys.argv[2]).read_text())
 else:
@@ -145,7 +185,10 @@ loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrap
 loop.clip_gradients = recording_clip_gradients
 loop.set_gradient_sync = recording_set_gradient_sync
 loop.init_layout = init_layout_once
-exit_codes = [run_script(run["script"], run["argv"], Path(run["output"])) if isinstance(run, dict)
-              else train_and_save(Path(run[0]), run[1]) for run in runs]
+exit_codes = [run_job(run) for run in runs]
 shutdown(wait_for_peers=True)
-sys.exit(max(exit_codes))
+# Everything is written and closed by now. Python's finalization would walk every object torch
+# and the libraries made in a last garbage collection: a second or more per rank, for nothing.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(max(exit_codes))

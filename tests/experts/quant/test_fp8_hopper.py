@@ -178,7 +178,7 @@ PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.p
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_triton_quantisers_in_interpreter(planned_command):
-    assert_passed(planned_command(INTERPRETER_RUN)[0])
+    assert_passed(planned_command(INTERPRETER_RUN)[0], __file__)
 
 
 def _scaled(x, scale):

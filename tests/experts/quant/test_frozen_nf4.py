@@ -142,7 +142,7 @@ PLANNED_COMMANDS = [INTERPRETER_RUN]
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_nf4_kernels_in_interpreter(planned_command):
-    assert_passed(planned_command(INTERPRETER_RUN)[0])
+    assert_passed(planned_command(INTERPRETER_RUN)[0], __file__)
 
 
 NF4_CASES = {
