@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
+from te_mixtral.data import packing
 from te_mixtral.distributed import layout as layout_module
 from te_mixtral.distributed.launcher_env import world_size_from_env
 from te_mixtral.distributed.layout import init_layout, shutdown
@@ -168,6 +169,23 @@ def run_script(script: str, argv: list[str], output: Path) -> int:
     return 0
 
 
+def tokenize_once(token_stream):
+    """`packing.token_stream`, each distinct stream tokenized once in this launch, keyed as
+    `datasets` caches a file's (the records, the tokenizer, eos and what the format adds):
+    most runs here tokenize the same embedded text with the same tokenizer, which costs more
+    than their few steps. Each run still packs its own share from it (copies: nothing written
+    back)."""
+    streams = {}
+
+    def cached(tokenizer, records, fmt):
+        key = (records._fingerprint, tokenizer.backend.to_str(), tokenizer.eos_id, fmt.cache_key(tokenizer))
+        if key not in streams:
+            streams[key] = token_stream(tokenizer, records, fmt)
+        return streams[key]
+
+    return cached
+
+
 def run_job(run: list | dict) -> int:
     """One job of RUNS.json (see the module)."""
     if not isinstance(run, dict):
@@ -185,6 +203,7 @@ loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrap
 loop.clip_gradients = recording_clip_gradients
 loop.set_gradient_sync = recording_set_gradient_sync
 loop.init_layout = init_layout_once
+packing.token_stream = tokenize_once(packing.token_stream)
 exit_codes = [run_job(run) for run in runs]
 shutdown(wait_for_peers=True)
 # Everything is written and closed by now. Python's finalization would walk every object torch
