@@ -35,6 +35,7 @@ from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
+from token_cache import tokenize_once
 from torch.distributed.tensor import DTensor
 
 from te_mixtral.cli import parse_args
@@ -167,23 +168,6 @@ def run_script(script: str, argv: list[str], output: Path) -> int:
         sys.stderr.flush()
         os._exit(1)
     return 0
-
-
-def tokenize_once(token_stream):
-    """`packing.token_stream`, each distinct stream tokenized once in this launch, keyed as
-    `datasets` caches a file's (the records, the tokenizer, eos and what the format adds):
-    most runs here tokenize the same embedded text with the same tokenizer, which costs more
-    than their few steps. Each run still packs its own share from it (copies: nothing written
-    back)."""
-    streams = {}
-
-    def cached(tokenizer, records, fmt):
-        key = (records._fingerprint, tokenizer.backend.to_str(), tokenizer.eos_id, fmt.cache_key(tokenizer))
-        if key not in streams:
-            streams[key] = token_stream(tokenizer, records, fmt)
-        return streams[key]
-
-    return cached
 
 
 def run_job(run: list | dict) -> int:
