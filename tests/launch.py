@@ -2,6 +2,7 @@
 property tested needs no process of its own, run the same command line in this one (`run_cli`)."""
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -18,6 +19,7 @@ from unittest import mock
 
 import torch
 from conftest import REPO
+from workers.token_cache import tokenize_once
 
 
 def app_command(args: list[str], nproc: int = 1, script: str = "run_finetune_ep.py") -> list[str]:
@@ -41,8 +43,10 @@ def run_cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
     put back as it was.
 
     Starting Python, torch and datasets costs seconds; a short run a fraction of that. Use
-    `run_app` where a test needs the process itself: several ranks, signals, the entry script."""
+    `run_app` where a test needs the process itself: several ranks, signals, the entry script.
+    A token stream made before is reused (tests/workers/token_cache.py)."""
     from te_mixtral.cli import main
+    from te_mixtral.data import packing
 
     stdout, stderr = io.StringIO(), io.StringIO()
     threads, rng, argv = torch.get_num_threads(), torch.random.get_rng_state(), sys.argv
@@ -50,7 +54,8 @@ def run_cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
     try:
         os.chdir(cwd)  # not contextlib.chdir: that is Python 3.11+, the project supports 3.10
         with (mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), contextlib.redirect_stdout(stdout),
-              contextlib.redirect_stderr(stderr), warnings.catch_warnings()):
+              contextlib.redirect_stderr(stderr), warnings.catch_warnings(),
+              mock.patch.object(packing, "token_stream", _token_stream())):
             torch.set_num_threads(1)
             sys.argv = [str(REPO / "run_finetune_ep.py"), *args]
             _warn_as_python_does()
@@ -74,6 +79,14 @@ def run_cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
     # One process runs without torch.distributed; a group left behind would change later tests.
     assert not torch.distributed.is_initialized()
     return subprocess.CompletedProcess(["run_cli", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+@functools.cache
+def _token_stream():
+    """`run_cli`'s runs' `packing.token_stream`: one for the session."""
+    from te_mixtral.data import packing
+
+    return tokenize_once(packing.token_stream)
 
 
 def _warn_as_python_does() -> None:

@@ -35,10 +35,12 @@ from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
+from token_cache import tokenize_once
 from torch.distributed.tensor import DTensor
 
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_config
+from te_mixtral.data import packing
 from te_mixtral.distributed import layout as layout_module
 from te_mixtral.distributed.launcher_env import world_size_from_env
 from te_mixtral.distributed.layout import init_layout, shutdown
@@ -185,6 +187,7 @@ loop.reduce_gradients = recording_reduce_gradients  # the loop's own calls, wrap
 loop.clip_gradients = recording_clip_gradients
 loop.set_gradient_sync = recording_set_gradient_sync
 loop.init_layout = init_layout_once
+packing.token_stream = tokenize_once(packing.token_stream)
 exit_codes = [run_job(run) for run in runs]
 shutdown(wait_for_peers=True)
 # Everything is written and closed by now. Python's finalization would walk every object torch
