@@ -7,10 +7,12 @@ compared with the checkpoint's, tensor by tensor, dense weights whole and expert
 rank's slice.
 """
 
+import json
+
 import pytest
 import torch
-from hf_reference import random_hf_mixtral
-from launch import run_app
+from launch import RUN_DIR, WORKER, run_worker
+from transformers import MixtralForCausalLM
 
 from te_mixtral.distributed.layout import is_expert_param
 
@@ -18,21 +20,21 @@ SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_la
              num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 NPROC, EP = 4, 2
+SCRIPT = "tests/workers/load_hf.py"
+# A random HF Mixtral, written by rank 0, then loaded by every rank (per-expert tensors on disk).
+ARGS = [f"{RUN_DIR}/out", "--ep-size", str(EP), "--random", json.dumps(SMALL), f"{RUN_DIR}/hf"]
+PLANNED_RUNS = {NPROC: [[WORKER, SCRIPT, *ARGS]]}  # run in the session's four-rank launch
 
 
 @pytest.mark.slow
-def test_every_rank_of_every_replica_loads_its_share(tmp_path):
-    torch.manual_seed(0)
-    hf = random_hf_mixtral(**SMALL)
-    hf.save_pretrained(tmp_path / "hf")  # per-expert tensors on disk
-    want = hf.state_dict()  # the stacked in-memory names, which ours follow
-
-    out = tmp_path / "out"
-    proc = run_app([str(out), "--ep-size", str(EP), str(tmp_path / "hf")], nproc=NPROC,
-                   script="tests/workers/load_hf.py")
+def test_every_rank_of_every_replica_loads_its_share(tmp_path, launch_planned):
+    launch_planned(NPROC)
+    proc = run_worker(tmp_path, SCRIPT, ARGS, nproc=NPROC)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # transformers reads the checkpoint back: the stacked in-memory names, which ours follow.
+    want = MixtralForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     for rank in range(NPROC):
-        (got,) = torch.load(out / f"weights{rank}.pt").values()
+        (got,) = torch.load(tmp_path / "out" / f"weights{rank}.pt").values()
         assert got.keys() <= want.keys(), sorted(got.keys() - want.keys())
         assert any(is_expert_param(name) for name in got)
         for name, tensor in got.items():

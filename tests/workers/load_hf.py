@@ -1,6 +1,6 @@
 """torchrun worker: load HF checkpoints into this rank's shard; report logits and memory.
 
-Usage: [torchrun ...] tests/workers/load_hf.py OUT_DIR [--ep-size N] CHECKPOINT_DIR...
+Usage: [torchrun ...] tests/workers/load_hf.py OUT_DIR [--ep-size N [--random CONFIG]] CHECKPOINT_DIR...
 
 For each checkpoint folder every rank builds the model with EP = N (default: the world
 size; a smaller N makes data-parallel replicas of the experts), loads it with
@@ -8,6 +8,8 @@ size; a smaller N makes data-parallel replicas of the experts), loads it with
 reset just before loading), then runs one forward on fixed token ids (every rank must: the
 experts are sharded). Writes OUT_DIR/rank{r}.json, OUT_DIR/logits.pt from rank 0, and
 with --ep-size each rank's loaded state dicts, OUT_DIR/weights{r}.pt (checkpoint -> state).
+With --random CONFIG (transformers' Mixtral config fields, JSON), rank 0 first writes the one
+checkpoint folder named: tests/hf_reference.py's random model of that config, from seed 0.
 """
 
 import ctypes
@@ -46,11 +48,26 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def write_random_checkpoint(folder: str, config: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, which holds hf_reference
+    from hf_reference import random_hf_mixtral
+
+    torch.manual_seed(0)
+    random_hf_mixtral(**json.loads(config)).save_pretrained(folder)
+
+
 out_dir, checkpoints = Path(sys.argv[1]), sys.argv[2:]
 save_weights = checkpoints[:1] == ["--ep-size"]
 ep_size = int(checkpoints[1]) if save_weights else world_size_from_env()
 checkpoints = checkpoints[2:] if save_weights else checkpoints
+random_config = checkpoints[1] if checkpoints[:1] == ["--random"] else None
+checkpoints = checkpoints[2:] if random_config else checkpoints
 layout = init_layout(ep_size, "cpu", 120)
+if random_config:
+    if layout.is_main:
+        write_random_checkpoint(*checkpoints, random_config)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank reads it before it is written
 report, logits, weights = {}, {}, {}
 for checkpoint in checkpoints:
     m = model_config_from_hf(checkpoint)
