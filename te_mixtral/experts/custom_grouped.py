@@ -13,12 +13,15 @@ Under `torch.autocast` on CUDA the activations are cast to the autocast dtype an
 (fp32 master) weights are cast inside the op; gradients come back in each input's dtype.
 
 With LoRA and `lora.base nf4` the frozen expert weights are held in NF4 alone
-(quant/frozen_nf4.py) and the kernels dequantise each weight tile as they read it, in BF16
-on tensor cores: any GPU from Ampere (sm_80) on, so the whole Mixtral-8x7B fits on the GPUs
-most people rent. Elsewhere the grouped_mm path dequantises the weights whole first.
+(quant/frozen_nf4.py) and multiplied in BF16 on tensor cores: any GPU from Ampere (sm_80) on,
+so the whole Mixtral-8x7B fits on the GPUs most people rent. With few rows per expert the
+kernels dequantise each weight tile as they read it; with many, each weight is dequantised
+whole into a transient BF16 copy before each GEMM that reads it (`dequantizes_whole`).
+Elsewhere the grouped_mm path dequantises the weights whole first.
 """
 
 import importlib.util
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -30,6 +33,16 @@ from te_mixtral.experts.grouped_mm import grouped_matmul, offsets
 from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
 
 AMPERE = (8, 0)  # BF16 tensor cores: what the NF4 base is dequantised into
+# An NF4 base is dequantised whole, one transient BF16 copy a GEMM, above this many rows per
+# local expert (R / L, known on the host; kernels/nf4_decode.py says what each way costs). Up
+# to it one row tile of the tables (128 rows, or a few-rows tile) holds an expert's rows, so
+# the kernels decode each weight once per GEMM either way, and a whole copy only adds traffic
+# (0.56 + 2 + 2 bytes a weight read or written, against 0.56). Above it they decode each
+# weight again in every row tile, and that decoding, not the tensor cores, bounds them (the
+# NF4 base's step at 2048 rows per expert: docs/results/2026-11-28-h200-lora-peers-nf4.md),
+# where the whole pass is bound by memory bandwidth. Chosen by that reasoning; the boundary
+# itself is not yet timed.
+NF4_TILE_BY_TILE_UP_TO = 128
 
 # The CUDA kernels keep SwiGLU's output inside the op, where the down adapter reads it.
 DOWN_DROPOUT = ("tier custom_grouped's kernels apply no dropout to the down adapter's input (SwiGLU's output never "
@@ -62,11 +75,17 @@ class CustomGroupedTier(ExpertTier):
     def memory(cls, cfg, load: ExpertLoad) -> ExpertMemory:
         # The CUDA kernels keep gate_up's output alone and recompute the rest in the backward
         # (`recomputes_hidden`); the grouped_mm path elsewhere keeps what autograd keeps. An NF4
-        # base is dequantised tile by tile inside the GEMMs: no copy of it in any dtype.
+        # base is dequantised tile by tile inside the GEMMs, or with many rows per expert whole
+        # into a transient copy (`dequantizes_whole`).
         memory = ExpertMemory.autograd(cfg.model.intermediate_size, load, fused=load.device == "cuda")
-        if cfg.lora.enabled and cfg.lora.base == "nf4":
-            return memory.held_in(FrozenNF4Weight, load, cfg.model.hidden_size, cfg.model.intermediate_size)
-        return memory
+        if not (cfg.lora.enabled and cfg.lora.base == "nf4"):
+            return memory
+        D, F = cfg.model.hidden_size, cfg.model.intermediate_size
+        if load.device == "cuda" and dequantizes_whole(load.rows, load.local_experts):
+            # One transient copy at a time, made while a layer runs and never saved: gate_up's
+            # [L, 2F, D], the larger, in the activations' dtype.
+            memory = replace(memory, weight_copies=load.activation_bytes * load.local_experts * 2 * F * D)
+        return memory.held_in(FrozenNF4Weight, load, D, F)
 
     def expert_weight(self, shape, frozen=False):
         if not (frozen and self.frozen_format == "nf4"):
@@ -114,17 +133,32 @@ class CustomGroupedTier(ExpertTier):
             raise TierUnavailable(DOWN_DROPOUT)
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
-        return kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden)
+        from te_mixtral.experts.kernels.grouped_swiglu import bf16_tables_fit
+
+        # Decoded whole, an NF4 base is multiplied by the BF16 tables, whose tiles need more
+        # shared memory than sm_86 and sm_89 have: those keep decoding tile by tile.
+        whole = dequantizes_whole(x_RD.shape[0], tokens_per_expert_L.shape[0]) and bf16_tables_fit(x_RD.device)
+        return kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden, whole)
 
 
-def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None, keep_hidden=True):
+def dequantizes_whole(rows: int, local_experts: int) -> bool:
+    """Whether the kernels dequantise an NF4 base whole before each GEMM (else tile by tile in
+    their K loop): above `NF4_TILE_BY_TILE_UP_TO` rows per local expert on average. The
+    memory estimate asks the same."""
+    return rows > NF4_TILE_BY_TILE_UP_TO * max(local_experts, 1)
+
+
+def kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters=None, keep_hidden=True,
+                   dequantize_whole=False):
     """The expert FFN through the Triton op (te_mixtral/experts/kernels/grouped_swiglu.py), with
     LoRA's adapters: the gate_up delta enters the first GEMM's epilogue, the down adapter's A
     is applied to act inside the op, and its B product is added here. Their small GEMMs are
-    `F.grouped_mm` calls over the same device-side splits."""
+    `F.grouped_mm` calls over the same device-side splits. `dequantize_whole`: an NF4 base's
+    way (`dequantizes_whole`)."""
     from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
-    op = partial(grouped_swiglu, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden)
+    op = partial(grouped_swiglu, x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, keep_hidden=keep_hidden,
+                 dequantize_whole=dequantize_whole)
     if adapters is None:
         return op()
     return with_fused_adapters(op, x_RD, offsets(tokens_per_expert_L), adapters, recompute=not keep_hidden)

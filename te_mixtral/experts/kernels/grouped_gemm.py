@@ -21,8 +21,9 @@ persistent programs' schedule, is `schedule.py`'s; their epilogues' tile helpers
   sums by one factor per row of A and one per column of B (`SCALED`: FP8 operands with
   row-wise scales, `scaled_grouped_mm.py`).
   B may also be a frozen base in NF4 (`B_NF4`, `nf4_operand.py`): each B tile is read as
-  packed 4-bit codes and block scales and dequantised in registers inside the K loop, in
-  either orientation, so the forward and both dgrads read half a byte per weight.
+  packed 4-bit codes and block scales and dequantised in registers inside the K loop
+  (`nf4_decode.b_tile`), in either orientation, so the forward and both dgrads read half a
+  byte per weight.
 
 No host synchronisation. The grid is fixed by shapes alone (one or two programs per SM,
 fewer when R allows fewer tiles), so a CUDA graph captured at one split replays at any
@@ -46,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from te_mixtral.experts.kernels import stream_k
+from te_mixtral.experts.kernels import nf4_decode, stream_k
 from te_mixtral.experts.kernels.compile_ahead import launch
 from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
 from te_mixtral.experts.kernels.nf4_operand import NF4Operand
@@ -95,7 +96,7 @@ def _rows_gemm(
     B_NF4 (no TMA) reads B as NF4 (nf4_operand.py): b_src the packed codes of the 2-D view,
     nf4_scale the block scales' 2-D view, nf4_code the 16 code values, nf4_row_bytes and
     nf4_row_scales the two views' row strides; each B tile is dequantised in registers to A's
-    dtype before its dot (`_nf4_b_tile`).
+    dtype before its dot (`nf4_decode.b_tile`).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -165,8 +166,8 @@ def _rows_gemm(
         for i0 in range(i_start, i_end, BLOCK_I):
             if B_NF4:
                 a = tl.load(a_ptrs, mask=a_rows_ok & ((i0 + ri)[None, :] < I), other=0.0)
-                b = _nf4_b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales, b_row0, n0, i0,
-                                N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
+                b = nf4_decode.b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales, b_row0,
+                                      n0, i0, N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
             elif USE_TMA:
                 a = a_src.load([m0, i0])
                 if B_ICONTIG:
@@ -183,8 +184,8 @@ def _rows_gemm(
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if EPILOGUE == EPI_SWIGLU:
                 if B_NF4:  # the up rows sit N rows below the gate rows
-                    b_up = _nf4_b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales, b_row0 + N,
-                                       n0, i0, N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
+                    b_up = nf4_decode.b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales,
+                                             b_row0 + N, n0, i0, N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
                 elif USE_TMA:
                     b_up = tl.trans(b_src.load([b_row0 + N + n0, i0]))
                 elif EVEN_I:
@@ -247,64 +248,6 @@ def _rows_gemm(
                         add_ptrs = add_ptr + m0.to(tl.int64) * N + rm[:, None] * N + cols[None, :]
                         acc_part += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
                     _swiglu_bwd_store(acc_part, gate_ptrs, act_ptrs, mask, N, WRITE_ACT)
-
-
-@triton.jit
-def _nf4_b_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0, n0, i0, N, I,
-                B_ICONTIG: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The [BLOCK_I, BLOCK_N] B tile at (i0, n0) of the NF4 weight whose stored rows start at
-    b_row0, in float32 (the caller rounds it to its dot's dtype). Stored rows are [N, I] when
-    B_ICONTIG (the tile is read as [BLOCK_N, BLOCK_I] and transposed), else [I, N]; rows
-    past N, or past I, read as zeros."""
-    if B_ICONTIG:
-        rn = n0 + tl.arange(0, BLOCK_N)
-        return tl.trans(_nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0 + n0, rn < N, i0,
-                                  BLOCK_N, BLOCK_I))
-    ri = i0 + tl.arange(0, BLOCK_I)
-    return _nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0 + i0, ri < I, n0, BLOCK_I, BLOCK_N)
-
-
-@triton.jit
-def _nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, row0, rows_ok, col0,
-              ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Rows row0 + [0, ROWS) (those not rows_ok read as zeros), columns col0 + [0, COLS) of
-    the weight's stored 2-D view, dequantised from NF4 (nf4.py): CODE[index] * absmax in
-    float32. row_bytes and row_scales are the packed codes' and the scales' row strides;
-    col0 is a multiple of COLS, so a tile of at most 64 columns lies inside one scale block.
-
-    Each stored byte and scale is loaded once: a row's bytes as one contiguous run (16-byte
-    vectors where row_bytes allows), each byte for both its values, one scale per row and
-    block; the code is looked up in registers (`_nf4_code`). Loading the scale and the code
-    per value instead, the software pipeline stages a float32 tile per load per stage in
-    shared memory, several times the tile's own size: past any GPU's limit at the BF16 tiles."""
-    rows = (row0 + tl.arange(0, ROWS)).to(tl.int64)
-    k = col0 // 2 + tl.arange(0, COLS // 2)
-    byte = tl.load(packed_ptr + rows[:, None] * row_bytes + k[None, :],
-                   mask=rows_ok[:, None] & (k < row_bytes)[None, :], other=0).to(tl.int32)
-    values = tl.interleave(_nf4_code(code_ptr, byte >> 4), _nf4_code(code_ptr, byte & 15))  # value 2k: the high nibble
-    if COLS <= 64:
-        scale = tl.load(scale_ptr + rows * row_scales + col0 // 64, mask=rows_ok, other=0.0)
-        return values * scale[:, None]
-    else:
-        j = col0 // 64 + tl.arange(0, COLS // 64)
-        scale = tl.load(scale_ptr + rows[:, None] * row_scales + j[None, :],
-                        mask=rows_ok[:, None] & (j < row_scales)[None, :], other=0.0)
-        return tl.reshape(tl.reshape(values, (ROWS, COLS // 64, 64)) * scale[:, :, None], (ROWS, COLS))
-
-
-@triton.jit
-def _nf4_code(code_ptr, index, FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 16):
-    """CODE[index] for a tensor of 4-bit indices in [FIRST, FIRST + COUNT), the way
-    bitsandbytes' CUDA kernels decode NF4: a binary tree of selects on the index bits, 15 in
-    all, over the code values held in registers. (tl.gather from the table took one to eight
-    warp shuffles a value, as the layout fell, and spilled at some tiles; a load a value from
-    the table would be staged in shared memory by the software pipeline.)"""
-    if COUNT == 1:
-        return tl.load(code_ptr + FIRST)
-    else:
-        half: tl.constexpr = COUNT // 2
-        return tl.where((index & half) != 0, _nf4_code(code_ptr, index, FIRST + half, half),
-                        _nf4_code(code_ptr, index, FIRST, half))
 
 
 @triton.jit

@@ -47,13 +47,17 @@ call `grouped_swiglu` on CPU tensors: Triton's interpreter runs the same kernels
 in fp32, not meaningful in bf16).
 """
 
+from functools import partial
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad, offsets
 from te_mixtral.experts.kernels.grad_accumulation import accumulation_target, hand_over
 from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
-from te_mixtral.experts.kernels.schedule import FP32_TILE, tile_config
+from te_mixtral.experts.kernels.nf4_decode import dequantize
+from te_mixtral.experts.kernels.nf4_operand import NF4Operand
+from te_mixtral.experts.kernels.schedule import FP32_TILE, shared_memory_per_block, tile_config
 from te_mixtral.experts.kernels.tma_host import tma_ok
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 
@@ -174,6 +178,17 @@ NF4_CONFIGS = {
 }
 
 
+# The most shared memory a block of the BF16 tables' tiles asks: they fit the A100's 163 KiB
+# and Hopper's 227 (tests/experts/test_kernel_resources.py compiles every one for both), not
+# the 99 KiB of sm_86 and sm_89 (L40S, RTX 4090), which only the NF4 tables fit.
+BF16_TABLES_SHARED = 163 * 1024
+
+
+def bf16_tables_fit(device: torch.device) -> bool:
+    """Whether the BF16 tables' tiles run on `device` (the interpreter has no limit)."""
+    return device.type != "cuda" or shared_memory_per_block(device.index or 0) >= BF16_TABLES_SHARED
+
+
 def uses_descriptors(rows: int, experts: int) -> bool:
     """Whether the GEMMs load through TMA descriptors (else plain pointer loads): from 97
     rows per expert and 513 rows in all. Each TMA launch encodes its descriptors on the
@@ -211,23 +226,23 @@ FP32_CONFIGS = {name: dict.fromkeys(table, FP32_TILE) for name, table in CONFIGS
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF,
-                h_add_factors):
+                h_add_factors, whole):
         R, D = x_RD.shape
         L, F = down_LDF.shape[0], down_LDF.shape[2]
         dtype = x_RD.dtype
         w1_L2FD, w2_LDF = _operand(gate_up_L2FD, dtype), _operand(down_LDF, dtype)
+        b = partial(_gemm_operand, dtype=dtype, whole=whole)
         x_RD = x_RD.contiguous()
         h_R2F = x_RD.new_empty(R, 2 * F)
         act_RF = x_RD.new_empty(R, F)
         y_RD = x_RD.new_empty(R, D)
         cfgs = configs[regime(R, L)]
         if use_tma is None:
-            dense = [w for w in (w1_L2FD, w2_LDF) if isinstance(w, torch.Tensor)]  # NF4 is read without TMA
-            use_tma = uses_descriptors(R, L) and tma_ok(x_RD, h_R2F, *dense)
+            use_tma = uses_descriptors(R, L) and tma_ok(x_RD, h_R2F, *_dense_layouts(x_RD, (w1_L2FD, w2_LDF), whole))
         if R > 0:
-            rows_gemm(x_RD, w1_L2FD, counts_L, act_RF, n=F, b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
+            rows_gemm(x_RD, b(w1_L2FD), counts_L, act_RF, n=F, b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
                       epilogue=EPI_SWIGLU, h=h_R2F, add=None if h_add_R2F is None else h_add_R2F.contiguous())
-            rows_gemm(act_RF, w2_LDF, counts_L, y_RD, n=D, b_icontig=True,
+            rows_gemm(act_RF, b(w2_LDF), counts_L, y_RD, n=D, b_icontig=True,
                       cfg=cfgs["down"], use_tma=use_tma)
         outputs = (y_RD,)
         if a_down_LrF is not None:  # LoRA's down adapter reads act, which only lives in here
@@ -238,7 +253,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             t_Rr, b_L2Fr, _ = h_add_factors or (None, None, None)
             _save(ctx, x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr)
             ctx.h_add_scale = h_add_factors and h_add_factors[2]
-        ctx.cfgs, ctx.use_tma, ctx.h_consumed, ctx.keep_hidden = cfgs, use_tma, False, keep_hidden
+        ctx.cfgs, ctx.use_tma, ctx.h_consumed, ctx.keep_hidden, ctx.whole = cfgs, use_tma, False, keep_hidden, whole
         ctx.weights = (gate_up_L2FD, down_LDF)  # the parameters, whose .grad the backward may add into
         return outputs if len(outputs) > 1 else y_RD
 
@@ -254,14 +269,16 @@ class _GroupedSwiGLU(torch.autograd.Function):
         cfgs, use_tma = ctx.cfgs, ctx.use_tma
         if ctx.keep_hidden:
             x_RD, counts_L, h_R2F, w1_L2FD, w2_LDF, a_down_LrF = _saved(ctx)
-        else:  # recompute the pre-activations: the gate_up GEMM again, not the down one
+        else:
             x_RD, counts_L, gate_up_L2FD, down_LDF, a_down_LrF, t_Rr, b_L2Fr = _saved(ctx)
             w1_L2FD, w2_LDF = _operand(gate_up_L2FD, x_RD.dtype), _operand(down_LDF, x_RD.dtype)
+        b = partial(_gemm_operand, dtype=x_RD.dtype, whole=ctx.whole)
+        if not ctx.keep_hidden:  # recompute the pre-activations: the gate_up GEMM again, not the down one
             h_R2F = x_RD.new_empty(x_RD.shape[0], w1_L2FD.shape[1])
             # The gate_up adapter's delta, made again as the caller made it (same GEMM, same bits).
             h_add_R2F = None if t_Rr is None else grouped_matmul(t_Rr, b_L2Fr, offsets(counts_L)) * ctx.h_add_scale
             if x_RD.shape[0] > 0:
-                rows_gemm(x_RD, w1_L2FD, counts_L, x_RD.new_empty(x_RD.shape[0], w2_LDF.shape[2]),
+                rows_gemm(x_RD, b(w1_L2FD), counts_L, x_RD.new_empty(x_RD.shape[0], w2_LDF.shape[2]),
                           n=w2_LDF.shape[2], b_icontig=True, cfg=cfgs["gate_up"], use_tma=use_tma,
                           epilogue=EPI_SWIGLU, h=h_R2F, add=None if h_add_R2F is None else h_add_R2F.contiguous())
             del h_add_R2F
@@ -284,7 +301,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if R > 0:
             # 3: dh overwrites h; act comes back for 4 (and the down adapter's A), then is freed.
             act_RF = x_RD.new_empty(R, F) if needs_w2 or lora_down else None
-            rows_gemm(dy_RD, w2_LDF, counts_L, act_RF, n=F, b_icontig=False,
+            rows_gemm(dy_RD, b(w2_LDF), counts_L, act_RF, n=F, b_icontig=False,
                       cfg=cfgs["down_dgrad"], use_tma=use_tma, epilogue=EPI_SWIGLU_BWD, h=h_R2F, add=d_act_add)
             dh_R2F = h_R2F
             if needs_w2:
@@ -294,7 +311,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 d_a_down = grouped_wgrad(du_Rr.to(x_RD.dtype), act_RF, offs_L)
             del act_RF
             if needs_x:
-                rows_gemm(dh_R2F, w1_L2FD, counts_L, dx_RD, n=D, b_icontig=False,
+                rows_gemm(dh_R2F, b(w1_L2FD), counts_L, dx_RD, n=D, b_icontig=False,
                           cfg=cfgs["gate_up_dgrad"], use_tma=use_tma)
             if needs_w1:
                 wgrad_gemm(dh_R2F, x_RD, counts_L, d_w1, cfg=cfgs["gate_up_wgrad"], use_tma=use_tma,
@@ -310,13 +327,27 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 d_a_down = torch.zeros_like(a_down_LrF)
         d_w1, d_w2 = (d if t is None else hand_over(w, d) for w, d, t in zip(ctx.weights, (d_w1, d_w2), into))
         d_h_add = dh_R2F if ctx.needs_input_grad[7] else None
-        return dx_RD, None, d_w1, d_w2, None, None, None, d_h_add, d_a_down, None
+        return dx_RD, None, d_w1, d_w2, None, None, None, d_h_add, d_a_down, None, None
 
 
 def _operand(w, dtype):
-    """What the kernels read of a weight: a tensor cast to the rows' dtype, or a frozen
+    """What the op holds of a weight: a tensor cast to the rows' dtype, or a frozen
     quantised weight's own operand (an NF4 base: kernels/nf4_operand.py), which takes no gradient."""
     return w.to(dtype).contiguous() if isinstance(w, torch.Tensor) else w.operand()
+
+
+def _gemm_operand(w, dtype, whole):
+    """What one GEMM reads of `_operand`'s result: itself, or with `whole` an NF4 operand
+    decoded whole into a copy in `dtype` (nf4_decode.py). Called in the GEMM's argument list,
+    so the copy is dropped once that GEMM is launched: one lives at a time, and none is saved."""
+    return dequantize(w, dtype) if whole and isinstance(w, NF4Operand) else w
+
+
+def _dense_layouts(x_RD, weights, whole):
+    """The weights as the GEMMs will read them, for `tma_ok`: the tensors, and where NF4 is
+    decoded whole an empty stand-in laid out as its copy will be (NF4 tiles load without TMA)."""
+    return [w if isinstance(w, torch.Tensor) else x_RD.new_empty(0, w.shape[2])
+            for w in weights if whole or isinstance(w, torch.Tensor)]
 
 
 def _save(ctx, *items):
@@ -330,7 +361,8 @@ def _saved(ctx):
 
 
 def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs=None,
-                   use_tma=None, keep_hidden=True, h_add_R2F=None, a_down_LrF=None, h_add_factors=None):
+                   use_tma=None, keep_hidden=True, h_add_R2F=None, a_down_LrF=None, h_add_factors=None,
+                   dequantize_whole=False):
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
@@ -343,8 +375,10 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     projection too, whose output the backward does not need.
 
     Either weight may be a frozen quantised one with an `operand()` (an NF4 LoRA base,
-    te_mixtral/experts/quant/frozen_nf4.py): the kernels dequantise its tiles as they read
-    them, and it gets no gradient.
+    te_mixtral/experts/quant/frozen_nf4.py), which gets no gradient: the kernels dequantise
+    its tiles as they read them, or with `dequantize_whole` one kernel decodes it whole into
+    a transient copy in x's dtype before each GEMM that reads it, which the BF16 tables then
+    multiply (nf4_decode.py says when each pays; the tier picks, custom_grouped.py).
 
     LoRA (te_mixtral/experts/adapters.py): `h_add_R2F`, the gate_up adapter's delta, is added
     to the pre-activations in the first GEMM's epilogue (its gradient is dh). `a_down_LrF`,
@@ -356,12 +390,13 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     (`adapters.with_fused_adapters`), are kept instead, rank-r small, and the delta is made
     again from them; its gradient still leaves as h_add's.
     """
+    nf4 = not all(isinstance(w, torch.Tensor) for w in (gate_up_L2FD, down_LDF))
+    whole = nf4 and dequantize_whole
     if configs is None:
-        nf4 = not all(isinstance(w, torch.Tensor) for w in (gate_up_L2FD, down_LDF))
-        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else NF4_CONFIGS if nf4 else CONFIGS
+        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else NF4_CONFIGS if nf4 and not whole else CONFIGS
     if not keep_hidden and h_add_R2F is not None and h_add_factors is None:
         raise ValueError("grouped_swiglu's recompute makes the gate_up adapter's delta again: pass h_add_factors")
     if keep_hidden or h_add_R2F is None:
         h_add_factors = None
     return _GroupedSwiGLU.apply(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF,
-                                configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF, h_add_factors)
+                                configs, use_tma, keep_hidden, h_add_R2F, a_down_LrF, h_add_factors, whole)

@@ -10,7 +10,8 @@ of rows among experts stays on the device. This module holds what they share:
 
 - the tile configuration a launcher takes (`tile_config`), and the one tile of the fp32
   correctness path (`FP32_TILE`, with `dot_precision` for its dots);
-- the launchers' host-side integer helpers (`cdiv`, `next_power_of_2`, `max_programs`);
+- the launchers' host-side integer helpers (`cdiv`, `next_power_of_2`, `max_programs`) and
+  the GPU's shared memory a block (`shared_memory_per_block`);
 - on the device, `pick` (one entry of a per-expert vector held in registers) and
   `swizzle` (the order in which an expert's tiles are walked, for L2 reuse).
 
@@ -75,6 +76,14 @@ def max_programs(device: torch.device) -> int:
     """Persistent programs per PROGS_PER_SM: one per SM on a GPU."""
     # The interpreter runs programs one after another: a few exercise the persistent loop.
     return _sm_count(device.index or 0) if device.type == "cuda" else 3
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_block(device_index: int) -> int:
+    """The most shared memory a block may ask on that GPU: the limit Triton's launcher checks."""
+    import triton
+
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
 # --- on the device ----------------------------------------------------------------------

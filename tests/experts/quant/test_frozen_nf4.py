@@ -2,8 +2,9 @@
 
 The format against a float64 reference (QLoRA's code values, each block's absmax exactly);
 rows that fill from checkpoints and seeded draws; tier custom_grouped over the NF4 base, its
-grouped_mm path and its Triton kernels (dequantising inside their K loops) in the
-interpreter, against float64 over the dequantised weights; the model: a checkpoint loaded
+grouped_mm path and its Triton kernels in the interpreter (dequantising inside their K loops,
+or whole into a transient copy before each GEMM, as the tier picks by rows per expert),
+against float64 over the dequantised weights; the model: a checkpoint loaded
 into the NF4 base, merged on export, adapters that PEFT loads onto transformers' Mixtral with
 the dequantised base. Resume: tests/training/test_resume.py.
 
@@ -12,6 +13,7 @@ runs them in a fresh process with TRITON_INTERPRET=1 (tests/README.md).
 """
 
 import os
+from dataclasses import replace
 from functools import partial
 
 import peft
@@ -33,10 +35,17 @@ from model.test_lora import ALL_TARGETS, SINGLE, VOCAB, hf_checkpoint, run_confi
 from te_mixtral.config import LoRAConfig
 from te_mixtral.errors import Diverged
 from te_mixtral.experts.adapters import with_fused_adapters
-from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
+from te_mixtral.experts.base import ExpertLoad
+from te_mixtral.experts.custom_grouped import (
+    NF4_TILE_BY_TILE_UP_TO,
+    CustomGroupedTier,
+    dequantizes_whole,
+    grouped_mm_swiglu,
+)
 from te_mixtral.experts.grouped_mm import offsets
 from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
 from te_mixtral.experts.quant.nf4 import BLOCK, dequantize_nf4, quantize_nf4
+from te_mixtral.measure.capacity import GiB
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.lora import add_adapters, base_weights
@@ -65,6 +74,14 @@ def reference_nf4(w_NI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         normed = block / torch.where(absmax[:, b:b + 1] == 0, 1.0, absmax[:, b:b + 1])
         index[:, start:start + BLOCK] = (normed[..., None] - NF4_F64).abs().argmin(-1)
     return index, absmax
+
+
+def dequantized_f64(weight: FrozenNF4Weight) -> torch.Tensor:
+    """The weight's stored codes and block scales decoded in float64: QLoRA's code values
+    typed out above, picked by each nibble, times its block's absmax."""
+    width = weight.row_width
+    index = torch.stack((weight.packed >> 4, weight.packed & 15), -1).flatten(-2)[..., :width].long()
+    return NF4_F64[index] * weight.scale.double().repeat_interleave(BLOCK, -1)[..., :width]
 
 
 def nf4_weights(gate_up, down):
@@ -132,6 +149,25 @@ def test_the_tier_over_an_nf4_base_matches_float64(targets, splits):
         assert_close(got, want, f"nf4 {targets}")
 
 
+def test_the_tier_dequantises_whole_above_128_rows_per_expert_and_counts_the_copy():
+    """The choice, from rows per local expert on the host, and what the memory estimate
+    counts for it: one transient copy of gate_up [L, 2F, D] in the activations' dtype, made
+    while a layer runs, none kept for the backward; none where the tiles decode."""
+    assert NF4_TILE_BY_TILE_UP_TO == 128
+    for experts in (1, 2, 8):
+        assert not dequantizes_whole(128 * experts, experts) and dequantizes_whole(128 * experts + 1, experts)
+    assert not dequantizes_whole(16, 8)  # decoding a token
+    cfg = run_config(LoRAConfig(rank=4, alpha=8.0, targets=ALL_TARGETS, base="nf4"))
+    cfg = replace(cfg, model=replace(cfg.model, hidden_size=4096, intermediate_size=14336))
+    many = CustomGroupedTier.memory(cfg, ExpertLoad("cuda", 8 * 2048, 8, activation_bytes=2, weight_bytes=2))
+    assert many.weight_copies == 2 * 8 * 2 * 14336 * 4096  # gate_up's BF16 copy: 1.75 GiB
+    assert round(many.weight_copies / GiB, 2) == 1.75
+    assert many.weight_copies_saved == many.weight_copies_cached == 0
+    assert many.holds == "its experts in NF4"
+    for load in (ExpertLoad("cuda", 8 * 128, 8, 2, 2), ExpertLoad("cpu", 8 * 2048, 8, 4, 4)):
+        assert CustomGroupedTier.memory(cfg, load).weight_copies == 0
+
+
 # --- the Triton kernels over an NF4 base, in the interpreter -------------------------
 
 INTERPRETER_RUN = interpreter_run(__file__)
@@ -143,6 +179,27 @@ PLANNED_COMMANDS = [INTERPRETER_RUN]
 @interpreter_runs_reduced_loop_bounds
 def test_nf4_kernels_in_interpreter(planned_command):
     assert_passed(planned_command(INTERPRETER_RUN)[0], __file__)
+
+
+@interpreter_only
+def test_interpreter_the_whole_weight_kernel_matches_float64():
+    """`nf4_decode.dequantize` against the stored codes decoded in float64, rounded to fp32
+    once: the same bits (a product of two float32 values is exact in float64): stacks
+    whose rows and widths leave every tile ragged (rows not a multiple of its 32, widths
+    odd, past one and two 256-value tiles, under one 64-value block), rows of very different
+    magnitude and an all-zero block."""
+    from te_mixtral.experts.kernels.nf4_decode import DEQUANTIZE_TILE, dequantize
+
+    assert DEQUANTIZE_TILE[:2] == (32, 256)
+    gen = torch.Generator().manual_seed(11)
+    for shape in ((3, 37, 301), (2, 5, 7), (1, 70, 2 * 256 + 65)):
+        w = torch.randn(shape, generator=gen) * torch.logspace(-3, 2, shape[1])[:, None]
+        w[0, 1, :BLOCK] = 0
+        weight = FrozenNF4Weight(shape)
+        weight.copy_(w)
+        got = dequantize(weight.operand(), torch.float32)
+        assert got.shape == shape and got.is_contiguous()
+        assert torch.equal(got, dequantized_f64(weight).float()), shape
 
 
 NF4_CASES = {
@@ -189,6 +246,52 @@ def test_interpreter_nf4_kernels_match_the_torch_path(case):
     if not keep_hidden:
         kept = run_with_adapters(lambda *a: kernels(*a, keep=True), x, counts, w1, w2, pairs, 0.9, dy)
         assert all(torch.equal(a, b) for a, b in zip(got, kept))
+
+
+def counting_whole_dequantisations(monkeypatch) -> list:
+    """The weights `grouped_swiglu` decodes whole, one entry a call: the real kernel runs,
+    and each call's [L, N, I] lands in the list."""
+    from te_mixtral.experts.kernels import grouped_swiglu as op
+
+    calls, dequantize = [], op.dequantize
+
+    def counted(w, dtype):
+        calls.append(tuple(w.shape))
+        return dequantize(w, dtype)
+
+    monkeypatch.setattr(op, "dequantize", counted)
+    return calls
+
+
+@interpreter_only
+@pytest.mark.parametrize("keep_hidden", [True, False], ids=["kept", "recomputed"])
+def test_interpreter_the_tier_decodes_whole_above_128_rows_per_expert(keep_hidden, monkeypatch):
+    """Through the tier's own choice (`CustomGroupedTier._kernels`, what CUDA runs): at 129
+    rows per expert each GEMM that reads the NF4 base gets a whole copy of its own (forward:
+    gate_up, down; backward: the recompute's gate_up, down's dgrad, gate_up's dgrad), at 128
+    none does; both give y and every adapter gradient of float64 over the dequantised weights,
+    and at 129 rows the bits of the tile-by-tile path (the same tiles, fp32)."""
+    from te_mixtral.experts.custom_grouped import kernels_swiglu
+
+    calls = counting_whole_dequantisations(monkeypatch)
+    D, F_ = 12, 20
+    for per_expert in (NF4_TILE_BY_TILE_UP_TO + 1, NF4_TILE_BY_TILE_UP_TO):
+        splits = [per_expert + 30, per_expert - 30]  # uneven: the choice reads the mean
+        x, counts, gate_up, down, dy = make_inputs(splits, D, F_, seed=9)
+        w1, w2 = nf4_weights(gate_up, down)
+        pairs = random_adapters(splits, D, F_, rank=3, seed=6)
+        calls.clear()
+        got = run_with_adapters(lambda *a: CustomGroupedTier._kernels(*a[:4], keep_hidden, a[4]),
+                                x, counts, w1, w2, pairs, 0.9, dy)
+        whole = per_expert > NF4_TILE_BY_TILE_UP_TO
+        gemms = [gate_up, down] + ([] if keep_hidden else [gate_up]) + [down, gate_up]
+        assert calls == ([tuple(w.shape) for w in gemms] if whole else []), per_expert
+        assert_close(got, reference_lora_f64(x, splits, w1.dequantized(), w2.dequantized(), pairs, 0.9, dy),
+                     f"{per_expert} rows per expert")
+        if whole:
+            tiles = run_with_adapters(partial(kernels_swiglu, keep_hidden=keep_hidden), x, counts, w1, w2, pairs,
+                                      0.9, dy)
+            assert all(torch.equal(a, b) for a, b in zip(got, tiles))
 
 
 # --- the model over an NF4 base ---------------------------------------------------------
