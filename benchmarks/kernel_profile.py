@@ -39,7 +39,7 @@ SKIPPED, WARMUP, ACTIVE = 2, 1, 3
 # First match wins: the name of a kernel says what it is.
 KINDS = [("attention", r"flash|fmha|cudnn|attn|sdpa"), ("gradient norm", r"NormTwoOps|LpNorm|l2norm"),
          ("optimizer", r"adam|multi_tensor|norm.*functor"), ("nccl", r"nccl"),
-         ("gemm", r"gemm|nvjet|sm90_xmma|cutlass|matmul"),
+         ("dequantise", r"dequantize"), ("gemm", r"gemm|nvjet|sm90_xmma|cutlass|matmul"),
          ("loss", r"LogSoftMax|nll_loss|cross_entropy|online_softmax|element_mul"),
          ("router", r"softmax|topk|logsumexp|bitonicSort"),
          ("permute", r"permute|sort|scan|index|scatter|gather|histogram"), ("norm", r"rmsnorm|layernorm"),

@@ -459,6 +459,12 @@ LORA_RUNS = {
                                                            "--model.num_hidden_layers", "8", "--recompute", "none",
                                                            "--lora.alpha", "16"), tail=0, show=40)
                        for tier in ("device_mxfp8", "custom_grouped")],
+    # the same over the NF4 base (custom_grouped, --lora.base nf4), its JSON beside for kernel_compare
+    "profile-8layer-nf4": [Launch("profile-8layer-nf4", 1, ("-m", "benchmarks.kernel_profile", "ours", "--config",
+                                                          "configs/mixtral-8x7b-lora.yaml", "--tier", "custom_grouped",
+                                                          "--model.num_hidden_layers", "8", "--recompute", "none",
+                                                          "--lora.alpha", "16", "--lora.base", "nf4", "--json",
+                                                          "{out}/profile-8layer-nf4.json"), tail=0, show=40)],
     # the GPU tests of the NF4 base (tests/gpu/test_nf4_gpu.py; its bitsandbytes test needs
     # bitsandbytes installed, e.g. pip install --no-deps .whl/bitsandbytes-*.whl, else it skips)
     "nf4-tests": pytest_gpu("nf4-tests", "-rs", "tests/gpu/test_nf4_gpu.py"),
@@ -470,6 +476,13 @@ LORA_RUNS = {
     # the same with full recompute (the estimate's fit for a 48 GB card)
     "lora-nf4-32layer-full": lora_train("lora-nf4-32layer-full", 1, *LORA, "--lora.base", "nf4", "--recompute",
                                         "full"),
+    # the least recompute the estimate fits in 40 GiB (a 48 GB card): full recompute in the first
+    # 28 layers (39.75 GiB estimated), then 29 (38.28): the estimate's peak is the head's
+    # backward, and the last layers' backward, which it does not count, holds a transient BF16
+    # copy of gate_up beside every layer's activations (the NF4 base above 128 rows per expert)
+    "lora-nf4-32layer-fit": [launch for layers in ("28", "29") for launch in lora_train(
+        f"lora-nf4-32layer-full{layers}", 1, *LORA, "--lora.base", "nf4", "--recompute", "full",
+        "--recompute_layers", layers)],
     # the whole Mixtral-8x22B (56 layers), LoRA r=16 over the NF4 base, full recompute (one H200
     # holds it by the estimate, 102 GiB)
     "lora-nf4-8x22b": [Launch("lora-nf4-8x22b", 1, ("run_finetune_ep.py", "--config", "configs/mixtral-8x22b.yaml",

@@ -41,6 +41,7 @@ KERNELS = {
     "1ul> >": "copy/cast",
     "Memset (Device)": "copy/cast",
     "void at::native::vectorized_elementwise_kernel<4, at::native::sigmoid_kernel_cuda": "elementwise",
+    "_dequantize_kernel": "dequantise",  # an NF4 base decoded whole (te_mixtral/experts/kernels/nf4_decode.py)
     "some_kernel_nobody_named": "other",
 }
 

@@ -11,8 +11,10 @@ TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests' way, in fp32)
                           what tier custom_grouped runs on CUDA
     grouped_gemm.py       `_rows_gemm`: out[rows of e] = A[rows of e] @ B_e, with SwiGLU
                           or scaled epilogues, its last round streamed (stream_k.py); B may
-                          be NF4, dequantised tile by tile in the K loop
+                          be NF4, dequantised tile by tile in the K loop (nf4_decode.py)
     nf4_operand.py        a stacked weight in NF4 as the kernels read it
+    nf4_decode.py         NF4 decoded: a B tile in registers (the K loop's), or a whole weight
+                          in one bandwidth-bound pass into a transient BF16 copy
     wgrad_gemm.py         `_wgrad_gemm`: the weight gradients, the rows as reduction dim
     scaled_grouped_mm.py  FP8 grouped GEMMs with row-wise scales on the two kernels above,
                           in torch._scaled_grouped_mm's signature (device_mxfp8's fp8-hopper)

@@ -15,7 +15,8 @@ Shape suffixes: see te_mixtral/__init__.py.
   as they load (mode `fp8-hopper` with LoRA).
 - `nf4.py`: QLoRA's 4-bit NormalFloat format (quantise, dequantise).
 - `frozen_nf4.py`: a frozen LoRA base's expert weights held in NF4 alone (`lora.base nf4`,
-  tier `custom_grouped`, whose kernels dequantise it tile by tile).
+  tier `custom_grouped`, whose kernels dequantise it tile by tile, or whole before each GEMM
+  with many rows per expert).
 - `te_mxfp8.py`: MXFP8 on Blackwell through Transformer Engine.
 - `scaled_grouped.py`: the grouped linear autograd Function the emulated and Hopper
   recipes plug into, and the SwiGLU MLP built from two.

@@ -10,8 +10,10 @@ BF16 base's quantisation (frozen.py).
 
 The `custom_grouped` tier's Triton GEMMs read the packed codes and dequantise each tile of
 the weight in registers inside their reduction loop, in the forward (x @ W.T) and the dgrad
-(dy @ W) alike (kernels/grouped_gemm.py); elsewhere the weight is dequantised whole and
-multiplied in torch (`dequantized`), the same numbers.
+(dy @ W) alike (kernels/grouped_gemm.py); with many rows per expert one kernel dequantises
+the weight whole into a transient BF16 copy before each GEMM instead (kernels/nf4_decode.py);
+elsewhere the weight is dequantised whole and multiplied in torch (`dequantized`), the same
+numbers.
 """
 
 import torch
