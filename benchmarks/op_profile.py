@@ -41,7 +41,7 @@ from benchmarks import common
 from benchmarks.common import FAMILIES
 from benchmarks.custom_grouped_grid import kernel_jobs, te_peer
 from benchmarks.custom_grouped_ops import fwd_bwd, gpu_ms, make_inputs, parse_case, precompile
-from benchmarks.kernel_profile import ACTIVE, SKIPPED, WARMUP, profile_summary
+from benchmarks.kernel_profile import ACTIVE, SKIPPED, WARMUP, print_summary, profile_summary
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
@@ -130,13 +130,8 @@ def measure(step) -> dict:
 
 
 def print_op(case: str, name: str, r: dict) -> None:
-    print(f"--- {case} {name}: step {r['step_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms; kernels {r['kernel_ms']:.3f} ms "
-          f"({r['launches']:.0f} launches), span {r['span_ms']:.3f} ms, idle {r['idle_ms']:.3f} ms a step")
-    for kind, total in r["kinds"].items():
-        print(f"    {kind:14s} {total['ms']:8.3f} ms {total['launches']:5.0f}x")
-    for row in r["kernels"][:KERNELS_SHOWN]:
-        print(f"  {row['ms']:8.3f} ms {row['launches']:4.0f}x  {row['name'][:110]}")
-    print("  host, own ms a step (cProfile): " + "; ".join(
+    print_summary(r, f"{case} {name}: step {r['step_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms a step", KERNELS_SHOWN, 3)
+    print("host, own ms a step (cProfile): " + "; ".join(
         f"{h['function']} {h['own_ms']:.3f} ({h['calls']:.0f}x)" for h in r["host"][:8]))
 
 
