@@ -520,9 +520,13 @@ ROWS_RUNS = {
     # device_mxfp8 against custom_grouped by rows per local expert, its default fallback included
     "fp8-break-even": [Launch("fp8-break-even", 1, ("-m", "benchmarks.fp8_break_even", "--json",
                                                     "{out}/fp8_break_even.json"))],
-    # the host time the direct launch saves (kernels/launcher.py): ours beside ours with Triton's own
-    # launch, host / GPU / op ms a fwd+bwd, and where the host's time goes now (cProfile)
-    "launch": [Launch("host-time-launch", 1, ("-m", "benchmarks.custom_grouped_host_time", "--cases",
+    # the host time the direct launch saves (kernels/launcher.py): the CUDA tests of the two tiers
+    # whose Triton kernels launch through it (the direct launch's bits against Triton's own among
+    # them), then ours beside ours with Triton's own launch, host / GPU / op ms a fwd+bwd, and
+    # where the host's time goes now (cProfile)
+    "launch": [*pytest_gpu("launch-tests", "-m", "cuda", "tests/gpu/test_custom_grouped_gpu.py",
+                           "tests/gpu/test_device_mxfp8_gpu.py"),
+               Launch("host-time-launch", 1, ("-m", "benchmarks.custom_grouped_host_time", "--cases",
                                               "1x16,1x64,2x64,8x16", "--cprofile"), tail=60)],
     # where FP8's time goes at one local expert (8x7B, 64, 512 and 1024 rows), each step ending in an
     # empty optimizer step as fp8_break_even times it: kernel table, GPU idle time, host cProfile,
