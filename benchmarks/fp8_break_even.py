@@ -7,9 +7,10 @@ size measured (`break_even`). Two sweeps:
 
 - **4 local experts** (EP=2 of Mixtral's 8), 8x7B and 8x22B shapes, 256 to 4096 rows per
   expert: where the break-even lies.
-- **Few rows, one local expert** (EP=8), 8x7B shapes, 16 to 1024 rows: the points of the
+- **Few rows, one local expert** (EP=8), 8x7B shapes, 16 to 4096 rows: the points of the
   kernel grid (`benchmarks/custom_grouped_grid.py`) where FP8 at every size ran up to four
-  times slower than BF16. Beside FP8 at every size it times the tier as a run builds it by
+  times slower than BF16, and on to the rows at which the default runs FP8 at one expert (four
+  times the threshold: `device_mxfp8.runs_fp8`). Beside FP8 at every size it times the tier as a run builds it by
   default (`device_mxfp8`, mode `auto`, the default `fp8.min_rows_per_expert`: BF16 under
   it), and LoRA's frozen bases, which train no expert weight: BF16 through `custom_grouped`
   against FP8 (quantised once as they load; the tier runs FP8 at every size over them, having
@@ -42,7 +43,7 @@ from te_mixtral.experts.options import FP8Options
 from te_mixtral.measure.report import format_table
 
 ROWS_PER_EXPERT = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
-FEW_ROWS = (16, 32, 64, 128, 256, 512, 1024)  # one local expert, 8x7B
+FEW_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # one local expert, 8x7B
 DEFAULT_MIN_ROWS = FP8Options().min_rows_per_expert
 
 

@@ -85,13 +85,15 @@ def summarize(kernels: list[tuple[str, float, int]], intervals: list[tuple[float
             "gaps": [{"ms": g["us"] / 1e3, "after": g["after"], "before": g["before"]} for g in gaps[:TOP_GAPS]]}
 
 
-def print_summary(summary: dict, label: str) -> None:
-    print(f"=== {label}: {summary['kernel_ms']:.1f} ms of CUDA kernels per step ({summary['launches']:.0f} launches); "
-          f"span {summary['span_ms']:.1f} ms, idle {summary['idle_ms']:.1f} ms")
+def print_summary(summary: dict, label: str, top: int = TOP_KERNELS, decimals: int = 1) -> None:
+    """The summary's kinds, its `top` kernels and its gaps; ms to `decimals` places (kernels one more)."""
+    d = decimals
+    print(f"=== {label}: {summary['kernel_ms']:.{d}f} ms of CUDA kernels per step ({summary['launches']:.0f} "
+          f"launches); span {summary['span_ms']:.{d}f} ms, idle {summary['idle_ms']:.{d}f} ms")
     for kind, total in summary["kinds"].items():
-        print(f"  {kind:14s} {total['ms']:8.1f} ms {total['launches']:7.0f}x")
-    for row in summary["kernels"][:TOP_KERNELS]:
-        print(f"{row['ms']:8.2f} ms {row['launches']:6.0f}x  {row['name'][:150]}")
+        print(f"  {kind:14s} {total['ms']:8.{d}f} ms {total['launches']:7.0f}x")
+    for row in summary["kernels"][:top]:
+        print(f"{row['ms']:8.{d + 1}f} ms {row['launches']:6.0f}x  {row['name'][:150]}")
     print("longest idle gaps (ms, in the whole window): after -> before")
     for gap in summary["gaps"]:
         print(f"{gap['ms']:8.3f}  {gap['after'][:70]} -> {gap['before'][:70]}")

@@ -24,10 +24,12 @@ gradient. The other modes have no frozen FP8 base and refuse LoRA in one line.
 
 In mode `fp8-hopper` (`auto` on Hopper) a call with fewer rows per local expert than
 `min_rows_per_expert` (the config's `fp8.min_rows_per_expert`, by default the break-even measured
-on H100 and H200; 0 turns it off) runs the BF16 `custom_grouped` kernels instead: there FP8 is
-slower than BF16, because every optimizer step quantises the weights again and few rows do not
-repay it (docs/precision.md states the break-even per GPU, and `benchmarks/fp8_break_even.py`
-measures it). `describe()` says so, and `calls()` (results.json's `tier_calls`) counts the calls
+on H100 and H200 at four local experts; 0 turns it off), or with fewer than four local experts
+fewer rows in all than four experts at that size (`runs_fp8`), runs the BF16 `custom_grouped`
+kernels instead: there FP8 is slower than BF16, because its casts cost about the same a call
+however few experts it serves, every optimizer step quantises the weights again, and few rows
+do not repay it (docs/precision.md states the break-even per GPU, and
+`benchmarks/fp8_break_even.py` measures it). `describe()` says so, and `calls()` (results.json's `tier_calls`) counts the calls
 that ran each path. The choice is the call's: rows and local experts are shapes, known on the
 host, so it needs no sync. No other mode switches: `mxfp8-te` has no break-even measured (no
 Blackwell GPU has run it), so it runs MXFP8 at every size rather than at a threshold nobody
@@ -176,10 +178,22 @@ def weight_cache_refusal(what: str) -> UserError:
 _BF16_BELOW = CustomGroupedTier()  # what fp8-hopper runs under its break-even size
 
 
+# The local experts at which `min_rows_per_expert` is measured (benchmarks/fp8_break_even.py).
+BREAK_EVEN_EXPERTS = 4
+
+
 def runs_fp8(rows: int, local_experts: int, min_rows_per_expert: int) -> bool:
     """fp8-hopper's break-even rule (also the memory estimate's): FP8 unless the rows give
-    each local expert fewer than `min_rows_per_expert` on average (0: FP8 always)."""
-    return rows >= min_rows_per_expert * local_experts
+    each local expert fewer than `min_rows_per_expert` on average, or, with fewer than
+    BREAK_EVEN_EXPERTS local experts, the call has fewer rows in all than that many experts at
+    the threshold would (0: FP8 always).
+
+    The threshold is a break-even measured at four local experts, and FP8's cost a call hardly
+    depends on how many experts it serves: at one local expert its step took about as long at
+    16 rows as at 1024, longer than BF16's at every size measured (docs/precision.md). So with
+    fewer experts FP8 needs the rows in all that pay at four; with more, each expert still
+    needs the threshold's rows, its weights being quantised again every optimizer step."""
+    return rows >= min_rows_per_expert * max(local_experts, BREAK_EVEN_EXPERTS)
 
 
 def _device_name(device: torch.device) -> str:
@@ -309,7 +323,9 @@ class DeviceMXFP8Tier(ExpertTier):
             raise RuntimeError("DeviceMXFP8Tier.describe() needs check_available(device) first")
         kernel = self._runner.frozen_kernel if self.frozen_base else self._runner.kernel
         if not self.frozen_base and self._bf16_under_break_even():
-            kernel += f"; BF16 custom_grouped kernels for calls under {self.min_rows_per_expert} rows per local expert"
+            kernel += (f"; BF16 custom_grouped kernels for calls under {self.min_rows_per_expert} rows per local expert "
+                       f"(under {self.min_rows_per_expert * BREAK_EVEN_EXPERTS} rows in all with fewer than "
+                       f"{BREAK_EVEN_EXPERTS} local experts)")
         return {"recipe": self._runner.recipe, "kernel": kernel, "device": _device_name(self._device),
                 "precision": "fp8" if self.mode == "fp8-hopper" else "mxfp8"}
 

@@ -27,10 +27,11 @@ class FP8Options:
                             "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
     min_rows_per_expert: int = setting(1024, workload=False,
                                        help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
-                                       "expert runs the BF16 custom_grouped kernels, where FP8 is slower "
-                                       "(the break-even measured on H100 and H200; per GPU and how to measure "
-                                       "yours: docs/precision.md); 0: FP8 at every size. Blackwell's mode and "
-                                       "a frozen LoRA base run FP8 at every size")
+                                       "expert (with fewer than 4 local experts: fewer rows in all than 4 "
+                                       "experts at this size) runs the BF16 custom_grouped kernels, where FP8 is "
+                                       "slower (the break-even measured on H100 and H200 at 4 local experts; per "
+                                       "GPU and how to measure yours: docs/precision.md); 0: FP8 at every size. "
+                                       "Blackwell's mode and a frozen LoRA base run FP8 at every size")
     weight_cache: bool = setting(True, workload=False,
                                  help="device_mxfp8 on Hopper: keep each expert weight's FP8 copies (a byte "
                                  "per element per orientation, every layer) from its first use to the "

@@ -21,7 +21,7 @@ SCRIPTS = [name for name in MODULES if name not in SHARED]
 # The scripts that need a GPU for anything at all, with the arguments that get them past parsing.
 CUDA_ONLY = {"custom_grouped_bench": [], "custom_grouped_gemms": [], "custom_grouped_grid": [],
              "custom_grouped_host_time": [], "fp8_accuracy": [], "fp8_break_even": [], "fp8_casts": [],
-             "fp8_gemms": [], "fp8_row_counts": [], "kernel_profile": ["ours"], "lora_fp8_base": [],
+             "fp8_gemms": [], "fp8_row_counts": [], "kernel_profile": ["ours"], "lora_fp8_base": [], "op_profile": [],
              "overlap_probe": []}
 
 

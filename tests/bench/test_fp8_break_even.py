@@ -2,6 +2,7 @@
 which FP8 stays faster (the timing itself needs a Hopper GPU)."""
 
 from benchmarks.fp8_break_even import FEW_ROWS, break_even
+from te_mixtral.experts.device_mxfp8 import runs_fp8
 from te_mixtral.experts.options import FP8Options
 
 
@@ -15,5 +16,6 @@ def test_the_break_even_is_where_fp8_stays_faster():
 
 
 def test_the_few_rows_points_reach_the_default_threshold():
-    # The few-rows sweep shows the default's switch: points under it run BF16, its last runs FP8.
-    assert FEW_ROWS[0] == 16 and FEW_ROWS[-1] == FP8Options().min_rows_per_expert
+    # The one-expert sweep shows the default's switch: points under it run BF16, its last runs FP8.
+    default = FP8Options().min_rows_per_expert
+    assert FEW_ROWS[0] == 16 and runs_fp8(FEW_ROWS[-1], 1, default) and not runs_fp8(FEW_ROWS[-2], 1, default)

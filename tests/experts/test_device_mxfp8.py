@@ -15,7 +15,7 @@ from quant_reference import MXFP8_MLP_RTOL, group_bounds, mlp_inputs, rel_err
 from te_mixtral.config import load_config, load_run_config
 from te_mixtral.errors import TierUnavailable, UserError
 from te_mixtral.experts.base import swiglu
-from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, select_mode
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier, runs_fp8, select_mode
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.quant.fp8_hopper import FP8HopperGemms
 from te_mixtral.experts.quant.mxfp8 import fake_quantize
@@ -178,14 +178,27 @@ def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off(
     load_run_config(None, {"tier": "device_mxfp8", "fp8.weight_cache": "false"}, 1)  # auto: Hopper's
 
 
-@pytest.mark.parametrize("sizes", [[6, 6, 6, 6], [21, 0, 2, 1]], ids=["even", "uneven"])
+def test_the_break_even_with_fewer_local_experts_asks_for_the_rows_of_four():
+    """fp8.min_rows_per_expert is the break-even measured at four local experts. FP8's cost a
+    call hardly depends on the experts (at one expert on an H200 it took about 4 ms at every
+    size from 16 to 1024 rows, BF16 1.0-1.6 ms), so with fewer experts a call pays only where it
+    has the rows in all that four experts at the break-even would have; with more, each expert
+    still needs the threshold's rows."""
+    for experts, fewest in ((1, 4096), (2, 4096), (3, 4096), (4, 4096), (8, 8192)):  # rows in all
+        assert not runs_fp8(fewest - 1, experts, 1024), (experts, fewest)
+        assert runs_fp8(fewest, experts, 1024), (experts, fewest)
+    assert runs_fp8(1, 1, 0) and runs_fp8(0, 1, 0)  # 0: FP8 at every size
+
+
+@pytest.mark.parametrize("sizes", [[6, 6, 6, 6], [21, 0, 2, 1], [24]], ids=["even", "uneven", "one_expert"])
 def test_fp8_hopper_runs_custom_grouped_under_the_break_even_and_fp8_from_it(sizes):
     """The switch itself, on the CPU, each side bit for bit what it switches to, forward and
     backward: a tier told its mode is fp8-hopper (as check_available would on an H100), with
     the MXFP8 emulation standing in for its FP8 GEMMs (they need the GPU). The rule is on the
-    mean rows per local expert, a shape, so an uneven split switches as an even one."""
+    mean rows per local expert, a shape, so an uneven split switches as an even one; one local
+    expert needs the rows of four (24 here: four experts' mean of 6)."""
     gen = torch.Generator().manual_seed(13)
-    _, _, gate_up, down = mlp_inputs(gen)
+    _, _, gate_up, down = mlp_inputs(gen, num_experts=len(sizes))
     counts = torch.tensor(sizes)
     x_RD = torch.randn(int(counts.sum()), gate_up.shape[2], generator=gen, requires_grad=True)
     dy = torch.randn(x_RD.shape, generator=gen)
@@ -196,7 +209,7 @@ def test_fp8_hopper_runs_custom_grouped_under_the_break_even_and_fp8_from_it(siz
 
     emulated = DeviceMXFP8Tier("mxfp8-emulated")
     emulated.check_available(torch.device("cpu"))
-    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=7)  # the mean is 6 rows
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=7)  # the mean is 6 rows (4 experts), 24 (one)
     tier.mode, tier._device, tier._runner = "fp8-hopper", x_RD.device, emulated._runner
     bf16, fp8 = run(make_tier("custom_grouped")), run(emulated)
     assert not torch.equal(bf16[0], fp8[0])  # the two paths differ: the checks below can fail
@@ -206,9 +219,10 @@ def test_fp8_hopper_runs_custom_grouped_under_the_break_even_and_fp8_from_it(siz
     assert recorder.ops and not recorder.ops & SYNCHRONISING_OPS
     assert all(torch.equal(a, b) for a, b in zip(below, bf16))
     assert tier.calls() == {"bf16 custom_grouped": 1}
-    assert "BF16 custom_grouped kernels for calls under 7 rows per local expert" in tier.describe()["kernel"]
+    assert ("BF16 custom_grouped kernels for calls under 7 rows per local expert (under 28 rows in all with fewer "
+            "than 4 local experts)") in tier.describe()["kernel"]
 
-    for at_or_above in (6, 0):  # the mean itself, and 0: FP8 at every size
+    for at_or_above in (6, 0):  # the mean itself (one expert: a quarter of its rows), and 0: FP8 at every size
         tier.min_rows_per_expert = at_or_above
         assert all(torch.equal(a, b) for a, b in zip(run(tier), fp8))
     assert tier.calls() == {"bf16 custom_grouped": 1, "fp8-hopper": 2}

@@ -1,0 +1,196 @@
+"""Where one expert FFN call's time goes, op beside op: GPU kernels, the GPU's idle time, the host.
+
+The grid (`custom_grouped_grid.py`) and the FP8 break-even (`fp8_break_even.py`) say which op
+is faster at a point; this says why. At each point (`--cases`, local experts x rows per expert,
+or rows of each expert) and for each op (`--ops`), one step is a forward + backward (gradients of x and both
+weights, `custom_grouped_ops.fwd_bwd`), and with `--optimizer-step` an (empty) optimizer step
+after it, as fp8_break_even.py times: the FP8 tier's weight copies are made again every step.
+Per op and point:
+
+- step: the median ms of a step between CUDA events (`common.median_ms`, fp8_break_even.py's
+  timer): the host's time counts where the GPU waits for it, as a training step sees it;
+- GPU: ms a step with the host's launches queued ahead (`custom_grouped_ops.gpu_ms`);
+- kernels: torch.profiler's CUDA kernel table per step over 3 steps (benchmarks/kernel_profile.py's
+  `summarize`: every kernel's ms and launches a step, by kind), the span of those steps'
+  kernels and the idle time inside it, and the longest idle gaps with the kernels either side;
+- host: a cProfile of 20 steps, the Python functions with the most own time, ms a step.
+
+Step time well above GPU time, and the idle time inside the kernels' span, say the host's
+launching sets the pace; a kernel table whose sum is near the step says the GPU does.
+
+The ops: `custom_grouped` (the BF16 op), `grouped_mm` (torch's grouped GEMM with plain
+autograd), `TE` (TE's grouped GEMM as the `grouped_linear` tier runs it, split sizes handed over
+on the host), `device_mxfp8` (mode fp8-hopper, FP8 at every size), and each of ours with
+`-triton-launch` appended: every Triton kernel launched through Triton's own dispatch instead of
+straight through its compiled launcher (te_mixtral/experts/kernels/launcher.py).
+
+    python3 -m benchmarks.op_profile [--family 8x7b|8x22b] [--cases 1x64,1x512] \
+        [--ops custom_grouped,device_mxfp8,...] [--optimizer-step] [--json FILE]
+
+`scripts/gpu_runs.py rows OUT fp8-profile` and `... rows OUT misses-8x22b` run it.
+"""
+
+import argparse
+import cProfile
+import pstats
+import sys
+
+import torch
+
+from benchmarks import common
+from benchmarks.common import FAMILIES
+from benchmarks.custom_grouped_grid import kernel_jobs, te_peer
+from benchmarks.custom_grouped_ops import fwd_bwd, gpu_ms, make_inputs, parse_case, precompile
+from benchmarks.kernel_profile import ACTIVE, SKIPPED, WARMUP, print_summary, profile_summary
+from te_mixtral.errors import TierUnavailable
+from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
+from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
+from te_mixtral.experts.kernels import launcher
+from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
+
+OPS = ("custom_grouped", "custom_grouped-triton-launch", "grouped_mm", "TE", "device_mxfp8",
+       "device_mxfp8-triton-launch")
+TRITON_LAUNCH = "-triton-launch"
+CPROFILE_STEPS = 20
+HOST_TOP = 15
+KERNELS_SHOWN = 12
+
+
+def make_op(name: str, sizes: list[int]):
+    """The op `name` with the grid's signature op(x, counts, w1, w2), or a reason it cannot run."""
+    base = name.removesuffix(TRITON_LAUNCH)
+    if base == "custom_grouped":
+        return grouped_swiglu
+    if base == "grouped_mm":
+        return grouped_mm_swiglu
+    if base == "TE":
+        te, why_not = te_peer()
+        return why_not if te is None else (lambda x, counts, w1, w2: te(x, sizes, w1, w2))
+    tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=0)
+    try:
+        tier.check_available(torch.device("cuda"))
+    except TierUnavailable as error:
+        return str(error)
+    return tier
+
+
+def make_step(name: str, op, inputs, optimizer):
+    """One step of `op` on `inputs`: fwd+bwd, then `optimizer`'s step where given (it clears
+    the FP8 tier's weight copies, as a training step's does)."""
+    fwd_bwd_step = fwd_bwd(op, *inputs)
+
+    def step():
+        fwd_bwd_step()
+        if optimizer is not None:
+            optimizer.step()
+    if not name.endswith(TRITON_LAUNCH):
+        return step
+
+    def through_triton():
+        with launcher.through_triton():  # the backward too: it runs while the caller waits in here
+            step()
+    return through_triton
+
+
+def kernel_profile(step) -> dict:
+    """kernel_profile.py's summary of ACTIVE steps, each cut after a synchronize (kernels
+    launched in one step and run in the next would count in the next)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    found = {}
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=SKIPPED, warmup=WARMUP, active=ACTIVE),
+                 on_trace_ready=lambda prof: found.update(profile_summary(prof))) as prof:
+        for _ in range(SKIPPED + WARMUP + ACTIVE):
+            step()
+            torch.cuda.synchronize()
+            prof.step()
+    return found
+
+
+def host_profile(step, device: torch.device, top: int = HOST_TOP) -> list[dict]:
+    """The `top` Python functions by own time over CPROFILE_STEPS steps, per step."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(CPROFILE_STEPS):
+        step()
+    profiler.disable()
+    common.synchronize(device)
+    stats = pstats.Stats(profiler).stats
+    rows = [{"function": f"{file.rsplit('/', 1)[-1]}:{line}({fn})", "calls": calls / CPROFILE_STEPS,
+             "own_ms": 1e3 * own / CPROFILE_STEPS, "cum_ms": 1e3 * cum / CPROFILE_STEPS}
+            for (file, line, fn), (_, calls, own, cum, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["own_ms"])[:top]
+
+
+def measure(step) -> dict:
+    device = torch.device("cuda")
+    step_ms = common.median_ms(step, device)
+    return {"step_ms": step_ms, "gpu_ms": gpu_ms(step, calls=20), **kernel_profile(step),
+            "host": host_profile(step, device)}
+
+
+def print_op(case: str, name: str, r: dict) -> None:
+    print_summary(r, f"{case} {name}: step {r['step_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms a step", KERNELS_SHOWN, 3)
+    print("host, own ms a step (cProfile): " + "; ".join(
+        f"{h['function']} {h['own_ms']:.3f} ({h['calls']:.0f}x)" for h in r["host"][:8]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=FAMILIES, default="8x7b")
+    parser.add_argument("--cases", default="1x64,1x512,1x1024",
+                        help="LxR (L local experts of R rows) or R0+R1+... (rows of each expert), joined by commas")
+    parser.add_argument("--ops", default="custom_grouped,device_mxfp8", help=f"any of {', '.join(OPS)}")
+    parser.add_argument("--optimizer-step", action="store_true",
+                        help="an (empty) optimizer step ends every step, as fp8_break_even.py times")
+    common.add_json_flag(parser)
+    args = parser.parse_args(argv)
+    names = args.ops.split(",")
+    try:
+        cases = {case: parse_case(case) for case in args.cases.split(",")}
+    except ValueError:
+        print(f"op_profile: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
+              file=sys.stderr)
+        return 2
+    if any(name not in OPS for name in names):
+        print(f"op_profile: error: --ops takes {', '.join(OPS)} joined by commas; got {args.ops}", file=sys.stderr)
+        return 2
+    device = common.cuda_or_refuse("op_profile")
+    if device is None:
+        return 2
+    D, F = FAMILIES[args.family].hidden, FAMILIES[args.family].ffn
+    header = common.run_header(device, family=args.family, optimizer_step=args.optimizer_step)
+    print(common.header_line(header))
+    if any(name.startswith("custom_grouped") for name in names):
+        precompile(kernel_jobs([], list(cases.values())))
+    print(f"fwd+bwd{' + an empty optimizer step' if args.optimizer_step else ''}, Mixtral-{args.family} "
+          f"(D {D}, F {F}): step (host included, CUDA events), GPU (host queued ahead), the kernels per step")
+    optimizer = None
+    if args.optimizer_step:
+        optimizer = torch.optim.SGD([torch.zeros(1, device=device, requires_grad=True)], lr=0.0)
+    results = []
+    for case, sizes in cases.items():
+        inputs = make_inputs(None, len(sizes), D, F, requires_grad=True, sizes=sizes)
+        for name in names:
+            op = make_op(name, sizes)
+            entry = {"case": case, "sizes": sizes, "op": name}
+            if isinstance(op, str):
+                print(f"--- {case} {name}: skipped: {op}")
+                results.append(entry | {"skipped": op})
+                continue
+            try:
+                entry |= measure(make_step(name, op, inputs, optimizer))
+            except Exception as error:  # one op that cannot run here must not cost the others
+                print(f"--- {case} {name}: FAILED: {common.first_line(error)}")
+                results.append(entry | {"error": common.first_line(error)})
+                continue
+            print_op(case, name, entry)
+            results.append(entry)
+        del inputs
+        torch.cuda.empty_cache()
+    common.write_json(args.json, {"header": header, "family": args.family, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
