@@ -217,3 +217,15 @@ def test_an_input_that_is_a_fifo_is_refused_not_waited_on(tmp_path, key, what):
         signal.signal(signal.SIGALRM, previous)
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
     assert_one_line_error(proc, f"{what} {fifo} is not a regular file but a FIFO (named pipe)")
+
+
+def test_the_allocator_grows_in_place_unless_the_user_configured_it():
+    from te_mixtral.cli import grow_cuda_memory_in_place
+
+    environ = {}
+    grow_cuda_memory_in_place(environ)
+    assert environ == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        environ = {name: "max_split_size_mb:512"}
+        grow_cuda_memory_in_place(environ)
+        assert environ == {name: "max_split_size_mb:512"}
