@@ -183,12 +183,21 @@ def peak_memory_bytes(device: torch.device | str) -> int:
     return max_rss if sys.platform == "darwin" else max_rss * 1024
 
 
-def peak_memory_by_rank(device: torch.device, layout: Layout) -> list[int]:
-    """Every rank's `peak_memory_bytes`, in rank order; a collective: every rank calls it."""
-    # Each rank's peak in its own slot, so the maximum over the world gathers them all.
-    peaks = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
-    peaks[layout.rank] = peak_memory_bytes(device)
-    return all_reduce_max(peaks, layout).tolist()
+def allocator_retries(device: torch.device | str) -> int:
+    """How often the CUDA caching allocator found no free block and freed its whole cache to
+    try again (0 on CPU). Each time it waits for the whole GPU (cudaFree), collectives of
+    other ranks included: a run that does this is close to full, slower, and at risk of
+    hanging with several GPUs."""
+    device = torch.device(device)
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
+def by_rank(value: int, device: torch.device, layout: Layout) -> list[int]:
+    """Every rank's `value`, in rank order; a collective: every rank calls it."""
+    # Each rank's value in its own slot, so the maximum over the world gathers them all.
+    slots = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
+    slots[layout.rank] = value
+    return all_reduce_max(slots, layout).tolist()
 
 
 def _p90(sorted_values: list[float]) -> float:

@@ -333,7 +333,8 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     with exchange.exact(model):
         measured.generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device,
                                             autocast) if cfg.generate is not None and not stopped else None)
-    measured.peaks_by_rank = metrics.peak_memory_by_rank(device, layout)
+    measured.peaks_by_rank = metrics.by_rank(metrics.peak_memory_bytes(device), device, layout)
+    measured.allocator_retries_by_rank = metrics.by_rank(metrics.allocator_retries(device), device, layout)
     measured.tier_calls = model.tier.calls() if isinstance(model, MixtralForCausalLM) else {}
     measured.saved = saved
     measured.phases = (profile_last_step(model, optimizer, micro_batches[-1], totals[0], autocast, layout, cfg)

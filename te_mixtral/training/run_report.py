@@ -54,6 +54,7 @@ class Measured:
     generated: dict | None = None  # `generate_text`'s answer, when asked for
     exchange: dict = field(default_factory=dict)  # the padded exchange's capacity over the run (ExchangeCapacity.record)
     peaks_by_rank: Sequence[int] = ()  # every rank's peak memory, in bytes
+    allocator_retries_by_rank: Sequence[int] = ()  # metrics.allocator_retries of every rank
     tier_calls: dict = field(default_factory=dict)  # this rank's calls of each of the tier's paths (`ExpertTier.calls`)
     phases: tuple[dict, list[int]] | None = None  # `profile_phases`' answer, when asked for
     # The last checkpoint, HF export and adapter the run wrote (by those names; empty on ranks
@@ -82,6 +83,7 @@ def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: di
     # The estimate beside the measured peak, so that every run checks the estimate.
     extra = {"estimated_peak_gib": estimated_peak_bytes / 2**30,
              "peak_memory_gib_by_rank": [p / 2**30 for p in measured.peaks_by_rank],
+             "allocator_retries_by_rank": list(measured.allocator_retries_by_rank),
              "grad_norms": state.grad_norms, **measured.exchange,
              **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
              **expert_load.results_entries(state.router, measured.run_load_YE, (measured.first_step, cfg.train.steps))}
@@ -122,6 +124,8 @@ def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: di
             print(f"generate: {measured.generated['prompt']!r} -> {measured.generated['text']!r}")
         if measured.phases is not None and summary:  # neither when the run stopped early
             print(report.phases_table(extra["phases_ms"], summary["median_step_ms"]))
+        if any(measured.allocator_retries_by_rank):
+            print(short_of_memory_note(measured.allocator_retries_by_rank), flush=True)
         if "loss_check" in extra:
             print(check.table())
         if path is not None:
@@ -131,3 +135,11 @@ def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: di
         if unwritten:
             raise WriteFailed("; ".join(unwritten) + (f"; and before that: {stopped}" if stopped else ""))
     return exit_code
+
+
+def short_of_memory_note(retries_by_rank: Sequence[int]) -> str:
+    """The line for a run whose CUDA allocator ran short (metrics.allocator_retries)."""
+    worst = max(range(len(retries_by_rank)), key=retries_by_rank.__getitem__)
+    return (f"te_mixtral: note: GPU memory ran short {retries_by_rank[worst]} times on rank {worst}: the allocator "
+            "freed its cache, which waits for the whole GPU (slower; with several GPUs it can hang); recompute "
+            "more layers (--recompute_layers)")

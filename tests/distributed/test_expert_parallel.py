@@ -44,6 +44,7 @@ def test_results_hold_each_ranks_peak_memory(tmp_path, launch_planned):
     by_rank = results["peak_memory_gib_by_rank"]
     assert len(by_rank) == 2 and all(peak > 0 for peak in by_rank)
     assert max(by_rank) == results["summary"]["peak_memory_gib"]  # the summary's is the fullest rank's
+    assert results["allocator_retries_by_rank"] == [0, 0]  # a CPU run has no CUDA allocator to run short
 
 
 @pytest.fixture(scope="module")

@@ -229,3 +229,10 @@ def test_lora_flops_count_a_frozen_weight_4_and_an_adapter_6_per_parameter_and_t
     lengths = [5, 3]
     attention = train_flops(m, cu(lengths), 8) - 6 * active_params_per_token(m) * 8
     assert train_flops(m, cu(lengths), 8, lora) == 4 * active_params_per_token(m) * 8 + 6 * adapters * 8 + attention
+
+
+def test_a_run_short_of_gpu_memory_names_its_fullest_rank():
+    from te_mixtral.training.run_report import short_of_memory_note
+
+    note = short_of_memory_note([0, 7, 3])
+    assert note.startswith("te_mixtral: note: GPU memory ran short 7 times on rank 1:") and "\n" not in note
