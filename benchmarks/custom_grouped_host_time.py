@@ -9,10 +9,6 @@ measures the host. This script tells the two apart at Mixtral-8x7B shapes:
   never waits for a launch (custom_grouped_ops.gpu_ms);
 - op: the median of `do_bench` over single calls, as custom_grouped_bench.py times the op.
 
-"ours, Triton's launch" is ours with every kernel launched through Triton's own dispatch
-(`kernel[grid]`, te_mixtral/experts/kernels/launcher.py's `through_triton`) instead of straight
-through its compiled launcher: the host time that the direct launch saves, in one run.
-
 `--loads` adds ours with TMA descriptors forced on and off; `--tiles medium` adds ours with
 that regime's tile table at every case (the default picks one by rows per expert; repeat
 it for more tables; `previous` is the tables before the few-rows ones, chosen as then);
@@ -45,7 +41,6 @@ from benchmarks.custom_grouped_ops import (
 )
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.kernels import grouped_swiglu as gs
-from te_mixtral.experts.kernels import launcher
 
 D, F = FAMILIES["8x7b"].hidden, FAMILIES["8x7b"].ffn
 HOST_CALLS = 200
@@ -61,15 +56,6 @@ def host_ms(fn) -> float:
     host = time.perf_counter() - start
     torch.cuda.synchronize()
     return 1e3 * host / HOST_CALLS
-
-
-def through_triton(fn):
-    """`fn` with its kernels launched through Triton's own dispatch (the backward too: it runs
-    while the caller waits inside `fn`)."""
-    def run():
-        with launcher.through_triton():
-            return fn()
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     print("custom_grouped vs grouped_mm, fwd+bwd at 8x7B shapes: ms a call")
     for index, (case, sizes) in enumerate(cases.items()):
         x, counts, w1, w2, dy = make_inputs(None, len(sizes), D, F, requires_grad=True, sizes=sizes)
-        ops = {"ours": gs.grouped_swiglu, "ours, Triton's launch": gs.grouped_swiglu,
-               "grouped_mm": grouped_mm_swiglu}
+        ops = {"ours": gs.grouped_swiglu, "grouped_mm": grouped_mm_swiglu}
         if args.loads:
             ops["ours, TMA"] = functools.partial(gs.grouped_swiglu, use_tma=True)
             ops["ours, pointers"] = functools.partial(gs.grouped_swiglu, use_tma=False)
@@ -108,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
             ops[f"ours, {name} tiles"] = with_table(name)
         for name, op in ops.items():
             fn = fwd_bwd(op, x, counts, w1, w2, dy)
-            if name == "ours, Triton's launch":
-                fn = through_triton(fn)
             for _ in range(20):  # compile, warm up
                 fn()
             print(f"  {case:>6} {name:<24} host {host_ms(fn):.3f}  GPU {gpu_ms(fn):.3f}  op {bench(fn):.3f}",

@@ -20,9 +20,7 @@ launching sets the pace; a kernel table whose sum is near the step says the GPU 
 
 The ops: `custom_grouped` (the BF16 op), `grouped_mm` (torch's grouped GEMM with plain
 autograd), `TE` (TE's grouped GEMM as the `grouped_linear` tier runs it, split sizes handed over
-on the host), `device_mxfp8` (mode fp8-hopper, FP8 at every size), and each of ours with
-`-triton-launch` appended: every Triton kernel launched through Triton's own dispatch instead of
-straight through its compiled launcher (te_mixtral/experts/kernels/launcher.py).
+on the host), `device_mxfp8` (mode fp8-hopper, FP8 at every size).
 
     python3 -m benchmarks.op_profile [--family 8x7b|8x22b] [--cases 1x64,1x512] \
         [--ops custom_grouped,device_mxfp8,...] [--optimizer-step] [--json FILE]
@@ -45,12 +43,9 @@ from benchmarks.kernel_profile import ACTIVE, SKIPPED, WARMUP, print_summary, pr
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
-from te_mixtral.experts.kernels import launcher
 from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
 
-OPS = ("custom_grouped", "custom_grouped-triton-launch", "grouped_mm", "TE", "device_mxfp8",
-       "device_mxfp8-triton-launch")
-TRITON_LAUNCH = "-triton-launch"
+OPS = ("custom_grouped", "grouped_mm", "TE", "device_mxfp8")
 CPROFILE_STEPS = 20
 HOST_TOP = 15
 KERNELS_SHOWN = 12
@@ -58,12 +53,11 @@ KERNELS_SHOWN = 12
 
 def make_op(name: str, sizes: list[int]):
     """The op `name` with the grid's signature op(x, counts, w1, w2), or a reason it cannot run."""
-    base = name.removesuffix(TRITON_LAUNCH)
-    if base == "custom_grouped":
+    if name == "custom_grouped":
         return grouped_swiglu
-    if base == "grouped_mm":
+    if name == "grouped_mm":
         return grouped_mm_swiglu
-    if base == "TE":
+    if name == "TE":
         te, why_not = te_peer()
         return why_not if te is None else (lambda x, counts, w1, w2: te(x, sizes, w1, w2))
     tier = DeviceMXFP8Tier("fp8-hopper", min_rows_per_expert=0)
@@ -74,7 +68,7 @@ def make_op(name: str, sizes: list[int]):
     return tier
 
 
-def make_step(name: str, op, inputs, optimizer):
+def make_step(op, inputs, optimizer):
     """One step of `op` on `inputs`: fwd+bwd, then `optimizer`'s step where given (it clears
     the FP8 tier's weight copies, as a training step's does)."""
     fwd_bwd_step = fwd_bwd(op, *inputs)
@@ -83,13 +77,7 @@ def make_step(name: str, op, inputs, optimizer):
         fwd_bwd_step()
         if optimizer is not None:
             optimizer.step()
-    if not name.endswith(TRITON_LAUNCH):
-        return step
-
-    def through_triton():
-        with launcher.through_triton():  # the backward too: it runs while the caller waits in here
-            step()
-    return through_triton
+    return step
 
 
 def kernel_profile(step) -> dict:
@@ -179,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(entry | {"skipped": op})
                 continue
             try:
-                entry |= measure(make_step(name, op, inputs, optimizer))
+                entry |= measure(make_step(op, inputs, optimizer))
             except Exception as error:  # one op that cannot run here must not cost the others
                 print(f"--- {case} {name}: FAILED: {common.first_line(error)}")
                 results.append(entry | {"error": common.first_line(error)})

@@ -533,21 +533,17 @@ ROWS_RUNS = {
     # device_mxfp8 against custom_grouped by rows per local expert, its default fallback included
     "fp8-break-even": [Launch("fp8-break-even", 1, ("-m", "benchmarks.fp8_break_even", "--json",
                                                     "{out}/fp8_break_even.json"))],
-    # the host time the direct launch saves (kernels/launcher.py): the CUDA tests of the two tiers
-    # whose Triton kernels launch through it (the direct launch's bits against Triton's own among
-    # them), then ours beside ours with Triton's own launch, host / GPU / op ms a fwd+bwd, and
-    # where the host's time goes now (cProfile)
+    # the two tiers' CUDA tests, then host / GPU / op ms a fwd+bwd at 1-8 local experts and
+    # where the host's time goes (cProfile)
     "launch": [*pytest_gpu("launch-tests", "-m", "cuda", "tests/gpu/test_custom_grouped_gpu.py",
                            "tests/gpu/test_device_mxfp8_gpu.py"),
                Launch("host-time-launch", 1, ("-m", "benchmarks.custom_grouped_host_time", "--cases",
                                               "1x16,1x64,2x64,8x16", "--cprofile"), tail=60)],
     # where FP8's time goes at one local expert (8x7B, 64, 512 and 1024 rows), each step ending in an
     # empty optimizer step as fp8_break_even times it: kernel table, GPU idle time, host cProfile,
-    # beside BF16, each with the direct launch and with Triton's own
+    # beside BF16
     "fp8-profile": [Launch("fp8-profile", 1, ("-m", "benchmarks.op_profile", "--family", "8x7b", "--cases",
-                                              "1x64,1x512,1x1024", "--ops", ",".join(
-                                                  ("custom_grouped", "custom_grouped-triton-launch", "device_mxfp8",
-                                                   "device_mxfp8-triton-launch")),
+                                              "1x64,1x512,1x1024", "--ops", "custom_grouped,device_mxfp8",
                                               "--optimizer-step", "--json", "{out}/fp8_profile.json"), tail=40)],
     # the 8x22B points where a peer's GPU time beat ours in the few-rows grid (its results page lists
     # them): the kernel tables of ours, TE and grouped_mm side by side

@@ -26,7 +26,6 @@ from expert_reference import (
 )
 
 from te_mixtral.experts.custom_grouped import CustomGroupedTier, grouped_mm_swiglu
-from te_mixtral.experts.kernels import launcher
 
 pytestmark = [
     pytest.mark.cuda,
@@ -144,26 +143,6 @@ def test_same_inputs_same_bits():
     first, second = run_tier(CustomGroupedTier(), *inputs), run_tier(CustomGroupedTier(), *inputs)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("splits,later", [([16], [11]), ([0, 200, 100, 100], [10, 150, 100, 130]),
-                                          ([300, 200, 100, 100], [250, 250, 100, 90])],
-                         ids=["few_rows", "medium_pointers", "medium_tma"])
-def test_the_direct_launch_gives_tritons_bits_and_keeps_its_kernels(splits, later):
-    """launcher.launch (every launch after a specialisation's first) against Triton's own
-    dispatch: the same bits. Then a step at other splits and rows (the same tile table and
-    loads) on fresh tensors, as training runs, finds every kernel it launches: the direct
-    path is the one that runs."""
-    inputs = random_expert_inputs(splits, D, F_, seed=9)
-    direct = run_tier(CustomGroupedTier(), *inputs)
-    direct = run_tier(CustomGroupedTier(), *inputs)  # the first ran through Triton, if new
-    with launcher.through_triton():
-        triton_own = run_tier(CustomGroupedTier(), *inputs)
-    for name, a, b in zip(NAMES, direct, triton_own):
-        assert torch.equal(a, b), name
-    held = launcher.cached()
-    run_tier(CustomGroupedTier(), *random_expert_inputs(later, D, F_, seed=10))
-    assert launcher.cached() == held, f"{later} rows after {splits}: a kernel launched through Triton again"
 
 
 def test_no_rows_at_all():

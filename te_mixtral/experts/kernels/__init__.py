@@ -26,8 +26,6 @@ TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests' way, in fp32)
     grad_accumulation.py  adding a weight gradient into `.grad` where micro-batches sum
     tma_host.py           host-built TMA descriptors, when tensors allow them, and the CUDA
                           context the driver needs to build them
-    launcher.py           a kernel launched again straight through its compiled launcher,
-                          without Triton's per-call dispatch (the host's time at few rows)
     compile_ahead.py      a launch compiled for a GPU that is not here (a CPU test's check
                           of every tile's shared memory on each GPU a tier claims)
 """

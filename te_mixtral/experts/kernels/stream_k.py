@@ -38,8 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from te_mixtral.experts.kernels.launcher import current_stream
-
 
 @triton.jit
 def plan(total, k_blocks, programs, LIMIT: tl.constexpr):
@@ -131,7 +129,7 @@ def arrivals(device: torch.device, count: int) -> torch.Tensor:
     the graph replays."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(count, dtype=torch.int32, device=device)
-    stream = current_stream(device.index) if device.type == "cuda" else None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (device.type, device.index, stream)
     held = _ARRIVALS.get(key)
     if held is None or held.numel() < count:

@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from te_mixtral.experts.kernels.launcher import launch
 from te_mixtral.experts.quant.fp8_hopper import INV_E4M3_MAX, MIN_AMAX
 
 _E4M3_MAX = tl.constexpr(448.0)
@@ -131,7 +130,7 @@ def quantize_rows(x_MK: torch.Tensor, *, swiglu: bool = False, out_dtype=torch.f
     if x2.shape[0]:
         block = _row_block(K)
         values = q if values_out is None else values_out  # a pointer the kernel ignores without WRITE_VALUES
-        launch(_rows_kernel, (x2.shape[0],), x2, q, scale, values, K, x2.stride(0), SWIGLU=swiglu,
+        _rows_kernel[(x2.shape[0],)](x2, q, scale, values, K, x2.stride(0), SWIGLU=swiglu,
                                     WRITE_VALUES=values_out is not None, BLOCK_K=block,
                                     num_warps=max(4, min(16, block // 512)))  # <= 32 values per thread
     return q.view(*lead, K), scale.view(lead)
@@ -190,7 +189,7 @@ def swiglu_backward_rows(dh_QF: torch.Tensor, gate_up_Q2F: torch.Tensor, out_dty
         # where 2048 took 1.08 and 1.24 (1024 to 8192 columns, 4 to 16 warps, tried).
         block = min(_row_block(F), 4096)
         grad = q if grad_out_Q2F is None else grad_out_Q2F  # a pointer the kernel ignores without WRITE_GRAD
-        launch(_swiglu_bwd_rows_kernel, (Q,), dh_QF, gate_up_Q2F, q, scale, grad, F, BLOCK_F=block,
+        _swiglu_bwd_rows_kernel[(Q,)](dh_QF, gate_up_Q2F, q, scale, grad, F, BLOCK_F=block,
                                       WRITE_GRAD=grad_out_Q2F is not None, num_warps=8)
     return q, scale
 
@@ -277,10 +276,9 @@ def quantize_columns(x_QC: torch.Tensor, ends_G: torch.Tensor, *, row_scale_Q: t
     grid = (triton.cdiv(Q, block_r), triton.cdiv(C, block_c))
     tiles = dict(ROW_SCALED=row_scale_Q is not None, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_G=block_g,
                  num_warps=warps)
-    launch(_column_amax_kernel, grid, x_QC, row_scale_Q, ends_G, amax_bits, Q, C, G, x_QC.stride(0), **tiles)
+    _column_amax_kernel[grid](x_QC, row_scale_Q, ends_G, amax_bits, Q, C, G, x_QC.stride(0), **tiles)
     scale_GC = _scale_from_bits(amax_bits)
-    launch(_column_cast_kernel, grid, x_QC, row_scale_Q, ends_G, scale_GC, q, Q, C, G, x_QC.stride(0), q.stride(0),
-           **tiles)
+    _column_cast_kernel[grid](x_QC, row_scale_Q, ends_G, scale_GC, q, Q, C, G, x_QC.stride(0), q.stride(0), **tiles)
     return q, scale_GC.reshape(-1)
 
 
@@ -310,7 +308,7 @@ def transpose(q_QC: torch.Tensor) -> torch.Tensor:
     if q_QC.numel():
         block_r, block_c, warps = TRANSPOSE_TILE
         grid = (triton.cdiv(Q, block_r), triton.cdiv(C, block_c))
-        launch(_transpose_kernel, grid, q_QC, t, Q, C, t.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        _transpose_kernel[grid](q_QC, t, Q, C, t.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return t
 
 
@@ -391,14 +389,14 @@ def _weight_casts(w, in_scale_GN, out_dtype, store_rows, col_scale=None):
         col_bits = torch.zeros(G, I, dtype=torch.int32, device=w.device)
         if w.numel():
             block_n, block_i, warps = WEIGHT_AMAX_TILE
-            launch(_weight_amax_kernel, (triton.cdiv(N, block_n), triton.cdiv(I, WEIGHT_AMAX_COLUMNS), G),
+            _weight_amax_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, WEIGHT_AMAX_COLUMNS), G)](
                 w, in_scale_GN, row_bits, col_bits, N, I, WEIGHT_AMAX_COLUMNS, IN_SCALED=in_scale_GN is not None,
                 BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
         row_scale, col_scale = _scale_from_bits(row_bits), _scale_from_bits(col_bits)
     if w.numel() == 0:
         return (q, row_scale), (qt, col_scale)
     block_n, block_i, warps = WEIGHT_TILE
-    launch(_weight_cast_kernel, (triton.cdiv(N, block_n), triton.cdiv(I, block_i), G),
+    _weight_cast_kernel[(triton.cdiv(N, block_n), triton.cdiv(I, block_i), G)](
         w, in_scale_GN, row_scale, col_scale, q, qt, N, I, IN_SCALED=in_scale_GN is not None, STORE_ROWS=store_rows,
         BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps)
     return (q, row_scale), (qt, col_scale)
