@@ -29,6 +29,7 @@ FP8 (the device_mxfp8 tier's fp8-hopper mode)
 
 NF4 (LoRA's 4-bit frozen base, `--lora.base nf4`)
 - nf4_accuracy.py    LoRA over an NF4 frozen base against a BF16 one, beside bitsandbytes' NF4
+- four_bit_formats.py  NF4 against INT4 and MXFP4: each format's round-trip error (CPU)
 - lora_base_compare.py  what the two accuracy scripts share: one LoRA step, errors between bases
 
 Whole steps

@@ -9,14 +9,17 @@ code values are QLoRA's (Dettmers et al., 2023; bitsandbytes' `get_4bit_type("nf
 quantiles of a normal distribution, with exact 0 and +-1. Dequantised, a value is
 CODE[index] * absmax, computed in float32 and then rounded to the GEMM's dtype.
 
-Why NF4 and not INT4 with a scale per group. Pretrained weights are close to normally
-distributed within a block, and NF4 places its 16 levels where such values fall (dense
-near 0), so its error is lower than uniform INT4's at the same 4.5 bits per value; QLoRA
-measured NF4 ahead of FP4 and INT4 for LoRA over the frozen base. It is also what people
-fine-tune Mixtral with today (bitsandbytes), so benchmarks/nf4_accuracy.py compares like
-with like. The one cost over INT4 is a table look-up in place of a subtraction when the
-kernel dequantises: 16 values, held in registers and picked by a tree of selects on the
-index bits, as bitsandbytes' kernels decode them.
+Why NF4 and not INT4 with a scale per group, or MXFP4. Pretrained weights are close to
+normally distributed within a block, and NF4 places its 16 levels where such values fall
+(dense near 0), so its error is lower than symmetric INT4's (absmax / 7) at the same 4.5 bits
+per value, and than MXFP4's (4.25 bits); an asymmetric INT4 (a minimum and a step per block,
+in float16) comes level on Gaussian blocks and falls behind on heavy-tailed ones
+(benchmarks/four_bit_formats.py measures the four). QLoRA measured NF4 ahead of FP4 and INT4
+for LoRA over the frozen base. It is also what people fine-tune Mixtral with today
+(bitsandbytes), so benchmarks/nf4_accuracy.py compares like with like. The one cost over
+INT4 is a table look-up in place of a subtraction when the kernel dequantises: 16 values,
+held in registers and picked by a tree of selects on the index bits, as bitsandbytes'
+kernels decode them.
 
 Two departures from bitsandbytes, both for filling a stack row block by row block as a
 checkpoint loads (frozen.py): blocks never cross rows (bitsandbytes blocks the flattened
