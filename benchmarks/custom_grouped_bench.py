@@ -39,6 +39,8 @@ from benchmarks.custom_grouped_ops import (
     candidates,
     fwd_bwd,
     make_inputs,
+    op_bytes,
+    op_flops,
     op_runner,
     precompile,
 )
@@ -48,7 +50,7 @@ from te_mixtral.experts.kernels import grouped_swiglu as gs
 # TE GroupedLinear fwd+bwd TFLOP/s on an H100, 8x7B shapes, 4 experts: the figures the kernel's
 # targets were set against, not measured by this script (docs/kernels.md, "Targets").
 TE_H100 = {64: 86, 256: 290, 1024: 500, 4096: 572, 8192: 578}
-SWEEP_ROWS = {8192: "large", 64: "small", 256: "medium", 1024: "large"}  # most uncertain first
+SWEEP_ROWS = {8192: "large", 64: "few rows, 64", 256: "medium", 1024: "large"}  # most uncertain first
 
 
 def log(out, line=""):
@@ -138,10 +140,8 @@ def table(shapes, best, L, peak, bw, out):
              f"{'TFLOP/s':>7s} {'x gmm':>5s} {'x TE*':>5s} {'%peak':>5s} {'floor':>7s} "
              f"{'GiB ours':>8s} {'GiB gmm':>7s} {'vs gmm':>8s}")
     for model, per_expert, D, F in shapes:
-        R = per_expert * L
-        flops = 18 * R * D * F
-        weight_bytes = 3 * L * F * D * 2  # read by forward, by the dgrads; grads written
-        floor_ms = max(flops / (peak * 1e9), 3 * weight_bytes / (bw * 1e6))
+        flops = op_flops([per_expert] * L, D, F)
+        floor_ms = max(flops / (peak * 1e9), op_bytes([per_expert] * L, D, F) / (bw * 1e6))
         configs = None
         if best:
             chosen = nearest(best, per_expert)
@@ -166,7 +166,7 @@ def table(shapes, best, L, peak, bw, out):
         torch.cuda.empty_cache()
     log(out, "x TE*: against the TE GroupedLinear TFLOP/s on an H100 that the targets were set "
              "against (docs/kernels.md), not measured in this run; "
-             "floor: max(FLOPs / matmul peak, 3 weight passes / copy bw); "
+             "floor: max(FLOPs / matmul peak, bytes moved (custom_grouped_ops.op_bytes) / copy bw); "
              "GiB: peak memory of one fwd+bwd above its inputs; vs gmm: largest relative "
              "difference of y and the three grads from grouped_mm's")
 

@@ -6,37 +6,70 @@ shapes. The peers: TE's grouped GEMM as the `grouped_linear` tier runs it
 (`te_grouped_swiglu`, skipped with a line saying why where TE cannot run) and
 `torch.nn.functional.grouped_mm` with plain autograd.
 
-Each time is GPU time per call with the host's launches queued ahead of the GPU
-(`custom_grouped_ops.gpu_ms`), so at few rows it compares kernels, not Python. TE gets
-its split sizes as a host list for free; the tier pays a device-to-host sync for them.
-A point's ratio is the best peer's time over ours: above 1 we are faster. Each point also
-prints how far any op's forward output lies from grouped_mm's (relative Frobenius), so a
-column that computed something else shows. `--tiles NAME` adds ours with one tile table at
-every point, to try a table against the one `regime` picks.
+Two times per op and point (custom_grouped_ops.py has both timers):
+- step: wall time a call of calls back to back, the host launching as fast as it can, as a
+  training step that runs the op sees it (host time included; `step_ms`). A point's ratio
+  is the best peer's step time over ours: above 1 we are faster.
+- GPU: time a call with the host's launches queued ahead (`gpu_ms`), the kernels alone.
+TE gets its split sizes as a host list for free; the tier pays a device-to-host sync for them.
+
+Each point also gets its floors, from the copy bandwidth and matmul rate measured at the
+start of the run (benchmarks/common.py): the bandwidth floor is the bytes one fwd+bwd moves
+(`custom_grouped_ops.op_bytes`: each weight read by the forward and by the data gradient,
+each weight gradient written, and the activations) over the copy bandwidth; the compute
+floor its FLOPs over the matmul rate. `x floor` is our step time over the bandwidth floor;
+past a few hundred rows per expert the compute floor is the higher, and `x roofline` is our
+step time over the higher of the two. Each point prints how far any op's output and three
+gradients lie from grouped_mm's (the largest relative Frobenius difference), so a column
+that computed something else shows, and an op that fails is named with its error while the
+rest run on.
+
+`--tiles NAME` adds ours with one tile table at every point (`previous`: the tables before
+the few-rows ones, chosen by size as then; shown only where they differ from today's),
+to try a table against the one `regime` picks. The kernels every point needs are compiled
+first, in parallel (`custom_grouped_ops.precompile`).
 
     python3 -m benchmarks.custom_grouped_grid --family 8x7b|8x22b [--experts 1,2,4,8]
         [--tokens 16,32,...] [--splits uniform,skewed,empty] [--tiles NAME ...] [--json FILE]
 """
 
 import argparse
+import json
 import sys
 
 import torch
 
 from benchmarks import common
 from benchmarks.common import FAMILIES, split_by_fractions
-from benchmarks.custom_grouped_ops import fwd_bwd, gpu_ms, make_inputs, with_table
+from benchmarks.custom_grouped_ops import (
+    OPS,
+    TABLE_NAMES,
+    fwd_bwd,
+    gpu_ms,
+    make_inputs,
+    op_bytes,
+    op_flops,
+    precompile,
+    step_ms,
+    table_at,
+    with_table,
+)
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.grouped_linear import GroupedLinearTier, te_grouped_swiglu
-from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
+from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu, regime, uses_descriptors
 
 TOKENS = "16,32,64,128,256,1024,4096,16384"
 SPLITS = ("uniform", "skewed", "empty")
 TARGET = 0.97  # "never behind": at least this fraction of the best peer's speed
+FLOOR_TARGET = 1.3  # at most this many times the bandwidth floor ...
+FLOOR_ROWS = 512  # ... up to this many rows per expert
 TIMED_GPU_S = 0.25  # GPU seconds per timed point, so large points take a few calls
 MAX_CALLS = 50
 SPIN_CYCLES = int(4e8)  # about 0.2 s: longer than the host needs to queue MAX_CALLS calls at few rows
+STEP_S = 0.1  # wall seconds of back-to-back calls per step time
+COPY_BYTES = 2**30
+MATMUL_N = 8192
 
 
 def split_sizes(kind: str, experts: int, per_expert: int) -> list[int] | None:
@@ -60,7 +93,8 @@ def te_peer():
     return te_grouped_swiglu, None
 
 
-def time_op(fn) -> float:
+def time_op(fn) -> tuple[float, float]:
+    """(step ms, GPU ms) a call of `fn`."""
     for _ in range(3):  # compile, warm up
         fn()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,25 +102,54 @@ def time_op(fn) -> float:
     fn()
     end.record()
     torch.cuda.synchronize()
-    calls = max(3, min(MAX_CALLS, int(1e3 * TIMED_GPU_S / begin.elapsed_time(end))))
-    return gpu_ms(fn, calls, SPIN_CYCLES)
+    once_ms = begin.elapsed_time(end)
+    gpu = gpu_ms(fn, max(3, min(MAX_CALLS, int(1e3 * TIMED_GPU_S / once_ms))), SPIN_CYCLES)
+    return step_ms(fn, max(5, min(200, int(1e3 * STEP_S / max(gpu, 0.05))))), gpu
 
 
-def point(ops: dict, te, tokens: int, sizes: list[int], dims) -> dict:
-    """GPU ms of each op at one point, and the largest relative difference of an op's
-    forward output from grouped_mm's (a check that every op computed the same thing)."""
-    x, counts, w1, w2, dy = make_inputs(tokens, len(sizes), *dims, requires_grad=True, sizes=sizes)
-    ops = dict(ops)
+def point_ops(ops: dict, tiles: list[str], sizes: list[int]) -> dict:
+    """The ops timed at a point: ours, the peers, and ours with each `--tiles` table, where
+    that is not the table ours runs there anyway."""
+    rows, experts = sum(sizes), len(sizes)
+    ours = CONFIGS[regime(rows, experts)]
+    return {**ops, **{f"ours, {name}": with_table(name) for name in tiles
+                      if table_at(name, rows, experts) != ours}}
+
+
+def point(ops: dict, te, sizes: list[int], dims) -> dict:
+    """Step and GPU ms of each op at one point, and each op's largest relative difference
+    from grouped_mm's in y and the three gradients (a check that every op computed the same
+    thing; grouped_mm runs first)."""
+    x, counts, w1, w2, dy = make_inputs(None, len(sizes), *dims, requires_grad=True, sizes=sizes)
+    ops = {"grouped_mm": ops["grouped_mm"], **ops}
     if te is not None:
         ops["TE"] = lambda x, counts, w1, w2: te(x, sizes, w1, w2)
-    times, outputs = {}, {}
+    step, gpu, diffs, errors, reference = {}, {}, {}, {}, None
     for name, op in ops.items():
-        with torch.no_grad():
-            outputs[name] = op(x, counts, w1, w2).float()
-        times[name] = time_op(fwd_bwd(op, x, counts, w1, w2, dy))
-    reference = outputs["grouped_mm"]
-    error = max(float((out - reference).norm() / reference.norm()) for out in outputs.values())
-    return {"ms": times, "forward_rel_diff": error}
+        try:
+            y = op(x, counts, w1, w2)
+            got = (y.detach(), *torch.autograd.grad(y, (x, w1, w2), dy))
+            reference = reference or got
+            diffs[name] = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, reference))
+            del y, got
+            step[name], gpu[name] = time_op(fwd_bwd(op, x, counts, w1, w2, dy))
+        except Exception as error:  # one op that cannot run here must not cost the others
+            errors[name] = common.first_line(error)
+    return {"ms": step, "gpu_ms": gpu, "rel_diff": diffs, "errors": errors}
+
+
+def kernel_jobs(tiles: list[str], points: list[list[int]]) -> list[tuple]:
+    """(GEMM, config, rows per expert, experts) for `precompile`: one for each kernel that ours
+    and the `--tiles` tables run at `points`, a kernel being a GEMM's config compiled for an
+    expert count (BLOCK_L, and L == 1 alone) and a load path (TMA or pointers)."""
+    jobs = {}
+    for sizes in points:
+        rows, experts = sum(sizes), len(sizes)
+        for table in (CONFIGS[regime(rows, experts)], *(table_at(name, rows, experts) for name in tiles)):
+            for op in OPS:
+                kernel = json.dumps((op, table[op], experts, uses_descriptors(rows, experts)), sort_keys=True)
+                jobs.setdefault(kernel, (op, table[op], max(1, rows // experts), experts))
+    return list(jobs.values())
 
 
 def main(argv=None) -> int:
@@ -101,14 +164,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     kinds = args.splits.split(",")
     counts = {flag: value.split(",") for flag, value in (("--experts", args.experts), ("--tokens", args.tokens))}
-    unknown = [name for name in args.tiles if name not in CONFIGS]
+    unknown = [name for name in args.tiles if name not in TABLE_NAMES]
     error = None
     if any(kind not in SPLITS for kind in kinds):
         error = f"--splits takes {', '.join(SPLITS)}; got {args.splits}"
     elif any(not n.isdigit() or int(n) < 1 for values in counts.values() for n in values):
         error = f"--experts and --tokens take positive integers joined by commas; got {args.experts} and {args.tokens}"
     elif unknown:
-        error = f"no tile table {unknown[0]!r}; the tables are {', '.join(CONFIGS)}"
+        error = f"no tile table {unknown[0]!r}; the tables are {', '.join(TABLE_NAMES)}"
     if error:
         print(f"custom_grouped_grid: error: {error}", file=sys.stderr)
         return 2
@@ -116,49 +179,89 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     expert_counts, token_counts = ([int(n) for n in values] for values in counts.values())
-    dims = FAMILIES[args.family].hidden, FAMILIES[args.family].ffn
-    ops = {"ours": grouped_swiglu, "grouped_mm": grouped_mm_swiglu}
-    for name in args.tiles:
-        ops[f"ours, {name}"] = with_table(name)
+    D, F = FAMILIES[args.family].hidden, FAMILIES[args.family].ffn
+    points = [(kind, tokens, sizes) for kind in kinds for tokens in token_counts for experts in expert_counts
+              if (sizes := split_sizes(kind, experts, tokens)) is not None]
     te, why_not = te_peer()
     if te is None:
         print(f"TE skipped: {why_not}")
     header = common.run_header(device)
     print(common.header_line(header))
+    precompile(kernel_jobs(args.tiles, [sizes for _, _, sizes in points]))
+    bandwidth = common.copy_bandwidth_gbs(COPY_BYTES, device)
+    peak = common.matmul_peak_tflops(MATMUL_N, device)
+    header |= {"copy_bandwidth_gbs": bandwidth, "matmul_tflops": peak}
+    print(f"measured: device copy {bandwidth:.0f} GB/s (read + write, {COPY_BYTES >> 20} MiB), "
+          f"bf16 matmul {MATMUL_N}^3 {peak:.0f} TFLOP/s")
     print(f"custom_grouped against the best of {'grouped_mm' if te is None else 'TE and grouped_mm'}, fwd+bwd, "
-          f"Mixtral-{args.family} (D {dims[0]}, F {dims[1]}), GPU ms a call with the host queued ahead")
+          f"Mixtral-{args.family} (D {D}, F {F}), ms a call: step (host included) / GPU (host queued ahead)")
+    ops = {"ours": grouped_swiglu, "grouped_mm": grouped_mm_swiglu}
     results = []
-    for kind in kinds:
-        for tokens in token_counts:
-            for experts in expert_counts:
-                sizes = split_sizes(kind, experts, tokens)
-                if sizes is None:
-                    continue
-                found = point(ops, te, tokens, sizes, dims)
-                peers = {k: v for k, v in found["ms"].items() if not k.startswith("ours")}
-                best = min(peers, key=peers.get)
-                ratio = peers[best] / found["ms"]["ours"]
-                results.append({"split": kind, "tokens": tokens, "experts": experts, "sizes": sizes,
-                                "best_peer": best, "ratio": ratio, **found})
-                times = "  ".join(f"{k} {v:.3f}" for k, v in found["ms"].items())
-                print(f"  {kind:>7} {tokens:>5} x {experts}  {times}  ratio {ratio:.2f} ({best})"
-                      f"{'  BEHIND' if ratio < TARGET else ''}  fwd diff {found['forward_rel_diff']:.1e}",
-                      flush=True)
+    for kind, tokens, sizes in points:
+        found = point(point_ops(ops, args.tiles, sizes), te, sizes, (D, F))
+        floor_ms = op_bytes(sizes, D, F) / (bandwidth * 1e6)
+        compute_ms = op_flops(sizes, D, F) / (peak * 1e9)
+        entry = {"split": kind, "tokens": tokens, "experts": len(sizes), "sizes": sizes,
+                 "bytes": op_bytes(sizes, D, F), "flops": op_flops(sizes, D, F),
+                 "floor_ms": floor_ms, "compute_floor_ms": compute_ms, **found}
+        peers = {k: v for k, v in found["ms"].items() if not k.startswith("ours")}
+        ours, ours_gpu = found["ms"].get("ours"), found["gpu_ms"].get("ours")
+        if peers and ours:
+            best = min(peers, key=peers.get)
+            entry |= {"best_peer": best, "ratio": peers[best] / ours,
+                      "gpu_ratio": found["gpu_ms"][best] / ours_gpu,
+                      "floor_ratio": ours / floor_ms, "roofline_ratio": ours / max(floor_ms, compute_ms)}
+        results.append(entry)
+        print("  " + point_line(entry), flush=True)
         torch.cuda.empty_cache()
-    print(f"\nratio (best peer's time / ours), Mixtral-{args.family}; columns: local experts")
-    print(f"| split | tokens/expert | {' | '.join(map(str, expert_counts))} |")
-    print(f"| --- | ---: |{' ---: |' * len(expert_counts)}")
-    for kind in kinds:
-        for tokens in token_counts:
-            cells = {r["experts"]: f"{r['ratio']:.2f}" for r in results if (r["split"], r["tokens"]) == (kind, tokens)}
-            if cells:
-                print(f"| {kind} | {tokens} | {' | '.join(cells.get(n, '—') for n in expert_counts)} |")
-    behind = [r for r in results if r["ratio"] < TARGET]
-    worst = min(results, key=lambda r: r["ratio"])
-    print(f"\n{len(behind)} of {len(results)} points below {TARGET}; the lowest {worst['ratio']:.2f} at "
-          f"{worst['split']} {worst['tokens']} x {worst['experts']} (against {worst['best_peer']})")
+    print_summary(results, args.family, expert_counts, kinds, token_counts)
     common.write_json(args.json, {"header": header, "family": args.family, "points": results})
     return 0
+
+
+def point_line(r: dict) -> str:
+    times = "  ".join(f"{k} {v:.3f}/{r['gpu_ms'][k]:.3f}" for k, v in r["ms"].items())
+    failed = "".join(f"  {k} FAILED: {why}" for k, why in r["errors"].items())
+    head = f"{r['split']:>7} {r['tokens']:>5} x {r['experts']}  {times}"
+    if "ratio" not in r:
+        return head + failed
+    behind = "  BEHIND" if r["ratio"] < TARGET else ""
+    diff = f"  diff {max(r['rel_diff'].values()):.1e}" if r["rel_diff"] else ""
+    return (f"{head}  ratio {r['ratio']:.2f} ({r['best_peer']}){behind}  GPU ratio {r['gpu_ratio']:.2f}  "
+            f"floor {r['floor_ms']:.3f} x{r['floor_ratio']:.2f}  compute {r['compute_floor_ms']:.3f} "
+            f"x{r['roofline_ratio']:.2f}{diff}{failed}")
+
+
+def print_summary(results: list[dict], family: str, expert_counts: list[int], kinds: list[str],
+                  token_counts: list[int]) -> None:
+    timed = [r for r in results if "ratio" in r]
+    for key, what in (("ratio", "best peer's step time / ours"), ("floor_ratio", "our step time / bandwidth floor")):
+        print(f"\n{key} ({what}), Mixtral-{family}; columns: local experts")
+        print(f"| split | tokens/expert | {' | '.join(map(str, expert_counts))} |")
+        print(f"| --- | ---: |{' ---: |' * len(expert_counts)}")
+        for kind in kinds:
+            for tokens in token_counts:
+                cells = {r["experts"]: f"{r[key]:.2f}" for r in timed if (r["split"], r["tokens"]) == (kind, tokens)}
+                if cells:
+                    print(f"| {kind} | {tokens} | {' | '.join(cells.get(n, '—') for n in expert_counts)} |")
+    failed = [r for r in results if r["errors"]]
+    if failed:
+        print(f"\n{len(failed)} points with an op that failed: "
+              + "; ".join(f"{r['split']} {r['tokens']} x {r['experts']}: {', '.join(r['errors'])}" for r in failed))
+    if not timed:
+        return
+    behind = [r for r in timed if r["ratio"] < TARGET]
+    worst = min(timed, key=lambda r: r["ratio"])
+    print(f"\n{len(behind)} of {len(timed)} points below {TARGET} of the best peer, host time included; the "
+          f"lowest {worst['ratio']:.2f} at {worst['split']} {worst['tokens']} x {worst['experts']} "
+          f"(against {worst['best_peer']})")
+    few = [r for r in timed if r["tokens"] <= FLOOR_ROWS]
+    over = [r for r in few if r["floor_ratio"] > FLOOR_TARGET]
+    if few:
+        print(f"{len(over)} of {len(few)} points of at most {FLOOR_ROWS} rows per expert above {FLOOR_TARGET}x "
+              f"the bandwidth floor" + (": " + ", ".join(
+                  f"{r['split']} {r['tokens']} x {r['experts']} x{r['floor_ratio']:.2f} (roofline "
+                  f"x{r['roofline_ratio']:.2f})" for r in over) if over else ""))
 
 
 if __name__ == "__main__":

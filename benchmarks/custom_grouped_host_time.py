@@ -11,11 +11,11 @@ measures the host. This script tells the two apart at Mixtral-8x7B shapes:
 
 `--loads` adds ours with TMA descriptors forced on and off; `--tiles medium` adds ours with
 that regime's tile table at every case (the default picks one by rows per expert; repeat
-it for more tables);
+it for more tables; `previous` is the tables before the few-rows ones, chosen as then);
 `--cprofile` adds a cProfile of 100 calls of ours at the first case: where the host time goes.
 
     python3 -m benchmarks.custom_grouped_host_time [--cases 1x64,2x16,4x64,179+77] [--loads]
-        [--tiles small --tiles medium ...] [--cprofile]
+        [--tiles previous --tiles medium ...] [--cprofile]
 """
 
 import argparse
@@ -31,6 +31,7 @@ import torch
 from benchmarks import common
 from benchmarks.common import FAMILIES
 from benchmarks.custom_grouped_ops import (
+    TABLE_NAMES,
     bench,
     fwd_bwd,
     gpu_ms,
@@ -66,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", action="append", default=[],
                         help="also ours with this regime's tile table at every case (repeatable)")
     args = parser.parse_args(argv)
-    unknown = [name for name in args.tiles if name not in gs.CONFIGS]
+    unknown = [name for name in args.tiles if name not in TABLE_NAMES]
     if unknown:
         print(f"custom_grouped_host_time: error: no tile table {unknown[0]!r}; the tables are "
-              f"{', '.join(gs.CONFIGS)}", file=sys.stderr)
+              f"{', '.join(TABLE_NAMES)}", file=sys.stderr)
         return 2
     device = common.cuda_or_refuse("custom_grouped_host_time")
     if device is None:

@@ -4,15 +4,17 @@ Shape letters as in te_mixtral/__init__.py (L local experts, R rows, D model dim
 expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_expert * L.
 
 - `make_inputs`, `parse_case`, `fwd_bwd`, `with_table`: the op's inputs for a case (`LxR`
-  or `R0+R1+...`), one forward + backward of it, the op with one tile table everywhere;
+  or `R0+R1+...`), one forward + backward of it, the op with one tile table everywhere (or
+  "previous": the tables as they were before the few-rows ones, chosen as they were);
+- `op_bytes`, `op_flops`: what one forward + backward moves and computes, the numerators
+  of its two floors (docs/kernels.md, "The two numbers");
 - `OPS`, `FLOP_UNITS`, `op_runner`: each of its six GEMMs alone; `CANDIDATES`,
   `candidates`, `precompile`: the tile configs a sweep tries per regime, compiled in a pool;
-- `bench` (Triton's `do_bench`, L2 flushed) and `gpu_ms` (GPU time with the host queued
-  ahead): the two ways these benchmarks time one op, each saying why it is not
-  benchmarks/common.py's timer.
+- `bench` (Triton's `do_bench`, L2 flushed), `gpu_ms` (GPU time with the host queued
+  ahead) and `step_ms` (calls back to back, host time included): the ways these benchmarks
+  time one op, each saying why it is not benchmarks/common.py's timer.
 """
 
-import functools
 import json
 import multiprocessing
 import os
@@ -46,21 +48,24 @@ PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
 # A weight gradient's EPI_PARTS is how many column blocks its store walks.
 WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
                   cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
-# The plain GEMMs may split their last round of tiles in up to TAIL_SPLIT shares (`_tail_split`).
-SPLIT_K_FEW_ROWS = [cfg(64, 64, 128, 4, 4), cfg(64, 32, 256, 4, 4)] + [
-    cfg(*tile, tail_split=k) for tile in ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4, 2))
-    for k in (2, 4, 8)]
+
+
+def few_rows_candidates(bm):
+    """Row-GEMM tiles for at most `bm` rows per expert, each streaming its last round of
+    tiles (TAIL_SPLIT: te_mixtral/experts/kernels/stream_k.py), at most 4 or 8 programs a tile."""
+    return [cfg(bm, 128, 64, 4, 4, progs=2, tail_split=4), cfg(bm, 64, 128, 4, 4, tail_split=4),
+            cfg(bm, 128, 128, 4, 3, tail_split=8), cfg(bm, 256, 64, 4, 3, tail_split=4),
+            cfg(bm, 64, 64, 4, 6, progs=2, tail_split=8)]
+
+
 CANDIDATES = {
-    "small": {
-        "rows": [cfg(64, 64, 128, 4, 4), cfg(64, 128, 64, 4, 4), cfg(64, 64, 64, 4, 4, progs=2),
-                 # narrow tiles: with one local expert and an N of D, 64-wide tiles leave SMs idle
-                 cfg(64, 32, 128, 4, 6), cfg(64, 32, 256, 4, 4), cfg(64, 32, 128, 4, 4, progs=2)],
-        "gate_up": [cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 4, progs=2)],
-        "wgrad": WGRAD_FEW_ROWS,
-        # N = D gives 64 tiles of 64 columns per expert: split the long reduction instead
-        "down": SPLIT_K_FEW_ROWS,
-        "gate_up_dgrad": SPLIT_K_FEW_ROWS,
-    },
+    **{f"few rows, {bm}": {
+        "rows": few_rows_candidates(bm),
+        "gate_up": [cfg(bm, 64, 128, 4, 4, parts=2, tail_split=4), cfg(bm, 64, 128, 8, 4, parts=2, tail_split=4),
+                    cfg(bm, 64, 64, 4, 6, parts=2, tail_split=4), cfg(bm, 128, 64, 4, 4, parts=2, tail_split=4),
+                    cfg(bm, 64, 128, 4, 4, parts=2)],
+        "wgrad": [dict(c, BLOCK_I=bm) for c in WGRAD_FEW_ROWS],
+    } for bm in gs.FEW_ROWS_BLOCKS},
     "medium": {
         "rows": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
                  cfg(128, 128, 64, 8, 3, progs=2)],
@@ -81,8 +86,45 @@ CANDIDATES = {
                   cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2)],
     },
 }
-CANDIDATES["small, 1 expert"] = CANDIDATES["split-K"] = CANDIDATES["small"]
 CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
+
+
+# The tables that the few-rows ones replaced, and their choice by size, kept to time the op
+# before and after in one run (`with_table("previous")`). Their TAIL_SPLIT ran the last
+# round's tiles in equal shares then, and streams them now (stream_k.py); otherwise the same
+# kernels. Delete once the few-rows tables' results page stands.
+_PREVIOUS_ROWS_N_IS_D = cfg(64, 128, 64, 4, 4, progs=2)
+_PREVIOUS_SMALL = {"gate_up": cfg(64, 64, 128, 4, 4, parts=2), "down": _PREVIOUS_ROWS_N_IS_D,
+                   "down_dgrad": cfg(64, 64, 64, 4, 4, progs=2, parts=2), "down_wgrad": gs.CONFIGS["medium"]["down_wgrad"],
+                   "gate_up_dgrad": _PREVIOUS_ROWS_N_IS_D, "gate_up_wgrad": gs.CONFIGS["medium"]["gate_up_wgrad"]}
+_PREVIOUS_SPLIT = cfg(64, 128, 64, 4, 4, tail_split=4)
+PREVIOUS = {
+    "small": _PREVIOUS_SMALL,
+    "small, 1 expert": {**_PREVIOUS_SMALL, "down": cfg(64, 32, 256, 4, 4), "gate_up_dgrad": cfg(64, 32, 256, 4, 4)},
+    "split-K": {**_PREVIOUS_SMALL, "down": _PREVIOUS_SPLIT, "gate_up_dgrad": _PREVIOUS_SPLIT,
+                "down_dgrad": cfg(64, 128, 64, 4, 4)},
+    **{name: gs.CONFIGS[name] for name in ("medium, few rows", "medium", "large")},
+}
+
+
+def previous_regime(rows: int, experts: int) -> str:
+    """The table of PREVIOUS that the op chose for `rows` over `experts` local experts."""
+    per_expert = rows / max(experts, 1)
+    if per_expert <= 32 and experts <= 2:
+        return "split-K"
+    if per_expert <= 64 or (per_expert <= 128 and experts < 4):
+        return "small, 1 expert" if experts == 1 else "small"
+    if per_expert <= 512:
+        return "medium, few rows" if rows <= 512 else "medium"
+    return "large"
+
+
+TABLE_NAMES = (*gs.CONFIGS, "previous")  # what `with_table` takes
+
+
+def table_at(name: str, rows: int, experts: int) -> dict:
+    """Tile table `name` (one of grouped_swiglu.CONFIGS, or "previous") for a call's size."""
+    return PREVIOUS[previous_regime(rows, experts)] if name == "previous" else gs.CONFIGS[name]
 
 
 def candidates(regime, op):
@@ -122,8 +164,27 @@ def parse_case(case: str) -> list[int]:
 
 
 def with_table(name: str):
-    """The op with tile table `name` at every size, instead of the one `regime` picks."""
-    return functools.partial(gs.grouped_swiglu, configs=dict.fromkeys(gs.CONFIGS, gs.CONFIGS[name]))
+    """The op with tile table `name` (see `table_at`) at every size, instead of the one
+    `regime` picks."""
+    def op(x_RD, counts_L, w1, w2):
+        table = table_at(name, x_RD.shape[0], counts_L.shape[0])
+        return gs.grouped_swiglu(x_RD, counts_L, w1, w2, configs=dict.fromkeys(gs.CONFIGS, table))
+    return op
+
+
+def op_bytes(sizes: list[int], D: int, F: int, element: int = 2) -> int:
+    """Bytes one forward + backward moves, each of its six GEMMs reading its operands once
+    and writing its result once (docs/kernels.md's table): the weights, 3·F·D elements an
+    expert, read by the forward and again by the two dgrads and written once as gradients;
+    the rows' activations 6·R·D + 14·R·F (x, y, dy, dx and h, act, dh as the GEMMs pass them
+    on). `element` bytes each (bf16: 2)."""
+    R, L = sum(sizes), len(sizes)
+    return element * (3 * L * 3 * F * D + 6 * R * D + 14 * R * F)
+
+
+def op_flops(sizes: list[int], D: int, F: int) -> int:
+    """FLOPs of one forward + backward: 18·R·D·F (docs/kernels.md)."""
+    return 18 * sum(sizes) * D * F
 
 
 def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):
@@ -151,12 +212,14 @@ def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):
 
 
 def _compile(job):
-    """In a worker process: compile one (GEMM, config) by running it on tiny inputs whose
-    integer arguments specialise exactly like the real shapes' (multiples of 16 and 64),
-    so the real run finds the kernel in Triton's on-disk cache."""
-    op, c = job
+    """In a worker process: compile one GEMM with one config by running it on small inputs
+    whose integer arguments specialise exactly like the real shapes' (multiples of 16 and
+    64; the real call's expert count and rows, which decide BLOCK_L and TMA loads), so the
+    real run finds the kernel in Triton's on-disk cache. A job is (op, config) or (op,
+    config, rows per expert, experts)."""
+    op, c, per_expert, L = (*job, 64, 4)[:4]
     try:
-        op_runner(op, 64, 4, 256, 512, c)()
+        op_runner(op, per_expert, L, 256, 512, c)()
         torch.cuda.synchronize()
         return None
     except Exception as e:
@@ -177,6 +240,21 @@ def precompile(jobs, say=lambda line: print(line, flush=True)):
 
 def fwd_bwd(fn, x, counts, w1, w2, dy):
     return lambda: torch.autograd.grad(fn(x, counts, w1, w2), (x, w1, w2), dy)
+
+
+def step_ms(fn, calls: int) -> float:
+    """Wall ms a call of `calls` calls back to back, synchronised before the first and after
+    the last: what a training step that runs this op sees, the host's launching and the
+    GPU's work overlapping as they can (the larger of the two, where the host's queue never
+    fills). Not benchmarks/common.py's timer, whose CUDA events time the GPU alone, nor
+    `gpu_ms`, which keeps the host out of it: at few rows per expert the host's work of
+    launching the op can take longer than the GPU's of running it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / calls
 
 
 def gpu_ms(fn, calls: int = GPU_CALLS, spin_cycles: int = SPIN_CYCLES) -> float:

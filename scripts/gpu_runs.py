@@ -7,7 +7,7 @@ launches), and one launcher runs any of them the same way.
     python3 scripts/gpu_runs.py multi OUT_DIR NGPU [TIER ...]     the NCCL tests, every EP layout that fits
     python3 scripts/gpu_runs.py depth OUT_DIR RUN [RUN ...]       docs/depth.md's runs
     python3 scripts/gpu_runs.py lora OUT_DIR RUN [RUN ...]        docs/lora.md's runs
-    python3 scripts/gpu_runs.py rows OUT_DIR RUN [RUN ...]        few rows per expert: FP8's break-even, decoding
+    python3 scripts/gpu_runs.py rows OUT_DIR RUN [RUN ...]        few rows per expert: our kernels, FP8's break-even, decoding
     python3 scripts/gpu_runs.py list [depth|lora]                the named runs, and the commands they launch
     python3 scripts/gpu_runs.py lanes OUT_DIR "GPUS CATALOG RUN ..." ...   several of the above at once
 
@@ -28,20 +28,22 @@ call these with the same arguments: dated results pages name those command lines
   EP=1 x DP=2 on two GPUs, EP=2 x DP=2 on four. Default tiers: grouped_linear custom_grouped.
 - depth: what stands between a rank's share of the full Mixtral-8x7B and its targets: 16
   layers at EP=2 on two GPUs with each recompute setting and tier, each with its phase
-  profile, a kernel profile, the 2-layer one-GPU step, the two peers, and the full model at
-  EP=4 (docs/depth.md says why each). Every training run: full fine-tuning, bf16 parameters
+  profile, a kernel profile, the 2-layer one-GPU step, the two peers, the 8-layer kernel
+  profiles beside TE's example and the TE backend's fusions with and without, and the full
+  model at EP=4 (docs/full-model.md says why each). Every training run: full fine-tuning, bf16 parameters
   with master_adamw, the config's lr 2e-5, one packed 8192-token sequence per GPU per step,
   15 steps of which the first 5 are left out of the timing, the same seed.
 - lanes: each quoted lane is one of the command lines above without OUT_DIR ("0,1 depth
-  ep2-cap0" runs `depth OUT_DIR/lane1 ep2-cap0` on GPUs 0 and 1), all lanes at once on their
-  own GPUs, so that one call of a machine with several GPUs runs several one-GPU jobs side by
+  ep2-cap0" runs `depth OUT_DIR/lane1-depth ep2-cap0` on GPUs 0 and 1), or several joined by
+  " + " (run one after the other), all lanes at once on their own GPUs, so that one call of a machine with several GPUs runs several one-GPU jobs side by
   side. Each lane's output goes to OUT_DIR/laneK.log and its last lines to the screen once all
   have ended. KILL_AFTER_S=N in the environment: stop every lane still running after N seconds.
 - lora: the adapter tests, then Mixtral-8x7B LoRA runs beside full fine-tuning, the FP8 and
   NF4 bases, transformers + PEFT and axolotl's ScatterMoE-LoRA (and Mixtral-8x22B over the
-  NF4 base). Every run: custom_grouped (BF16 base) unless named, one packed
-  8192-token sequence per GPU per step, 30 steps, the same seed, so that the runs' losses
-  compare the bases step by step.
+  NF4 base). Every run: custom_grouped (BF16 base) unless named, one packed 8192-token
+  sequence per GPU per step, 30 steps, the same seed, so that the runs' losses compare the
+  bases step by step (nf4-smoke's short run aside: 2 layers, 8 steps, each of its runs under
+  a time limit).
 
 Each process's whole output goes to OUT_DIR/NAME.log; the screen gets its last lines (but the
 per-step ones), or all of it for the tier runs and the test suites. Every run is attempted
@@ -62,7 +64,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,11 +82,14 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # added to the environment
     tail: int | None = 18  # lines shown at the end (per-step lines left out); None: all of it as it comes
     show: int = 0  # also show each "=== " heading of the log with this many lines after it (a table)
+    timeout_s: int | None = None  # stopped past this many seconds (coreutils' timeout), a failure
 
     def command(self, out: Path) -> list[str]:
         program = list(self.program)
         if self.nproc > 1:
             program = ["torchrun", "--standalone", f"--nproc_per_node={self.nproc}"]
+        if self.timeout_s:
+            program = ["timeout", "--kill-after=10", str(self.timeout_s), *program]
         return program + [arg.replace("{out}", str(out)) for arg in self.args]
 
 
@@ -210,6 +215,10 @@ def depth_train(name: str, nproc: int, config: str, *extra: str) -> list[Launch]
                                  "5", "--plots", "false", *extra, "--output-dir", f"{{out}}/{name}"))]
 
 
+def pytest_gpu(name: str, *tests: str) -> list[Launch]:
+    return [Launch(name, 1, ("-m", "pytest", "-q", *tests))]
+
+
 # megatron-core 0.19.2 from the wheel carried in .whl/ where it does not import (its only
 # dependencies, torch, numpy and packaging, are on the GPU image).
 MEGATRON_INSTALL = Launch("megatron-core", 1, ("-c", "python3 -c 'import megatron.core' 2>/dev/null || python3 -m pip "
@@ -224,6 +233,29 @@ def beside_megatron(name: str, nproc: int, peer: tuple[str, ...], config: str, *
             Launch(f"{name}-megatron", nproc, ("-m", "benchmarks.megatron_peer", *peer, *PEER_STEPS, "--json",
                                                f"{{out}}/{name}-megatron.json")),
             *depth_train(f"{name}-ours", nproc, config, *ours, "--model.router_aux_loss_coef", "0.02")]
+
+
+EIGHT = "configs/mixtral-8x7b-8layer.yaml"
+
+
+def kernel_profile(name: str, which: str, *flags: str) -> Launch:
+    """benchmarks/kernel_profile.py at 8 layers on one GPU (ours: custom_grouped), its table
+    shown, its --json at OUT_DIR/NAME.json."""
+    ours = ("--tier", "custom_grouped", "--output-dir", f"{{out}}/{name}") if which == "ours" else ()
+    return Launch(name, 1, ("-m", "benchmarks.kernel_profile", which, "--config", EIGHT, *ours, *flags, "--json",
+                            f"{{out}}/{name}.json"), tail=0, show=18)
+
+
+# TE's te_mixtral example on one GPU at 8 layers (benchmarks/te_example.py; needs .peers/te_mixtral_example)
+TE_8LAYER = Launch("te-8layer", 1, ("-m", "benchmarks.te_example", "--example-dir", ".peers/te_mixtral_example",
+                                    "--config", EIGHT, *PEER_STEPS, "--json", "{out}/te-8layer.json"))
+
+
+def kernel_compare(first: str, second: str, *names: str) -> Launch:
+    """benchmarks/kernel_compare.py over two kernel_profile runs of the same call."""
+    return Launch(f"compare-{first}-{second}", 1, ("-m", "benchmarks.kernel_compare", f"{{out}}/{first}.json",
+                                                   f"{{out}}/{second}.json", *(("--names", *names) if names else ())),
+                  tail=None)
 
 
 def depth_16(name: str, tier: str, recompute: str, *extra: str) -> list[Launch]:
@@ -258,11 +290,27 @@ DEPTH_RUNS = {
                                   "varlen", "--dtype", "bfloat16", *PEER_STEPS, "--json", "{out}/titan.json"))],
     # TE's te_mixtral example on one GPU at 8 layers (16 do not fit one GPU)
     # (benchmarks/te_example.py; needs .peers/te_mixtral_example)
-    "te-8layer": [Launch("te-8layer", 1, ("-m", "benchmarks.te_example", "--example-dir", ".peers/te_mixtral_example",
-                                          "--config", "configs/mixtral-8x7b-8layer.yaml", *PEER_STEPS, "--json",
-                                          "{out}/te-8layer.json"))],
+    "te-8layer": [TE_8LAYER],
     # ours beside it: custom_grouped, 8 layers, one GPU
-    "ours-8layer": depth_train("ours-8layer", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped"),
+    "ours-8layer": depth_train("ours-8layer", 1, EIGHT, "--tier", "custom_grouped"),
+    # the kernel profiles of both at 8 layers on one GPU (benchmarks/kernel_profile.py) and their
+    # table side by side (benchmarks/kernel_compare.py)
+    "kernels-vs-te": [kernel_profile("kernels-ours", "ours"), kernel_profile("kernels-te", "te"),
+                      kernel_compare("kernels-ours", "kernels-te")],
+    # the TE backend's fusions (--te_fusions) at 8 layers on one GPU: ours with them, TE's example,
+    # ours without them (step times); then the three kernel profiles, ours against TE's and ours
+    # with against without
+    "fusions-8layer": [*depth_train("ours-8layer", 1, EIGHT, "--tier", "custom_grouped"),
+                       TE_8LAYER,
+                       *depth_train("ours-8layer-unfused", 1, EIGHT, "--tier", "custom_grouped", "--te_fusions",
+                                    "false"),
+                       kernel_profile("kernels-ours", "ours"), kernel_profile("kernels-te", "te"),
+                       kernel_profile("kernels-ours-unfused", "ours", "--te_fusions", "false"),
+                       kernel_compare("kernels-ours", "kernels-te"),
+                       kernel_compare("kernels-ours", "kernels-ours-unfused", "fused", "unfused")],
+    # the fusions' GPU tests (tests/gpu/test_fusions_gpu.py)
+    "fusion-tests": [Launch("fusion-tests", 1, ("-m", "pytest", "-q", "-rfEs", "tests/gpu/test_fusions_gpu.py"),
+                            tail=None)],
     # the full model itself: all 32 layers, EP=4 on four GPUs, custom_grouped, selective recompute
     # (the estimate's choice), phase profile (four H200s)
     "full-ep4": depth_train("full-ep4", 4, *FULL, "--tier", "custom_grouped"),
@@ -297,6 +345,12 @@ DEPTH_RUNS = {
     # whether an all-to-all runs under the expert GEMMs at all, four GPUs (benchmarks/overlap_probe.py)
     "overlap-probe": [Launch("overlap-probe", 4, ("-m", "benchmarks.overlap_probe", "--json",
                                                   "{out}/overlap-probe.json"), tail=None)],
+    # the AdamW kernels on CUDA, bit for bit against the torch path on the CPU (compiled without
+    # fused multiply-adds), then the optimizer step's time against its bandwidth floor
+    "moments8-tests": [*pytest_gpu("adamw-kernel-tests", "-rs", "tests/optim/test_adamw_kernel.py", "-k",
+                                   "cuda or compiled"),
+                       Launch("optimizer-step", 1, ("-m", "benchmarks.optimizer_step", "--json",
+                                                    "{out}/optimizer_step.json"), tail=30)],
     # the loss reference for 8-bit moments: 8 layers on one GPU, custom_grouped, master_adamw as
     # the config has it (bf16 moments), 200 steps on the embedded text
     "8layer-master": depth_train("8layer-master", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped",
@@ -356,10 +410,6 @@ def axolotl_peer(name: str, *extra: str) -> Launch:
 def lora_train(name: str, nproc: int, *extra: str) -> list[Launch]:
     return [Launch(name, nproc, ("run_finetune_ep.py", *LORA_COMMON, "--batch_size", str(nproc), *extra,
                                  "--output-dir", f"{{out}}/{name}"))]
-
-
-def pytest_gpu(name: str, *tests: str) -> list[Launch]:
-    return [Launch(name, 1, ("-m", "pytest", "-q", *tests))]
 
 
 LORA_RUNS = {
@@ -446,9 +496,27 @@ LORA_RUNS = {
 
 # nf4-tests, nf4-accuracy and lora-nf4-32layer in one go
 LORA_RUNS["nf4"] = [*LORA_RUNS["nf4-tests"], *LORA_RUNS["nf4-accuracy"], *LORA_RUNS["lora-nf4-32layer"]]
+# the NF4 base's kernels on a GPU in four minutes: its GPU tests, its accuracy, and 8 steps of
+# 2 layers, LoRA r=16 over it, each stopped if it runs long
+LORA_RUNS["nf4-smoke"] = [replace(run, timeout_s=seconds) for run, seconds in zip(
+    [*LORA_RUNS["nf4-tests"], *LORA_RUNS["nf4-accuracy"],
+     *lora_train("lora-nf4-2layer", 1, *LORA, "--lora.base", "nf4", "--recompute", "selective",
+                 "--model.num_hidden_layers", "2", "--steps", "8", "--timing_warmup_steps", "3")], (80, 70, 70))]
 
-# Few rows per expert: the FP8 tier's break-even, batch-1 decoding (one GPU each)
+# Few rows per expert: custom_grouped's few-rows tables, the FP8 tier's break-even, batch-1
+# decoding (one GPU each)
+FEW_ROWS_GRID = ("-m", "benchmarks.custom_grouped_grid", "--tokens", "16,32,64,128,256,512,1024", "--splits", "uniform",
+                 "--tiles", "previous")
 ROWS_RUNS = {
+    # the BF16 grid at 16-1024 rows per expert over 1-8 local experts, both families: step time
+    # (host included) and GPU time against TE and grouped_mm, the floors, and the tables before
+    # the few-rows ones beside; then where the op's host time goes at one and two experts
+    "few-rows": [*(Launch(f"grid-{family}", 1, (*FEW_ROWS_GRID, "--family", family, "--json",
+                                                  f"{{out}}/grid-{family}.json"), tail=40) for family in ("8x7b", "8x22b")),
+                 Launch("host-time", 1, ("-m", "benchmarks.custom_grouped_host_time", "--cases", "1x16,1x64,2x64",
+                                         "--tiles", "previous", "--cprofile"), tail=60)],
+    # custom_grouped's CUDA tests (accuracy against float64 at every table, CUDA graphs, no host sync)
+    "few-rows-tests": pytest_gpu("custom-grouped-tests", "-m", "cuda", "tests/gpu/test_custom_grouped_gpu.py"),
     # device_mxfp8 against custom_grouped by rows per local expert, its default fallback included
     "fp8-break-even": [Launch("fp8-break-even", 1, ("-m", "benchmarks.fp8_break_even", "--json",
                                                     "{out}/fp8_break_even.json"))],
@@ -555,11 +623,14 @@ def run_lanes(out: Path, lanes: list[str]) -> int:
     kill_after = float(os.environ.get("KILL_AFTER_S", "0")) or None
     running = []
     for k, lane in enumerate(lanes, 1):
-        gpus, catalog, *rest = lane.split()
+        gpus, *segments = lane.split(maxsplit=1)
         log = open(out / f"lane{k}.log", "w")
-        command = [sys.executable, __file__, catalog, str(out / f"lane{k}"), *rest]
-        print(f"lane{k} (GPUs {gpus}): {shlex.join(command[1:])}", flush=True)
-        running.append((k, log, subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        # "CATALOG RUN ... + CATALOG RUN ...": one after the other, each into its own folder
+        commands = [shlex.join([sys.executable, __file__, catalog, str(out / f"lane{k}-{catalog}"), *rest])
+                    for catalog, *rest in (segment.split() for segment in " ".join(segments).split(" + "))]
+        print(f"lane{k} (GPUs {gpus}): {' ; '.join(commands)}", flush=True)
+        running.append((k, log, subprocess.Popen(["bash", "-c", " ; ".join(commands) + " ; exit $?"], cwd=REPO,
+                                                 stdout=log, stderr=subprocess.STDOUT,
                                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus},
                                                  start_new_session=True)))
     start, codes = time.monotonic(), {}

@@ -123,8 +123,7 @@ class TrainConfig:
     moment_dtype: Literal["bf16", "fp32"] = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
     expert_moments: Literal["same", "8bit"] = setting("same", help="master_adamw's moments of the expert weights: same "
                                                       "(moment_dtype, as the others') or 8bit (block-wise 8-bit, about 2 "
-                                                      "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py; "
-                                                      "CPU only for now: its CUDA kernel is not yet right)")
+                                                      "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py)")
     recompute: Literal["none", "selective", "full"] = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
@@ -190,6 +189,11 @@ class RunConfig:
                                  "more runs again with more; te_mixtral/distributed/dispatch.py). Tier custom_grouped only")
     backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
                            "(te on CUDA where it is installed)")
+    # Not the workload: the same model and numerics, only how many kernels compute them (their
+    # roundings differ), so a resumed run may change it too.
+    te_fusions: bool = setting(True, workload=False, resumable=True,
+                               help="on the te backend: q, k and v by one GEMM, and TE's fused cross-entropy "
+                               "(te_mixtral/model/layers.py); false: one module at a time, for A/B timing")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
     output_dir: str | None = setting(None, workload=False, resumable=True,
                                      help="folder for results.json and config.yaml (null: a new runs/<date>-<tier>)")

@@ -73,7 +73,8 @@ class DispatchOutput:
     exchange: "_Exchange | None" = None  # the rows' exchange while in flight
     # Padded exchange: where each copy sits in the blocks sent ([T*K], the spare row P*C past
     # the last block for a copy that did not fit), and each received row's place among the
-    # tier's rows ([P*C], the spare row P*C for padding). `regroup_R` is then None.
+    # tier's rows ([P*C], a permutation: the padding after the real rows). `regroup_R` is then
+    # its inverse, once the rows have arrived.
     slot_TK: torch.Tensor | None = None
     place_Q: torch.Tensor | None = None
 
@@ -175,6 +176,26 @@ class _Wait(torch.autograd.Function):
         return grad_out, None
 
 
+class _DistinctRows(torch.autograd.Function):
+    """`x.index_select(0, index)` for an `index` that picks no row twice, with a backward that
+    scatters without atomics (autograd's index_add makes every padding row's zero gradient
+    contend for one row): `inverse` given, `index` is a permutation and the backward is the
+    inverse gather; else a copy into zeros."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse=None):
+        ctx.save_for_backward(index, inverse)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, inverse = ctx.saved_tensors
+        if inverse is not None:
+            return grad.index_select(0, inverse), None, None
+        return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_copy_(0, index, grad), None, None
+
+
 class AllToAllDispatcher:
     """Expert-parallel dispatch over an EP group; with one rank it is a local permutation.
     `chunks` > 1: `run` overlaps the exchanges with the experts (module docstring)."""
@@ -258,18 +279,19 @@ class AllToAllDispatcher:
         if routed.exchange is None:
             return routed
         x_recv = _Wait.apply(routed.x_RD, routed.exchange)
-        if routed.place_Q is not None:  # padded: scatter the real rows, padding to the spare row
-            rows = x_recv.shape[0]
-            x_RD = x_recv.new_zeros((rows + 1, *x_recv.shape[1:])).index_copy_(0, routed.place_Q, x_recv)
-            routed.x_RD, routed.exchange = x_RD[:rows], None
+        if routed.place_Q is not None:  # padded: the real rows by local expert, the padding after them
+            gather_R = torch.empty_like(routed.place_Q)
+            gather_R[routed.place_Q] = torch.arange(gather_R.shape[0], device=gather_R.device)
+            routed.x_RD, routed.exchange = _DistinctRows.apply(x_recv, gather_R, routed.place_Q), None
+            routed.regroup_R = gather_R  # for the way back
             return routed
         routed.x_RD, routed.exchange = x_recv[routed.regroup_R], None
         return routed
 
     def _start_combine(self, y_RD, state: DispatchOutput) -> torch.Tensor:
         """Launch the rows' way back (in flight until `_finish_combine`)."""
-        if state.place_Q is not None:  # padded: each received row's output back to its place; padding gets any row
-            y_recv = y_RD.index_select(0, state.place_Q.clamp(max=y_RD.shape[0] - 1))
+        if state.place_Q is not None:  # padded: each received row's output back to its place
+            y_recv = _DistinctRows.apply(y_RD, state.place_Q, state.regroup_R)
         elif state.regroup_R is None:
             return y_RD
         else:
@@ -284,7 +306,7 @@ class AllToAllDispatcher:
             y_sorted = _Wait.apply(y_sorted, state.exchange)
             state.exchange = None
         if state.slot_TK is not None:  # padded: each copy's row out of its block (a dropped copy's: any row)
-            y_sorted = y_sorted.index_select(0, state.slot_TK.clamp(max=y_sorted.shape[0] - 1))
+            y_sorted = _DistinctRows.apply(y_sorted, state.slot_TK.clamp(max=y_sorted.shape[0] - 1))
         return self.permute.unsort(y_sorted, state.unsort, state.weights_TK)
 
     def _start_padded(self, x_sorted, unsort, weights_TK, tokens_per_expert_E) -> DispatchOutput:
@@ -320,6 +342,7 @@ class AllToAllDispatcher:
         expert_Q = torch.searchsorted(ends_PL, within_Q.view(P, block), right=True).flatten().clamp(max=L - 1)
         real_Q = within_Q < ends_PL[:, -1][source_Q]
         row_Q = starts_LP[expert_Q, source_Q] + within_Q - (ends_PL - kept_PL)[source_Q, expert_Q]
-        place_Q = torch.where(real_Q, row_Q, P * block)
+        padding_Q = kept_PL.sum() + (~real_Q).cumsum(0) - 1  # after every real row, in received order
+        place_Q = torch.where(real_Q, row_Q, padding_Q)  # a permutation of the received rows
         return DispatchOutput(x_recv, kept_PL.sum(0), unsort, weights_TK, None, splits, splits, exchange,
                               slot_TK, place_Q)

@@ -44,7 +44,6 @@ from torch.distributed.fsdp import FSDPModule
 from te_mixtral.distributed.layout import all_reduce_max
 from te_mixtral.distributed.parallelize import gradient_reducer
 from te_mixtral.measure.metrics import StepTimer
-from te_mixtral.model.mixtral import causal_lm_loss
 
 
 def _median_ms(fn, device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
@@ -168,7 +167,7 @@ def profile_phases(model, clip, optimizer_step, step_fn, batch, num_targets, aut
             y_RD = mlp.run_experts(routed.x_RD, routed.tokens_per_expert_L)
             totals["combine"] += ms(_forward_backward(model, lambda y: mlp.combine(y, routed), y_RD))
         totals["head"] = ms(_forward_backward(model,
-            lambda x: causal_lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
+            lambda x: model.lm_loss(model.lm_head(model.model.norm(x)), batch.labels, num_targets),
             captured["final"]))
     # Forward and backward run once per micro-batch of a step; the update phases once.
     totals = {name: ms * cfg.train.grad_accum_steps for name, ms in totals.items()}

@@ -32,6 +32,7 @@ from te_mixtral.config import ModelConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.model.hf_config import hf_config
 from te_mixtral.model.layers import PackedSequences
+from te_mixtral.model.mixtral import causal_lm_loss
 from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_losses
 
 
@@ -81,6 +82,11 @@ class HFMixtral(nn.Module):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.hf.config)
+
+    def lm_loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                num_targets_global: torch.Tensor) -> torch.Tensor:
+        """As our model's, by PyTorch's cross-entropy."""
+        return causal_lm_loss(logits_BSV, labels_BS, num_targets_global)
 
     def router_losses(self, layout: Layout) -> RouterLosses:
         """As our model's, with transformers' aux loss in place of ours (one process: the

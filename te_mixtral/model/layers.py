@@ -17,9 +17,22 @@ must attend only to earlier tokens *of its own document*:
 - PyTorch path: SDPA with an explicit block-diagonal causal mask built from the same
   boundaries (simple, and fine for the small CPU runs it serves; it computes the masked
   blocks and throws them away).
+
+What the TE backend fuses besides (`--te_fusions`, on by default; off, for A/B timing, it
+runs as the PyTorch path does here, TE's modules one by one):
+- q, k and v in one GEMM each way (packed_projection.py), as TE's example packs them; the
+  attention then gets q and k from the RoPE kernel and v as a view of the packed output,
+  which TE's attention copies whole before its kernels (its layout check wants k and v
+  strided alike), as it does in TE's example.
+- The LM loss in TE's fused cross-entropy (`parallel_cross_entropy`, Triton kernels): the
+  forward reads the bf16 logits twice and writes their float32 gradient, the backward scales
+  it in place. PyTorch's path casts the logits to float32 and keeps their log-softmax, then
+  in the backward fills a gradient, runs the log-softmax backward and casts back: about
+  twice the bytes over [T, V], the largest tensor of the step.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +151,23 @@ class TEAttention(nn.Module):
         return out.view(batch, seq, *q_BSHd.shape[2:])
 
 
+def torch_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """The token cross-entropy summed over the targets (label -100: none), in float32 from
+    logits cast to float32 first, as transformers computes its causal-LM loss."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def te_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """The same by TE's fused kernel, which computes in float32 from the logits as they are."""
+    from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
+
+    # is_cg_capturable: otherwise its backward compares the incoming gradient with a tensor it
+    # makes from 1.0 on the host, and that copy waits for the whole forward to finish.
+    return parallel_cross_entropy(logits_BSV, labels_BS, reduce_loss=False, ignore_idx=-100,
+                                  is_cg_capturable=True).sum()
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -146,6 +176,8 @@ class Backend:
     attention: type
     rotary: type  # TorchRotary or TERotary
     permute: type  # token dispatch's local permute and weighted combine (distributed/dispatch.py)
+    packed_qkv: bool  # q, k and v projected by one GEMM each way (packed_projection.py)
+    cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the summed token loss
 
 
 def _torch_linear(in_features: int, out_features: int) -> nn.Module:
@@ -164,12 +196,17 @@ def _te_rmsnorm(dim: int, eps: float) -> nn.Module:
     return te.RMSNorm(dim, eps=eps)
 
 
-TORCH = Backend("torch", _torch_linear, RMSNorm, TorchAttention, TorchRotary, TorchPermute)
-TE = Backend("te", _te_linear, _te_rmsnorm, TEAttention, TERotary, TEPermute)
+TORCH = Backend("torch", _torch_linear, RMSNorm, TorchAttention, TorchRotary, TorchPermute, packed_qkv=False,
+                cross_entropy=torch_cross_entropy)
+TE = Backend("te", _te_linear, _te_rmsnorm, TEAttention, TERotary, TEPermute, packed_qkv=True,
+             cross_entropy=te_cross_entropy)
+# TE's modules one by one, as the PyTorch path runs them (--te_fusions false): the A/B of the fusions.
+TE_UNFUSED = replace(TE, packed_qkv=False, cross_entropy=torch_cross_entropy)
 
 
-def resolve_backend(name: str, device: str) -> Backend:
-    """`auto` picks TE when it is importable on a CUDA device, else plain PyTorch."""
+def resolve_backend(name: str, device: str, te_fusions: bool = True) -> Backend:
+    """`auto` picks TE when it is importable on a CUDA device, else plain PyTorch; TE's
+    fusions only where `te_fusions`."""
     from te_mixtral.te_support import require_te, te_available
 
     if name == "torch" or (name == "auto" and not (device == "cuda" and te_available())):
@@ -177,4 +214,4 @@ def resolve_backend(name: str, device: str) -> Backend:
     if device != "cuda":
         raise UserError("backend 'te' needs a CUDA device; use --backend torch (or auto) on this machine")
     require_te()
-    return TE
+    return TE if te_fusions else TE_UNFUSED

@@ -27,7 +27,6 @@ turns them into the load-balancing loss and z-loss of the global batch, and the 
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from te_mixtral.config import ModelConfig
@@ -35,8 +34,9 @@ from te_mixtral.distributed.dispatch import AllToAllDispatcher
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.model.kv_cache import KVCache, LayerCache
-from te_mixtral.model.layers import Backend, PackedSequences, TorchRotary
+from te_mixtral.model.layers import Backend, PackedSequences, TorchRotary, torch_cross_entropy
 from te_mixtral.model.moe import MoEBlock
+from te_mixtral.model.packed_projection import packed_linear
 from te_mixtral.model.recompute import recomputed
 from te_mixtral.model.router_losses import RouterLosses, RouterStats, router_losses
 
@@ -67,18 +67,30 @@ class Attention(nn.Module):
         self.o_proj = backend.linear(self.heads * self.head_dim, m.hidden_size)
         self.core = backend.attention(self.heads, self.kv_heads, self.head_dim)
         self.rotary = backend.rotary
+        self.packed_qkv = backend.packed_qkv
         self.adapters = nn.ModuleDict()  # LoRA's, by projection name (model/lora.py); empty without
 
-    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """The projection `name` of x, with its LoRA adapter's delta where it has one."""
-        y = getattr(self, name)(x)
+    def project(self, name: str, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """The projection `name` of x (`y`, where already computed without its adapter), with
+        its LoRA adapter's delta where it has one."""
+        y = getattr(self, name)(x) if y is None else y
         return y + self.adapters[name](x) if name in self.adapters else y
+
+    def project_qkv(self, x_BSD: torch.Tensor) -> list[torch.Tensor]:
+        """q, k and v of x, [B, S, heads * head_dim] each: by one GEMM where the backend
+        packs them (the three are views of its output), else by three."""
+        names = ("q_proj", "k_proj", "v_proj")
+        if not self.packed_qkv:
+            return [self.project(name, x_BSD) for name in names]
+        ys = packed_linear(x_BSD, *(getattr(self, name).weight for name in names))
+        return [self.project(name, x_BSD, y) for name, y in zip(names, ys, strict=True)]
 
     def forward(self, x_BSD, rotary, packed: PackedSequences, cache: LayerCache | None = None):
         batch, seq, _ = x_BSD.shape
-        q = self.project("q_proj", x_BSD).view(batch, seq, self.heads, self.head_dim)
-        k = self.project("k_proj", x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
-        v = self.project("v_proj", x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x_BSD)
+        q = q.view(batch, seq, self.heads, self.head_dim)
+        k = k.view(batch, seq, self.kv_heads, self.head_dim)
+        v = v.view(batch, seq, self.kv_heads, self.head_dim)
         rope = self.rotary if cache is None else TorchRotary
         q, k = rope.apply(q, rotary, packed), rope.apply(k, rotary, packed)
         if cache is None:
@@ -144,6 +156,7 @@ class MixtralForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         if frozen_base:  # the one place the base is frozen
             self.requires_grad_(False)
+        self.cross_entropy = backend.cross_entropy
         self.routing: RouterStats | None = None  # the latest forward's, on this rank
 
     def forward(self, input_ids_BS, packed: PackedSequences, cache: KVCache | None = None) -> torch.Tensor:
@@ -169,6 +182,11 @@ class MixtralForCausalLM(nn.Module):
         even share (on the device); None where no exchange was padded."""
         needed = [n for layer in self.model.layers if (n := layer.mlp.dispatcher.take_needed()) is not None]
         return torch.stack(needed).max() if needed else None
+
+    def lm_loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                num_targets_global: torch.Tensor) -> torch.Tensor:
+        """`causal_lm_loss` by the backend's cross-entropy."""
+        return causal_lm_loss(logits_BSV, labels_BS, num_targets_global, self.cross_entropy)
 
     def router_losses(self, layout: Layout) -> RouterLosses:
         """The latest forward's router losses and expert load over the global batch (a
@@ -206,11 +224,11 @@ def init_weights(model: MixtralForCausalLM, seed: int, layout: Layout) -> None:
             layer.mlp.experts.down_proj[local].normal_(0.0, std, generator=gen)
 
 
-def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_targets_global: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_targets_global: torch.Tensor,
+                   cross_entropy=torch_cross_entropy) -> torch.Tensor:
     """Summed token cross-entropy over this rank, divided by the global target count.
 
     Summing this over ranks gives the mean loss of the global batch (see te_mixtral.distributed.layout).
+    `cross_entropy` computes the sum (a backend's: model/layers.py).
     """
-    summed = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
-                             reduction="sum")
-    return summed / num_targets_global
+    return cross_entropy(logits_BSV, labels_BS) / num_targets_global

@@ -10,9 +10,17 @@ Every bf16 <-> fp32 conversion is done on the bits (`bits << 16` one way, intege
 the other), mirroring `bits.py` operation for operation. That has two purposes: the
 kernel gives the same bits as the torch path when run by Triton's CPU interpreter
 (TRITON_INTERPRET=1, where bf16 arithmetic is not meaningful), and on the GPU integer ops
-are as cheap as conversion instructions. On the GPU the compiler may fuse a multiply and
-an add into one FMA, so GPU results can differ from the torch path in the last fp32 bit of
-the master; the square root and the division are the correctly rounded ones, as in torch.
+are as cheap as conversion instructions.
+
+Compiled, it gives the torch path's bits too. The fp32 operations are the torch path's one
+for one, each rounded once: the square root and the divisions are the correctly rounded ones
+(`sqrt_rn`, `div_rn`; Triton's plain `/` is approximate), and the launches turn off the
+compiler's fusion of a multiply and an add into one FMA (`LAUNCH_OPTIONS`). An FMA rounds
+once where the torch path rounds twice: in `master * decay + update` that is up to an ulp of
+the old master, which is many ulps of the new one where the update nearly cancels the
+master, and in a moment it can move an 8-bit code. Unfused costs two instructions a value
+of some 180, and the same bits on every device keep the torch path on the CPU a complete
+reference for the kernel.
 
 8-bit moments (`moments8.py`): the second kernel works on whole blocks of 256 values, eight
 to a program as a [8, 256] tile, so that each block's largest value is a reduction along
@@ -35,7 +43,8 @@ from te_mixtral.optim.moments8 import BLOCK as QBLOCK
 from te_mixtral.optim.moments8 import EXP_AVG, MIN_SCALE_EXPONENT, SQRT_EXP_AVG_SQ
 
 BLOCK = 2048
-NUM_WARPS = 8
+# No fused multiply-adds: every fp32 operation rounds as the torch path's (module docstring).
+LAUNCH_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
 # A compiled kernel reads a module's global only as a constexpr (the interpreter reads any).
 _MIN_SCALE_EXPONENT = tl.constexpr(MIN_SCALE_EXPONENT)
 
@@ -172,9 +181,9 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
     q = tl.minimum(_rne_shift(z, shift), MAX_MAGNITUDE)
     if NONZERO_STAYS_NONZERO:
         q = tl.where((q == 0) & (a != 0), 1, q)
-    q = tl.where(block_exponent[:, None] == 255, 0, q)
     if SIGNED:
         q = q | ((bits < 0).to(tl.int32) << 7)
+    q = tl.where(block_exponent[:, None] == 255, 0, q)
     scale_bits = tl.where(block_exponent == 255, 0x7FC00000, tl.maximum(block_exponent, _MIN_SCALE_EXPONENT) << 23)
     tl.store(codes_ptr + offs, q.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + blocks, scale_bits.to(tl.float32, bitcast=True), mask=block_mask)
@@ -204,6 +213,15 @@ def _master_adamw_8bit_kernel(
                     True)
 
 
+# The 8-bit kernel's blocks and formats (moments8.py's).
+FORMATS_8BIT = {
+    "BLOCKS": BLOCK // QBLOCK, "QBLOCK": QBLOCK,
+    "M_MANTISSA": EXP_AVG.mantissa, "M_MAX": EXP_AVG.max_magnitude, "M_UNIT": EXP_AVG.subnormal_unit,
+    "R_MANTISSA": SQRT_EXP_AVG_SQ.mantissa, "R_MAX": SQRT_EXP_AVG_SQ.max_magnitude,
+    "R_UNIT": SQRT_EXP_AVG_SQ.subnormal_unit,
+}
+
+
 def _bits_or_fp32(t):
     """What the kernel loads: int16 bits of a bf16 tensor, an fp32 tensor as it is."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -225,7 +243,7 @@ def adamw_update_triton(param, remainder, grad, exp_avg, exp_avg_sq, scalars: St
         _bits_or_fp32(exp_avg), _bits_or_fp32(exp_avg_sq), grad_scale, n,
         s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
         GRAD_FP32=grad.dtype == torch.float32, M_FP32=exp_avg.dtype == torch.float32,
-        V_FP32=exp_avg_sq.dtype == torch.float32, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        V_FP32=exp_avg_sq.dtype == torch.float32, BLOCK=BLOCK, **LAUNCH_OPTIONS,
     )
 
 
@@ -239,12 +257,10 @@ def adamw_update_8bit_triton(param, remainder, grad, m_codes, m_scales, r_codes,
     for t in (param, remainder, m_codes, m_scales, r_codes, r_scales):
         if not t.is_contiguous():
             raise ValueError("MasterAdamW needs contiguous parameters and state")
-    s, m, r = scalars, EXP_AVG, SQRT_EXP_AVG_SQ
+    s = scalars
     n_blocks = n // QBLOCK
     _master_adamw_8bit_kernel[(triton.cdiv(n_blocks, BLOCK // QBLOCK),)](
         param.view(torch.int16), remainder, _bits_or_fp32(grad), m_codes, m_scales, r_codes, r_scales, grad_scale,
         n_blocks, s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
-        GRAD_FP32=grad.dtype == torch.float32, BLOCKS=BLOCK // QBLOCK, QBLOCK=QBLOCK,
-        M_MANTISSA=m.mantissa, M_MAX=m.max_magnitude, M_UNIT=m.subnormal_unit,
-        R_MANTISSA=r.mantissa, R_MAX=r.max_magnitude, R_UNIT=r.subnormal_unit, num_warps=NUM_WARPS,
+        GRAD_FP32=grad.dtype == torch.float32, **FORMATS_8BIT, **LAUNCH_OPTIONS,
     )

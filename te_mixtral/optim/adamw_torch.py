@@ -19,11 +19,14 @@ AdamW differ from each other by about as much as this does from either.
 The master is rebuilt from the bf16 parameter and its int16 remainder, updated, and split
 again (`bits.py`); moments are read and written in their own dtype (bf16 moments rounded
 to nearest even), or in 8-bit blocks (`moments8.py`, `adamw_update_8bit_torch`: the second
-moment stored as its square root, the one the update computes). Every operation below is one torch op, so nothing is fused into an FMA:
-the Triton kernel run in the CPU interpreter gives the same bits. The square root is taken
-in float64 and rounded once to fp32, which is the correctly rounded fp32 square root (as
-the kernel's `sqrt_rn` is): torch's fp32 `sqrt` on CPU is not always correctly rounded
-(seen with torch 2.13's CPU build: about one value in five is an ulp off).
+moment stored as its square root, the one the update computes). Every operation below is
+one torch op, so nothing is fused into an FMA: the Triton kernel, run in the CPU interpreter
+or compiled for a GPU without FMAs, gives the same bits as this path on the CPU. The square
+root is taken in float64 and rounded once to fp32, which is the correctly rounded fp32
+square root (as the kernel's `sqrt_rn` is): torch's fp32 `sqrt` on CPU is not always
+correctly rounded (seen with torch 2.13's CPU build: about one value in five is an ulp off).
+On a GPU this path itself can differ from the CPU's in the last bit: torch's CUDA division
+by a number (`/ s.bc2_sqrt`) multiplies by its reciprocal.
 """
 
 import struct

@@ -21,8 +21,8 @@ Gradients are read from `param.grad`: bf16 normally, or fp32 where the parameter
 
 Implementations (`impl`): "triton" runs `adamw_kernel.py` (one launch per tensor; on CPU
 tensors it needs TRITON_INTERPRET=1), "torch" runs `adamw_torch.py`, and "auto" picks the
-kernel for CUDA tensors when Triton imports and torch otherwise. Both give the same bits
-on the CPU; on the GPU the kernel may differ in the last fp32 bit where it fuses an FMA.
+kernel for CUDA tensors when Triton imports and torch otherwise. The kernel, in Triton's
+interpreter or compiled for a GPU, gives the same bits as the torch path on the CPU.
 
 State per parameter: `remainder` (int16), `exp_avg`, `exp_avg_sq` (`moment_dtype`), `step`
 (a CPU float32 tensor, as torch keeps it, so reading it never waits for the GPU).

@@ -37,8 +37,9 @@ failure of linear quantisers ("Memory Efficient Optimizers with 4-bit States", L
 
 The largest value of a block can round up past the format's largest code: it is clamped to
 it (an error below one code step, not half of one). A block holding a NaN or infinity gets
-a NaN scale, so all its values read back as NaN rather than as numbers (the training loop
-never steps on a non-finite gradient, so this only matters when the optimizer is used alone).
+a NaN scale and codes 0, so all its values read back as NaN rather than as numbers (the
+training loop never steps on a non-finite gradient, so this only matters when the optimizer
+is used alone).
 
 Storage: codes are uint8 tensors shaped like the parameter; scales are fp32 tensors of shape
 [rows, row numel / BLOCK] (row = index along the parameter's first dimension, an expert), so a
@@ -125,9 +126,9 @@ def quantize(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.clamp(_rne_shift(z, shift), max=fmt.max_magnitude)
     if fmt.nonzero_stays_nonzero:
         q = torch.where((q == 0) & (a != 0), 1, q)
-    q = torch.where(block_exponent == 255, 0, q)
     if fmt.signed:
         q = q | ((bits < 0).to(torch.int32) << 7)
+    q = torch.where(block_exponent == 255, 0, q)  # nothing kept, not even a NaN's sign (a device's own)
     scale_bits = torch.where(block_exponent == 255, _NAN_BITS,
                              torch.clamp(block_exponent, min=MIN_SCALE_EXPONENT) << _MANTISSA_BITS)
     return q.to(torch.uint8).view(-1), scale_bits.view(torch.float32).view(-1)

@@ -33,9 +33,11 @@ first N layers do so, the others keep what `none` keeps; `fewest_recomputed_laye
 smallest N that fits, which `--estimate-memory` and a refusal name.
 
 And, once per step, the rotary tables, the final norm, the LM head's input, the router
-statistics and the log-probabilities in fp32 (T x V x 4: a large one). With fp32 parameters under bf16 autocast
-every matrix a GEMM reads is also cast to bf16 and that copy is saved until its layer's
-backward ("weight copies", 2 bytes per matrix parameter).
+statistics and the log-probabilities in fp32 (T x V x 4: a large one; TE's fused cross-entropy,
+`--te_fusions`, keeps the logits' fp32 gradient instead, as large). With fp32 parameters under
+bf16 autocast every matrix a GEMM reads is also cast to bf16 and that copy is saved until its
+layer's backward ("weight copies", 2 bytes per matrix parameter), but q, k and v's when the TE
+backend packs them (te_mixtral/model/packed_projection.py keeps the parameters, not a copy).
 
 LoRA (`lora.rank` > 0): the base is frozen in the compute dtype, with no gradient and no
 optimizer state; the adapters are fp32 with fp32 gradients and AdamW moments. Activations
@@ -55,7 +57,8 @@ tests/measure/test_memory.py and on an H100 for the TE path).
 When the peak comes. Not at the end of the forward: the step's memory peaks at one of
 
     head backward     every layer's activations and weight copies are held, the fp32
-                      log-probabilities meet their gradient and the logits' (2 x T x V x 4)
+                      log-probabilities meet their gradient and the logits' (2 x T x V x 4;
+                      TE's fused cross-entropy: its fp32 gradient meets a bf16 copy, T x V x 2)
     layer 0 backward  all gradients but the embedding's exist, one layer's activations and
                       copies remain, and the expert backward's gradient rows are in flight
     optimizer step    parameters, gradients and state together
@@ -278,7 +281,9 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # anyway) for B's gradient: per row of its layer, T for attention's, R for the experts'.
     dense_layer += a * lora.rank * T * len(lora.dense_targets())
     expert_hidden += a * lora.rank * R * len(lora.expert_targets())
-    dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D), copy * params.experts_per_layer
+    fused = backend == "te" and cfg.te_fusions  # model/layers.py: q, k and v packed; TE's cross-entropy
+    packed_qkv = D * Hd * (H + 2 * G) if fused else 0
+    dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D - packed_qkv), copy * params.experts_per_layer
     layer_copies = dense_copies + expert_copies + tier.weight_copies
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
     # the experts' weight copies; full keeps the layer's input alone.
@@ -329,7 +334,7 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
 
     phases = {
         "head backward": phase("head backward", layers_copies + head_copy, layers_saved + head + logits,
-                               2 * 4 * T * V),
+                               (2 if fused else 2 * 4) * T * V),
         # A tier's cached weight copies stay in every layer through the backward and the step.
         "layer 0 backward": phase("layer 0 backward", layer_copies + (L - 1) * cached, one_layer + logits,
                                   expert_bwd),

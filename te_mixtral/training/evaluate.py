@@ -17,6 +17,7 @@ whole global batches gives every rank the same number of batches, so none waits 
 an all-to-all.
 """
 
+import contextlib
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -40,6 +41,17 @@ class Evaluation:
         return f"eval  step {self.step:>4}/{total_steps}  loss {self.loss:.4f}  perplexity {self.perplexity:.2f}"
 
 
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module):
+    """`model` in eval mode inside (LoRA's dropout off), back in the mode it had after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[Batch], step: int, layout: Layout, device: torch.device,
              autocast: AbstractContextManager) -> Evaluation:
@@ -48,7 +60,7 @@ def evaluate(model: torch.nn.Module, batches: list[Batch], step: int, layout: La
     one = torch.ones((), device=device)
     for batch in batches:
         batch = batch.to(device)
-        with autocast:
+        with autocast, evaluating(model):
             logits = model(batch.input_ids, batch.packed)
         totals[0] += causal_lm_loss(logits, batch.labels, one).double()  # divided by one: the summed loss
         totals[1] += (batch.labels != -100).sum()

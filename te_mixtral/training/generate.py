@@ -31,6 +31,7 @@ from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.model.layers import PackedSequences
 from te_mixtral.model.mixtral import MixtralForCausalLM
+from te_mixtral.training.evaluate import evaluating
 
 
 @torch.no_grad()
@@ -54,14 +55,14 @@ def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_token
             dist.broadcast(token_11, src=0)
 
     def decode_step() -> None:
-        with autocast:
+        with autocast, evaluating(model):
             take(model(token_11, one_token, cache))
         position_11.add_(1)
 
     length = len(prompt_ids)
     prompt = PackedSequences(torch.arange(length, device=device)[None],
                              torch.tensor([0, length], dtype=torch.int32, device=device), length)
-    with autocast:
+    with autocast, evaluating(model):
         take(model(torch.tensor([prompt_ids], device=device), prompt, cache))
     new = [int(token_11)]
     if graphs and len(new) < steps and new[-1] != eos_id:

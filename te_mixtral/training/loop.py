@@ -57,7 +57,7 @@ from te_mixtral.measure.trackers import check_trackers
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights
-from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
+from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.planning.memory import check_fits
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
 from te_mixtral.training.evaluate import evaluate
@@ -93,13 +93,7 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
         return HFMixtral.from_model(ours, BASELINES[cfg.tier]["experts"]), dict(BASELINES[cfg.tier])
     tier = make_tier(cfg.tier, cfg)
     tier.check_available(device)
-    if cfg.train.expert_moments == "8bit" and device.type == "cuda":
-        # Its fused kernel compiled and ran on an H200, but did not match the torch path it is
-        # tested against in the interpreter, and a loss check drifted (the results page below).
-        raise UserError("train.expert_moments 8bit runs on the CPU only for now: its CUDA kernel does not yet match "
-                        "its reference on a GPU (docs/results/2026-11-28-8bit-expert-moments.md); use "
-                        "--expert_moments same")
-    backend = resolve_backend(cfg.backend, device.type)
+    backend = resolve_backend(cfg.backend, device.type, cfg.te_fusions)
     # LoRA's frozen base is made in the compute dtype: an fp32 copy of the whole model first
     # would need twice the memory the run does.
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
@@ -273,7 +267,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
                                   micro is micro_batches[-1] or cfg.train.fsdp_reduce == "micro_batch")
                 with autocast:
                     logits = model(micro.input_ids, micro.packed)
-                loss = causal_lm_loss(logits, micro.labels, totals[0])
+                loss = model.lm_loss(logits, micro.labels, totals[0])
                 router = model.router_losses(layout)
                 (loss + router.weighted(cfg.model) / len(micro_batches)).backward()
                 step_losses += torch.stack([loss, router.aux / len(micro_batches),
@@ -357,7 +351,7 @@ def profile_last_step(model: nn.Module, optimizer: torch.optim.Optimizer, last, 
     def forward_backward():
         with autocast:
             logits = model(last.input_ids, last.packed)
-        causal_lm_loss(logits, last.labels, num_targets).backward()
+        model.lm_loss(logits, last.labels, num_targets).backward()
 
     def clip():
         return clip_gradients(optimizer, model, cfg.train.grad_clip, layout)[1]

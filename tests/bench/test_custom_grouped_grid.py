@@ -40,3 +40,70 @@ def test_bad_arguments_get_one_line(argv, says, capsys):
 def test_without_a_gpu_it_says_so(capsys):
     assert grid.main(["--experts", "2"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_bytes_are_each_gemms_operands_read_once_and_results_written_once():
+    """`op_bytes` against the op's six GEMMs one by one (docs/kernels.md's table), at
+    Mixtral-8x7B widths over an uneven split with an empty expert."""
+    from benchmarks.custom_grouped_ops import op_bytes, op_flops
+
+    sizes, D, F = [40, 0, 24], 4096, 14336
+    R, L = sum(sizes), len(sizes)
+    x = y = dy = dx = R * D
+    h = dh = R * 2 * F
+    act = R * F
+    w1, w2 = L * 2 * F * D, L * D * F
+    gemms = [  # (read, written) elements
+        (x + w1, h + act),          # gate_up + SwiGLU
+        (act + w2, y),              # down
+        (dy + w2 + h, dh + act),    # down dgrad + SwiGLU' (dh in place of h), act again
+        (dy + act, w2),             # down wgrad
+        (dh + w1, dx),              # gate_up dgrad
+        (dh + x, w1),               # gate_up wgrad
+    ]
+    assert op_bytes(sizes, D, F) == 2 * sum(read + written for read, written in gemms)
+    assert op_flops(sizes, D, F) == 2 * R * D * F * (2 + 1 + 1 + 1 + 2 + 2)
+
+
+def test_every_kernel_a_point_runs_is_compiled_first():
+    """The precompile jobs hold every GEMM of the table ours runs at each point and of each
+    `--tiles` table, with the point's expert count (its own compile) and rows per expert."""
+    from benchmarks.custom_grouped_ops import OPS, table_at
+    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, regime
+
+    points = [[16], [64, 64], [1024] * 8, [1000] * 8]  # the last two: the same kernels
+    jobs = grid.kernel_jobs(["previous"], points)
+    for sizes in points[:3]:
+        L, per_expert = len(sizes), sizes[0]
+        for table in (CONFIGS[regime(sum(sizes), L)], table_at("previous", sum(sizes), L)):
+            for op in OPS:
+                assert (op, table[op], per_expert, L) in jobs
+    assert len(jobs) == len({(op, str(config), L) for op, config, _, L in jobs})  # each kernel once
+
+
+def test_previous_tables_run_only_where_they_differ():
+    """`--tiles previous` adds a column where the tables before the few-rows ones chose
+    another table (few rows per expert), not where they are today's."""
+    from benchmarks.custom_grouped_ops import PREVIOUS, table_at
+
+    assert table_at("previous", 64, 1) == PREVIOUS["small, 1 expert"]
+    assert table_at("previous", 32, 2) == PREVIOUS["split-K"]
+    assert "ours, previous" in grid.point_ops({"ours": None}, ["previous"], [16, 16])
+    assert "ours, previous" not in grid.point_ops({"ours": None}, ["previous"], [4096] * 4)
+
+
+def test_a_point_line_and_the_summary_name_a_failed_op(capsys):
+    timed = {"split": "uniform", "tokens": 64, "experts": 2, "sizes": [64, 64], "floor_ms": 0.5,
+             "compute_floor_ms": 0.1, "ms": {"ours": 0.6, "grouped_mm": 0.7}, "gpu_ms": {"ours": 0.55, "grouped_mm": 0.6},
+             "rel_diff": {"ours": 4e-3, "grouped_mm": 0.0}, "errors": {"TE": "RuntimeError: no"}, "best_peer": "grouped_mm",
+             "ratio": 0.7 / 0.6, "gpu_ratio": 0.6 / 0.55, "floor_ratio": 1.2, "roofline_ratio": 1.2}
+    failed = {"split": "uniform", "tokens": 16, "experts": 1, "sizes": [16], "floor_ms": 0.3, "compute_floor_ms": 0.01,
+              "ms": {"grouped_mm": 0.7}, "gpu_ms": {"grouped_mm": 0.6}, "rel_diff": {"grouped_mm": 0.0},
+              "errors": {"ours": "CompilationError: out of resources"}}
+    assert "TE FAILED: RuntimeError: no" in grid.point_line(timed) and "x1.20" in grid.point_line(timed)
+    assert "diff 4.0e-03" in grid.point_line(timed)
+    assert "ours FAILED: CompilationError" in grid.point_line(failed)
+    grid.print_summary([timed, failed], "8x7b", [1, 2], ["uniform"], [16, 64])
+    out = capsys.readouterr().out
+    assert "| uniform | 64 | — | 1.17 |" in out and "2 points with an op that failed" in out
+    assert "0 of 1 points of at most 512 rows per expert above 1.3x the bandwidth floor" in out

@@ -137,13 +137,25 @@ if INTERPRETING:  # triton must not be imported before the variable is set
     import triton
     import triton.language as tl
 
-    from te_mixtral.experts.kernels.grouped_gemm import _tail_split
+    from te_mixtral.experts.kernels import stream_k
 
     @triton.jit
-    def _tail_split_probe(out_ptr, total, programs, LIMIT: tl.constexpr):
-        whole, shares = _tail_split(total, programs, LIMIT)
+    def _stream_k_probe(out_ptr, owner_ptr, slots_ptr, total, k_blocks, LIMIT: tl.constexpr):
+        """(whole, streams) to out; the id of the program that takes each streamed step to
+        owner (+1 per program that takes it, so a step taken twice shows); and one count per
+        piece in the scratch slot its partial sums take (programs run one after another in
+        the interpreter, so a slot two pieces share would not show in a GEMM's result)."""
+        pid = tl.program_id(0)
+        whole, streams = stream_k.plan(total, k_blocks, tl.num_programs(0), LIMIT)
         tl.store(out_ptr, whole)
-        tl.store(out_ptr + 1, shares)
+        tl.store(out_ptr + 1, streams)
+        w0, w1, touched = stream_k.share(pid, streams, (total - whole).to(tl.int64) * k_blocks, k_blocks)
+        for j in range(0, touched):
+            s, k0, k1 = stream_k.piece(j, w0, w1, k_blocks)
+            for k in range(k0, k1):
+                tl.atomic_add(owner_ptr + s * k_blocks + k, pid + 1)
+            if (k0 > 0) | (k1 < k_blocks):
+                tl.atomic_add(stream_k._slot(slots_ptr, pid, w0, s.to(tl.int64) * k_blocks, False, 1, 1), 1)
 
 
 INTERPRETER_RUN = interpreter_run(__file__)
@@ -173,15 +185,26 @@ INTERPRETER_CASES = {
     # D and F that are not multiples of 4: row strides that are not 16-byte multiples, the
     # tails masked in every tile (and on the grouped_mm path, the padded shapes).
     "unaligned": ([13, 0, 22], 18, 10, TINY, False),
-    # The plain GEMMs' last round of tiles split in shares (SPLIT; the interpreter runs 3
-    # programs). 4 row tiles: 3 run whole, the fourth in 3 shares; with F = 36 every share
-    # holds I-blocks and the last one is short; with F = 64 down's third share is empty.
-    # 1 row tile: all in shares (at most 2 for gate_up_dgrad).
+    # The row GEMMs' last round of tiles streamed over the programs (SPLIT, stream_k.py; the
+    # interpreter runs 3 programs). [9, 0, 20, 5] rows make 4 row tiles: down and
+    # gate_up_dgrad (N = D, one column tile) run 3 whole and the fourth in 3 and 2 pieces,
+    # the last short where F = 36 (an I tail); with F = 64 gate_up and down_dgrad leave one
+    # tile of one K step, which one program takes whole.
     "split_tail": ([9, 0, 20, 5], 16, 36, "split", False),
     "split_tail_tma": ([9, 0, 20, 5], 16, 64, "split", True),
-    "split_all": ([0, 11], 16, 36, "split", False),
+    "split_all": ([0, 11], 16, 36, "split", False),  # one tile, all in pieces
+    # 5 x 4 = 20 tiles, 2 left, in every GEMM: all four streamed, each with a program whose
+    # steps run across both tiles (so it leaves partial sums in both its scratch slots), and
+    # D = F = 49 leaves a short last step (an I tail) in every reduction.
+    "split_every_gemm": ([3, 0, 53], 49, 49, "split", False),
+    # The few-rows tables themselves (shipped_tiles above runs the 32-row one), at widths
+    # that make several K steps (F = 200: down's 4 steps of 64, gate_up_dgrad's 7), so that
+    # down and gate_up_dgrad stream their tiles over the 6 programs of two a CPU "SM".
+    "few_rows_16": ([9, 0, 14], 40, 200, None, False),
+    "few_rows_64": ([60, 0, 90], 24, 136, None, False),
 }
-SPLIT = {"down": dict(TINY, TAIL_SPLIT=4), "gate_up_dgrad": dict(TINY, TAIL_SPLIT=2)}
+SPLIT = {op: dict(TINY, TAIL_SPLIT=4) for op in ("gate_up", "down", "down_dgrad")} | {
+    "gate_up_dgrad": dict(TINY, TAIL_SPLIT=2)}
 
 
 @interpreter_only
@@ -202,24 +225,40 @@ def test_interpreter_kernels_match_float64(case):
     got = run(op, *inputs)
     assert_matches(got, reference_f64(inputs[0], splits, *inputs[2:]), splits, FP32_REL_TOL,
                    case)
+    # Streamed tiles' counters are left zero: the next launch counts on the same ones.
+    assert not any(counts.any() for counts in stream_k._ARRIVALS.values())
 
 
 @interpreter_only
-@pytest.mark.parametrize("total,programs,limit,expected", [
-    (160, 132, 4, (132, 4)),  # 28 tiles left for the second round: each in 4 shares
-    (192, 132, 4, (132, 2)),  # 60 left: 2 shares fill 120 programs
-    (64, 132, 4, (0, 2)),     # one part-empty round: all in shares
-    (128, 132, 4, (0, 1)),    # a nearly full round: no split
-    (264, 132, 4, (264, 1)),  # whole rounds
-    (16, 132, 4, (0, 4)),     # never more shares than the limit
-    (160, 132, 1, (160, 1)),  # TAIL_SPLIT = 1: never
+@pytest.mark.parametrize("total,programs,k_blocks,limit,expected", [
+    (160, 132, 7, 4, (132, 112)),  # 28 tiles left for the second round: 4 programs each
+    (224, 132, 7, 4, (132, 132)),  # 92 left: all programs, 0.7 of a tile each
+    (16, 132, 7, 4, (0, 64)),      # one part-empty round: all of it streamed, at most 4 programs a tile
+    (16, 132, 2, 8, (0, 32)),      # never a piece of less than one step
+    (128, 132, 7, 4, (128, 0)),    # a round 7/8 full or more: not streamed
+    (264, 132, 7, 4, (264, 0)),    # whole rounds
+    (5, 3, 3, 4, (3, 3)),          # a program's steps run across two tiles
 ])
-def test_interpreter_tail_split_schedule(total, programs, limit, expected):
-    """(whole, shares) of `_tail_split`: only the tiles of a last round that would leave
-    programs idle split, into as many shares as the programs hold, at most the limit."""
+def test_interpreter_stream_k_schedule(total, programs, k_blocks, limit, expected):
+    """`stream_k`'s plan and shares: only a last round at most 7/8 full is streamed, over at
+    most `limit` programs a tile; every step of its tiles is taken by exactly one program,
+    programs take consecutive steps in order, a tile is in at most limit + 1 pieces, and
+    no two pieces leave their sums in one slot."""
     out = torch.zeros(2, dtype=torch.int32)
-    _tail_split_probe[(1,)](out, total, programs, LIMIT=limit)
+    owner = torch.zeros(max(1, (total - expected[0]) * k_blocks), dtype=torch.int32)
+    slots = torch.zeros(2 * programs, dtype=torch.int32)
+    _stream_k_probe[(programs,)](out, owner, slots, total, k_blocks, LIMIT=limit)
     assert tuple(out.tolist()) == expected
+    assert slots.max() <= 1, "two pieces' partial sums in one scratch slot"
+    whole, streams = expected
+    if streams:
+        taken = owner.tolist()
+        assert taken == sorted(taken) and taken[0] == 1 and taken[-1] == streams, "every step once, in order"
+        assert set(taken) == set(range(1, streams + 1))
+        per_tile = [len(set(taken[t * k_blocks:(t + 1) * k_blocks])) for t in range(total - whole)]
+        assert max(per_tile) <= limit + 1
+    else:
+        assert not owner.any()
 
 
 @interpreter_only

@@ -76,8 +76,13 @@ def test_bf16_at_least_as_accurate_as_grouped_mm(case):
 @pytest.mark.parametrize("model,D_,Fh,splits", [
     ("8x7B", 4096, 14336, [0, 100, 64, 92]),
     ("8x22B", 6144, 16384, [17, 0, 40]),
-    ("8x7B_split_k_one_expert", 4096, 14336, [16]),
-    ("8x7B_split_k_two_experts", 4096, 14336, [21, 0]),
+    # The few-rows tables (16, 32 and 64 rows a tile) and medium few rows, each streaming
+    # the last round of its row GEMMs over all the SMs.
+    ("8x7B_few_rows_one_expert", 4096, 14336, [16]),
+    ("8x7B_few_rows_two_experts", 4096, 14336, [21, 0]),
+    ("8x7B_few_rows_64_one_expert", 4096, 14336, [64]),
+    ("8x22B_few_rows_128_two_experts", 6144, 16384, [128, 90]),
+    ("8x7B_medium_few_rows_one_expert", 4096, 14336, [256]),
 ])
 def test_model_shapes_at_small_token_counts(model, D_, Fh, splits):
     inputs = random_expert_inputs(splits, D_, Fh, seed=1)

@@ -21,10 +21,9 @@ pytestmark = pytest.mark.cuda
 SINGLE = Layout(0, 1, 1, None, None)
 CUDA = torch.device("cuda")
 BACKENDS = [TORCH] + ([TE] if te_available() else [])
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-# device_mxfp8 (FP8 at every size: make_tier's default) in bf16, as it trains.
-CASES = [(torch.float32, "custom_grouped"), (torch.bfloat16, "custom_grouped")] + (
-    [(torch.bfloat16, "device_mxfp8")] if HOPPER else [])
+# device_mxfp8 does not offer graphs (its graphed decode gave other tokens than its eager one
+# on an H200): `generate_text` decodes it eagerly.
+CASES = [(torch.float32, "custom_grouped"), (torch.bfloat16, "custom_grouped")]
 
 
 @pytest.mark.parametrize("dtype, tier", CASES, ids=lambda c: str(c).removeprefix("torch."))

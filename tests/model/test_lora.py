@@ -3,6 +3,8 @@ LoRA loaded from the adapters we save (logits, loss and the gradients of every A
 float64), a zero B leaves the base model's forward bit for bit, and the frozen base gets no
 gradient. PEFT is the independent reference: it adapts transformers' own modules."""
 
+import contextlib
+
 import peft
 import pytest
 import torch
@@ -38,10 +40,10 @@ def hf_checkpoint(folder, dtype=torch.float64):
     return hf.to(dtype)
 
 
-def adapted(folder, lora: LoRAConfig, tier=None, dtype=torch.float64, seed=7):
+def adapted(folder, lora: LoRAConfig, tier=None, dtype=torch.float64, seed=7, backend=TORCH):
     """Our model with `folder`'s weights and `lora`'s adapters, B drawn at random (a zero B
     would leave every A without a gradient)."""
-    ours = Ours(model_config_from_hf(folder), TORCH, SINGLE, tier or LoopTier(), frozen_base=True)
+    ours = Ours(model_config_from_hf(folder), backend, SINGLE, tier or LoopTier(), frozen_base=True)
     load_hf_weights(ours, folder, SINGLE)
     add_adapters(ours, lora, seed, SINGLE)
     ours.to(dtype)
@@ -149,3 +151,23 @@ def test_merged_export_equals_the_adapted_model(tmp_path):
         want = ours(batch.input_ids, batch.packed)
         got = merged(input_ids=batch.input_ids, position_ids=batch.packed.position_ids_BS, use_cache=False).logits
     assert rel_err(got, want) < 1e-5
+
+
+def test_evaluation_and_generation_apply_no_dropout(tmp_path):
+    """With lora.dropout the adapters drop inputs while training only: a held-out loss and a
+    generated continuation are the dropout-free model's, and training mode comes back after."""
+    from te_mixtral.training.evaluate import evaluate
+    from te_mixtral.training.generate import greedy_generate
+
+    hf_checkpoint(tmp_path)
+    dropping = adapted(tmp_path, LoRAConfig(rank=4, alpha=8, dropout=0.5, targets=ALL_TARGETS), dtype=torch.float32)
+    plain = adapted(tmp_path, LoRAConfig(rank=4, alpha=8, dropout=0.0, targets=ALL_TARGETS), dtype=torch.float32)
+    batch = random_packed_batch(VOCAB)
+    losses = [evaluate(model, [batch], 1, SINGLE, torch.device("cpu"), contextlib.nullcontext()).loss
+              for model in (dropping, dropping, plain)]
+    assert losses[0] == losses[1] == pytest.approx(losses[2], rel=1e-6)
+    prompt = batch.input_ids[0, :5].tolist()
+    tokens = [greedy_generate(model, prompt, 6, None, SINGLE, torch.device("cpu"), contextlib.nullcontext(), 64)
+              for model in (dropping, plain)]
+    assert tokens[0] == tokens[1]
+    assert dropping.training

@@ -117,10 +117,12 @@ def test_signed_format_is_symmetric():
 
 def test_a_non_finite_value_spoils_its_block_only():
     x = moments_like(BLOCK * 4, 3, signed=True)
-    x[BLOCK + 7], x[2 * BLOCK + 9] = float("nan"), float("-inf")
+    x[BLOCK + 7], x[2 * BLOCK + 9], x[2 * BLOCK + 10] = float("nan"), float("-inf"), -float("nan")
     codes, scales = quantize(x, EXP_AVG)
     values = dequantize(codes, scales, EXP_AVG).view(4, BLOCK)
     assert values[1:3].isnan().all()  # never read back as numbers
+    # and nothing of them kept: a NaN's sign, say, is the CPU's or the GPU's own
+    assert (codes.view(4, BLOCK)[1:3] == 0).all()
     assert values[0].isfinite().all() and values[3].isfinite().all()
     assert torch.equal(values[[0, 3]], dequantize(*quantize(x.view(4, BLOCK)[[0, 3]].reshape(-1), EXP_AVG),
                                                   EXP_AVG).view(2, BLOCK))

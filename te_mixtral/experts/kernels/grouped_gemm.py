@@ -15,10 +15,11 @@ persistent programs' schedule, is `schedule.py`'s; their epilogues' tile helpers
   SwiGLU: `EPI_SWIGLU` computes gate and up tiles side by side (two accumulators sharing
   the A tile), stores both pre-activations and silu(gate) * up; `EPI_SWIGLU_BWD` turns the
   product tile d(act) into d(gate), d(up) using the saved pre-activations, and re-creates
-  act on the way for the down projection's weight gradient. With the plain epilogue it can
-  split the reduction of the tiles that would leave programs idle in the last round
-  (`TAIL_SPLIT`, `_tail_split`), and scale its sums by one factor per row of A and one per
-  column of B (`SCALED`: FP8 operands with row-wise scales, `scaled_grouped_mm.py`).
+  act on the way for the down projection's weight gradient. Under any epilogue the
+  reduction of the tiles that would leave programs idle in the last round can be dealt out
+  to all of them (`TAIL_SPLIT`: stream-K, `stream_k.py`). The plain epilogue can scale its
+  sums by one factor per row of A and one per column of B (`SCALED`: FP8 operands with
+  row-wise scales, `scaled_grouped_mm.py`).
   B may also be a frozen base in NF4 (`B_NF4`, `nf4_operand.py`): each B tile is read as
   packed 4-bit codes and block scales and dequantised in registers inside the K loop, in
   either orientation, so the forward and both dgrads read half a byte per weight.
@@ -29,8 +30,8 @@ other with the same R. Every
 program loads `tokens_per_expert_L` itself, builds per-expert row and tile offsets with
 a cumsum in registers, and walks the tiles t = pid, pid + num_programs, ... up to a total that it
 computed on the device. A tile finds its expert by counting how many tile-ranges end at
-or before it: a [BLOCK_L] vector compare-and-sum, no search loop. Split tiles add their
-shares up in a fixed order, so results do not vary from run to run.
+or before it: a [BLOCK_L] vector compare-and-sum, no search loop. Streamed tiles add their
+pieces up in a fixed order, so results do not vary from run to run.
 
 Loads. With `USE_TMA` (CUDA, 16-byte aligned rows) operands come through host-built
 tensor descriptors: the copy engine zero-fills outside the tensor, so the row tail of the
@@ -45,9 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
+from te_mixtral.experts.kernels import stream_k
+from te_mixtral.experts.kernels.compile_ahead import launch
 from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
 from te_mixtral.experts.kernels.nf4_operand import NF4Operand
-from te_mixtral.experts.kernels.schedule import dot_precision, max_programs, pick, swizzle
+from te_mixtral.experts.kernels.schedule import cdiv, dot_precision, max_programs, next_power_of_2, pick, swizzle
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 # Constexpr globals so the kernels can branch on them at compile time.
@@ -62,7 +65,7 @@ EPI_SWIGLU_BWD = tl.constexpr(2)
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
     a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr, add_ptr,
-    nf4_scale_ptr, nf4_code_ptr,
+    nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales,
     R, N, I, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr, SCALED: tl.constexpr,
     ADD: tl.constexpr, B_NF4: tl.constexpr,
@@ -78,9 +81,11 @@ def _rows_gemm(
     first (gate rows [0, N), up rows [N, 2N)), stores both to h [R, 2N] and act to out.
     EPI_SWIGLU_BWD reads h, overwrites it in place with its gradient and, with WRITE_ACT,
     stores the recomputed act to out. SwiGLU epilogues run in EPI_PARTS column blocks.
-    TAIL_SPLIT > 1 (plain epilogue only) splits the last, partly filled round of tiles: see
-    `_tail_split`. scratch [num_programs, BLOCK_M, BLOCK_N] float32 holds the shares' partial
-    sums and arrivals [num_programs] int32, zeros, counts the shares of each split tile done.
+    TAIL_SPLIT > 1 deals the reduction of the last, partly filled round of tiles out to the
+    programs, at most TAIL_SPLIT of them a tile (stream_k.py): scratch [num_programs, 2,
+    2 (EPI_SWIGLU: gate, up) or 1, BLOCK_M, BLOCK_N] float32 holds the pieces' partial sums,
+    and arrivals [>= num_programs] int32, zeros, counts the pieces of each streamed tile
+    done (and is left zero).
     SCALED (plain epilogue only) multiplies row r's sums by a_scale[r] and expert e's column
     c by b_scale[e, c] (float32, [R] and [L, N]) before the store.
     ADD adds a tensor to the sums: under the plain epilogue one laid out as out [R, N], after
@@ -88,8 +93,9 @@ def _rows_gemm(
     activation, under EPI_SWIGLU one laid out as h [R, 2N] (LoRA's gate_up delta), under
     EPI_SWIGLU_BWD one laid out as act [R, N] (the down adapter's share of d(act)).
     B_NF4 (no TMA) reads B as NF4 (nf4_operand.py): b_src the packed codes of the 2-D view,
-    nf4_scale the block scales, nf4_code the 16 code values; each B tile is dequantised in
-    registers to A's dtype before its dot (`_nf4_tile`).
+    nf4_scale the block scales' 2-D view, nf4_code the 16 code values, nf4_row_bytes and
+    nf4_row_scales the two views' row strides; each B tile is dequantised in registers to A's
+    dtype before its dot (`_nf4_b_tile`).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -99,22 +105,27 @@ def _rows_gemm(
     tiles = tl.cdiv(counts, BLOCK_M) * n_tiles
     tile_ends = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
-    whole, shares = _tail_split(total, tl.num_programs(0), TAIL_SPLIT)
+    k_blocks = tl.cdiv(I, BLOCK_I)
+    programs = tl.num_programs(0)
+    whole, touched = total, 0
+    if TAIL_SPLIT > 1:
+        whole, streams = stream_k.plan(total, k_blocks, programs, TAIL_SPLIT)
+        work = (total - whole).to(tl.int64) * k_blocks  # the streamed tiles' steps
+        w0, w1, touched = stream_k.share(pid, streams, work, k_blocks)
     ri = tl.arange(0, BLOCK_I)
 
-    # FLATTEN lets the compiler software-pipeline across tiles too, so the next tile's
-    # loads overlap this tile's epilogue (at the cost of shared memory).
-    units = whole + (total - whole) * shares
-    for u in tl.range(pid, units, tl.num_programs(0), flatten=FLATTEN):
+    # Units u = pid, pid + programs, ...: the whole tiles below `whole`, then the tiles this
+    # program's streamed steps touch, one a round. FLATTEN lets the compiler
+    # software-pipeline across tiles too, so the next tile's loads overlap this tile's
+    # epilogue (at the cost of shared memory).
+    for u in tl.range(pid, whole + touched * programs, programs, flatten=FLATTEN):
         t, i_start, i_end = u, 0, I
         if TAIL_SPLIT > 1:
-            share, i_start, i_end = u * 0, u * 0, I + u * 0
-            if u >= whole:  # a tile of the last round: share `share` of its reduction
-                t = whole + (u - whole) // shares
-                share = (u - whole) % shares
-                i_len = tl.cdiv(tl.cdiv(I, BLOCK_I), shares) * BLOCK_I  # whole BLOCK_I blocks
-                i_start = share * i_len
-                i_end = tl.minimum(I, i_start + i_len)
+            s, k0, k1 = u * 0, u * 0, k_blocks + u * 0
+            if u >= whole:  # the j-th tile that this program's streamed steps touch
+                s, k0, k1 = stream_k.piece((u - whole) // programs, w0, w1, k_blocks)
+                t = whole + s
+            i_start, i_end = k0 * BLOCK_I, tl.minimum(I, k1 * BLOCK_I)
         e = tl.sum((tile_ends <= t).to(tl.int32), 0)
         count = pick(counts, idx, e)
         row_start = pick(row_ends, idx, e) - count
@@ -127,7 +138,6 @@ def _rows_gemm(
         # Rows past this expert's count and columns past N are never stored.
         rm = tl.arange(0, BLOCK_M)
         in_expert = pid_m * BLOCK_M + rm < count
-        row_ok = in_expert[:, None]
         h_tile = h_ptr + m0.to(tl.int64) * (2 * N)  # h rows are [gate | up]
         out_tile = out_ptr + m0.to(tl.int64) * N
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -154,14 +164,9 @@ def _rows_gemm(
 
         for i0 in range(i_start, i_end, BLOCK_I):
             if B_NF4:
-                # The tile's [BLOCK_I, BLOCK_N] elements by their place in the stored [rows, cols] weight.
-                if B_ICONTIG:
-                    w_rows, w_cols, width = (b_row0 + rn)[None, :], (i0 + ri)[:, None], I
-                else:
-                    w_rows, w_cols, width = (b_row0 + i0 + ri)[:, None], rn[None, :], N
-                b_ok = b_cols_ok & ((i0 + ri)[:, None] < I)
                 a = tl.load(a_ptrs, mask=a_rows_ok & ((i0 + ri)[None, :] < I), other=0.0)
-                b = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows, w_cols, width, b_ok).to(a.dtype)
+                b = _nf4_b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales, b_row0, n0, i0,
+                                N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
             elif USE_TMA:
                 a = a_src.load([m0, i0])
                 if B_ICONTIG:
@@ -178,7 +183,8 @@ def _rows_gemm(
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if EPILOGUE == EPI_SWIGLU:
                 if B_NF4:  # the up rows sit N rows below the gate rows
-                    b_up = _nf4_tile(b_src, nf4_scale_ptr, nf4_code_ptr, w_rows + N, w_cols, width, b_ok).to(a.dtype)
+                    b_up = _nf4_b_tile(b_src, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales, b_row0 + N,
+                                       n0, i0, N, I, B_ICONTIG, BLOCK_I, BLOCK_N).to(a.dtype)
                 elif USE_TMA:
                     b_up = tl.trans(b_src.load([b_row0 + N + n0, i0]))
                 elif EVEN_I:
@@ -193,18 +199,23 @@ def _rows_gemm(
 
         # --- epilogue: a 64-bit base per tile and 32-bit offsets inside it ([BM, BN]
         # tensors of int64 offsets would take two registers per element) ---
+        rows = count  # none where a piece of a streamed tile leaves the tile to another
+        if TAIL_SPLIT > 1:
+            if (k0 > 0) | (k1 < k_blocks):  # a piece: the one that arrives last finishes the tile
+                if EPILOGUE == EPI_SWIGLU:
+                    acc, acc_up, last = stream_k.add_pieces(acc, acc_up, scratch_ptr, arrivals_ptr, pid, s, w0,
+                                                            streams, work, k_blocks, True, BLOCK_M, BLOCK_N)
+                else:
+                    acc, _, last = stream_k.add_pieces(acc, acc, scratch_ptr, arrivals_ptr, pid, s, w0,
+                                                       streams, work, k_blocks, False, BLOCK_M, BLOCK_N)
+                rows = tl.where(last, count, 0)
+        row_ok = (pid_m * BLOCK_M + rm < rows)[:, None]
         if EPILOGUE == EPI_PLAIN:
-            rows = count
-            if TAIL_SPLIT > 1:
-                if u >= whole and shares > 1:  # only the share that finishes last stores
-                    acc, last = _sum_shares(acc, scratch_ptr, arrivals_ptr, t - whole, share,
-                                            shares, BLOCK_M, BLOCK_N)
-                    rows = tl.where(last, count, 0)
             cols = n0 + tl.arange(0, BLOCK_N)
             if SCALED:
                 acc = scale_tile(acc, a_scale_ptr + m0, in_expert,
                               b_scale_ptr + e * N + n0, cols < N, BLOCK_M, BLOCK_N)
-            store_mask = (pid_m * BLOCK_M + rm < rows)[:, None] & (cols < N)[None, :]
+            store_mask = row_ok & (cols < N)[None, :]
             if ADD:  # after the scales: the addend is in the output's units
                 acc += tl.load(add_ptr + m0.to(tl.int64) * N + rm[:, None] * N + cols[None, :], mask=store_mask,
                                other=0.0).to(tl.float32)
@@ -222,14 +233,14 @@ def _rows_gemm(
                 acc_part = column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
                 if EPILOGUE == EPI_SWIGLU:
                     g = acc_part
-                    u = column_part(acc_up, part, EPI_PARTS, BLOCK_M, BLOCK_N)
+                    up = column_part(acc_up, part, EPI_PARTS, BLOCK_M, BLOCK_N)
                     if ADD:
                         add_ptrs = add_ptr + m0.to(tl.int64) * (2 * N) + rm[:, None] * (2 * N) + cols[None, :]
                         g += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
-                        u += tl.load(add_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+                        up += tl.load(add_ptrs + N, mask=mask, other=0.0).to(tl.float32)
                     tl.store(gate_ptrs, g.to(h_ptr.dtype.element_ty), mask=mask)
-                    tl.store(gate_ptrs + N, u.to(h_ptr.dtype.element_ty), mask=mask)
-                    act = g * tl.sigmoid(g) * u
+                    tl.store(gate_ptrs + N, up.to(h_ptr.dtype.element_ty), mask=mask)
+                    act = g * tl.sigmoid(g) * up
                     tl.store(act_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
                     if ADD:
@@ -239,53 +250,61 @@ def _rows_gemm(
 
 
 @triton.jit
-def _nf4_tile(packed_ptr, scale_ptr, code_ptr, w_rows, w_cols, width, mask):
-    """The weight's elements at (w_rows, w_cols) of its stored 2-D view, `width` columns wide,
-    dequantised from NF4 (nf4.py): CODE[index] * absmax in float32 (the caller rounds them to
-    its dot's dtype). Each byte is read for both its values, and the code table, 64 bytes,
-    stays in L1."""
-    rows = w_rows.to(tl.int64)
-    byte = tl.load(packed_ptr + rows * ((width + 1) // 2) + w_cols // 2, mask=mask, other=0)
-    index = (byte.to(tl.int32) >> (4 - 4 * (w_cols % 2))) & 15  # value 2k: the high nibble
-    scale = tl.load(scale_ptr + rows * ((width + 63) // 64) + w_cols // 64, mask=mask, other=0.0)
-    return tl.load(code_ptr + index) * scale
+def _nf4_b_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0, n0, i0, N, I,
+                B_ICONTIG: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_I, BLOCK_N] B tile at (i0, n0) of the NF4 weight whose stored rows start at
+    b_row0, in float32 (the caller rounds it to its dot's dtype). Stored rows are [N, I] when
+    B_ICONTIG (the tile is read as [BLOCK_N, BLOCK_I] and transposed), else [I, N]; rows
+    past N, or past I, read as zeros."""
+    if B_ICONTIG:
+        rn = n0 + tl.arange(0, BLOCK_N)
+        return tl.trans(_nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0 + n0, rn < N, i0,
+                                  BLOCK_N, BLOCK_I))
+    ri = i0 + tl.arange(0, BLOCK_I)
+    return _nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, b_row0 + i0, ri < I, n0, BLOCK_I, BLOCK_N)
 
 
 @triton.jit
-def _tail_split(total, programs, TAIL_SPLIT: tl.constexpr):
-    """(whole, shares) for `total` tiles on `programs` persistent programs. Tiles [0, whole)
-    fill whole rounds and run as they are. The tiles of the last round, fewer than the
-    programs, would leave the rest idle (the whole GEMM taking two rounds for 1.2 rounds of
-    work); so each of them splits its reduction into `shares` parts, as many as the
-    programs hold, at most TAIL_SPLIT (a share's fixed cost grows as it shortens)."""
-    if TAIL_SPLIT > 1:
-        whole = total // programs * programs
-        left = total - whole
-        fit = tl.maximum(1, tl.minimum(TAIL_SPLIT, programs // tl.maximum(left, 1)))
-        shares = tl.where(left > 0, fit, 1)
+def _nf4_tile(packed_ptr, scale_ptr, code_ptr, row_bytes, row_scales, row0, rows_ok, col0,
+              ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows row0 + [0, ROWS) (those not rows_ok read as zeros), columns col0 + [0, COLS) of
+    the weight's stored 2-D view, dequantised from NF4 (nf4.py): CODE[index] * absmax in
+    float32. row_bytes and row_scales are the packed codes' and the scales' row strides;
+    col0 is a multiple of COLS, so a tile of at most 64 columns lies inside one scale block.
+
+    Each stored byte and scale is loaded once: a row's bytes as one contiguous run (16-byte
+    vectors where row_bytes allows), each byte for both its values, one scale per row and
+    block; the code is looked up in registers (`_nf4_code`). Loading the scale and the code
+    per value instead, the software pipeline stages a float32 tile per load per stage in
+    shared memory, several times the tile's own size: past any GPU's limit at the BF16 tiles."""
+    rows = (row0 + tl.arange(0, ROWS)).to(tl.int64)
+    k = col0 // 2 + tl.arange(0, COLS // 2)
+    byte = tl.load(packed_ptr + rows[:, None] * row_bytes + k[None, :],
+                   mask=rows_ok[:, None] & (k < row_bytes)[None, :], other=0).to(tl.int32)
+    values = tl.interleave(_nf4_code(code_ptr, byte >> 4), _nf4_code(code_ptr, byte & 15))  # value 2k: the high nibble
+    if COLS <= 64:
+        scale = tl.load(scale_ptr + rows * row_scales + col0 // 64, mask=rows_ok, other=0.0)
+        return values * scale[:, None]
     else:
-        whole, shares = total, 1
-    return whole, shares
+        j = col0 // 64 + tl.arange(0, COLS // 64)
+        scale = tl.load(scale_ptr + rows[:, None] * row_scales + j[None, :],
+                        mask=rows_ok[:, None] & (j < row_scales)[None, :], other=0.0)
+        return tl.reshape(tl.reshape(values, (ROWS, COLS // 64, 64)) * scale[:, :, None], (ROWS, COLS))
 
 
 @triton.jit
-def _sum_shares(acc, scratch_ptr, arrivals_ptr, slot, share, shares,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Share `share` of split tile `slot` leaves its float32 partial sum in scratch and
-    counts itself in. The share counted last adds all the partials in share order (so the
-    result does not depend on which finished first) and returns (sum, True); the others
-    return (their partial, False): nothing to store."""
-    size: tl.constexpr = BLOCK_M * BLOCK_N
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    first = scratch_ptr + (slot * shares).to(tl.int64) * size
-    tl.store(first + share * size + offs, acc)
-    tl.debug_barrier()  # every thread's part of the tile stored before the count goes up
-    arrived = tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel", scope="gpu")
-    if arrived == shares - 1:  # summed into acc: a second accumulator costs registers
-        acc = tl.load(first + offs, cache_modifier=".cg")  # from L2, where the other SMs' stores are
-        for s in range(1, shares):
-            acc += tl.load(first + s * size + offs, cache_modifier=".cg")
-    return acc, arrived == shares - 1
+def _nf4_code(code_ptr, index, FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 16):
+    """CODE[index] for a tensor of 4-bit indices in [FIRST, FIRST + COUNT), the way
+    bitsandbytes' CUDA kernels decode NF4: a binary tree of selects on the index bits, 15 in
+    all, over the code values held in registers. (tl.gather from the table took one to eight
+    warp shuffles a value, as the layout fell, and spilled at some tiles; a load a value from
+    the table would be staged in shared memory by the software pipeline.)"""
+    if COUNT == 1:
+        return tl.load(code_ptr + FIRST)
+    else:
+        half: tl.constexpr = COUNT // 2
+        return tl.where((index & half) != 0, _nf4_code(code_ptr, index, FIRST + half, half),
+                        _nf4_code(code_ptr, index, FIRST, half))
 
 
 @triton.jit
@@ -310,49 +329,51 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
 
 
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
-              epilogue=EPI_PLAIN, h=None, scales=None, add=None):
+              epilogue=EPI_PLAIN, h=None, scales=None, add=None, target=None):
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
     b_icontig, else [L, I, n], a tensor or an `NF4Operand` (read without TMA); out is [R, n]
     (None for EPI_SWIGLU_BWD without act).
     `scales` (plain epilogue) is (scale_R, scale_Ln) of row-wise scaled operands; `add`, a
     tensor added to the sums (the kernel's ADD), read as a contiguous one: a strided view (as
     grouped_mm returns for a width it pads) is copied first.
-    Returns Triton's compiled kernel (registers, spills, shared memory for reports)."""
-    ensure_cuda_context(a_RI.device)
+    Returns Triton's compiled kernel (registers, spills, shared memory for reports); with a
+    `target` (a triton GPUTarget), only compiles it for that GPU (`compile_ahead.py`)."""
     add = None if add is None else add.contiguous()
     R, I = a_RI.shape
     L = w.shape[0]
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
-    nf4 = None
-    if isinstance(w, NF4Operand):
-        nf4, use_tma = w, False
+    nf4_args = (None, None, 0, 0)
+    if isinstance(w, NF4Operand):  # the packed codes and the scales as 2-D views, rows and their strides
+        use_tma = False
         w2d = w.packed.reshape(L * w.shape[1], w.packed.shape[2])
+        scale2d = w.scale.reshape(L * w.shape[1], w.scale.shape[2])
+        nf4_args = (scale2d, w.code, w2d.stride(0), scale2d.stride(0))
     else:
         w2d = w.reshape(L * w.shape[1], w.shape[2])
     if use_tma:
+        ensure_cuda_context(a_RI.device)  # descriptors are encoded before the launch binds one
         a_src = descriptor(a_RI, [bm, bi])
         b_src = descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
     else:
         a_src, b_src = a_RI, w2d
-    # SwiGLU's epilogues need whole sums: only the plain one splits.
-    tail_split = cfg.get("TAIL_SPLIT", 1) if epilogue == EPI_PLAIN else 1
+    tail_split = cfg.get("TAIL_SPLIT", 1)
     # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
-    tile_bound = (R // bm + min(L, R)) * triton.cdiv(n, bn)
+    tile_bound = (R // bm + min(L, R)) * cdiv(n, bn)
     programs = max(1, min(max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound * tail_split))
     scratch = arrivals = None
-    if tail_split > 1:  # a split tile's shares take at most one slot per program
-        scratch = torch.empty(programs, bm, bn, dtype=torch.float32, device=a_RI.device)
-        arrivals = torch.zeros(programs, dtype=torch.int32, device=a_RI.device)
-    kernel = _rows_gemm[(programs,)](
-        a_src, b_src, counts_L, h if out is None else out,
+    if tail_split > 1:  # two slots a program, of one accumulator tile or (SwiGLU) two
+        slots = programs * 2 * (2 if epilogue == EPI_SWIGLU else 1)
+        scratch = torch.empty(slots, bm, bn, dtype=torch.float32, device=a_RI.device)
+        arrivals = stream_k.arrivals(a_RI.device, programs)
+    return launch(
+        _rows_gemm, programs, target, a_src, b_src, counts_L, h if out is None else out,
         a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add,
-        *((None, None) if nf4 is None else (nf4.scale, nf4.code)), R, n, I, L, w.shape[1],
+        *nf4_args, R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
-        ADD=add is not None, B_NF4=nf4 is not None,
+        ADD=add is not None, B_NF4=nf4_args[0] is not None,
         USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=dot_precision(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
-        BLOCK_L=triton.next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
+        BLOCK_L=next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
         EPI_PARTS=cfg.get("EPI_PARTS", 4), TAIL_SPLIT=tail_split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return kernel

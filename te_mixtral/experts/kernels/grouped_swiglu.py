@@ -61,30 +61,55 @@ from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 # on an H100 (docs/results/2026-11-21-kernel-notes.md has the numbers); the large regime's
 # dgrads and down projection since retimed on an H200 at training shapes (docs/kernels.md,
 # v4). The regime comes from the mean rows per expert, R / L, which the host knows from
-# shapes alone; the split stays on the device. The fields of a configuration are
-# `schedule.tile_config`'s; FLATTEN pays where the epilogue is heavy, as the SwiGLU
-# backward's: it reads two values per output and writes three.
+# shapes alone; the split stays on the device, where the kernels lay their tiles out from
+# it and stream the reduction of a part-empty last round (TAIL_SPLIT, stream_k.py). The
+# fields of a configuration are `schedule.tile_config`'s; FLATTEN pays where the epilogue is
+# heavy, as the SwiGLU backward's: it reads two values per output and writes three.
 #
 # Weight gradients with few rows per expert write far more than they read: 128 x 128 tiles,
 # two programs per SM, stored in two column blocks. On an H100 at 8 x 128 rows down_wgrad
 # 0.539 -> 0.421 ms and gate_up_wgrad 1.046 -> 0.810 with streaming stores and this tile
-# (cuBLAS 0.436 and 0.813); at 2 x 16 rows both tie cuBLAS (docs/kernels.md, v7).
+# (cuBLAS 0.436 and 0.813); at 2 x 16 rows both tie cuBLAS (docs/kernels.md, v7). Their grid
+# is the weight's M x N tiles, thousands at any row count, so they need no split: the rows
+# are their reduction, one to eight steps here.
 _WGRAD_FEW_ROWS = tile_config(128, 128, 64, 4, 3, progs=2, parts=2)
-# The row GEMMs whose N is D (down, gate_up_dgrad) lose most when the rows are split unevenly:
-# an expert with more rows than the mean needs more row tiles than the table was chosen for,
-# each streaming its weight columns again. Two programs per SM take those extra tiles in the
-# same pass. On an H100, down at 179 + 77 rows 0.191 -> 0.147 ms (cuBLAS 0.109), level at
-# 2 x 128; the whole op at that split 0.72 -> 0.77-0.80 of the best peer's speed (docs/kernels.md, v9).
-_ROWS_N_IS_D = tile_config(64, 128, 64, 4, 4, progs=2)
-CONFIGS = {
-    "small": {  # few rows per expert (see `regime`): weight-bandwidth bound
-        "gate_up": tile_config(64, 64, 128, 4, 4, parts=2),
-        "down": _ROWS_N_IS_D,
-        "down_dgrad": tile_config(64, 64, 64, 4, 4, progs=2, parts=2),
-        "down_wgrad": _WGRAD_FEW_ROWS,
-        "gate_up_dgrad": _ROWS_N_IS_D,
-        "gate_up_wgrad": _WGRAD_FEW_ROWS,
-    },
+
+
+def _few_rows(bm: int) -> dict:
+    """The table for up to `bm` rows per expert (16, 32 or 64), where the op is bound by
+    reading the weights (docs/kernels.md, "The two numbers"): a row tile holds an expert's
+    rows, so each GEMM streams each weight once, and the tensor cores do little work on
+    rows past the expert's end (a 64-row tile over 16 rows does four times the work the
+    rows need). The row GEMMs have few tiles, as few as 32 (one expert's down projection,
+    128 columns each) for 132 SMs, so each streams its last round over all the programs
+    (TAIL_SPLIT, stream_k.py): every SM reads weights until the GEMM ends. The weight
+    gradients reduce over the rows in steps of bm, so that few rows take one step.
+
+    The tile widths, warps and stages are those measured with 64-row tiles before
+    (docs/kernels.md, v6-v9): gate_up 64 columns wide (two accumulators, gate and up); down
+    and gate_up_dgrad, whose N is D, two programs per SM, which take an uneven split's extra
+    row tiles in the same pass (on an H100, down at 179 + 77 rows 0.191 -> 0.147 ms);
+    down_dgrad 128 wide. The 16- and 32-row tiles, and streaming gate_up and down_dgrad,
+    are this table's own, timed against the tables before them by
+    `benchmarks/custom_grouped_grid.py --tiles previous`. gate_up over 64 rows takes 8 warps:
+    with 4, its streamed epilogue (two accumulators summed) spilled, compiled by Triton 3.6
+    for sm_90 (255 registers and 24 bytes of stack a thread at four experts; 176 and none
+    with 8)."""
+    rows_n_is_d = tile_config(bm, 128, 64, 4, 4, progs=2, tail_split=4)
+    wgrad = dict(_WGRAD_FEW_ROWS, BLOCK_I=bm)
+    return {
+        "gate_up": tile_config(bm, 64, 128, 8 if bm == 64 else 4, 4, parts=2, tail_split=4),
+        "down": rows_n_is_d,
+        "down_dgrad": tile_config(bm, 128, 64, 4, 4, tail_split=4),
+        "down_wgrad": wgrad,
+        "gate_up_dgrad": rows_n_is_d,
+        "gate_up_wgrad": wgrad,
+    }
+
+
+FEW_ROWS_BLOCKS = (16, 32, 64)  # the row tiles of the few-rows tables, by rows per expert
+CONFIGS = {f"few rows, {bm}": _few_rows(bm) for bm in FEW_ROWS_BLOCKS}
+CONFIGS |= {
     "medium": {  # <= 512 rows per expert
         "gate_up": tile_config(128, 128, 64, 8, 4),
         "down": tile_config(128, 128, 64, 8, 3, progs=2),
@@ -102,43 +127,51 @@ CONFIGS = {
         "gate_up_wgrad": tile_config(128, 256, 64, 8, 3, group=16, parts=1),
     },
 }
-
-
-# One local expert (EP=8 of Mixtral's 8) with few rows: the GEMMs whose N is D (down,
-# gate_up_dgrad) get 64 tiles of 64 columns, too few for the SMs, so they stream their long
-# reduction through narrower tiles. On an H100 at 1 expert x 64 rows: gate_up_dgrad 0.148 ->
-# 0.094 ms (cuBLAS 0.097). With 2 experts (128 tiles) 64 wide is faster again: at 2 x 16 rows
-# gate_up_dgrad 0.184 against 0.240 narrow, down 0.104 against 0.126.
-CONFIGS["small, 1 expert"] = {**CONFIGS["small"], "down": tile_config(64, 32, 256, 4, 4),
-                              "gate_up_dgrad": tile_config(64, 32, 256, 4, 4)}
-# The same starvation one step up: at up to 512 rows in all, the medium table's 128x256
-# gate_up_dgrad tiles give at most 64 programs; 128x128 tiles double that, and down gains
-# from the same tile at one program per SM. On an H100 at 1 x 256 rows: gate_up_dgrad
-# 0.267 -> 0.181 ms, down 0.119 -> 0.097 (cuBLAS 0.105 and 0.064). At 2 x 512 rows (128
-# programs) the medium table wins again.
-# At up to 32 rows per expert with one or two experts even the narrow tiles leave SMs idle on
-# down and gate_up_dgrad, each program streaming a reduction of F or 2F: TAIL_SPLIT lets the
-# kernel split the reduction of tiles that would leave programs idle (`_tail_split`: at 8x7B
-# shapes 4 shares at 1 x 16 rows, 2 at 2 x 16). Fwd+bwd GPU ms on an H100 with those splits
-# fixed: 1 x 16 rows 0.603 -> 0.500, 2 x 16 0.991 -> 0.900 (grouped_mm 0.556 and 0.877); at
-# 64 rows, or with four experts, no gain (docs/kernels.md, v8). down_dgrad (whose SwiGLU
-# epilogue needs whole sums) takes wider tiles there: 2 x 16 0.167 -> 0.129 ms.
-_SPLIT_TAIL_FEW_ROWS = tile_config(64, 128, 64, 4, 4, tail_split=4)
-CONFIGS["split-K"] = {**CONFIGS["small"], "down": _SPLIT_TAIL_FEW_ROWS,
-                      "gate_up_dgrad": _SPLIT_TAIL_FEW_ROWS, "down_dgrad": tile_config(64, 128, 64, 4, 4)}
-# At up to 512 rows in all, down_dgrad also runs faster as 128 x 128 tiles of 4 warps, two
-# programs per SM: per GEMM on an H100, 2 x 256 rows 0.173 -> 0.142 ms, 4 x 128 0.229 -> 0.203,
-# 1 x 512 0.153 -> 0.128 (docs/kernels.md, v9); with more rows the medium table's tile wins.
+# At up to 512 rows in all, the medium table's 128x256 gate_up_dgrad tiles give at most 64
+# programs; 128x128 tiles double that, and down gains from the same tile at one program per
+# SM. On an H100 at 1 x 256 rows: gate_up_dgrad 0.267 -> 0.181 ms, down 0.119 -> 0.097
+# (cuBLAS 0.105 and 0.064). At 2 x 512 rows (128 programs) the medium table wins again.
+# down_dgrad also runs faster as 128 x 128 tiles of 4 warps, two programs per SM: per GEMM
+# on an H100, 2 x 256 rows 0.173 -> 0.142 ms, 4 x 128 0.229 -> 0.203, 1 x 512 0.153 -> 0.128
+# (docs/kernels.md, v9); with more rows the medium table's tile wins.
 # down and gate_up_dgrad here make 128 tiles at 2 x 256 rows, one round of an H100's 132
 # SMs; one expert, or an uneven split, leaves a round part-empty (1 x 256: 64 tiles; 358 +
 # 154 rows: 160 tiles, two rounds), so they split the tiles of the last round (TAIL_SPLIT).
-# Fwd+bwd GPU ms on an H100 at 8x7B shapes: 1 x 256 rows 0.698 -> 0.624, 358 + 154 1.565 ->
-# 1.438, 170 + 171 + 171 + 0 1.906 -> 1.805; where nothing splits, level to 3.5 % slower
-# (8x22B at 358 + 154), and in the other tables it lost as often as it gained (docs/kernels.md, v11).
+# Fwd+bwd GPU ms on an H100 at 8x7B shapes, with that round split in equal shares, before
+# stream-K: 1 x 256 rows 0.698 -> 0.624, 358 + 154 1.565 -> 1.438, 170 + 171 + 171 + 0 1.906
+# -> 1.805; where nothing split, level to 3.5 % slower (8x22B at 358 + 154), and in the other
+# tables it lost as often as it gained (docs/kernels.md, v11), because the split path took
+# registers even where nothing split (171 -> 250): gate_up and down_dgrad, whose 128 x 128
+# accumulators leave no registers to spare, do not stream here.
 _SPLIT_TAIL_MEDIUM = tile_config(128, 128, 64, 8, 4, tail_split=4)
 CONFIGS["medium, few rows"] = {**CONFIGS["medium"], "down": _SPLIT_TAIL_MEDIUM,
                                "gate_up_dgrad": _SPLIT_TAIL_MEDIUM,
                                "down_dgrad": tile_config(128, 128, 64, 4, 3, progs=2)}
+
+# An NF4 base (nf4_operand.py): the tables above, but where a tile cannot afford the B tile
+# it dequantises in registers (a float32 value per weight until the dot) or its shared
+# memory. Compiled for sm_80, sm_89 and sm_90, the BF16 tables' 128 x 256 tiles, the 4-warp
+# 128 x 128 one, gate_up's two 128 x 64 B tiles and the 4-warp tiles of 64 rows (32 for
+# gate_up) spilled registers (their SASS, compiled as tests/experts/test_kernel_resources.py
+# compiles them): they take 128 x 128 tiles of 8 warps, gate_up stepping 32 deep, and 8 warps
+# for the few rows. The few-rows gate_up over 64 rows takes 3 stages, and nothing flattens
+# (pipelining across tiles stages more in shared memory), so that every tile fits 99 KiB of
+# shared memory a block, the least of any GPU from sm_80 on (sm_86, sm_89), on sm_80, sm_89
+# and sm_90 alike (that test checks it). Chosen by compiling; not yet timed.
+_NF4_128 = tile_config(128, 128, 64, 8, 4)
+_NF4_GATE_UP = tile_config(128, 128, 32, 8, 4)
+_FEW_32, _FEW_64 = CONFIGS["few rows, 32"], CONFIGS["few rows, 64"]
+NF4_CONFIGS = {
+    "few rows, 16": CONFIGS["few rows, 16"],
+    "few rows, 32": {**_FEW_32, "gate_up": dict(_FEW_32["gate_up"], num_warps=8)},
+    "few rows, 64": {**_FEW_64, "gate_up": dict(_FEW_64["gate_up"], num_stages=3),
+                     **{gemm: dict(_FEW_64[gemm], num_warps=8) for gemm in ("down", "down_dgrad", "gate_up_dgrad")}},
+    "medium": {**CONFIGS["medium"], "gate_up": _NF4_GATE_UP, "gate_up_dgrad": _NF4_128},
+    "medium, few rows": {**CONFIGS["medium, few rows"], "gate_up": _NF4_GATE_UP, "down_dgrad": _NF4_128},
+    "large": {**CONFIGS["large"], "gate_up": tile_config(128, 128, 32, 8, 4, group=16),
+              "down": tile_config(128, 128, 64, 8, 4, group=16),
+              "down_dgrad": tile_config(128, 128, 64, 8, 4, group=16), "gate_up_dgrad": _NF4_128},
+}
 
 
 def uses_descriptors(rows: int, experts: int) -> bool:
@@ -157,16 +190,15 @@ def uses_descriptors(rows: int, experts: int) -> bool:
 
 
 def regime(rows: int, experts: int) -> str:
-    """The tile table for `rows` over `experts` local experts. From four experts on, the
-    medium tiles (128 rows) beat the small ones (64) from 65 rows per expert; with fewer
-    experts the small ones win up to 128. On an H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96
-    rows 3.68 against 3.99, 8 x 128 3.80 against 4.06; 1 x 128 0.57 small against 0.76.
-    With one or two experts and at most 32 rows each, the split-K table (see above)."""
+    """The tile table for `rows` over `experts` local experts. Up to 64 rows per expert, or
+    128 with fewer than four experts, a few-rows table whose row tile holds the mean rows
+    per expert (16, 32 or 64); then the medium tiles (128 rows), which from four experts on
+    beat 64-row ones from 65 rows per expert, and with fewer experts only from 129. On an
+    H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96 rows 3.68 against 3.99, 8 x 128 3.80 against
+    4.06; 1 x 128 0.57 with 64-row tiles against 0.76."""
     per_expert = rows / max(experts, 1)
-    if per_expert <= 32 and experts <= 2:
-        return "split-K"
     if per_expert <= 64 or (per_expert <= 128 and experts < 4):
-        return "small, 1 expert" if experts == 1 else "small"
+        return f"few rows, {next((bm for bm in FEW_ROWS_BLOCKS if per_expert <= bm), 64)}"
     if per_expert <= 512:
         return "medium, few rows" if rows <= 512 else "medium"
     return "large"
@@ -302,8 +334,9 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
-    it; by default CONFIGS, or FP32_CONFIGS for fp32 inputs); `use_tma` forces the
-    descriptor path on or off (default: `uses_descriptors`, where the tensors allow it).
+    it; by default CONFIGS, NF4_CONFIGS over an NF4 base, or FP32_CONFIGS for fp32 inputs);
+    `use_tma` forces the descriptor path on or off (default: `uses_descriptors`, where the
+    tensors allow it).
     `keep_hidden=False` is selective recompute done inside the op: the forward keeps only
     its inputs, and the backward runs the gate_up GEMM again for the pre-activations. That
     is cheaper than recomputing the whole op (torch's checkpoint), which would run the down
@@ -324,7 +357,8 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     again from them; its gradient still leaves as h_add's.
     """
     if configs is None:
-        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else CONFIGS
+        nf4 = not all(isinstance(w, torch.Tensor) for w in (gate_up_L2FD, down_LDF))
+        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else NF4_CONFIGS if nf4 else CONFIGS
     if not keep_hidden and h_add_R2F is not None and h_add_factors is None:
         raise ValueError("grouped_swiglu's recompute makes the gate_up adapter's delta again: pass h_add_factors")
     if keep_hidden or h_add_R2F is None:

@@ -15,8 +15,9 @@ Shape suffixes: see te_mixtral/__init__.py.
 import triton
 import triton.language as tl
 
+from te_mixtral.experts.kernels.compile_ahead import launch
 from te_mixtral.experts.kernels.epilogue import column_part, scale_tile
-from te_mixtral.experts.kernels.schedule import dot_precision, max_programs, pick, swizzle
+from te_mixtral.experts.kernels.schedule import cdiv, dot_precision, max_programs, next_power_of_2, pick, swizzle
 from te_mixtral.experts.kernels.tma_host import descriptor, ensure_cuda_context
 
 
@@ -152,27 +153,28 @@ def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED:
     return acc
 
 
-def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None, accumulate=False):
+def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None, accumulate=False, target=None):
     """Launch `_wgrad_gemm`: out_LMN[e] = g[rows of e]^T @ x[rows of e], with g [R, M] and
     x [R, N], or with `k_major` g [M, R] and x [N, R] (rows contiguous, of one stride).
-    `scales` is (g_scale_LM, x_scale_LN); `accumulate` makes it out_LMN[e] += instead."""
-    ensure_cuda_context(g.device)
+    `scales` is (g_scale_LM, x_scale_LN); `accumulate` makes it out_LMN[e] += instead. With a
+    `target` (a triton GPUTarget) it only compiles the kernel for that GPU (`compile_ahead.py`)."""
     if k_major and not (g.stride(1) == x.stride(1) == 1 and g.stride(0) == x.stride(0)):
         raise ValueError("wgrad_gemm with k_major takes g and x with contiguous rows of one stride")
     L, M, N = out_LMN.shape
     bm, bn, bi = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_I"]
     if use_tma:
+        ensure_cuda_context(g.device)  # descriptors are encoded before the launch binds one
         blocks = ([bm, bi], [bn, bi]) if k_major else ([bi, bm], [bi, bn])
         g_src, x_src = descriptor(g, blocks[0]), descriptor(x, blocks[1])
     else:
         g_src, x_src = g, x
-    tiles = L * triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (max(1, min(max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles)),)
-    return _wgrad_gemm[grid](
-        g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
+    tiles = L * cdiv(M, bm) * cdiv(N, bn)
+    programs = max(1, min(max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles))
+    return launch(
+        _wgrad_gemm, programs, target, g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
         g.stride(0),
         USE_TMA=use_tma, DOT_PREC=dot_precision(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
         ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
-        BLOCK_L=triton.next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
+        BLOCK_L=next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

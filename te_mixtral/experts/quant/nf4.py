@@ -15,7 +15,8 @@ near 0), so its error is lower than uniform INT4's at the same 4.5 bits per valu
 measured NF4 ahead of FP4 and INT4 for LoRA over the frozen base. It is also what people
 fine-tune Mixtral with today (bitsandbytes), so benchmarks/nf4_accuracy.py compares like
 with like. The one cost over INT4 is a table look-up in place of a subtraction when the
-kernel dequantises: a 16-entry table, 64 bytes, that stays in L1.
+kernel dequantises: 16 values, held in registers and picked by a tree of selects on the
+index bits, as bitsandbytes' kernels decode them.
 
 Two departures from bitsandbytes, both for filling a stack row block by row block as a
 checkpoint loads (frozen.py): blocks never cross rows (bitsandbytes blocks the flattened

@@ -149,8 +149,13 @@ NF4_CASES = {
     # name: (splits, D, F, tiles, keep_hidden): D odd (a half-filled last byte per row of
     # gate_up, a short last block), F past one block; the K tails and every row tile masked.
     "uneven_odd_width": ([13, 0, 0, 20, 1], 21, 70, dict(TINY, BLOCK_N=32, BLOCK_I=32), True),
+    # tiles 128 wide along the packed rows, past one scale block each (the kernels' tables
+    # read NF4 tiles so): D and F past two blocks, neither a multiple of 64
+    "wide_tiles": ([19, 0, 30], 150, 200, dict(TINY, BLOCK_N=128, BLOCK_I=128), True),
     "shipped_tiles_recomputed": ([33, 0, 17], 40, 24, None, False),
-    "split_tail_recomputed": ([9, 0, 20, 5], 16, 36, "split", False),
+    # Every row GEMM's last round streamed (test_custom_grouped's split_every_gemm): the
+    # adapters' additions made once, by the piece that finishes a tile.
+    "streamed_recomputed": ([3, 0, 40], 20, 20, "split", False),
 }
 
 
