@@ -35,9 +35,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an sm_100+ GPU"))
     if _in_background():
         # The modules that read planned work go last (each in its own order), so that the rest
-        # of the suite runs while that work is done (`_planned_in_background`).
-        planning = set(_planning(items, "launch_planned")) | set(_planning(items, "planned_command"))
-        items.sort(key=lambda item: getattr(item, "module", None) in planning)
+        # of the suite runs while that work is done (`_planned_in_background`); of those, the
+        # ones that wait for planned commands after the ones that wait for launches only: the
+        # background does the commands last (all but the interpreter run, which is longer than
+        # any launch), and meanwhile these tests' own launches run beside them.
+        launches, commands = set(_planning(items, "launch_planned")), set(_planning(items, "planned_command"))
+        items.sort(key=lambda item: (getattr(item, "module", None) in launches | commands,
+                                     getattr(item, "module", None) in commands))
 
 
 def _in_background() -> bool:

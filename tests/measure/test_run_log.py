@@ -26,7 +26,7 @@ from te_mixtral.training.outputs import check_outputs
 
 STEPS, SEQ_LEN, BATCH = 6, 64, 4
 ARGS = ["--steps", str(STEPS), "--timing_warmup_steps", "2", "--seq_len", str(SEQ_LEN), "--batch_size", str(BATCH),
-        "--log_every", "2", "--eval-fraction", "0.05", "--eval-every", "3"]
+        "--log_every", "2", "--max_documents", "60", "--eval-fraction", "0.05", "--eval-every", "3"]
 FIELDS = {"run_id", "step", "loss", "aux_loss", "z_loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "peak_memory_gib",
           "expert_load"}
 

@@ -3,21 +3,19 @@ on held-out data, export (`--save-hf`), generate; then check every result agains
 transformers running the exported checkpoint."""
 
 import json
+import re
 
 import pytest
 import torch
-from launch import run_app
+from launch import RUN_DIR, WORKER, run_worker
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    MixtralConfig,
     MixtralForCausalLM,
 )
 
 from te_mixtral.config import DataConfig
 from te_mixtral.data.packing import PackedData
-from te_mixtral.data.sources import load_documents
-from te_mixtral.data.tokenizer import load_tokenizer
 from te_mixtral.model.mixtral import causal_lm_loss
 
 SEQ_LEN, BATCH, STEPS, SEED = 64, 4, 4, 1234
@@ -36,27 +34,27 @@ def hf_loss(model, batches) -> float:
     return summed / targets
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A tiny random HF Mixtral with a tokenizer.json, fine-tuned by the app (one launch)."""
-    root = tmp_path_factory.mktemp("hf_out")
-    source = root / "source"
-    tokenizer = load_tokenizer(DataConfig(), load_documents(DataConfig()))  # the session's cached BPE
-    torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                        num_experts_per_tok=2, max_position_embeddings=1024, eos_token_id=tokenizer.eos_id,
-                        bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    MixtralForCausalLM(cfg).save_pretrained(source)
-    tokenizer.backend.save(str(source / "tokenizer.json"))
+SCRIPT = "tests/workers/train_then_logits.py"
+# A tiny random HF Mixtral with the default data's tokenizer.json (written by the worker's rank
+# 0), fine-tuned by the app with EP=2, evaluated, exported and generating.
+SOURCE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024, bos_token_id=None,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+ARGS = [f"{RUN_DIR}/ours.pt", "--random-model", json.dumps(SOURCE), "--model", f"{RUN_DIR}/source", "--ep-size", "2",
+        "--steps", str(STEPS), "--timing_warmup_steps", "1", "--batch_size", str(BATCH), "--seq_len", str(SEQ_LEN),
+        "--log_every", "1", "--eval-fraction", "0.05", "--eval-every", "2", "--save-hf", f"{RUN_DIR}/run/hf",
+        "--save-every", "2", "--generate", PROMPT, "--generate-tokens", "8", "--output-dir", f"{RUN_DIR}/run"]
+PLANNED_RUNS = {2: [[WORKER, SCRIPT, *ARGS]]}  # run in the session's two-rank launch (conftest.py's launch_planned)
 
-    out = root / "run"
-    proc = run_app([str(root / "ours.pt"), "--model", str(source), "--ep-size", "2", "--steps", str(STEPS),
-                    "--timing_warmup_steps", "1", "--batch_size", str(BATCH), "--seq_len", str(SEQ_LEN),
-                    "--log_every", "1", "--eval-fraction", "0.05", "--eval-every", "2", "--save-hf", str(out / "hf"),
-                    "--save-every", "2", "--generate", PROMPT, "--generate-tokens", "8", "--output-dir", str(out)],
-                   nproc=2, script="tests/workers/train_then_logits.py")
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, launch_planned):
+    """The source checkpoint, the export, results.json, our logits, the data, the ranks' stdout."""
+    root = tmp_path_factory.mktemp("hf_out")
+    launch_planned(2)
+    proc = run_worker(root, SCRIPT, ARGS, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    source, out = root / "source", root / "run"
     results = json.loads((out / "results.json").read_text())
     data = PackedData(DataConfig(tokenizer=str(source), seq_len=SEQ_LEN, eval_fraction=0.05), BATCH, 0, 1, SEED)
     return source, out / "hf", results, torch.load(root / "ours.pt"), data, proc.stdout
@@ -65,7 +63,8 @@ def run(tmp_path_factory):
 @pytest.mark.slow
 def test_training_starts_from_the_checkpoint(run):
     source, _, results, _, data, stdout = run
-    assert f"weights and model config from {source}" in stdout
+    # The folder the planned run read (its own, which was copied here).
+    assert re.search(r"weights and model config from \S+/source \(", stdout), stdout[-2000:]
     hf = MixtralForCausalLM.from_pretrained(source, dtype=torch.float32)
     assert abs(results["losses"][0] - hf_loss(hf, data.micro_batches(0))) < 1e-5 * results["losses"][0]
 

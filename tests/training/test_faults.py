@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from background import Command
 from conftest import REPO
-from launch import RUN_DIR, app_command, assert_one_line_error, run_cli
+from launch import app_command, assert_one_line_error, run_app, run_cli
 
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.distributed.layout import Layout
@@ -93,19 +92,16 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
 
 
-# Running as root, permissions would not stop us; a device where a folder should be does.
-UNWRITABLE = Command((*app_command([*SMALL, "--steps", "4", "--checkpoint-dir", "/dev/null/ckpt", "--output-dir",
-                                    f"{RUN_DIR}/out"], nproc=2),), (("OMP_NUM_THREADS", "1"),), timeout=120)
-PLANNED_COMMANDS = [UNWRITABLE]  # run from the session's start (conftest.py's planned_command)
-
-
 @pytest.mark.slow
-def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(planned_command):
-    proc, _ = planned_command(UNWRITABLE)
+def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")  # running as root, permissions would not stop us; this does
+    proc = run_app([*SMALL, "--steps", "4", "--checkpoint-dir", str(blocker / "ckpt"), "--output-dir",
+                    str(tmp_path / "out")], nproc=2, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
     assert proc.returncode != 0
     assert len(lines) == 1, proc.stderr[-3000:]  # one per job: rank 0's
-    assert all("checkpoint directory /dev/null/ckpt is not writable" in line for line in lines)
+    assert all(f"checkpoint directory {blocker / 'ckpt'} is not writable" in line for line in lines)
     assert "step" not in proc.stdout  # no training step ran
 
 

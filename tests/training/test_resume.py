@@ -3,8 +3,8 @@ like the run that was never stopped (CPU, EP=2 over two gloo ranks), with fp32 p
 torch's AdamW, with bf16 parameters whose fp32 master lives in MasterAdamW's remainders, and
 with LoRA adapters (dropout on) over a frozen base, and over a frozen NF4 base. Each pair
 trains in the session's two-rank launch, the resumed run building everything anew from its
-arguments and the checkpoint (launch.STOPPED_AT); and a user's resume, the app's own launch
-in processes of its own, continues the fp32 run exactly too."""
+arguments and the checkpoint (launch.STOPPED_AT); and a user's resume, the app started anew
+(`python run_finetune_ep.py ... --resume`), continues the fp32 run exactly too, in one process."""
 
 import json
 import shutil
@@ -15,9 +15,11 @@ from launch import RUN_DIR, STOPPED_AT, run_app, run_cli, train_and_save
 from te_mixtral.training.dcp_index import read_index
 
 N = 3
+# 60 of the embedded text's 75 documents: 5 % of them held out is three, 14 global batches to
+# evaluate at each checkpoint (of all 75, four: 82 batches).
 COMMON = ["--ep-size", "2", "--steps", str(2 * N), "--timing_warmup_steps", "1", "--batch_size", "4",
-          "--seq_len", "64", "--log_every", "1", "--eval-fraction", "0.05", "--eval-every", str(N),
-          "--checkpoint-every", str(N)]
+          "--seq_len", "64", "--log_every", "1", "--max_documents", "60", "--eval-fraction", "0.05",
+          "--eval-every", str(N), "--checkpoint-every", str(N)]
 
 
 # LoRA with dropout: the adapters' AdamW state and the dropout RNG must both carry over. Over
@@ -35,8 +37,10 @@ def stopped_and_resumed(optimizer: str) -> list[str]:
     return [STOPPED_AT, str(N), *COMMON, *OPTIMIZERS[optimizer]]
 
 
-# Trained with the other modules' two-rank runs (conftest.py's launch_planned).
-PLANNED_RUNS = {2: [whole_run("fp32-adamw"), *map(stopped_and_resumed, OPTIMIZERS)]}
+ONE_PROCESS = ["--ep-size", "1"]
+# Trained with the other modules' runs of the same rank count (conftest.py's launch_planned);
+# the one-process run never stopped is test_resume_reshard.py's too.
+PLANNED_RUNS = {1: [[*whole_run("fp32-adamw"), *ONE_PROCESS]], 2: list(map(stopped_and_resumed, OPTIMIZERS))}
 
 
 def steps_logged(output_dir) -> list[int]:
@@ -72,18 +76,18 @@ def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
 
 
 @pytest.mark.slow
-def test_a_users_resume_in_new_processes_equals_one_run(tmp_path, launch_planned):
+def test_a_users_resume_in_a_new_process_equals_one_run(tmp_path, launch_planned):
     whole = tmp_path / "whole"
-    launch_planned(2)
-    train_and_save(whole, whole_run("fp32-adamw"), nproc=2)
+    launch_planned(1)
+    train_and_save(whole, [*whole_run("fp32-adamw"), *ONE_PROCESS], nproc=1)
 
     # The state a run killed right after its step-N checkpoint leaves behind.
     resumed = tmp_path / "resumed"
     shutil.copytree(whole / "ckpt", resumed / "ckpt")
     shutil.rmtree(resumed / "ckpt" / "step-000006")
     (resumed / "ckpt" / "latest").write_text("step-000003\n")
-    proc = run_app([*COMMON, "--checkpoint-dir", str(resumed / "ckpt"), "--output-dir", str(resumed), "--resume"],
-                   nproc=2)
+    proc = run_app([*COMMON, *ONE_PROCESS, "--checkpoint-dir", str(resumed / "ckpt"), "--output-dir", str(resumed),
+                    "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from {resumed / 'ckpt' / 'step-000003'} (step {N} of {2 * N})" in proc.stdout
     assert "step    4/6" in proc.stdout and "step    3/6" not in proc.stdout  # only the remaining steps ran
