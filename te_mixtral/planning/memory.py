@@ -50,7 +50,8 @@ Under `train.sharding: fsdp` a rank keeps shards of the weights, their gradients
 optimizer state, and FSDP holds some of them whole for a while (model_state.py, `held_fsdp`).
 
 Under expert parallelism every rank receives T*K rows on average; routing is assumed balanced
-and `ROUTING_IMBALANCE` is the margin kept for the busiest rank. The counts follow what the
+and `ROUTING_IMBALANCE` is the margin kept for the busiest rank in one layer,
+`margin_over_layers` for what the layers keep together (their busiest ranks differ). The counts follow what the
 code of this package saves (checked tensor by tensor with `saved_tensors_hooks`, on the CPU in
 tests/measure/test_memory.py and on an H100 for the TE path).
 
@@ -75,6 +76,7 @@ micro-batch's logits go when the next forward returns, before its head backward.
 """
 
 import importlib.util
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -114,8 +116,18 @@ OPTIMIZERS = {
 EXPERT_STATE_8BIT = 2 + 2 * (1 + 4 / 256)
 # Under expert parallelism the busiest rank receives more than the average T*K rows: up to
 # 1.46 times in this project's EP runs (expert_rows_per_rank in docs/results/*/runs, one step
-# each; the peak is over all steps).
+# each; the peak is over all steps). That is one layer's margin, and the margin of what two
+# layers keep together (the 2-layer runs, whose peaks need it). What more layers keep adds up
+# over layers whose busiest ranks differ, so the excess shrinks as for independent layers,
+# with the square root of their number (`margin_over_layers`): summed over the layers, the
+# fullest rank's rows were at most 1.10 times the mean at 16 layers (the margin: 1.18) and
+# 1.06 at 32 (1.13), tokens_per_expert in those runs' results.json.
 ROUTING_IMBALANCE = 1.5
+
+
+def margin_over_layers(layers: int) -> float:
+    """The busiest rank's share of the rows that `layers` layers keep together, over the mean."""
+    return 1 + (ROUTING_IMBALANCE - 1) * min(1.0, math.sqrt(2 / max(layers, 1)))
 # GEMM libraries' workspaces on a GPU (cuBLAS, cuBLASLt, TE), handed out by PyTorch's allocator.
 WORKSPACE_BYTES = 256 * 2**20
 # What max_memory_allocated leaves out but a GPU must also hold: the CUDA context and library
@@ -258,9 +270,13 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     E, K = m.num_experts, m.num_experts_per_tok
     H, G, Hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
     T = batch * S
-    R = round(T * K * (ROUTING_IMBALANCE if ep > 1 else 1))
+
+    def rows(margin: float) -> int:  # the busiest rank's rows (ROUTING_IMBALANCE*)
+        return round(T * K * (margin if ep > 1 else 1))
+
     # What the expert FFN holds per layer, in bytes: the tier's own to say (ExpertTier.memory).
-    tier = expert_memory(cfg, ExpertLoad(device, R, E // ep, activation_bytes=a, weight_bytes=p_bytes))
+    def expert_memory_of(R: int):
+        return expert_memory(cfg, ExpertLoad(device, R, E // ep, activation_bytes=a, weight_bytes=p_bytes))
 
     # A PyTorch norm keeps its input in fp32 (the input itself from an fp32 residual, a copy
     # from a bf16 one) and the normalised rows in the residual dtype.
@@ -272,15 +288,25 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # The combine keeps the expert output rows for its backward: TE's unpermute as they are,
     # PyTorch's weighted sum an fp32 copy (distributed/dispatch.py); so is its gradient made.
     combine = a if backend == "te" else 4
-    dense_layer = (2 * norm + linear_inputs
-                   + a * T * Hd * (2 * H + 2 * G) + 4 * T * H + mask  # attention
-                   + 4 * T * E + 32 * T * K + 4 * T  # routing: probs; indices and weights
-                   + a * R * D + combine * R * D)  # dispatched rows; combine
-    expert_hidden = tier.hidden
-    # LoRA: each adapter keeps its rank-r product of the rows it reads (its input is kept
-    # anyway) for B's gradient: per row of its layer, T for attention's, R for the experts'.
-    dense_layer += a * lora.rank * T * len(lora.dense_targets())
-    expert_hidden += a * lora.rank * R * len(lora.expert_targets())
+
+    def layer_saved(R: int, tier) -> tuple[int, int]:
+        """(the dense part, the expert FFN's hidden rows) a layer keeps for its backward."""
+        dense_layer = (2 * norm + linear_inputs
+                       + a * T * Hd * (2 * H + 2 * G) + 4 * T * H + mask  # attention
+                       + 4 * T * E + 32 * T * K + 4 * T  # routing: probs; indices and weights
+                       + a * R * D + combine * R * D)  # dispatched rows; combine
+        # LoRA: each adapter keeps its rank-r product of the rows it reads (its input is kept
+        # anyway) for B's gradient: per row of its layer, T for attention's, R for the experts'.
+        dense_layer += a * lora.rank * T * len(lora.dense_targets())
+        return dense_layer, tier.hidden + a * lora.rank * R * len(lora.expert_targets())
+
+    # One layer at a time (its backward) takes one layer's margin; the layers held together
+    # until the head's backward take the margin over layers.
+    R = rows(ROUTING_IMBALANCE)
+    tier = expert_memory_of(R)
+    dense_layer, expert_hidden = layer_saved(R, tier)
+    R_held = rows(margin_over_layers(m.num_hidden_layers))
+    dense_held, expert_hidden_held = layer_saved(R_held, expert_memory_of(R_held))
     fused = backend == "te" and cfg.te_fusions  # model/layers.py: q, k and v packed; TE's cross-entropy
     packed_qkv = D * Hd * (H + 2 * G) if fused else 0
     dense_copies, expert_copies = copy * (params.dense_per_layer - 2 * D - packed_qkv), copy * params.experts_per_layer
@@ -288,8 +314,8 @@ def estimate_memory(cfg: RunConfig, world_size: int, *, optimizer: str | None = 
     # What a layer keeps until its backward: selective recomputes the expert FFN, and with it
     # the experts' weight copies; full keeps the layer's input alone.
     cached = tier.weight_copies_cached
-    saved = {"none": (dense_layer + expert_hidden, dense_copies + expert_copies + tier.weight_copies_saved),
-             "selective": (dense_layer, dense_copies + cached),
+    saved = {"none": (dense_held + expert_hidden_held, dense_copies + expert_copies + tier.weight_copies_saved),
+             "selective": (dense_held, dense_copies + cached),
              "full": (r * T * D, cached)}
     recomputing = recomputed_layers(replace(cfg.train, recompute=recompute), m.num_hidden_layers)
     kept = m.num_hidden_layers - recomputing  # layers that keep what `none` keeps

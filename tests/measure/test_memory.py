@@ -260,6 +260,8 @@ def recorded_runs():
 def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
     header, raw = result["header"], upgrade_saved(result["header"]["config"])
     kernel = header["ran"].get("kernel", "")
+    if raw.get("ep_capacity", 0) > 0:
+        pytest.skip("the estimate does not model the padded exchange's buffers (docs/parallelism.md)")
     if raw["tier"] == "device_mxfp8" and not any(w in kernel for w in ("once per optimizer step", "at every use",
                                                                           "over a frozen base")):
         pytest.skip("recorded by the FP8 tier before its fused SwiGLU and weight cache, which the estimate "
