@@ -27,5 +27,5 @@ TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests' way, in fp32)
     tma_host.py           host-built TMA descriptors, when tensors allow them, and the CUDA
                           context the driver needs to build them
     compile_ahead.py      a launch compiled for a GPU that is not here (a CPU test's check
-                          of every tile's shared memory on each GPU a tier claims)
+                          of the tiles' shared memory on each GPU a tier claims)
 """

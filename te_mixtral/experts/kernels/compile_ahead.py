@@ -9,8 +9,8 @@ launcher binds them (dtypes, 16-byte alignment, the integers it specialises, con
 through that launcher's binder (`triton.runtime.jit`). The compiled kernel's
 `metadata.shared` is the shared memory the launch would ask for, and its SASS
 (`asm["cubin"]`) shows any register spills. The grouped GEMMs' launchers take such a target,
-so a CPU test checks every tile a tier can pick on every GPU it claims
-(tests/experts/test_kernel_resources.py).
+so a CPU test checks the tiles a tier can pick on every GPU it claims
+(tests/experts/test_kernel_resources.py: each table's heaviest, or every tile).
 """
 
 import triton
