@@ -420,7 +420,8 @@ LORA_RUNS = {
     "fp8-tests": pytest_gpu("fp8-tests", "tests/gpu/test_device_mxfp8_gpu.py"),
     # the GPU tests of the adapters and of the kernels they run in
     "tests": pytest_gpu("tests", "tests/gpu/test_lora_gpu.py", "tests/gpu/test_memory_lora_gpu.py",
-                        "tests/gpu/test_custom_grouped_gpu.py", "tests/gpu/test_grouped_linear_gpu.py",
+                        "tests/gpu/test_custom_grouped_gpu.py", "tests/gpu/test_small_shared_gpu.py",
+                        "tests/gpu/test_grouped_linear_gpu.py",
                         "tests/gpu/test_te_permute_gpu.py", "tests/gpu/test_device_mxfp8_gpu.py"),
     # 8 layers, every weight trained (bf16 parameters, master_adamw)
     "full-8layer": lora_train("full-8layer", 1, "--model.num_hidden_layers", "8", "--optimizer", "master_adamw"),

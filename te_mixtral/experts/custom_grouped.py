@@ -133,11 +133,7 @@ class CustomGroupedTier(ExpertTier):
             raise TierUnavailable(DOWN_DROPOUT)
         if torch.is_autocast_enabled("cuda"):
             x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
-        from te_mixtral.experts.kernels.grouped_swiglu import bf16_tables_fit
-
-        # Decoded whole, an NF4 base is multiplied by the BF16 tables, whose tiles need more
-        # shared memory than sm_86 and sm_89 have: those keep decoding tile by tile.
-        whole = dequantizes_whole(x_RD.shape[0], tokens_per_expert_L.shape[0]) and bf16_tables_fit(x_RD.device)
+        whole = dequantizes_whole(x_RD.shape[0], tokens_per_expert_L.shape[0])
         return kernels_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, adapters, keep_hidden, whole)
 
 

@@ -131,6 +131,19 @@ def test_every_size_has_its_tile_table():
     assert not uses_descriptors(64, 1) and uses_descriptors(16384, 8)
 
 
+def test_gpus_with_99_kib_a_block_get_the_small_shared_tables(monkeypatch):
+    """`bf16_configs`, where the BF16 tables are chosen: by the shared memory a block may ask
+    on the GPU (the one query, faked here), the full tables from 163 KiB (A100, Hopper), the
+    cut ones below (99 KiB: sm_86, sm_89), and the full ones off CUDA; each covers every regime."""
+    from te_mixtral.experts.kernels import grouped_swiglu as op
+
+    for kib, want in ((99, op.SMALL_SHARED_CONFIGS), (163, op.CONFIGS), (227, op.CONFIGS)):
+        monkeypatch.setattr(op, "shared_memory_per_block", lambda index, kib=kib: kib * 1024)
+        assert op.bf16_configs(torch.device("cuda", 1)) is want, f"{kib} KiB"
+    assert op.bf16_configs(torch.device("cpu")) is op.CONFIGS
+    assert all(op.SMALL_SHARED_CONFIGS[name].keys() == table.keys() for name, table in op.CONFIGS.items())
+
+
 # --- the Triton kernels, run by the interpreter in a fresh process ------------------
 
 if INTERPRETING:  # triton must not be imported before the variable is set
@@ -227,6 +240,29 @@ def test_interpreter_kernels_match_float64(case):
                    case)
     # Streamed tiles' counters are left zero: the next launch counts on the same ones.
     assert not any(counts.any() for counts in stream_k._ARRIVALS.values())
+
+
+# The BF16 tables cut for GPUs whose blocks get 99 KiB of shared memory (SMALL_SHARED_CONFIGS),
+# at widths that make several K steps and a short last one: gate_up 64 deep over few rows, 128
+# x 64 over more, and the large table's 128 x 256 tiles halved (the other cuts are of these kinds).
+SMALL_SHARED_CASES = {
+    "few rows, 64": ([60, 0, 50], 136, 100),
+    "medium, few rows": ([150, 0, 250], 72, 100),
+    "large": ([530], 72, 40),
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize("table", SMALL_SHARED_CASES)
+def test_interpreter_small_shared_tables_match_float64(table):
+    """The op through the tables an sm_86 or sm_89 GPU gets, with pointer loads as there."""
+    from te_mixtral.experts.kernels.grouped_swiglu import SMALL_SHARED_CONFIGS, grouped_swiglu, regime
+
+    splits, D, F_ = SMALL_SHARED_CASES[table]
+    assert regime(sum(splits), len(splits)) == table
+    inputs = make_inputs(splits, D, F_, seed=len(table))
+    got = run(lambda *args: grouped_swiglu(*args, configs=SMALL_SHARED_CONFIGS, use_tma=False), *inputs)
+    assert_matches(got, reference_f64(inputs[0], splits, *inputs[2:]), splits, FP32_REL_TOL, table)
 
 
 @interpreter_only

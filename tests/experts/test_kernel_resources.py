@@ -3,12 +3,14 @@
 Triton compiles a kernel at its first launch, for the GPU it launches on, and only there
 learns that a tile asks more shared memory per block than the GPU has. Here each launch the
 tier can make is compiled ahead of time as its launcher would compile it
-(te_mixtral/experts/kernels/compile_ahead.py), for sm_90 (H100, H200), sm_80 (A100) and sm_89
-(L40S, RTX 4090, RTX 6000 Ada), and its shared memory is checked against what such a GPU
-lets a block have (the CUDA programming guide's table; Triton's `max_shared_mem`, which its
-launcher checks). The NF4 base, which is for the GPUs smaller than an H100, must fit all of
-them; the BF16 tables, tuned on Hopper, fit Hopper and the A100; the FP8 base
-(device_mxfp8's fp8-hopper) runs on Hopper alone.
+(te_mixtral/experts/kernels/compile_ahead.py), for sm_90 (H100, H200), sm_80 (A100), sm_86
+(RTX 3090, A40) and sm_89 (L40S, RTX 4090, RTX 6000 Ada), and its shared memory is checked
+against what such a GPU lets a block have (the CUDA programming guide's table; Triton's
+`max_shared_mem`, which its launcher checks). The NF4 base, which is for the GPUs smaller
+than an H100, must fit all of them; the BF16 tables, tuned on Hopper, fit Hopper and the
+A100, and their cut copies (SMALL_SHARED_CONFIGS) fit sm_86 and sm_89 without spilling
+registers (the SASS's stack frame); the FP8 base (device_mxfp8's fp8-hopper) runs on Hopper
+alone.
 
 The shapes are small but specialise as Mixtral's do (row strides, the NF4 rows' bytes and
 scales: multiples of 16). Tiles that differ only where shared memory cannot (GROUP_M's walk,
@@ -26,13 +28,17 @@ a tile table or what a kernel loads; tests/README.md).
 
 import functools
 import os
+import re
+import subprocess
+import tempfile
 
 import pytest
 import torch
+import triton
 from triton.backends.compiler import GPUTarget
 
 from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
-from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, FP32_TILE, NF4_CONFIGS
+from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, FP32_TILE, NF4_CONFIGS, SMALL_SHARED_CONFIGS
 from te_mixtral.experts.kernels.scaled_grouped_mm import _FP8_TILE
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
@@ -42,7 +48,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reaso
 
 KIB = 1024
 # Shared memory a block may have, by compute capability.
-MAX_SHARED = {80: 163 * KIB, 89: 99 * KIB, 90: 227 * KIB}
+MAX_SHARED = {80: 163 * KIB, 86: 99 * KIB, 89: 99 * KIB, 90: 227 * KIB}
 NF4_MAX_SHARED = 99 * KIB  # the least of any GPU from sm_80 on (sm_86 and sm_89 alike)
 EVERY_TILE = os.environ.get("TE_MIXTRAL_EVERY_TILE") == "1"
 NF4_BYTES = 0.5  # an NF4 weight: two a byte (its scales, one a 64, left out)
@@ -104,16 +110,32 @@ def checked(found, a_bytes, b_bytes):
     return [heaviest, *(pick for pick in found if pick is not heaviest)] if EVERY_TILE else [heaviest]
 
 
-def too_big(families, limit, arch):
+def stack_frame(compiled) -> int:
+    """The bytes of stack a thread of `compiled` takes, from its SASS: registers spilled
+    (these kernels call nothing and keep no local arrays, so they have none otherwise)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def too_big(families, limit, arch, spills=False):
     """The launches of `families` [[(what, launcher, arguments)], ...] that ask more than
-    `limit` bytes of shared memory a block compiled for sm_`arch`, each with what it asks; where
-    a family has more than one launch (TE_MIXTRAL_EVERY_TILE=1), also a family whose first
-    launch (the suite's pick, `checked`) asks less than another."""
+    `limit` bytes of shared memory a block compiled for sm_`arch`, each with what it asks, and
+    with `spills` those that spill registers; where a family has more than one launch
+    (TE_MIXTRAL_EVERY_TILE=1), also a family whose first launch (the suite's pick, `checked`)
+    asks less than another."""
     target = GPUTarget("cuda", arch, 32)
     found = []
     for launches in families:
-        asked = {what: launcher(**arguments, target=target).metadata.shared for what, launcher, arguments in launches}
+        compiled = {what: launcher(**arguments, target=target) for what, launcher, arguments in launches}
+        asked = {what: kernel.metadata.shared for what, kernel in compiled.items()}
         found += [f"{what}: {shared / KIB:.1f} KiB" for what, shared in asked.items() if shared > limit]
+        if spills:
+            found += [f"{what}: {stack} bytes of stack a thread (spilled registers)"
+                      for what, stack in ((what, stack_frame(kernel)) for what, kernel in compiled.items()) if stack]
         pick, most = next(iter(asked)), max(asked, key=asked.get)
         if asked[most] > asked[pick]:
             found.append(f"the suite compiles {pick} ({asked[pick] / KIB:.1f} KiB), but {most} asks "
@@ -144,20 +166,25 @@ def test_the_nf4_tiles_fit_every_gpu_the_base_is_for(arch):
     assert not big, f"NF4 tiles on sm_{arch}, 99 KiB a block: {big}"
 
 
+def bf16_families(tables, use_tma):
+    """The BF16 tables' six GEMMs as two table families, the row GEMMs and the weight
+    gradients, each its `checked` launches."""
+    bf16 = functools.partial(torch.zeros, dtype=torch.bfloat16)
+    rows, wgrads = row_gemms(torch.bfloat16, bf16(L, 2 * F, D), bf16(L, D, F)), wgrad_gemms(torch.bfloat16)
+    return [[(f"{gemm} {cfg}", launcher, dict(gemms[gemm], cfg=cfg, use_tma=use_tma))
+             for gemm, cfg in checked(distinct(tables, gemms), 2, 2)]
+            for launcher, gemms in ((rows_gemm, rows), (wgrad_gemm, wgrads))]
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 def test_the_bf16_tiles_fit_hopper_and_the_a100(arch):
     """The BF16 tables' six GEMMs (`checked`: the heaviest row GEMM and weight gradient),
     through TMA descriptors on Hopper (their shared memory is the pointer loads' to within a
     few bytes) and pointer loads on the A100; on Hopper also the FP8 base's tile, its forward
     and dgrad GEMM and its weight gradient."""
-    bf16 = functools.partial(torch.zeros, dtype=torch.bfloat16)
-    rows, wgrads = row_gemms(torch.bfloat16, bf16(L, 2 * F, D), bf16(L, D, F)), wgrad_gemms(torch.bfloat16)
-    tma = arch >= 90
-    families = [[(f"{gemm} {cfg}", rows_gemm, dict(rows[gemm], cfg=cfg, use_tma=tma))
-                 for gemm, cfg in checked(distinct(CONFIGS.values(), rows), 2, 2)],
-                [(f"{gemm} {cfg}", wgrad_gemm, dict(wgrads[gemm], cfg=cfg, use_tma=tma))
-                 for gemm, cfg in checked(distinct(CONFIGS.values(), wgrads), 2, 2)]]
+    families = bf16_families(CONFIGS.values(), use_tma=arch >= 90)
     if arch >= 90:
+        bf16 = functools.partial(torch.zeros, dtype=torch.bfloat16)
         fp8 = functools.partial(torch.zeros, dtype=torch.float8_e4m3fn)
         scale = functools.partial(torch.ones, dtype=torch.float32)
         families += [
@@ -170,6 +197,16 @@ def test_the_bf16_tiles_fit_hopper_and_the_a100(arch):
         ]
     big = too_big(families, MAX_SHARED[arch], arch)
     assert not big, f"BF16 and FP8 tiles on sm_{arch}, {MAX_SHARED[arch] // KIB} KiB a block: {big}"
+
+
+@pytest.mark.parametrize("arch", [86, 89])
+def test_the_small_shared_bf16_tiles_fit_sm86_and_sm89_without_spilling(arch):
+    """SMALL_SHARED_CONFIGS' six GEMMs (`checked`: the heaviest row GEMM and weight gradient;
+    every tile with TE_MIXTRAL_EVERY_TILE=1) through pointer loads, within 99 KiB and with no
+    register spilled. The BF16 tables themselves failed here, on sm_86 and sm_89 alike: 7 of
+    their tiles asked 104-144 KiB and 11 spilled (every tile compiled)."""
+    big = too_big(bf16_families(SMALL_SHARED_CONFIGS.values(), use_tma=False), MAX_SHARED[arch], arch, spills=True)
+    assert not big, f"small-shared BF16 tiles on sm_{arch}, {MAX_SHARED[arch] // KIB} KiB a block: {big}"
 
 
 def test_a_tile_that_stages_more_is_the_one_compiled():

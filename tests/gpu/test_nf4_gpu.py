@@ -50,7 +50,7 @@ def test_nf4_kernels_with_adapters_match_float64(case, keep_hidden, monkeypatch)
     backward, none saved between them."""
     splits = WHOLE_SPLITS if case == "whole" else GPU_SPLITS[case]
     whole = dequantizes_whole(sum(splits), len(splits))
-    assert whole == (case == "whole") and op.bf16_tables_fit(torch.device("cuda"))
+    assert whole == (case == "whole")
     x, counts, gate_up, down, dy = nf4_inputs(splits, seed=len(case))
     tier = CustomGroupedTier("nf4")
     tier.check_available(torch.device("cuda"))

@@ -179,14 +179,44 @@ NF4_CONFIGS = {
 
 
 # The most shared memory a block of the BF16 tables' tiles asks: they fit the A100's 163 KiB
-# and Hopper's 227 (tests/experts/test_kernel_resources.py compiles every one for both), not
-# the 99 KiB of sm_86 and sm_89 (L40S, RTX 4090), which only the NF4 tables fit.
+# and Hopper's 227 (tests/experts/test_kernel_resources.py compiles them for both), not the
+# 99 KiB of sm_86 and sm_89 (L40S, RTX 4090, RTX 6000 Ada), which get SMALL_SHARED_CONFIGS.
 BF16_TABLES_SHARED = 163 * 1024
 
 
-def bf16_tables_fit(device: torch.device) -> bool:
-    """Whether the BF16 tables' tiles run on `device` (the interpreter has no limit)."""
-    return device.type != "cuda" or shared_memory_per_block(device.index or 0) >= BF16_TABLES_SHARED
+def _within_99_kib(gemm: str, cfg: dict) -> dict:
+    """`cfg` cut to fit a GPU whose blocks get 99 KiB of shared memory (sm_86, sm_89): its
+    accumulators at most 128 x 128 values (gate_up holds two, gate and up: 128 x 64), at most
+    64 of them a thread (8 warps for 128 x 128), steps at most 64 deep, one program an SM.
+
+    Compiled for sm_86 and sm_89 (Triton 3.9, as tests/experts/test_kernel_resources.py
+    compiles them), the BF16 tables asked up to 144 KiB there: gate_up 108-144 (two B tiles,
+    steps 128 deep over few rows) and the 128 x 256 tiles at 4 stages or flattened 104-144;
+    and their 128 x 256 tiles, gate_up's two 128 x 128 accumulators, its 128-deep steps over
+    64 rows and the 4-warp 128 x 128 tiles of down_dgrad and (64 deep) the weight gradients
+    spilled registers. Cut this way, every tile asks at most 96 KiB and none spills.
+
+    The stages stay: on these GPUs Triton's software pipeline holds num_stages - 1 steps of
+    the A and B tiles, so a 128 x 128 tile 64 deep takes 96 KiB at the tables' 4 stages. Two
+    programs an SM would need half its 100 KiB each (4-warp tiles here ask 54-72) or, at 8
+    warps, more registers than it has."""
+    accumulators = 2 if gemm == "gate_up" else 1
+    bn = min(cfg["BLOCK_N"], 128 * 128 // (cfg["BLOCK_M"] * accumulators))
+    warps = max(cfg["num_warps"], cfg["BLOCK_M"] * bn * accumulators // (64 * 32))
+    return dict(cfg, BLOCK_N=bn, BLOCK_I=min(cfg["BLOCK_I"], 64), num_warps=warps, PROGS_PER_SM=1)
+
+
+# The BF16 tables for GPUs whose blocks get less shared memory than CONFIGS asks (sm_86,
+# sm_89), each tile cut from CONFIGS'. Chosen by compiling; not yet timed on such a GPU.
+SMALL_SHARED_CONFIGS = {name: {gemm: _within_99_kib(gemm, cfg) for gemm, cfg in table.items()}
+                        for name, table in CONFIGS.items()}
+
+
+def bf16_configs(device: torch.device) -> dict:
+    """The BF16 tables for `device`: CONFIGS, or where a block gets less shared memory than
+    they ask (sm_86, sm_89) SMALL_SHARED_CONFIGS. The interpreter has no limit."""
+    fits = device.type != "cuda" or shared_memory_per_block(device.index or 0) >= BF16_TABLES_SHARED
+    return CONFIGS if fits else SMALL_SHARED_CONFIGS
 
 
 def uses_descriptors(rows: int, experts: int) -> bool:
@@ -366,7 +396,8 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     """y_RD of the expert FFN through the Triton kernels; differentiable in x and weights.
 
     `configs` overrides the tile table (the benchmark's sweep and the interpreter tests use
-    it; by default CONFIGS, NF4_CONFIGS over an NF4 base, or FP32_CONFIGS for fp32 inputs);
+    it; by default `bf16_configs`' for the device, NF4_CONFIGS over an NF4 base decoded tile
+    by tile, or FP32_CONFIGS for fp32 inputs);
     `use_tma` forces the descriptor path on or off (default: `uses_descriptors`, where the
     tensors allow it).
     `keep_hidden=False` is selective recompute done inside the op: the forward keeps only
@@ -393,7 +424,8 @@ def grouped_swiglu(x_RD, tokens_per_expert_L, gate_up_L2FD, down_LDF, *, configs
     nf4 = not all(isinstance(w, torch.Tensor) for w in (gate_up_L2FD, down_LDF))
     whole = nf4 and dequantize_whole
     if configs is None:
-        configs = FP32_CONFIGS if x_RD.dtype == torch.float32 else NF4_CONFIGS if nf4 and not whole else CONFIGS
+        configs = (FP32_CONFIGS if x_RD.dtype == torch.float32 else NF4_CONFIGS if nf4 and not whole
+                   else bf16_configs(x_RD.device))
     if not keep_hidden and h_add_R2F is not None and h_add_factors is None:
         raise ValueError("grouped_swiglu's recompute makes the gate_up adapter's delta again: pass h_add_factors")
     if keep_hidden or h_add_R2F is None:
