@@ -10,7 +10,10 @@ against what such a GPU lets a block have (the CUDA programming guide's table; T
 than an H100, must fit all of them; the BF16 tables, tuned on Hopper, fit Hopper and the
 A100, and their cut copies (SMALL_SHARED_CONFIGS) fit sm_86 and sm_89 without spilling
 registers (the SASS's stack frame); the FP8 base (device_mxfp8's fp8-hopper) runs on Hopper
-alone.
+alone. An sm_89 GPU compiles as an sm_86 one does here: Triton lowers both alike (the same
+TTGIR but for its target line) and ptxas gives every tile of these tables the same shared
+memory and stack frame on both, so the suite compiles for sm_86 and stands it for both
+(`ARCHS`); `TE_MIXTRAL_EVERY_TILE=1` compiles for sm_89 too.
 
 The shapes are small but specialise as Mixtral's do (row strides, the NF4 rows' bytes and
 scales: multiples of 16). Tiles that differ only where shared memory cannot (GROUP_M's walk,
@@ -24,17 +27,24 @@ bytes (`staged_bytes`): the one that asks the most shared memory, which a kernel
 more, or a larger tile in a table, makes larger. `TE_MIXTRAL_EVERY_TILE=1` compiles every
 tile instead, and checks that the suite's pick asks as much as any (run it after changing
 a tile table or what a kernel loads; tests/README.md).
+
+The compiles are the CPU's work of a few seconds each, which the session's own tests would
+wait for: they run in a pytest of their own (TE_MIXTRAL_COMPILE_RUN=1), started with the
+session in the background as other planned work is (tests/README.md), and the launcher test
+here fails, with that run's output, where one of them failed there.
 """
 
 import functools
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import pytest
 import torch
 import triton
+from background import Command, assert_passed
 from triton.backends.compiler import GPUTarget
 
 from te_mixtral.experts.kernels.grouped_gemm import EPI_SWIGLU, EPI_SWIGLU_BWD, rows_gemm
@@ -45,12 +55,19 @@ from te_mixtral.experts.quant.frozen_nf4 import FrozenNF4Weight
 
 # Under Triton's interpreter kernels are run, not compiled.
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for GPUs")
+COMPILING = os.environ.get("TE_MIXTRAL_COMPILE_RUN") == "1"
+compile_run_only = pytest.mark.skipif(not COMPILING, reason="runs in its own pytest (test_tiles_in_a_compile_run)")
+COMPILE_RUN = Command((sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__),
+                      (("TE_MIXTRAL_COMPILE_RUN", "1"),), timeout=1800)
+PLANNED_COMMANDS = [COMPILE_RUN]  # run from the session's start (conftest.py's planned_command)
 
 KIB = 1024
 # Shared memory a block may have, by compute capability.
 MAX_SHARED = {80: 163 * KIB, 86: 99 * KIB, 89: 99 * KIB, 90: 227 * KIB}
 NF4_MAX_SHARED = 99 * KIB  # the least of any GPU from sm_80 on (sm_86 and sm_89 alike)
 EVERY_TILE = os.environ.get("TE_MIXTRAL_EVERY_TILE") == "1"
+# The GPUs compiled for: sm_86 stands for sm_89 too (the module's docstring says why).
+ARCHS = list(MAX_SHARED) if EVERY_TILE else [arch for arch in MAX_SHARED if arch != 89]
 NF4_BYTES = 0.5  # an NF4 weight: two a byte (its scales, one a 64, left out)
 L, D, F = 2, 1024, 2048  # 16 and 32 NF4 scales a row; Mixtral's 4096 and 14336 make 64 and 224
 R = 64
@@ -143,12 +160,19 @@ def too_big(families, limit, arch, spills=False):
     return found
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(COMPILING, reason="this is the launcher")
+def test_tiles_in_a_compile_run(planned_command):
+    assert_passed(planned_command(COMPILE_RUN)[0])
+
+
 def test_the_nf4_table_covers_every_regime():
     assert NF4_CONFIGS.keys() == CONFIGS.keys()
     assert all(table.keys() == CONFIGS[name].keys() for name, table in NF4_CONFIGS.items())
 
 
-@pytest.mark.parametrize("arch", MAX_SHARED)
+@compile_run_only
+@pytest.mark.parametrize("arch", ARCHS)
 def test_the_nf4_tiles_fit_every_gpu_the_base_is_for(arch):
     """The tiles of NF4_CONFIGS for the four GEMMs that read the NF4 base, and the fp32
     path's one tile, within 99 KiB (`checked`: the heaviest of each). This failed before the
@@ -176,6 +200,7 @@ def bf16_families(tables, use_tma):
             for launcher, gemms in ((rows_gemm, rows), (wgrad_gemm, wgrads))]
 
 
+@compile_run_only
 @pytest.mark.parametrize("arch", [80, 90])
 def test_the_bf16_tiles_fit_hopper_and_the_a100(arch):
     """The BF16 tables' six GEMMs (`checked`: the heaviest row GEMM and weight gradient),
@@ -199,7 +224,8 @@ def test_the_bf16_tiles_fit_hopper_and_the_a100(arch):
     assert not big, f"BF16 and FP8 tiles on sm_{arch}, {MAX_SHARED[arch] // KIB} KiB a block: {big}"
 
 
-@pytest.mark.parametrize("arch", [86, 89])
+@compile_run_only
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch in (86, 89)])
 def test_the_small_shared_bf16_tiles_fit_sm86_and_sm89_without_spilling(arch):
     """SMALL_SHARED_CONFIGS' six GEMMs (`checked`: the heaviest row GEMM and weight gradient;
     every tile with TE_MIXTRAL_EVERY_TILE=1) through pointer loads, within 99 KiB and with no
