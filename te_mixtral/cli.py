@@ -137,13 +137,13 @@ def grow_cuda_memory_in_place(environ) -> None:
     (`expandable_segments`, as torchtitan's launcher sets it). Where the whole model only
     just fits, the default allocator fragments until a request fails, and it then frees its
     cache with cudaFree, which waits for the whole device: with a collective of another rank
-    pending on it, that wait never ends (a four-GPU run hung so at its twelfth step).
-    Must run before the first CUDA allocation."""
+    pending on it, that wait can never end. Must run before torch touches CUDA."""
     if not any(name in environ for name in ALLOCATOR_SETTINGS):
         environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def _run(argv: list[str]) -> int:
+    grow_cuda_memory_in_place(os.environ)
     try:
         args, overrides = parse_args(argv)
         launch = launch_settings(os.environ)  # empty unless started by `accelerate launch`
@@ -160,7 +160,6 @@ def _run(argv: list[str]) -> int:
         return 0
     if launch and main_rank_from_env():
         print(describe(launch), flush=True)
-    grow_cuda_memory_in_place(os.environ)
     from te_mixtral.distributed.layout import shutdown
     from te_mixtral.training.loop import (
         main as train_main,  # after validation: a bad flag fails fast
