@@ -51,8 +51,8 @@ optimizer state, and FSDP holds some of them whole for a while (model_state.py, 
 
 Under expert parallelism every rank receives T*K rows on average; routing is assumed balanced
 and `ROUTING_IMBALANCE` is the margin kept for the busiest rank in one layer,
-`margin_over_layers` for what the layers keep together (their busiest ranks differ). The counts follow what the
-code of this package saves (checked tensor by tensor with `saved_tensors_hooks`, on the CPU in
+`margin_over_layers` for what the layers keep together (their busiest ranks differ). The
+counts follow what the code of this package saves (checked tensor by tensor with `saved_tensors_hooks`, on the CPU in
 tests/measure/test_memory.py and on an H100 for the TE path).
 
 When the peak comes. Not at the end of the forward: the step's memory peaks at one of
@@ -128,6 +128,8 @@ ROUTING_IMBALANCE = 1.5
 def margin_over_layers(layers: int) -> float:
     """The busiest rank's share of the rows that `layers` layers keep together, over the mean."""
     return 1 + (ROUTING_IMBALANCE - 1) * min(1.0, math.sqrt(2 / max(layers, 1)))
+
+
 # GEMM libraries' workspaces on a GPU (cuBLAS, cuBLASLt, TE), handed out by PyTorch's allocator.
 WORKSPACE_BYTES = 256 * 2**20
 # What max_memory_allocated leaves out but a GPU must also hold: the CUDA context and library
