@@ -52,8 +52,9 @@ optimizer state, and FSDP holds some of them whole for a while (model_state.py, 
 Under expert parallelism every rank receives T*K rows on average; routing is assumed balanced
 and `ROUTING_IMBALANCE` is the margin kept for the busiest rank in one layer,
 `margin_over_layers` for what the layers keep together (their busiest ranks differ). The
-counts follow what the code of this package saves (checked tensor by tensor with `saved_tensors_hooks`, on the CPU in
-tests/measure/test_memory.py and on an H100 for the TE path).
+counts follow what the code of this package saves (checked tensor by tensor with
+`saved_tensors_hooks`, on the CPU in tests/measure/test_memory.py and on an H100 for the TE
+path).
 
 When the peak comes. Not at the end of the forward: the step's memory peaks at one of
 
