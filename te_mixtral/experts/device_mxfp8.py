@@ -29,13 +29,13 @@ fewer rows in all than four experts at that size (`runs_fp8`), runs the BF16 `cu
 kernels instead: there FP8 is slower than BF16, because its casts cost about the same a call
 however few experts it serves, every optimizer step quantises the weights again, and few rows
 do not repay it (docs/precision.md states the break-even per GPU, and
-`benchmarks/fp8_break_even.py` measures it). `describe()` says so, and `calls()` (results.json's `tier_calls`) counts the calls
-that ran each path. The choice is the call's: rows and local experts are shapes, known on the
-host, so it needs no sync. No other mode switches: `mxfp8-te` has no break-even measured (no
-Blackwell GPU has run it), so it runs MXFP8 at every size rather than at a threshold nobody
-measured; the emulation is for numerics. A frozen FP8 base (LoRA) runs FP8 at every size too:
-it has no BF16 copy to switch to, and it quantises its weights once as they load, not at every
-optimizer step.
+`benchmarks/fp8_break_even.py` measures it). `describe()` says so, and `calls()`
+(results.json's `tier_calls`) counts the calls that ran each path. The choice is the call's:
+rows and local experts are shapes, known on the host, so it needs no sync. No other mode
+switches: `mxfp8-te` has no break-even measured (no Blackwell GPU has run it), so it runs MXFP8
+at every size rather than at a threshold nobody measured; the emulation is for numerics. A
+frozen FP8 base (LoRA) runs FP8 at every size too: it has no BF16 copy to switch to, and it
+quantises its weights once as they load, not at every optimizer step.
 
 `mode="auto"` (the config's `fp8.mode` default) picks the hardware path: sm_90 runs
 `fp8-hopper`, sm_100 to sm_110 run `mxfp8-te`. The CPU, any other GPU, or a mode the
