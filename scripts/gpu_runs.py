@@ -360,6 +360,10 @@ DEPTH_RUNS = {
     "8layer-8bit": depth_train("8layer-8bit", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped",
                                "--steps", "200", "--expert_moments", "8bit", "--loss-check",
                                "{out}/8layer-master/results.json"),
+    # the loss check's noise: a change known to be correct (TE's GroupedLinear for the experts: the
+    # same sums in another order), 200 steps as 8layer-master, compared with it as 8layer-8bit is
+    "8layer-control": depth_train("8layer-control", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "grouped_linear",
+                                  "--steps", "200"),
     # full-ep4 with the experts' moments in 8 bits, recomputing the expert FFN in the first 11 of
     # the 32 layers, the fewest that fit four H200s by the estimate (27 without 8-bit moments;
     # --recompute none needs 154 GiB a rank, not 140)
