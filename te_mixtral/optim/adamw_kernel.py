@@ -149,20 +149,22 @@ def _rne_shift(z, shift):
 
 @triton.jit
 def _hash32(x):
-    """moments8._hash32 of int64 values in [0, 2^32)."""
+    """moments8._hash32 of uint32 values: the same bits, with 32-bit multiplies that wrap
+    (torch's path masks 64-bit ones; a 64-bit multiply costs a GPU several instructions)."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    x = x * 0x5BD1E995
     return x ^ (x >> 16)
 
 
 @triton.jit
 def _random_shift(z, shift, bits, salt):
-    """z >> shift rounded up with probability (dropped bits) / 2^shift (moments8._random_shift)."""
-    shift = shift.to(tl.int64)
-    random = _hash32((bits.to(tl.int64) & 0xFFFFFFFF) ^ salt) & ((tl.full(shift.shape, 1, tl.int64) << shift) - 1)
-    return ((z.to(tl.int64) + random) >> shift).to(tl.int32)
+    """z >> shift rounded up with probability (dropped bits) / 2^shift (moments8._random_shift);
+    in uint32, where z + 2^31 - 1 fits."""
+    shift = shift.to(tl.uint32)
+    random = _hash32(bits.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32)) & ((tl.full(shift.shape, 1, tl.uint32) << shift) - 1)
+    return ((z.to(tl.uint32, bitcast=True) + random) >> shift).to(tl.int32, bitcast=True)
 
 
 @triton.jit
