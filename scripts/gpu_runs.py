@@ -29,8 +29,8 @@ call these with the same arguments: dated results pages name those command lines
 - depth: what stands between a rank's share of the full Mixtral-8x7B and its targets: 16
   layers at EP=2 on two GPUs with each recompute setting and tier, each with its phase
   profile, a kernel profile, the 2-layer one-GPU step, the two peers, the 8-layer kernel
-  profiles beside TE's example and the TE backend's fusions with and without, and the full
-  model at EP=4 (docs/full-model.md says why each). Every training run: full fine-tuning, bf16 parameters
+  profiles beside TE's example and the TE backend's fusions with and without, the expert
+  GEMMs' tiles at the 8-layer step's rows, and the full model at EP=4 (docs/full-model.md says why each). Every training run: full fine-tuning, bf16 parameters
   with master_adamw, the config's lr 2e-5, one packed 8192-token sequence per GPU per step,
   15 steps of which the first 5 are left out of the timing, the same seed.
 - lanes: each quoted lane is one of the command lines above without OUT_DIR ("0,1 depth
@@ -258,6 +258,18 @@ def kernel_compare(first: str, second: str, *names: str) -> Launch:
                   tail=None)
 
 
+# 16384 rows over 8 experts as unevenly as the 8-layer step's router on random weights (the
+# busiest expert 1.68x the mean), the expert GEMMs' split in that step
+SKEWED_8X2048 = "3441+2719+2243+1997+1838+1603+1399+1144"
+
+
+def gemm_tiles(name: str, cases: str) -> Launch:
+    """benchmarks/custom_grouped_gemms.py at `cases`, its last lines (the sums, the picks) shown,
+    its --json at OUT_DIR/NAME.json; it starts no tile but the tables' own after 200 s."""
+    return Launch(name, 1, ("-m", "benchmarks.custom_grouped_gemms", "--cases", cases, "--budget-s", "200", "--json",
+                            f"{{out}}/{name}.json"), tail=32)
+
+
 def depth_16(name: str, tier: str, recompute: str, *extra: str) -> list[Launch]:
     """A 16-layer EP=2 run with its phase profile."""
     return depth_train(name, 2, DEPTH, "--ep-size", "2", "--tier", tier, "--recompute", recompute,
@@ -308,6 +320,12 @@ DEPTH_RUNS = {
                        kernel_profile("kernels-ours-unfused", "ours", "--te_fusions", "false"),
                        kernel_compare("kernels-ours", "kernels-te"),
                        kernel_compare("kernels-ours", "kernels-ours-unfused", "fused", "unfused")],
+    # custom_grouped's six expert GEMMs alone at the 8-layer step's rows (8 experts x 2048, and
+    # its uneven split): every candidate tile of the table checked against torch, then timed in
+    # turn beside cuBLAS per expert and grouped_mm; last the tile-table entries it would pick
+    "gemm-tiles": [gemm_tiles("gemm-tiles", f"8x2048,{SKEWED_8X2048}")],
+    # the same at EP=2's rows (4 experts x 4096) and at 16 experts x 1024
+    "gemm-tiles-ep": [gemm_tiles("gemm-tiles-ep", "4x4096,16x1024")],
     # the fusions' GPU tests (tests/gpu/test_fusions_gpu.py)
     "fusion-tests": [Launch("fusion-tests", 1, ("-m", "pytest", "-q", "-rfEs", "tests/gpu/test_fusions_gpu.py"),
                             tail=None)],
