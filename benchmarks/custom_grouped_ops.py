@@ -7,7 +7,8 @@ expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_
   or `R0+R1+...`), one forward + backward of it, the op with one tile table everywhere (or
   "previous": the tables as they were before the few-rows ones, chosen as they were);
 - `op_bytes`, `op_flops`: what one forward + backward moves and computes, the numerators
-  of its two floors (docs/kernels.md, "The two numbers");
+  of its two floors (docs/kernels.md, "The two numbers"), the sums of each GEMM's
+  (`gemm_bytes`, `gemm_flops`);
 - `OPS`, `FLOP_UNITS`, `op_runner`: each of its six GEMMs alone; `CANDIDATES`,
   `candidates`, `precompile`: the tile configs a sweep tries per regime, compiled in a pool;
 - `bench` (Triton's `do_bench`, L2 flushed), `gpu_ms` (GPU time with the host queued
@@ -172,19 +173,41 @@ def with_table(name: str):
     return op
 
 
-def op_bytes(sizes: list[int], D: int, F: int, element: int = 2) -> int:
-    """Bytes one forward + backward moves, each of its six GEMMs reading its operands once
-    and writing its result once (docs/kernels.md's table): the weights, 3·F·D elements an
-    expert, read by the forward and again by the two dgrads and written once as gradients;
-    the rows' activations 6·R·D + 14·R·F (x, y, dy, dx and h, act, dh as the GEMMs pass them
-    on). `element` bytes each (bf16: 2)."""
+def gemm_elements(op: str, sizes: list[int], D: int, F: int) -> tuple[int, int]:
+    """(read, written) elements of GEMM `op` (one of OPS), reading its operands once and
+    writing its results once, as ours runs it (docs/kernels.md's table): SwiGLU fused into
+    gate_up's epilogue (it writes h and act) and its gradient into down_dgrad's (it reads h,
+    writes dh in its place and act again). A weight gradient writes the weight's elements."""
     R, L = sum(sizes), len(sizes)
-    return element * (3 * L * 3 * F * D + 6 * R * D + 14 * R * F)
+    x = y = dy = dx = R * D
+    h = dh = 2 * R * F
+    act = R * F
+    w1, w2 = L * 2 * F * D, L * D * F
+    return {"gate_up": (x + w1, h + act), "down": (act + w2, y), "down_dgrad": (dy + w2 + h, dh + act),
+            "down_wgrad": (dy + act, w2), "gate_up_dgrad": (dh + w1, dx), "gate_up_wgrad": (dh + x, w1)}[op]
+
+
+def gemm_bytes(op: str, sizes: list[int], D: int, F: int, element: int = 2) -> int:
+    """Bytes GEMM `op` moves (`gemm_elements`), `element` bytes each (bf16: 2)."""
+    return element * sum(gemm_elements(op, sizes, D, F))
+
+
+def gemm_flops(op: str, sizes: list[int], D: int, F: int) -> int:
+    """FLOPs of GEMM `op`: 2·R·D·F times its width in F (FLOP_UNITS counts them in R·D·F)."""
+    return FLOP_UNITS[op] * sum(sizes) * D * F
+
+
+def op_bytes(sizes: list[int], D: int, F: int, element: int = 2) -> int:
+    """Bytes one forward + backward moves, the sum of its six GEMMs' (`gemm_bytes`): the
+    weights, 3·F·D elements an expert, read by the forward and again by the two dgrads and
+    written once as gradients; the rows' activations 6·R·D + 14·R·F (x, y, dy, dx and h, act,
+    dh as the GEMMs pass them on)."""
+    return sum(gemm_bytes(op, sizes, D, F, element) for op in OPS)
 
 
 def op_flops(sizes: list[int], D: int, F: int) -> int:
     """FLOPs of one forward + backward: 18·R·D·F (docs/kernels.md)."""
-    return 18 * sum(sizes) * D * F
+    return sum(gemm_flops(op, sizes, D, F) for op in OPS)
 
 
 def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):
