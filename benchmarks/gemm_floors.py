@@ -25,7 +25,10 @@ bytes and its FLOPs allow. Per GEMM of a step:
   two added: near 1 where the GEMM moved its bytes and ran its MMAs one after the other
   rather than side by side (near x floor where either hid the other).
 - its grid: its kernels' CTAs as CUPTI recorded the launch (where torch exposes the
-  record), against the GPU's SMs; for ours also what its tile table makes of the point:
+  record), against the GPU's SMs, with the registers a thread and shared memory a CTA the
+  compiled kernel asked and CUPTI's estimate of the occupancy they allow (the warps an SM
+  can hold, of its 64: few warps keep few loads and stores in flight, which a GEMM bound by
+  moving its bytes needs many of); for ours also what its tile table makes of the point:
   the tile, the persistent programs (`rows_programs`, `wgrad_programs`: the grid the
   launcher asks), the output tiles the rows make, how many rounds of the programs that is
   (below 1: programs without a whole tile, which stream-K's TAIL_SPLIT can share work out
@@ -46,27 +49,37 @@ from te_mixtral.experts.kernels.schedule import cdiv
 from te_mixtral.experts.kernels.wgrad_gemm import wgrad_programs
 
 GRID = re.compile(r'"grid":\s*\[\s*(\d+),\s*(\d+),\s*(\d+)\s*\]')
+# The launch record's numbers: our key -> (torch's typed field, CUPTI's JSON key).
+RECORD = {"registers": ("registers_per_thread", "registers per thread"), "shared_bytes": ("shared_memory", "shared memory"),
+          "occupancy_pct": ("est_occupancy_pct", "est. achieved occupancy %")}
 SET_UP = "prepare_grouped_gemm_data"  # grouped_mm's set-up kernel before each GEMM: no GEMM itself
 
 
 def kernel_launches(prof) -> list[dict]:
     """Every kernel, memset and copy of a finished profiler window, as {name, order (the
-    launch's correlation id), start_us, end_us, ctas (None where the record is not exposed)}."""
+    launch's correlation id), start_us, end_us} and its `launch_record`."""
     from torch.autograd import DeviceType
 
     return [{"name": e.name, "order": e.id, "start_us": e.time_range.start, "end_us": e.time_range.end,
-             "ctas": ctas(e)} for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+             **launch_record(e)} for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
 
 
-def ctas(event) -> int | None:
-    """The CTAs a kernel launched, from its CUPTI record: torch's typed `event_metadata`, or
-    the record's JSON text in torch versions before it."""
-    grid = getattr(getattr(event, "event_metadata", None), "grid", None)
-    if grid is None:
-        text = getattr(event, "_metadata_json", None) or vars(event).get("metadata_json") or ""
-        found = GRID.search(text)
-        grid = found and [int(n) for n in found.groups()]
-    return math.prod(grid) if grid else None
+def launch_record(event) -> dict:
+    """A kernel's CTAs, registers a thread, shared memory a CTA (bytes) and estimated
+    occupancy (%) from its CUPTI launch record, each None where torch does not expose it:
+    torch's typed `event_metadata`, or the record's JSON text in torch versions before it."""
+    typed = getattr(event, "event_metadata", None)
+    text = getattr(event, "_metadata_json", None) or vars(event).get("metadata_json") or ""
+    grid = getattr(typed, "grid", None)
+    if grid is None and (found := GRID.search(text)):
+        grid = [int(n) for n in found.groups()]
+    record = {"ctas": math.prod(grid) if grid else None}
+    for key, (field, json_key) in RECORD.items():
+        value = getattr(typed, field, None)
+        if value is None and (found := re.search(rf'"{re.escape(json_key)}":\s*([\d.]+)', text)):
+            value = float(found.group(1))
+        record[key] = value
+    return record
 
 
 def by_step(launches: list[dict], steps: int) -> list[list[dict]]:
@@ -130,8 +143,9 @@ def our_grid(op: str, cfg: dict, sizes: list[int], D: int, F: int, sms: int) -> 
 def gemm_table(steps: list[list[dict]], sizes: list[int], D: int, F: int, bandwidth_gbs: float, tflops: float,
                sms: int, table: dict | None = None) -> dict:
     """Per GEMM, over `steps` (`by_step`'s): its kernels' names, launches, busy / summed /
-    span ms a step, bytes, FLOPs, the two floors (ms) and busy over the larger, the CTAs of
-    its launches; with ours' tile `table`, `our_grid`. Also "other" (ms, launches a step)."""
+    span ms a step, bytes, FLOPs, the two floors (ms) and busy over the larger and over
+    their sum, its launches' records (the distinct values of each); with ours' tile `table`,
+    `our_grid`. Also "other" (ms, launches a step)."""
     split = [by_gemm(step) for step in steps]
     rows = []
     for op in OPS:
@@ -145,7 +159,8 @@ def gemm_table(steps: list[list[dict]], sizes: list[int], D: int, F: int, bandwi
                "span_ms": _mean((max(k["end_us"] for k in ks) - min(k["start_us"] for k in ks)) / 1e3
                                 for ks in kernels),
                "bytes": nbytes, "flops": flops, "floor_ms": floor_ms, "compute_ms": compute_ms,
-               "ctas": sorted({k["ctas"] for k in kernels[0] if k["ctas"] is not None})}
+               **{key: sorted({k[key] for k in kernels[0] if k.get(key) is not None})
+                  for key in ("ctas", "registers", "shared_bytes", "occupancy_pct")}}
         row["x_floor"] = row["busy_ms"] / max(floor_ms, compute_ms)
         row["x_sum"] = row["busy_ms"] / (floor_ms + compute_ms)
         if table is not None:
@@ -174,9 +189,12 @@ def print_gemm_table(found: dict) -> None:
           f"launches / {found['sms']} SMs")
     for r in found["gemms"]:
         grid = "/".join(map(str, r["ctas"])) or "-"
+        resources = (f", {'/'.join(f'{n:.0f}' for n in r['registers']) or '-'} regs, "
+                     f"{'/'.join(f'{n / 1024:.0f}' for n in r['shared_bytes']) or '-'} KiB, occupancy "
+                     f"{'/'.join(f'{n:.0f}' for n in r['occupancy_pct']) or '-'} %")
         line = (f"  {r['gemm']:13s} {r['busy_ms']:7.3f} ({r['kernel_ms']:.3f} / {r['span_ms']:.3f}) "
                 f"{r['launches']:3d}x  {r['bytes'] / 1e6:8.1f} MB {r['floor_ms']:7.3f}  {r['flops'] / 1e9:7.1f} GFLOP "
-                f"{r['compute_ms']:7.3f}  x{r['x_floor']:.2f} (sum x{r['x_sum']:.2f})  CTAs {grid}")
+                f"{r['compute_ms']:7.3f}  x{r['x_floor']:.2f} (sum x{r['x_sum']:.2f})  CTAs {grid}{resources}")
         if "ours" in r:
             o = r["ours"]
             line += (f"  | tile {o['tile']} w{o['warps']} s{o['stages']} p{o['progs_per_sm']} split{o['tail_split']}"

@@ -44,7 +44,8 @@ def launches_of(steps: list[list[str]], seed: int) -> list[dict]:
         starts = [clock + rng.uniform(0, 50) for _ in names]
         for name, start in zip(names, starts):
             order += 1 + rng.randrange(3)  # ids grow with each launch, not always by one
-            launches.append({"name": name, "order": order, "start_us": start, "end_us": start + 10.0, "ctas": 132})
+            launches.append({"name": name, "order": order, "start_us": start, "end_us": start + 10.0, "ctas": 132,
+                             "registers": 168, "shared_bytes": 49152, "occupancy_pct": 18.75})
         clock = max(starts) + 100.0
     rng.shuffle(launches)
     return launches
@@ -89,10 +90,12 @@ def test_a_gemms_busy_time_counts_kernels_side_by_side_once_and_gaps_not_at_all(
     for op in OPS:
         for start, end in intervals.get(op, [(0, 1)] * 3):
             order += 1
-            step.append({"name": "nvjet_gemm", "order": order, "start_us": start, "end_us": end, "ctas": 264})
+            step.append({"name": "nvjet_gemm", "order": order, "start_us": start, "end_us": end, "ctas": 264,
+                         "registers": 222, "shared_bytes": 98304, "occupancy_pct": 12.5})
     found = gemm_floors.gemm_table([step], sizes, D, F, bandwidth_gbs=2000.0, tflops=500.0, sms=132)
     row = found["gemms"][0]
-    assert row["gemm"] == "gate_up" and row["launches"] == 3 and row["ctas"] == [264]
+    assert row["gemm"] == "gate_up" and row["launches"] == 3
+    assert (row["ctas"], row["registers"], row["shared_bytes"], row["occupancy_pct"]) == ([264], [222], [98304], [12.5])
     assert (row["busy_ms"], row["kernel_ms"], row["span_ms"]) == pytest.approx((0.060, 0.070, 0.080))
     R = sum(sizes)
     nbytes = 2 * (R * D + 2 * 2 * F * D + 3 * R * F)  # x and W1 read, h and act written
@@ -151,8 +154,14 @@ class _Event:
         vars(self).update(attributes)
 
 
-def test_the_grid_is_read_from_either_form_of_the_launch_record():
-    typed = _Event(event_metadata=_Event(grid=[132, 2, 1]))
-    text = _Event(metadata_json='"queued": 0, "stream": 7, "grid": [264, 1, 1], "block": [128, 1, 1]')
-    assert gemm_floors.ctas(typed) == 264 and gemm_floors.ctas(text) == 264
-    assert gemm_floors.ctas(_Event()) is None and gemm_floors.ctas(_Event(event_metadata=None)) is None
+def test_the_launch_record_is_read_from_either_form_torch_gives():
+    typed = _Event(event_metadata=_Event(grid=[132, 2, 1], registers_per_thread=222, shared_memory=98304,
+                                         est_occupancy_pct=12.5))
+    text = _Event(metadata_json='"queued": 0, "stream": 7, "correlation": 812, "registers per thread": 222, '
+                                '"shared memory": 98304, "blocks per SM": 2, "warps per SM": 8, "grid": [264, 1, 1], '
+                                '"block": [128, 1, 1], "est. achieved occupancy %": 12.5')
+    expected = {"ctas": 264, "registers": 222, "shared_bytes": 98304, "occupancy_pct": 12.5}
+    assert gemm_floors.launch_record(typed) == expected and gemm_floors.launch_record(text) == expected
+    nothing = dict.fromkeys(expected)
+    assert gemm_floors.launch_record(_Event()) == nothing
+    assert gemm_floors.launch_record(_Event(event_metadata=None)) == nothing
