@@ -88,16 +88,14 @@ CANDIDATES = {
     },
 }
 CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
+CANDIDATES["two row tiles"] = CANDIDATES["few rows, 64"]
 
 
 # The tables that the few-rows ones replaced, and their choice by size, kept to time the op
 # before and after in one run (`with_table("previous")`). Their TAIL_SPLIT ran the last
 # round's tiles in equal shares then, and streams them now (stream_k.py); otherwise the same
 # kernels. Delete once the few-rows tables' results page stands.
-_PREVIOUS_ROWS_N_IS_D = cfg(64, 128, 64, 4, 4, progs=2)
-_PREVIOUS_SMALL = {"gate_up": cfg(64, 64, 128, 4, 4, parts=2), "down": _PREVIOUS_ROWS_N_IS_D,
-                   "down_dgrad": cfg(64, 64, 64, 4, 4, progs=2, parts=2), "down_wgrad": gs.CONFIGS["medium"]["down_wgrad"],
-                   "gate_up_dgrad": _PREVIOUS_ROWS_N_IS_D, "gate_up_wgrad": gs.CONFIGS["medium"]["gate_up_wgrad"]}
+_PREVIOUS_SMALL = gs.CONFIGS["two row tiles"]  # which the op runs again at 65-128 rows over 2-3 experts
 _PREVIOUS_SPLIT = cfg(64, 128, 64, 4, 4, tail_split=4)
 PREVIOUS = {
     "small": _PREVIOUS_SMALL,
@@ -193,7 +191,8 @@ def gemm_bytes(op: str, sizes: list[int], D: int, F: int, element: int = 2) -> i
 
 
 def gemm_flops(op: str, sizes: list[int], D: int, F: int) -> int:
-    """FLOPs of GEMM `op`: 2·R·D·F times its width in F (FLOP_UNITS counts them in R·D·F)."""
+    """FLOPs of GEMM `op`, FLOP_UNITS[op]·R·D·F: 2·R·D·F a pass over a D x F weight, gate_up's
+    two (gate and up) and their gradients' twice that."""
     return FLOP_UNITS[op] * sum(sizes) * D * F
 
 

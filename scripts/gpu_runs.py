@@ -565,6 +565,12 @@ ROWS_RUNS = {
         Launch("misses-causes-8x22b", 1, ("-m", "benchmarks.op_profile", "--family", "8x22b", "--cases",
                                           "2x512,8x512,4x64,8x128", "--ops", "custom_grouped,TE,grouped_mm", "--json",
                                           "{out}/misses_causes_8x22b.json"), tail=40)],
+    # 65-128 rows over 2-3 experts, where the op now runs the "two row tiles" table: the grid
+    # beside the few-rows table of 64 rows it ran there before, both families
+    "two-row-tiles": [Launch(f"two-row-tiles-{family}", 1, (
+        "-m", "benchmarks.custom_grouped_grid", "--family", family, "--experts", "2,3", "--tokens", "96,128",
+        "--splits", "uniform,skewed", "--tiles", "few rows, 64", "--json", f"{{out}}/two_row_tiles_{family}.json"),
+        tail=30) for family in ("8x7b", "8x22b")],
     # generation's GPU tests (graphed tokens equal eager ones), then greedy batch-1 decoding of
     # the whole 8x7B beside transformers' generate and the bandwidth floor
     "decode": [*pytest_gpu("generate-tests", "-m", "cuda", "tests/gpu/test_generate_gpu.py"),

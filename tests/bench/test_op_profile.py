@@ -51,9 +51,10 @@ def test_each_op_runs_the_tile_table_its_gemm_table_reads():
     from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS
 
     cpu = torch.device("cpu")
-    assert our_table("custom_grouped", [128, 128], cpu) is CONFIGS["few rows, 64"]
+    assert our_table("custom_grouped", [64, 64], cpu) is CONFIGS["few rows, 64"]
+    assert our_table("custom_grouped", [128, 128], cpu) is CONFIGS["two row tiles"]
     assert our_table("custom_grouped", [128] * 4, cpu) is CONFIGS["medium, few rows"]
-    assert our_table("custom_grouped, previous", [128, 128], cpu) == table_at("previous", 256, 2)
-    assert our_table("custom_grouped, previous", [128, 128], cpu) != CONFIGS["few rows, 64"]
+    assert our_table("custom_grouped, previous", [64, 64], cpu) == table_at("previous", 128, 2)
+    assert our_table("custom_grouped, previous", [64, 64], cpu) != CONFIGS["few rows, 64"]
     assert our_table("custom_grouped, medium, few rows", [128, 128], cpu) is CONFIGS["medium, few rows"]
     assert our_table("TE", [128, 128], cpu) is None and our_table("grouped_mm", [64], cpu) is None
