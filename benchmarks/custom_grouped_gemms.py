@@ -1,6 +1,6 @@
 """Each of custom_grouped's six GEMMs at training shapes, against cuBLAS on the same shapes.
 
-    python3 -m benchmarks.custom_grouped_gemms [--cases 8x2048,4x4096,179+77] [--json OUT]
+    python3 -m benchmarks.custom_grouped_gemms [--cases 8x2048,4x4096,179+77] [--gemms down_wgrad,...] [--json OUT]
 
 A case `LxR` is L local experts of R rows each at Mixtral-8x7B width (8x2048 is one GPU
 holding all 8 experts of a layer with one 8192-token sequence, top-2; 4x4096 a rank at
@@ -10,7 +10,9 @@ tile table's config for that many rows per expert (`grouped_swiglu.CONFIGS`), th
 candidates of that regime (benchmarks/custom_grouped_ops.py), and cuBLAS (`torch.mm`
 once per expert, the plain GEMM without our fused SwiGLU epilogues): the ceiling a tile
 change aims at, and the place a fused epilogue costs more than it saves. Medians of
-`triton.testing.do_bench` (custom_grouped_ops.bench: a GEMM alone, from a cold L2).
+`triton.testing.do_bench` (custom_grouped_ops.bench: a GEMM alone, from a cold L2). Each
+GEMM's line starts with its bytes floor: the bytes it moves (`custom_grouped_ops.gemm_bytes`)
+at the copy bandwidth measured at the start of the run. `--gemms` times some of the six only.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import torch
 from benchmarks import common
 from benchmarks import custom_grouped_ops as cb
 from benchmarks.common import FAMILIES
+from benchmarks.custom_grouped_grid import COPY_BYTES
 from te_mixtral.experts.kernels import grouped_swiglu as gs
 
 D, F = FAMILIES["8x7b"].hidden, FAMILIES["8x7b"].ffn
@@ -55,8 +58,14 @@ def cublas_ms(op: str, sizes: list[int]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="8x2048,4x4096", help="LxR: local experts x rows per expert")
+    parser.add_argument("--gemms", default=",".join(cb.OPS), help=f"any of {', '.join(cb.OPS)}, joined by commas")
     common.add_json_flag(parser)
     args = parser.parse_args(argv)
+    gemms = args.gemms.split(",")
+    if any(op not in cb.OPS for op in gemms):
+        print(f"custom_grouped_gemms: error: --gemms takes {', '.join(cb.OPS)} joined by commas; got {args.gemms}",
+              file=sys.stderr)
+        return 2
     device = common.cuda_or_refuse("custom_grouped_gemms")
     if device is None:
         return 2
@@ -66,16 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"custom_grouped_gemms: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
               file=sys.stderr)
         return 2
-    cb.precompile([(op, c) for sizes in cases.values() for op in cb.OPS for c in configs(op, sizes).values()])
+    # Compiled as each case runs them: its expert count (BLOCK_L) and its load path (TMA or not).
+    cb.precompile([(op, c, max(1, sum(sizes) // len(sizes)), len(sizes)) for sizes in cases.values() for op in gemms
+                   for c in configs(op, sizes).values()])
     header = common.run_header(device)
     print(common.header_line(header))
-    print("custom_grouped GEMMs: ms (TFLOP/s)")
+    bandwidth = common.copy_bandwidth_gbs(COPY_BYTES, device)
+    header["copy_bandwidth_gbs"] = bandwidth
+    print(f"custom_grouped GEMMs: ms (TFLOP/s); floor: its bytes at the copy bandwidth measured here, {bandwidth:.0f} GB/s")
     times = {}
     for case, sizes in cases.items():
-        for op in cb.OPS:
-            flops = cb.FLOP_UNITS[op] * sum(sizes) * D * F  # FLOP_UNITS count R·D·F
+        for op in gemms:
+            flops = cb.gemm_flops(op, sizes, D, F)
             cublas = cublas_ms(op, sizes)
-            cells = [f"{case} {op:14s} cuBLAS {cublas:6.3f} ({flops / cublas / 1e9:3.0f})"]
+            floor = cb.gemm_bytes(op, sizes, D, F) / (bandwidth * 1e6)
+            cells = [f"{case} {op:14s} floor {floor:6.3f}", f"cuBLAS {cublas:6.3f} ({flops / cublas / 1e9:3.0f})"]
             for name, c in configs(op, sizes).items():
                 run = cb.op_runner(op, None, len(sizes), D, F, c, sizes=sizes)
                 run()

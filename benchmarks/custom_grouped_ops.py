@@ -46,9 +46,14 @@ cfg = tile_config
 # (<= 113 KB each) allow, so one program's epilogue overlaps the other's main loop;
 # GROUP_M=16 halves how often a large rows-GEMM streams the weights from DRAM.
 PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
-# A weight gradient's EPI_PARTS is how many column blocks its store walks.
+# A weight gradient's EPI_PARTS is how many column blocks its store walks. With few rows a
+# weight gradient's tile is one to a few reduction steps and a store: bound by writing, with
+# as many tiles in flight as an SM holds programs. The table's 128 x 128 tile of 4 warps
+# holds two (222 registers a thread and 96 KiB, compiled for sm_90 by Triton 3.9): 8 warps
+# an SM. The last two hold three and four (165-168 and 117-126 registers, 48 and 32 KiB).
 WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
-                  cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
+                  cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2),
+                  cfg(64, 128, 64, 4, 2, progs=3, parts=2), cfg(64, 64, 64, 4, 2, progs=4, parts=1)]
 
 
 def few_rows_candidates(bm):

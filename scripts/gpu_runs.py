@@ -571,6 +571,12 @@ ROWS_RUNS = {
         "-m", "benchmarks.custom_grouped_grid", "--family", family, "--experts", "2,3", "--tokens", "96,128",
         "--splits", "uniform,skewed", "--tiles", "few rows, 64", "--json", f"{{out}}/two_row_tiles_{family}.json"),
         tail=30) for family in ("8x7b", "8x22b")],
+    # the two weight gradients alone at the floor misses' points (8x7B), each tile candidate of
+    # their table beside it (those that hold more programs an SM among them) and cuBLAS, each
+    # with its bytes floor
+    "wgrad-tiles": [Launch("wgrad-tiles", 1, ("-m", "benchmarks.custom_grouped_gemms", "--cases",
+                                              "2x64,4x64,8x64,2x128,4x128,8x128,2x256", "--gemms",
+                                              "down_wgrad,gate_up_wgrad", "--json", "{out}/wgrad_tiles.json"), tail=20)],
     # generation's GPU tests (graphed tokens equal eager ones), then greedy batch-1 decoding of
     # the whole 8x7B beside transformers' generate and the bandwidth floor
     "decode": [*pytest_gpu("generate-tests", "-m", "cuda", "tests/gpu/test_generate_gpu.py"),
