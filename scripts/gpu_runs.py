@@ -555,13 +555,14 @@ ROWS_RUNS = {
     # the few-rows grid's points still missed without a measured cause, each GEMM of ours, TE and
     # grouped_mm against its own bytes and FLOPs, with its grid (op_profile's GEMM table): 8x7B
     # 64 x 8 and 128 x 2, where a peer's GPU time beat ours, and the points of 64-256 rows over 2-8
-    # experts above 1.3x the bandwidth floor, with ours' table before the few-rows ones and the
-    # 128-row one beside where they differ; 8x22B 512 x 2 and x 8 and two of its floor misses
+    # experts above 1.3x the bandwidth floor, with ours' tables beside where they differ: the ones
+    # before the few-rows tables, the 128-row one, and the few-rows one of 64 rows (which ran
+    # 128 x 2 in the grid); 8x22B 512 x 2 and x 8 and two of its floor misses
     "misses-causes": [
         Launch("misses-causes-8x7b", 1, ("-m", "benchmarks.op_profile", "--family", "8x7b", "--cases",
                                          "8x64,2x128,2x64,4x64,4x128,8x128,2x256", "--ops", "custom_grouped,TE,grouped_mm",
-                                         "--tiles", "previous", "--tiles", "medium, few rows", "--json",
-                                         "{out}/misses_causes_8x7b.json"), tail=40),
+                                         "--tiles", "previous", "--tiles", "medium, few rows", "--tiles", "few rows, 64",
+                                         "--json", "{out}/misses_causes_8x7b.json"), tail=40),
         Launch("misses-causes-8x22b", 1, ("-m", "benchmarks.op_profile", "--family", "8x22b", "--cases",
                                           "2x512,8x512,4x64,8x128", "--ops", "custom_grouped,TE,grouped_mm", "--json",
                                           "{out}/misses_causes_8x22b.json"), tail=40)],
