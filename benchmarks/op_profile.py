@@ -112,8 +112,12 @@ def kernel_profile(step) -> tuple[dict, list[dict]]:
         found.update(profile_summary(prof))
         launches.extend(kernel_launches(prof))
 
+    try:
+        records = _ExperimentalConfig(expose_kineto_event_metadata=True)
+    except TypeError:  # a torch without the option: the GEMM table goes without the launch records
+        records = _ExperimentalConfig()
     with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=SKIPPED, warmup=WARMUP, active=ACTIVE),
-                 on_trace_ready=done, experimental_config=_ExperimentalConfig(expose_kineto_event_metadata=True)) as prof:
+                 on_trace_ready=done, experimental_config=records) as prof:
         for _ in range(SKIPPED + WARMUP + ACTIVE):
             step()
             torch.cuda.synchronize()
