@@ -18,7 +18,7 @@ The expert FFN layer (forward + backward)
 - expert_ffn.py      every expert tier and the 8-bit peers at Mixtral shapes, with ceilings
 - custom_grouped_bench.py  our BF16 op against grouped_mm, with a tile sweep (--sweep)
 - custom_grouped_grid.py   our BF16 op against the best of TE and grouped_mm over a grid
-- custom_grouped_gemms.py  each of its six GEMMs against cuBLAS
+- custom_grouped_gemms.py  each of its six GEMMs tile by tile, checked, against cuBLAS and grouped_mm
 - custom_grouped_host_time.py  host time against GPU time at few rows
 - op_profile.py      where one call's time goes, op beside op: kernels, each GEMM, idle, host
 

@@ -9,8 +9,9 @@ expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_
 - `op_bytes`, `op_flops`: what one forward + backward moves and computes, the numerators
   of its two floors (docs/kernels.md, "The two numbers"), the sums of each GEMM's
   (`gemm_bytes`, `gemm_flops`);
-- `OPS`, `FLOP_UNITS`, `op_runner`: each of its six GEMMs alone; `CANDIDATES`,
-  `candidates`, `precompile`: the tile configs a sweep tries per regime, compiled in a pool;
+- `OPS`, `FLOP_UNITS`, `gemm_operands`, `gemm_call`, `GEMM_OUTPUTS`, `op_runner`: each of
+  its six GEMMs alone, on operands of its own; `CANDIDATES`, `candidates`, `precompile`: the
+  tile configs a sweep tries per regime, compiled in a pool;
 - `bench` (Triton's `do_bench`, L2 flushed), `gpu_ms` (GPU time with the host queued
   ahead) and `step_ms` (calls back to back, host time included): the ways these benchmarks
   time one op, each saying why it is not benchmarks/common.py's timer.
@@ -79,17 +80,37 @@ CANDIDATES = {
                     cfg(128, 128, 64, 8, 4, parts=2)],
         "wgrad": WGRAD_FEW_ROWS,
     },
+    # Many rows per expert (one GPU's 8 experts x 2048 rows, EP=2's 4 x 4096): the tensor cores
+    # bound every GEMM, so these are the large tiles Hopper's 227 KiB of shared memory a block
+    # holds: 128 x 256 and 256 x 128 outputs of 8 warps and 256 x 256 of 16, 3 to 5 stages 64
+    # deep or 2 stages 128 deep (each at most 192 KiB), the row tiles walked 8, 16 or 32 at a
+    # time. gate_up holds two accumulators (gate and up), so its BLOCK_N is half the others'.
     "large": {
-        "rows": [cfg(128, 256, 64, 8, 3), cfg(256, 128, 64, 8, 3), PINGPONG,
+        "rows": [cfg(128, 256, 64, 8, 3), cfg(128, 256, 64, 8, 4), cfg(256, 128, 64, 8, 3), PINGPONG,
                  cfg(128, 256, 64, 8, 3, group=16), cfg(256, 128, 64, 8, 3, group=16),
-                 cfg(128, 256, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, flatten=True)],
+                 cfg(128, 256, 64, 8, 4, group=16), cfg(256, 128, 64, 8, 4, group=16),
+                 cfg(128, 256, 64, 8, 4, group=32), cfg(128, 256, 64, 8, 3, flatten=True),
+                 cfg(128, 256, 64, 8, 3, group=16, flatten=True), cfg(128, 256, 128, 8, 2, group=16),
+                 cfg(128, 128, 64, 8, 5, group=16), cfg(128, 128, 64, 8, 3, progs=2, group=16),
+                 cfg(256, 256, 64, 16, 3, group=16)],
         "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
-                    cfg(128, 128, 64, 8, 4, group=16), cfg(128, 128, 64, 8, 4, parts=2)],
+                    cfg(128, 128, 64, 8, 4, group=16), cfg(128, 128, 64, 8, 4, parts=2),
+                    cfg(128, 128, 64, 8, 3, group=16), cfg(128, 128, 64, 8, 4, group=32),
+                    cfg(128, 128, 64, 8, 3, group=16, flatten=True), cfg(256, 64, 64, 8, 4, group=16),
+                    cfg(128, 128, 128, 8, 2, group=16), cfg(256, 128, 64, 16, 3, group=16)],
         "down_dgrad": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
                        cfg(128, 128, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, group=16),
-                       cfg(128, 256, 64, 8, 3, group=16, flatten=True)],
+                       cfg(128, 256, 64, 8, 3, group=16, flatten=True),
+                       cfg(128, 256, 64, 8, 4, group=16, flatten=True),
+                       cfg(128, 256, 64, 8, 3, group=16, flatten=True, parts=2),
+                       cfg(128, 128, 64, 8, 4, group=16, flatten=True),
+                       cfg(256, 128, 64, 8, 3, group=16, flatten=True), cfg(128, 128, 64, 8, 3, progs=2, group=16)],
         "wgrad": [cfg(128, 256, 64, 8, 3, parts=1), cfg(128, 256, 64, 8, 3, parts=2),
-                  cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2)],
+                  cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2),
+                  cfg(128, 256, 64, 8, 4, group=16, parts=1), cfg(256, 128, 64, 8, 3, group=16, parts=1),
+                  cfg(256, 128, 64, 8, 4, group=16, parts=1), cfg(128, 256, 128, 8, 2, group=16, parts=1),
+                  cfg(128, 128, 64, 8, 4, group=16, parts=1), cfg(128, 128, 64, 8, 3, progs=2, group=16, parts=1),
+                  WGRAD_FEW_ROWS[0], cfg(256, 256, 64, 16, 3, group=16, parts=2)],
     },
 }
 CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
@@ -143,16 +164,16 @@ def bench(fn, rep=100):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False, sizes=None):
+def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False, sizes=None, device=DEVICE):
     """x, counts, w1, w2, dy for L experts of `per_expert` rows each, or of `sizes` rows."""
     sizes = [per_expert] * L if sizes is None else sizes
     R = sum(sizes)
-    gen = torch.Generator(device=DEVICE).manual_seed(R + L)
-    x = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
-    w1 = (torch.randn(L, 2 * F, D, device=DEVICE, generator=gen) * D**-0.5).to(dtype)
-    w2 = (torch.randn(L, D, F, device=DEVICE, generator=gen) * F**-0.5).to(dtype)
-    dy = torch.randn(R, D, device=DEVICE, generator=gen).to(dtype)
-    counts = torch.tensor(sizes, device=DEVICE, dtype=torch.int64)
+    gen = torch.Generator(device=device).manual_seed(R + L)
+    x = torch.randn(R, D, device=device, generator=gen).to(dtype)
+    w1 = (torch.randn(L, 2 * F, D, device=device, generator=gen) * D**-0.5).to(dtype)
+    w2 = (torch.randn(L, D, F, device=device, generator=gen) * F**-0.5).to(dtype)
+    dy = torch.randn(R, D, device=device, generator=gen).to(dtype)
+    counts = torch.tensor(sizes, device=device, dtype=torch.int64)
     if requires_grad:
         for t in (x, w1, w2):
             t.requires_grad_()
@@ -214,28 +235,54 @@ def op_flops(sizes: list[int], D: int, F: int) -> int:
     return sum(gemm_flops(op, sizes, D, F) for op in OPS)
 
 
+# What each GEMM writes (`gemm_operands`' names): the tensors a sweep checks.
+GEMM_OUTPUTS = {"gate_up": ("h_out", "act_out"), "down": ("y",), "down_dgrad": ("dh", "act_out"),
+                "down_wgrad": ("d_w2",), "gate_up_dgrad": ("dx",), "gate_up_wgrad": ("d_w1",)}
+
+
+def gemm_operands(sizes, D, F, dtype=torch.bfloat16, device=DEVICE) -> dict:
+    """What the six GEMMs read and write, alone, for experts of `sizes` rows: the op's inputs
+    (`make_inputs`); h, random pre-activations (the SwiGLU backward's) that also stand in for
+    dh, and act, random activations; and a tensor of its own for each result (GEMM_OUTPUTS),
+    so that no GEMM changes what another reads. The SwiGLU backward turns h into dh in place:
+    it runs on `dh`, a copy of h (after the first call, no longer h)."""
+    x, counts, w1, w2, dy = make_inputs(None, len(sizes), D, F, dtype=dtype, sizes=sizes, device=device)
+    R = x.shape[0]
+    gen = torch.Generator(device=device).manual_seed(R + len(sizes) + 1)
+    h = torch.randn(R, 2 * F, device=device, generator=gen).to(dtype)
+    act = torch.randn(R, F, device=device, generator=gen).to(dtype)
+    return {"x": x, "counts": counts, "w1": w1, "w2": w2, "dy": dy, "h": h, "act": act, "dh": h.clone(),
+            "h_out": torch.empty_like(h), "act_out": torch.empty_like(act), "y": torch.empty_like(x),
+            "dx": torch.empty_like(x), "d_w1": torch.empty_like(w1), "d_w2": torch.empty_like(w2)}
+
+
+def gemm_call(op, t, c, use_tma, write_act=True):
+    """A zero-argument launcher of GEMM `op` with tile config c on operands `t`
+    (`gemm_operands`), as the op launches it (grouped_swiglu.py); down_dgrad without
+    `write_act` leaves act out."""
+    D, F = t["w2"].shape[1:]
+    counts = t["counts"]
+    return {
+        "gate_up": lambda: gg.rows_gemm(t["x"], t["w1"], counts, t["act_out"], n=F, b_icontig=True, cfg=c,
+                                        use_tma=use_tma, epilogue=gg.EPI_SWIGLU, h=t["h_out"]),
+        "down": lambda: gg.rows_gemm(t["act"], t["w2"], counts, t["y"], n=D, b_icontig=True, cfg=c,
+                                     use_tma=use_tma),
+        "down_dgrad": lambda: gg.rows_gemm(t["dy"], t["w2"], counts, t["act_out"] if write_act else None, n=F,
+                                           b_icontig=False, cfg=c, use_tma=use_tma,
+                                           epilogue=gg.EPI_SWIGLU_BWD, h=t["dh"]),
+        "down_wgrad": lambda: wgrad_gemm(t["dy"], t["act"], counts, t["d_w2"], cfg=c, use_tma=use_tma),
+        "gate_up_dgrad": lambda: gg.rows_gemm(t["h"], t["w1"], counts, t["dx"], n=D, b_icontig=False, cfg=c,
+                                              use_tma=use_tma),
+        "gate_up_wgrad": lambda: wgrad_gemm(t["h"], t["x"], counts, t["d_w1"], cfg=c, use_tma=use_tma),
+    }[op]
+
+
 def op_runner(op, per_expert, L, D, F, c, write_act=True, sizes=None):
     """A zero-argument launcher of one of the six GEMMs with config c, on fresh data
-    (`sizes`: rows per expert where they differ, see `make_inputs`)."""
-    x, counts, w1, w2, dy = make_inputs(per_expert, L, D, F, sizes=sizes)
-    R = x.shape[0]
-    h = torch.randn(R, 2 * F, device=DEVICE, dtype=x.dtype)
-    act = torch.randn(R, F, device=DEVICE, dtype=x.dtype)
-    y = torch.empty(R, D, device=DEVICE, dtype=x.dtype)
-    tma = gs.uses_descriptors(R, L)  # as the op itself chooses
-    return {
-        "gate_up": lambda: gg.rows_gemm(x, w1, counts, act, n=F, b_icontig=True, cfg=c,
-                                        use_tma=tma, epilogue=gg.EPI_SWIGLU, h=h),
-        "down": lambda: gg.rows_gemm(act, w2, counts, y, n=D, b_icontig=True, cfg=c,
-                                     use_tma=tma),
-        "down_dgrad": lambda: gg.rows_gemm(dy, w2, counts, act if write_act else None, n=F,
-                                           b_icontig=False, cfg=c, use_tma=tma,
-                                           epilogue=gg.EPI_SWIGLU_BWD, h=h),
-        "down_wgrad": lambda: wgrad_gemm(dy, act, counts, torch.empty_like(w2), cfg=c, use_tma=tma),
-        "gate_up_dgrad": lambda: gg.rows_gemm(h, w1, counts, y, n=D, b_icontig=False, cfg=c,
-                                              use_tma=tma),
-        "gate_up_wgrad": lambda: wgrad_gemm(h, x, counts, torch.empty_like(w1), cfg=c, use_tma=tma),
-    }[op]
+    (`sizes`: rows per expert where they differ, see `make_inputs`), loading as the op
+    itself chooses (TMA or not)."""
+    sizes = [per_expert] * L if sizes is None else sizes
+    return gemm_call(op, gemm_operands(sizes, D, F), c, gs.uses_descriptors(sum(sizes), L), write_act)
 
 
 def _compile(job):

@@ -29,8 +29,8 @@ call these with the same arguments: dated results pages name those command lines
 - depth: what stands between a rank's share of the full Mixtral-8x7B and its targets: 16
   layers at EP=2 on two GPUs with each recompute setting and tier, each with its phase
   profile, a kernel profile, the 2-layer one-GPU step, the two peers, the 8-layer kernel
-  profiles beside TE's example and the TE backend's fusions with and without, and the full
-  model at EP=4 (docs/full-model.md says why each). Every training run: full fine-tuning, bf16 parameters
+  profiles beside TE's example and the TE backend's fusions with and without, the expert
+  GEMMs' tiles at the 8-layer step's rows, and the full model at EP=4 (docs/full-model.md says why each). Every training run: full fine-tuning, bf16 parameters
   with master_adamw, the config's lr 2e-5, one packed 8192-token sequence per GPU per step,
   15 steps of which the first 5 are left out of the timing, the same seed.
 - lanes: each quoted lane is one of the command lines above without OUT_DIR ("0,1 depth
@@ -258,6 +258,19 @@ def kernel_compare(first: str, second: str, *names: str) -> Launch:
                   tail=None)
 
 
+# 16384 rows over 8 experts as unevenly as the 8-layer step's router on random weights (the
+# busiest expert 1.68x the mean), the expert GEMMs' split in that step
+SKEWED_8X2048 = "3441+2719+2243+1997+1838+1603+1399+1144"
+
+
+def gemm_tiles(name: str, cases: str, *extra: str) -> Launch:
+    """benchmarks/custom_grouped_gemms.py at `cases` (with `extra`'s arguments), its last lines
+    (the sums, the picks) shown, its --json at OUT_DIR/NAME.json; it starts no tile but the
+    tables' own after 200 s."""
+    return Launch(name, 1, ("-m", "benchmarks.custom_grouped_gemms", "--cases", cases, *extra, "--budget-s", "200",
+                            "--json", f"{{out}}/{name}.json"), tail=32)
+
+
 def depth_16(name: str, tier: str, recompute: str, *extra: str) -> list[Launch]:
     """A 16-layer EP=2 run with its phase profile."""
     return depth_train(name, 2, DEPTH, "--ep-size", "2", "--tier", tier, "--recompute", recompute,
@@ -308,6 +321,12 @@ DEPTH_RUNS = {
                        kernel_profile("kernels-ours-unfused", "ours", "--te_fusions", "false"),
                        kernel_compare("kernels-ours", "kernels-te"),
                        kernel_compare("kernels-ours", "kernels-ours-unfused", "fused", "unfused")],
+    # custom_grouped's six expert GEMMs alone at the 8-layer step's rows (8 experts x 2048, and
+    # its uneven split): every candidate tile of the table checked against torch, then timed in
+    # turn beside cuBLAS per expert and grouped_mm; last the tile-table entries it would pick
+    "gemm-tiles": [gemm_tiles("gemm-tiles", f"8x2048,{SKEWED_8X2048}")],
+    # the same at EP=2's rows (4 experts x 4096) and at 16 experts x 1024
+    "gemm-tiles-ep": [gemm_tiles("gemm-tiles-ep", "4x4096,16x1024")],
     # the fusions' GPU tests (tests/gpu/test_fusions_gpu.py)
     "fusion-tests": [Launch("fusion-tests", 1, ("-m", "pytest", "-q", "-rfEs", "tests/gpu/test_fusions_gpu.py"),
                             tail=None)],
@@ -360,6 +379,10 @@ DEPTH_RUNS = {
     "8layer-8bit": depth_train("8layer-8bit", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "custom_grouped",
                                "--steps", "200", "--expert_moments", "8bit", "--loss-check",
                                "{out}/8layer-master/results.json"),
+    # the loss check's noise: a change known to be correct (TE's GroupedLinear for the experts: the
+    # same sums in another order), 200 steps as 8layer-master, compared with it as 8layer-8bit is
+    "8layer-control": depth_train("8layer-control", 1, "configs/mixtral-8x7b-8layer.yaml", "--tier", "grouped_linear",
+                                  "--steps", "200"),
     # full-ep4 with the experts' moments in 8 bits, recomputing the expert FFN in the first 11 of
     # the 32 layers, the fewest that fit four H200s by the estimate (27 without 8-bit moments;
     # --recompute none needs 154 GiB a rank, not 140)
@@ -573,11 +596,10 @@ ROWS_RUNS = {
         "--splits", "uniform,skewed", "--tiles", "few rows, 64", "--json", f"{{out}}/two_row_tiles_{family}.json"),
         tail=30) for family in ("8x7b", "8x22b")],
     # the two weight gradients alone at the floor misses' points (8x7B), each tile candidate of
-    # their table beside it (those that hold more programs an SM among them) and cuBLAS, each
-    # with its bytes floor
-    "wgrad-tiles": [Launch("wgrad-tiles", 1, ("-m", "benchmarks.custom_grouped_gemms", "--cases",
-                                              "2x64,4x64,8x64,2x128,4x128,8x128,2x256", "--gemms",
-                                              "down_wgrad,gate_up_wgrad", "--json", "{out}/wgrad_tiles.json"), tail=20)],
+    # their table beside it (those that hold more programs an SM among them), checked against
+    # torch, cuBLAS and grouped_mm, each with its bytes floor; last the picks
+    "wgrad-tiles": [gemm_tiles("wgrad-tiles", "2x64,4x64,8x64,2x128,4x128,8x128,2x256", "--gemms",
+                               "down_wgrad,gate_up_wgrad")],
     # generation's GPU tests (graphed tokens equal eager ones), then greedy batch-1 decoding of
     # the whole 8x7B beside transformers' generate and the bandwidth floor
     "decode": [*pytest_gpu("generate-tests", "-m", "cuda", "tests/gpu/test_generate_gpu.py"),

@@ -148,6 +148,26 @@ def _rne_shift(z, shift):
 
 
 @triton.jit
+def _hash32(x):
+    """moments8._hash32 of uint32 values: the same bits, with 32-bit multiplies that wrap
+    (torch's path masks 64-bit ones; a 64-bit multiply costs a GPU several instructions)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x5BD1E995
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _random_shift(z, shift, bits, salt):
+    """z >> shift rounded up with probability (dropped bits) / 2^shift (moments8._random_shift);
+    in uint32, where z + 2^31 - 1 fits."""
+    shift = shift.to(tl.uint32)
+    random = _hash32(bits.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32)) & ((tl.full(shift.shape, 1, tl.uint32) << shift) - 1)
+    return ((z.to(tl.uint32, bitcast=True) + random) >> shift).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _dequantize(codes_ptr, scales_ptr, offs, blocks, mask, block_mask,
                 MANTISSA: tl.constexpr, MAX_MAGNITUDE: tl.constexpr, SUBNORMAL_UNIT: tl.constexpr,
                 SIGNED: tl.constexpr):
@@ -165,9 +185,9 @@ def _dequantize(codes_ptr, scales_ptr, offs, blocks, mask, block_mask,
 
 
 @triton.jit
-def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
+def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask, salt,
                     MANTISSA: tl.constexpr, MAX_MAGNITUDE: tl.constexpr, SIGNED: tl.constexpr,
-                    NONZERO_STAYS_NONZERO: tl.constexpr):
+                    NONZERO_STAYS_NONZERO: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Store [blocks, BLOCK] fp32 values `x` as codes and their blocks' scales (moments8.quantize)."""
     bits = x.to(tl.int32, bitcast=True)
     a = bits & 0x7FFFFFFF
@@ -178,7 +198,11 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
     e = tl.maximum(exponent, 1) - top + 15
     z = ((tl.maximum(e, 1) - 1) << 23) + significand
     shift = tl.minimum((23 - MANTISSA) + tl.maximum(1 - e, 0), 31)
-    q = tl.minimum(_rne_shift(z, shift), MAX_MAGNITUDE)
+    if STOCHASTIC:
+        rounded = _random_shift(z, shift, bits, salt)
+    else:
+        rounded = _rne_shift(z, shift)
+    q = tl.minimum(rounded, MAX_MAGNITUDE)
     if NONZERO_STAYS_NONZERO:
         q = tl.where((q == 0) & (a != 0), 1, q)
     if SIGNED:
@@ -192,10 +216,10 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask,
 @triton.jit
 def _master_adamw_8bit_kernel(
     param_ptr, remainder_ptr, grad_ptr, m_codes_ptr, m_scales_ptr, r_codes_ptr, r_scales_ptr, grad_scale_ptr,
-    n_blocks, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps,
+    n_blocks, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps, rounding_salt,
     GRAD_FP32: tl.constexpr, BLOCKS: tl.constexpr, QBLOCK: tl.constexpr,
-    M_MANTISSA: tl.constexpr, M_MAX: tl.constexpr, M_UNIT: tl.constexpr,
-    R_MANTISSA: tl.constexpr, R_MAX: tl.constexpr, R_UNIT: tl.constexpr,
+    M_MANTISSA: tl.constexpr, M_MAX: tl.constexpr, M_UNIT: tl.constexpr, M_STOCHASTIC: tl.constexpr,
+    R_MANTISSA: tl.constexpr, R_MAX: tl.constexpr, R_UNIT: tl.constexpr, R_STOCHASTIC: tl.constexpr,
 ):
     blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # int64: tensors > 2^31
     block_mask = blocks < n_blocks
@@ -208,17 +232,19 @@ def _master_adamw_8bit_kernel(
     master, m, _, sqrt_v = _adamw(master, g, m, sqrt_v * sqrt_v, decay, one_minus_beta1, beta2, one_minus_beta2,
                                   neg_step_size, bc2_sqrt, eps)
     _store_master(param_ptr, remainder_ptr, offs, master, mask)
-    _quantize_store(m_codes_ptr, m_scales_ptr, offs, blocks, m, mask, block_mask, M_MANTISSA, M_MAX, True, False)
-    _quantize_store(r_codes_ptr, r_scales_ptr, offs, blocks, sqrt_v, mask, block_mask, R_MANTISSA, R_MAX, False,
-                    True)
+    _quantize_store(m_codes_ptr, m_scales_ptr, offs, blocks, m, mask, block_mask, rounding_salt, M_MANTISSA, M_MAX,
+                    True, False, M_STOCHASTIC)
+    _quantize_store(r_codes_ptr, r_scales_ptr, offs, blocks, sqrt_v, mask, block_mask, rounding_salt, R_MANTISSA,
+                    R_MAX, False, True, R_STOCHASTIC)
 
 
 # The 8-bit kernel's blocks and formats (moments8.py's).
 FORMATS_8BIT = {
     "BLOCKS": BLOCK // QBLOCK, "QBLOCK": QBLOCK,
     "M_MANTISSA": EXP_AVG.mantissa, "M_MAX": EXP_AVG.max_magnitude, "M_UNIT": EXP_AVG.subnormal_unit,
+    "M_STOCHASTIC": EXP_AVG.stochastic,
     "R_MANTISSA": SQRT_EXP_AVG_SQ.mantissa, "R_MAX": SQRT_EXP_AVG_SQ.max_magnitude,
-    "R_UNIT": SQRT_EXP_AVG_SQ.subnormal_unit,
+    "R_UNIT": SQRT_EXP_AVG_SQ.subnormal_unit, "R_STOCHASTIC": SQRT_EXP_AVG_SQ.stochastic,
 }
 
 
@@ -262,5 +288,5 @@ def adamw_update_8bit_triton(param, remainder, grad, m_codes, m_scales, r_codes,
     _master_adamw_8bit_kernel[(triton.cdiv(n_blocks, BLOCK // QBLOCK),)](
         param.view(torch.int16), remainder, _bits_or_fp32(grad), m_codes, m_scales, r_codes, r_scales, grad_scale,
         n_blocks, s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
-        GRAD_FP32=grad.dtype == torch.float32, **FORMATS_8BIT, **LAUNCH_OPTIONS,
+        s.rounding_salt, GRAD_FP32=grad.dtype == torch.float32, **FORMATS_8BIT, **LAUNCH_OPTIONS,
     )

@@ -41,6 +41,7 @@ from te_mixtral.optim.moments8 import (
     SQRT_EXP_AVG_SQ,
     dequantize,
     quantize,
+    rounding_salt,
 )
 
 CHUNK = 1 << 22  # elements per slice: bounds the fp32/int32 temporaries on big tensors; whole 8-bit blocks
@@ -62,6 +63,7 @@ class StepScalars:
     neg_step_size: float  # -lr / (1 - beta1^t)
     bc2_sqrt: float  # sqrt(1 - beta2^t)
     eps: float
+    rounding_salt: int  # of 8-bit moments rounded at random (moments8.rounding_salt)
 
     @classmethod
     def for_step(cls, lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
@@ -69,7 +71,7 @@ class StepScalars:
         """Scalars for step number `step` (1 for the first update)."""
         return cls(*(_fp32(x) for x in (
             1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
-            -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, eps)))
+            -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, eps)), rounding_salt(step))
 
 
 def _load(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +119,7 @@ def _update_8bit(param, remainder, grad, m_codes, m_scales, r_codes, r_scales, s
     master, m, _, sqrt_v = _adamw(master, g, dequantize(m_codes, m_scales, EXP_AVG), sqrt_v * sqrt_v, s)
     _store_master(param, remainder, master)
     for codes, scales, x, fmt in ((m_codes, m_scales, m, EXP_AVG), (r_codes, r_scales, sqrt_v, SQRT_EXP_AVG_SQ)):
-        new_codes, new_scales = quantize(x, fmt)
+        new_codes, new_scales = quantize(x, fmt, s.rounding_salt)
         codes.copy_(new_codes)
         scales.copy_(new_scales)
 

@@ -24,8 +24,22 @@ the block's largest value) and makes normalising exact: no division, nothing to 
 
     exp_avg            signed: sign, 4 exponent bits, 3 mantissa bits (as FP8 E4M3):
                        rounded to nearest, at most 1/16 relative error
-    sqrt(exp_avg_sq)   unsigned: 4 exponent bits, 4 mantissa bits: at most 1/32
-                       relative error in sqrt(v), the number Adam divides by
+    sqrt(exp_avg_sq)   unsigned: 4 exponent bits, 4 mantissa bits, rounded at random
+                       (below): under 1/16 relative error in sqrt(v), the number Adam
+                       divides by, and none on average
+
+Why the second moment is rounded at random. Where the gradient shrinks, v decays by beta2 a
+step: sqrt(v) by 1 - sqrt(0.95) = 2.5% at the configs' beta2 (less at torch's 0.999), less than half a code step
+(up to 3.1%) of 4 mantissa bits. Rounded to nearest, it comes back to the code it was: sqrt(v)
+stays at its largest value, and the step lr * m / sqrt(v) shrinks as the gradient does
+(tests/optim/test_moments8.py's shrinking gradients: updates under a fifth of fp32 moments' after
+300 steps; on Mixtral's 8 layers the loss fell behind bf16 moments'). Rounded up with
+probability equal to the fraction of a step dropped, the stored value is the exact one on
+average, so the decay goes on (the same test: within a few per cent of fp32 moments' updates).
+The first moment decays by 1 - beta1 = 10% a step, more than its half step of
+6.25%, and keeps rounding to nearest. The random bits are a hash of the value's own fp32 bits
+and a salt drawn from the step number: the same on every device and in the Triton kernel,
+whatever the tensor's sharding or layout, and again after a resume.
 
 The second moment is stored as its square root (torchao notes the sign bit is wasted on an
 unsigned state; the square root also halves the dynamic range of v, since sqrt(v) ~ |g|).
@@ -65,6 +79,7 @@ class Format:
     mantissa: int
     signed: bool
     nonzero_stays_nonzero: bool  # round a nonzero value below the smallest code up to it
+    stochastic: bool  # round at random (unbiased) rather than to nearest; needs a salt
 
     @property
     def max_magnitude(self) -> int:
@@ -77,8 +92,8 @@ class Format:
         return 2.0 ** (-14 - self.mantissa)
 
 
-EXP_AVG = Format(mantissa=3, signed=True, nonzero_stays_nonzero=False)
-SQRT_EXP_AVG_SQ = Format(mantissa=4, signed=False, nonzero_stays_nonzero=True)
+EXP_AVG = Format(mantissa=3, signed=True, nonzero_stays_nonzero=False, stochastic=False)
+SQRT_EXP_AVG_SQ = Format(mantissa=4, signed=False, nonzero_stays_nonzero=True, stochastic=True)
 _TOP = 15  # the format's biased exponent of the scale's binade (4 exponent bits, none kept for inf)
 # The fp32 exponent field of the smallest scale, 2^-108: every code times it is an fp32 normal
 # (no flush to zero on any device), and fp32 subnormals and zeros fall below the format's normals,
@@ -100,6 +115,24 @@ def check_blockable(shape: torch.Size, what: str) -> None:
                          f"{BLOCK} values; {what} is {tuple(shape)}")
 
 
+_HASH_MASK = 0xFFFFFFFF
+
+
+def _hash32(x):
+    """A 32-bit integer hash (Wellons' lowbias32 shape, multipliers below 2^31 so that no
+    product leaves int64) of integers in [0, 2^32): torch tensors or Python ints alike."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _HASH_MASK
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _HASH_MASK
+    return x ^ (x >> 16)
+
+
+def rounding_salt(step: int) -> int:
+    """The salt of a step's random rounding: below 2^31, so a kernel takes it as an int32."""
+    return _hash32(step & _HASH_MASK) & 0x7FFFFFFF
+
+
 def _rne_shift(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """z >> shift rounded to nearest, ties to even (z >= 0, 1 <= shift <= 31; int32)."""
     q = z >> shift
@@ -109,9 +142,20 @@ def _rne_shift(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return q + up.to(torch.int32)
 
 
-def quantize(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+def _random_shift(z: torch.Tensor, shift: torch.Tensor, bits: torch.Tensor, salt: int) -> torch.Tensor:
+    """z >> shift rounded up with probability (the dropped bits) / 2^shift: z plus `shift`
+    random bits, truncated. The bits hash the value's fp32 `bits` with `salt`. In int64:
+    z + 2^31 - 1 leaves int32."""
+    random = _hash32((bits.to(torch.int64) & _HASH_MASK) ^ salt) & ((torch.ones_like(shift, dtype=torch.int64) << shift) - 1)
+    return ((z.to(torch.int64) + random) >> shift).to(torch.int32)
+
+
+def quantize(x: torch.Tensor, fmt: Format, salt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 codes, fp32 scales) of fp32 values `x`, flat, a whole number of blocks long:
-    codes[i] for x[i], scales[b] for block b."""
+    codes[i] for x[i], scales[b] for block b. A stochastic format needs the step's `salt`
+    (`rounding_salt`)."""
+    if fmt.stochastic and salt is None:
+        raise ValueError("a stochastic format is rounded with a salt (rounding_salt(step))")
     bits = x.contiguous().view(torch.int32).view(-1, BLOCK)
     a = bits & _ABS_MASK
     exponent = a >> _MANTISSA_BITS  # biased fp32 exponent field, 0 for zeros and subnormals
@@ -123,7 +167,8 @@ def quantize(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     # below them the significand is shifted further right, so the step stays the subnormal unit.
     z = ((torch.clamp(e, min=1) - 1) << _MANTISSA_BITS) + significand
     shift = torch.clamp((_MANTISSA_BITS - fmt.mantissa) + torch.clamp(1 - e, min=0), max=31)
-    q = torch.clamp(_rne_shift(z, shift), max=fmt.max_magnitude)
+    rounded = _random_shift(z, shift, bits, salt) if fmt.stochastic else _rne_shift(z, shift)
+    q = torch.clamp(rounded, max=fmt.max_magnitude)
     if fmt.nonzero_stays_nonzero:
         q = torch.where((q == 0) & (a != 0), 1, q)
     if fmt.signed:

@@ -80,7 +80,7 @@ def kernel_case_8bit(blocks: int, grad_dtype, seed: int):
         m[BLOCK:2 * BLOCK], sqrt_v[BLOCK:2 * BLOCK] = 0.0, 0.0
         m[2 * BLOCK:3 * BLOCK] *= 1e-35
         sqrt_v[2 * BLOCK:3 * BLOCK] *= 1e-35
-    return [param, remainder, grad, *quantize(m, EXP_AVG), *quantize(sqrt_v, SQRT_EXP_AVG_SQ)]
+    return [param, remainder, grad, *quantize(m, EXP_AVG), *quantize(sqrt_v, SQRT_EXP_AVG_SQ, salt=12345)]
 
 
 @interpreter_only
@@ -130,7 +130,8 @@ def test_triton_kernel_in_interpreter(planned_command):
 # Argument types of the kernels as the launches pass them (bf16 tensors as int16 bits); others fp32.
 ARGUMENT_TYPES = {"param_ptr": "*i16", "remainder_ptr": "*i16", "grad_ptr": "*i16", "exp_avg_ptr": "*i16",
                   "exp_avg_sq_ptr": "*i16", "grad_scale_ptr": "*fp32", "m_codes_ptr": "*u8", "m_scales_ptr": "*fp32",
-                  "r_codes_ptr": "*u8", "r_scales_ptr": "*fp32", "n": "i32", "n_blocks": "i32"}
+                  "r_codes_ptr": "*u8", "r_scales_ptr": "*fp32", "n": "i32", "n_blocks": "i32",
+                  "rounding_salt": "i32"}
 
 
 def sm90_ptx(kernel, constexprs: dict) -> str:

@@ -9,6 +9,7 @@ that holds whatever the gradients). The Triton kernel's bits: test_adamw_kernel.
 test_master_adamw.py.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -35,9 +36,13 @@ from te_mixtral.optim.moments8 import (
     Format,
     dequantize,
     quantize,
+    rounding_salt,
 )
 
 FORMATS = {"exp_avg": EXP_AVG, "sqrt_exp_avg_sq": SQRT_EXP_AVG_SQ}
+# The formats rounded to nearest: the stochastic one's codes and rounding to nearest, whose
+# bit operations it shares (everything but the last step), checked against the reference.
+NEAREST = {name: dataclasses.replace(fmt, stochastic=False) for name, fmt in FORMATS.items()}
 
 
 def code_values(fmt: Format) -> torch.Tensor:
@@ -79,9 +84,9 @@ def test_block_is_the_configs():
     assert BLOCK == MOMENTS_8BIT_BLOCK
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", NEAREST)
 def test_quantize_rounds_to_the_nearest_value_of_the_format(name):
-    fmt = FORMATS[name]
+    fmt = NEAREST[name]
     x = moments_like(BLOCK * 400, 1, fmt.signed)
     x[:BLOCK] = torch.where(torch.arange(BLOCK) % 2 == 0, x[:BLOCK], x[:BLOCK] * 1e-7)  # far below the block's top
     x[BLOCK:2 * BLOCK] = 0.0  # a block of zeros
@@ -107,6 +112,49 @@ def test_quantize_rounds_to_the_nearest_value_of_the_format(name):
     # Quantising what was read back changes nothing.
     again = quantize(dequantize(codes, scales, fmt), fmt)
     assert torch.equal(again[0], codes) and torch.equal(bits(again[1]), bits(scales))
+
+
+def neighbours(x: torch.Tensor, fmt: Format, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format's values just below and just above each |x| (equal where x is a value), in
+    float64, from the reference's code grid and the block scales quantize chose."""
+    grid = code_values(fmt)[: fmt.max_magnitude + 1]  # magnitudes, ascending
+    scale = scales.double().repeat_interleave(BLOCK)
+    relative = x.double().abs() / scale
+    above = torch.searchsorted(grid, relative).clamp(max=grid.numel() - 1)
+    below = torch.where(grid[above] == relative, above, (above - 1).clamp(min=0))
+    return grid[below] * scale, grid[above] * scale
+
+
+def test_stochastic_rounding_picks_a_neighbour_and_is_exact_on_average():
+    """Each value becomes the format's value just below or just above it, never another, and
+    averaged over salts (steps) the stored value is the value itself: up with probability
+    (x - below) / (above - below). A rounding to nearest fails the average; a biased random
+    bit (a wrong mask or shift) fails it too."""
+    fmt, salts = SQRT_EXP_AVG_SQ, 400
+    x = moments_like(BLOCK * 8, 4, signed=False)
+    x = x / x.view(-1, BLOCK).amax(dim=1).repeat_interleave(BLOCK) * 1.9  # every scale 1: sums comparable
+    below, above = neighbours(x, fmt, torch.ones(x.numel() // BLOCK))
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for step in range(1, salts + 1):
+        codes, scales = quantize(x, fmt, rounding_salt(step))
+        assert torch.equal(scales, torch.ones_like(scales))
+        got = dequantize(codes, scales, fmt).double()
+        smallest = code_values(fmt)[1]
+        assert ((got == below) | (got == above) | ((below == 0) & (got == smallest))).all(), step
+        total += got
+    normal = below > 0
+    p = ((x.double() - below) / (above - below).clamp(min=1e-300))[normal]
+    mean_error = (total / salts - x.double())[normal] / (above - below)[normal]  # in code steps
+    # Binomial: the mean of `salts` draws is p, give or take sqrt(p (1 - p) / salts) steps;
+    # over 2,000 values the average error is that divided by sqrt(2,000) again.
+    assert (mean_error.abs() <= 5 * (p * (1 - p) / salts).sqrt() + 1e-12).all()
+    assert mean_error.mean().abs() <= 5 * 0.5 / math.sqrt(salts * normal.sum().item())
+    assert ((p > 0.2) & (p < 0.8)).sum() > 500  # many values strictly between two codes
+
+
+def test_a_salt_is_required_for_a_stochastic_format():
+    with pytest.raises(ValueError, match="salt"):
+        quantize(torch.ones(BLOCK), SQRT_EXP_AVG_SQ)
 
 
 def test_signed_format_is_symmetric():
@@ -136,7 +184,7 @@ def state_8bit(n: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     m = torch.randn(n, generator=gen) * 1e-3
     sqrt_v = m.abs() * (1 + 3 * torch.rand(n, generator=gen))
-    return [*quantize(m, EXP_AVG), *quantize(sqrt_v, SQRT_EXP_AVG_SQ)]
+    return [*quantize(m, EXP_AVG), *quantize(sqrt_v, SQRT_EXP_AVG_SQ, rounding_salt(seed))]
 
 
 def test_one_update_is_float64_adamw_from_the_read_back_moments():
@@ -159,7 +207,8 @@ def test_one_update_is_float64_adamw_from_the_read_back_moments():
     for codes, scales, fmt, exact in ((state[0], state[1], EXP_AVG, m), (state[2], state[3], SQRT_EXP_AVG_SQ, v.sqrt())):
         stored = dequantize(codes, scales, fmt).double()
         scale = scales.double().repeat_interleave(BLOCK)
-        bound = 2.0 ** -(fmt.mantissa + 1) * exact.abs() + fmt.subnormal_unit * scale + 4 * U * exact.abs()
+        rounding = 2.0 ** -fmt.mantissa if fmt.stochastic else 2.0 ** -(fmt.mantissa + 1)  # a step, or half
+        bound = rounding * exact.abs() + fmt.subnormal_unit * scale + 4 * U * exact.abs()
         assert ((stored - exact).abs() <= bound).all()
 
 
@@ -199,7 +248,8 @@ def test_moments_differ_from_fp32_moments_by_the_formats_rounding_alone():
         v_scale = s8["sqrt_exp_avg_sq_scales"].double().repeat_interleave(BLOCK)
         # This step's rounding of each (relative to the stored value, which is within it of the exact one).
         q_m = 2.0**-4 / (1 - 2.0**-4) * m8.abs() + EXP_AVG.subnormal_unit * m_scale
-        q_v = ((1 + 2.0**-5) ** 2 - 1) / (1 - 2.0**-5) ** 2 * v8 + (SQRT_EXP_AVG_SQ.subnormal_unit * v_scale) ** 2 * 3
+        # sqrt(v) rounded at random: up to a whole code step (2^-4) off, not half of one.
+        q_v = ((1 + 2.0**-4) ** 2 - 1) / (1 - 2.0**-4) ** 2 * v8 + (SQRT_EXP_AVG_SQ.subnormal_unit * v_scale) ** 2 * 3
         bound_m = beta1 * bound_m + q_m + 16 * U * m8.abs()
         bound_v = beta2 * bound_v + q_v + 16 * U * v8
         assert ((m8 - s32["exp_avg"].view(-1).double()).abs() <= bound_m).all(), t
@@ -208,6 +258,34 @@ def test_moments_differ_from_fp32_moments_by_the_formats_rounding_alone():
     print(f"8-bit vs fp32 moments after {steps} steps: masters differ by up to {gap.max() / lr:.3f} lr, "
           f"{gap.mean() / lr:.4f} lr on average")
     assert gap.max() <= 0.15 * lr * steps and gap.mean() <= 0.02 * lr * steps  # measured: 0.065, 0.011
+
+
+def test_updates_keep_their_size_as_the_gradients_shrink():
+    """Gradients that shrink twentyfold over 300 steps, as training's do: v must decay with them,
+    by beta2 a step, or the steps lr * m / sqrt(v) shrink with the gradients. Rounded to nearest,
+    sqrt(v) decays by less than half a code step a step and never moves: the 8-bit masters then
+    move under a fifth as far as fp32 moments' over the last 100 steps. Rounded at random, the
+    same distance within a few per cent, and direction for direction."""
+    steps, lr = 300, 1e-4
+    (a, eight), (b, fp32) = pair(4, 2 * BLOCK, 14, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(15)
+    amplitude = torch.exp2(-8 * torch.rand(a.shape, generator=gen))  # 8 binades inside every block
+    signal = 0.3 * torch.randn(a.shape, generator=gen)  # a persistent part, so that m does not average to 0
+    moved_8bit, moved_fp32 = [], []
+    for t in range(1, steps + 1):
+        g = amplitude * (math.exp(-t / 80) + 0.05) * (signal + torch.randn(a.shape, generator=gen)) * 1e-3
+        before = eight.master(a).clone(), fp32.master(b).clone()
+        a.grad, b.grad = g.bfloat16(), g.bfloat16()
+        eight.step()
+        fp32.step()
+        if t > steps - 100:
+            moved_8bit.append((eight.master(a) - before[0]).double())
+            moved_fp32.append((fp32.master(b) - before[1]).double())
+    d8, d32 = torch.stack(moved_8bit), torch.stack(moved_fp32)
+    size = (d8.abs().sum() / d32.abs().sum()).item()
+    along = ((d8 * d32).sum() / (d32 * d32).sum()).item()
+    print(f"last 100 steps: 8-bit updates {size:.3f} the size of fp32 moments', {along:.3f} along them")
+    assert 0.95 <= size <= 1.05 and 0.95 <= along <= 1.05  # measured: 0.998 and 0.998
 
 
 def test_a_tiny_second_moment_never_becomes_a_zero_denominator():
