@@ -9,6 +9,8 @@ Shared pieces
 - common.py          the Mixtral shapes, the one timer (`median_ms`), the run header, `--json`
 - custom_grouped_ops.py  the custom_grouped op's inputs, six GEMMs, tile candidates and its
                      two op timers (cold-L2 `bench`, host-ahead `gpu_ms`)
+- gemm_floors.py     a profiled step's kernels by which of the op's six GEMMs launched them,
+                     each GEMM against its own bytes and FLOPs, and its grid
 - peers.py           8-bit expert FFNs of other libraries (TE's FP8 recipes, torchao)
 - peer_workload.py   the rows the peer training runs train on, and their one-line report
 
@@ -18,6 +20,7 @@ The expert FFN layer (forward + backward)
 - custom_grouped_grid.py   our BF16 op against the best of TE and grouped_mm over a grid
 - custom_grouped_gemms.py  each of its six GEMMs tile by tile, checked, against cuBLAS and grouped_mm
 - custom_grouped_host_time.py  host time against GPU time at few rows
+- op_profile.py      where one call's time goes, op beside op: kernels, each GEMM, idle, host
 
 FP8 (the device_mxfp8 tier's fp8-hopper mode)
 - fp8_gemms.py       its grouped GEMMs against torch._scaled_grouped_mm (CUTLASS)

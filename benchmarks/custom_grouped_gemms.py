@@ -1,8 +1,8 @@
 """Each of custom_grouped's six GEMMs alone at training shapes, tile by tile: which tile-table
 entry is fastest, checked against torch, beside cuBLAS and grouped_mm on the same shapes.
 
-    python3 -m benchmarks.custom_grouped_gemms [--cases 8x2048,4x4096,179+77] [--rounds 3]
-        [--margin 0.02] [--budget-s 300] [--json OUT]
+    python3 -m benchmarks.custom_grouped_gemms [--cases 8x2048,4x4096,179+77] [--gemms down_wgrad,...]
+        [--rounds 3] [--margin 0.02] [--budget-s 300] [--json OUT]
 
 A case `LxR` is L local experts of R rows each at Mixtral-8x7B width (8x2048 is one GPU
 holding all 8 experts of a layer with one 8192-token sequence, top-2: the GEMMs of the
@@ -10,7 +10,8 @@ holding all 8 experts of a layer with one 8192-token sequence, top-2: the GEMMs 
 EP=8 with few tokens); `R0+R1+...` gives each expert's rows, for uneven splits (179+77: 256
 rows over two experts, 70/30). The six GEMMs are grouped_swiglu.py's: the forward's gate/up
 with SwiGLU in its epilogue and its down projection, the data gradients of down (SwiGLU's
-gradient in its epilogue) and of gate/up, and the two weight gradients. For each it runs
+gradient in its epilogue) and of gate/up, and the two weight gradients; `--gemms` runs some
+of them only. For each it runs
 
 - every candidate tile of the case's tile table (`custom_grouped_ops.candidates`, with the
   table's own pick, marked `(table)`): first once on fresh operands, its results checked
@@ -27,16 +28,17 @@ same config timed in two calls has differed by up to 10 %, so a GEMM's tiles and
 timed in turn, `--rounds` times, and each keeps its median: a drift of the clocks within the
 call falls on all of them alike.
 
-It prints, per case and GEMM, a table: ms, TFLOP/s, `x table` (the table pick's time over
-this one's: above 1 faster) and the check's error; per case the six GEMMs' sum, the table's
-picks against the fastest tiles and the peers, beside the bf16 matmul rate measured in the
-same run; and last the tile-table entries the run would pick, per table its cases ran: each
-GEMM's `tile_config(...)`, a tile other than the table's only where it is faster by
-`--margin` or more summed over that table's cases, to paste into grouped_swiglu.CONFIGS.
-`--budget-s` leaves the tiles not yet started after that many seconds unrun (the table says
-so) but the table's picks and the peers, so that a call with a time limit still prints its
-sums and picks. The kernels are compiled
-first, in parallel (`custom_grouped_ops.precompile`).
+It prints, per case and GEMM, a table headed by the GEMM's bytes floor (the bytes it moves,
+`custom_grouped_ops.gemm_bytes`, at the copy bandwidth measured at the start of the run):
+ms, TFLOP/s, `x table` (the table pick's time over this one's: above 1 faster) and the
+check's error; per case the GEMMs' sum, the table's picks against the fastest tiles and the
+peers, beside the bf16 matmul rate measured in the same run; and last the tile-table entries
+the run would pick, per table its cases ran: each GEMM's `tile_config(...)`, a tile other
+than the table's only where it is faster by `--margin` or more summed over that table's
+cases, to paste into grouped_swiglu.CONFIGS. `--budget-s` leaves the tiles not yet started
+after that many seconds unrun (the table says so) but the table's picks and the peers, so
+that a call with a time limit still prints its sums and picks. The kernels are compiled
+first, in parallel (`custom_grouped_ops.precompile`), as each case launches them.
 """
 
 import argparse
@@ -53,6 +55,7 @@ import torch
 from benchmarks import common
 from benchmarks import custom_grouped_ops as cb
 from benchmarks.common import FAMILIES
+from benchmarks.custom_grouped_grid import COPY_BYTES
 from te_mixtral.experts.base import swiglu
 from te_mixtral.experts.grouped_mm import grouped_matmul, grouped_wgrad, offsets
 from te_mixtral.experts.kernels import grouped_swiglu as gs
@@ -86,7 +89,7 @@ _KEYWORDS = {"progs": "PROGS_PER_SM", "group": "GROUP_M", "parts": "EPI_PARTS", 
 def tile_name(c: dict) -> str:
     """A tile in one short line, every field that tells two configs apart in it."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_I']} w{c['num_warps']} s{c['num_stages']} g{c['GROUP_M']}"
-            f"{' p2' if c['PROGS_PER_SM'] == 2 else ''}{' flat' if c['FLATTEN'] else ''} e{c['EPI_PARTS']}"
+            f"{' p' + str(c['PROGS_PER_SM']) if c['PROGS_PER_SM'] > 1 else ''}{' flat' if c['FLATTEN'] else ''} e{c['EPI_PARTS']}"
             f"{' k' + str(c['TAIL_SPLIT']) if c['TAIL_SPLIT'] > 1 else ''}")
 
 
@@ -181,16 +184,18 @@ def peer_calls(op: str, t: dict, sizes: list[int]) -> dict:
 
 
 def sweep_case(sizes, tiles, picks, *, timer, dims=(D, F), dtype=torch.bfloat16, device=cb.DEVICE, rounds=3,
-               deadline=math.inf, say=print) -> dict:
-    """One case: {op: {"flops", "pick", "tiles": {name: row}, "peers": {name: row}}}. Each of
-    `tiles[op]` ({name: config}; `picks[op]` the table's) is checked (`checked`), then the
-    tiles that passed and the peers are timed by `timer` (a zero-argument call -> ms) in turn,
-    `rounds` times. A row holds the config, the error, the median ms, TFLOP/s and `x_table`
-    (the pick's ms over its own), or `failed`: why it was not timed."""
+               deadline=math.inf, bandwidth_gbs=None, say=print) -> dict:
+    """One case: {op: {"flops", "bytes", "floor_ms", "pick", "tiles": {name: row}, "peers":
+    {name: row}}} for each GEMM `tiles` holds, in OPS' order. Each of `tiles[op]` ({name:
+    config}; `picks[op]` the table's) is checked (`checked`), then the tiles that passed and
+    the peers are timed by `timer` (a zero-argument call -> ms) in turn, `rounds` times. A row
+    holds the config, the error, the median ms, TFLOP/s and `x_table` (the pick's ms over its
+    own), or `failed`: why it was not timed. `floor_ms`: the GEMM's bytes at `bandwidth_gbs`
+    (None without one)."""
     t = cb.gemm_operands(sizes, *dims, dtype, device)
     use_tma = gs.uses_descriptors(sum(sizes), len(sizes)) and tma_ok(*(t[k] for k in ("x", "w1", "w2", "h", "act")))
     result = {}
-    for op in cb.OPS:
+    for op in (op for op in cb.OPS if op in tiles):
         want = reference(op, t)
         rows, launches = {}, {}
         for name, c in tiles[op].items():
@@ -215,8 +220,9 @@ def sweep_case(sizes, tiles, picks, *, timer, dims=(D, F), dtype=torch.bfloat16,
         for _ in range(rounds):
             for name, launch in (launches | peers).items():
                 times[name].append(timer(launch))
-        flops = cb.FLOP_UNITS[op] * sum(sizes) * dims[0] * dims[1]
-        entry = {"flops": flops, "pick": picks[op], "tiles": rows, "peers": {name: {} for name in peers}}
+        flops, moved = cb.gemm_flops(op, sizes, *dims), cb.gemm_bytes(op, sizes, *dims)
+        entry = {"flops": flops, "bytes": moved, "floor_ms": moved / (bandwidth_gbs * 1e6) if bandwidth_gbs else None,
+                 "pick": picks[op], "tiles": rows, "peers": {name: {} for name in peers}}
         for name, ms in times.items():
             row = entry["tiles" if name in rows else "peers"][name]
             row["ms"] = statistics.median(ms)
@@ -234,7 +240,7 @@ def sweep_case(sizes, tiles, picks, *, timer, dims=(D, F), dtype=torch.bfloat16,
 
 
 def case_sums(ops: dict) -> dict[str, float]:
-    """The six GEMMs' ms summed: the table's picks, the fastest tile of each, and each peer
+    """The GEMMs' ms summed: the table's picks, the fastest tile of each, and each peer
     (a column missing where some GEMM has no time in it)."""
     columns = {"table": [entry["tiles"][entry["pick"]].get("ms") for entry in ops.values()],
                "fastest tiles": [min((row["ms"] for row in entry["tiles"].values() if "ms" in row), default=None)
@@ -252,7 +258,7 @@ def would_pick(cases: dict, margin: float) -> dict:
     for regime in dict.fromkeys(case["regime"] for case in cases.values()):
         ran = [case["ops"] for case in cases.values() if case["regime"] == regime]
         picks[regime] = {}
-        for op in cb.OPS:
+        for op in ran[0]:
             totals = {name: sum(r[op]["tiles"][name]["ms"] for r in ran) for name in ran[0][op]["tiles"]
                       if all("ms" in r[op]["tiles"].get(name, {}) for r in ran)}
             table = ran[0][op]["pick"]
@@ -271,8 +277,11 @@ def _ms(value, width=8, digits=3) -> str:
 
 
 def op_table(sizes: list[int], op: str, entry: dict) -> list[str]:
-    """One GEMM of a case: its tiles, fastest first (then those not timed, and why), and the peers."""
-    lines = [f"=== {case_name(sizes)} {op}: {WHAT[op]}, {entry['flops'] / 1e12:.2f} TFLOP",
+    """One GEMM of a case, headed by its bytes floor (where the run measured a bandwidth): its
+    tiles, fastest first (then those not timed, and why), and the peers."""
+    floor = f": bytes floor {entry['floor_ms']:.3f} ms" if entry["floor_ms"] is not None else ""
+    lines = [f"=== {case_name(sizes)} {op}: {WHAT[op]}, {entry['flops'] / 1e12:.2f} TFLOP, "
+             f"{entry['bytes'] / 1e6:.1f} MB{floor}",
              f"  {'tile':40s} {'ms':>8s} {'TFLOP/s':>8s} {'x table':>8s} {'error':>8s}"]
     timed = sorted((name for name, row in entry["tiles"].items() if "ms" in row), key=lambda n: entry["tiles"][n]["ms"])
     for name in timed:
@@ -290,12 +299,15 @@ def op_table(sizes: list[int], op: str, entry: dict) -> list[str]:
 
 
 def sums_lines(sizes: list[int], ops: dict, peak: float) -> list[str]:
-    """A case's six GEMMs summed (`case_sums`), with their rate against `peak`, the bf16
-    matmul rate measured in the run."""
+    """A case's GEMMs summed (`case_sums`), with their rate against `peak`, the bf16 matmul
+    rate measured in the run."""
     flops = sum(entry["flops"] for entry in ops.values())
-    return [f"=== {case_name(sizes)}: the six GEMMs, {flops / 1e12:.2f} TFLOP (a training step runs them once a "
-            f"layer)"] + [f"  {name:40s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s {flops / ms / 1e9 / peak:6.1%} "
-                          f"of the matmul rate" for name, ms in case_sums(ops).items()]
+    every = len(ops) == len(cb.OPS)
+    which = "the six GEMMs" if every else ", ".join(ops)
+    head = f"=== {case_name(sizes)}: {which}, {flops / 1e12:.2f} TFLOP"
+    return [head + (" (a training step runs them once a layer)" if every else "")] + [
+        f"  {name:40s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s {flops / ms / 1e9 / peak:6.1%} of the matmul rate"
+        for name, ms in case_sums(ops).items()]
 
 
 def picks_lines(picks: dict, cases: dict, margin: float) -> list[str]:
@@ -305,7 +317,11 @@ def picks_lines(picks: dict, cases: dict, margin: float) -> list[str]:
         names = ", ".join(case for case, run in cases.items() if run["regime"] == regime)
         lines += [f"=== tile table {json.dumps(regime)} as this run picks it (a tile other than the table's where "
                   f"it is at least {margin:.0%} faster summed over {names}):", f"    {json.dumps(regime)}: {{"]
-        for op, pick in ops.items():
+        for op in cb.OPS:
+            pick = ops.get(op)
+            if pick is None:  # not run (--gemms): the table's, so that the block still pastes whole
+                lines.append(f"        {json.dumps(op)}: {tile_source(gs.CONFIGS[regime][op])},  # the table's, not run")
+                continue
             if pick["changed"]:
                 was = gs.CONFIGS[regime][op]
                 note = (f"{_ms(pick['table_ms'], 0)} -> {_ms(pick['ms'], 0)} ms" +
@@ -322,10 +338,11 @@ def case_name(sizes: list[int]) -> str:
     return f"{len(sizes)}x{sizes[0]}" if len(set(sizes)) == 1 else "+".join(map(str, sizes))
 
 
-def payload(header: dict, peak: float, cases: dict, picks: dict, args) -> dict:
-    """What --json holds: the header, the settings, every row of every case, the picks with
-    their `tile_config(...)` source."""
-    return {"header": header, "matmul_tflops": peak, "rounds": args.rounds, "margin": args.margin,
+def payload(header: dict, peak: float, cases: dict, picks: dict, args, bandwidth: float) -> dict:
+    """What --json holds: the header, the rates measured, the settings, every row of every
+    case, the picks with their `tile_config(...)` source."""
+    return {"header": header, "matmul_tflops": peak, "copy_bandwidth_gbs": bandwidth, "gemms": args.gemms.split(","),
+            "rounds": args.rounds, "margin": args.margin,
             "tolerance": TOLERANCE[torch.bfloat16], "cases": cases,
             "would_pick": {regime: {op: {**pick, "source": tile_source(pick["config"])} for op, pick in ops.items()}
                            for regime, ops in picks.items()}}
@@ -335,12 +352,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="8x2048", help="LxR (local experts x rows per expert) or R0+R1+..., "
                                                           "joined by commas")
+    parser.add_argument("--gemms", default=",".join(cb.OPS), help=f"any of {', '.join(cb.OPS)}, joined by commas")
     parser.add_argument("--rounds", type=int, default=3, help="times each tile and peer is timed, in turn")
     parser.add_argument("--margin", type=float, default=0.02, help="how much faster a tile must be to replace the "
                                                                    "table's pick")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no tile after this many seconds")
     common.add_json_flag(parser)
     args = parser.parse_args(argv)
+    gemms = args.gemms.split(",")
+    if any(op not in cb.OPS for op in gemms) or len(set(gemms)) < len(gemms):
+        print(f"custom_grouped_gemms: error: --gemms takes {', '.join(cb.OPS)} (each once) joined by commas; "
+              f"got {args.gemms}", file=sys.stderr)
+        return 2
     try:
         cases = {case: cb.parse_case(case) for case in args.cases.split(",")}
     except ValueError:
@@ -360,23 +383,25 @@ def main(argv: list[str] | None = None) -> int:
     header = common.run_header(device)
     print(common.header_line(header))
     # Compiled as each case launches them: its experts and mean rows decide BLOCK_L and TMA.
-    cb.precompile([(op, c, sum(sizes) // len(sizes), len(sizes)) for sizes in cases.values()
-                   for op in cb.OPS for c in case_tiles(op, sizes)[0].values()])
+    cb.precompile([(op, c, max(1, sum(sizes) // len(sizes)), len(sizes)) for sizes in cases.values()
+                   for op in gemms for c in case_tiles(op, sizes)[0].values()])
     peak = common.matmul_peak_tflops(8192, device)
-    print(f"measured here: bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
+    bandwidth = common.copy_bandwidth_gbs(COPY_BYTES, device)
+    print(f"measured here: bf16 matmul 8192^3 {peak:.0f} TFLOP/s, device copy {bandwidth:.0f} GB/s "
+          f"(read + write, {COPY_BYTES >> 20} MiB): the GEMMs' bytes floors")
     runs = {}
     for case, sizes in cases.items():
         tiles, picks = {}, {}
-        for op in cb.OPS:
+        for op in gemms:
             tiles[op], picks[op] = case_tiles(op, sizes)
         ops = sweep_case(sizes, tiles, picks, device=device, timer=lambda fn: cb.bench(fn, rep=50),
-                         rounds=args.rounds, deadline=deadline)
+                         rounds=args.rounds, deadline=deadline, bandwidth_gbs=bandwidth)
         runs[case] = {"sizes": sizes, "regime": gs.regime(sum(sizes), len(sizes)), "ops": ops,
                       "sums": case_sums(ops)}
         print("\n".join(sums_lines(sizes, ops, peak)), flush=True)
     picks = would_pick(runs, args.margin)
     print("\n".join(picks_lines(picks, runs, args.margin)))
-    common.write_json(args.json, payload(header, peak, runs, picks, args))
+    common.write_json(args.json, payload(header, peak, runs, picks, args, bandwidth))
     return 0
 
 

@@ -7,7 +7,8 @@ expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_
   or `R0+R1+...`), one forward + backward of it, the op with one tile table everywhere (or
   "previous": the tables as they were before the few-rows ones, chosen as they were);
 - `op_bytes`, `op_flops`: what one forward + backward moves and computes, the numerators
-  of its two floors (docs/kernels.md, "The two numbers");
+  of its two floors (docs/kernels.md, "The two numbers"), the sums of each GEMM's
+  (`gemm_bytes`, `gemm_flops`);
 - `OPS`, `FLOP_UNITS`, `gemm_operands`, `gemm_call`, `GEMM_OUTPUTS`, `op_runner`: each of
   its six GEMMs alone, on operands of its own; `CANDIDATES`, `candidates`, `precompile`: the
   tile configs a sweep tries per regime, compiled in a pool;
@@ -46,9 +47,14 @@ cfg = tile_config
 # (<= 113 KB each) allow, so one program's epilogue overlaps the other's main loop;
 # GROUP_M=16 halves how often a large rows-GEMM streams the weights from DRAM.
 PINGPONG = cfg(128, 128, 64, 4, 3, progs=2)
-# A weight gradient's EPI_PARTS is how many column blocks its store walks.
+# A weight gradient's EPI_PARTS is how many column blocks its store walks. With few rows a
+# weight gradient's tile is one to a few reduction steps and a store: bound by writing, with
+# as many tiles in flight as an SM holds programs. The table's 128 x 128 tile of 4 warps
+# holds two (222 registers a thread and 96 KiB, compiled for sm_90 by Triton 3.9): 8 warps
+# an SM. The last two hold three and four (165-168 and 117-126 registers, 48 and 32 KiB).
 WGRAD_FEW_ROWS = [cfg(128, 128, 64, 4, 3, progs=2, parts=2), cfg(128, 128, 64, 4, 3, progs=2, parts=1),
-                  cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2)]
+                  cfg(128, 256, 64, 8, 3, parts=2), cfg(64, 256, 64, 4, 2, progs=2, parts=2),
+                  cfg(64, 128, 64, 4, 2, progs=3, parts=2), cfg(64, 64, 64, 4, 2, progs=4, parts=1)]
 
 
 def few_rows_candidates(bm):
@@ -108,16 +114,14 @@ CANDIDATES = {
     },
 }
 CANDIDATES["medium, few rows"] = CANDIDATES["medium"]
+CANDIDATES["two row tiles"] = CANDIDATES["few rows, 64"]
 
 
 # The tables that the few-rows ones replaced, and their choice by size, kept to time the op
 # before and after in one run (`with_table("previous")`). Their TAIL_SPLIT ran the last
 # round's tiles in equal shares then, and streams them now (stream_k.py); otherwise the same
 # kernels. Delete once the few-rows tables' results page stands.
-_PREVIOUS_ROWS_N_IS_D = cfg(64, 128, 64, 4, 4, progs=2)
-_PREVIOUS_SMALL = {"gate_up": cfg(64, 64, 128, 4, 4, parts=2), "down": _PREVIOUS_ROWS_N_IS_D,
-                   "down_dgrad": cfg(64, 64, 64, 4, 4, progs=2, parts=2), "down_wgrad": gs.CONFIGS["medium"]["down_wgrad"],
-                   "gate_up_dgrad": _PREVIOUS_ROWS_N_IS_D, "gate_up_wgrad": gs.CONFIGS["medium"]["gate_up_wgrad"]}
+_PREVIOUS_SMALL = gs.CONFIGS["two row tiles"]  # which the op runs again at 65-128 rows over 2-3 experts
 _PREVIOUS_SPLIT = cfg(64, 128, 64, 4, 4, tail_split=4)
 PREVIOUS = {
     "small": _PREVIOUS_SMALL,
@@ -193,19 +197,42 @@ def with_table(name: str):
     return op
 
 
-def op_bytes(sizes: list[int], D: int, F: int, element: int = 2) -> int:
-    """Bytes one forward + backward moves, each of its six GEMMs reading its operands once
-    and writing its result once (docs/kernels.md's table): the weights, 3·F·D elements an
-    expert, read by the forward and again by the two dgrads and written once as gradients;
-    the rows' activations 6·R·D + 14·R·F (x, y, dy, dx and h, act, dh as the GEMMs pass them
-    on). `element` bytes each (bf16: 2)."""
+def gemm_elements(op: str, sizes: list[int], D: int, F: int) -> tuple[int, int]:
+    """(read, written) elements of GEMM `op` (one of OPS), reading its operands once and
+    writing its results once, as ours runs it (docs/kernels.md's table): SwiGLU fused into
+    gate_up's epilogue (it writes h and act) and its gradient into down_dgrad's (it reads h,
+    writes dh in its place and act again). A weight gradient writes the weight's elements."""
     R, L = sum(sizes), len(sizes)
-    return element * (3 * L * 3 * F * D + 6 * R * D + 14 * R * F)
+    x = y = dy = dx = R * D
+    h = dh = 2 * R * F
+    act = R * F
+    w1, w2 = L * 2 * F * D, L * D * F
+    return {"gate_up": (x + w1, h + act), "down": (act + w2, y), "down_dgrad": (dy + w2 + h, dh + act),
+            "down_wgrad": (dy + act, w2), "gate_up_dgrad": (dh + w1, dx), "gate_up_wgrad": (dh + x, w1)}[op]
+
+
+def gemm_bytes(op: str, sizes: list[int], D: int, F: int, element: int = 2) -> int:
+    """Bytes GEMM `op` moves (`gemm_elements`), `element` bytes each (bf16: 2)."""
+    return element * sum(gemm_elements(op, sizes, D, F))
+
+
+def gemm_flops(op: str, sizes: list[int], D: int, F: int) -> int:
+    """FLOPs of GEMM `op`, FLOP_UNITS[op]·R·D·F: 2·R·D·F a pass over a D x F weight, gate_up's
+    two (gate and up) and their gradients' twice that."""
+    return FLOP_UNITS[op] * sum(sizes) * D * F
+
+
+def op_bytes(sizes: list[int], D: int, F: int, element: int = 2) -> int:
+    """Bytes one forward + backward moves, the sum of its six GEMMs' (`gemm_bytes`): the
+    weights, 3·F·D elements an expert, read by the forward and again by the two dgrads and
+    written once as gradients; the rows' activations 6·R·D + 14·R·F (x, y, dy, dx and h, act,
+    dh as the GEMMs pass them on)."""
+    return sum(gemm_bytes(op, sizes, D, F, element) for op in OPS)
 
 
 def op_flops(sizes: list[int], D: int, F: int) -> int:
     """FLOPs of one forward + backward: 18·R·D·F (docs/kernels.md)."""
-    return 18 * sum(sizes) * D * F
+    return sum(gemm_flops(op, sizes, D, F) for op in OPS)
 
 
 # What each GEMM writes (`gemm_operands`' names): the tensors a sweep checks.

@@ -13,6 +13,9 @@ Per op and point:
 - kernels: torch.profiler's CUDA kernel table per step over 3 steps (benchmarks/kernel_profile.py's
   `summarize`: every kernel's ms and launches a step, by kind), the span of those steps'
   kernels and the idle time inside it, and the longest idle gaps with the kernels either side;
+- GEMMs: the same steps' kernels by which of the six GEMMs launched them, each GEMM's time
+  against its own bytes and FLOPs at the copy bandwidth and matmul rate measured at the
+  start of the run, and its grid against the SMs (benchmarks/gemm_floors.py);
 - host: a cProfile of 20 steps, the Python functions with the most own time, ms a step.
 
 Step time well above GPU time, and the idle time inside the kernels' span, say the host's
@@ -20,12 +23,14 @@ launching sets the pace; a kernel table whose sum is near the step says the GPU 
 
 The ops: `custom_grouped` (the BF16 op), `grouped_mm` (torch's grouped GEMM with plain
 autograd), `TE` (TE's grouped GEMM as the `grouped_linear` tier runs it, split sizes handed over
-on the host), `device_mxfp8` (mode fp8-hopper, FP8 at every size).
+on the host), `device_mxfp8` (mode fp8-hopper, FP8 at every size). `--tiles NAME` adds
+`custom_grouped` with one tile table at every point (custom_grouped_ops.py's `with_table`:
+a table of grouped_swiglu.CONFIGS, or `previous`), where that is not the table it runs there.
 
     python3 -m benchmarks.op_profile [--family 8x7b|8x22b] [--cases 1x64,1x512] \
-        [--ops custom_grouped,device_mxfp8,...] [--optimizer-step] [--json FILE]
+        [--ops custom_grouped,device_mxfp8,...] [--tiles NAME ...] [--optimizer-step] [--json FILE]
 
-`scripts/gpu_runs.py rows OUT fp8-profile` and `... rows OUT misses-8x22b` run it.
+`scripts/gpu_runs.py rows OUT fp8-profile`, `... misses-8x22b` and `... misses-causes` run it.
 """
 
 import argparse
@@ -37,13 +42,24 @@ import torch
 
 from benchmarks import common
 from benchmarks.common import FAMILIES
-from benchmarks.custom_grouped_grid import kernel_jobs, te_peer
-from benchmarks.custom_grouped_ops import fwd_bwd, gpu_ms, make_inputs, parse_case, precompile
+from benchmarks.custom_grouped_grid import COPY_BYTES, MATMUL_N, SPIN_CYCLES, kernel_jobs, te_peer
+from benchmarks.custom_grouped_ops import (
+    TABLE_NAMES,
+    fwd_bwd,
+    gpu_ms,
+    make_inputs,
+    parse_case,
+    precompile,
+    table_at,
+    with_table,
+)
+from benchmarks.gemm_floors import by_step, gemm_table, kernel_launches, print_gemm_table
 from benchmarks.kernel_profile import ACTIVE, SKIPPED, WARMUP, print_summary, profile_summary
 from te_mixtral.errors import TierUnavailable
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
-from te_mixtral.experts.kernels.grouped_swiglu import grouped_swiglu
+from te_mixtral.experts.kernels.grouped_swiglu import bf16_configs, grouped_swiglu, regime
+from te_mixtral.experts.kernels.schedule import max_programs
 
 OPS = ("custom_grouped", "grouped_mm", "TE", "device_mxfp8")
 CPROFILE_STEPS = 20
@@ -52,9 +68,12 @@ KERNELS_SHOWN = 12
 
 
 def make_op(name: str, sizes: list[int]):
-    """The op `name` with the grid's signature op(x, counts, w1, w2), or a reason it cannot run."""
+    """The op `name` with the grid's signature op(x, counts, w1, w2), or a reason it cannot run;
+    "custom_grouped, TABLE" is ours with tile table TABLE at every size."""
     if name == "custom_grouped":
         return grouped_swiglu
+    if name.startswith("custom_grouped, "):
+        return with_table(name.removeprefix("custom_grouped, "))
     if name == "grouped_mm":
         return grouped_mm_swiglu
     if name == "TE":
@@ -80,19 +99,30 @@ def make_step(op, inputs, optimizer):
     return step
 
 
-def kernel_profile(step) -> dict:
+def kernel_profile(step) -> tuple[dict, list[dict]]:
     """kernel_profile.py's summary of ACTIVE steps, each cut after a synchronize (kernels
-    launched in one step and run in the next would count in the next)."""
-    from torch.profiler import ProfilerActivity, profile, schedule
+    launched in one step and run in the next would count in the next), and those steps'
+    launches one by one (gemm_floors.py's `kernel_launches`, with CUPTI's launch records
+    exposed for their grids)."""
+    from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, schedule
 
-    found = {}
+    found, launches = {}, []
+
+    def done(prof):
+        found.update(profile_summary(prof))
+        launches.extend(kernel_launches(prof))
+
+    try:
+        records = _ExperimentalConfig(expose_kineto_event_metadata=True)
+    except TypeError:  # a torch without the option: the GEMM table goes without the launch records
+        records = _ExperimentalConfig()
     with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=SKIPPED, warmup=WARMUP, active=ACTIVE),
-                 on_trace_ready=lambda prof: found.update(profile_summary(prof))) as prof:
+                 on_trace_ready=done, experimental_config=records) as prof:
         for _ in range(SKIPPED + WARMUP + ACTIVE):
             step()
             torch.cuda.synchronize()
             prof.step()
-    return found
+    return found, launches
 
 
 def host_profile(step, device: torch.device, top: int = HOST_TOP) -> list[dict]:
@@ -110,15 +140,47 @@ def host_profile(step, device: torch.device, top: int = HOST_TOP) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_ms"])[:top]
 
 
-def measure(step) -> dict:
+def our_table(name: str, sizes: list[int], device: torch.device) -> dict | None:
+    """The tile table op `name` runs at a point of `sizes`: ours' own choice, or its `--tiles`
+    table; None for the other ops."""
+    rows, experts = sum(sizes), len(sizes)
+    if name == "custom_grouped":
+        return bf16_configs(device)[regime(rows, experts)]
+    if name.startswith("custom_grouped, "):
+        return table_at(name.removeprefix("custom_grouped, "), rows, experts)
+    return None
+
+
+def measure(step, gemms) -> dict:
+    """The step's times, kernel table and host profile; `gemms(launches)` makes the GEMM
+    table from the kernel table's launches."""
     device = torch.device("cuda")
     step_ms = common.median_ms(step, device)
-    return {"step_ms": step_ms, "gpu_ms": gpu_ms(step, calls=20), **kernel_profile(step),
-            "host": host_profile(step, device)}
+    summary, launches = kernel_profile(step)
+    return {"step_ms": step_ms, "gpu_ms": gpu_ms(step, calls=20, spin_cycles=SPIN_CYCLES), **summary,
+            **gemms(launches), "host": host_profile(step, device)}
+
+
+def gemms_of(sizes: list[int], D: int, F: int, rates: dict, table: dict | None):
+    """`measure`'s `gemms`: gemm_floors.py's table at a point, or why there is none (the
+    launches did not fall into equal steps, or their GEMM kernels into the six GEMMs)."""
+    device = torch.device("cuda")
+
+    def gemms(launches: list[dict]) -> dict:
+        try:
+            return {"gemms": gemm_table(by_step(launches, ACTIVE), sizes, D, F, rates["copy_bandwidth_gbs"],
+                                        rates["matmul_tflops"], max_programs(device), table)}
+        except ValueError as error:
+            return {"gemms_skipped": str(error)}
+    return gemms
 
 
 def print_op(case: str, name: str, r: dict) -> None:
     print_summary(r, f"{case} {name}: step {r['step_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} ms a step", KERNELS_SHOWN, 3)
+    if "gemms" in r:
+        print_gemm_table(r["gemms"])
+    else:
+        print(f"  no GEMM table: {r['gemms_skipped']}")
     print("host, own ms a step (cProfile): " + "; ".join(
         f"{h['function']} {h['own_ms']:.3f} ({h['calls']:.0f}x)" for h in r["host"][:8]))
 
@@ -129,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="1x64,1x512,1x1024",
                         help="LxR (L local experts of R rows) or R0+R1+... (rows of each expert), joined by commas")
     parser.add_argument("--ops", default="custom_grouped,device_mxfp8", help=f"any of {', '.join(OPS)}")
+    parser.add_argument("--tiles", action="append", default=[],
+                        help="also custom_grouped with this tile table at every point (repeatable)")
     parser.add_argument("--optimizer-step", action="store_true",
                         help="an (empty) optimizer step ends every step, as fp8_break_even.py times")
     common.add_json_flag(parser)
@@ -143,14 +207,25 @@ def main(argv: list[str] | None = None) -> int:
     if any(name not in OPS for name in names):
         print(f"op_profile: error: --ops takes {', '.join(OPS)} joined by commas; got {args.ops}", file=sys.stderr)
         return 2
+    unknown = [name for name in args.tiles if name not in TABLE_NAMES]
+    if unknown:
+        print(f"op_profile: error: no tile table {unknown[0]!r}; the tables are {', '.join(TABLE_NAMES)}",
+              file=sys.stderr)
+        return 2
     device = common.cuda_or_refuse("op_profile")
     if device is None:
         return 2
     D, F = FAMILIES[args.family].hidden, FAMILIES[args.family].ffn
     header = common.run_header(device, family=args.family, optimizer_step=args.optimizer_step)
     print(common.header_line(header))
-    if "custom_grouped" in names:
-        precompile(kernel_jobs([], list(cases.values())))
+    if "custom_grouped" in names or args.tiles:
+        precompile(kernel_jobs(args.tiles, list(cases.values())))
+    rates = {"copy_bandwidth_gbs": common.copy_bandwidth_gbs(COPY_BYTES, device),
+             "matmul_tflops": common.matmul_peak_tflops(MATMUL_N, device)}
+    header |= rates
+    print(f"measured: device copy {rates['copy_bandwidth_gbs']:.0f} GB/s (read + write, {COPY_BYTES >> 20} MiB), "
+          f"bf16 matmul {MATMUL_N}^3 {rates['matmul_tflops']:.0f} TFLOP/s; "
+          f"{torch.cuda.get_device_properties(device).multi_processor_count} SMs")
     print(f"fwd+bwd{' + an empty optimizer step' if args.optimizer_step else ''}, Mixtral-{args.family} "
           f"(D {D}, F {F}): step (host included, CUDA events), GPU (host queued ahead), the kernels per step")
     optimizer = None
@@ -159,15 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case, sizes in cases.items():
         inputs = make_inputs(None, len(sizes), D, F, requires_grad=True, sizes=sizes)
-        for name in names:
+        ours = our_table("custom_grouped", sizes, device)
+        tiles = [f"custom_grouped, {t}" for t in args.tiles if our_table(f"custom_grouped, {t}", sizes, device) != ours]
+        for name in names + tiles:
             op = make_op(name, sizes)
             entry = {"case": case, "sizes": sizes, "op": name}
             if isinstance(op, str):
                 print(f"--- {case} {name}: skipped: {op}")
                 results.append(entry | {"skipped": op})
                 continue
+            gemms = (gemms_of(sizes, D, F, rates, our_table(name, sizes, device)) if name != "device_mxfp8"
+                     else lambda _: {"gemms_skipped": "FP8 GEMMs, whose bytes gemm_floors.py does not count"})
             try:
-                entry |= measure(make_step(op, inputs, optimizer))
+                entry |= measure(make_step(op, inputs, optimizer), gemms)
             except Exception as error:  # one op that cannot run here must not cost the others
                 print(f"--- {case} {name}: FAILED: {common.first_line(error)}")
                 results.append(entry | {"error": common.first_line(error)})

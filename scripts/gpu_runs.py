@@ -263,11 +263,12 @@ def kernel_compare(first: str, second: str, *names: str) -> Launch:
 SKEWED_8X2048 = "3441+2719+2243+1997+1838+1603+1399+1144"
 
 
-def gemm_tiles(name: str, cases: str) -> Launch:
-    """benchmarks/custom_grouped_gemms.py at `cases`, its last lines (the sums, the picks) shown,
-    its --json at OUT_DIR/NAME.json; it starts no tile but the tables' own after 200 s."""
-    return Launch(name, 1, ("-m", "benchmarks.custom_grouped_gemms", "--cases", cases, "--budget-s", "200", "--json",
-                            f"{{out}}/{name}.json"), tail=32)
+def gemm_tiles(name: str, cases: str, *extra: str) -> Launch:
+    """benchmarks/custom_grouped_gemms.py at `cases` (with `extra`'s arguments), its last lines
+    (the sums, the picks) shown, its --json at OUT_DIR/NAME.json; it starts no tile but the
+    tables' own after 200 s."""
+    return Launch(name, 1, ("-m", "benchmarks.custom_grouped_gemms", "--cases", cases, *extra, "--budget-s", "200",
+                            "--json", f"{{out}}/{name}.json"), tail=32)
 
 
 def depth_16(name: str, tier: str, recompute: str, *extra: str) -> list[Launch]:
@@ -574,6 +575,31 @@ ROWS_RUNS = {
                                                 "8x32,4x64,8x64,1x128,2x128,4x128,8x128,2x256,4x256,1x512", "--ops",
                                                 "custom_grouped,TE,grouped_mm", "--json",
                                                 "{out}/misses_8x22b.json"), tail=40)],
+    # the few-rows grid's points still missed without a measured cause, each GEMM of ours, TE and
+    # grouped_mm against its own bytes and FLOPs, with its grid (op_profile's GEMM table): 8x7B
+    # 64 x 8 and 128 x 2, where a peer's GPU time beat ours, and the points of 64-256 rows over 2-8
+    # experts above 1.3x the bandwidth floor, with ours' tables beside where they differ: the ones
+    # before the few-rows tables, the 128-row one, and the few-rows one of 64 rows (which ran
+    # 128 x 2 in the grid); 8x22B 512 x 2 and x 8 and two of its floor misses
+    "misses-causes": [
+        Launch("misses-causes-8x7b", 1, ("-m", "benchmarks.op_profile", "--family", "8x7b", "--cases",
+                                         "8x64,2x128,2x64,4x64,4x128,8x128,2x256", "--ops", "custom_grouped,TE,grouped_mm",
+                                         "--tiles", "previous", "--tiles", "medium, few rows", "--tiles", "few rows, 64",
+                                         "--json", "{out}/misses_causes_8x7b.json"), tail=40),
+        Launch("misses-causes-8x22b", 1, ("-m", "benchmarks.op_profile", "--family", "8x22b", "--cases",
+                                          "2x512,8x512,4x64,8x128", "--ops", "custom_grouped,TE,grouped_mm", "--json",
+                                          "{out}/misses_causes_8x22b.json"), tail=40)],
+    # 65-128 rows over 2-3 experts, where the op now runs the "two row tiles" table: the grid
+    # beside the few-rows table of 64 rows it ran there before, both families
+    "two-row-tiles": [Launch(f"two-row-tiles-{family}", 1, (
+        "-m", "benchmarks.custom_grouped_grid", "--family", family, "--experts", "2,3", "--tokens", "96,128",
+        "--splits", "uniform,skewed", "--tiles", "few rows, 64", "--json", f"{{out}}/two_row_tiles_{family}.json"),
+        tail=30) for family in ("8x7b", "8x22b")],
+    # the two weight gradients alone at the floor misses' points (8x7B), each tile candidate of
+    # their table beside it (those that hold more programs an SM among them), checked against
+    # torch, cuBLAS and grouped_mm, each with its bytes floor; last the picks
+    "wgrad-tiles": [gemm_tiles("wgrad-tiles", "2x64,4x64,8x64,2x128,4x128,8x128,2x256", "--gemms",
+                               "down_wgrad,gate_up_wgrad")],
     # generation's GPU tests (graphed tokens equal eager ones), then greedy batch-1 decoding of
     # the whole 8x7B beside transformers' generate and the bandwidth floor
     "decode": [*pytest_gpu("generate-tests", "-m", "cuda", "tests/gpu/test_generate_gpu.py"),

@@ -16,7 +16,8 @@ import benchmarks
 from benchmarks import common
 
 MODULES = sorted(name for _, name, _ in pkgutil.iter_modules(benchmarks.__path__))
-SHARED = {"common", "custom_grouped_ops", "lora_base_compare", "peers", "peer_workload"}  # imported by the scripts, not run
+SHARED = {"common", "custom_grouped_ops", "gemm_floors", "lora_base_compare", "peers",
+          "peer_workload"}  # imported by the scripts, not run
 SCRIPTS = [name for name in MODULES if name not in SHARED]
 # The scripts that need a GPU for anything at all, with the arguments that get them past parsing.
 CUDA_ONLY = {"custom_grouped_bench": [], "custom_grouped_gemms": [], "custom_grouped_grid": [],

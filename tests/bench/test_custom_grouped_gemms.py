@@ -1,6 +1,6 @@
 """benchmarks/custom_grouped_gemms.py on a CPU: the tiles it tries and how it names them, the
-`tile_config(...)` it prints for a table, the picks it makes from times, its tables, its JSON
-and its refusals; and, run by Triton's interpreter (TRITON_INTERPRET=1, fp32, tiny shapes),
+`tile_config(...)` it prints for a table, the picks it makes from times, its tables (with a
+GEMM's bytes floor), its JSON, some of the six GEMMs only (`--gemms`) and its refusals; and, run by Triton's interpreter (TRITON_INTERPRET=1, fp32, tiny shapes),
 its check of each GEMM against torch, which a wrong or unwritten result fails before anything
 is timed. The interpreter must be on before triton is first imported, so
 `test_the_sweep_in_the_interpreter` runs this file's `test_interpreter_*` tests in a fresh
@@ -48,6 +48,18 @@ def test_a_case_tries_its_tables_pick_first_and_hoppers_large_tiles():
                 for c in tiles.values()} >= {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 4)}
 
 
+def test_the_weight_gradients_try_their_table_and_every_other_candidate():
+    """At 64 rows over 4 experts: the few-rows table's weight-gradient tile first, then each
+    other candidate of its regime (those that hold three and four programs an SM among them),
+    each under a name of its own, the table's own not twice."""
+    table = gs.CONFIGS["few rows, 64"]["down_wgrad"]
+    tiles, pick = gemms.case_tiles("down_wgrad", [64] * 4)
+    assert next(iter(tiles.items())) == (pick, table)
+    others = [c for c in cb.candidates("few rows, 64", "down_wgrad") if c != table]
+    assert list(tiles.values())[1:] == others and len(tiles) == len(cb.WGRAD_FEW_ROWS)
+    assert {c["PROGS_PER_SM"] for c in tiles.values()} >= {3, 4}
+
+
 def test_a_tile_is_named_by_every_field_that_tells_it_apart():
     tiles = list(every_tile())
     assert len({gemms.tile_name(c) for c in tiles}) == len({json.dumps(c, sort_keys=True) for c in tiles})
@@ -71,11 +83,12 @@ def test_a_tile_prints_as_the_call_that_makes_it():
         assert eval(gemms.tile_source(c), {"tile_config": tile_config}) == c
 
 
-def fake_case(ms: dict[str, dict[str, float | str]], pick="A", flops=2e12) -> dict:
-    """A case's result as sweep_case returns it, every GEMM alike: ms {tile: ms or why it failed}."""
-    configs = {name: tile_config(128, 64 * (i + 1), 64, 8, 3) for i, name in enumerate(ms[cb.OPS[0]])}
+def fake_case(ms: dict[str, dict[str, float | str]], pick="A", flops=2e12, moved=3e9) -> dict:
+    """A case's result as sweep_case returns it, every GEMM alike: ms {op: {tile: ms or why it
+    failed}}, for the GEMMs it names; a bytes floor at 3000 GB/s."""
+    configs = {name: tile_config(128, 64 * (i + 1), 64, 8, 3) for i, name in enumerate(next(iter(ms.values())))}
     ops = {}
-    for op in cb.OPS:
+    for op in ms:
         tiles = {name: {"config": configs[name], **({"failed": v} if isinstance(v, str) else
                                                     {"ms": v, "tflops": flops / v / 1e9, "error": 1e-3})}
                  for name, v in ms[op].items()}
@@ -83,7 +96,8 @@ def fake_case(ms: dict[str, dict[str, float | str]], pick="A", flops=2e12) -> di
         for row in (*tiles.values(), *peers.values()):
             if "ms" in row and "ms" in tiles[pick]:
                 row["x_table"] = tiles[pick]["ms"] / row["ms"]
-        ops[op] = {"flops": flops, "pick": pick, "tiles": tiles, "peers": peers}
+        ops[op] = {"flops": flops, "bytes": moved, "floor_ms": moved / 3e9, "pick": pick, "tiles": tiles,
+                   "peers": peers}
     return ops
 
 
@@ -111,7 +125,7 @@ def test_the_tables_sums_picks_and_json(tmp_path):
     ops = fake_case({**dict.fromkeys(cb.OPS, {"A": 2.0, "B": 2.5, "C": "RuntimeError: out of resources"}),
                      "down": {"A": 2.0, "B": 1.6, "C": "not run: past --budget-s"}})
     lines = gemms.op_table([2048] * 8, "down", ops["down"])
-    assert lines[0] == "=== 8x2048 down: the forward's down, 2.00 TFLOP"
+    assert lines[0] == "=== 8x2048 down: the forward's down, 2.00 TFLOP, 3000.0 MB: bytes floor 1.000 ms"
     assert lines[2].split() == ["B", "1.600", "1250", "1.25", "1.0e-03"]  # fastest first, 2e12 FLOP / 1.6 ms
     assert lines[3].split() == ["A", "(table)", "2.000", "1000", "1.00", "1.0e-03"]
     assert lines[4].split()[:2] == ["C", "not"] and lines[4].endswith("past --budget-s")
@@ -129,13 +143,35 @@ def test_the_tables_sums_picks_and_json(tmp_path):
     assert "2.000 -> 1.600 ms (-20.0%), was tile_config(" in printed[3]
     table = eval("{" + "\n".join(printed[1:]) + "}", {"tile_config": tile_config})
     assert table["large"] == {op: ops[op]["tiles"]["B" if op == "down" else "A"]["config"] for op in cb.OPS}
-    args = gemms.argparse.Namespace(rounds=3, margin=0.02)
-    written = json.loads(json.dumps(gemms.payload({"device": "cpu"}, 730.0, cases, picks, args), allow_nan=False))
+    args = gemms.argparse.Namespace(rounds=3, margin=0.02, gemms=",".join(cb.OPS))
+    written = json.loads(json.dumps(gemms.payload({"device": "cpu"}, 730.0, cases, picks, args, 3000.0),
+                                    allow_nan=False))
+    assert written["copy_bandwidth_gbs"] == 3000.0 and written["gemms"] == list(cb.OPS)
+    assert written["cases"]["8x2048"]["ops"]["down"]["floor_ms"] == 1.0
     assert written["would_pick"]["large"]["down"]["source"] == gemms.tile_source(ops["down"]["tiles"]["B"]["config"])
     assert written["cases"]["8x2048"]["ops"]["down"]["tiles"]["C"]["failed"] == "not run: past --budget-s"
 
 
+def test_some_gemms_sum_as_themselves_and_pick_the_rest_as_the_table_has_them():
+    """--gemms down_wgrad,gate_up_wgrad: the sums name the two, and the picks block still
+    pastes as a whole table, the GEMMs not run at the table's own tiles."""
+    wgrads = ("down_wgrad", "gate_up_wgrad")
+    ops = fake_case({"down_wgrad": {"A": 2.0, "B": 1.0}, "gate_up_wgrad": {"A": 2.0, "B": 2.0}})
+    assert gemms.sums_lines([64] * 4, ops, peak=1000.0)[0] == "=== 4x64: down_wgrad, gate_up_wgrad, 4.00 TFLOP"
+    assert gemms.case_sums(ops)["fastest tiles"] == 3.0
+    cases = {"4x64": {"sizes": [64] * 4, "regime": "few rows, 64", "ops": ops}}
+    picks = gemms.would_pick(cases, margin=0.02)
+    assert list(picks["few rows, 64"]) == list(wgrads) and picks["few rows, 64"]["down_wgrad"]["tile"] == "B"
+    printed = gemms.picks_lines(picks, cases, 0.02)
+    table = eval("{" + "\n".join(printed[1:]) + "}", {"tile_config": tile_config})["few rows, 64"]
+    assert table == {**gs.CONFIGS["few rows, 64"], "down_wgrad": ops["down_wgrad"]["tiles"]["B"]["config"],
+                     "gate_up_wgrad": ops["gate_up_wgrad"]["tiles"]["A"]["config"]}  # a tie keeps the pick
+    assert sum(line.endswith("# the table's, not run") for line in printed) == len(cb.OPS) - len(wgrads)
+
+
 @pytest.mark.parametrize("argv,says", [
+    (["--gemms", "down_wgrad,up_wgrad"], "--gemms takes gate_up, down"),
+    (["--gemms", "down,down"], "--gemms takes gate_up, down"),
     (["--cases", "8x"], "--cases takes LxR or R0+R1+..."),
     (["--cases", "0x2048"], "--cases takes LxR or R0+R1+..."),
     (["--cases", "8x2048,5+-1"], "--cases takes LxR or R0+R1+..."),
@@ -193,7 +229,7 @@ def test_interpreter_every_gemm_passes_the_check_and_is_timed_beside_the_peers()
     tiles, picks = tiles_with(SMALL, STREAMED)
     clock, said = Clock(), []
     ops = gemms.sweep_case(SIZES, tiles, picks, timer=clock, dims=DIMS, dtype=torch.float32, device="cpu",
-                           rounds=2, say=said.append)
+                           rounds=2, bandwidth_gbs=2.0, say=said.append)
     assert list(ops) == list(cb.OPS)
     for op, entry in ops.items():
         assert set(entry["tiles"]) == set(tiles[op]) and set(entry["peers"]) == set(gemms.PEERS)
@@ -202,10 +238,25 @@ def test_interpreter_every_gemm_passes_the_check_and_is_timed_beside_the_peers()
         for row in entry["tiles"].values():
             assert row["error"] <= gemms.TOLERANCE[torch.float32], op
         assert entry["flops"] == cb.FLOP_UNITS[op] * sum(SIZES) * DIMS[0] * DIMS[1]
+        assert entry["floor_ms"] == cb.gemm_bytes(op, SIZES, *DIMS) / 2e6  # bytes at 2 GB/s
         pick_ms = entry["tiles"][picks[op]]["ms"]
         assert all(row["x_table"] == pick_ms / row["ms"] for row in (*entry["tiles"].values(), *entry["peers"].values()))
     assert len(clock.timed) == 2 * sum(len(tiles[op]) + len(gemms.PEERS) for op in cb.OPS)  # rounds x (tiles + peers)
     assert sum(line.startswith("=== 5+0+11 ") for line in said) == len(cb.OPS)
+
+
+@interpreter_only
+def test_interpreter_some_gemms_run_those_only():
+    """--gemms' sweep: a case whose `tiles` hold the weight gradients checks and times them alone."""
+    tiles, picks = tiles_with(SMALL)
+    wgrads = {op: tiles[op] for op in ("gate_up_wgrad", "down_wgrad")}
+    clock = Clock()
+    ops = gemms.sweep_case(SIZES, wgrads, picks, timer=clock, dims=DIMS, dtype=torch.float32, device="cpu",
+                           rounds=1, say=lambda line: None)
+    assert list(ops) == ["down_wgrad", "gate_up_wgrad"]  # in the op's order
+    assert all(row["error"] <= gemms.TOLERANCE[torch.float32] for entry in ops.values() for row in entry["tiles"].values())
+    assert ops["down_wgrad"]["floor_ms"] is None  # no bandwidth measured
+    assert len(clock.timed) == 2 * (2 + len(gemms.PEERS))
 
 
 @interpreter_only

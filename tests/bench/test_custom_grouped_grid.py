@@ -43,9 +43,9 @@ def test_without_a_gpu_it_says_so(capsys):
 
 
 def test_the_bytes_are_each_gemms_operands_read_once_and_results_written_once():
-    """`op_bytes` against the op's six GEMMs one by one (docs/kernels.md's table), at
-    Mixtral-8x7B widths over an uneven split with an empty expert."""
-    from benchmarks.custom_grouped_ops import op_bytes, op_flops
+    """`op_bytes` and each GEMM's `gemm_elements` against the op's six GEMMs one by one
+    (docs/kernels.md's table), at Mixtral-8x7B widths over an uneven split with an empty expert."""
+    from benchmarks.custom_grouped_ops import OPS, gemm_elements, gemm_flops, op_bytes, op_flops
 
     sizes, D, F = [40, 0, 24], 4096, 14336
     R, L = sum(sizes), len(sizes)
@@ -61,7 +61,9 @@ def test_the_bytes_are_each_gemms_operands_read_once_and_results_written_once():
         (dh + w1, dx),              # gate_up dgrad
         (dh + x, w1),               # gate_up wgrad
     ]
+    assert [gemm_elements(op, sizes, D, F) for op in OPS] == gemms
     assert op_bytes(sizes, D, F) == 2 * sum(read + written for read, written in gemms)
+    assert [gemm_flops(op, sizes, D, F) for op in OPS] == [2 * R * D * F * n for n in (2, 1, 1, 1, 2, 2)]
     assert op_flops(sizes, D, F) == 2 * R * D * F * (2 + 1 + 1 + 1 + 2 + 2)
 
 

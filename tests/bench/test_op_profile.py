@@ -34,3 +34,27 @@ def test_a_step_is_fwd_bwd_then_the_optimizer_step():
     assert len(mine) == 1 and mine[0]["calls"] == 1  # per step
     assert [r["own_ms"] for r in rows] == sorted((r["own_ms"] for r in rows), reverse=True)
     assert all(r["cum_ms"] >= r["own_ms"] for r in rows)
+
+
+def test_a_tile_table_it_does_not_know_is_refused_before_the_gpu_is_asked(capsys):
+    from benchmarks.op_profile import main
+
+    assert main(["--tiles", "medium", "--tiles", "nope"]) == 2
+    assert "op_profile: error: no tile table 'nope'; the tables are" in capsys.readouterr().err
+
+
+def test_each_op_runs_the_tile_table_its_gemm_table_reads():
+    """ours: the table `regime` picks (bf16_configs'); "custom_grouped, NAME": NAME's, as
+    `with_table` runs it; the peers: none."""
+    from benchmarks.custom_grouped_ops import table_at
+    from benchmarks.op_profile import our_table
+    from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS
+
+    cpu = torch.device("cpu")
+    assert our_table("custom_grouped", [64, 64], cpu) is CONFIGS["few rows, 64"]
+    assert our_table("custom_grouped", [128, 128], cpu) is CONFIGS["two row tiles"]
+    assert our_table("custom_grouped", [128] * 4, cpu) is CONFIGS["medium, few rows"]
+    assert our_table("custom_grouped, previous", [64, 64], cpu) == table_at("previous", 128, 2)
+    assert our_table("custom_grouped, previous", [64, 64], cpu) != CONFIGS["few rows, 64"]
+    assert our_table("custom_grouped, medium, few rows", [128, 128], cpu) is CONFIGS["medium, few rows"]
+    assert our_table("TE", [128, 128], cpu) is None and our_table("grouped_mm", [64], cpu) is None

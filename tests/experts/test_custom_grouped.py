@@ -215,6 +215,9 @@ INTERPRETER_CASES = {
     # down and gate_up_dgrad stream their tiles over the 6 programs of two a CPU "SM".
     "few_rows_16": ([9, 0, 14], 40, 200, None, False),
     "few_rows_64": ([60, 0, 90], 24, 136, None, False),
+    # 65-128 rows over two or three experts ("two row tiles"): two row tiles an expert
+    # (three for the 120 rows), several K steps in every GEMM, nothing streamed.
+    "two_row_tiles": ([100, 0, 120], 40, 136, None, False),
 }
 SPLIT = {op: dict(TINY, TAIL_SPLIT=4) for op in ("gate_up", "down", "down_dgrad")} | {
     "gate_up_dgrad": dict(TINY, TAIL_SPLIT=2)}

@@ -77,11 +77,12 @@ def test_bf16_at_least_as_accurate_as_grouped_mm(case):
     ("8x7B", 4096, 14336, [0, 100, 64, 92]),
     ("8x22B", 6144, 16384, [17, 0, 40]),
     # The few-rows tables (16, 32 and 64 rows a tile) and medium few rows, each streaming
-    # the last round of its row GEMMs over all the SMs.
+    # the last round of its row GEMMs over all the SMs; two row tiles, streaming nothing.
     ("8x7B_few_rows_one_expert", 4096, 14336, [16]),
     ("8x7B_few_rows_two_experts", 4096, 14336, [21, 0]),
     ("8x7B_few_rows_64_one_expert", 4096, 14336, [64]),
-    ("8x22B_few_rows_128_two_experts", 6144, 16384, [128, 90]),
+    ("8x7B_few_rows_128_one_expert", 4096, 14336, [128]),
+    ("8x22B_two_row_tiles_two_experts", 6144, 16384, [128, 90]),
     ("8x7B_medium_few_rows_one_expert", 4096, 14336, [256]),
 ])
 def test_model_shapes_at_small_token_counts(model, D_, Fh, splits):

@@ -32,6 +32,7 @@ REGIMES = {
     "few rows, 16": [9, 0, 14, 5],
     "few rows, 32": [30, 20, 0, 28],
     "few rows, 64": [60, 0, 50, 64],
+    "two row tiles": [100, 0, 120],
     "medium, few rows": [200, 0, 190],
     "medium": [300, 100, 250, 200],
     "large": [1200, 0, 700, 800],

@@ -271,6 +271,15 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
 # --- launchers ------------------------------------------------------------------------
 
 
+def rows_programs(R: int, L: int, n: int, cfg: dict, sms: int) -> int:
+    """The persistent programs (the grid) `rows_gemm` launches for R rows over L experts and
+    n output columns with tile `cfg`, `sms` being `max_programs`: PROGS_PER_SM an SM, but no
+    more than the tiles could be, times TAIL_SPLIT where the last round is streamed."""
+    # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
+    tile_bound = (R // cfg["BLOCK_M"] + min(L, R)) * cdiv(n, cfg["BLOCK_N"])
+    return max(1, min(sms * cfg.get("PROGS_PER_SM", 1), tile_bound * cfg.get("TAIL_SPLIT", 1)))
+
+
 def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
               epilogue=EPI_PLAIN, h=None, scales=None, add=None, target=None):
     """Launch `_rows_gemm`. w is the stacked weight [L, n (2n for EPI_SWIGLU), I] when
@@ -300,9 +309,7 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
     else:
         a_src, b_src = a_RI, w2d
     tail_split = cfg.get("TAIL_SPLIT", 1)
-    # Upper bound on sum_e ceil(n_e / bm) from shapes alone (no device counts needed).
-    tile_bound = (R // bm + min(L, R)) * cdiv(n, bn)
-    programs = max(1, min(max_programs(a_RI.device) * cfg.get("PROGS_PER_SM", 1), tile_bound * tail_split))
+    programs = rows_programs(R, L, n, cfg, max_programs(a_RI.device))
     scratch = arrivals = None
     if tail_split > 1:  # two slots a program, of one accumulator tile or (SwiGLU) two
         slots = programs * 2 * (2 if epilogue == EPI_SWIGLU else 1)

@@ -113,6 +113,18 @@ def _few_rows(bm: int) -> dict:
 
 FEW_ROWS_BLOCKS = (16, 32, 64)  # the row tiles of the few-rows tables, by rows per expert
 CONFIGS = {f"few rows, {bm}": _few_rows(bm) for bm in FEW_ROWS_BLOCKS}
+# 65-128 rows over two or three experts: two 64-row tiles an expert, with the tiles the op
+# ran there before the few-rows tables (none streamed, gate_up at 4 warps, down_dgrad 64
+# columns wide at two programs an SM). At 128 rows over two experts the few-rows table of 64
+# rows took a fifth to a quarter more GPU time than these on an H200, in both families; at
+# one expert the two were level, so one expert keeps the few-rows table (docs/kernels.md,
+# "Few rows per expert").
+_TWO_ROW_TILES_N_IS_D = tile_config(64, 128, 64, 4, 4, progs=2)
+CONFIGS["two row tiles"] = {
+    "gate_up": tile_config(64, 64, 128, 4, 4, parts=2), "down": _TWO_ROW_TILES_N_IS_D,
+    "down_dgrad": tile_config(64, 64, 64, 4, 4, progs=2, parts=2), "down_wgrad": _WGRAD_FEW_ROWS,
+    "gate_up_dgrad": _TWO_ROW_TILES_N_IS_D, "gate_up_wgrad": _WGRAD_FEW_ROWS,
+}
 CONFIGS |= {
     "medium": {  # <= 512 rows per expert
         "gate_up": tile_config(128, 128, 64, 8, 4),
@@ -178,6 +190,7 @@ NF4_CONFIGS = {
               "down": tile_config(128, 128, 64, 8, 4, group=16),
               "down_dgrad": tile_config(128, 128, 64, 8, 4, group=16), "gate_up_dgrad": _NF4_128},
 }
+NF4_CONFIGS["two row tiles"] = NF4_CONFIGS["few rows, 64"]  # the BF16 table's 4-warp 64-row tiles spill over NF4
 
 
 # The most shared memory a block of the BF16 tables' tiles asks: they fit the A100's 163 KiB
@@ -238,14 +251,17 @@ def uses_descriptors(rows: int, experts: int) -> bool:
 
 def regime(rows: int, experts: int) -> str:
     """The tile table for `rows` over `experts` local experts. Up to 64 rows per expert, or
-    128 with fewer than four experts, a few-rows table whose row tile holds the mean rows
-    per expert (16, 32 or 64); then the medium tiles (128 rows), which from four experts on
-    beat 64-row ones from 65 rows per expert, and with fewer experts only from 129. On an
-    H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96 rows 3.68 against 3.99, 8 x 128 3.80 against
-    4.06; 1 x 128 0.57 with 64-row tiles against 0.76."""
+    128 with one expert, a few-rows table whose row tile holds the mean rows per expert (16,
+    32 or 64); 65-128 with two or three experts, 64-row tiles without streaming ("two row
+    tiles", whose comment says why); then the medium tiles (128 rows), which from four
+    experts on beat 64-row ones from 65 rows per expert, and with fewer experts only from
+    129. On an H100, fwd+bwd GPU ms at 8x7B shapes: 8 x 96 rows 3.68 against 3.99, 8 x 128
+    3.80 against 4.06; 1 x 128 0.57 with 64-row tiles against 0.76."""
     per_expert = rows / max(experts, 1)
-    if per_expert <= 64 or (per_expert <= 128 and experts < 4):
+    if per_expert <= 64 or (per_expert <= 128 and experts <= 1):
         return f"few rows, {next((bm for bm in FEW_ROWS_BLOCKS if per_expert <= bm), 64)}"
+    if per_expert <= 128 and experts < 4:
+        return "two row tiles"
     if per_expert <= 512:
         return "medium, few rows" if rows <= 512 else "medium"
     return "large"

@@ -153,6 +153,14 @@ def _tma_step(acc, g_src, x_src, r, m0, n0, keep, K_MAJOR: tl.constexpr, MASKED:
     return acc
 
 
+def wgrad_programs(L: int, M: int, N: int, cfg: dict, sms: int) -> int:
+    """The persistent programs (the grid) `wgrad_gemm` launches for L experts' M x N weight
+    gradients with tile `cfg`, `sms` being `max_programs`: PROGS_PER_SM an SM, but no more
+    than the output tiles."""
+    tiles = L * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    return max(1, min(sms * cfg.get("PROGS_PER_SM", 1), tiles))
+
+
 def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=None, accumulate=False, target=None):
     """Launch `_wgrad_gemm`: out_LMN[e] = g[rows of e]^T @ x[rows of e], with g [R, M] and
     x [R, N], or with `k_major` g [M, R] and x [N, R] (rows contiguous, of one stride).
@@ -168,10 +176,8 @@ def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=N
         g_src, x_src = descriptor(g, blocks[0]), descriptor(x, blocks[1])
     else:
         g_src, x_src = g, x
-    tiles = L * cdiv(M, bm) * cdiv(N, bn)
-    programs = max(1, min(max_programs(g.device) * cfg.get("PROGS_PER_SM", 1), tiles))
     return launch(
-        _wgrad_gemm, programs, target, g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
+        _wgrad_gemm, wgrad_programs(L, M, N, cfg, max_programs(g.device)), target, g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
         g.stride(0),
         USE_TMA=use_tma, DOT_PREC=dot_precision(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
         ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
