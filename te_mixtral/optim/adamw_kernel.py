@@ -29,8 +29,9 @@ the tile's rows. It reads the codes and block scales, decodes them with integer 
 to codes by the same integer operations as moments8.quantize: 8 bytes read and 6 written
 per parameter (plus a scale per block for each moment), in one pass.
 
-The step-dependent scalars (`StepScalars`) are plain fp32 arguments: a new learning rate
-or step count neither recompiles the kernel nor synchronises with the host. One launch
+The step-dependent scalars (`StepScalars`) are plain fp32 arguments, and the rounding salt an
+int32 one not specialised on: a new learning rate or step count neither recompiles the kernel
+nor synchronises with the host. One launch
 per tensor; the large expert tensors dominate the time, so launches are not batched.
 """
 
@@ -213,7 +214,7 @@ def _quantize_store(codes_ptr, scales_ptr, offs, blocks, x, mask, block_mask, sa
     tl.store(scales_ptr + blocks, scale_bits.to(tl.float32, bitcast=True), mask=block_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rounding_salt"])  # a new salt every step: one compile, not one per salt % 16
 def _master_adamw_8bit_kernel(
     param_ptr, remainder_ptr, grad_ptr, m_codes_ptr, m_scales_ptr, r_codes_ptr, r_scales_ptr, grad_scale_ptr,
     n_blocks, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps, rounding_salt,
