@@ -600,6 +600,20 @@ ROWS_RUNS = {
     # torch, cuBLAS and grouped_mm, each with its bytes floor; last the picks
     "wgrad-tiles": [gemm_tiles("wgrad-tiles", "2x64,4x64,8x64,2x128,4x128,8x128,2x256", "--gemms",
                                "down_wgrad,gate_up_wgrad")],
+    # the 64-row table's weight-gradient tile where the sweep above did not time it: one expert
+    # of 65-128 rows, which the same table serves, beside the cases it was picked on
+    "wgrad-one-expert": [gemm_tiles("wgrad-one-expert", "1x64,1x96,1x128,2x64,4x64,8x64", "--gemms",
+                                    "down_wgrad,gate_up_wgrad")],
+    # the grid's missed points that misses-causes did not profile, per GEMM
+    "misses-rest": [
+        Launch("misses-rest-8x7b", 1, ("-m", "benchmarks.op_profile", "--family", "8x7b", "--cases",
+                                       "1x16,2x16,1x32,2x32,1x64,1x128,1x256,4x256,8x256,1x512,2x512,4x512,8x512",
+                                       "--ops", "custom_grouped,TE,grouped_mm", "--json", "{out}/misses_rest_8x7b.json"),
+               tail=40),
+        Launch("misses-rest-8x22b", 1, ("-m", "benchmarks.op_profile", "--family", "8x22b", "--cases",
+                                        "1x16,2x16,1x32,8x32,1x64,2x64,8x64,1x128,2x128,4x128,1x256,2x256,4x256,8x256,"
+                                        "1x512,4x512", "--ops", "custom_grouped,TE,grouped_mm", "--json",
+                                        "{out}/misses_rest_8x22b.json"), tail=40)],
     # generation's GPU tests (graphed tokens equal eager ones), then greedy batch-1 decoding of
     # the whole 8x7B beside transformers' generate and the bandwidth floor
     "decode": [*pytest_gpu("generate-tests", "-m", "cuda", "tests/gpu/test_generate_gpu.py"),
