@@ -137,7 +137,7 @@ def test_ours_launches_its_gemms_in_order_on_the_grid_our_grid_gives(table, size
 def test_our_grid_counts_the_tiles_the_rows_make():
     """8x7B's down projection over 2 experts of 128 rows with 64 x 128 tiles: 2 row tiles an
     expert, 4096 / 128 column tiles, 14336 / 64 reduction steps; its weight gradient (4096 x
-    14336 in 64 x 256 tiles, as many as 128 x 128 ones) 2 steps of 64 rows."""
+    14336 in 128 x 128 tiles) 2 steps of 64 rows."""
     table = CONFIGS["few rows, 64"]
     down = gemm_floors.our_grid("down", table["down"], [128, 128], 4096, 14336, sms=132)
     assert (down["tiles"], down["row_tiles"], down["k_steps"], down["programs"]) == (2 * 2 * 32, 2, 224, 264)

@@ -77,13 +77,6 @@ from te_mixtral.experts.kernels.wgrad_gemm import wgrad_gemm
 # is the weight's M x N tiles, thousands at any row count, so they need no split: the rows
 # are their reduction, one to eight steps here.
 _WGRAD_FEW_ROWS = tile_config(128, 128, 64, 4, 3, progs=2, parts=2)
-# The table of 64-row tiles (33-64 rows an expert: one reduction step) takes a 64 x 256 tile at
-# two stages, the fastest weight-gradient candidate of benchmarks/custom_grouped_gemms.py on an
-# H200 at 8x7B shapes over 2, 4 and 8 experts of 64 rows: 3.5 % less time summed for down's,
-# 3.6 % for gate/up's, faster in each case. The same table runs one expert of 65-128 rows (two
-# steps), which that sweep did not time; at two experts of 128 rows this tile was 3 % and 9 %
-# slower than the 128 x 128 one.
-_WGRAD_64_ROWS = tile_config(64, 256, 64, 4, 2, progs=2, parts=2)
 
 
 def _few_rows(bm: int) -> dict:
@@ -107,7 +100,7 @@ def _few_rows(bm: int) -> dict:
     for sm_90 (255 registers and 24 bytes of stack a thread at four experts; 176 and none
     with 8)."""
     rows_n_is_d = tile_config(bm, 128, 64, 4, 4, progs=2, tail_split=4)
-    wgrad = _WGRAD_64_ROWS if bm == 64 else dict(_WGRAD_FEW_ROWS, BLOCK_I=bm)
+    wgrad = dict(_WGRAD_FEW_ROWS, BLOCK_I=bm)
     return {
         "gate_up": tile_config(bm, 64, 128, 8 if bm == 64 else 4, 4, parts=2, tail_split=4),
         "down": rows_n_is_d,
