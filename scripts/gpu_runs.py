@@ -388,6 +388,11 @@ DEPTH_RUNS = {
     # --recompute none needs 154 GiB a rank, not 140)
     "full-ep4-8bit": depth_train("full-ep4-8bit", 4, *FULL, "--tier", "custom_grouped", "--expert_moments", "8bit",
                                  "--recompute_layers", "11"),
+    # what the estimate, corrected by the whole-model runs, fits on four H200s: 8-bit expert
+    # moments with no recompute at all, and bf16 moments recomputing the expert FFN in 20 layers
+    "full-ep4-8bit-none": depth_train("full-ep4-8bit-none", 4, *FULL, "--tier", "custom_grouped", "--expert_moments",
+                                      "8bit", "--recompute", "none"),
+    "full-ep4-20": depth_train("full-ep4-20", 4, *FULL, "--tier", "custom_grouped", "--recompute_layers", "20"),
     # Megatron-Core beside ours (benchmarks/megatron_peer.py, then our run at the same layers, EP,
     # GPUs and rows, both with Mixtral's load-balancing loss at 0.02):
     # 4 layers on one GPU; ours: custom_grouped, no recompute
