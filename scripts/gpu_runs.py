@@ -600,6 +600,14 @@ ROWS_RUNS = {
         "-m", "benchmarks.custom_grouped_grid", "--family", family, "--experts", "2,3", "--tokens", "96,128",
         "--splits", "uniform,skewed", "--tiles", "few rows, 64", "--json", f"{{out}}/two_row_tiles_{family}.json"),
         tail=30) for family in ("8x7b", "8x22b")],
+    # 8x22B, 2 experts of 512 rows, where the grid and the profile disagreed on which op is faster:
+    # the grid's point three times over, then its kernel profile
+    "point-8x22b-2x512": [*(Launch(f"point-8x22b-2x512-grid{n}", 1, (
+        "-m", "benchmarks.custom_grouped_grid", "--family", "8x22b", "--experts", "2", "--tokens", "512",
+        "--splits", "uniform", "--json", f"{{out}}/point_8x22b_2x512_grid{n}.json"), tail=20) for n in (1, 2, 3)),
+        Launch("point-8x22b-2x512-profile", 1, ("-m", "benchmarks.op_profile", "--family", "8x22b", "--cases", "2x512",
+                                                "--ops", "custom_grouped,TE,grouped_mm", "--json",
+                                                "{out}/point_8x22b_2x512_profile.json"), tail=40)],
     # the two weight gradients alone at the floor misses' points (8x7B), each tile candidate of
     # their table beside it (those that hold more programs an SM among them), checked against
     # torch, cuBLAS and grouped_mm, each with its bytes floor; last the picks
