@@ -68,11 +68,13 @@ def interpreter_run(test_file: str) -> InterpreterTests:
     return InterpreterTests(test_file)
 
 
-def interpreter_command(planned: list[InterpreterTests]) -> Command:
+def interpreter_command(planned: list[InterpreterTests], slow: bool) -> Command:
     """The `test_interpreter*` tests of the modules `planned`, in one fresh pytest with
-    TRITON_INTERPRET=1, each test's outcome listed (-rA) for `assert_passed`."""
+    TRITON_INTERPRET=1, each test's outcome listed (-rA) for `assert_passed`; those marked slow
+    too where `slow` (the session that plans it runs them: conftest.py's `keeps_slow`)."""
     files = sorted({tests.test_file for tests in planned})
-    return Command((sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files, "-k",
+    runslow = ["--runslow"] if slow else []
+    return Command((sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *runslow, *files, "-k",
                     "test_interpreter"), (("TRITON_INTERPRET", "1"),))
 
 
