@@ -192,7 +192,6 @@ def test_readme_command_runs_as_written(item, ran_here):
     assert_ran(item[1], proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("item", RUN_BEHIND, ids=run_id)
 def test_readme_launcher_command_runs_as_written(item, planned_command):
     proc, folder = planned_command(BACKGROUND)
