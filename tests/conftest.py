@@ -77,8 +77,9 @@ def pytest_collection_modifyitems(config, items):
         # The modules that read planned work go last (each in its own order), so that the rest
         # of the suite runs while that work is done (`_planned_in_background`); of those, the
         # ones that wait for planned commands after the ones that wait for launches only: the
-        # background does the commands last (all but the interpreter run, which is longer than
-        # any launch), and meanwhile these tests' own launches run beside them.
+        # background does the commands last (all but the long ones, the interpreter run and the
+        # README's commands, which take longer than any launch), and meanwhile these tests' own
+        # launches run beside them.
         launches, commands = set(_planning(items, "launch_planned")), set(_planning(items, "planned_command"))
         items.sort(key=lambda item: (getattr(item, "module", None) in launches | commands,
                                      getattr(item, "module", None) in commands))
@@ -126,8 +127,7 @@ def _planned_runs(session) -> dict[int, list[list[str]]]:
 
 def _planned_commands(session) -> list:
     """The `background.Command`s that modules whose tests use `planned_command` list in
-    `PLANNED_COMMANDS`, their `background.InterpreterTests` one command for all, first: the
-    session's longest piece of work."""
+    `PLANNED_COMMANDS`, their `background.InterpreterTests` one command for all, first."""
     from background import InterpreterTests
 
     planned = list(dict.fromkeys(command for module in _planning(session.items, "planned_command")
