@@ -176,8 +176,14 @@ class PlannedInBackground:
         finally:
             self._ran[command].set()
 
+    def changed_environment(self) -> list[str]:
+        """The variables this process's environment now holds otherwise than when the work was
+        planned (those a run's key holds: `launch._run_key`)."""
+        now, then = (dict(launch._run_key([], 0, environ)[2]) for environ in (None, self.environ))
+        return sorted(name for name in now.keys() | then.keys() if now.get(name) != then.get(name))
+
     def _same_environment(self) -> bool:
-        return launch._run_key([], 0) == launch._run_key([], 0, self.environ)
+        return not self.changed_environment()
 
     def wait(self, nproc: int) -> bool:
         """Wait for the launch of `nproc` ranks and cache its runs (see the module); whether

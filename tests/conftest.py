@@ -195,6 +195,17 @@ def _planned_in_background(request, tmp_path_factory, _launch_cache):
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept(_planned_in_background):
+    # Planned work is used where the environment is still the one it was done in; a test that
+    # leaves it changed would have every later test do its work again, in the foreground.
+    changed = _planned_in_background and _planned_in_background.changed_environment()
+    yield
+    if _planned_in_background and (now := _planned_in_background.changed_environment()) != changed:
+        pytest.fail(f"the test left this process's environment changed ({', '.join(sorted(set(now) ^ set(changed)))}):"
+                    " later tests would do their planned work again", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def launch_planned(request, tmp_path_factory, _planned_in_background):
     """`launch_planned(nproc)`: train, in ONE launch, every `nproc`-rank run that the collected
