@@ -5,9 +5,9 @@ training runs (`launch_planned`), one per rank count, and the commands modules l
 (its launcher imports alone, gloo's ranks wait on each other), a command rarely more than one,
 and most tests beside them keep one; and with two at a time, neither core waits for the other
 while the session's last tests wait for this work. Each thread takes the next piece of work
-when it is done with one, the longest first as far as known: the first command (conftest.py
-puts the interpreter run there), then the launches by their runs times ranks, then the other
-commands.
+when it is done with one, the longest first as far as known: the commands marked `long` (the
+interpreter run, the README's commands), then the launches by their runs times ranks, then
+the other commands.
 
 Each piece of work gets the environment this process had when it was planned, and is used
 only where this process's environment is still that one (else it is done again, when needed).
@@ -30,11 +30,14 @@ class Command:
     """A subprocess a test runs from the repository root: `argv`, with `env` set on top of
     this process's environment (a None value unsets the variable). RUN_DIR in either stands for
     an empty folder of the command's own. A module lists the commands its tests run in
-    `PLANNED_COMMANDS`, and its tests run them through conftest.py's `planned_command`."""
+    `PLANNED_COMMANDS`, and its tests run them through conftest.py's `planned_command`. A `long`
+    one (a minute of CPU or more) starts before the planned launches, so that it is done by
+    the time the session's last tests wait for it."""
 
     argv: tuple[str, ...]
     env: tuple[tuple[str, str | None], ...] = ()
     timeout: float = 600
+    long: bool = False
 
     def _argv(self, folder: Path) -> list[str]:
         return [a.replace(launch.RUN_DIR, str(folder)) for a in self.argv]
@@ -68,12 +71,14 @@ def interpreter_run(test_file: str) -> InterpreterTests:
     return InterpreterTests(test_file)
 
 
-def interpreter_command(planned: list[InterpreterTests]) -> Command:
+def interpreter_command(planned: list[InterpreterTests], slow: bool) -> Command:
     """The `test_interpreter*` tests of the modules `planned`, in one fresh pytest with
-    TRITON_INTERPRET=1, each test's outcome listed (-rA) for `assert_passed`."""
+    TRITON_INTERPRET=1, each test's outcome listed (-rA) for `assert_passed`; those marked slow
+    too where `slow` (the session that plans it runs them: conftest.py's `keeps_slow`)."""
     files = sorted({tests.test_file for tests in planned})
-    return Command((sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files, "-k",
-                    "test_interpreter"), (("TRITON_INTERPRET", "1"),))
+    runslow = ["--runslow"] if slow else []
+    return Command((sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *runslow, *files, "-k",
+                    "test_interpreter"), (("TRITON_INTERPRET", "1"),), long=True)
 
 
 def assert_passed(result: subprocess.CompletedProcess, test_file: str | None = None) -> None:
@@ -106,9 +111,10 @@ class PlannedInBackground:
         self._procs: set[subprocess.Popen] = set()  # those running now
         self._stopping = False
         by_size = sorted(runs, key=lambda nproc: -nproc * len(runs[nproc]))
-        self._jobs = [*((self._command, (i, c, folder)) for i, c in enumerate(commands[:1])),
+        numbered = list(enumerate(commands))
+        self._jobs = [*((self._command, (i, c, folder)) for i, c in numbered if c.long),
                       *((self._launch, (nproc, runs[nproc], folder)) for nproc in by_size),
-                      *((self._command, (i, c, folder)) for i, c in enumerate(commands[1:], 1))]
+                      *((self._command, (i, c, folder)) for i, c in numbered if not c.long)]
         self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(threads)]
         for thread in self._threads:
             thread.start()
@@ -170,8 +176,14 @@ class PlannedInBackground:
         finally:
             self._ran[command].set()
 
+    def changed_environment(self) -> list[str]:
+        """The variables this process's environment now holds otherwise than when the work was
+        planned (those a run's key holds: `launch._run_key`)."""
+        now, then = (dict(launch._run_key([], 0, environ)[2]) for environ in (None, self.environ))
+        return sorted(name for name in now.keys() | then.keys() if now.get(name) != then.get(name))
+
     def _same_environment(self) -> bool:
-        return launch._run_key([], 0) == launch._run_key([], 0, self.environ)
+        return not self.changed_environment()
 
     def wait(self, nproc: int) -> bool:
         """Wait for the launch of `nproc` ranks and cache its runs (see the module); whether

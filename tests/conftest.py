@@ -1,7 +1,9 @@
-"""Shared test setup: markers skip GPU tests on machines without the hardware; the runs and
-commands that test modules plan (`launch_planned`, `planned_command`) are done once, and on a
-machine without a GPU in the background from the session's start (background.py)."""
+"""Shared test setup: markers skip GPU tests on machines without the hardware; the default run
+leaves out the tests marked slow (`--runslow` keeps them); the runs and commands that test
+modules plan (`launch_planned`, `planned_command`) are done once, and on a machine without a
+GPU in the background from the session's start (background.py)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,45 @@ interpreter_runs_reduced_loop_bounds = pytest.mark.skipif(
     reason="Triton < 3.7's interpreter cannot run these kernels under NumPy >= 2.4 (triton-lang/triton#9171)")
 
 
+def some_slow(values, slow) -> list:
+    """`values` to parametrize a test with, those in `slow` marked slow: the default run keeps
+    the others (a test's representatives; its variants run with --runslow)."""
+    return [pytest.param(value, marks=pytest.mark.slow) if value in slow else value for value in values]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true",
+                     help="also run the tests marked slow, which the default run leaves out (tests/README.md)")
+
+
+def keeps_slow(config) -> bool:
+    """Whether this session runs the tests marked slow: with --runslow, or where the command
+    line picks tests by marker itself (`-m cuda`: the expression decides)."""
+    return config.getoption("--runslow") or bool(config.getoption("markexpr"))
+
+
+def _named(config) -> list[str]:
+    """The node ids of the tests the command line names one by one (`path::test`)."""
+    here, root = config.invocation_params.dir, config.rootpath
+    return [Path(os.path.relpath(here / path, root)).as_posix() + "::" + name
+            for path, _, name in (arg.partition("::") for arg in config.args) if name]
+
+
+def _deselect_slow(config, items) -> None:
+    """Leave the tests marked slow out of a default run, but for those named one by one."""
+    if keeps_slow(config):
+        return
+    named = _named(config)
+    slow = [item for item in items if item.get_closest_marker("slow") and not any(
+        item.nodeid == n or item.nodeid.startswith((n + "[", n + "::")) for n in named)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        left_out = set(slow)
+        items[:] = [item for item in items if item not in left_out]
+
+
 def pytest_collection_modifyitems(config, items):
+    _deselect_slow(config, items)
     gpus = torch.cuda.device_count()
     blackwell = gpus > 0 and torch.cuda.get_device_capability(0)[0] >= 10
     for item in items:
@@ -37,8 +77,9 @@ def pytest_collection_modifyitems(config, items):
         # The modules that read planned work go last (each in its own order), so that the rest
         # of the suite runs while that work is done (`_planned_in_background`); of those, the
         # ones that wait for planned commands after the ones that wait for launches only: the
-        # background does the commands last (all but the interpreter run, which is longer than
-        # any launch), and meanwhile these tests' own launches run beside them.
+        # background does the commands last (all but the long ones, the interpreter run and the
+        # README's commands, which take longer than any launch), and meanwhile these tests' own
+        # launches run beside them.
         launches, commands = set(_planning(items, "launch_planned")), set(_planning(items, "planned_command"))
         items.sort(key=lambda item: (getattr(item, "module", None) in launches | commands,
                                      getattr(item, "module", None) in commands))
@@ -60,35 +101,56 @@ def _planning(items, fixture: str) -> list:
     return list(dict.fromkeys(modules))
 
 
-def _planned_runs(items) -> dict[int, list[list[str]]]:
+def _kept(entries, config) -> list:
+    """Of a module's planned work (a list of its `PLANNED_RUNS`, its `PLANNED_COMMANDS`), what
+    this session plans: an entry written `pytest.param(work, marks=pytest.mark.slow)` is work
+    that only tests marked slow use, planned where those run (`keeps_slow`)."""
+    kept = []
+    for entry in entries:
+        marks = getattr(entry, "marks", None)  # a pytest.param's
+        if marks is None:
+            kept.append(entry)
+        elif keeps_slow(config) or not any(mark.name == "slow" for mark in marks):
+            kept.append(entry.values[0])
+    return kept
+
+
+def _planned_runs(session) -> dict[int, list[list[str]]]:
     """{nproc: [arguments, ...]}: the runs that modules whose tests use `launch_planned` list in
     `PLANNED_RUNS`."""
     planned = {}
-    for module in _planning(items, "launch_planned"):
+    for module in _planning(session.items, "launch_planned"):
         for nproc, runs in getattr(module, "PLANNED_RUNS", {}).items():
-            planned.setdefault(nproc, set()).update(tuple(args) for args in runs)
-    return {nproc: [list(args) for args in sorted(runs)] for nproc, runs in planned.items()}
+            planned.setdefault(nproc, set()).update(tuple(args) for args in _kept(runs, session.config))
+    return {nproc: [list(args) for args in sorted(runs)] for nproc, runs in planned.items() if runs}
 
 
-def _planned_commands(items) -> list:
+def _planned_commands(session) -> list:
     """The `background.Command`s that modules whose tests use `planned_command` list in
-    `PLANNED_COMMANDS`, their `background.InterpreterTests` one command for all, first: the
-    session's longest piece of work."""
-    from background import InterpreterTests, interpreter_command
+    `PLANNED_COMMANDS`, their `background.InterpreterTests` one command for all, first."""
+    from background import InterpreterTests
 
-    planned = list(dict.fromkeys(command for module in _planning(items, "planned_command")
-                                 for command in getattr(module, "PLANNED_COMMANDS", [])))
-    interpreted = _interpreter_tests(items)
-    return ([interpreter_command(interpreted)] if interpreted else []) + \
+    planned = list(dict.fromkeys(command for module in _planning(session.items, "planned_command")
+                                 for command in _kept(getattr(module, "PLANNED_COMMANDS", []), session.config)))
+    interpreted = _interpreter_tests(session)
+    return ([_interpreter_command(session, interpreted)] if interpreted else []) + \
         [command for command in planned if not isinstance(command, InterpreterTests)]
 
 
-def _interpreter_tests(items) -> list:
+def _interpreter_tests(session) -> list:
     """The `background.InterpreterTests` of `_planned_commands`, before they are made one."""
     from background import InterpreterTests
 
-    return [command for module in _planning(items, "planned_command")
+    return [command for module in _planning(session.items, "planned_command")
             for command in getattr(module, "PLANNED_COMMANDS", []) if isinstance(command, InterpreterTests)]
+
+
+def _interpreter_command(session, planned: list):
+    """`background.interpreter_command`, its pytest keeping the tests marked slow where this
+    session does."""
+    from background import interpreter_command
+
+    return interpreter_command(planned, keeps_slow(session.config))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -116,7 +178,7 @@ def _planned_in_background(request, tmp_path_factory, _launch_cache):
     # The planned launches and commands start with the session, in the background (background.py).
     from background import PlannedInBackground
 
-    runs, commands = _planned_runs(request.session.items), _planned_commands(request.session.items)
+    runs, commands = _planned_runs(request.session), _planned_commands(request.session)
     if not (runs or commands) or not _in_background():
         yield None
         return
@@ -131,6 +193,17 @@ def _planned_in_background(request, tmp_path_factory, _launch_cache):
         yield planned
         planned.stop()
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept(_planned_in_background):
+    # Planned work is used where the environment is still the one it was done in; a test that
+    # leaves it changed would have every later test do its work again, in the foreground.
+    changed = _planned_in_background and _planned_in_background.changed_environment()
+    yield
+    if _planned_in_background and (now := _planned_in_background.changed_environment()) != changed:
+        pytest.fail(f"the test left this process's environment changed ({', '.join(sorted(set(now) ^ set(changed)))}):"
+                    " later tests would do their planned work again", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +228,7 @@ def launch_planned(request, tmp_path_factory, _planned_in_background):
             return
         # Here the runs may train on GPUs, over NCCL, which the worker scripts' gloo groups
         # cannot share a process group with: those run alone (`launch.run_worker`).
-        planned = [args for args in _planned_runs(request.session.items).get(nproc, [])
+        planned = [args for args in _planned_runs(request.session).get(nproc, [])
                    if args[:1] != [launch.WORKER]]
         if planned:
             folder = tmp_path_factory.mktemp(f"planned{nproc}")
@@ -176,13 +249,13 @@ def planned_command(request, tmp_path_factory, _planned_in_background):
     where that happens (`_planned_in_background`), else now. For a `background.InterpreterTests`,
     those of the session's one run of every module's (`background.assert_passed` picks out the
     module's own)."""
-    from background import InterpreterTests, interpreter_command
+    from background import InterpreterTests
 
     ran = {}
 
     def run(command):
         if isinstance(command, InterpreterTests):
-            command = interpreter_command(_interpreter_tests(request.session.items) or [command])
+            command = _interpreter_command(request.session, _interpreter_tests(request.session) or [command])
         if _planned_in_background is not None and (done := _planned_in_background.command(command)):
             return done
         if command not in ran:

@@ -77,7 +77,6 @@ REFUSED = {our_torchrun("--no_such_option", "run_finetune_ep.py"): "unrecognized
 PLANNED_COMMANDS = [BAD_SETTING, *REFUSED]  # run from the session's start (conftest.py's planned_command)
 
 
-@pytest.mark.slow
 def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code_on(planned_command):
     # torchrun itself would exit 1, as for any failure; `python -m te_mixtral.torchrun` is torchrun
     # exiting with the ranks' code, and saying nothing of its own.

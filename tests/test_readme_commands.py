@@ -98,7 +98,7 @@ SEQUENCES_BEHIND = [seq for seq in SEQUENCES if seq not in SEQUENCES_HERE]
 RUN_HERE = [(i, line) for i, seq in enumerate(SEQUENCES_HERE) for line in seq]
 RUN_BEHIND = [(i, line) for i, seq in enumerate(SEQUENCES_BEHIND) for line in seq]
 BACKGROUND = Command((sys.executable, str(REPO / "tests" / "workers" / "readme_commands.py"), RUN_DIR,
-                      json.dumps([[as_run(line) for line in seq] for seq in SEQUENCES_BEHIND])), timeout=900)
+                      json.dumps([[as_run(line) for line in seq] for seq in SEQUENCES_BEHIND])), timeout=900, long=True)
 PLANNED_COMMANDS = [BACKGROUND]  # run from the session's start (conftest.py's planned_command)
 
 
@@ -192,7 +192,6 @@ def test_readme_command_runs_as_written(item, ran_here):
     assert_ran(item[1], proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("item", RUN_BEHIND, ids=run_id)
 def test_readme_launcher_command_runs_as_written(item, planned_command):
     proc, folder = planned_command(BACKGROUND)

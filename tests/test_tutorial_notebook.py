@@ -31,7 +31,7 @@ sys.stdout.write(nbformat.writes(notebook))
 # matplotlib draws inline (as in Jupyter), not to a file.
 RUN = Command((sys.executable, "-c", EXECUTE, str(NOTEBOOK), str(REPO)),
               (("TMPDIR", f"{RUN_DIR}/tmp"), ("TORCHINDUCTOR_CACHE_DIR", f"{RUN_DIR}/inductor"),
-               ("OMP_NUM_THREADS", "1"), ("MPLBACKEND", None)), timeout=900)
+               ("OMP_NUM_THREADS", "1"), ("MPLBACKEND", None)), timeout=900, long=True)
 PLANNED_COMMANDS = [RUN]  # run from the session's start (conftest.py's planned_command)
 
 

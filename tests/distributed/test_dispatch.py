@@ -1,7 +1,6 @@
 """Token dispatch over two gloo ranks: empty experts and a rank that receives nothing, step by
 step and overlapped in chunks, and the order the overlapped path runs its exchanges in."""
 
-import pytest
 import torch
 from conftest import REPO
 from launch import WORKER, run_worker
@@ -14,7 +13,6 @@ SCRIPT = "tests/workers/dispatch_edge_cases.py"
 PLANNED_RUNS = {2: [[WORKER, SCRIPT]]}  # run in the session's two-rank launch (conftest.py's launch_planned)
 
 
-@pytest.mark.slow
 def test_dispatch_edge_cases(tmp_path, launch_planned):
     launch_planned(2)
     proc = run_worker(tmp_path, SCRIPT, [], nproc=2, timeout=120)

@@ -40,10 +40,15 @@ def run_args(model_args: list[str], ep: int) -> list[str]:
     return [*COMMON, *model_args, "--ep-size", str(ep)]
 
 
+# The default run keeps the two-rank layouts; EP=3 and EP=2 x DP=2 (and the one-process run of
+# the latter's model), each a launch of its own, are for the slow tests.
+SLOW_LAYOUTS = LAYOUTS[1:3]
 # Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
-PLANNED_RUNS = {1: [run_args(model, 1) for model in (SIX_TOP3, FOUR_TOP2)]}
+PLANNED_RUNS = {1: [run_args(SIX_TOP3, 1), pytest.param(run_args(FOUR_TOP2, 1), marks=pytest.mark.slow)]}
 for _model, _nproc, _ep in LAYOUTS:
-    PLANNED_RUNS.setdefault(_nproc, []).append(run_args(_model, _ep))
+    _args = run_args(_model, _ep)
+    PLANNED_RUNS.setdefault(_nproc, []).append(
+        pytest.param(_args, marks=pytest.mark.slow) if (_model, _nproc, _ep) in SLOW_LAYOUTS else _args)
 
 
 @pytest.fixture(scope="module")
@@ -55,20 +60,16 @@ def gradients(tmp_path_factory, launch_planned):
     def run(model_args: list[str], nproc: int, ep: int):
         key = (tuple(model_args), nproc, ep)
         if key not in runs:
-            # The first single-process run brings every model's, in one launch.
-            keys = [key] if nproc > 1 else [(tuple(model), 1, 1) for model in (SIX_TOP3, FOUR_TOP2)]
-            outs = [tmp_path_factory.mktemp(f"w{nproc}-ep{ep}") for _ in keys]
+            out = tmp_path_factory.mktemp(f"w{nproc}-ep{ep}")
             launch_planned(nproc)
-            trained = launch.train_and_save_many(
-                [(out, run_args(model, ep)) for out, (model, _, _) in zip(outs, keys)], nproc)
-            for each_key, out, (results, _, reduced) in zip(keys, outs, trained):
-                run.summaries[each_key] = results["summary"]
-                run.results[each_key] = results
-                clipped = [torch.load(out / "weights" / f"clipped{r}.pt") for r in range(nproc)]
-                # One reduction a step, and one more for a step run again; the last is applied.
-                calls = 1 + len(results.get("ep_capacity", {}).get("steps_run_again", []))
-                assert [len(g) for g in reduced] == [len(g) for g in clipped] == [calls] * nproc
-                runs[each_key] = [(r[-1], c[-1]) for r, c in zip(reduced, clipped)]
+            results, _, reduced = launch.train_and_save(out, run_args(model_args, ep), nproc)
+            run.summaries[key] = results["summary"]
+            run.results[key] = results
+            clipped = [torch.load(out / "weights" / f"clipped{r}.pt") for r in range(nproc)]
+            # One reduction a step, and one more for a step run again; the last is applied.
+            calls = 1 + len(results.get("ep_capacity", {}).get("steps_run_again", []))
+            assert [len(g) for g in reduced] == [len(g) for g in clipped] == [calls] * nproc
+            runs[key] = [(r[-1], c[-1]) for r, c in zip(reduced, clipped)]
         return runs[key]
 
     run.summaries, run.results = {}, {}
@@ -101,7 +102,6 @@ def assert_same_gradients(gradients, model_args: list[str], nproc: int, ep: int)
                 assert_close_relative(got[name], shard, f"rank {rank}, {stage}: {name}")
 
 
-@pytest.mark.slow
 def test_six_experts_top3_ep2(gradients):
     assert_same_gradients(gradients, SIX_TOP3, nproc=2, ep=2)
 
@@ -116,12 +116,10 @@ def test_four_experts_ep2_dp2(gradients):
     assert_same_gradients(gradients, FOUR_TOP2, nproc=4, ep=2)
 
 
-@pytest.mark.slow
 def test_overlapped_exchanges_ep2(gradients):
     assert_same_gradients(gradients, SIX_TOP3 + OVERLAPPED, nproc=2, ep=2)
 
 
-@pytest.mark.slow
 def test_padded_exchanges_ep2_run_a_short_step_again(gradients):
     """No host sync for split sizes: every exchange padded, step 1's too small, so run again;
     the applied gradients are the single process's all the same."""
@@ -130,8 +128,9 @@ def test_padded_exchanges_ep2_run_a_short_step_again(gradients):
     assert capacity["steps_run_again"] == [1] and capacity["final"] > 1, capacity
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model_args,nproc,ep", LAYOUTS[:3], ids=["ep2", "ep3", "ep2xdp2"])
+@pytest.mark.parametrize("model_args,nproc,ep", [
+    pytest.param(*layout, marks=pytest.mark.slow if layout in SLOW_LAYOUTS else ()) for layout in LAYOUTS[:3]],
+    ids=["ep2", "ep3", "ep2xdp2"])
 def test_summary_counts_the_whole_global_step(gradients, model_args, nproc, ep):
     """tokens/s and TFLOP/s per GPU, times the step time they were computed with, give back
     the global step's tokens and the single process's model FLOPs: the same work is counted

@@ -6,12 +6,12 @@ from launch import EP_ARGS, EP_STEPS, train_and_save, train_ep, train_ep_many
 
 from te_mixtral.distributed.layout import is_expert_param
 
-# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
+# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned); the
+# four-rank ones for the slow tests only.
 PLANNED_RUNS = {1: [[*EP_ARGS, "--ep-size", "1"]], 2: [[*EP_ARGS, "--ep-size", "2"]],
-                4: [[*EP_ARGS, "--ep-size", str(ep)] for ep in (2, 4)]}
+                4: [pytest.param([*EP_ARGS, "--ep-size", str(ep)], marks=pytest.mark.slow) for ep in (2, 4)]}
 
 
-@pytest.mark.slow
 def test_ep2_equals_ep1(tmp_path, launch_planned):
     launch_planned(1)
     launch_planned(2)
@@ -37,7 +37,6 @@ def test_ep2_equals_ep1(tmp_path, launch_planned):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.slow
 def test_results_hold_each_ranks_peak_memory(tmp_path, launch_planned):
     launch_planned(2)
     results, _, _ = train_and_save(tmp_path / "ep2", [*EP_ARGS, "--ep-size", "2"], 2)

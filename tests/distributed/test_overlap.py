@@ -10,7 +10,7 @@ from launch import RUN_DIR, WORKER, run_worker
 WORLD = 2
 SCRIPT = "tests/workers/overlapped_reduction.py"
 PLANNED_RUNS = {WORLD: [[WORKER, SCRIPT, RUN_DIR, "cpu"]]}  # run in the session's two-rank launch
-DEVICES = [pytest.param("cpu", marks=pytest.mark.slow),
+DEVICES = ["cpu",
            pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.multigpu])]
 
 

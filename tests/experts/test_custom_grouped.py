@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 from background import assert_passed, interpreter_run
-from conftest import interpreter_runs_reduced_loop_bounds
+from conftest import interpreter_runs_reduced_loop_bounds, some_slow
 from expert_reference import reference_f64
 
 from te_mixtral.experts.registry import make_tier
@@ -175,7 +175,6 @@ INTERPRETER_RUN = interpreter_run(__file__)
 PLANNED_COMMANDS = [INTERPRETER_RUN]  # run from the session's start (conftest.py's planned_command)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_triton_kernels_in_interpreter(planned_command):
@@ -219,12 +218,16 @@ INTERPRETER_CASES = {
     # (three for the 120 rows), several K steps in every GEMM, nothing streamed.
     "two_row_tiles": ([100, 0, 120], 40, 136, None, False),
 }
+# The default run keeps a case of each kind (uneven, TMA, unaligned, epilogue parts, the shipped
+# and few-rows tables, streamed tiles) that takes the interpreter under a second.
+SLOW_CASES = ("uneven_tma", "one_expert_tma", "64_experts", "split_tail", "split_tail_tma", "split_every_gemm",
+              "few_rows_64")
 SPLIT = {op: dict(TINY, TAIL_SPLIT=4) for op in ("gate_up", "down", "down_dgrad")} | {
     "gate_up_dgrad": dict(TINY, TAIL_SPLIT=2)}
 
 
 @interpreter_only
-@pytest.mark.parametrize("case", INTERPRETER_CASES)
+@pytest.mark.parametrize("case", some_slow(INTERPRETER_CASES, SLOW_CASES))
 def test_interpreter_kernels_match_float64(case):
     from te_mixtral.experts.kernels.grouped_swiglu import CONFIGS, grouped_swiglu
 
@@ -256,7 +259,7 @@ SMALL_SHARED_CASES = {
 
 
 @interpreter_only
-@pytest.mark.parametrize("table", SMALL_SHARED_CASES)
+@pytest.mark.parametrize("table", some_slow(SMALL_SHARED_CASES, ("few rows, 64", "medium, few rows")))
 def test_interpreter_small_shared_tables_match_float64(table):
     """The op through the tables an sm_86 or sm_89 GPU gets, with pointer loads as there."""
     from te_mixtral.experts.kernels.grouped_swiglu import SMALL_SHARED_CONFIGS, grouped_swiglu, regime
@@ -337,6 +340,7 @@ def test_interpreter_no_rows_and_backward_twice():
         y.backward(dy)
 
 
+@pytest.mark.slow
 @interpreter_only
 def test_interpreter_micro_batches_add_into_grad(monkeypatch):
     from expert_reference import check_micro_batches_add_into_grad
@@ -358,7 +362,7 @@ def test_interpreter_micro_batches_add_into_grad(monkeypatch):
 @pytest.mark.parametrize("splits", [[21, 0, 0, 34, 1], [0, 0]], ids=["uneven", "no_rows"])
 # F = 70: wider than one column tile, and a width grouped_mm pads (its d(act) share then
 # comes back as a strided view, which the epilogue must not read as if contiguous).
-@pytest.mark.parametrize("F_", [36, 70])
+@pytest.mark.parametrize("F_", some_slow([36, 70], [70]))
 def test_interpreter_kernels_with_adapters_match_float64(targets, splits, F_):
     """LoRA through the Triton op: the gate_up delta added in the first epilogue, the down
     adapter's A applied to act inside the op and its share of d(act) added in the SwiGLU
@@ -379,7 +383,8 @@ def test_interpreter_kernels_with_adapters_match_float64(targets, splits, F_):
 
 
 @interpreter_only
-@pytest.mark.parametrize("targets", [("gate_up", "down"), ("gate_up",), ("down",)], ids=["both", "gate_up", "down"])
+@pytest.mark.parametrize("targets", some_slow([("gate_up", "down"), ("gate_up",), ("down",)],
+                                               [("gate_up",), ("down",)]), ids=["both", "gate_up", "down"])
 @pytest.mark.parametrize("splits", [[21, 0, 0, 34, 1], [0, 0]], ids=["uneven", "no_rows"])
 def test_interpreter_recompute_with_adapters_changes_nothing(targets, splits):
     """Selective recompute inside the op with LoRA's adapters: the gate_up adapter's delta is
@@ -426,7 +431,7 @@ def test_cpu_path_takes_padded_rows(splits):
 
 
 @interpreter_only
-@pytest.mark.parametrize("keep_hidden", [True, False], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("keep_hidden", some_slow([True, False], [False]), ids=["kept", "recomputed"])
 def test_interpreter_kernels_take_padded_rows(keep_hidden):
     """The kernels schedule from the device-side split sizes and never touch a row past them:
     NaN there leaves every real result, and the weight gradients, exactly as they were."""

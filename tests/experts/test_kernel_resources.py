@@ -160,7 +160,6 @@ def too_big(families, limit, arch, spills=False):
     return found
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(COMPILING, reason="this is the launcher")
 def test_tiles_in_a_compile_run(planned_command):
     assert_passed(planned_command(COMPILE_RUN)[0])

@@ -10,8 +10,8 @@ SHORT = ["--batch_size", "4", "--steps", "2", "--timing_warmup_steps", "1", "--s
          "--profile_phases", "true"]
 EP2 = [*SHORT, "--ep-size", "2"]
 FSDP = [*SHORT, "--ep-size", "1", "--sharding", "fsdp"]
-# Launched with the other modules' two-rank runs (conftest.py's launch_planned).
-PLANNED_RUNS = {2: [EP2, FSDP]}
+# Launched with the other modules' two-rank runs (conftest.py's launch_planned); FSDP's for the slow test.
+PLANNED_RUNS = {2: [EP2, pytest.param(FSDP, marks=pytest.mark.slow)]}
 
 
 @pytest.mark.parametrize("accum", [1, 2])

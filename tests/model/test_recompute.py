@@ -21,8 +21,9 @@ from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_we
 SINGLE = Layout(0, 1, 1, None, None)
 MODES = ("none", "selective", "full")
 EP2_RUNS = {mode: (2, "--recompute", mode, "--profile_phases", "true") for mode in MODES}
-# Launched with the other modules' two-rank runs (conftest.py's launch_planned).
-PLANNED_RUNS = {2: [[*EP_ARGS, "--ep-size", str(ep), *extra] for ep, *extra in EP2_RUNS.values()]}
+# Launched with the other modules' two-rank runs (conftest.py's launch_planned), for the slow test.
+PLANNED_RUNS = {2: [pytest.param([*EP_ARGS, "--ep-size", str(ep), *extra], marks=pytest.mark.slow)
+                    for ep, *extra in EP2_RUNS.values()]}
 
 
 class CountingTier(ExpertTier):

@@ -60,7 +60,6 @@ def run(tmp_path_factory, launch_planned):
     return source, out / "hf", results, torch.load(root / "ours.pt"), data, proc.stdout
 
 
-@pytest.mark.slow
 def test_training_starts_from_the_checkpoint(run):
     source, _, results, _, data, stdout = run
     # The folder the planned run read (its own, which was copied here).
@@ -69,7 +68,6 @@ def test_training_starts_from_the_checkpoint(run):
     assert abs(results["losses"][0] - hf_loss(hf, data.micro_batches(0))) < 1e-5 * results["losses"][0]
 
 
-@pytest.mark.slow
 def test_export_loads_in_transformers_with_our_logits(run):
     _, exported, _, ours, _, _ = run
     assert not list(exported.parent.glob("*.tmp")), "a temporary export folder was left behind"
@@ -82,7 +80,6 @@ def test_export_loads_in_transformers_with_our_logits(run):
     assert tokenizer.eos_token == "<eos>" and tokenizer(PROMPT).input_ids
 
 
-@pytest.mark.slow
 def test_generation_matches_transformers_greedy(run):
     _, exported, results, _, _, stdout = run
     generated = results["generate"]
@@ -94,7 +91,6 @@ def test_generation_matches_transformers_greedy(run):
     assert out[0, len(generated["prompt_ids"]):].tolist() == generated["tokens"]
 
 
-@pytest.mark.slow
 def test_eval_loss_is_the_held_out_loss_of_the_final_model(run):
     _, exported, results, _, data, _ = run
     assert [e["step"] for e in results["evals"]] == [2, 4]

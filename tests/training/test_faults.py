@@ -48,7 +48,6 @@ def latest_step(ckpt: Path) -> int:
         return 0
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
 def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
@@ -92,7 +91,6 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
 
 
-@pytest.mark.slow
 def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # running as root, permissions would not stop us; this does

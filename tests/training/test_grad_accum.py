@@ -21,8 +21,10 @@ def run_args(ep: int, accum: int) -> list[str]:
     return [*COMMON, "--ep-size", str(ep), "--grad_accum_steps", str(accum)]
 
 
-# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned).
-PLANNED_RUNS = {nproc: [run_args(ep, n) for n in accums] for (nproc, ep), accums in ACCUMS.items()}
+# Launched with the other modules' runs of the same rank count (conftest.py's launch_planned); the
+# four-rank ones for the slow test only.
+PLANNED_RUNS = {nproc: [run_args(ep, n) if nproc < 4 else pytest.param(run_args(ep, n), marks=pytest.mark.slow)
+                        for n in accums] for (nproc, ep), accums in ACCUMS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,6 @@ def test_micro_batches_equal_one_batch(trained, accum):
     assert_same_training(trained, 1, 1, accum)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("accum", [2, 4])
 def test_micro_batches_equal_one_batch_ep2(trained, accum):
     assert_same_training(trained, 2, 2, accum)

@@ -28,7 +28,6 @@ def refused(proc, *fragments):
     assert "step    1/2" not in proc.stdout  # refused before training
 
 
-@pytest.mark.slow
 def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()
@@ -145,7 +144,6 @@ def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monke
             check_outputs(cfg, model)
 
 
-@pytest.mark.slow
 def test_a_new_run_keeps_an_earlier_runs_checkpoints(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = run_cli([*SHORT, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "a")])
@@ -158,7 +156,6 @@ def test_a_new_run_keeps_an_earlier_runs_checkpoints(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.slow
 def test_an_output_folder_holding_a_run_is_kept(tmp_path):
     out = tmp_path / "out"
     assert run_cli([*SHORT, "--output-dir", str(out)]).returncode == 0
@@ -297,7 +294,6 @@ def test_a_log_is_the_checkpoints_run_only_if_it_carries_the_checkpoints_run_id(
             check_outputs(cfg, None)
 
 
-@pytest.mark.slow
 def test_a_run_writes_its_id_into_its_log_and_its_checkpoints(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     proc = run_cli([*SHORT, "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"])

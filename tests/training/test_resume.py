@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+from conftest import some_slow
 from launch import RUN_DIR, STOPPED_AT, run_app, run_cli, train_and_save
 
 from te_mixtral.training.dcp_index import read_index
@@ -38,9 +39,14 @@ def stopped_and_resumed(optimizer: str) -> list[str]:
 
 
 ONE_PROCESS = ["--ep-size", "1"]
+# The default run resumes the fp32 and the LoRA runs (the LoRA one the refusals below need too);
+# the others, as the user's own resume in a new process, are for the slow tests (the README's
+# commands resume in a new process in every run: tests/test_readme_commands.py).
+SLOW_OPTIMIZERS = ("bf16-master-adamw", "lora-nf4")
 # Trained with the other modules' runs of the same rank count (conftest.py's launch_planned);
 # the one-process run never stopped is test_resume_reshard.py's too.
-PLANNED_RUNS = {1: [[*whole_run("fp32-adamw"), *ONE_PROCESS]], 2: list(map(stopped_and_resumed, OPTIMIZERS))}
+PLANNED_RUNS = {1: [pytest.param([*whole_run("fp32-adamw"), *ONE_PROCESS], marks=pytest.mark.slow)],
+                2: some_slow(map(stopped_and_resumed, OPTIMIZERS), list(map(stopped_and_resumed, SLOW_OPTIMIZERS)))}
 
 
 def steps_logged(output_dir) -> list[int]:
@@ -60,8 +66,7 @@ def assert_resumed_equals_whole(resumed, whole):
     assert (resumed / "ckpt" / "latest").read_text().strip() == "step-000006"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("optimizer", some_slow(OPTIMIZERS, SLOW_OPTIMIZERS))
 def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
     launch_planned(2)
     train_and_save(tmp_path, stopped_and_resumed(optimizer), nproc=2)
@@ -94,7 +99,6 @@ def test_a_users_resume_in_a_new_process_equals_one_run(tmp_path, launch_planned
     assert_resumed_equals_whole(resumed, whole)
 
 
-@pytest.mark.slow
 def test_lora_resume_needs_the_same_base(tmp_path, launch_planned):
     """A LoRA checkpoint holds the adapters alone; resuming over another base (made from
     another seed, or held in another format) would pair them with weights they were not

@@ -5,7 +5,6 @@ was never stopped (2 gloo ranks at EP=1, so dense and expert state are both shar
 
 import json
 
-import pytest
 from launch import STOPPED_AT, train_and_save
 from test_resume import steps_logged
 
@@ -19,7 +18,6 @@ STOPPED_AND_RESUMED = [STOPPED_AT, str(N), *ARGS]
 PLANNED_RUNS = {2: [STOPPED_AND_RESUMED]}
 
 
-@pytest.mark.slow
 def test_sharded_stop_and_resume_equals_one_run(tmp_path, launch_planned):
     launch_planned(2)
     train_and_save(tmp_path, STOPPED_AND_RESUMED, nproc=2)

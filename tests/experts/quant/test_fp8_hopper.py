@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from background import assert_passed, interpreter_run
-from conftest import interpreter_runs_reduced_loop_bounds
+from conftest import interpreter_runs_reduced_loop_bounds, some_slow
 from expert_reference import random_adapters, reference_lora_f64
 from quant_reference import (
     FP8_ROWWISE_MLP_RTOL,
@@ -334,7 +334,7 @@ def _rows_16_aligned(t_CQ):
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("counts", [[5, 0, 37, 20], [0, 0, 40, 0]])
-@pytest.mark.parametrize("gemms", ["triton", "stand-in"])
+@pytest.mark.parametrize("gemms", some_slow(["triton", "stand-in"], ["stand-in"]))
 def test_interpreter_fused_fp8_mlp_data_flow_equals_the_unquantised_mlp(counts, gemms):
     """The fused FP8 MLP with every FP8 value left unrounded (float32) computes exactly the
     MLP: forward and all three gradients against the loop tier, to float32 rounding, with
@@ -356,6 +356,7 @@ def test_interpreter_fused_fp8_mlp_data_flow_equals_the_unquantised_mlp(counts, 
         assert grad.dtype == grad_ref.dtype and rel_err(grad, grad_ref) < 1e-5, name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
 def test_interpreter_fused_fp8_mlp_micro_batches_add_into_grad(monkeypatch):
     """The fused FP8 MLP's weight gradients, float32 values, added into .grad by its wgrad
@@ -421,10 +422,10 @@ def test_interpreter_a_frozen_weight_keeps_its_dgrad_scales_until_its_values_cha
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("targets", [("gate_up", "down"), ("gate_up",), ("down",), ()],
-                         ids=["both", "gate_up", "down", "none"])
+@pytest.mark.parametrize("targets", some_slow([("gate_up", "down"), ("gate_up",), ("down",), ()],
+                                               [("gate_up",), ("down",), ()]), ids=["both", "gate_up", "down", "none"])
 @pytest.mark.parametrize("splits", [[5, 0, 37, 20], [0, 0, 0, 0]], ids=["uneven", "no-rows"])
-@pytest.mark.parametrize("keep_hidden", [True, False], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("keep_hidden", some_slow([True, False], [False]), ids=["kept", "recomputed"])
 def test_interpreter_frozen_fp8_base_data_flow_equals_float64_lora(targets, splits, keep_hidden):
     """The MLP over a frozen FP8 base (LoRA), every FP8 value left unrounded (float32), its
     hidden rows kept or made again in the backward (selective recompute): y and the gradients
@@ -452,7 +453,7 @@ def test_interpreter_frozen_fp8_base_data_flow_equals_float64_lora(targets, spli
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", some_slow(["none", "selective"], ["selective"]))
 def test_interpreter_model_over_a_frozen_fp8_base_equals_the_loop_tier(recompute):
     """The whole model with LoRA over device_mxfp8's frozen base (as on a Hopper GPU, the FP8
     values kept unrounded), built and initialised as a run does: its logits and every

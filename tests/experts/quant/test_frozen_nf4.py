@@ -20,7 +20,7 @@ import peft
 import pytest
 import torch
 from background import assert_passed, interpreter_run
-from conftest import interpreter_runs_reduced_loop_bounds
+from conftest import interpreter_runs_reduced_loop_bounds, some_slow
 from expert_reference import random_adapters, reference_lora_f64
 from experts.quant.test_frozen_fp8 import (
     assert_loads_and_exports_merged,
@@ -174,7 +174,6 @@ INTERPRETER_RUN = interpreter_run(__file__)
 PLANNED_COMMANDS = [INTERPRETER_RUN]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the launcher")
 @interpreter_runs_reduced_loop_bounds
 def test_nf4_kernels_in_interpreter(planned_command):
@@ -217,7 +216,7 @@ NF4_CASES = {
 
 
 @interpreter_only
-@pytest.mark.parametrize("case", NF4_CASES)
+@pytest.mark.parametrize("case", some_slow(NF4_CASES, ("uneven_odd_width", "wide_tiles", "streamed_recomputed")))
 def test_interpreter_nf4_kernels_match_the_torch_path(case):
     """The kernels dequantise each weight tile in their K loop (forward, the SwiGLU-gradient
     dgrad and gate_up's dgrad), the adapters fused as over a BF16 base: in fp32 the same
@@ -264,7 +263,7 @@ def counting_whole_dequantisations(monkeypatch) -> list:
 
 
 @interpreter_only
-@pytest.mark.parametrize("keep_hidden", [True, False], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("keep_hidden", some_slow([True, False], [False]), ids=["kept", "recomputed"])
 def test_interpreter_the_tier_decodes_whole_above_128_rows_per_expert(keep_hidden, monkeypatch):
     """Through the tier's own choice (`CustomGroupedTier._kernels`, what CUDA runs): at 129
     rows per expert each GEMM that reads the NF4 base gets a whole copy of its own (forward:
