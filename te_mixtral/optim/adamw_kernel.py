@@ -31,8 +31,8 @@ per parameter (plus a scale per block for each moment), in one pass.
 
 The step-dependent scalars (`StepScalars`) are plain fp32 arguments, and the rounding salt an
 int32 one not specialised on: a new learning rate or step count neither recompiles the kernel
-nor synchronises with the host. One launch
-per tensor; the large expert tensors dominate the time, so launches are not batched.
+nor synchronises with the host. One launch per tensor; the large expert tensors dominate the
+time, so launches are not batched.
 """
 
 import torch
@@ -164,7 +164,8 @@ def _random_shift(z, shift, bits, salt):
     """z >> shift rounded up with probability (dropped bits) / 2^shift (moments8._random_shift);
     in uint32, where z + 2^31 - 1 fits."""
     shift = shift.to(tl.uint32)
-    random = _hash32(bits.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32)) & ((tl.full(shift.shape, 1, tl.uint32) << shift) - 1)
+    low_bits = (tl.full(shift.shape, 1, tl.uint32) << shift) - 1
+    random = _hash32(bits.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32)) & low_bits
     return ((z.to(tl.uint32, bitcast=True) + random) >> shift).to(tl.int32, bitcast=True)
 
 

@@ -29,17 +29,17 @@ the block's largest value) and makes normalising exact: no division, nothing to 
                        divides by, and none on average
 
 Why the second moment is rounded at random. Where the gradient shrinks, v decays by beta2 a
-step: sqrt(v) by 1 - sqrt(0.95) = 2.5% at the configs' beta2 (less at torch's 0.999), less than half a code step
-(up to 3.1%) of 4 mantissa bits. Rounded to nearest, it comes back to the code it was: sqrt(v)
-stays at its largest value, and the step lr * m / sqrt(v) shrinks as the gradient does
-(tests/optim/test_moments8.py's shrinking gradients: updates under a fifth of fp32 moments' after
-300 steps; on Mixtral's 8 layers the loss fell behind bf16 moments'). Rounded up with
-probability equal to the fraction of a step dropped, the stored value is the exact one on
-average, so the decay goes on (the same test: within a few per cent of fp32 moments' updates).
-The first moment decays by 1 - beta1 = 10% a step, more than its half step of
-6.25%, and keeps rounding to nearest. The random bits are a hash of the value's own fp32 bits
-and a salt drawn from the step number: the same on every device and in the Triton kernel,
-whatever the tensor's sharding or layout, and again after a resume.
+step: sqrt(v) by 1 - sqrt(0.95) = 2.5% at the configs' beta2 (less at torch's 0.999), less
+than half a code step (up to 3.1%) of 4 mantissa bits. Rounded to nearest, it comes back to
+the code it was: sqrt(v) stays at its largest value, and the step lr * m / sqrt(v) shrinks as
+the gradient does (tests/optim/test_moments8.py's shrinking gradients: updates under a fifth
+of fp32 moments' after 300 steps). Rounded up with probability equal to the fraction of a
+step dropped, the stored value is the exact one on average, so the decay goes on (the same
+test: within a few per cent of fp32 moments' updates). The first moment decays by
+1 - beta1 = 10% a step, more than its half step of 6.25%, and keeps rounding to nearest. The
+random bits are a hash of the value's own fp32 bits and a salt drawn from the step number:
+the same on every device and in the Triton kernel, whatever the tensor's sharding or layout,
+and again after a resume.
 
 The second moment is stored as its square root (torchao notes the sign bit is wasted on an
 unsigned state; the square root also halves the dynamic range of v, since sqrt(v) ~ |g|).
@@ -146,7 +146,8 @@ def _random_shift(z: torch.Tensor, shift: torch.Tensor, bits: torch.Tensor, salt
     """z >> shift rounded up with probability (the dropped bits) / 2^shift: z plus `shift`
     random bits, truncated. The bits hash the value's fp32 `bits` with `salt`. In int64:
     z + 2^31 - 1 leaves int32."""
-    random = _hash32((bits.to(torch.int64) & _HASH_MASK) ^ salt) & ((torch.ones_like(shift, dtype=torch.int64) << shift) - 1)
+    low_bits = (torch.ones_like(shift, dtype=torch.int64) << shift) - 1
+    random = _hash32((bits.to(torch.int64) & _HASH_MASK) ^ salt) & low_bits
     return ((z.to(torch.int64) + random) >> shift).to(torch.int32)
 
 

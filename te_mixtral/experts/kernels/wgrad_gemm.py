@@ -177,8 +177,8 @@ def wgrad_gemm(g, x, counts_L, out_LMN, *, cfg, use_tma, k_major=False, scales=N
     else:
         g_src, x_src = g, x
     return launch(
-        _wgrad_gemm, wgrad_programs(L, M, N, cfg, max_programs(g.device)), target, g_src, x_src, counts_L, out_LMN, *(scales or (None, None)), M, N, L,
-        g.stride(0),
+        _wgrad_gemm, wgrad_programs(L, M, N, cfg, max_programs(g.device)), target, g_src, x_src, counts_L, out_LMN,
+        *(scales or (None, None)), M, N, L, g.stride(0),
         USE_TMA=use_tma, DOT_PREC=dot_precision(g.dtype), K_MAJOR=k_major, SCALED=scales is not None,
         ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=next_power_of_2(L), EPI_PARTS=cfg.get("EPI_PARTS", 1),
