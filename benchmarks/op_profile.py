@@ -27,7 +27,12 @@ on the host), `device_mxfp8` (mode fp8-hopper, FP8 at every size). `--tiles NAME
 `custom_grouped` with one tile table at every point (custom_grouped_ops.py's `with_table`:
 a table of grouped_swiglu.CONFIGS, or `previous`), where that is not the table it runs there.
 
-    python3 -m benchmarks.op_profile [--family 8x7b|8x22b] [--cases 1x64,1x512] \
+`--cases-from FILE` takes the cases from the last step of a `benchmarks/te_example.py
+--splits-json` file instead: each MoE layer's rows per expert as TE's example routed them,
+one case a layer; the report then ends with each op's times and GEMMs summed over the cases,
+a whole step's expert GEMMs.
+
+    python3 -m benchmarks.op_profile [--family 8x7b|8x22b] [--cases 1x64,1x512 | --cases-from FILE] \
         [--ops custom_grouped,device_mxfp8,...] [--tiles NAME ...] [--optimizer-step] [--json FILE]
 
 `scripts/gpu_runs.py rows OUT fp8-profile`, `... misses-8x22b` and `... misses-causes` run it.
@@ -35,8 +40,10 @@ a table of grouped_swiglu.CONFIGS, or `previous`), where that is not the table i
 
 import argparse
 import cProfile
+import json
 import pstats
 import sys
+from pathlib import Path
 
 import torch
 
@@ -185,11 +192,44 @@ def print_op(case: str, name: str, r: dict) -> None:
         f"{h['function']} {h['own_ms']:.3f} ({h['calls']:.0f}x)" for h in r["host"][:8]))
 
 
+def cases_from(path: Path) -> dict[str, list[int]]:
+    """{"layer i": rows per expert} of the last step in a te_example.py `--splits-json` file."""
+    steps = json.loads(path.read_text())["steps"]
+    if not steps or not all(isinstance(n, int) and n >= 0 for layer in steps[-1] for n in layer):
+        raise ValueError(f"{path} holds no step of rows per expert")
+    return {f"layer {i}": layer for i, layer in enumerate(steps[-1])}
+
+
+def totals(results: list[dict]) -> dict:
+    """Per op, its step and GPU ms and each GEMM's busy ms summed over the cases it ran at."""
+    found = {}
+    for r in results:
+        if "step_ms" not in r:
+            continue
+        total = found.setdefault(r["op"], {"cases": 0, "step_ms": 0.0, "gpu_ms": 0.0, "gemms": {}})
+        total["cases"] += 1
+        total["step_ms"] += r["step_ms"]
+        total["gpu_ms"] += r["gpu_ms"]
+        for g in r.get("gemms", {}).get("gemms", []):
+            total["gemms"][g["gemm"]] = total["gemms"].get(g["gemm"], 0.0) + g["busy_ms"]
+    return found
+
+
+def print_totals(found: dict) -> None:
+    print("\nsummed over the cases, ms: step / GPU; each GEMM's busy time")
+    for name, t in found.items():
+        gemms = "  ".join(f"{gemm} {ms:.2f}" for gemm, ms in t["gemms"].items())
+        print(f"  {name:16s} {t['cases']} cases  {t['step_ms']:.2f} / {t['gpu_ms']:.2f}  GEMMs {sum(t['gemms'].values()):.2f}: "
+              f"{gemms}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=FAMILIES, default="8x7b")
     parser.add_argument("--cases", default="1x64,1x512,1x1024",
                         help="LxR (L local experts of R rows) or R0+R1+... (rows of each expert), joined by commas")
+    parser.add_argument("--cases-from", type=Path, default=None,
+                        help="the last step's rows per expert in each layer of a te_example.py --splits-json file")
     parser.add_argument("--ops", default="custom_grouped,device_mxfp8", help=f"any of {', '.join(OPS)}")
     parser.add_argument("--tiles", action="append", default=[],
                         help="also custom_grouped with this tile table at every point (repeatable)")
@@ -204,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"op_profile: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
               file=sys.stderr)
         return 2
+    if args.cases_from is not None:
+        try:
+            cases = cases_from(args.cases_from)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+            print(f"op_profile: error: --cases-from {args.cases_from}: {common.first_line(error)}", file=sys.stderr)
+            return 2
     if any(name not in OPS for name in names):
         print(f"op_profile: error: --ops takes {', '.join(OPS)} joined by commas; got {args.ops}", file=sys.stderr)
         return 2
@@ -255,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(entry)
         del inputs
         torch.cuda.empty_cache()
-    common.write_json(args.json, {"header": header, "family": args.family, "results": results})
+    found = totals(results)
+    if args.cases_from is not None:
+        print_totals(found)
+    common.write_json(args.json, {"header": header, "family": args.family, "results": results, "totals": found})
     return 0
 
 

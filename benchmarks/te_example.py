@@ -36,12 +36,18 @@ time, model TFLOP/s per GPU from `train_flops` (the same formula, attention coun
 document, so the figure compares with our runs'), tokens/s, and peak memory
 (`torch.cuda.max_memory_allocated`, over the whole run).
 
+`--splits-json FILE` writes the rows each local expert got in each MoE layer of each step
+(`{"steps": [[[rows of expert 0, ...] for each layer] for each step]}`, forward calls
+only), which `benchmarks/op_profile.py --cases-from FILE` times ours and TE's grouped GEMM
+at, GEMM by GEMM: its router, not ours, decides them.
+
 Copy the example first (no network needed at bench time), then, from the repository root,
 on a CUDA machine with Transformer Engine, transformers and accelerate:
 
     scripts/fetch_te_example.sh PATH/TO/TransformerEngine        # -> .peers/te_mixtral_example
     python3 -m benchmarks.te_example --example-dir .peers/te_mixtral_example \\
-        [--config configs/mixtral-8x7b-8layer.yaml] [--steps 30] [--warmup 5] [--json out.json]
+        [--config configs/mixtral-8x7b-8layer.yaml] [--steps 30] [--warmup 5] [--json out.json] \
+        [--splits-json splits.json]
 """
 
 import argparse
@@ -98,6 +104,19 @@ def build_model(example, m, device):
     return model
 
 
+def record_splits(model) -> list[list[list[int]]]:
+    """Each forward call's rows per local expert, in call order, appended as the model runs:
+    the example's MoE blocks hand `_expert_ffn` their split sizes as a host list."""
+    calls = []
+    for block in model.modules():
+        if hasattr(block, "_expert_ffn"):
+            def recorded(tokens, m_splits, expert_ffn=block._expert_ffn):
+                calls.append([int(n) for n in m_splits])
+                return expert_ffn(tokens, m_splits)
+            block._expert_ffn = recorded
+    return calls
+
+
 def run(args, cfg) -> dict:
     # Heavy imports only once the arguments are known to be good: a mistake is refused at once.
     import torch
@@ -120,6 +139,7 @@ def run(args, cfg) -> dict:
 
     # --- the model, optimizer and schedule, as the example's run_finetune_ep.py builds them at EP 1
     model = build_model(load_example(args.example_dir), m, device)
+    splits = record_splits(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, fused=True, foreach=False)
     schedule = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=cfg.train.warmup_steps,
@@ -157,6 +177,7 @@ def run(args, cfg) -> dict:
         "step_ms": [t * 1e3 for t in timer.times],
         "loss": losses,
         "flops_per_step": flops,
+        "expert_splits": [splits[i:i + m.num_hidden_layers] for i in range(0, len(splits), m.num_hidden_layers)],
     }
 
 
@@ -167,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     parser.add_argument("--doc-len", type=int, default=None, help="random tokens in documents of this length (default: our run's rows)")
+    parser.add_argument("--splits-json", type=Path, default=None,
+                        help="write the rows of each local expert in each MoE layer of each step here")
     common.add_json_flag(parser)
     args = parser.parse_args(argv)
     try:
@@ -176,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"te_example: error: {error}", file=sys.stderr)
         return 2
+    common.write_json(args.splits_json, {"steps": result.pop("expert_splits")})
     w = result["workload"]
     report(f"TE example ({w['num_hidden_layers']} layers, {w['tokens_per_step']} tokens/step)", result, args.json)
     return 0

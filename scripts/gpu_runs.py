@@ -327,6 +327,16 @@ DEPTH_RUNS = {
     "gemm-tiles": [gemm_tiles("gemm-tiles", f"8x2048,{SKEWED_8X2048}")],
     # the same at EP=2's rows (4 experts x 4096) and at 16 experts x 1024
     "gemm-tiles-ep": [gemm_tiles("gemm-tiles-ep", "4x4096,16x1024")],
+    # TE's example's expert GEMMs by shape: 8 steps of it at 8 layers recording each layer's rows
+    # per expert, then ours and TE's grouped GEMM at the last step's rows, layer by layer, GEMM by
+    # GEMM (benchmarks/op_profile.py --cases-from), summed over the step
+    "te-gemms-by-shape": [
+        Launch("te-splits", 1, ("-m", "benchmarks.te_example", "--example-dir", ".peers/te_mixtral_example",
+                                "--config", EIGHT, "--steps", "8", "--warmup", "3", "--splits-json",
+                                "{out}/te-splits.json")),
+        Launch("te-gemms-by-shape", 1, ("-m", "benchmarks.op_profile", "--family", "8x7b", "--cases-from",
+                                        "{out}/te-splits.json", "--ops", "custom_grouped,TE", "--json",
+                                        "{out}/te_gemms_by_shape.json"), tail=30)],
     # the fusions' GPU tests (tests/gpu/test_fusions_gpu.py)
     "fusion-tests": [Launch("fusion-tests", 1, ("-m", "pytest", "-q", "-rfEs", "tests/gpu/test_fusions_gpu.py"),
                             tail=None)],
@@ -557,6 +567,12 @@ ROWS_RUNS = {
                                                   f"{{out}}/grid-{family}.json"), tail=40) for family in ("8x7b", "8x22b")),
                  Launch("host-time", 1, ("-m", "benchmarks.custom_grouped_host_time", "--cases", "1x16,1x64,2x64",
                                          "--tiles", "previous", "--cprofile"), tail=60)],
+    # the BF16 grid at 16-1024 rows per expert over 1-8 local experts, both families, with every
+    # other expert tier beside ours as a training step calls it (loop, grouped_linear with its
+    # host sync, device_mxfp8 with its run defaults: BF16 kernels under its break-even)
+    "few-rows-tiers": [Launch(f"grid-tiers-{family}", 1, (
+        "-m", "benchmarks.custom_grouped_grid", "--tokens", "16,32,64,128,256,512,1024", "--splits", "uniform",
+        "--family", family, "--json", f"{{out}}/grid-tiers-{family}.json"), tail=60) for family in ("8x7b", "8x22b")],
     # custom_grouped's CUDA tests (accuracy against float64 at every table, CUDA graphs, no host sync)
     "few-rows-tests": pytest_gpu("custom-grouped-tests", "-m", "cuda", "tests/gpu/test_custom_grouped_gpu.py"),
     # device_mxfp8 against custom_grouped by rows per local expert, its default fallback included

@@ -29,6 +29,7 @@ def test_uneven_splits_need_two_experts():
     (["--tiles", "huge"], "no tile table 'huge'"),
     (["--tokens", "16,x"], "take positive integers"),
     (["--experts", "0"], "take positive integers"),
+    (["--tiers", "loop,fast"], "--tiers takes none or any of loop, grouped_linear, device_mxfp8"),
 ])
 def test_bad_arguments_get_one_line(argv, says, capsys):
     assert grid.main(argv) == 2
@@ -109,3 +110,38 @@ def test_a_point_line_and_the_summary_name_a_failed_op(capsys):
     out = capsys.readouterr().out
     assert "| uniform | 64 | — | 1.17 |" in out and "2 points with an op that failed" in out
     assert "0 of 1 points of at most 512 rows per expert above 1.3x the bandwidth floor" in out
+
+
+def test_each_tier_gets_its_own_ratios_and_tables(capsys):
+    """A tier's ratio is the best peer's step time over its own, its floor ratio its own
+    step time over the floor; the summary prints its tables and names its misses."""
+    ms = {"ours": 0.5, "grouped_mm": 0.6, "TE": 0.4, "loop tier": 2.0, "device_mxfp8 tier": 0.52}
+    tiers = grid.tier_ratios(ms, 0.4, 0.25)
+    assert tiers == {"loop": {"ratio": 0.2, "floor_ratio": 8.0},
+                     "device_mxfp8": {"ratio": 0.4 / 0.52, "floor_ratio": 0.52 / 0.25}}
+    point = {"split": "uniform", "tokens": 64, "experts": 2, "sizes": [64, 64], "floor_ms": 0.25,
+             "compute_floor_ms": 0.1, "ms": ms, "gpu_ms": ms, "rel_diff": {}, "errors": {}, "best_peer": "TE",
+             "ratio": 0.8, "gpu_ratio": 0.8, "floor_ratio": 2.0, "roofline_ratio": 2.0, "tiers": tiers}
+    grid.print_summary([point], "8x7b", [2], ["uniform"], [64], ["loop", "device_mxfp8"])
+    out = capsys.readouterr().out
+    assert "loop tier: floor_ratio" in out and "| uniform | 64 | 8.00 |" in out and "| uniform | 64 | 2.08 |" in out
+    assert "device_mxfp8 tier: 1 of 1 points below 0.97 of the best peer" in out
+    assert "loop tier: 1 of 1 points of at most 512 rows per expert above 1.3x the bandwidth floor: uniform 64 x 2 x8.00" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals on a machine without a GPU")
+def test_a_tier_that_cannot_run_is_left_out_with_its_reason(capsys):
+    assert list(grid.tier_ops(["loop", "grouped_linear", "device_mxfp8"], "8x7b")) == ["loop tier"]
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 2 and "tier grouped_linear skipped:" in out and "tier device_mxfp8 skipped:" in out
+
+
+def test_device_mxfp8_is_timed_with_its_run_defaults():
+    """The tier as a run builds it: the default break-even (so BF16 kernels at few rows),
+    the mode the GPU picks, the family's widths."""
+    from te_mixtral.experts.options import FP8Options
+    from te_mixtral.experts.registry import make_tier
+
+    tier = make_tier("device_mxfp8", grid.run_config("device_mxfp8", "8x22b"))
+    assert tier.min_rows_per_expert == FP8Options().min_rows_per_expert > grid.FLOOR_ROWS
+    assert tier.requested_mode == "auto" and tier.model_dims == (6144, 16384)

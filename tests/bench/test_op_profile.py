@@ -58,3 +58,32 @@ def test_each_op_runs_the_tile_table_its_gemm_table_reads():
     assert our_table("custom_grouped, previous", [64, 64], cpu) != CONFIGS["few rows, 64"]
     assert our_table("custom_grouped, medium, few rows", [128, 128], cpu) is CONFIGS["medium, few rows"]
     assert our_table("TE", [128, 128], cpu) is None and our_table("grouped_mm", [64], cpu) is None
+
+
+def test_cases_from_a_splits_file_are_the_last_steps_layers(tmp_path, capsys):
+    from benchmarks.op_profile import cases_from, main
+
+    path = tmp_path / "splits.json"
+    path.write_text('{"steps": [[[1, 2], [3, 4]], [[5, 0], [7, 8]]]}')
+    assert cases_from(path) == {"layer 0": [5, 0], "layer 1": [7, 8]}
+    for bad in ('{"steps": []}', '{"steps": [[[1, -2]]]}', '{"layers": 1}', "not json"):
+        path.write_text(bad)
+        assert main(["--cases-from", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"op_profile: error: --cases-from {path}") and err.count("\n") == 1
+
+
+def test_totals_sum_each_ops_cases_and_gemms(capsys):
+    from benchmarks.op_profile import print_totals, totals
+
+    def case(op, step, gemms):
+        return {"op": op, "step_ms": step, "gpu_ms": step / 2,
+                "gemms": {"gemms": [{"gemm": g, "busy_ms": ms} for g, ms in gemms.items()]}}
+
+    results = [case("TE", 2.0, {"gate_up": 1.0, "down": 0.5}), case("TE", 4.0, {"gate_up": 2.0, "down": 0.25}),
+               case("custom_grouped", 3.0, {"gate_up": 1.5}), {"op": "TE", "skipped": "no TE"}]
+    found = totals(results)
+    assert found["TE"] == {"cases": 2, "step_ms": 6.0, "gpu_ms": 3.0, "gemms": {"gate_up": 3.0, "down": 0.75}}
+    assert found["custom_grouped"]["cases"] == 1
+    print_totals(found)
+    assert "TE               2 cases  6.00 / 3.00  GEMMs 3.75: gate_up 3.00  down 0.75" in capsys.readouterr().out

@@ -110,3 +110,22 @@ def test_our_rows_are_what_our_run_trains_on():
         assert torch.equal(row["cu_seq_lens_q"], batch.packed.cu_seqlens)
         assert row["max_length_q"] == batch.packed.max_seqlen
     assert len(rows[0]["cu_seq_lens_q"]) > 3  # real text: several documents in a row
+
+
+def test_the_example_blocks_splits_are_recorded_call_by_call():
+    """`record_splits` wraps each block that has the example's `_expert_ffn`, keeps its
+    result, and appends the host list it was handed."""
+    import torch
+
+    from benchmarks.te_example import record_splits
+
+    class Block(torch.nn.Module):
+        def _expert_ffn(self, tokens, m_splits):
+            return tokens * len(m_splits)
+
+    model = torch.nn.Sequential(Block(), torch.nn.Linear(2, 2), Block())
+    calls = record_splits(model)
+    tokens = torch.ones(3, 2)
+    assert torch.equal(model[0]._expert_ffn(tokens, [1, 2]), tokens * 2)
+    model[2]._expert_ffn(tokens, [3, 0, 0])
+    assert calls == [[1, 2], [3, 0, 0]]
