@@ -1,7 +1,7 @@
-"""scripts/gpu_runs.py's catalogs, checked on a CPU: every training run they launch is a config
-that loads at its world size (as on the GPU machine, where precision auto is bf16), every
-module and test they name exists. A key renamed or a check added shows here, not an hour into
-a GPU session."""
+"""The catalogs that scripts/gpu_runs.py launches (scripts/gpu_catalogs/), checked on a CPU:
+every training run they launch is a config that loads at its world size (as on the GPU
+machine, where precision auto is bf16), every module and test they name exists. A key renamed
+or a check added shows here, not an hour into a GPU session."""
 
 import importlib.util
 import shlex
