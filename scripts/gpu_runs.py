@@ -5,10 +5,10 @@ launches, scripts/gpu_catalogs/), and this launcher runs any of them the same wa
     python3 scripts/gpu_runs.py check OUT_DIR [NGPU] [STEPS]     everything that needs a GPU, on a fresh machine
     python3 scripts/gpu_runs.py tiers OUT_DIR CONFIG NGPU EP TIER [TIER ...] [-- EXTRA ...]
     python3 scripts/gpu_runs.py multi OUT_DIR NGPU [TIER ...]     the NCCL tests, every EP layout that fits
-    python3 scripts/gpu_runs.py depth OUT_DIR RUN [RUN ...]       docs/depth.md's runs
+    python3 scripts/gpu_runs.py depth OUT_DIR RUN [RUN ...]       docs/full-model.md's runs
     python3 scripts/gpu_runs.py lora OUT_DIR RUN [RUN ...]        docs/lora.md's runs
     python3 scripts/gpu_runs.py rows OUT_DIR RUN [RUN ...]        few rows per expert: our kernels, FP8's break-even, decoding
-    python3 scripts/gpu_runs.py list [depth|lora]                the named runs, and the commands they launch
+    python3 scripts/gpu_runs.py list [depth|lora|rows]           the named runs, and the commands they launch
     python3 scripts/gpu_runs.py lanes OUT_DIR "GPUS CATALOG RUN ..." ...   several of the above at once
 
 (`scripts/gpu_check.sh`, `run_tiers.sh`, `multi_gpu.sh`, `depth_gpu.sh` and `lora_gpu.sh`
