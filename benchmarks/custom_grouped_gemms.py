@@ -80,7 +80,7 @@ PEERS = ("cuBLAS mm", "grouped_mm")
 TABLE = " (table)"
 # tile_config's keyword arguments and the configuration keys they set.
 _KEYWORDS = {"progs": "PROGS_PER_SM", "group": "GROUP_M", "parts": "EPI_PARTS", "flatten": "FLATTEN",
-             "tail_split": "TAIL_SPLIT", "tma_store": "TMA_STORE"}
+             "tail_split": "TAIL_SPLIT"}
 
 
 # --- tiles ------------------------------------------------------------------------------
@@ -90,15 +90,14 @@ def tile_name(c: dict) -> str:
     """A tile in one short line, every field that tells two configs apart in it."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_I']} w{c['num_warps']} s{c['num_stages']} g{c['GROUP_M']}"
             f"{' p' + str(c['PROGS_PER_SM']) if c['PROGS_PER_SM'] > 1 else ''}{' flat' if c['FLATTEN'] else ''} e{c['EPI_PARTS']}"
-            f"{' k' + str(c['TAIL_SPLIT']) if c['TAIL_SPLIT'] > 1 else ''}{' tma-store' if c.get('TMA_STORE') else ''}")
+            f"{' k' + str(c['TAIL_SPLIT']) if c['TAIL_SPLIT'] > 1 else ''}")
 
 
 def tile_source(c: dict) -> str:
     """The `tile_config(...)` call that makes c, its defaults left out: what a tile table holds."""
     defaults = inspect.signature(tile_config).parameters
     args = [str(c[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_I", "num_warps", "num_stages")]
-    args += [f"{keyword}={c.get(key, defaults[keyword].default)!r}" for keyword, key in _KEYWORDS.items()
-             if c.get(key, defaults[keyword].default) != defaults[keyword].default]
+    args += [f"{keyword}={c[key]!r}" for keyword, key in _KEYWORDS.items() if c[key] != defaults[keyword].default]
     return f"tile_config({', '.join(args)})"
 
 

@@ -65,18 +65,6 @@ def few_rows_candidates(bm):
             cfg(bm, 64, 64, 4, 6, progs=2, tail_split=8)]
 
 
-# The large table's row-GEMM tiles again with their whole tiles stored through TMA (TMA_STORE,
-# grouped_gemm._rows_gemm), and 128 x 128 ones for down_dgrad, whose 128 x 256 tile holds more
-# registers with it.
-TMA_STORES = {
-    "rows": [cfg(128, 256, 64, 8, 4, group=16, tma_store=True), cfg(128, 256, 64, 8, 3, flatten=True, tma_store=True)],
-    "gate_up": [cfg(128, 128, 64, 8, 4, group=16, tma_store=True), cfg(128, 128, 64, 8, 4, group=16, parts=2,
-                                                                       tma_store=True)],
-    "down_dgrad": [cfg(128, 256, 64, 8, 3, group=16, flatten=True, tma_store=True),
-                   cfg(128, 128, 64, 8, 4, group=16, tma_store=True),
-                   cfg(128, 128, 64, 8, 4, group=16, flatten=True, tma_store=True)],
-}
-
 CANDIDATES = {
     **{f"few rows, {bm}": {
         "rows": few_rows_candidates(bm),
@@ -104,20 +92,19 @@ CANDIDATES = {
                  cfg(128, 256, 64, 8, 4, group=32), cfg(128, 256, 64, 8, 3, flatten=True),
                  cfg(128, 256, 64, 8, 3, group=16, flatten=True), cfg(128, 256, 128, 8, 2, group=16),
                  cfg(128, 128, 64, 8, 5, group=16), cfg(128, 128, 64, 8, 3, progs=2, group=16),
-                 cfg(256, 256, 64, 16, 3, group=16), *TMA_STORES["rows"]],
+                 cfg(256, 256, 64, 16, 3, group=16)],
         "gate_up": [cfg(128, 128, 64, 8, 4), cfg(128, 64, 64, 4, 3, progs=2),
                     cfg(128, 128, 64, 8, 4, group=16), cfg(128, 128, 64, 8, 4, parts=2),
                     cfg(128, 128, 64, 8, 3, group=16), cfg(128, 128, 64, 8, 4, group=32),
                     cfg(128, 128, 64, 8, 3, group=16, flatten=True), cfg(256, 64, 64, 8, 4, group=16),
-                    cfg(128, 128, 128, 8, 2, group=16), cfg(256, 128, 64, 16, 3, group=16), *TMA_STORES["gate_up"]],
+                    cfg(128, 128, 128, 8, 2, group=16), cfg(256, 128, 64, 16, 3, group=16)],
         "down_dgrad": [cfg(128, 128, 64, 8, 4), cfg(128, 256, 64, 8, 3), PINGPONG,
                        cfg(128, 128, 64, 8, 4, group=16), cfg(128, 256, 64, 8, 3, group=16),
                        cfg(128, 256, 64, 8, 3, group=16, flatten=True),
                        cfg(128, 256, 64, 8, 4, group=16, flatten=True),
                        cfg(128, 256, 64, 8, 3, group=16, flatten=True, parts=2),
                        cfg(128, 128, 64, 8, 4, group=16, flatten=True),
-                       cfg(256, 128, 64, 8, 3, group=16, flatten=True), cfg(128, 128, 64, 8, 3, progs=2, group=16),
-                       *TMA_STORES["down_dgrad"]],
+                       cfg(256, 128, 64, 8, 3, group=16, flatten=True), cfg(128, 128, 64, 8, 3, progs=2, group=16)],
         "wgrad": [cfg(128, 256, 64, 8, 3, parts=1), cfg(128, 256, 64, 8, 3, parts=2),
                   cfg(128, 256, 64, 8, 3, group=16, parts=1), cfg(128, 256, 64, 8, 3, group=16, parts=2),
                   cfg(128, 256, 64, 8, 4, group=16, parts=1), cfg(256, 128, 64, 8, 3, group=16, parts=1),

@@ -122,10 +122,6 @@ DEPTH_RUNS = {
     "gemm-tiles": [gemm_tiles("gemm-tiles", f"8x2048,{SKEWED_8X2048}")],
     # the same at EP=2's rows (4 experts x 4096) and at 16 experts x 1024
     "gemm-tiles-ep": [gemm_tiles("gemm-tiles-ep", "4x4096,16x1024")],
-    # the four row GEMMs alone at the 8-layer step's rows, the table's tiles beside the same
-    # tiles storing their whole tiles through TMA (the candidates' TMA_STORES)
-    "gemm-tiles-tma": [gemm_tiles("gemm-tiles-tma", f"8x2048,{SKEWED_8X2048}", "--gemms",
-                                  "gate_up,down,down_dgrad,gate_up_dgrad", "--rounds", "2")],
     # TE's example's expert GEMMs by shape: 8 steps of it at 8 layers recording each layer's rows
     # per expert, then ours and TE's grouped GEMM at the last step's rows, layer by layer, GEMM by
     # GEMM (benchmarks/op_profile.py --cases-from), summed over the step

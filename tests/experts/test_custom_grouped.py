@@ -193,11 +193,6 @@ INTERPRETER_CASES = {
     "64_experts": ([2, 0, 1, 1] * 16, 16, 16, TINY, False),
     "single_row": ([1], 8, 8, TINY, True),
     "two_epilogue_parts": ([9, 30, 0], 16, 32, dict(TINY, EPI_PARTS=2), True),
-    # Row tiles stored through TMA descriptors where they lie wholly inside their expert
-    # (40 rows: two whole tiles and a part; 7 and 33 rows: parts that must stay masked), and
-    # the same with the last round streamed, whose pieces store nothing.
-    "tma_store": ([40, 0, 7, 33], 32, 32, dict(TINY, TMA_STORE=True), True),
-    "tma_store_split": ([9, 0, 20, 5], 16, 64, dict(TINY, TMA_STORE=True, TAIL_SPLIT=4), True),
     "shipped_tiles": ([33, 0, 17], 40, 24, None, False),
     # D and F that are not multiples of 4: row strides that are not 16-byte multiples, the
     # tails masked in every tile (and on the grouped_mm path, the padded shapes).
@@ -226,7 +221,7 @@ INTERPRETER_CASES = {
 # The default run keeps a case of each kind (uneven, TMA, unaligned, epilogue parts, the shipped
 # and few-rows tables, streamed tiles) that takes the interpreter under a second.
 SLOW_CASES = ("uneven_tma", "one_expert_tma", "64_experts", "split_tail", "split_tail_tma", "split_every_gemm",
-              "few_rows_64", "tma_store_split")
+              "few_rows_64")
 SPLIT = {op: dict(TINY, TAIL_SPLIT=4) for op in ("gate_up", "down", "down_dgrad")} | {
     "gate_up_dgrad": dict(TINY, TAIL_SPLIT=2)}
 

@@ -65,12 +65,12 @@ EPI_SWIGLU_BWD = tl.constexpr(2)
 
 @triton.jit(do_not_specialize=["R"])  # R changes every step under EP: one compile, not one per R % 16
 def _rows_gemm(
-    a_src, b_src, counts_ptr, out_ptr, h_ptr, out_dst, h_dst, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr,
-    add_ptr, nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales,
+    a_src, b_src, counts_ptr, out_ptr, h_ptr, scratch_ptr, arrivals_ptr, a_scale_ptr, b_scale_ptr, add_ptr,
+    nf4_scale_ptr, nf4_code_ptr, nf4_row_bytes, nf4_row_scales,
     R, N, I, L, b_rows_per_expert,
     EPILOGUE: tl.constexpr, B_ICONTIG: tl.constexpr, WRITE_ACT: tl.constexpr, SCALED: tl.constexpr,
     ADD: tl.constexpr, B_NF4: tl.constexpr,
-    USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_I: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_L: tl.constexpr, FLATTEN: tl.constexpr,
     EPI_PARTS: tl.constexpr, TAIL_SPLIT: tl.constexpr,
@@ -97,12 +97,6 @@ def _rows_gemm(
     nf4_scale the block scales' 2-D view, nf4_code the 16 code values, nf4_row_bytes and
     nf4_row_scales the two views' row strides; each B tile is dequantised in registers to A's
     dtype before its dot (`nf4_decode.b_tile`).
-    TMA_STORE: out_dst and h_dst are TMA descriptors of out and h (blocks of BLOCK_M rows and
-    BLOCK_N / EPI_PARTS columns, every epilogue storing in that many parts), and a tile whose rows all belong to its expert is stored
-    through them: the copy engine writes it from shared memory while the program goes on.
-    A tile that runs past its expert's last row would write into the next expert's rows, so
-    it keeps the masked pointer stores. Needs N a multiple of BLOCK_N (a gate block never
-    reaches into the up half of h).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -217,7 +211,6 @@ def _rows_gemm(
                                                        streams, work, k_blocks, False, BLOCK_M, BLOCK_N)
                 rows = tl.where(last, count, 0)
         row_ok = (pid_m * BLOCK_M + rm < rows)[:, None]
-        whole_tile = pid_m * BLOCK_M + BLOCK_M <= rows  # every row of the tile is its expert's, to store
         if EPILOGUE == EPI_PLAIN:
             cols = n0 + tl.arange(0, BLOCK_N)
             if SCALED:
@@ -227,17 +220,7 @@ def _rows_gemm(
             if ADD:  # after the scales: the addend is in the output's units
                 acc += tl.load(add_ptr + m0.to(tl.int64) * N + rm[:, None] * N + cols[None, :], mask=store_mask,
                                other=0.0).to(tl.float32)
-            out_ptrs = out_tile + rm[:, None] * N + cols[None, :]
-            if TMA_STORE:
-                if whole_tile:  # in column blocks, as the SwiGLU epilogues: a smaller staging buffer
-                    WP: tl.constexpr = BLOCK_N // EPI_PARTS
-                    for part in tl.static_range(EPI_PARTS):
-                        value = column_part(acc, part, EPI_PARTS, BLOCK_M, BLOCK_N)
-                        out_dst.store([m0, n0 + part * WP], value.to(out_ptr.dtype.element_ty))
-                else:
-                    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
-            else:
-                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+            tl.store(out_tile + rm[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=store_mask)
         else:
             # SwiGLU epilogues walk the tile in EPI_PARTS column blocks: with whole-tile
             # fp32 temporaries the compiler spilled ~1 KB per thread; with blocks of at
@@ -256,38 +239,21 @@ def _rows_gemm(
                         add_ptrs = add_ptr + m0.to(tl.int64) * (2 * N) + rm[:, None] * (2 * N) + cols[None, :]
                         g += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
                         up += tl.load(add_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-                    col = n0 + part * W
-                    _store(gate_ptrs, mask, g, h_dst, m0, col, TMA_STORE, whole_tile)
-                    _store(gate_ptrs + N, mask, up, h_dst, m0, N + col, TMA_STORE, whole_tile)
-                    _store(act_ptrs, mask, g * tl.sigmoid(g) * up, out_dst, m0, col, TMA_STORE, whole_tile)
+                    tl.store(gate_ptrs, g.to(h_ptr.dtype.element_ty), mask=mask)
+                    tl.store(gate_ptrs + N, up.to(h_ptr.dtype.element_ty), mask=mask)
+                    act = g * tl.sigmoid(g) * up
+                    tl.store(act_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
                     if ADD:
                         add_ptrs = add_ptr + m0.to(tl.int64) * N + rm[:, None] * N + cols[None, :]
                         acc_part += tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
-                    _swiglu_bwd_store(acc_part, gate_ptrs, act_ptrs, mask, N, WRITE_ACT, h_dst, out_dst, m0,
-                                      n0 + part * W, TMA_STORE, whole_tile)
+                    _swiglu_bwd_store(acc_part, gate_ptrs, act_ptrs, mask, N, WRITE_ACT)
 
 
 @triton.jit
-def _store(ptrs, mask, value, dst, row, col, TMA_STORE: tl.constexpr, whole_tile):
-    """`value` at `ptrs` where `mask`, or with TMA_STORE and a `whole_tile` through the
-    descriptor `dst` at [row, col] (the same elements: a whole tile's mask is its columns',
-    all inside the tensor)."""
-    if TMA_STORE:
-        if whole_tile:
-            dst.store([row, col], value.to(ptrs.dtype.element_ty))
-        else:
-            tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
-    else:
-        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constexpr, h_dst, out_dst, row, col,
-                      TMA_STORE: tl.constexpr, whole_tile):
+def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constexpr):
     """Overwrite gate, up (at gate_ptrs, gate_ptrs + N) with their gradients given d(act);
-    with WRITE_ACT also store act itself, which the down weight gradient needs (`_store`
-    says how, and what the rest of the arguments are for).
+    with WRITE_ACT also store act itself, which the down weight gradient needs.
 
     act = silu(g) * u, and silu'(g) = s * (1 + g * (1 - s)) with s = sigmoid(g).
     """
@@ -295,11 +261,11 @@ def _swiglu_bwd_store(d_act, gate_ptrs, act_ptrs, mask, N, WRITE_ACT: tl.constex
     u = tl.load(gate_ptrs + N, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
-    _store(gate_ptrs + N, mask, d_act * silu, h_dst, row, N + col, TMA_STORE, whole_tile)
+    tl.store(gate_ptrs + N, (d_act * silu).to(gate_ptrs.dtype.element_ty), mask=mask)
     if WRITE_ACT:
-        _store(act_ptrs, mask, silu * u, out_dst, row, col, TMA_STORE, whole_tile)
+        tl.store(act_ptrs, (silu * u).to(act_ptrs.dtype.element_ty), mask=mask)
     d_gate = d_act * u * (s * (1.0 + g * (1.0 - s)))
-    _store(gate_ptrs, mask, d_gate, h_dst, row, col, TMA_STORE, whole_tile)
+    tl.store(gate_ptrs, d_gate.to(gate_ptrs.dtype.element_ty), mask=mask)
 
 
 # --- launchers ------------------------------------------------------------------------
@@ -342,10 +308,6 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         b_src = descriptor(w2d, [bn, bi] if b_icontig else [bi, bn])
     else:
         a_src, b_src = a_RI, w2d
-    store_block = [bm, bn // cfg.get("EPI_PARTS", 4)]  # the epilogue's column block
-    tma_store = use_tma and cfg.get("TMA_STORE", False) and n % bn == 0
-    out_dst = descriptor(out, store_block) if tma_store and out is not None else None
-    h_dst = descriptor(h, store_block) if tma_store and h is not None else None
     tail_split = cfg.get("TAIL_SPLIT", 1)
     programs = rows_programs(R, L, n, cfg, max_programs(a_RI.device))
     scratch = arrivals = None
@@ -355,11 +317,11 @@ def rows_gemm(a_RI, w, counts_L, out, *, n, b_icontig, cfg, use_tma,
         arrivals = stream_k.arrivals(a_RI.device, programs)
     return launch(
         _rows_gemm, programs, target, a_src, b_src, counts_L, h if out is None else out,
-        a_RI if h is None else h, out_dst, h_dst, scratch, arrivals, *(scales or (None, None)), add,
+        a_RI if h is None else h, scratch, arrivals, *(scales or (None, None)), add,
         *nf4_args, R, n, I, L, w.shape[1],
         EPILOGUE=epilogue, B_ICONTIG=b_icontig, WRITE_ACT=out is not None, SCALED=scales is not None,
         ADD=add is not None, B_NF4=nf4_args[0] is not None,
-        USE_TMA=use_tma, TMA_STORE=tma_store, EVEN_I=I % bi == 0, DOT_PREC=dot_precision(a_RI.dtype),
+        USE_TMA=use_tma, EVEN_I=I % bi == 0, DOT_PREC=dot_precision(a_RI.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=cfg["GROUP_M"],
         BLOCK_L=next_power_of_2(L), FLATTEN=cfg.get("FLATTEN", False),
         EPI_PARTS=cfg.get("EPI_PARTS", 4), TAIL_SPLIT=tail_split,

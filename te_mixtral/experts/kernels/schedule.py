@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 
-def tile_config(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False, tail_split=1,
-                tma_store=False):
+def tile_config(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=False, tail_split=1):
     """One launch configuration, as the launchers (`rows_gemm`, `wgrad_gemm`) read it.
 
     BLOCK_M x BLOCK_N is the output tile and BLOCK_I the reduction step. PROGS_PER_SM=2
@@ -38,12 +37,11 @@ def tile_config(bm, bn, bi, warps, stages, progs=1, group=8, parts=4, flatten=Fa
     weight gradient's store; FLATTEN lets the compiler software-pipeline across tiles (see
     `_rows_gemm`); TAIL_SPLIT > 1 deals the reduction of the row GEMM's last, partly filled
     round of tiles out to all the programs, at most TAIL_SPLIT of them a tile (stream-K,
-    `stream_k.py`); TMA_STORE lets the row GEMM store its tiles that lie wholly inside their
-    expert's rows through TMA descriptors, where it loads through them (`_rows_gemm`).
+    `stream_k.py`).
     """
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_I=bi, GROUP_M=group, num_warps=warps,
                 num_stages=stages, PROGS_PER_SM=progs, EPI_PARTS=parts, FLATTEN=flatten,
-                TAIL_SPLIT=tail_split, **({"TMA_STORE": True} if tma_store else {}))
+                TAIL_SPLIT=tail_split)
 
 
 # fp32 inputs (no autocast): a correctness path, not a tuned one. tf32x3 dots split every
