@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
               f"got {args.gemms}", file=sys.stderr)
         return 2
     try:
-        cases = {case: cb.parse_case(case) for case in args.cases.split(",")}
+        cases = cb.parse_cases(args.cases)
     except ValueError:
         cases = None
     if not cases or any(not sizes or min(sizes) < 0 or sum(sizes) == 0 for sizes in cases.values()):

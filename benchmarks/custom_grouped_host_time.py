@@ -36,7 +36,7 @@ from benchmarks.custom_grouped_ops import (
     fwd_bwd,
     gpu_ms,
     make_inputs,
-    parse_case,
+    parse_cases,
     with_table,
 )
 from te_mixtral.experts.custom_grouped import grouped_mm_swiglu
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if device is None:
         return 2
     try:
-        cases = {case: parse_case(case) for case in args.cases.split(",")}
+        cases = parse_cases(args.cases)
     except ValueError:
         print(f"custom_grouped_host_time: error: --cases takes LxR or R0+R1+... joined by commas; got "
               f"{args.cases}", file=sys.stderr)

@@ -3,7 +3,7 @@
 Shape letters as in te_mixtral/__init__.py (L local experts, R rows, D model dim, F
 expert hidden dim); `per_expert` is the rows (tokens) each expert gets, R = per_expert * L.
 
-- `make_inputs`, `parse_case`, `fwd_bwd`, `with_table`: the op's inputs for a case (`LxR`
+- `make_inputs`, `parse_case`, `parse_cases`, `fwd_bwd`, `with_table`: the op's inputs for a case (`LxR`
   or `R0+R1+...`), one forward + backward of it, the op with one tile table everywhere (or
   "previous": the tables as they were before the few-rows ones, chosen as they were);
 - `op_bytes`, `op_flops`: what one forward + backward moves and computes, the numerators
@@ -186,6 +186,11 @@ def parse_case(case: str) -> list[int]:
         experts, rows = map(int, case.split("x"))
         return [rows] * experts
     return [int(rows) for rows in case.split("+")]
+
+
+def parse_cases(cases: str) -> dict[str, list[int]]:
+    """{case: rows per expert} for `parse_case`'s cases joined by commas (ValueError if one is not)."""
+    return {case: parse_case(case) for case in cases.split(",")}
 
 
 def with_table(name: str):

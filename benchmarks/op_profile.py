@@ -55,7 +55,7 @@ from benchmarks.custom_grouped_ops import (
     fwd_bwd,
     gpu_ms,
     make_inputs,
-    parse_case,
+    parse_cases,
     precompile,
     table_at,
     with_table,
@@ -238,17 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     common.add_json_flag(parser)
     args = parser.parse_args(argv)
     names = args.ops.split(",")
-    try:
-        cases = {case: parse_case(case) for case in args.cases.split(",")}
-    except ValueError:
-        print(f"op_profile: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
-              file=sys.stderr)
-        return 2
     if args.cases_from is not None:
         try:
             cases = cases_from(args.cases_from)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
             print(f"op_profile: error: --cases-from {args.cases_from}: {common.first_line(error)}", file=sys.stderr)
+            return 2
+    else:
+        try:
+            cases = parse_cases(args.cases)
+        except ValueError:
+            print(f"op_profile: error: --cases takes LxR or R0+R1+... joined by commas; got {args.cases}",
+                  file=sys.stderr)
             return 2
     if any(name not in OPS for name in names):
         print(f"op_profile: error: --ops takes {', '.join(OPS)} joined by commas; got {args.ops}", file=sys.stderr)
