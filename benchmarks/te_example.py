@@ -46,7 +46,7 @@ on a CUDA machine with Transformer Engine, transformers and accelerate:
 
     scripts/fetch_te_example.sh PATH/TO/TransformerEngine        # -> .peers/te_mixtral_example
     python3 -m benchmarks.te_example --example-dir .peers/te_mixtral_example \\
-        [--config configs/mixtral-8x7b-8layer.yaml] [--steps 30] [--warmup 5] [--json out.json] \
+        [--config configs/mixtral-8x7b-8layer.yaml] [--steps 30] [--warmup 5] [--json out.json] \\
         [--splits-json splits.json]
 """
 
@@ -104,7 +104,7 @@ def build_model(example, m, device):
     return model
 
 
-def record_splits(model) -> list[list[list[int]]]:
+def record_splits(model) -> list[list[int]]:
     """Each forward call's rows per local expert, in call order, appended as the model runs:
     the example's MoE blocks hand `_expert_ffn` their split sizes as a host list."""
     calls = []
