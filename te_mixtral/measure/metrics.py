@@ -135,8 +135,12 @@ class StepTimer:
     warm-up out is `summarize`'s job, so warm-up and timed steps share one code path.
     """
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, whole_device: bool = True):
+        """`whole_device`: drain every stream at both ends; else the current stream only, for
+        steps that leave work on another stream to run beside the next one (it is timed
+        there, where it delays the next step)."""
         self.device = torch.device(device)
+        self.whole_device = whole_device
         self.times: list[float] = []
         self._started: float | None = None
 
@@ -146,7 +150,10 @@ class StepTimer:
         # the optimizer), and the user pays for all of it. The sync costs microseconds
         # against a step of many milliseconds.
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            if self.whole_device:
+                torch.cuda.synchronize(self.device)
+            else:
+                torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
     def start(self) -> None:
