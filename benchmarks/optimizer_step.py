@@ -18,9 +18,6 @@ gradients, timed, then freed before the next):
   (te_mixtral/optim/moments8.py; `train.expert_moments 8bit` does it for the experts, 89% of
   the parameters here), the vectors' in bf16: 6 B/param (and a scale per 256 values for
   each moment); moved: reads 8, writes 6.
-- `..., beside`: the same two with their kernels launched as `train.optimizer_overlap` runs
-  them beside the forward (a few one-warp programs an SM, te_mixtral/optim/adamw_kernel.py),
-  here alone: what that launch costs when nothing runs beside it.
 - `TE FusedAdam bf16 m` / `fp32 m`: transformer_engine.pytorch.optimizers.FusedAdam with
   master_weights=True, store_param_remainders=True (the same 16-bit-remainder master),
   exp_avg/exp_avg_sq in bf16 or fp32; skipped where TE does not import.
@@ -46,7 +43,6 @@ that the script works, not to measure anything.
 
 import argparse
 import math
-from functools import partial
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -97,7 +93,6 @@ class Variant:
     moved_bytes: int  # bytes one step reads and writes per parameter, at the least
     build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
     param_dtype: torch.dtype = torch.bfloat16
-    beside: bool = False  # MasterAdamW's kernels launched to run beside others (optimizer_overlap's)
 
 
 def te_fused_adam(moment_dtype: torch.dtype):
@@ -124,9 +119,6 @@ def variants() -> list[Variant]:
         Variant("MasterAdamW fp32 m", 14, 26,
                 lambda ps: MasterAdamW(ps, lr=1e-4, weight_decay=0.1, moment_dtype=torch.float32)),
         Variant("MasterAdamW 8-bit m", 6, 14, master_adamw_8bit),
-        Variant("MasterAdamW bf16 m, beside", 10, 18,
-                lambda ps: MasterAdamW(ps, lr=1e-4, weight_decay=0.1, moment_dtype=torch.bfloat16), beside=True),
-        Variant("MasterAdamW 8-bit m, beside", 6, 14, master_adamw_8bit, beside=True),
         Variant("TE FusedAdam bf16 m", 10, 18, te_fused_adam(torch.bfloat16)),
         Variant("TE FusedAdam fp32 m", 14, 26, te_fused_adam(torch.float32)),
     ]
@@ -141,8 +133,7 @@ def time_variant(variant: Variant, shapes, device: torch.device) -> float:
         params.append(p)
     optimizer = variant.build(params)
     try:
-        step = partial(optimizer.step, beside=True) if variant.beside else optimizer.step
-        return median_ms(step, device, budget_ms=0, min_reps=REPS, max_reps=REPS)
+        return median_ms(optimizer.step, device, budget_ms=0, min_reps=REPS, max_reps=REPS)
     finally:
         del optimizer, params
         if device.type == "cuda":

@@ -33,17 +33,7 @@ The step-dependent scalars (`StepScalars`) are plain fp32 arguments, and the rou
 int32 one not specialised on: a new learning rate or step count neither recompiles the kernel
 nor synchronises with the host. One launch per tensor; the large expert tensors dominate the
 time, so launches are not batched.
-
-Each program loops over the tiles `tl.num_programs` apart. Alone on the GPU a launch has a
-program per tile of eight warps, and the loop runs once. `beside=True` (an update running beside
-other kernels: training/overlapped_step.py) launches a few programs of one warp per SM, each
-looping over many tiles: small enough to share an SM with a GEMM's program, whose registers and
-shared memory leave room for about one warp, so that the update can stream through memory
-under the GEMMs' tensor-core work instead of waiting for SMs they have left. The tile's values
-and their arithmetic are the same either way: so are the bits.
 """
-
-import functools
 
 import torch
 import triton
@@ -56,8 +46,6 @@ from te_mixtral.optim.moments8 import EXP_AVG, MIN_SCALE_EXPONENT, SQRT_EXP_AVG_
 BLOCK = 2048
 # No fused multiply-adds: every fp32 operation rounds as the torch path's (module docstring).
 LAUNCH_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
-# beside=True: programs per SM, values per tile and warps per program
-BESIDE_PROGRAMS_PER_SM, BESIDE_BLOCK, BESIDE_WARPS = 4, 512, 1
 # A compiled kernel reads a module's global only as a constexpr (the interpreter reads any).
 _MIN_SCALE_EXPONENT = tl.constexpr(MIN_SCALE_EXPONENT)
 
@@ -134,20 +122,17 @@ def _master_adamw_kernel(
     decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bc2_sqrt, eps,
     GRAD_FP32: tl.constexpr, M_FP32: tl.constexpr, V_FP32: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    scale = tl.load(grad_scale_ptr)  # e.g. the clip factor
-    first, stride = tl.program_id(0).to(tl.int64) * BLOCK, tl.num_programs(0).to(tl.int64) * BLOCK  # int64: > 2^31
-    for start in tl.range(first, n, stride):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        master = _join_master(param_ptr, remainder_ptr, offs, mask)
-        g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32) * scale
-        m = _load_fp32(exp_avg_ptr, offs, mask, M_FP32)
-        v = _load_fp32(exp_avg_sq_ptr, offs, mask, V_FP32)
-        master, m, v, _ = _adamw(master, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size,
-                                 bc2_sqrt, eps)
-        _store_master(param_ptr, remainder_ptr, offs, master, mask)
-        _store_fp32(exp_avg_ptr, offs, m, mask, M_FP32)
-        _store_fp32(exp_avg_sq_ptr, offs, v, mask, V_FP32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: tensors > 2^31
+    mask = offs < n
+    master = _join_master(param_ptr, remainder_ptr, offs, mask)
+    g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32) * tl.load(grad_scale_ptr)  # e.g. the clip factor
+    m = _load_fp32(exp_avg_ptr, offs, mask, M_FP32)
+    v = _load_fp32(exp_avg_sq_ptr, offs, mask, V_FP32)
+    master, m, v, _ = _adamw(master, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size,
+                             bc2_sqrt, eps)
+    _store_master(param_ptr, remainder_ptr, offs, master, mask)
+    _store_fp32(exp_avg_ptr, offs, m, mask, M_FP32)
+    _store_fp32(exp_avg_sq_ptr, offs, v, mask, V_FP32)
 
 
 # --- 8-bit moments (moments8.py): the same operations as its torch functions ---------------
@@ -238,30 +223,26 @@ def _master_adamw_8bit_kernel(
     M_MANTISSA: tl.constexpr, M_MAX: tl.constexpr, M_UNIT: tl.constexpr, M_STOCHASTIC: tl.constexpr,
     R_MANTISSA: tl.constexpr, R_MAX: tl.constexpr, R_UNIT: tl.constexpr, R_STOCHASTIC: tl.constexpr,
 ):
-    scale = tl.load(grad_scale_ptr)
-    first, stride = tl.program_id(0).to(tl.int64) * BLOCKS, tl.num_programs(0).to(tl.int64) * BLOCKS  # int64: > 2^31
-    for start in tl.range(first, n_blocks, stride):
-        blocks = start + tl.arange(0, BLOCKS)
-        block_mask = blocks < n_blocks
-        offs = blocks[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-        mask = block_mask[:, None] & (offs >= 0)  # whole blocks: a block is in or out
-        master = _join_master(param_ptr, remainder_ptr, offs, mask)
-        g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32) * scale
-        m = _dequantize(m_codes_ptr, m_scales_ptr, offs, blocks, mask, block_mask, M_MANTISSA, M_MAX, M_UNIT, True)
-        sqrt_v = _dequantize(r_codes_ptr, r_scales_ptr, offs, blocks, mask, block_mask, R_MANTISSA, R_MAX, R_UNIT,
-                             False)
-        master, m, _, sqrt_v = _adamw(master, g, m, sqrt_v * sqrt_v, decay, one_minus_beta1, beta2, one_minus_beta2,
-                                      neg_step_size, bc2_sqrt, eps)
-        _store_master(param_ptr, remainder_ptr, offs, master, mask)
-        _quantize_store(m_codes_ptr, m_scales_ptr, offs, blocks, m, mask, block_mask, rounding_salt, M_MANTISSA,
-                        M_MAX, True, False, M_STOCHASTIC)
-        _quantize_store(r_codes_ptr, r_scales_ptr, offs, blocks, sqrt_v, mask, block_mask, rounding_salt, R_MANTISSA,
-                        R_MAX, False, True, R_STOCHASTIC)
+    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # int64: tensors > 2^31
+    block_mask = blocks < n_blocks
+    offs = blocks[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    mask = block_mask[:, None] & (offs >= 0)  # whole blocks: a block is in or out
+    master = _join_master(param_ptr, remainder_ptr, offs, mask)
+    g = _load_fp32(grad_ptr, offs, mask, GRAD_FP32) * tl.load(grad_scale_ptr)
+    m = _dequantize(m_codes_ptr, m_scales_ptr, offs, blocks, mask, block_mask, M_MANTISSA, M_MAX, M_UNIT, True)
+    sqrt_v = _dequantize(r_codes_ptr, r_scales_ptr, offs, blocks, mask, block_mask, R_MANTISSA, R_MAX, R_UNIT, False)
+    master, m, _, sqrt_v = _adamw(master, g, m, sqrt_v * sqrt_v, decay, one_minus_beta1, beta2, one_minus_beta2,
+                                  neg_step_size, bc2_sqrt, eps)
+    _store_master(param_ptr, remainder_ptr, offs, master, mask)
+    _quantize_store(m_codes_ptr, m_scales_ptr, offs, blocks, m, mask, block_mask, rounding_salt, M_MANTISSA, M_MAX,
+                    True, False, M_STOCHASTIC)
+    _quantize_store(r_codes_ptr, r_scales_ptr, offs, blocks, sqrt_v, mask, block_mask, rounding_salt, R_MANTISSA,
+                    R_MAX, False, True, R_STOCHASTIC)
 
 
-# The 8-bit kernel's formats (moments8.py's).
+# The 8-bit kernel's blocks and formats (moments8.py's).
 FORMATS_8BIT = {
-    "QBLOCK": QBLOCK,
+    "BLOCKS": BLOCK // QBLOCK, "QBLOCK": QBLOCK,
     "M_MANTISSA": EXP_AVG.mantissa, "M_MAX": EXP_AVG.max_magnitude, "M_UNIT": EXP_AVG.subnormal_unit,
     "M_STOCHASTIC": EXP_AVG.stochastic,
     "R_MANTISSA": SQRT_EXP_AVG_SQ.mantissa, "R_MAX": SQRT_EXP_AVG_SQ.max_magnitude,
@@ -274,23 +255,9 @@ def _bits_or_fp32(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _launch(values: int, device: torch.device, beside: bool) -> tuple[tuple[int], int, dict]:
-    """(grid, values per tile, launch options) for a tensor of `values` values."""
-    if not beside:
-        return (triton.cdiv(values, BLOCK),), BLOCK, LAUNCH_OPTIONS
-    programs = min(triton.cdiv(values, BESIDE_BLOCK), BESIDE_PROGRAMS_PER_SM * _sm_count(device))
-    return (programs,), BESIDE_BLOCK, {**LAUNCH_OPTIONS, "num_warps": BESIDE_WARPS}
-
-
 def adamw_update_triton(param, remainder, grad, exp_avg, exp_avg_sq, scalars: StepScalars,
-                        grad_scale: torch.Tensor, beside: bool = False) -> None:
-    """Same contract as `adamw_torch.adamw_update_torch`, as one kernel launch; `beside`: sized
-    to run beside other kernels (module docstring)."""
+                        grad_scale: torch.Tensor) -> None:
+    """Same contract as `adamw_torch.adamw_update_torch`, as one kernel launch."""
     n = param.numel()
     if n == 0:
         return
@@ -299,20 +266,18 @@ def adamw_update_triton(param, remainder, grad, exp_avg, exp_avg_sq, scalars: St
         if not t.is_contiguous():
             raise ValueError("MasterAdamW needs contiguous parameters and state")
     s = scalars
-    grid, block, options = _launch(n, param.device, beside)
-    _master_adamw_kernel[grid](
+    _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param.view(torch.int16), remainder, _bits_or_fp32(grad),
         _bits_or_fp32(exp_avg), _bits_or_fp32(exp_avg_sq), grad_scale, n,
         s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
         GRAD_FP32=grad.dtype == torch.float32, M_FP32=exp_avg.dtype == torch.float32,
-        V_FP32=exp_avg_sq.dtype == torch.float32, BLOCK=block, **options,
+        V_FP32=exp_avg_sq.dtype == torch.float32, BLOCK=BLOCK, **LAUNCH_OPTIONS,
     )
 
 
 def adamw_update_8bit_triton(param, remainder, grad, m_codes, m_scales, r_codes, r_scales, scalars: StepScalars,
-                             grad_scale: torch.Tensor, beside: bool = False) -> None:
-    """Same contract as `adamw_torch.adamw_update_8bit_torch`, as one kernel launch; `beside`
-    as for `adamw_update_triton`."""
+                             grad_scale: torch.Tensor) -> None:
+    """Same contract as `adamw_torch.adamw_update_8bit_torch`, as one kernel launch."""
     n = param.numel()
     if n == 0:
         return
@@ -322,9 +287,8 @@ def adamw_update_8bit_triton(param, remainder, grad, m_codes, m_scales, r_codes,
             raise ValueError("MasterAdamW needs contiguous parameters and state")
     s = scalars
     n_blocks = n // QBLOCK
-    grid, block, options = _launch(n, param.device, beside)
-    _master_adamw_8bit_kernel[grid](
+    _master_adamw_8bit_kernel[(triton.cdiv(n_blocks, BLOCK // QBLOCK),)](
         param.view(torch.int16), remainder, _bits_or_fp32(grad), m_codes, m_scales, r_codes, r_scales, grad_scale,
         n_blocks, s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.neg_step_size, s.bc2_sqrt, s.eps,
-        s.rounding_salt, GRAD_FP32=grad.dtype == torch.float32, BLOCKS=block // QBLOCK, **FORMATS_8BIT, **options,
+        s.rounding_salt, GRAD_FP32=grad.dtype == torch.float32, **FORMATS_8BIT, **LAUNCH_OPTIONS,
     )

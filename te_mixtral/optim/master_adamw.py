@@ -191,23 +191,22 @@ class MasterAdamW(torch.optim.Optimizer):
                                       shape=torch.Size(scales_shape(p.shape)), stride=(local.shape[1], 1))
         return local
 
-    def _update_fn(self, p: torch.Tensor, moments_8bit: bool, beside: bool):
+    def _update_fn(self, p: torch.Tensor, moments_8bit: bool):
         triton_updates = _triton_updates()
         if self.impl == "triton" or (self.impl == "auto" and p.is_cuda and triton_updates is not None):
-            return functools.partial(triton_updates[moments_8bit], beside=beside)
+            return triton_updates[moments_8bit]
         return adamw_update_8bit_torch if moments_8bit else adamw_update_torch
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: torch.Tensor | None = None,
              params: Iterable[torch.nn.Parameter] | None = None,
-             launched: Callable[[torch.nn.Parameter], None] | None = None, beside: bool = False):
+             launched: Callable[[torch.nn.Parameter], None] | None = None):
         """One AdamW update of every parameter with a gradient; each gradient is multiplied by
         `grad_scale` (a scalar tensor, e.g. the gradient-clipping factor) as it is read, so a
         clip costs no pass of its own over the gradients and the factor never visits the host.
         `params`: the parameters in the order to update them, each with its group's settings
         (by default all, group by group); `launched(p)` is called once p's update is launched,
-        or skipped for want of a gradient (training/overlapped_step.py marks its units so);
-        `beside`: the kernels sized to run beside others (adamw_kernel.py), the same bits."""
+        or skipped for want of a gradient (training/overlapped_step.py marks its units so)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -215,12 +214,12 @@ class MasterAdamW(torch.optim.Optimizer):
         group_of = {p: group for group in self.param_groups for p in group["params"]}
         for p in self._params() if params is None else params:
             if p.grad is not None:
-                self._update(p, group_of[p], grad_scale, beside)
+                self._update(p, group_of[p], grad_scale)
             if launched is not None:
                 launched(p)
         return loss
 
-    def _update(self, p: torch.nn.Parameter, group: dict, grad_scale: torch.Tensor | None, beside: bool) -> None:
+    def _update(self, p: torch.nn.Parameter, group: dict, grad_scale: torch.Tensor | None) -> None:
         if p.grad.is_sparse:
             raise RuntimeError("MasterAdamW does not support sparse gradients")
         beta1, beta2 = group["betas"]
@@ -231,8 +230,8 @@ class MasterAdamW(torch.optim.Optimizer):
                                        group["eps"], int(state["step"].item()))
         moments = MOMENTS_8BIT if moments_8bit else ("exp_avg", "exp_avg_sq")
         tensors = (p, state["remainder"], p.grad, *(state[key] for key in moments))
-        self._update_fn(p, moments_8bit, beside)(*(_local(t) for t in tensors), scalars,
-                                                 self._grad_scale(grad_scale, p.device))
+        self._update_fn(p, moments_8bit)(*(_local(t) for t in tensors), scalars,
+                                         self._grad_scale(grad_scale, p.device))
 
     @staticmethod
     def _grad_scale(grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:

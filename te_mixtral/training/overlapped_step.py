@@ -5,12 +5,10 @@ read and written once), and the next forward waits for all of it, although it ne
 embeddings' new weights first and the LM head's last. Here the update runs on a CUDA stream of
 its own, one unit at a time in the order the forward uses them (the embeddings, each decoder
 layer, the final norm, the LM head), and each unit's forward waits for its own unit only: the
-later units' update runs beside the earlier units' forward. Its kernels are launched small
-(`beside`, optim/adamw_kernel.py): a few one-warp programs an SM, which can share an SM with a
-GEMM's program and stream through memory under its tensor-core work, where full-size ones
-would wait for the SMs the GEMMs hold.
+later units' update runs beside the earlier units' forward, on the SMs and the bandwidth that
+their GEMMs and attention leave free.
 
-What stays the same. The same update of every weight, to the bit: the same arithmetic with the
+What stays the same. The same update of every weight, to the bit: the same kernels with the
 same settings, only later. The host side (step counts, learning rates) moves when `step` is
 called, as without overlap; only the GPU's work waits. What reads the weights or the optimizer
 state outside a forward (checkpoints, exports, evaluation, the report) calls `wait` first.
@@ -68,7 +66,7 @@ class OverlappedStep:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
-            self.optimizer.step(grad_scale=grad_scale, params=order, launched=self._mark, beside=True)
+            self.optimizer.step(grad_scale=grad_scale, params=order, launched=self._mark)
         for p in order:  # read on the side stream: not to be reused before it has
             if p.grad is not None:
                 p.grad.record_stream(self.stream)
