@@ -138,11 +138,6 @@ class TrainConfig:
                                help="with fsdp and grad_accum_steps > 1, when gradients are reduce-scattered: step "
                                "(once, in the last micro-batch; until then FSDP keeps every whole gradient, in fp32) "
                                "or micro_batch (after each micro-batch: N times the traffic, only shards kept)")
-    # Resumable: the same update to the bit; only when the GPU runs it changes.
-    optimizer_overlap: bool = setting(False, resumable=True,
-                                      help="master_adamw's update on a CUDA stream of its own, a layer at a time in the "
-                                      "forward's order, each layer's next forward waiting for its own weights only "
-                                      "(te_mixtral/training/overlapped_step.py); needs sharding none")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")
     eval_every: int = setting(0, workload=False,

@@ -53,9 +53,6 @@ def validate(cfg, world_size: int = 1) -> None:
     _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",
            "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp (unsharded gradients are whole "
            "either way, so reducing them after every micro-batch would only cost traffic)")
-    _check(not t.optimizer_overlap or (t.optimizer == "master_adamw" and t.sharding == "none"),
-           "train.optimizer_overlap runs master_adamw's update beside the next forward of an unsharded model: it "
-           "needs train.optimizer master_adamw and train.sharding none")
     _check(t.recompute_layers is None or t.recompute != "none",
            "train.recompute_layers counts the layers that recompute: it needs train.recompute selective or full")
     trackers = [name.strip() for name in cfg.report_to.split(",")]

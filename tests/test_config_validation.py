@@ -114,18 +114,6 @@ def test_bad_expert_moments_setting_is_refused_in_one_line(overrides, fragment):
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("overrides", [
-    {"optimizer_overlap": "true"},
-    {"optimizer_overlap": "true", "optimizer": "master_adamw", "dtype": "bf16", "sharding": "fsdp"},
-])
-def test_optimizer_overlap_without_master_adamw_unsharded_is_refused_in_one_line(overrides):
-    with pytest.raises(UserError) as raised:
-        load_config(str(REPO / "configs" / "tiny.yaml"), overrides)
-    assert "train.optimizer_overlap" in str(raised.value) and "\n" not in str(raised.value)
-    load_config(str(REPO / "configs" / "tiny.yaml"), {**overrides, "optimizer": "master_adamw", "dtype": "bf16",
-                                                     "sharding": "none"})
-
-
 @pytest.mark.parametrize("tier", ["hf", "hf_eager"])
 def test_a_tier_without_adapters_refuses_lora_in_one_line(tier):
     tiny = str(REPO / "configs" / "tiny.yaml")

@@ -101,16 +101,6 @@ DEPTH_RUNS = {
     "te-8layer": [TE_8LAYER],
     # ours beside it: custom_grouped, 8 layers, one GPU
     "ours-8layer": depth_train("ours-8layer", 1, EIGHT, "--tier", "custom_grouped"),
-    # master_adamw's update beside the next forward (--optimizer_overlap) at 8 layers on one GPU:
-    # ours without, with, TE's example, then ours without and with again; first the GPU tests
-    "overlap-8layer": [*pytest_gpu("overlap-tests", "tests/gpu/test_overlapped_step_gpu.py"),
-                       *depth_train("ours-8layer", 1, EIGHT, "--tier", "custom_grouped"),
-                       *depth_train("ours-8layer-overlap", 1, EIGHT, "--tier", "custom_grouped",
-                                    "--optimizer_overlap", "true"),
-                       TE_8LAYER,
-                       *depth_train("ours-8layer-2", 1, EIGHT, "--tier", "custom_grouped"),
-                       *depth_train("ours-8layer-overlap-2", 1, EIGHT, "--tier", "custom_grouped",
-                                    "--optimizer_overlap", "true")],
     # the kernel profiles of both at 8 layers on one GPU (benchmarks/kernel_profile.py) and their
     # table side by side (benchmarks/kernel_compare.py)
     "kernels-vs-te": [kernel_profile("kernels-ours", "ours"), kernel_profile("kernels-te", "te"),
@@ -208,19 +198,6 @@ DEPTH_RUNS = {
     "full-ep4-8bit-none": depth_train("full-ep4-8bit-none", 4, *FULL, "--tier", "custom_grouped", "--expert_moments",
                                       "8bit", "--recompute", "none"),
     "full-ep4-20": depth_train("full-ep4-20", 4, *FULL, "--tier", "custom_grouped", "--recompute_layers", "20"),
-    # full-ep4-8bit-none with the dense weights and their state sharded over the four ranks by
-    # FSDP2: 9 GiB a rank fewer by the estimate (130 of 140), for the busiest rank's rows
-    "full-ep4-8bit-none-fsdp": depth_train("full-ep4-8bit-none-fsdp", 4, *FULL, "--tier", "custom_grouped",
-                                           "--expert_moments", "8bit", "--recompute", "none", "--sharding", "fsdp"),
-    # one rank's share of full-ep4-8bit (recomputing 11 layers) and of full-ep4-8bit-none on one
-    # GPU: all 32 layers with 2 experts each (the 2 of 8 a rank holds at EP=4), one 8192-token
-    # sequence, so 8192 rows an expert, the mean a rank gets at EP=4; no exchange and no busiest
-    # rank. What a GPU at EP=4 would do with its work alone, and its memory without EP's buffers.
-    **{f"rank-share-8bit-{recompute}": depth_train(
-        f"rank-share-8bit-{recompute}", 1, *FULL[:1], "--model.num_experts", "2", "--batch_size", "1",
-        *FULL[5:], "--tier", "custom_grouped", "--expert_moments", "8bit",
-        *(("--recompute", "none") if recompute == "none" else ("--recompute_layers", recompute)))
-       for recompute in ("11", "none")},
     # Megatron-Core beside ours (benchmarks/megatron_peer.py, then our run at the same layers, EP,
     # GPUs and rows, both with Mixtral's load-balancing loss at 0.02):
     # 4 layers on one GPU; ours: custom_grouped, no recompute

@@ -135,12 +135,8 @@ class StepTimer:
     warm-up out is `summarize`'s job, so warm-up and timed steps share one code path.
     """
 
-    def __init__(self, device: torch.device | str, whole_device: bool = True):
-        """`whole_device`: drain every stream at both ends; else the current stream only, for
-        steps that leave work on another stream to run beside the next one (it is timed
-        there, where it delays the next step)."""
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.whole_device = whole_device
         self.times: list[float] = []
         self._started: float | None = None
 
@@ -150,10 +146,7 @@ class StepTimer:
         # the optimizer), and the user pays for all of it. The sync costs microseconds
         # against a step of many milliseconds.
         if self.device.type == "cuda":
-            if self.whole_device:
-                torch.cuda.synchronize(self.device)
-            else:
-                torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     def start(self) -> None:

@@ -54,7 +54,7 @@ Typical use, from a model built in fp32:
 """
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from itertools import chain
 
 import torch
@@ -198,40 +198,31 @@ class MasterAdamW(torch.optim.Optimizer):
         return adamw_update_8bit_torch if moments_8bit else adamw_update_torch
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None,
-             params: Iterable[torch.nn.Parameter] | None = None,
-             launched: Callable[[torch.nn.Parameter], None] | None = None):
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
         """One AdamW update of every parameter with a gradient; each gradient is multiplied by
         `grad_scale` (a scalar tensor, e.g. the gradient-clipping factor) as it is read, so a
-        clip costs no pass of its own over the gradients and the factor never visits the host.
-        `params`: the parameters in the order to update them, each with its group's settings
-        (by default all, group by group); `launched(p)` is called once p's update is launched,
-        or skipped for want of a gradient (training/overlapped_step.py marks its units so)."""
+        clip costs no pass of its own over the gradients and the factor never visits the host."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        group_of = {p: group for group in self.param_groups for p in group["params"]}
-        for p in self._params() if params is None else params:
-            if p.grad is not None:
-                self._update(p, group_of[p], grad_scale)
-            if launched is not None:
-                launched(p)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("MasterAdamW does not support sparse gradients")
+                moments_8bit = group["moments_8bit"]
+                state = self._state(p, moments_8bit)
+                state["step"] += 1
+                scalars = StepScalars.for_step(float(group["lr"]), group["weight_decay"], beta1, beta2,
+                                               group["eps"], int(state["step"].item()))
+                moments = MOMENTS_8BIT if moments_8bit else ("exp_avg", "exp_avg_sq")
+                tensors = (p, state["remainder"], p.grad, *(state[key] for key in moments))
+                self._update_fn(p, moments_8bit)(*(_local(t) for t in tensors), scalars,
+                                                 self._grad_scale(grad_scale, p.device))
         return loss
-
-    def _update(self, p: torch.nn.Parameter, group: dict, grad_scale: torch.Tensor | None) -> None:
-        if p.grad.is_sparse:
-            raise RuntimeError("MasterAdamW does not support sparse gradients")
-        beta1, beta2 = group["betas"]
-        moments_8bit = group["moments_8bit"]
-        state = self._state(p, moments_8bit)
-        state["step"] += 1
-        scalars = StepScalars.for_step(float(group["lr"]), group["weight_decay"], beta1, beta2,
-                                       group["eps"], int(state["step"].item()))
-        moments = MOMENTS_8BIT if moments_8bit else ("exp_avg", "exp_avg_sq")
-        tensors = (p, state["remainder"], p.grad, *(state[key] for key in moments))
-        self._update_fn(p, moments_8bit)(*(_local(t) for t in tensors), scalars,
-                                         self._grad_scale(grad_scale, p.device))
 
     @staticmethod
     def _grad_scale(grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -78,7 +78,6 @@ from te_mixtral.training.optimizer import (
     split_masters,
 )
 from te_mixtral.training.outputs import check_outputs
-from te_mixtral.training.overlapped_step import OverlappedStep
 from te_mixtral.training.peft_adapters import save_adapter
 from te_mixtral.training.run_report import Measured, report_run
 
@@ -235,10 +234,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     # --- steps -------------------------------------------------------------------------
     exchange = ExchangeCapacity(cfg.ep_capacity)
     exchange.start(model)
-    overlap = OverlappedStep(model, optimizer) if cfg.train.optimizer_overlap else None
-    # With the update overlapped, a step ends when its compute stream does: the update then
-    # runs beside the next step's forward and is timed there.
-    timer = metrics.StepTimer(device, whole_device=overlap is None)
+    timer = metrics.StepTimer(device)
     flops_per_step = []
     first_step = state.step + 1  # counted from 1; a resumed run starts later
     run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps, state.run_id)  # rank 0's; inert elsewhere
@@ -297,10 +293,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             stopped = Diverged(f"the loss became {global_loss} and the gradient norm {norm} at step {step + 1}; "
                                f"stopped without applying that step")
             break
-        if overlap:
-            overlap.step(grad_scale)
-        else:
-            optimizer_step(optimizer, grad_scale)
+        optimizer_step(optimizer, grad_scale)
         optimizer.zero_grad(set_to_none=True)
         step_s = timer.stop()
 
@@ -311,9 +304,6 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
                      print_line=due(state.step, cfg.train.log_every, cfg.train.steps))
 
         # --- between steps: evaluate, checkpoint, export (not timed) ---------------------
-        if overlap and any(due(state.step, every, cfg.train.steps) for every in
-                           (cfg.train.eval_every, cfg.train.checkpoint_every, cfg.train.save_every)):
-            overlap.wait()  # each reads the weights or the optimizer state
         if eval_batches and due(state.step, cfg.train.eval_every, cfg.train.steps):
             with exchange.exact(model):
                 evaluation = evaluate(model, eval_batches, state.step, layout, device, autocast)
@@ -336,8 +326,6 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             break
 
     # --- report ------------------------------------------------------------------------
-    if overlap:
-        overlap.remove()
     # In this order: generating adds to the peak memory, and profiling (last: it steps the
     # optimizer while timing it) adds to the tier's calls after they are counted.
     measured = Measured(state, first_step, timer.times, flops_per_step, run_load_YE, stopped,
