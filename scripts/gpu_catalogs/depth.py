@@ -198,6 +198,19 @@ DEPTH_RUNS = {
     "full-ep4-8bit-none": depth_train("full-ep4-8bit-none", 4, *FULL, "--tier", "custom_grouped", "--expert_moments",
                                       "8bit", "--recompute", "none"),
     "full-ep4-20": depth_train("full-ep4-20", 4, *FULL, "--tier", "custom_grouped", "--recompute_layers", "20"),
+    # full-ep4-8bit-none with the dense weights and their state sharded over the four ranks by
+    # FSDP2: 9 GiB a rank fewer by the estimate (130 of 140), for the busiest rank's rows
+    "full-ep4-8bit-none-fsdp": depth_train("full-ep4-8bit-none-fsdp", 4, *FULL, "--tier", "custom_grouped",
+                                           "--expert_moments", "8bit", "--recompute", "none", "--sharding", "fsdp"),
+    # one rank's share of full-ep4-8bit (recomputing 11 layers) and of full-ep4-8bit-none on one
+    # GPU: all 32 layers with 2 experts each (the 2 of 8 a rank holds at EP=4), one 8192-token
+    # sequence, so 8192 rows an expert, the mean a rank gets at EP=4; no exchange and no busiest
+    # rank. What a GPU at EP=4 would do with its work alone, and its memory without EP's buffers.
+    **{f"rank-share-8bit-{recompute}": depth_train(
+        f"rank-share-8bit-{recompute}", 1, *FULL[:1], "--model.num_experts", "2", "--batch_size", "1",
+        *FULL[5:], "--tier", "custom_grouped", "--expert_moments", "8bit",
+        *(("--recompute", "none") if recompute == "none" else ("--recompute_layers", recompute)))
+       for recompute in ("11", "none")},
     # Megatron-Core beside ours (benchmarks/megatron_peer.py, then our run at the same layers, EP,
     # GPUs and rows, both with Mixtral's load-balancing loss at 0.02):
     # 4 layers on one GPU; ours: custom_grouped, no recompute
