@@ -63,6 +63,14 @@ RETYPED_KEYS = {
 }
 
 
+# Keys that were taken out, full key -> the value they had in every run before they existed.
+# A saved config holding one at that value is today's config (the key changed nothing there);
+# at any other value it describes a run this version cannot repeat.
+REMOVED_KEYS = {
+    "train.optimizer_overlap": False,  # the update on its own stream beside the next forward: did not pay
+}
+
+
 def upgrade_key(key: str, value) -> tuple[str, object]:
     """An old key and its value as today's key and value (others unchanged)."""
     if key in RETYPED_KEYS:
@@ -79,6 +87,10 @@ def upgrade_saved(raw: dict, where: str = "a saved config") -> dict:
     keys in today's order: reproduce commands and page warnings list keys in that order.
     """
     flat = flatten(raw, where)
+    for key, before in REMOVED_KEYS.items():
+        if key in flat and flat.pop(key) != before:
+            raise UserError(f"{where} sets {key}, which this version no longer has; only a run without it "
+                            f"({key} {before}) can be repeated or resumed here")
     for old, new in [*MOVED_KEYS.items(), *((old, new) for old, (new, _) in RETYPED_KEYS.items())]:
         if old in flat and new in flat:
             raise UserError(f"{where} sets both '{old}' and '{new}', its new name: keep '{new}'")

@@ -20,7 +20,7 @@ from te_mixtral.config import (
 )
 from te_mixtral.errors import UserError
 from te_mixtral.experts.options import FP8Options
-from te_mixtral.saved_config import MOVED_KEYS, flatten, upgrade_saved
+from te_mixtral.saved_config import MOVED_KEYS, REMOVED_KEYS, flatten, upgrade_saved
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 SAVED_RUN = REPO / "docs" / "results" / "2026-11-21-kernel-notes" / "runs" / "2026-11-21-h200-x2-ep2" / "custom_grouped"
@@ -92,6 +92,19 @@ def test_a_key_in_both_places_is_refused():
 def test_moved_keys_name_keys_that_exist_today():
     assert set(MOVED_KEYS.values()) <= set(settings())
     assert not set(MOVED_KEYS) & set(settings())
+
+
+def test_a_removed_key_reads_as_absent_at_its_old_value_and_is_refused_at_another():
+    assert not set(REMOVED_KEYS) & set(settings())
+    key, before = next(iter(REMOVED_KEYS.items()))
+    section, name = key.split(".")
+    today = to_dict(load_config(None, {}))
+    saved = {**today, section: {**today[section], name: before}}
+    assert upgrade_saved(saved) == today
+    with pytest.raises(UserError) as refused:
+        upgrade_saved({**today, section: {**today[section], name: not before}}, "a checkpoint")
+    assert f"a checkpoint sets {key}, which this version no longer has" in str(refused.value)
+    assert "\n" not in str(refused.value)
 
 
 def test_the_fp8_tiers_old_top_level_keys_read_as_its_section():

@@ -258,7 +258,11 @@ def recorded_runs():
 
 @pytest.mark.parametrize("result", list(recorded_runs()))
 def test_estimate_is_within_15_percent_of_recorded_gpu_peaks(result):
-    header, raw = result["header"], upgrade_saved(result["header"]["config"])
+    header = result["header"]
+    try:
+        raw = upgrade_saved(header["config"])
+    except UserError as e:  # a setting since taken out, at a value that changed the run
+        pytest.skip(str(e))
     kernel = header["ran"].get("kernel", "")
     if raw.get("ep_capacity", 0) > 0:
         pytest.skip("the estimate does not model the padded exchange's buffers (docs/parallelism.md)")
