@@ -120,6 +120,10 @@ DEPTH_RUNS = {
     # its uneven split): every candidate tile of the table checked against torch, then timed in
     # turn beside cuBLAS per expert and grouped_mm; last the tile-table entries it would pick
     "gemm-tiles": [gemm_tiles("gemm-tiles", f"8x2048,{SKEWED_8X2048}")],
+    # the same at the rows TE's example's router gave three of its layers in its last step (busiest
+    # expert 3.55x, 3.77x and 2.84x the mean: te-gemms-by-shape's te-splits.json, layers 2, 4, 7)
+    "gemm-tiles-te-rows": [gemm_tiles("gemm-tiles-te-rows", "3564+7277+67+1889+245+755+609+1978,"
+                                      "175+474+2299+1069+988+22+7713+3644,429+5823+2663+5275+372+323+1491+8")],
     # the same at EP=2's rows (4 experts x 4096) and at 16 experts x 1024
     "gemm-tiles-ep": [gemm_tiles("gemm-tiles-ep", "4x4096,16x1024")],
     # TE's example's expert GEMMs by shape: 8 steps of it at 8 layers recording each layer's rows
