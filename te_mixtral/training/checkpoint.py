@@ -147,10 +147,15 @@ def require_finite_weights(model: torch.nn.Module, layout: Layout, what: str) ->
     local = [_local(p.detach()) for p in model.parameters()]
     # A quantised frozen base is finite where its scales are: an amax makes each scale.
     local += [w.scale for w in base_weights(model).values() if isinstance(w, FrozenWeight)]
-    device = local[0].device
     bad = not math.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf).item())
+    require_finite(bad, layout, local[0].device, what)
+
+
+def require_finite(bad: bool, layout: Layout, device: torch.device, what: str, whose: str = "the weights") -> None:
+    """Raise `Diverged` on every rank when `bad` holds on any rank (`whose` values are not
+    finite, so `what` is not saved); every rank must call it."""
     if _any_rank(bad, layout, device):
-        raise Diverged(f"the weights are not finite (NaN or infinity); refusing to save {what}")
+        raise Diverged(f"{whose} are not finite (NaN or infinity); refusing to save {what}")
 
 
 def tokenizer_sha256(tokenizer) -> str:
