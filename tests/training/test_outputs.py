@@ -3,6 +3,7 @@ to replace or the user passes --overwrite; refusals come before any training."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -114,15 +115,22 @@ def test_a_folder_named_like_an_exports_scratch_folder_is_refused_not_deleted(tm
     check_outputs(cfg, None)
 
 
-def test_an_output_folder_inside_a_checkpoint_is_refused(tmp_path):
+@pytest.mark.parametrize("key", ["output_dir", "save_hf", "save_adapter"])
+def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key):
+    # A save replaces step-N and `latest`, and pruning deletes step-N: a folder written there
+    # would fail the save after training, or be deleted with the checkpoint.
     ckpt = tmp_path / "ckpt"
     (ckpt / "step-000002").mkdir(parents=True)
     link = tmp_path / "out"
     link.symlink_to(ckpt / "step-000002")
-    for out in (ckpt / "step-000004" / "run", link / "run"):
-        cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true"})
-        with pytest.raises(UserError, match=f"output_dir {out} is inside checkpoint .*step-00000[24], which"):
+    for folder in (ckpt / "step-000004" / "run", link / "run", ckpt / "step-000003", ckpt / "latest"):
+        cfg = load_config(None, {key: str(folder), "checkpoint_dir": str(ckpt), "resume": "true", "lora.rank": "4"})
+        inside = ckpt / folder.resolve().relative_to(ckpt.resolve()).parts[0]
+        with pytest.raises(UserError, match=re.escape(f"{key} {folder} is inside {inside}, which")):
             check_outputs(cfg, None)
+    refused(run_cli([*SHORT, f"--{key}", str(ckpt / "step-000002"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--lora.rank", "4", *(["--output-dir", str(tmp_path / "o")] if key != "output_dir" else [])]),
+            f"{key} {ckpt / 'step-000002'} is inside")
 
 
 def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monkeypatch):
