@@ -263,6 +263,15 @@ def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies
         locks.claim(ckpt, "checkpoint_dir")
 
 
+def test_one_folder_for_the_output_and_the_checkpoints_is_the_runs_own(tmp_path):
+    # As HF Trainer keeps its checkpoints in its output folder. The run holds the folder's
+    # lock once: a second claim of its own is no "other run" (one named by this run's pid).
+    run = tmp_path / "run"
+    proc = run_cli([*SHORT, "--output-dir", str(run), "--checkpoint-dir", str(run)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "results.json").is_file() and (run / "latest").read_text().strip() == "step-000002"
+
+
 def test_resuming_into_another_runs_log_is_refused(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     (ckpt / "step-000002").mkdir(parents=True)
