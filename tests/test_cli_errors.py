@@ -178,6 +178,16 @@ def test_resuming_with_data_that_trains_another_tokenizer_is_refused(tmp_path):
     assert_one_line_error(proc, "was trained with a different tokenizer")
 
 
+def test_resuming_8bit_expert_moments_as_others_is_refused_naming_the_setting(tmp_path):
+    args = ["--seq_len", "32", "--timing_warmup_steps", "0", "--dtype", "bf16", "--optimizer", "master_adamw",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = run_cli([*args, "--steps", "1", "--expert_moments", "8bit", "--output-dir", str(tmp_path / "a")])
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = run_cli([*args, "--steps", "2", "--resume", "--output-dir", str(tmp_path / "b")])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, "was written with train.expert_moments 8bit", "resume it with --expert_moments 8bit")
+
+
 def test_ctrl_c_stops_every_rank_with_one_line_naming_the_last_checkpoint(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(REPO / "run_finetune_ep.py"), "--steps", "500", "--log_every", "1",

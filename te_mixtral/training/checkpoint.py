@@ -447,10 +447,12 @@ class Checkpointer:
         if (saved_tier in BASELINES) != (cfg.tier in BASELINES):  # transformers' model or ours: other names
             raise UserError(f"checkpoint {folder} was written by tier {saved_tier}, whose model names and lays out its "
                             f"weights unlike tier {cfg.tier}'s; resume it with --tier {saved_tier}")
-        saved_optimizer = meta["config"].get("train", {}).get("optimizer", "adamw")
-        if saved_optimizer != cfg.train.optimizer:
-            raise UserError(f"checkpoint {folder} was written with train.optimizer {saved_optimizer}, which keeps "
-                            f"other state than {cfg.train.optimizer}; resume it with --optimizer {saved_optimizer}")
+        # The settings that decide what state the optimizer keeps (older checkpoints: the defaults).
+        for key, default in (("optimizer", "adamw"), ("expert_moments", "same")):
+            saved, now = meta["config"].get("train", {}).get(key, default), getattr(cfg.train, key)
+            if saved != now:
+                raise UserError(f"checkpoint {folder} was written with train.{key} {saved}, which keeps other "
+                                f"optimizer state than {now}; resume it with --{key} {saved}")
         _check_lora_adapters(meta["config"].get("lora", {}), cfg, folder)
         if cfg.lora.enabled:  # the checkpoint holds the adapters; the base is read or made again
             saved_path = meta["config"].get("model_path")
