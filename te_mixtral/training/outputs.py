@@ -9,7 +9,7 @@ what is already there unless that is plainly its own to replace, or the user sai
   `overwrite` lets the run replace them, except an input of the run itself (the `--config`
   file, the loss-check reference): it would be lost while the run still means to read it,
   or to be read again. A folder in use by a running run is refused in any case
-  (te_mixtral/folder_lock.py).
+  (te_mixtral/folder_lock.py), and so is the data set's folder, whose files are all data.
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save. A save deletes leftovers of an
   interrupted one (`step-N.tmp`, `step-N.old`) and pruning deletes old checkpoints, but only
@@ -83,6 +83,9 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
     # Local inputs only: a hub name is no folder here.
     data, tokenizer = (Path(p).expanduser() if p and Path(p).expanduser().exists() else None
                        for p in (cfg.data.dataset, cfg.data.tokenizer))
+    if out is not None and data is not None and data.is_dir() and out.resolve() == data.resolve():
+        raise UserError(f"output_dir {out} is the data set folder, whose files are all read as data: the run's "
+                        f"{RESULTS_FILE} and {STEPS_FILE} would be the next run's; choose another folder")
     protected = {"the current folder": Path.cwd(), "the output folder": out, "the checkpoint folder": ckpt,
                  "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer}
     exports = {key: Path(getattr(cfg, key)).expanduser() for key in ("save_hf", "save_adapter")

@@ -133,6 +133,19 @@ def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key):
             f"{key} {ckpt / 'step-000002'} is inside")
 
 
+def test_an_output_folder_that_is_the_data_set_folder_is_refused(tmp_path):
+    # A data folder's files are all read: the run's results.json and steps.jsonl would be the
+    # next run's data (which then fails to load them, or trains on them).
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "a document"}\n')
+    for out in (data, tmp_path / "." / "data"):
+        cfg = load_config(None, {"output_dir": str(out), "dataset": str(data)})
+        with pytest.raises(UserError, match=re.escape(f"output_dir {out} is the data set folder")):
+            check_outputs(cfg, None)
+    check_outputs(load_config(None, {"output_dir": str(data / "run"), "dataset": str(data)}), None)  # not read
+
+
 def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monkeypatch):
     ckpt, model, out = tmp_path / "ckpt", tmp_path / "models" / "mixtral", tmp_path / "runs" / "a"
     model.mkdir(parents=True)
