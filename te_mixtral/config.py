@@ -482,6 +482,11 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         raw = load_yaml(text, f"config {path}") or {}
         if not isinstance(raw, dict):
             raise UserError(f"config {path} must be a mapping of keys")
+        for key, value in raw.items():  # no key but a section's holds a mapping: a section's name mistyped
+            if isinstance(value, dict) and key not in SECTION_NAMES:
+                close = difflib.get_close_matches(str(key), SECTION_NAMES, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise UserError(f"unknown config section '{key}' in {path} ({hint}sections: {', '.join(SECTION_NAMES)})")
         for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)
             given.add(key)

@@ -85,6 +85,13 @@ def test_a_key_given_twice_in_a_config_is_refused_not_dropped(tmp_path):
         assert "\n" not in str(raised.value)
 
 
+def test_a_misspelled_section_is_named_as_a_section(tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text((REPO / "configs" / "tiny.yaml").read_text().replace("model:", "modle:"))
+    with pytest.raises(UserError, match=f"unknown config section 'modle' in {config} \\(did you mean model\\? "):
+        load_config(str(config))
+
+
 def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     # An empty file means every default: the full Mixtral-8x7B, far beyond this machine's
     # memory. The estimate refuses it before building anything (before: killed, no message).
