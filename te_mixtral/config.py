@@ -346,13 +346,34 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_VALUES = 10_000
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`'s loader, refusing a mapping that gives one key twice. The YAML spec
+    forbids it, but PyYAML keeps the last: a second `train:` section appended to a config
+    would silently drop every key of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: the keys after it override its keys
+                continue
+            key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice (lines {seen[key]} and {line})", key_node.start_mark)
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(text: str, where: str):
     """Parse YAML text, refusing a document whose aliases expand to more than
     MAX_CONFIG_VALUES values: an alias stands for its anchor's whole value, so a few lines of
     nested aliases (a "billion laughs") stand for billions of values, which a later walk of
     the config (or an error message that prints it) would expand. `where` names the text."""
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, _UniqueKeyLoader)  # safe_load, refusing a key given twice
     except yaml.YAMLError as e:
         raise UserError(f"{where} is not valid YAML: {str(e).splitlines()[0]}") from None
     stack, count = [document], 0
@@ -461,6 +482,11 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         raw = load_yaml(text, f"config {path}") or {}
         if not isinstance(raw, dict):
             raise UserError(f"config {path} must be a mapping of keys")
+        for key, value in raw.items():  # no key but a section's holds a mapping: a section's name mistyped
+            if isinstance(value, dict) and key not in SECTION_NAMES:
+                close = difflib.get_close_matches(str(key), SECTION_NAMES, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise UserError(f"unknown config section '{key}' in {path} ({hint}sections: {', '.join(SECTION_NAMES)})")
         for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)
             given.add(key)

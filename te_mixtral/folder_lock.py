@@ -38,10 +38,18 @@ class FolderLocks(contextlib.ExitStack):
     """The folders this process holds; all released when the `with` block ends (and by the
     operating system if the process dies first)."""
 
+    def __init__(self):
+        super().__init__()
+        # Resolved. One folder in two roles (output and checkpoints) is locked once: a second
+        # flock of it, on a file opened again, would find this run in the way of itself.
+        self.held: set[Path] = set()
+
     def claim(self, folder: Path, what: str) -> None:
         """Lock `folder` (created if missing) for this run, or raise a one-line `UserError`
         naming the run that holds it; `what` names the folder's role ("output_dir")."""
         require_writable(folder, what)
+        if folder.resolve() in self.held:
+            return
         path = folder / LOCK_FILE
         lock = path.open("a+")  # not "w": truncating would erase the holder's note before we know we hold it
         try:
@@ -56,6 +64,7 @@ class FolderLocks(contextlib.ExitStack):
             lock.close()
             raise UserError(f"cannot lock {what} {folder} against a second run: {e.strerror}") from None
         self.callback(lock.close)  # closing the file releases the lock
+        self.held.add(folder.resolve())
         lock.truncate(0)
         started = datetime.now().isoformat(timespec="seconds")
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")

@@ -138,6 +138,17 @@ def test_diverging_loss_stops_with_the_step(tmp_path):
     assert all(torch.isfinite(w).all() for f in export.glob("*.safetensors") for w in load_file(f).values())
 
 
+def test_an_export_whose_merged_weights_overflow_is_refused(tmp_path):
+    # At lr 1e30 one step makes the adapters about 1e30: finite, but B @ A overflows, so the
+    # weights the export would write (base + B @ A) are infinite though no parameter is.
+    export = tmp_path / "export"
+    proc = run_cli(["--steps", "3", "--lr", "1e30", "--lora.rank", "2", "--seq_len", "32", "--timing_warmup_steps",
+                    "0", "--output-dir", str(tmp_path / "out"), "--save-hf", str(export), "--save-every", "1"])
+    assert proc.returncode == ExitCode.DIVERGED
+    assert_one_line_error(proc, "after step 1", f"the Hugging Face export {export}", "not finite")
+    assert not list(export.glob("*.safetensors")) and not export.with_name("export.tmp").exists()
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--generate", ""], "encodes to no tokens"),
     (["--tier", "device_mxfp8", "--fp8.mode", "mxfp8-emulated", "--hidden_size", "48", "--head_dim", "24"],
@@ -165,6 +176,16 @@ def test_resuming_with_data_that_trains_another_tokenizer_is_refused(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     proc = run_cli([*args, "--steps", "2", "--max_documents", "30", "--resume", "--output-dir", str(tmp_path / "b")])
     assert_one_line_error(proc, "was trained with a different tokenizer")
+
+
+def test_resuming_8bit_expert_moments_as_others_is_refused_naming_the_setting(tmp_path):
+    args = ["--seq_len", "32", "--timing_warmup_steps", "0", "--dtype", "bf16", "--optimizer", "master_adamw",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = run_cli([*args, "--steps", "1", "--expert_moments", "8bit", "--output-dir", str(tmp_path / "a")])
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = run_cli([*args, "--steps", "2", "--resume", "--output-dir", str(tmp_path / "b")])
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert_one_line_error(proc, "was written with train.expert_moments 8bit", "resume it with --expert_moments 8bit")
 
 
 def test_ctrl_c_stops_every_rank_with_one_line_naming_the_last_checkpoint(tmp_path):

@@ -72,6 +72,26 @@ def test_a_config_that_is_not_yaml_text_or_expands_without_bound_is_one_line(tmp
             load_config(path and str(path), overrides)
 
 
+def test_a_key_given_twice_in_a_config_is_refused_not_dropped(tmp_path):
+    # YAML itself forbids it, but PyYAML keeps the last: a second `train:` section appended to
+    # override the learning rate silently dropped every key of the first (steps, batch size).
+    config = tmp_path / "twice.yaml"
+    tiny = (REPO / "configs" / "tiny.yaml").read_text()
+    for text, key in ((tiny + "train:\n  lr: 1.0e-3\n", "'train'"), (tiny.replace("  lr:", "  steps: 2\n  lr:"), "'steps'")):
+        config.write_text(text)
+        with pytest.raises(UserError, match=f"config {config} is not valid YAML: the key {key} is given twice "
+                                            f"\\(lines \\d+ and \\d+\\)") as raised:
+            load_config(str(config))
+        assert "\n" not in str(raised.value)
+
+
+def test_a_misspelled_section_is_named_as_a_section(tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text((REPO / "configs" / "tiny.yaml").read_text().replace("model:", "modle:"))
+    with pytest.raises(UserError, match=f"unknown config section 'modle' in {config} \\(did you mean model\\? "):
+        load_config(str(config))
+
+
 def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     # An empty file means every default: the full Mixtral-8x7B, far beyond this machine's
     # memory. The estimate refuses it before building anything (before: killed, no message).

@@ -147,10 +147,15 @@ def require_finite_weights(model: torch.nn.Module, layout: Layout, what: str) ->
     local = [_local(p.detach()) for p in model.parameters()]
     # A quantised frozen base is finite where its scales are: an amax makes each scale.
     local += [w.scale for w in base_weights(model).values() if isinstance(w, FrozenWeight)]
-    device = local[0].device
     bad = not math.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf).item())
+    require_finite(bad, layout, local[0].device, what)
+
+
+def require_finite(bad: bool, layout: Layout, device: torch.device, what: str, whose: str = "the weights") -> None:
+    """Raise `Diverged` on every rank when `bad` holds on any rank (`whose` values are not
+    finite, so `what` is not saved); every rank must call it."""
     if _any_rank(bad, layout, device):
-        raise Diverged(f"the weights are not finite (NaN or infinity); refusing to save {what}")
+        raise Diverged(f"{whose} are not finite (NaN or infinity); refusing to save {what}")
 
 
 def tokenizer_sha256(tokenizer) -> str:
@@ -442,10 +447,12 @@ class Checkpointer:
         if (saved_tier in BASELINES) != (cfg.tier in BASELINES):  # transformers' model or ours: other names
             raise UserError(f"checkpoint {folder} was written by tier {saved_tier}, whose model names and lays out its "
                             f"weights unlike tier {cfg.tier}'s; resume it with --tier {saved_tier}")
-        saved_optimizer = meta["config"].get("train", {}).get("optimizer", "adamw")
-        if saved_optimizer != cfg.train.optimizer:
-            raise UserError(f"checkpoint {folder} was written with train.optimizer {saved_optimizer}, which keeps "
-                            f"other state than {cfg.train.optimizer}; resume it with --optimizer {saved_optimizer}")
+        # The settings that decide what state the optimizer keeps (older checkpoints: the defaults).
+        for key, default in (("optimizer", "adamw"), ("expert_moments", "same")):
+            saved, now = meta["config"].get("train", {}).get(key, default), getattr(cfg.train, key)
+            if saved != now:
+                raise UserError(f"checkpoint {folder} was written with train.{key} {saved}, which keeps other "
+                                f"optimizer state than {now}; resume it with --{key} {saved}")
         _check_lora_adapters(meta["config"].get("lora", {}), cfg, folder)
         if cfg.lora.enabled:  # the checkpoint holds the adapters; the base is read or made again
             saved_path = meta["config"].get("model_path")

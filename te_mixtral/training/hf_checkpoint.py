@@ -24,7 +24,8 @@ so rank 0 holds at most its own shard plus one layer's experts, never the model 
 files are written into a temporary folder and moved into place when complete, replacing
 only the files of an earlier export (`files.replace_files`: a model card or evaluation
 results beside it stay); weights that are not finite are refused before anything is
-written. Sharded by FSDP (`train.sharding: fsdp`), every rank first gathers each tensor
+written, and so is an export whose written values are not (a LoRA merge or the cast to the
+export's dtype can overflow), before it replaces anything. Sharded by FSDP (`train.sharding: fsdp`), every rank first gathers each tensor
 whole (`DTensor.full_tensor`), one at a time, so the export holds the same bits as an
 unsharded run's.
 """
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import validate, validate_model
 from te_mixtral.distributed.layout import Layout, is_expert_param
-from te_mixtral.errors import UserError, first_line
+from te_mixtral.errors import Diverged, UserError, first_line
 from te_mixtral.files import (
     folder_bytes,
     fsync_path,
@@ -58,7 +59,7 @@ from te_mixtral.files import (
 )
 from te_mixtral.model.hf_config import hf_config, model_config_from_hf
 from te_mixtral.model.lora import base_weights, is_adapter_param, lora_adapters, merged, weight_tensor
-from te_mixtral.training.checkpoint import require_finite_weights
+from te_mixtral.training.checkpoint import require_finite, require_finite_weights
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
@@ -269,9 +270,11 @@ class _ShardWriter:
         self.weight_map: dict[str, str] = {}
         self.total_bytes = 0
         self.written = 0
+        self.finite = True  # every value written so far
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
         self.written += 1
+        self.finite = self.finite and all(bool(torch.isfinite(t).all()) for t in tensors.values())
         name = f"model-{self.written:05d}-of-{self.num_files:05d}.safetensors"
         save_file(tensors, self.folder / name, metadata={"format": "pt"})
         (self.folder / name).chmod(0o644)  # safetensors makes it owner-only; checkpoints are meant to be shared
@@ -339,7 +342,14 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     params = {name.removeprefix("hf."): p for name, p in base_weights(model).items()}
     sharded = any(isinstance(p, DTensor) for p in params.values())
     sends = layout.rank < layout.ep_size  # the first replica's EP group
+    device = next(model.parameters()).device
+    # Finite weights can still make an infinite export: a LoRA weight merged with its adapter
+    # (B @ A overflows), or an fp32 value past bf16's largest. So rank 0 checks what it
+    # writes, and every rank learns the verdict (`require_finite`) before the export is published.
+    what, whose = (f"the Hugging Face export {out_dir}",
+                   "the values it would hold (the weights merged with any LoRA adapters, in its dtype)")
     if not (sends or sharded):
+        require_finite(False, layout, device, what, whose)
         return None
     m = model.config
     tmp = sibling(out_dir, ".tmp")
@@ -390,6 +400,12 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
                 tensors[f"{stem}.w3.weight"] = gate_up_2FD[ffn:].clone()
                 tensors[f"{stem}.w2.weight"] = down[expert]
             writer.write(tensors)
+        try:
+            require_finite(writer is not None and not writer.finite, layout, device, what, whose)
+        except Diverged:
+            if writer:
+                remove_scratch(tmp, "the export")
+            raise
         if writer:
             writer.write_index()
             (tmp / "config.json").write_text(_hf_config_json(m, dtype, tokenizer, model_source))

@@ -9,12 +9,13 @@ what is already there unless that is plainly its own to replace, or the user sai
   `overwrite` lets the run replace them, except an input of the run itself (the `--config`
   file, the loss-check reference): it would be lost while the run still means to read it,
   or to be read again. A folder in use by a running run is refused in any case
-  (te_mixtral/folder_lock.py).
+  (te_mixtral/folder_lock.py), and so is the data set's folder, whose files are all data.
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save. A save deletes leftovers of an
   interrupted one (`step-N.tmp`, `step-N.old`) and pruning deletes old checkpoints, but only
   folders the checkpointer wrote (training/checkpoint.py `written_here`): anything else of
-  those names, and an output folder inside a checkpoint's folder, are refused here.
+  those names, and a folder the run writes (output, exports) inside a checkpoint's folder or
+  `latest`, are refused here.
 - `save_hf` and `save_adapter`: an export replaces only the files an export writes (`is_export_file`), and
   keeps whatever else the folder holds (a model card, evaluation results). It may replace
   an earlier te_mixtral export (marked by `EXPORT_MARKER`); export-named files of anyone
@@ -74,13 +75,17 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)
     if ckpt is not None:
-        _check_checkpoint_folder(ckpt, out)
+        written = {"output_dir": out, **{key: getattr(cfg, key) for key in ("save_hf", "save_adapter")}}
+        _check_checkpoint_folder(ckpt, {key: Path(p).expanduser() for key, p in written.items() if p is not None})
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
     # Local inputs only: a hub name is no folder here.
     data, tokenizer = (Path(p).expanduser() if p and Path(p).expanduser().exists() else None
                        for p in (cfg.data.dataset, cfg.data.tokenizer))
+    if out is not None and data is not None and data.is_dir() and out.resolve() == data.resolve():
+        raise UserError(f"output_dir {out} is the data set folder, whose files are all read as data: the run's "
+                        f"{RESULTS_FILE} and {STEPS_FILE} would be the next run's; choose another folder")
     protected = {"the current folder": Path.cwd(), "the output folder": out, "the checkpoint folder": ckpt,
                  "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer}
     exports = {key: Path(getattr(cfg, key)).expanduser() for key in ("save_hf", "save_adapter")
@@ -154,13 +159,16 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
                             f"into the checkpoint's own output folder, or a new one")
 
 
-def _check_checkpoint_folder(ckpt: Path, out: Path | None) -> None:
-    """Refuse what a save or pruning would delete that the checkpointer did not write."""
-    if out is not None and ckpt.resolve() in out.resolve().parents:
-        inside = out.resolve().relative_to(ckpt.resolve()).parts[0]
-        if inside.startswith("step-"):
-            raise UserError(f"output_dir {out} is inside checkpoint {ckpt / inside}, which a later save may replace "
-                            f"and pruning deletes: choose an output folder outside it")
+def _check_checkpoint_folder(ckpt: Path, written: dict[str, Path]) -> None:
+    """Refuse what a save or pruning would delete that the checkpointer did not write, and a
+    folder the run writes (`written`: key -> folder) where a save or pruning would."""
+    for key, folder in written.items():
+        if folder == ckpt or ckpt.resolve() not in folder.resolve().parents:
+            continue
+        inside = folder.resolve().relative_to(ckpt.resolve()).parts[0]
+        if inside.startswith("step-") or inside == LATEST:
+            raise UserError(f"{key} {folder} is inside {ckpt / inside}, which a checkpoint save replaces (and pruning "
+                            f"deletes a step folder): choose a folder outside it")
     for leftover in leftovers(ckpt) if ckpt.is_dir() else []:
         if not written_here(leftover):
             raise UserError(f"{leftover} is in the way: a checkpoint save deletes leftovers of that name, and nothing "

@@ -3,6 +3,7 @@ to replace or the user passes --overwrite; refusals come before any training."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -114,15 +115,35 @@ def test_a_folder_named_like_an_exports_scratch_folder_is_refused_not_deleted(tm
     check_outputs(cfg, None)
 
 
-def test_an_output_folder_inside_a_checkpoint_is_refused(tmp_path):
+@pytest.mark.parametrize("key", ["output_dir", "save_hf", "save_adapter"])
+def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key):
+    # A save replaces step-N and `latest`, and pruning deletes step-N: a folder written there
+    # would fail the save after training, or be deleted with the checkpoint.
     ckpt = tmp_path / "ckpt"
     (ckpt / "step-000002").mkdir(parents=True)
     link = tmp_path / "out"
     link.symlink_to(ckpt / "step-000002")
-    for out in (ckpt / "step-000004" / "run", link / "run"):
-        cfg = load_config(None, {"output_dir": str(out), "checkpoint_dir": str(ckpt), "resume": "true"})
-        with pytest.raises(UserError, match=f"output_dir {out} is inside checkpoint .*step-00000[24], which"):
+    for folder in (ckpt / "step-000004" / "run", link / "run", ckpt / "step-000003", ckpt / "latest"):
+        cfg = load_config(None, {key: str(folder), "checkpoint_dir": str(ckpt), "resume": "true", "lora.rank": "4"})
+        inside = ckpt / folder.resolve().relative_to(ckpt.resolve()).parts[0]
+        with pytest.raises(UserError, match=re.escape(f"{key} {folder} is inside {inside}, which")):
             check_outputs(cfg, None)
+    refused(run_cli([*SHORT, f"--{key}", str(ckpt / "step-000002"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--lora.rank", "4", *(["--output-dir", str(tmp_path / "o")] if key != "output_dir" else [])]),
+            f"{key} {ckpt / 'step-000002'} is inside")
+
+
+def test_an_output_folder_that_is_the_data_set_folder_is_refused(tmp_path):
+    # A data folder's files are all read: the run's results.json and steps.jsonl would be the
+    # next run's data (which then fails to load them, or trains on them).
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "a document"}\n')
+    for out in (data, tmp_path / "." / "data"):
+        cfg = load_config(None, {"output_dir": str(out), "dataset": str(data)})
+        with pytest.raises(UserError, match=re.escape(f"output_dir {out} is the data set folder")):
+            check_outputs(cfg, None)
+    check_outputs(load_config(None, {"output_dir": str(data / "run"), "dataset": str(data)}), None)  # not read
 
 
 def test_export_never_writes_into_the_runs_own_folders_or_inputs(tmp_path, monkeypatch):
@@ -253,6 +274,15 @@ def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies
     with FolderLocks() as locks:  # and a run releases its own when it ends
         locks.claim(out, "output_dir")
         locks.claim(ckpt, "checkpoint_dir")
+
+
+def test_one_folder_for_the_output_and_the_checkpoints_is_the_runs_own(tmp_path):
+    # As HF Trainer keeps its checkpoints in its output folder. The run holds the folder's
+    # lock once: a second claim of its own is no "other run" (one named by this run's pid).
+    run = tmp_path / "run"
+    proc = run_cli([*SHORT, "--output-dir", str(run), "--checkpoint-dir", str(run)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "results.json").is_file() and (run / "latest").read_text().strip() == "step-000002"
 
 
 def test_resuming_into_another_runs_log_is_refused(tmp_path):
