@@ -48,6 +48,9 @@ def validate(cfg, world_size: int = 1) -> None:
     _check_choices(cfg)
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
+    _check(t.moment_dtype == "bf16" or t.optimizer == "master_adamw",
+           "train.moment_dtype fp32 is master_adamw's choice: train.optimizer adamw keeps fp32 moments anyway; "
+           "drop it, or use train.optimizer master_adamw")
     _check(t.expert_moments == "same" or t.optimizer == "master_adamw",
            "train.expert_moments 8bit is master_adamw's: it needs train.optimizer master_adamw")
     _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",

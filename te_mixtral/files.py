@@ -171,6 +171,8 @@ def require_regular_file(path: Path, what: str) -> None:
 
 def require_writable(path: Path, what: str) -> None:
     """Create `path` and a file in it now, so that a bad path fails before training, not after."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is a file, not a folder: name a folder (it is created if missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()

@@ -39,6 +39,8 @@ from te_mixtral.errors import ExitCode
      "model.intermediate_size 98 not a multiple of 8 (2-byte parameters); use --tier hf_eager"),
     (["--config", "configs/missing.yaml"], "cannot read config"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
+    (["--moment_dtype", "fp32"], "train.moment_dtype fp32 is master_adamw's choice"),
+    (["--checkpoint-dir", "README.md"], "checkpoint directory README.md is a file, not a folder"),
 ])
 def test_bad_input_is_one_line(args, fragment, tmp_path):
     proc = run_cli([*args, "--output-dir", str(tmp_path)])
