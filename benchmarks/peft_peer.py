@@ -149,12 +149,11 @@ def workload_config(args, world: int = 1):
     given = {"num_hidden_layers": args.layers, "lora.rank": args.rank, "lora.alpha": args.alpha,
              "train.batch_size": world if world > 1 else None}
     overrides = {key: str(value) for key, value in given.items() if value is not None}
-    cfg = load_config(args.config, overrides)
-    if not cfg.lora.enabled:
+    if args.rank is None and not load_config(args.config).lora.enabled:
         # A config that trains every weight: the workload of our LoRA run of it, which trains
         # fp32 adapters with plain AdamW (LoRA refuses master_adamw's bf16 parameters).
-        cfg = load_config(args.config, {**overrides, "lora.rank": str(DEFAULT_RANK), "train.optimizer": "adamw"})
-    return cfg
+        overrides.update({"lora.rank": str(DEFAULT_RANK), "train.optimizer": "adamw"})
+    return load_config(args.config, overrides)
 
 
 def cuda_device(peer: str = "the transformers + PEFT peer"):

@@ -25,7 +25,7 @@ architecture and its import layers are drawn in docs/architecture.md):
     cli.py                the command line of run_finetune_ep.py
     config.py             the typed run configuration, loaded from YAML, validated once
     config_checks.py      its checks, each a message a user can act on
-    config_field.py       setting(): a config field with its help and role
+    config_field.py       setting(): a config field with its help, its role and what it needs
     lora_config.py        LoRA's settings, the projections it adapts and its checks
     saved_config.py       configs as files hold them, older layouts upgraded
     errors.py             errors a user can act on, and how they are reported

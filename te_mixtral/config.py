@@ -8,8 +8,9 @@ parsed as YAML scalars. Every problem is raised as a `UserError` whose message i
 a user can act on.
 
 Each field carries its own meaning and role (`setting`, config_field.py: help text, whether it is part of
-the timed workload, whether it may change on resume), so the results pages, the resume
-check and `--help` ask the fields (`workload_keys()`, ...) instead of keeping their own
+the timed workload, whether it may change on resume, what other keys it needs to change
+anything), so the results pages, the resume check, `--help` and the refusal of a key given
+where it changes nothing ask the fields (`workload_keys()`, ...) instead of keeping their own
 lists. A key that moves or is renamed gets one line in `saved_config.MOVED_KEYS`: configs
 saved by older runs are read through `upgrade_saved`.
 """
@@ -18,18 +19,18 @@ import dataclasses
 import difflib
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import yaml
 
-from te_mixtral.config_checks import validate
-from te_mixtral.config_field import setting
+from te_mixtral.config_checks import check_needs, validate, value_of
+from te_mixtral.config_field import Needs, setting
 from te_mixtral.errors import UserError
 from te_mixtral.experts.options import FP8Options
 from te_mixtral.files import require_regular_file, write_text_atomic
-from te_mixtral.lora_config import LoRAConfig
+from te_mixtral.lora_config import LORA_ON, LoRAConfig
 from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
 
@@ -66,6 +67,15 @@ class ModelConfig:
         return self.router_aux_loss_coef or 0.0
 
 
+# What the data keys that read one format's records need (config_field.Needs).
+TEXT_FORMAT = Needs(("data.format",), lambda fmt: fmt == "text",
+                    "names the field of data.format text; the other formats read conversations: drop it, or use "
+                    "data.format text")
+CHAT_LAYOUT = Needs(("data.format",), lambda fmt: fmt == "chat",
+                    "maps the messages of data.format chat; the other formats read their own layout: drop it, or use "
+                    "data.format chat")
+
+
 @dataclass
 class DataConfig:
     dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
@@ -79,13 +89,17 @@ class DataConfig:
                           "tokenizer's chat template and trained on the assistant's replies only; sharegpt "
                           "(conversations of {from: human|gpt|system, value}) and alpaca (instruction, input, output): "
                           "chat data in those layouts (docs/data.md)")
-    text_field: str = setting("text", help="the field of each record that holds the text (format text)")
-    messages_field: str = setting("messages", help="the field of each record that holds the conversation, a list "
-                                  "of {role: system|user|assistant, content} (format chat)")
-    role_key: str = setting("role", help="format chat: the key of a message that holds its role (e.g. from)")
-    content_key: str = setting("content", help="format chat: the key of a message that holds its text (e.g. value)")
-    roles: str | None = setting(None, help="format chat: the data's role names as system, user or assistant, "
-                                "e.g. human:user,gpt:assistant (null: the data uses those names)")
+    text_field: str = setting("text", needs=TEXT_FORMAT,
+                              help="the field of each record that holds the text (format text)")
+    messages_field: str = setting("messages", needs=CHAT_LAYOUT,
+                                  help="the field of each record that holds the conversation, a list of "
+                                  "{role: system|user|assistant, content} (format chat)")
+    role_key: str = setting("role", needs=CHAT_LAYOUT,
+                            help="format chat: the key of a message that holds its role (e.g. from)")
+    content_key: str = setting("content", needs=CHAT_LAYOUT,
+                               help="format chat: the key of a message that holds its text (e.g. value)")
+    roles: str | None = setting(None, needs=CHAT_LAYOUT, help="format chat: the data's role names as system, user or "
+                                "assistant, e.g. human:user,gpt:assistant (null: the data uses those names)")
     tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
                                     "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
                                     "null: model_path's, else a small BPE trained on the data and cached")
@@ -95,6 +109,13 @@ class DataConfig:
     eval_fraction: float = setting(0.0, help="share of the documents or conversations held out for evaluation "
                                    "(rounded, at least one): a fixed draw that depends on the data alone (not the "
                                    "seed), never trained on; 0: no evaluation")
+
+
+# What the keys of training checkpoints and of master_adamw need (config_field.Needs).
+CHECKPOINTS = Needs(("checkpoint_dir",), lambda folder: folder is not None,
+                    "needs checkpoint_dir (the folder of the training checkpoints)")
+MASTER_ADAMW = Needs(("train.optimizer",), lambda optimizer: optimizer == "master_adamw",
+                     "is master_adamw's: it needs train.optimizer master_adamw")
 
 
 @dataclass
@@ -120,31 +141,50 @@ class TrainConfig:
     dtype: Literal["auto", "fp32", "bf16"] = setting("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16")
     optimizer: Literal["adamw", "master_adamw"] = setting("adamw", help="adamw (fp32 parameters, torch's AdamW: the reference) or master_adamw "
                              "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
-    moment_dtype: Literal["bf16", "fp32"] = setting("bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)")
-    expert_moments: Literal["same", "8bit"] = setting("same", help="master_adamw's moments of the expert weights: same "
+    moment_dtype: Literal["bf16", "fp32"] = setting(
+        "bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)",
+        needs=replace(MASTER_ADAMW, text="fp32 is master_adamw's choice: train.optimizer adamw keeps fp32 moments "
+                      "anyway; drop it, or use train.optimizer master_adamw"))
+    expert_moments: Literal["same", "8bit"] = setting("same", needs=replace(MASTER_ADAMW, text="8bit is "
+                                                      "master_adamw's: it needs train.optimizer master_adamw"),
+                                                      help="master_adamw's moments of the expert weights: same "
                                                       "(moment_dtype, as the others') or 8bit (block-wise 8-bit, about 2 "
                                                       "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py)")
     recompute: Literal["none", "selective", "full"] = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
                              "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
                              "input and runs again in its backward); te_mixtral/model/recompute.py")
-    recompute_layers: int | None = setting(None, help="with recompute selective or full: how many decoder layers "
+    recompute_layers: int | None = setting(None, needs=Needs(("train.recompute",),
+                                                             lambda recompute: recompute != "none",
+                                                             "counts the layers that recompute: it needs "
+                                                             "train.recompute selective or full"),
+                                           help="with recompute selective or full: how many decoder layers "
                                            "recompute, from the first; the others keep everything, as with none "
                                            "(null: every layer). --estimate-memory names the fewest that fit")
     sharding: Literal["none", "fsdp"] = setting("none", help="none (every rank holds all dense weights, their gradients and optimizer "
                             "state; gradients all-reduced in buckets during backward) or fsdp (FSDP2 shards them over the ranks, "
                             "experts over their replicas; te_mixtral/distributed/parallelize.py)")
     # Resumable: the same summed gradients either way (to rounding); only memory and traffic change.
-    fsdp_reduce: Literal["step", "micro_batch"] = setting("step", resumable=True,
+    fsdp_reduce: Literal["step", "micro_batch"] = setting("step", resumable=True, needs=Needs(
+                               ("train.sharding", "train.grad_accum_steps"), lambda sharding, micro_batches:
+                               sharding == "fsdp" and micro_batches > 1,
+                               "micro_batch is FSDP's, between the micro-batches of a step: it needs train.sharding "
+                               "fsdp and train.grad_accum_steps above 1 (unsharded gradients are whole either way, and "
+                               "a step of one micro-batch reduces once either way)"),
                                help="with fsdp and grad_accum_steps > 1, when gradients are reduce-scattered: step "
                                "(once, in the last micro-batch; until then FSDP keeps every whole gradient, in fp32) "
                                "or micro_batch (after each micro-batch: N times the traffic, only shards kept)")
     timing_warmup_steps: int = setting(3, help="first steps left out of the timing statistics")
     log_every: int = setting(5, workload=False, help="print the loss every N steps")
     eval_every: int = setting(0, workload=False,
+                              needs=Needs(("data.eval_fraction",), lambda fraction: fraction > 0,
+                                          "needs held-out data: set data.eval_fraction (e.g. 0.05)"),
                               help="evaluate on the held-out samples every N steps (0: at the end only)")
     save_every: int = setting(0, workload=False, resumable=True,
+                              needs=Needs(("save_hf", "save_adapter"),
+                                          lambda hf, adapter: hf is not None or adapter is not None,
+                                          "needs save_hf or save_adapter (the folder to export to)"),
                               help="also export to save_hf and save_adapter every N steps (0: at the end only)")
-    checkpoint_every: int = setting(0, workload=False, resumable=True,
+    checkpoint_every: int = setting(0, workload=False, resumable=True, needs=CHECKPOINTS,
                                     help="steps between training checkpoints (0: at the end only)")
 
 
@@ -158,6 +198,12 @@ def recomputed_layers(train: TrainConfig, num_layers: int) -> int:
     if train.recompute == "none":
         return 0
     return num_layers if train.recompute_layers is None else train.recompute_layers
+
+
+# What the keys of the exchange between expert-parallel ranks need (config_field.Needs).
+EP_EXCHANGE = Needs(("ep_size",), lambda ep_size: ep_size > 1,
+                    "shapes the exchange between expert-parallel ranks: it needs ep_size above 1 (with one, nothing "
+                    "is exchanged)")
 
 
 @dataclass
@@ -177,12 +223,12 @@ class RunConfig:
                            help="expert-parallel group size: ranks that split each layer's experts")
     # Not the workload: the same tokens meet the same experts, only the rows' order inside
     # a tier changes (gradients equal to rounding), so a resumed run may change it too.
-    ep_chunks: int = setting(1, workload=False, resumable=True,
+    ep_chunks: int = setting(1, workload=False, resumable=True, needs=EP_EXCHANGE,
                              help="with ep_size > 1: cut each MoE layer's tokens into this many chunks whose "
                              "all-to-alls run under the other chunks' experts, forward and backward "
                              "(te_mixtral/distributed/dispatch.py); 1: no overlap. Off by default: on H200s the "
                              "exchanges do not run under our expert GEMMs, and chunks cost 3-5 percent (docs/parallelism.md)")
-    ep_capacity: float = setting(0.0, workload=False, resumable=True,
+    ep_capacity: float = setting(0.0, workload=False, resumable=True, needs=EP_EXCHANGE,
                                  help="with ep_size > 1: 0 exchanges each MoE layer's rows exactly, the host waiting "
                                  "for their counts every layer; > 0 sends each rank blocks of this many times its "
                                  "even share of rows, padded, so the host never waits (a step whose routing needs "
@@ -192,6 +238,10 @@ class RunConfig:
     # Not the workload: the same model and numerics, only how many kernels compute them (their
     # roundings differ), so a resumed run may change it too.
     te_fusions: bool = setting(True, workload=False, resumable=True,
+                               needs=Needs(("backend", "device"), lambda backend, device: backend == "te" or
+                                           (backend == "auto" and device != "cpu"),
+                                           "false turns off fusions of the te backend: it needs backend te (or auto "
+                                           "on a CUDA device)"),
                                help="on the te backend: q, k and v by one GEMM, and TE's fused cross-entropy "
                                "(te_mixtral/model/layers.py); false: one module at a time, for A/B timing")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
@@ -216,21 +266,25 @@ class RunConfig:
     save_hf: str | None = setting(None, workload=False, resumable=True,
                                   help="export the fine-tuned model to this folder as an HF checkpoint")
     save_adapter: str | None = setting(None, workload=False, resumable=True,
+                                       needs=replace(LORA_ON, text="exports LoRA adapters: set lora.rank (e.g. 16)"),
                                        help="with lora: export the adapters to this folder in PEFT's format "
                                        "(adapter_config.json + adapter_model.safetensors; peft loads them onto "
                                        "transformers' Mixtral); save_hf exports the model with them merged")
     checkpoint_dir: str | None = setting(None, workload=False, resumable=True,
                                          help="folder of training checkpoints, for resume on any layout")
-    checkpoint_keep: int = setting(2, workload=False, resumable=True,
+    checkpoint_keep: int = setting(2, workload=False, resumable=True, needs=CHECKPOINTS,
                                    help="newest checkpoints kept; older ones are deleted")
-    resume: bool = setting(False, resumable=True, help="continue from the latest checkpoint in checkpoint_dir")
+    resume: bool = setting(False, resumable=True, needs=CHECKPOINTS,
+                           help="continue from the latest checkpoint in checkpoint_dir")
     overwrite: bool = setting(False, workload=False, resumable=True,
                               help="let this run replace the files it writes in output_dir (results.json, config.yaml, "
                               "...; never its own --config), the checkpoints in checkpoint_dir (without resume), and "
                               "export-named files at save_hf that no earlier export wrote")
     generate: str | None = setting(None, workload=False, resumable=True,
                                    help="after training, print a greedy continuation of this prompt")
-    generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds")
+    generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds",
+                                   needs=Needs(("generate",), lambda prompt: prompt is not None,
+                                               "is the length of generate's continuation: set generate (the prompt)"))
     gpu: str | None = setting(None, workload=False, resumable=True,
                               help="memory a rank may use, checked before anything is built: a GPU name (h100, h200, "
                               "b200, a100-80gb, l40s, rtx4090) or a size (80GiB, 141GB); null: the device's own "
@@ -444,16 +498,11 @@ FOLLOWS = {
 }
 
 
-def _value(cfg: RunConfig, key: str):
-    section, _, name = key.rpartition(".")
-    return getattr(getattr(cfg, section) if section else cfg, name)
-
-
 def _adopt_launcher(cfg: RunConfig, given: set[str], launch: dict[str, tuple[object, str]]) -> None:
     """Take the settings a launcher asked for (key -> (value, the launcher's flag that asked));
     a key the config or the command line also sets, to another value, is refused."""
     for key, (value, origin) in launch.items():
-        current = _value(cfg, key)
+        current = value_of(cfg, key)
         if key in given and current not in (value, "auto"):
             raise UserError(f"{origin} asks for {key} {value}, but the config or command line sets {key} {current}: "
                             "drop one of the two")
@@ -502,8 +551,9 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     _adopt_launcher(cfg, given, launch or {})
     for key, follows in FOLLOWS.items():
         if key not in given:
-            _apply(cfg, key, follows.value(_value(cfg, follows.source)))
+            _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
     validate(cfg, world_size)
+    check_needs(cfg, given)
     return cfg
 
 

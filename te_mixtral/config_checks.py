@@ -1,11 +1,12 @@
 """The checks of a run config, each a one-line `UserError` a user can act on.
 
-`config.load_config` runs `validate` once a config is read; a Hugging Face checkpoint's model
-section is checked again with `validate_model` when it replaces the config's. The tier's
-name and options are the registry's to check (`experts.registry.check_tier`), and
-`config.load_run_config` runs both. The lora section's checks live with its settings
-(lora_config.py); `validate` runs them. Each check takes the run config (`config.RunConfig`)
-unannotated: config.py imports this module, and this one stays below it.
+`config.load_config` runs `validate` and `check_needs` once a config is read; a Hugging Face
+checkpoint's model section is checked again with `validate_model` when it replaces the
+config's. The tier's name and options are the registry's to check
+(`experts.registry.check_tier`), and `config.load_run_config` runs both. The lora section's
+checks live with its settings (lora_config.py); `validate` runs them. Each check takes the run
+config (`config.RunConfig`) unannotated: config.py imports this module, and this one stays
+below it.
 """
 
 from __future__ import annotations
@@ -48,16 +49,6 @@ def validate(cfg, world_size: int = 1) -> None:
     _check_choices(cfg)
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
-    _check(t.moment_dtype == "bf16" or t.optimizer == "master_adamw",
-           "train.moment_dtype fp32 is master_adamw's choice: train.optimizer adamw keeps fp32 moments anyway; "
-           "drop it, or use train.optimizer master_adamw")
-    _check(t.expert_moments == "same" or t.optimizer == "master_adamw",
-           "train.expert_moments 8bit is master_adamw's: it needs train.optimizer master_adamw")
-    _check(t.fsdp_reduce == "step" or t.sharding == "fsdp",
-           "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp (unsharded gradients are whole "
-           "either way, so reducing them after every micro-batch would only cost traffic)")
-    _check(t.recompute_layers is None or t.recompute != "none",
-           "train.recompute_layers counts the layers that recompute: it needs train.recompute selective or full")
     trackers = [name.strip() for name in cfg.report_to.split(",")]
     _check(all(name in REPORT_TO for name in trackers) and ("none" not in trackers or len(trackers) == 1),
            f"report_to must be none or any of {', '.join(REPORT_TO[1:])}, comma-separated; got {cfg.report_to!r}")
@@ -65,11 +56,6 @@ def validate(cfg, world_size: int = 1) -> None:
     _check(d.format == "text" or d.tokenizer is not None or cfg.model_path is not None,
            f"data.format {d.format} needs a tokenizer with a chat template: set data.tokenizer to its folder "
            "(e.g. examples/chat-tokenizer) or model_path to a checkpoint that has one")
-    mapped = [key for key, default in (("role_key", "role"), ("content_key", "content"), ("roles", None))
-              if getattr(d, key) != default]
-    _check(d.format == "chat" or not mapped,
-           f"data.{mapped[0] if mapped else ''} maps the messages of data.format chat; data.format {d.format} reads "
-           f"its own layout: drop it, or use data.format chat")
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
     _check(t.timing_warmup_steps >= 0,
            f"train.timing_warmup_steps must be 0 or positive, got {t.timing_warmup_steps}")
@@ -96,9 +82,6 @@ def validate(cfg, world_size: int = 1) -> None:
     _check(cfg.ep_size > 0, f"ep_size must be positive, got {cfg.ep_size}")
     _check(cfg.ep_chunks > 0, f"ep_chunks must be positive, got {cfg.ep_chunks}")
     _check(0 <= cfg.ep_capacity < math.inf, f"ep_capacity must be 0 or a finite share above 0, got {cfg.ep_capacity}")
-    _check(cfg.ep_capacity == 0 or cfg.ep_size > 1,
-           f"ep_capacity {cfg.ep_capacity} pads the exchange between expert-parallel ranks, and ep_size is 1: "
-           f"nothing is exchanged; leave it 0")
     _check(cfg.ep_capacity == 0 or cfg.ep_chunks == 1,
            f"ep_capacity pads one exchange per layer; ep_chunks {cfg.ep_chunks} cuts it in chunks: use one of them")
     _check(world_size != 1 or cfg.ep_size == 1,
@@ -114,32 +97,54 @@ def validate(cfg, world_size: int = 1) -> None:
            f"grad_accum_steps) samples per micro-batch")
     _check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     _check(t.eval_every >= 0, f"train.eval_every must be 0 or positive, got {t.eval_every}")
-    _check(t.eval_every == 0 or d.eval_fraction > 0,
-           "train.eval_every needs held-out data: set data.eval_fraction (e.g. 0.05)")
     for key in ("save_every", "checkpoint_every"):
         _check(getattr(t, key) >= 0, f"train.{key} must be 0 or positive, got {getattr(t, key)}")
-    _check(t.save_every == 0 or cfg.save_hf is not None or cfg.save_adapter is not None,
-           "train.save_every needs save_hf or save_adapter (the folder to export to)")
-    _check(cfg.checkpoint_dir is not None or (t.checkpoint_every == 0 and not cfg.resume),
-           "train.checkpoint_every and resume need checkpoint_dir")
     _check(cfg.checkpoint_keep >= 1, f"checkpoint_keep must be at least 1, got {cfg.checkpoint_keep}")
     _check(cfg.generate_tokens > 0, f"generate_tokens must be positive, got {cfg.generate_tokens}")
     _check(cfg.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {cfg.dist_timeout_s}")
     validate_lora(cfg)
+    _check(world_size != 1 or t.sharding == "none",
+           "train.sharding fsdp shards over the ranks, and this is one process: launch several with torchrun, or "
+           "leave it none")
     if cfg.model_path is None:  # else the checkpoint's config.json replaces the model section, checked then
         validate_model(cfg)
 
 
-def _check_choices(cfg) -> None:
-    """Every key annotated `Literal[...]` (config.py) holds one of the values it lists."""
+def value_of(cfg, key: str):
+    """The value of a full key (`train.lr`, `tier`) in the run config `cfg`."""
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def _keys(cfg):
+    """(full key, its field, its type hint, its value) for every key of the run config `cfg`."""
     sections = [("", cfg)] + [(f"{f.name}.", getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                               if dataclasses.is_dataclass(getattr(cfg, f.name))]
     for prefix, section in sections:
         hints = typing.get_type_hints(type(section))
         for f in dataclasses.fields(section):
-            if typing.get_origin(hints[f.name]) is typing.Literal:
-                allowed, value = typing.get_args(hints[f.name]), getattr(section, f.name)
-                _check(value in allowed, f"{prefix}{f.name} must be one of {', '.join(allowed)}, got '{value}'")
+            if not dataclasses.is_dataclass(getattr(section, f.name)):
+                yield prefix + f.name, f, hints[f.name], getattr(section, f.name)
+
+
+def _check_choices(cfg) -> None:
+    """Every key annotated `Literal[...]` (config.py) holds one of the values it lists."""
+    for key, _, hint, value in _keys(cfg):
+        if typing.get_origin(hint) is typing.Literal:
+            allowed = typing.get_args(hint)
+            _check(value in allowed, f"{key} must be one of {', '.join(allowed)}, got '{value}'")
+
+
+def check_needs(cfg, given: set[str]) -> None:
+    """Refuse a key the user gave (`given`: the keys the config file, the command line or the
+    launcher set) that changes nothing in this run, because another key does not enable it
+    (its `setting(needs=...)`, config_field.py): LoRA's alpha without a rank, generate_tokens
+    without a prompt. A key at its default is left alone, given or not: it changes nothing
+    either way, so a run's full saved config (every key) loads again as it ran."""
+    for key, f, _, value in _keys(cfg):
+        needs = f.metadata.get("needs")
+        if needs is not None and key in given and value != f.default:
+            _check(needs.holds(*(value_of(cfg, k) for k in needs.keys)), f"{key} {needs.text}")
 
 
 def validate_model(cfg) -> None:

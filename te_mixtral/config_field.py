@@ -6,10 +6,24 @@ check, `--help`) reads the answer from the fields instead of keeping its own lis
 below both, so that a tier's options need not import the config they are part of.
 """
 
-from dataclasses import field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
-def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False):
+@dataclass(frozen=True)
+class Needs:
+    """What a key needs of other keys before it changes anything: LoRA's alpha needs a rank,
+    generate_tokens a prompt. `holds` takes the values of `keys` (full names), in that order;
+    `text` completes the one-line refusal that starts with the key's name. The config refuses
+    a key given without what it needs (`config_checks.check_needs`), rather than ignore it."""
+
+    keys: tuple[str, ...]
+    holds: Callable[..., bool]
+    text: str
+
+
+def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False,
+            needs: Needs | None = None):
     """A config field that says what it means and what role it plays, so that the code that
     asks "which keys ...?" reads the answer here instead of keeping its own list:
 
@@ -20,7 +34,9 @@ def setting(default, *, help: str, workload: bool = True, resumable: bool = Fals
     - `resumable`: the key may change on `--resume` without a note (where output goes, what
       happens between or after steps). Off by default, for the same reason;
     - `headline`: a reproduce command names it even at its default: the runs of a sweep
-      (`scripts/gpu_runs.py tiers`) differ in it.
+      (`scripts/gpu_runs.py tiers`) differ in it;
+    - `needs`: what other keys must say for this one to change anything (`Needs`); None: it
+      always does.
     """
-    return field(default=default,
-                 metadata={"help": help, "workload": workload, "resumable": resumable, "headline": headline})
+    return field(default=default, metadata={"help": help, "workload": workload, "resumable": resumable,
+                                            "headline": headline, "needs": needs})

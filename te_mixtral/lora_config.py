@@ -6,10 +6,10 @@ experts/adapters.py's. This module imports no torch: config.py reads it while a 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from te_mixtral.config_field import setting
+from te_mixtral.config_field import Needs, setting
 from te_mixtral.errors import require as _check
 
 # The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
@@ -18,24 +18,34 @@ LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 
 
+# What the keys that shape the adapters need (config_field.Needs).
+LORA_ON = Needs(("lora.rank",), lambda rank: rank > 0, "applies to LoRA adapters: set lora.rank (LoRA is off)")
+
+
 @dataclass
 class LoRAConfig:
     """Low-rank adapters over a frozen base (te_mixtral/model/lora.py); rank 0 trains every weight."""
 
     rank: int = setting(0, help="rank r of every adapter; 0: no adapters, every weight trains (full fine-tuning)")
-    alpha: float = setting(16.0, help="adapter scale numerator: the update is alpha / r * B @ A (alpha / sqrt(r) "
-                           "with rslora)")
-    dropout: float = setting(0.0, help="dropout on each adapter's input while training (the base path sees none)")
-    rslora: bool = setting(False, help="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
-    targets: str = setting(",".join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS),
+    alpha: float = setting(16.0, needs=LORA_ON, help="adapter scale numerator: the update is alpha / r * B @ A "
+                           "(alpha / sqrt(r) with rslora)")
+    dropout: float = setting(0.0, needs=LORA_ON,
+                             help="dropout on each adapter's input while training (the base path sees none)")
+    rslora: bool = setting(False, needs=LORA_ON, help="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
+    targets: str = setting(",".join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS), needs=LORA_ON,
                            help="comma-separated projections to adapt, as PEFT names them: attention's "
                            f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
                            f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
-    base: Literal["default", "nf4"] = setting("default", help="how the frozen base's expert weights are held: "
-                                              "default (the run's compute dtype; FP8 in tier device_mxfp8) or nf4 "
-                                              "(QLoRA's 4-bit NormalFloat, dequantised inside tier custom_grouped's "
-                                              "GEMMs: experts/quant/frozen_nf4.py)")
-    change_on_resume: bool = setting(False, workload=False, resumable=True,
+    base: Literal["default", "nf4"] = setting("default",
+                                              needs=replace(LORA_ON, text="nf4 holds the base frozen for LoRA: set "
+                                                                          "lora.rank (e.g. 16)"),
+                                              help="how the frozen base's expert weights are held: default "
+                                              "(the run's compute dtype; FP8 in tier device_mxfp8) or nf4 (QLoRA's "
+                                              "4-bit NormalFloat, dequantised inside tier custom_grouped's GEMMs: "
+                                              "experts/quant/frozen_nf4.py)")
+    change_on_resume: bool = setting(False, workload=False, resumable=True, needs=Needs(
+                                     ("resume", "lora.rank"), lambda resume, rank: resume and rank > 0,
+                                     "lets a LoRA run's resume change its adapters: it needs resume and lora.rank"),
                                      help="with resume: accept lora.targets leaving out some of the checkpoint's (their "
                                      "trained adapters are dropped) or another lora.alpha or rslora (the trained "
                                      "adapters rescale); without it such a resume is refused")
@@ -65,9 +75,6 @@ def validate_lora(cfg) -> None:
     """The checks of the lora section, and of what LoRA leaves out."""
     lora, t = cfg.lora, cfg.train
     _check(lora.rank >= 0, f"lora.rank must be 0 (off) or positive, got {lora.rank}")
-    _check(cfg.save_adapter is None or lora.enabled, "save_adapter exports LoRA adapters: set lora.rank (e.g. 16)")
-    _check(lora.base == "default" or lora.enabled, f"lora.base {lora.base} holds the base frozen for LoRA: set "
-           "lora.rank (e.g. 16)")
     if not lora.enabled:
         return
     _check(0 < lora.alpha < math.inf, f"lora.alpha must be finite and above 0, got {lora.alpha}")

@@ -41,6 +41,9 @@ from te_mixtral.errors import ExitCode
     (["--loss-check", "no/such/results.json"], "does not exist"),
     (["--moment_dtype", "fp32"], "train.moment_dtype fp32 is master_adamw's choice"),
     (["--checkpoint-dir", "README.md"], "checkpoint directory README.md is a file, not a folder"),
+    # A key that would change nothing in this run: before, each trained a step and exited 0.
+    (["--steps", "1", "--lora.alpha", "32"], "lora.alpha applies to LoRA adapters: set lora.rank (LoRA is off)"),
+    (["--steps", "1", "--generate-tokens", "10"], "generate_tokens is the length of generate's continuation"),
 ])
 def test_bad_input_is_one_line(args, fragment, tmp_path):
     proc = run_cli([*args, "--output-dir", str(tmp_path)])

@@ -110,11 +110,11 @@ def test_a_removed_key_reads_as_absent_at_its_old_value_and_is_refused_at_anothe
 def test_the_fp8_tiers_old_top_level_keys_read_as_its_section():
     """Runs saved, and command lines written, before the FP8 tier's options became the `fp8`
     section name them at the top level; both still set the section."""
-    want = FP8Options(mode="mxfp8-emulated", min_rows_per_expert=7, weight_cache=False)
-    old = {"mxfp8-mode": "mxfp8-emulated", "fp8_min_rows_per_expert": "7", "fp8-weight-cache": "false"}
-    assert load_config(TINY, old).fp8 == want
+    want = FP8Options(mode="fp8-hopper", min_rows_per_expert=7, weight_cache=False)
+    old = {"mxfp8-mode": "fp8-hopper", "fp8_min_rows_per_expert": "7", "fp8-weight-cache": "false"}
+    assert load_config(TINY, {**old, "tier": "device_mxfp8"}).fp8 == want
     saved = {k: v for k, v in to_dict(load_config(TINY)).items() if k != "fp8"}
-    saved.update(mxfp8_mode="mxfp8-emulated", fp8_min_rows_per_expert=7, fp8_weight_cache=False)
+    saved.update(mxfp8_mode="fp8-hopper", fp8_min_rows_per_expert=7, fp8_weight_cache=False)
     assert upgrade_saved(saved)["fp8"] == dataclasses.asdict(want)
     assert is_switch("fp8_weight_cache") and is_switch("fp8.weight_cache")
 
@@ -122,7 +122,7 @@ def test_the_fp8_tiers_old_top_level_keys_read_as_its_section():
 def test_bare_names_find_the_moved_keys():
     cfg = load_config(TINY, {"checkpoint-every": "10", "checkpoint-dir": "ckpt", "save_every": "4", "save-hf": "hf"})
     assert (cfg.train.checkpoint_every, cfg.train.save_every) == (10, 4)
-    with pytest.raises(UserError, match="train.checkpoint_every and resume need checkpoint_dir"):
+    with pytest.raises(UserError, match="train.checkpoint_every needs checkpoint_dir"):
         load_config(TINY, {"checkpoint-every": "10"})
 
 

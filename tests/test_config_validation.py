@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO
 from launch import assert_one_line_error, run_app
 
-from te_mixtral.config import load_config, load_run_config
+from te_mixtral.config import load_config, load_run_config, save_config, settings
 from te_mixtral.errors import UserError
 
 
@@ -32,7 +32,8 @@ from te_mixtral.errors import UserError
     ("rope_theta", "0", "model.rope_theta must be finite and above 0"),
     ("initializer_range", ".nan", "model.initializer_range must be finite and above 0"),
     ("fsdp_reduce", "sometimes", "train.fsdp_reduce must be one of step, micro_batch"),
-    ("fsdp_reduce", "micro_batch", "train.fsdp_reduce micro_batch is FSDP's: it needs train.sharding fsdp"),
+    ("fsdp_reduce", "micro_batch", "train.fsdp_reduce micro_batch is FSDP's, between the micro-batches of a step: "
+                                   "it needs train.sharding fsdp and train.grad_accum_steps above 1"),
     ("seed", "-1", "train.seed must be in [0, 2**32)"),
     ("seed", str(2**64), "train.seed must be in [0, 2**32)"),  # before: torch's overflow traceback
     ("output_dir", "runs/" + "x" * 256, "output_dir has a name of 256 bytes"),  # before: OSError traceback
@@ -165,7 +166,7 @@ def test_device_mxfp8_takes_lora_over_its_hopper_fp8_base_only(overrides, fragme
 
 @pytest.mark.parametrize("overrides, fragment", [
     ({"ep_capacity": "-1"}, "ep_capacity must be 0 or a finite share above 0"),
-    ({"ep_capacity": "1.5"}, "ep_capacity 1.5 pads the exchange between expert-parallel ranks, and ep_size is 1"),
+    ({"ep_capacity": "1.5"}, "ep_capacity shapes the exchange between expert-parallel ranks: it needs ep_size above 1"),
     ({"ep_capacity": "1.5", "ep_size": "2", "ep_chunks": "2"}, "ep_capacity pads one exchange per layer"),
     ({"ep_capacity": "1.5", "ep_size": "2", "tier": "loop"}, "tier 'loop' needs its split sizes on the host"),
 ])
@@ -175,3 +176,107 @@ def test_padded_exchange_settings_it_cannot_honour_are_refused(overrides, fragme
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
     load_run_config(str(REPO / "configs" / "tiny.yaml"), {"tier": "custom_grouped", "ep_size": "2",
                                                          "ep_capacity": "1.5"}, 2)
+
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+CHAT_TOKENIZER = str(REPO / "examples" / "chat-tokenizer")
+# (a key given where it changes nothing, what turns it on, the refusal, the processes): each
+# key that declares what it needs (`setting(needs=...)`) once, and the tiers' own refusals.
+IGNORED = [
+    ({"lora.alpha": "32"}, {"lora.rank": "4"}, "lora.alpha applies to LoRA adapters: set lora.rank (LoRA is off)", 1),
+    ({"lora.dropout": "0.1"}, {"lora.rank": "4"}, "lora.dropout applies to LoRA adapters: set lora.rank", 1),
+    ({"lora.rslora": "true"}, {"lora.rank": "4"}, "lora.rslora applies to LoRA adapters: set lora.rank", 1),
+    ({"lora.targets": "q_proj,v_proj"}, {"lora.rank": "4"}, "lora.targets applies to LoRA adapters: set lora.rank", 1),
+    ({"lora.base": "nf4", "tier": "custom_grouped"}, {"lora.rank": "4"},
+     "lora.base nf4 holds the base frozen for LoRA: set lora.rank", 1),
+    ({"save_adapter": "adapter"}, {"lora.rank": "4"}, "save_adapter exports LoRA adapters: set lora.rank", 1),
+    ({"lora.rank": "4", "lora.change_on_resume": "true"}, {"resume": "true", "checkpoint_dir": "ckpt"},
+     "lora.change_on_resume lets a LoRA run's resume change its adapters: it needs resume and lora.rank", 1),
+    ({"generate_tokens": "10"}, {"generate": "The meaning of"},
+     "generate_tokens is the length of generate's continuation: set generate (the prompt)", 1),
+    ({"checkpoint_keep": "3"}, {"checkpoint_dir": "ckpt"}, "checkpoint_keep needs checkpoint_dir", 1),
+    ({"checkpoint_every": "2"}, {"checkpoint_dir": "ckpt"}, "train.checkpoint_every needs checkpoint_dir", 1),
+    ({"resume": "true"}, {"checkpoint_dir": "ckpt"}, "resume needs checkpoint_dir", 1),
+    ({"save_every": "2"}, {"save_hf": "hf"}, "train.save_every needs save_hf or save_adapter", 1),
+    ({"eval_every": "2"}, {"eval_fraction": "0.1"}, "train.eval_every needs held-out data: set data.eval_fraction", 1),
+    ({"data.text_field": "body", "format": "chat", "tokenizer": CHAT_TOKENIZER}, {"format": "text"},
+     "data.text_field names the field of data.format text", 1),
+    ({"data.messages_field": "conversations"}, {"format": "chat", "tokenizer": CHAT_TOKENIZER},
+     "data.messages_field maps the messages of data.format chat", 1),
+    ({"role_key": "from"}, {"format": "chat", "tokenizer": CHAT_TOKENIZER}, "data.role_key maps the messages", 1),
+    ({"content_key": "value"}, {"format": "chat", "tokenizer": CHAT_TOKENIZER},
+     "data.content_key maps the messages", 1),
+    ({"roles": "human:user"}, {"format": "chat", "tokenizer": CHAT_TOKENIZER}, "data.roles maps the messages", 1),
+    ({"moment_dtype": "fp32", "dtype": "bf16"}, {"optimizer": "master_adamw"},
+     "train.moment_dtype fp32 is master_adamw's choice", 1),
+    ({"expert_moments": "8bit", "dtype": "bf16"}, {"optimizer": "master_adamw"},
+     "train.expert_moments 8bit is master_adamw's", 1),
+    ({"recompute_layers": "1"}, {"recompute": "full"}, "train.recompute_layers counts the layers that recompute", 1),
+    ({"fsdp_reduce": "micro_batch", "sharding": "fsdp"}, {"grad_accum_steps": "2"},
+     "train.fsdp_reduce micro_batch is FSDP's, between the micro-batches of a step: it needs train.sharding fsdp "
+     "and train.grad_accum_steps above 1", 2),
+    ({"fp8.mode": "mxfp8-emulated"}, {"tier": "device_mxfp8"},
+     "fp8.mode is tier device_mxfp8's option: it needs tier device_mxfp8", 1),
+    ({"fp8.min_rows_per_expert": "0"}, {"tier": "device_mxfp8"},
+     "fp8.min_rows_per_expert is tier device_mxfp8's threshold on Hopper", 1),
+    ({"fp8.min_rows_per_expert": "0", "tier": "device_mxfp8", "fp8.mode": "mxfp8-emulated"},
+     {"fp8.mode": "fp8-hopper"}, "it needs tier device_mxfp8 in fp8.mode auto or fp8-hopper", 1),
+    ({"ep_chunks": "2"}, {"ep_size": "2"},
+     "ep_chunks shapes the exchange between expert-parallel ranks: it needs ep_size above 1", 2),
+    ({"ep_capacity": "1.5", "tier": "custom_grouped"}, {"ep_size": "2"},
+     "ep_capacity shapes the exchange between expert-parallel ranks: it needs ep_size above 1", 2),
+    ({"te_fusions": "false", "backend": "torch"}, {"backend": "te"},
+     "te_fusions false turns off fusions of the te backend: it needs backend te (or auto on a CUDA device)", 1),
+    ({"te_fusions": "false", "device": "cpu"}, {"device": "auto"}, "te_fusions false turns off fusions", 1),
+    ({"te_fusions": "false", "tier": "hf"}, {"tier": "loop"},
+     "te_fusions picks te_mixtral's own layers; tier 'hf' runs transformers' model", 1),
+    ({"backend": "torch", "tier": "hf_eager"}, {"tier": "loop"},
+     "backend picks te_mixtral's own layers; tier 'hf_eager' runs transformers' model", 1),
+]
+
+
+@pytest.mark.parametrize("ignored, enabler, fragment, world", IGNORED)
+def test_a_key_that_would_change_nothing_is_refused_naming_what_it_needs(ignored, enabler, fragment, world):
+    # Before, each of the first kind loaded, and the run ignored the key (exit 0).
+    with pytest.raises(UserError) as raised:
+        load_run_config(TINY, ignored, world)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+    load_run_config(TINY, {**ignored, **enabler}, world)
+
+
+def test_every_needs_declaration_names_keys_that_exist_and_is_tested():
+    keys = settings()
+    declared = {key: f.metadata["needs"] for key, f in keys.items() if f.metadata["needs"] is not None}
+    for key, needs in declared.items():
+        assert needs.keys and all(k in keys and k != key for k in needs.keys), (key, needs.keys)
+        assert needs.holds(*(keys[k].default for k in needs.keys)) in (True, False), key  # takes those keys' values
+    refused = {re.match(r"\S+", fragment)[0] for _, _, fragment, _ in IGNORED}
+    assert set(declared) <= refused, set(declared) - refused
+
+
+def test_only_what_the_user_gave_is_refused(tmp_path):
+    # A config file that sets a key its run ignores is refused as the command line is.
+    config = tmp_path / "lora.yaml"
+    config.write_text((REPO / "configs" / "tiny.yaml").read_text() + "lora:\n  alpha: 32\n")
+    with pytest.raises(UserError, match=re.escape("lora.alpha applies to LoRA adapters: set lora.rank")):
+        load_config(str(config))
+    assert load_config(str(config), {"lora.rank": "4"}).lora.scale == 8
+    # A run's saved config holds every key, the ones its run ignored at their defaults: it loads again.
+    saved = tmp_path / "config.yaml"
+    save_config(load_config(TINY, {"generate": "Hi", "lora.rank": "4", "eval_fraction": "0.1"}), saved)
+    load_config(str(saved))
+    # What a launcher sets (accelerate launch: te_mixtral/accelerate_launch.py) is given too,
+    # and turns on what needs it.
+    launch = {"train.grad_accum_steps": (2, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2"),
+              "train.dtype": ("fp32", "accelerate launch --mixed_precision no"),
+              "device": ("cpu", "accelerate launch --cpu")}
+    cfg = load_config(TINY, {"sharding": "fsdp", "fsdp_reduce": "micro_batch"}, 2, launch)
+    assert cfg.train.grad_accum_steps == 2
+    with pytest.raises(UserError, match="te_fusions false turns off fusions of the te backend"):
+        load_config(TINY, {"te_fusions": "false"}, 1, launch)
+
+
+def test_sharding_in_one_process_is_refused():
+    with pytest.raises(UserError, match="train.sharding fsdp shards over the ranks, and this is one process"):
+        load_config(TINY, {"sharding": "fsdp"})
+    load_config(TINY, {"sharding": "fsdp"}, 2)

@@ -10,11 +10,13 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from te_mixtral.config_field import setting
+from te_mixtral.config_field import Needs, setting
 
 # The modes tier device_mxfp8 runs in (its module's docstring says what each computes).
 FP8Mode = Literal["auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated"]
 FP8_MODES = typing.get_args(FP8Mode)
+# The modes whose 8-bit path is Hopper's FP8 (auto picks it on Hopper).
+HOPPER_FP8_MODES = ("auto", "fp8-hopper")
 
 
 @dataclass
@@ -23,9 +25,15 @@ class FP8Options:
     results page compares the runs that differ in them."""
 
     mode: FP8Mode = setting("auto", workload=False,
+                            needs=Needs(("tier",), lambda tier: tier == "device_mxfp8",
+                                        "is tier device_mxfp8's option: it needs tier device_mxfp8"),
                             help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
                             "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
     min_rows_per_expert: int = setting(1024, workload=False,
+                                       needs=Needs(("tier", "fp8.mode"), lambda tier, mode: tier == "device_mxfp8" and
+                                                   mode in HOPPER_FP8_MODES,
+                                                   "is tier device_mxfp8's threshold on Hopper: it needs tier "
+                                                   "device_mxfp8 in fp8.mode auto or fp8-hopper"),
                                        help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
                                        "expert (with fewer than 4 local experts: fewer rows in all than 4 "
                                        "experts at this size) runs the BF16 custom_grouped kernels, where FP8 is "
@@ -41,4 +49,4 @@ class FP8Options:
     @property
     def hopper_fp8(self) -> bool:
         """Whether the mode is Hopper's FP8 (asked for, or picked by auto on Hopper)."""
-        return self.mode in ("auto", "fp8-hopper")
+        return self.mode in HOPPER_FP8_MODES

@@ -87,6 +87,9 @@ def check_tier(cfg, world_size: int) -> None:
     if cfg.tier in BASELINES and cfg.train.recompute != "none":
         raise UserError(f"train.recompute applies to te_mixtral's own model; tier '{cfg.tier}' runs transformers' "
                         f"model")
+    if cfg.tier in BASELINES and (cfg.backend != "auto" or not cfg.te_fusions):
+        key = "backend" if cfg.backend != "auto" else "te_fusions"
+        raise UserError(f"{key} picks te_mixtral's own layers; tier '{cfg.tier}' runs transformers' model")
     if cfg.tier in BASELINES and world_size != 1:
         raise UserError(f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one "
                         f"process, not {world_size}")

@@ -94,8 +94,8 @@ def test_records_a_layout_cannot_read_are_refused_naming_them(tmp_path, fmt, key
 
 
 def test_mapping_keys_belong_to_format_chat():
-    with pytest.raises(UserError, match="data.role_key maps the messages of data.format chat; data.format sharegpt "
-                                        "reads its own layout"):
+    with pytest.raises(UserError, match="data.role_key maps the messages of data.format chat; the other formats "
+                                        "read their own layout"):
         load_config(None, {"format": "sharegpt", "role_key": "from", "tokenizer": TOKENIZER})
 
 

@@ -135,7 +135,7 @@ def test_tier_from_the_registry_describes_what_runs():
         tier.describe()
     with pytest.raises(TierUnavailable):  # auto never picks emulation
         tier.check_available(torch.device("cpu"))
-    tier = make_tier("device_mxfp8", load_config(None, {"fp8.mode": "mxfp8-emulated"}))
+    tier = make_tier("device_mxfp8", load_config(None, {"tier": "device_mxfp8", "fp8.mode": "mxfp8-emulated"}))
     tier.check_available(torch.device("cpu"))
     assert tier.describe() == {
         "recipe": "mxfp8-emulated",
@@ -150,9 +150,13 @@ def test_tier_from_the_registry_describes_what_runs():
 
 
 def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
-    cfg = load_config(None, {"fp8.mode": "mxfp8-emulated", "fp8.min_rows_per_expert": "100000"})
-    tier = make_tier("device_mxfp8", cfg)
-    assert tier.min_rows_per_expert == 100000 and load_config(None, {}).fp8.min_rows_per_expert == 1024
+    cfg = load_config(None, {"tier": "device_mxfp8", "fp8.mode": "fp8-hopper", "fp8.min_rows_per_expert": "100000"})
+    assert make_tier("device_mxfp8", cfg).min_rows_per_expert == 100000
+    assert load_config(None, {}).fp8.min_rows_per_expert == 1024
+    # The config refuses it in another mode (config_checks.check_needs); the tier ignores it there.
+    with pytest.raises(UserError, match="fp8.min_rows_per_expert is tier device_mxfp8's threshold on Hopper"):
+        load_config(None, {"tier": "device_mxfp8", "fp8.mode": "mxfp8-emulated", "fp8.min_rows_per_expert": "100000"})
+    tier = DeviceMXFP8Tier("mxfp8-emulated", min_rows_per_expert=100000)
     tier.check_available(torch.device("cpu"))
     assert "BF16" not in tier.describe()["kernel"]  # emulation is for numerics: MXFP8 at every size
     gen = torch.Generator().manual_seed(12)
@@ -165,7 +169,7 @@ def test_break_even_setting_reaches_the_tier_and_only_fp8_hopper_uses_it():
 
 def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off():
     assert load_config(None, {}).fp8.weight_cache
-    cfg = load_config(None, {"fp8.mode": "mxfp8-emulated", "fp8.weight_cache": "false"})
+    cfg = load_config(None, {"tier": "device_mxfp8", "fp8.mode": "mxfp8-emulated", "fp8.weight_cache": "false"})
     tier = make_tier("device_mxfp8", cfg)
     assert tier.cache_weights is False
     with pytest.raises(UserError, match="fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper") as error:

@@ -116,7 +116,8 @@ def test_mxfp8_refuses_sizes_its_blocks_cannot_take_before_building(hidden, ffn,
     with pytest.raises(UserError, match=f"model.{bad} to be a multiple of 32, got 48"):
         tier.check_available("cpu")
     DeviceMXFP8Tier.from_config(load_config(None, {**TINY, "hidden_size": "64", "intermediate_size": "96",
-                                                   "fp8.mode": "mxfp8-emulated"})).check_available("cpu")
+                                                   "tier": "device_mxfp8", "fp8.mode": "mxfp8-emulated"})
+                                ).check_available("cpu")
 
 
 def test_results_record_the_global_gradient_norm_of_every_step(tmp_path, launch_planned):
