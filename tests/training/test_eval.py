@@ -3,6 +3,7 @@
 (The end-to-end checks, EP=2 eval loss and generation against transformers on an exported
 checkpoint, are in test_checkpoint_hf_out.py; greedy generation itself in test_generate.py.)"""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -41,6 +42,17 @@ def test_a_share_of_a_small_chat_file_is_held_out_by_conversation():
     # Every held-out target is scored once, padding never is.
     trained = data.eval_stream.trained[:held] & ~data.eval_stream.ends[:held].roll(1)
     assert sum(int((b.labels != -100).sum()) for b in data.eval_batches()) == int(trained[1:].sum())
+
+
+def test_held_out_records_with_nothing_to_score_are_refused(tmp_path):
+    # Before: the run trained, then evaluated 0 targets: loss and perplexity nan, exit 0.
+    records = (REPO / "examples" / "chat.jsonl").read_text().splitlines()
+    for i in held_out_records(len(records), 0.025).nonzero().flatten().tolist():
+        records[i] = json.dumps({"messages": [{"role": "user", "content": "A question nobody answers?"}]})
+    (tmp_path / "c.jsonl").write_text("\n".join(records) + "\n")
+    cfg = replace(CHAT, dataset=str(tmp_path / "c.jsonl"), eval_fraction=0.025)
+    with pytest.raises(UserError, match="the 1 conversations held out .* hold no target token"):
+        PackedData(cfg, batch_size=4, rank=0, world_size=1, seed=0)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
