@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 
 from te_mixtral.config import DataConfig
 from te_mixtral.data.formats import FORMATS
@@ -91,7 +92,7 @@ def _cause(error: Exception) -> str:
     while e is not None and len(chain) < 10:
         chain.append(e)
         e = e.__cause__ or e.__context__
-    if any(isinstance(e, UnicodeDecodeError) for e in chain):
+    if any(isinstance(e, UnicodeDecodeError) or isinstance(e, pa.ArrowInvalid) and "UTF8" in str(e) for e in chain):
         return "not UTF-8 text"
     return first_line(chain[1] if isinstance(error, datasets.exceptions.DatasetGenerationError) and len(chain) > 1
                       else error)
@@ -100,7 +101,11 @@ def _cause(error: Exception) -> str:
 def _load_files(builder: str, files: list[Path]) -> datasets.Dataset:
     try:
         # Local files all land in the "train" split; `_take_split` then slices the whole source.
-        return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        source = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        # pyarrow's JSON reader does not check UTF-8 (the text builder decodes in Python): a
+        # bad byte past the head `_check_text_file` reads would fail wherever it is first read.
+        source.data.validate(full=True)
+        return source
     except Exception as e:
         if len(files) > 1:  # find the file at fault: loaded alone, it raises naming itself
             for file in files:

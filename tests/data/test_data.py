@@ -93,10 +93,12 @@ def test_user_errors_for_bad_data(tmp_path):
     ("a.txt", b"  \n\n", "is empty"),
     ("a.txt", bytes(range(256)) * 4, "is not UTF-8 text"),
     ("a.jsonl", b'{"text": "caf\xe9"}\n', "is not UTF-8 text"),
+    # Past the head that is checked before reading: pyarrow's JSON reader lets it through.
+    ("a.jsonl", b'{"text": "fine"}\n' * 5000 + b'{"text": "caf\xe9"}\n', ": not UTF-8 text"),
     ("a.txt", b"text\x00with\x00NUL bytes", "holds NUL bytes"),
     ("a.jsonl", b'{"text": "one"}\n{"text": "two"\n', "Missing a comma"),
     ("a.json", b'[{"text": "one"}, ', "cannot read"),
-], ids=["empty", "blank", "binary", "latin-1", "nul", "bad-jsonl", "bad-json"])
+], ids=["empty", "blank", "binary", "latin-1", "late-latin-1", "nul", "bad-jsonl", "bad-json"])
 def test_a_bad_data_file_is_named_with_what_is_wrong(tmp_path, name, content, message):
     """Alone or among good files, the bad one is named: `datasets` itself says only "An error
     occurred while generating the dataset"."""
