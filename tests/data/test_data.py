@@ -21,7 +21,7 @@ import torch
 from te_mixtral.config import DataConfig
 from te_mixtral.data import packing
 from te_mixtral.data.packing import PackedData, batch_from_windows
-from te_mixtral.data.sources import load_documents
+from te_mixtral.data.sources import load_documents, load_records
 from te_mixtral.data.tokenizer import load_tokenizer, train_tokenizer
 from te_mixtral.errors import UserError
 
@@ -75,6 +75,24 @@ def test_local_jsonl_txt_and_folder(tmp_path, rng):
     assert load_documents(DataConfig(dataset=str(folder / "b.txt"))) == txt_docs
     assert load_documents(DataConfig(dataset=str(folder))) == jsonl_docs + txt_docs
     assert load_documents(DataConfig(dataset=str(folder), max_documents=25)) == (jsonl_docs + txt_docs)[:25]
+
+
+def test_a_folder_reads_its_visible_files_whatever_else_they_hold(tmp_path, rng):
+    # Before: hidden files (an editor's backup, macOS's binary ._ files) were read as data,
+    # and files with other fields beside the text failed with "Couldn't cast".
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    docs = random_documents(rng, 20)
+    write_jsonl(folder / "a.jsonl", docs[:10])  # text and id
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs[10:]))
+    (folder / ".backup.jsonl").write_text(json.dumps({"text": "an old copy"}) + "\n")
+    (folder / "._a.jsonl").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    assert load_documents(DataConfig(dataset=str(folder))) == docs
+    # Conversations whose messages differ in layout cannot be one column: one line, not a traceback.
+    (folder / "b.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}) + "\n")
+    write_jsonl(folder / "a.jsonl", [[{"role": "user", "content": "hi"}]], field="messages")
+    with pytest.raises(UserError, match="hold their records in layouts that cannot be read as one"):
+        load_records(DataConfig(dataset=str(folder), format="chat", tokenizer="unused"))
 
 
 def test_user_errors_for_bad_data(tmp_path):
