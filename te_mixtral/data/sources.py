@@ -106,7 +106,9 @@ def _load_files(builder: str, files: list[Path]) -> list[datasets.Dataset]:
     differ: `load_records` reads one of them)."""
     try:
         # Local files all land in the "train" split; `_take_split` then slices the whole source.
-        source = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        # utf-8-sig: a byte order mark (Notepad's UTF-8) is no text of the first line.
+        source = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train",
+                                       **({"encoding": "utf-8-sig"} if builder == "text" else {}))
         # pyarrow's JSON reader does not check UTF-8 (the text builder decodes in Python): a
         # bad byte past the head `_check_text_file` reads would fail wherever it is first read.
         source.data.validate(full=True)
@@ -168,7 +170,7 @@ def _is_local(name: str) -> bool:
 def load_records(cfg: DataConfig) -> datasets.Dataset:
     """The data set's records in their stored order, `data.split` of them, as one column:
     the field that `data.format` reads (a chat layout's records turned into conversations). Texts that are empty or blank (blank lines of a .txt
-    file) are skipped; then the first `max_documents` records are kept."""
+    file) are skipped, a record without one is refused; then the first `max_documents` records are kept."""
     fmt = FORMATS[cfg.format]
     if cfg.subset is not None and (cfg.dataset == "embedded" or _is_local(cfg.dataset)):
         raise UserError(f"data.subset '{cfg.subset}' names a subset of a hub data set, and '{cfg.dataset}' is not "
@@ -196,7 +198,10 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
                         f"as one: {first_line(e)}") from None
     (field,) = records.column_names
     if not _is_hub(cfg.dataset):  # the hub loader took the split itself
-        records = _take_split(records, cfg.split)
+        all_records, records = len(records), _take_split(records, cfg.split)
+        if len(records) == 0:
+            raise UserError(f"data.split '{cfg.split}' selects none of the {all_records} records of data set "
+                            f"'{cfg.dataset}'")
     records = fmt.without_empty(records, field)
     if cfg.max_documents is not None and cfg.max_documents < len(records):
         records = records.select(range(cfg.max_documents))

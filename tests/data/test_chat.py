@@ -315,6 +315,9 @@ def test_split_slices_local_files_and_refuses_other_names(tmp_path):
     assert read("train[-5:]", max_documents=3) == texts[15:18]
     embedded = load_records(DataConfig(split="train[:10%]"))["text"]
     assert embedded == load_records(DataConfig())["text"][: len(embedded)] and len(embedded) > 0
+    for split in ("train[:0%]", "train[30:]"):  # before: "has no non-empty 'text' records", as if they were blank
+        with pytest.raises(UserError, match=re.escape(f"data.split '{split}' selects none of the 20 records")):
+            read(split)
     for split in ("test", "validation[:10%]"):
         with pytest.raises(UserError, match=re.escape(f"data.split '{split}'") + ".*one 'train' split") as info:
             read(split)

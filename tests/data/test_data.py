@@ -95,12 +95,22 @@ def test_a_folder_reads_its_visible_files_whatever_else_they_hold(tmp_path, rng)
         load_records(DataConfig(dataset=str(folder), format="chat", tokenizer="unused"))
 
 
+def test_a_windows_text_file_reads_as_its_lines(tmp_path):
+    # Notepad's UTF-8 starts with a byte order mark, which began the first document.
+    (tmp_path / "w.txt").write_bytes("\ufeffone\r\ntwo\r\n".encode())
+    assert load_documents(DataConfig(dataset=str(tmp_path / "w.txt"))) == ["one", "two"]
+
+
 def test_user_errors_for_bad_data(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_documents(DataConfig(dataset=str(tmp_path / "missing.jsonl")))
     path = write_jsonl(tmp_path / "d.jsonl", ["hello"], field="content")
     with pytest.raises(UserError, match="no field 'text'.*content"):
         load_documents(DataConfig(dataset=str(path)))
+    # A record without the field was skipped as if blank: the run trained on less than given.
+    (tmp_path / "e.jsonl").write_text('{"text": "one"}\n{"txet": "two"}\n')
+    with pytest.raises(UserError, match="record 1 has no 'text'"):
+        load_documents(DataConfig(dataset=str(tmp_path / "e.jsonl")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="holds no"):
         load_documents(DataConfig(dataset=str(tmp_path / "empty")))
