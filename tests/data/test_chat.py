@@ -282,7 +282,10 @@ def test_chat_needs_a_tokenizer_folder_with_a_template(tmp_path):
     (plain / "tokenizer.json").write_bytes((TOKENIZER / "tokenizer.json").read_bytes())
     (plain / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                              "eos_token": "</s>"}))
+    # Before, for a folder without tokenizer.json: "Couldn't instantiate the backend tokenizer from one of: ".
+    (tmp_path / "bare").mkdir()
     for tokenizer, message in ((plain, "has no chat template"), (plain / "tokenizer.json", "needs a tokenizer folder"),
+                               (tmp_path / "bare", "holds no tokenizer.json"),
                                (None, "needs a tokenizer with a chat template")):
         cfg = DataConfig(dataset=str(path), format="chat", tokenizer=tokenizer and str(tokenizer), seq_len=8)
         with pytest.raises(UserError, match=message):

@@ -84,5 +84,7 @@ def test_a_chat_run_prompts_as_a_user_turn():
     expected = tokenizer.chat.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert encode_prompt(tokenizer, "What is a list?", 1024, 32) == expected
     assert tokenizer.chat.decode(expected).endswith("[/INST]")
+    with pytest.raises(UserError, match="the generate prompt is blank"):  # before: an empty user turn, answered
+        encode_prompt(tokenizer, "", 1024, 32)
     text = replace(tokenizer, chat=None)  # the same tokenizer in a text run: the prompt as it is
     assert encode_prompt(text, "What is a list?", 1024, 32) == tokenizer.backend.encode("What is a list?").ids
