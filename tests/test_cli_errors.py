@@ -155,7 +155,7 @@ def test_an_export_whose_merged_weights_overflow_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--generate", ""], "encodes to no tokens"),
+    (["--generate", ""], "the generate prompt is blank"),
     (["--tier", "device_mxfp8", "--fp8.mode", "mxfp8-emulated", "--hidden_size", "48", "--head_dim", "24"],
      "needs model.hidden_size to be a multiple of 32, got 48"),
     (["--loss-check", "EMPTY"], "has no losses to compare with"),

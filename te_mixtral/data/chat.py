@@ -49,6 +49,8 @@ def load_chat_tokenizer(folder: str | None) -> transformers.PreTrainedTokenizerB
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many kinds for a folder it cannot read
+        if not (path / "tokenizer.json").is_file():  # its own message then lists the files it looked for, over lines
+            raise UserError(f"tokenizer folder {path} holds no tokenizer.json: chat data needs a fast tokenizer") from None
         raise UserError(f"cannot read tokenizer folder {path}: {first_line(e)}") from None
     if not tokenizer.is_fast:
         raise UserError(f"tokenizer {path} is not a fast tokenizer (no tokenizer.json)")

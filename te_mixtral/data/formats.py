@@ -51,9 +51,17 @@ class TextFormat:
         return source.select_columns([cfg.text_field])
 
     def without_empty(self, records: datasets.Dataset, field: str) -> datasets.Dataset:
-        """The records less those whose text is empty or blank (blank lines of a .txt file)."""
-        return records.filter(lambda texts: [bool(text and text.strip()) for text in texts],
-                              input_columns=field, batched=True)
+        """The records less those whose text is empty or blank (blank lines of a .txt file).
+        A record without the field (None: `datasets` fills it so) is refused, not skipped:
+        it is no blank text but a record of another kind, and skipping it would train on less
+        than given without a word."""
+        def not_blank(texts: list, indices: list[int]) -> list[bool]:
+            for text, record in zip(texts, indices):
+                if text is None:
+                    raise UserError(f"record {record} has no '{field}' (data.text_field): every record must hold "
+                                    f"its text there")
+            return [bool(text.strip()) for text in texts]
+        return records.filter(not_blank, input_columns=field, batched=True, with_indices=True)
 
     def tokenizer(self, cfg: DataConfig, records: datasets.Dataset | list) -> Tokenizer:
         # Only a BPE trained here reads the texts themselves.

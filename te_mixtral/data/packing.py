@@ -128,6 +128,12 @@ class TokenStream:
         return TokenStream(self.tokens[keep], self.ends[keep], None if self.trained is None else self.trained[keep],
                            self.lengths[keep_R])
 
+    def num_targets(self) -> int:
+        """The loss targets of the stream read end to end: each token but the first, unless
+        the one before it ends a record or it is not trained."""
+        trained = torch.ones_like(self.ends) if self.trained is None else self.trained
+        return int((trained[1:] & ~self.ends[:-1]).sum())
+
     def padded(self, length: int, eos_id: int) -> "TokenStream":
         """The stream made `length` tokens long with eos tokens that are never targets (one
         record of padding)."""
@@ -263,7 +269,12 @@ class PackedData:
         self.batch_size = batch_size
         self.grad_accum_steps = grad_accum_steps
         self.micro_batch_size = batch_size // grad_accum_steps  # global: summed over ranks
-        self.eval_stream, self.eval_samples = self._held_out(stream.records(held), self.tokenizer.eos_id)
+        held_stream = stream.records(held)
+        if held.any() and held_stream.num_targets() == 0:  # evaluation would divide 0 by 0
+            raise UserError(f"the {int(held.sum())} {unit} held out by data.eval_fraction {cfg.eval_fraction} hold no "
+                            f"target token{' (no assistant reply)' if fmt.masked else ''}, so evaluation "
+                            f"would score nothing: raise data.eval_fraction or use other data")
+        self.eval_stream, self.eval_samples = self._held_out(held_stream, self.tokenizer.eos_id)
         self.local_batch_size = self.micro_batch_size // world_size  # one rank's rows of one forward
         self.rank = rank
         self.seed = seed

@@ -6,8 +6,9 @@ of which one field is read: `data.text_field` (a text document) or, for chat dat
 
 - `embedded`: pydoc's help topics, ~0.5 MB of English prose shipped with every Python, so
   the default run needs no network and no download;
-- a local path: one .json/.jsonl/.txt file, or a folder of them (read in name order);
-  a .txt file gives one document per non-empty line;
+- a local path: one .json/.jsonl/.txt file, or a folder of them (read in name order; its
+  hidden files, as `datasets` skips them, and subfolders are not); a .txt file gives one
+  document per non-empty line;
 - anything else: a data set on the Hugging Face hub, `data.subset` and `data.split` of it.
 
 `data.split` picks records with `datasets`' split syntax (`train`, `test`, `train[:90%]`,
@@ -28,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 
 from te_mixtral.config import DataConfig
 from te_mixtral.data.formats import FORMATS
@@ -48,9 +50,11 @@ def _embedded_dataset(text_field: str) -> datasets.Dataset:
 
 
 def _local_datasets(path: Path) -> list[datasets.Dataset]:
-    """A file, or every .json/.jsonl/.txt file directly inside a folder (in name order)."""
+    """A file, or every .json/.jsonl/.txt file directly inside a folder (in name order) but
+    hidden ones: an editor's backup, macOS's binary `._` twins."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS and p.is_file())
+        files = sorted(p for p in path.iterdir()
+                       if p.suffix in LOCAL_BUILDERS and p.is_file() and not p.name.startswith("."))
         if not files:
             raise UserError(f"folder {path} holds no {'/'.join(LOCAL_BUILDERS)} files")
     elif path.suffix in LOCAL_BUILDERS:
@@ -61,8 +65,8 @@ def _local_datasets(path: Path) -> list[datasets.Dataset]:
     for file in files:
         _check_text_file(file)
     # json and text files need different builders, so each run of same-kind files is one call.
-    return [_load_files(builder, list(run))
-            for builder, run in itertools.groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix])]
+    return [source for builder, run in itertools.groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix])
+            for source in _load_files(builder, list(run))]
 
 
 def _check_text_file(path: Path) -> None:
@@ -91,20 +95,27 @@ def _cause(error: Exception) -> str:
     while e is not None and len(chain) < 10:
         chain.append(e)
         e = e.__cause__ or e.__context__
-    if any(isinstance(e, UnicodeDecodeError) for e in chain):
+    if any(isinstance(e, UnicodeDecodeError) or isinstance(e, pa.ArrowInvalid) and "UTF8" in str(e) for e in chain):
         return "not UTF-8 text"
     return first_line(chain[1] if isinstance(error, datasets.exceptions.DatasetGenerationError) and len(chain) > 1
                       else error)
 
 
-def _load_files(builder: str, files: list[Path]) -> datasets.Dataset:
+def _load_files(builder: str, files: list[Path]) -> list[datasets.Dataset]:
+    """The files as one source, or one each where they do not make one table (their fields
+    differ: `load_records` reads one of them)."""
     try:
         # Local files all land in the "train" split; `_take_split` then slices the whole source.
-        return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        # utf-8-sig: a byte order mark (Notepad's UTF-8) is no text of the first line.
+        source = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train",
+                                       **({"encoding": "utf-8-sig"} if builder == "text" else {}))
+        # pyarrow's JSON reader does not check UTF-8 (the text builder decodes in Python): a
+        # bad byte past the head `_check_text_file` reads would fail wherever it is first read.
+        source.data.validate(full=True)
+        return [source]
     except Exception as e:
-        if len(files) > 1:  # find the file at fault: loaded alone, it raises naming itself
-            for file in files:
-                _load_files(builder, [file])
+        if len(files) > 1:  # the file at fault, loaded alone, raises naming itself; else they differ
+            return [source for file in files for source in _load_files(builder, [file])]
         raise UserError(f"cannot read {', '.join(map(str, files))}: {_cause(e)}") from None
 
 
@@ -159,7 +170,7 @@ def _is_local(name: str) -> bool:
 def load_records(cfg: DataConfig) -> datasets.Dataset:
     """The data set's records in their stored order, `data.split` of them, as one column:
     the field that `data.format` reads (a chat layout's records turned into conversations). Texts that are empty or blank (blank lines of a .txt
-    file) are skipped; then the first `max_documents` records are kept."""
+    file) are skipped, a record without one is refused; then the first `max_documents` records are kept."""
     fmt = FORMATS[cfg.format]
     if cfg.subset is not None and (cfg.dataset == "embedded" or _is_local(cfg.dataset)):
         raise UserError(f"data.subset '{cfg.subset}' names a subset of a hub data set, and '{cfg.dataset}' is not "
@@ -180,10 +191,17 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
                 raise UserError(
                     f"data set '{cfg.dataset}' has no field '{field}' (fields: {', '.join(source.column_names)}); "
                     f"{fmt.missing_field_advice(cfg, source.column_names)}")
-    records = datasets.concatenate_datasets([fmt.records(cfg, source) for source in sources])
+    try:
+        records = datasets.concatenate_datasets([fmt.records(cfg, source) for source in sources])
+    except ValueError as e:  # files whose conversations differ in layout: a message's keys
+        raise UserError(f"the files of data set '{cfg.dataset}' hold their records in layouts that cannot be read "
+                        f"as one: {first_line(e)}") from None
     (field,) = records.column_names
     if not _is_hub(cfg.dataset):  # the hub loader took the split itself
-        records = _take_split(records, cfg.split)
+        all_records, records = len(records), _take_split(records, cfg.split)
+        if len(records) == 0:
+            raise UserError(f"data.split '{cfg.split}' selects none of the {all_records} records of data set "
+                            f"'{cfg.dataset}'")
     records = fmt.without_empty(records, field)
     if cfg.max_documents is not None and cfg.max_documents < len(records):
         records = records.select(range(cfg.max_documents))

@@ -98,6 +98,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, max_positions: int, max_new
     header included), or a one-line `UserError` when they leave no room for the
     `max_new_tokens` asked for (generation would stop short without a word). The training
     loop calls this before the first step too, so a bad prompt does not wait for training."""
+    if not prompt.strip():  # a chat template would make it an empty user turn, and answer that
+        raise UserError("the generate prompt is blank: give some text to continue")
     if tokenizer.chat is None:
         prompt_ids = tokenizer.backend.encode(prompt).ids
     else:
@@ -105,8 +107,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, max_positions: int, max_new
 
         prompt_ids = user_turn_ids(tokenizer.chat, prompt)
     if not prompt_ids:
-        raise UserError(f"the generate prompt {prompt[:40]!r} encodes to no tokens (empty, or nothing the "
-                        f"tokenizer knows); give some text")
+        raise UserError(f"the generate prompt {prompt[:40]!r} encodes to no tokens (nothing the tokenizer knows); "
+                        f"give some text")
     if len(prompt_ids) >= max_positions:
         raise UserError(f"the generate prompt is {len(prompt_ids)} tokens, which leaves no room to generate "
                         f"within model.max_position_embeddings ({max_positions})")

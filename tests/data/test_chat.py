@@ -282,7 +282,10 @@ def test_chat_needs_a_tokenizer_folder_with_a_template(tmp_path):
     (plain / "tokenizer.json").write_bytes((TOKENIZER / "tokenizer.json").read_bytes())
     (plain / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                              "eos_token": "</s>"}))
+    # Before, for a folder without tokenizer.json: "Couldn't instantiate the backend tokenizer from one of: ".
+    (tmp_path / "bare").mkdir()
     for tokenizer, message in ((plain, "has no chat template"), (plain / "tokenizer.json", "needs a tokenizer folder"),
+                               (tmp_path / "bare", "holds no tokenizer.json"),
                                (None, "needs a tokenizer with a chat template")):
         cfg = DataConfig(dataset=str(path), format="chat", tokenizer=tokenizer and str(tokenizer), seq_len=8)
         with pytest.raises(UserError, match=message):
@@ -315,6 +318,9 @@ def test_split_slices_local_files_and_refuses_other_names(tmp_path):
     assert read("train[-5:]", max_documents=3) == texts[15:18]
     embedded = load_records(DataConfig(split="train[:10%]"))["text"]
     assert embedded == load_records(DataConfig())["text"][: len(embedded)] and len(embedded) > 0
+    for split in ("train[:0%]", "train[30:]"):  # before: "has no non-empty 'text' records", as if they were blank
+        with pytest.raises(UserError, match=re.escape(f"data.split '{split}' selects none of the 20 records")):
+            read(split)
     for split in ("test", "validation[:10%]"):
         with pytest.raises(UserError, match=re.escape(f"data.split '{split}'") + ".*one 'train' split") as info:
             read(split)

@@ -21,7 +21,7 @@ import torch
 from te_mixtral.config import DataConfig
 from te_mixtral.data import packing
 from te_mixtral.data.packing import PackedData, batch_from_windows
-from te_mixtral.data.sources import load_documents
+from te_mixtral.data.sources import load_documents, load_records
 from te_mixtral.data.tokenizer import load_tokenizer, train_tokenizer
 from te_mixtral.errors import UserError
 
@@ -77,12 +77,40 @@ def test_local_jsonl_txt_and_folder(tmp_path, rng):
     assert load_documents(DataConfig(dataset=str(folder), max_documents=25)) == (jsonl_docs + txt_docs)[:25]
 
 
+def test_a_folder_reads_its_visible_files_whatever_else_they_hold(tmp_path, rng):
+    # Before: hidden files (an editor's backup, macOS's binary ._ files) were read as data,
+    # and files with other fields beside the text failed with "Couldn't cast".
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    docs = random_documents(rng, 20)
+    write_jsonl(folder / "a.jsonl", docs[:10])  # text and id
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs[10:]))
+    (folder / ".backup.jsonl").write_text(json.dumps({"text": "an old copy"}) + "\n")
+    (folder / "._a.jsonl").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    assert load_documents(DataConfig(dataset=str(folder))) == docs
+    # Conversations whose messages differ in layout cannot be one column: one line, not a traceback.
+    (folder / "b.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}) + "\n")
+    write_jsonl(folder / "a.jsonl", [[{"role": "user", "content": "hi"}]], field="messages")
+    with pytest.raises(UserError, match="hold their records in layouts that cannot be read as one"):
+        load_records(DataConfig(dataset=str(folder), format="chat", tokenizer="unused"))
+
+
+def test_a_windows_text_file_reads_as_its_lines(tmp_path):
+    # Notepad's UTF-8 starts with a byte order mark, which began the first document.
+    (tmp_path / "w.txt").write_bytes("\ufeffone\r\ntwo\r\n".encode())
+    assert load_documents(DataConfig(dataset=str(tmp_path / "w.txt"))) == ["one", "two"]
+
+
 def test_user_errors_for_bad_data(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_documents(DataConfig(dataset=str(tmp_path / "missing.jsonl")))
     path = write_jsonl(tmp_path / "d.jsonl", ["hello"], field="content")
     with pytest.raises(UserError, match="no field 'text'.*content"):
         load_documents(DataConfig(dataset=str(path)))
+    # A record without the field was skipped as if blank: the run trained on less than given.
+    (tmp_path / "e.jsonl").write_text('{"text": "one"}\n{"txet": "two"}\n')
+    with pytest.raises(UserError, match="record 1 has no 'text'"):
+        load_documents(DataConfig(dataset=str(tmp_path / "e.jsonl")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="holds no"):
         load_documents(DataConfig(dataset=str(tmp_path / "empty")))
@@ -93,10 +121,12 @@ def test_user_errors_for_bad_data(tmp_path):
     ("a.txt", b"  \n\n", "is empty"),
     ("a.txt", bytes(range(256)) * 4, "is not UTF-8 text"),
     ("a.jsonl", b'{"text": "caf\xe9"}\n', "is not UTF-8 text"),
+    # Past the head that is checked before reading: pyarrow's JSON reader lets it through.
+    ("a.jsonl", b'{"text": "fine"}\n' * 5000 + b'{"text": "caf\xe9"}\n', ": not UTF-8 text"),
     ("a.txt", b"text\x00with\x00NUL bytes", "holds NUL bytes"),
     ("a.jsonl", b'{"text": "one"}\n{"text": "two"\n', "Missing a comma"),
     ("a.json", b'[{"text": "one"}, ', "cannot read"),
-], ids=["empty", "blank", "binary", "latin-1", "nul", "bad-jsonl", "bad-json"])
+], ids=["empty", "blank", "binary", "latin-1", "late-latin-1", "nul", "bad-jsonl", "bad-json"])
 def test_a_bad_data_file_is_named_with_what_is_wrong(tmp_path, name, content, message):
     """Alone or among good files, the bad one is named: `datasets` itself says only "An error
     occurred while generating the dataset"."""

@@ -3,6 +3,7 @@
 (The end-to-end checks, EP=2 eval loss and generation against transformers on an exported
 checkpoint, are in test_checkpoint_hf_out.py; greedy generation itself in test_generate.py.)"""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -43,6 +44,17 @@ def test_a_share_of_a_small_chat_file_is_held_out_by_conversation():
     assert sum(int((b.labels != -100).sum()) for b in data.eval_batches()) == int(trained[1:].sum())
 
 
+def test_held_out_records_with_nothing_to_score_are_refused(tmp_path):
+    # Before: the run trained, then evaluated 0 targets: loss and perplexity nan, exit 0.
+    records = (REPO / "examples" / "chat.jsonl").read_text().splitlines()
+    for i in held_out_records(len(records), 0.025).nonzero().flatten().tolist():
+        records[i] = json.dumps({"messages": [{"role": "user", "content": "A question nobody answers?"}]})
+    (tmp_path / "c.jsonl").write_text("\n".join(records) + "\n")
+    cfg = replace(CHAT, dataset=str(tmp_path / "c.jsonl"), eval_fraction=0.025)
+    with pytest.raises(UserError, match="the 1 conversations held out .* hold no target token"):
+        PackedData(cfg, batch_size=4, rank=0, world_size=1, seed=0)
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_training_never_reads_a_held_out_record(accum):
     cfg = DataConfig(seq_len=64, eval_fraction=0.1)
@@ -72,5 +84,7 @@ def test_a_chat_run_prompts_as_a_user_turn():
     expected = tokenizer.chat.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert encode_prompt(tokenizer, "What is a list?", 1024, 32) == expected
     assert tokenizer.chat.decode(expected).endswith("[/INST]")
+    with pytest.raises(UserError, match="the generate prompt is blank"):  # before: an empty user turn, answered
+        encode_prompt(tokenizer, "", 1024, 32)
     text = replace(tokenizer, chat=None)  # the same tokenizer in a text run: the prompt as it is
     assert encode_prompt(text, "What is a list?", 1024, 32) == tokenizer.backend.encode("What is a list?").ids

@@ -99,8 +99,9 @@ def test_a_reference_that_can_only_fail_is_refused_before_training():
 def test_a_prompt_that_leaves_nothing_to_generate_is_refused(tokenizer):
     prompt_ids = encode_prompt(tokenizer, "text number", 64, 1)
     assert encode_prompt(tokenizer, "text number", 64, 64 - len(prompt_ids)) == prompt_ids
-    with pytest.raises(UserError, match="encodes to no tokens"):
-        encode_prompt(tokenizer, "", 64, 1)
+    for blank in ("", " \n "):  # before: blank text generated from a few spaces' tokens
+        with pytest.raises(UserError, match="the generate prompt is blank"):
+            encode_prompt(tokenizer, blank, 64, 1)
     with pytest.raises(UserError, match="leaves no room to generate"):
         encode_prompt(tokenizer, "text number " * 40, 64, 1)
     # More new tokens than the context holds: refused, not cut short without a word.
