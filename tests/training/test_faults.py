@@ -107,7 +107,7 @@ def test_an_unwritable_export_folder_is_refused(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(UserError, match="is not writable"):
+    with pytest.raises(UserError, match="parent folder .*a_file is a file, not a folder"):
         check_export_space(model, blocker / "hf", Layout(0, 1, 1, None, None), torch.float32)
 
 
