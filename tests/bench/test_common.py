@@ -4,6 +4,7 @@ leaves the warm-up out; `--json` writes the payload with its run header."""
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import pkgutil
 import time
@@ -14,6 +15,10 @@ from conftest import REPO
 
 import benchmarks
 from benchmarks import common
+
+# What a header records: the installed distribution's version (its metadata), which on some images
+# lacks the local "+cu130" that torch.__version__ carries.
+TORCH_VERSION = importlib.metadata.version("torch")
 
 MODULES = sorted(name for _, name, _ in pkgutil.iter_modules(benchmarks.__path__))
 SHARED = {"common", "custom_grouped_ops", "gemm_floors", "lora_base_compare", "peers",
@@ -68,10 +73,10 @@ def test_json_is_the_one_output_flag_and_carries_the_header(tmp_path, capsys):
     common.write_json(args.json, {"header": header, "rows": [1, 2]})
     written = json.loads(path.read_text())
     assert written["rows"] == [1, 2] and written["header"]["device"] == "cpu"
-    assert written["header"]["sizes"] == {"hidden": 8} and written["header"]["versions"]["torch"] == torch.__version__
+    assert written["header"]["sizes"] == {"hidden": 8} and written["header"]["versions"]["torch"] == TORCH_VERSION
     assert capsys.readouterr().out == f"wrote {path}\n"
     line = common.header_line(header)
-    assert line.startswith(f"date {header['date']}  device cpu  torch {torch.__version__}")
+    assert line.startswith(f"date {header['date']}  device cpu  torch {TORCH_VERSION}")
     common.write_json(parser.parse_args([]).json, {"header": header})  # no --json: nothing written
     assert list(tmp_path.rglob("*.json")) == [path]
 
