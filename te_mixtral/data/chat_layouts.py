@@ -13,11 +13,14 @@ renders: a list of `{"role": "system" | "user" | "assistant", "content": ...}` p
   An optional `system` field opens the conversation.
 
 Each is one `datasets.map` over a source, after which the record's column is `messages`:
-the records read from files are cached with the rest of `datasets`' work. A message or
+the records read from files are cached with the rest of `datasets`' work, under a key of ours
+(`LAYOUTS_RECIPE`): `datasets` would name the map by the function's module and name, not its
+code, and hand back records converted by an older te_mixtral. A message or
 record the layout cannot read is refused in one line naming the record (the rest of the
 checks, roles and contents, are chat.py's as the records are rendered).
 """
 
+import hashlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,6 +29,8 @@ import datasets
 from te_mixtral.errors import UserError
 
 MESSAGES = "messages"  # the column every layout is turned into
+# Part of the cache key of converted records: change it whenever a conversion changes.
+LAYOUTS_RECIPE = "layouts-1"
 ROLES = ("system", "user", "assistant")
 ALPACA_FIELDS = ("instruction", "input", "output")
 
@@ -91,6 +96,9 @@ def _alpaca(read: tuple[str, ...], *batch) -> dict[str, list]:
     for i, record in enumerate(records):
         instruction, given, output = (columns[key][i] if key in columns else "" for key in ALPACA_FIELDS)
         for key, value in zip(ALPACA_FIELDS, (instruction, given, output)):
+            if value is None and key != "input":  # the input is optional; the exchange is not
+                raise UserError(f"alpaca record {record}: '{key}' is null; each record needs its instruction "
+                                f"and the output to train on")
             if value is not None and not isinstance(value, str):
                 raise UserError(f"alpaca record {record}: '{key}' must be text, got {value!r:.80}")
         system = columns["system"][i] if "system" in columns else None
@@ -105,7 +113,8 @@ def as_messages(source: datasets.Dataset, layout: MessageLayout) -> datasets.Dat
     if layout.is_standard:
         return source.select_columns([MESSAGES])
     return source.map(partial(_mapped, layout), batched=True, input_columns=layout.field, with_indices=True,
-                      remove_columns=source.column_names, desc="reading conversations")
+                      remove_columns=source.column_names, new_fingerprint=_key(source, layout),
+                      desc="reading conversations")
 
 
 def alpaca_as_messages(source: datasets.Dataset) -> datasets.Dataset:
@@ -114,4 +123,11 @@ def alpaca_as_messages(source: datasets.Dataset) -> datasets.Dataset:
     read = [key for key in (*ALPACA_FIELDS, "system") if key in source.column_names]
     return source.map(partial(_alpaca, tuple(read)), batched=True,
                       input_columns=read, with_indices=True, remove_columns=source.column_names,
-                      desc="reading conversations")
+                      new_fingerprint=_key(source, "alpaca", read), desc="reading conversations")
+
+
+def _key(source: datasets.Dataset, *conversion) -> str:
+    """The converted records' cache key: the source's own (`_fingerprint`, `datasets`' name
+    for its state), the recipe and what the conversion reads."""
+    text = "\0".join([LAYOUTS_RECIPE, source._fingerprint, repr(conversion)])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

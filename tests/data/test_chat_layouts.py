@@ -8,12 +8,15 @@ and its eos, nothing else. Records a layout cannot read are refused in one line.
 import json
 import re
 
+import datasets
 import pytest
 import transformers
 from conftest import REPO
 from launch import assert_one_line_error, run_cli
 
 from te_mixtral.config import DataConfig, load_config
+from te_mixtral.data import chat_layouts
+from te_mixtral.data.chat_layouts import MESSAGES
 from te_mixtral.data.packing import PackedData
 from te_mixtral.errors import UserError
 
@@ -86,6 +89,8 @@ def test_a_mapped_layout_reads_as_the_same_conversations(tmp_path):
     ("chat", {"roles": "human=user"}, {"messages": []}, "data.roles: 'human=user' is not THEIRS:OURS"),
     ("chat", {"roles": "human:person"}, {"messages": []}, "data.roles: 'human:person' is not THEIRS:OURS"),
     ("alpaca", {}, {"instruction": "x", "input": "", "output": 3}, "alpaca record 0: 'output' must be text"),
+    ("alpaca", {}, {"instruction": "x", "input": None, "output": None}, "alpaca record 0: 'output' is null"),
+    ("alpaca", {}, {"instruction": None, "output": "y"}, "alpaca record 0: 'instruction' is null"),
 ])
 def test_records_a_layout_cannot_read_are_refused_naming_them(tmp_path, fmt, keys, row, fragment):
     data = write_jsonl(tmp_path / "data.jsonl", [row])
@@ -107,3 +112,24 @@ def test_an_alpaca_run_trains_from_the_command_line(tmp_path):
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
     assert_one_line_error(run_cli(["--config", "configs/tiny-chat.yaml", "--format", "sharegpt", "--steps", "1",
                                    "--output-dir", str(tmp_path / "bad")]), "no field 'conversations'")
+
+
+def test_converted_records_are_cached_under_the_conversion_recipe(tmp_path, monkeypatch):
+    """`datasets` names a map by its function's module and name, not its code: a conversion
+    changed in a later te_mixtral would be handed the records an older one converted. The
+    recipe in the cache key is what a change of conversion bumps: under the same recipe the
+    cache answers (the hazard), under a new one the new conversion runs."""
+    data = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "x", "input": "", "output": "y"}])
+    source = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "cache"))
+
+    def reply(records):
+        return [messages[-1]["content"] for messages in records[MESSAGES]]
+
+    assert reply(chat_layouts.alpaca_as_messages(source)) == ["y"]
+    def changed(read, *batch):
+        return {MESSAGES: [[{"role": "user", "content": "x"}, {"role": "assistant", "content": "changed"}]]}
+
+    monkeypatch.setattr(chat_layouts, "_alpaca", changed)
+    assert reply(chat_layouts.alpaca_as_messages(source)) == ["y"]  # the cache, not the new code
+    monkeypatch.setattr(chat_layouts, "LAYOUTS_RECIPE", "layouts-next")
+    assert reply(chat_layouts.alpaca_as_messages(source)) == ["changed"]
