@@ -153,7 +153,7 @@ class RunLog:
                 self._file = path.open("wb", buffering=0)
         except OSError as e:
             raise write_failure(str(path), e) from None
-        self._trackers = start_trackers(output_dir, cfg)
+        self._trackers = start_trackers(output_dir, cfg, first_step)
         # disable=None: no bar where stderr is not a terminal (a log, a pipe).
         self._bar = tqdm(total=total, initial=first_step - 1, unit="step", file=sys.stderr, disable=None,
                          dynamic_ncols=True)

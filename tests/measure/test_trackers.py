@@ -100,6 +100,9 @@ def test_report_to_names_trackers(tmp_path):
     for bad in ("wandb,comet", "none,wandb", ""):
         with pytest.raises(UserError, match="report_to must be none or any of tensorboard, wandb, mlflow"):
             load_config(None, {"report_to": bad})
+    # Twice would start it twice: every step twice in TensorBoard, a second MLflow run refused.
+    with pytest.raises(UserError, match="report_to names tensorboard twice"):
+        load_config(None, {"report_to": "tensorboard,wandb, tensorboard"})
     # The old switch, on the command line and in a config file, is report_to tensorboard.
     assert load_config(None, {"tensorboard": "true"}).report_to == "tensorboard"
     old = tmp_path / "old.yaml"
