@@ -110,5 +110,7 @@ def start_trackers(output_dir: Path, cfg: RunConfig, first_step: int) -> list:
         try:
             started.append(TRACKERS[name](output_dir, cfg, first_step))
         except Exception as e:  # each package raises its own kinds
+            for tracker in started:  # the run is refused: the ones started end with it
+                tracker.close()
             raise UserError(f"report_to {name} could not start: {first_line(e)}") from None
     return started
