@@ -298,8 +298,9 @@ def test_capacity_by_name_or_size():
     assert parse_capacity("80GiB") == 80 * GiB
     assert parse_capacity("141GB") == 141 * 10**9
     assert parse_capacity(" 24 gb ") == 24 * 10**9
-    with pytest.raises(UserError, match="must name a GPU"):
-        parse_capacity("a100-ish")
+    for nonsense in ("a100-ish", "0GB", "0.0 GiB"):  # no GPU holds nothing
+        with pytest.raises(UserError, match="must name a GPU"):
+            parse_capacity(nonsense)
 
 
 def test_estimate_memory_prints_the_table_and_builds_nothing():
