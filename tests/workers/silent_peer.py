@@ -1,9 +1,10 @@
-"""torchrun worker (4 ranks, EP=2 x DP=2): every process group a run makes gives up on a
-silent peer after the run's dist_timeout_s, as the world group does. Rank 3 stays alive and
-says nothing (as a rank stopped, or stuck in a kernel, does); the other ranks all-reduce on
-each of their groups that holds it: the layout's EP and expert-replica groups and the
-gradient reducer's own (te_mixtral/distributed/overlap.py). torch gives a group made after
-the world group its own default timeout (30 minutes for gloo, 10 for NCCL), not the world's.
+"""torchrun worker (4 ranks, EP=2 x DP=2): every process group a run makes after the world's
+gives up on a silent peer after the run's dist_timeout_s, as the world group does. Rank 3
+stays alive and says nothing (as a rank stopped, or stuck in a kernel, does); the other ranks
+all-reduce on each of their groups that holds it: the layout's EP and expert-replica groups
+and the gradient reducer's own (te_mixtral/distributed/overlap.py). torch gives a group made
+after the world group its own default timeout (30 minutes for gloo, 10 for NCCL), not the
+world's.
 
 Usage: torchrun --nproc_per_node=4 tests/workers/silent_peer.py OUT_DIR TIMEOUT_S
 Writes OUT_DIR/rank{r}.json on ranks 0-2: for each group holding rank 3, [name, whether the
@@ -15,18 +16,22 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from te_mixtral.distributed.layout import init_layout
+from te_mixtral.distributed.layout import init_layout, mesh_layout
 from te_mixtral.distributed.overlap import GradientReducer
 
 SILENT, WAIT_S = 3, 40
 out_dir, timeout_s = Path(sys.argv[1]), int(sys.argv[2])
-layout = init_layout(2, "cpu", timeout_s)
+# Started with time to spare (ranks busy importing on a loaded machine reach it seconds apart),
+# then the layout's groups made again as a run makes them, with the timeout under test.
+init_layout(2, "cpu", 120)
+layout = mesh_layout(2, "cpu", timedelta(seconds=timeout_s))
 # A dense weight and an expert one (its name holds `.experts.`) give the reducer both its groups.
 model = nn.Module()
 model.attention, model.mlp = nn.Linear(2, 2), nn.Module()
