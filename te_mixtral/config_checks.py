@@ -52,6 +52,8 @@ def validate(cfg, world_size: int = 1) -> None:
     trackers = [name.strip() for name in cfg.report_to.split(",")]
     _check(all(name in REPORT_TO for name in trackers) and ("none" not in trackers or len(trackers) == 1),
            f"report_to must be none or any of {', '.join(REPORT_TO[1:])}, comma-separated; got {cfg.report_to!r}")
+    twice = next((name for name in trackers if trackers.count(name) > 1), None)
+    _check(twice is None, f"report_to names {twice} twice; name each tracker once")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
     _check(d.format == "text" or d.tokenizer is not None or cfg.model_path is not None,
            f"data.format {d.format} needs a tokenizer with a chat template: set data.tokenizer to its folder "

@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
 from te_mixtral.distributed.launcher_env import world_size_from_env
@@ -45,6 +46,8 @@ class Layout:
     # The same layout as a DeviceMesh of shape (replicas, EP), dims named "replica" and "ep":
     # the groups above are its dims' groups. FSDP shards over it (distributed/parallelize.py).
     mesh: DeviceMesh | None = None
+    # How long a collective waits for a silent peer, on every group (`timed_mesh`).
+    timeout: timedelta | None = None
 
     @property
     def ep_rank(self) -> int:
@@ -64,16 +67,30 @@ def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return mesh_layout(ep_size, device)
+    return mesh_layout(ep_size, device, timedelta(seconds=timeout_s))
 
 
-def mesh_layout(ep_size: int, device: str) -> Layout:
+def mesh_layout(ep_size: int, device: str, timeout: timedelta) -> Layout:
     """The layout of EP groups of `ep_size` over the started world, its groups made anew."""
     world = dist.get_world_size()
     # Row-major, so mesh[replica][ep_rank] = replica * EP + ep_rank as above. The mesh creates
     # every group on every rank in one order (new_group is collective).
-    mesh = init_device_mesh(device, (world // ep_size, ep_size), mesh_dim_names=("replica", "ep"))
-    return Layout(dist.get_rank(), world, ep_size, mesh.get_group("ep"), mesh.get_group("replica"), mesh)
+    mesh = timed_mesh(device, (world // ep_size, ep_size), ("replica", "ep"), timeout)
+    return Layout(dist.get_rank(), world, ep_size, mesh.get_group("ep"), mesh.get_group("replica"), mesh, timeout)
+
+
+def timed_mesh(device: str, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta) -> DeviceMesh:
+    """`init_device_mesh`, each of whose groups gives up on a silent peer after `timeout`
+    (dist_timeout_s), as the world group does. torch gives every group made after the world
+    group its backend's default instead (30 minutes for gloo, 10 for NCCL): a stopped or stuck
+    rank would hold the others that long in the EP all-to-all or a gradient sum. Set on the
+    groups made, as torchtitan's `set_pg_timeouts` does: passing the timeout in backend options
+    would also make a dim that spans the world a group of its own (another NCCL communicator)
+    rather than the world group itself."""
+    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    for name in names:
+        _set_pg_timeout(timeout, mesh.get_group(name))
+    return mesh
 
 
 def shutdown(wait_for_peers: bool = False) -> None:

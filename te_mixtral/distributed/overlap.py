@@ -42,9 +42,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from te_mixtral.distributed.layout import Layout, is_expert_param
+from te_mixtral.distributed.layout import Layout, is_expert_param, timed_mesh
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough for the bandwidth, small enough to start early
 
@@ -70,9 +69,10 @@ class GradientReducer:
     """Sums a model's gradients over `layout` during its backward (the module docstring)."""
 
     def __init__(self, model: nn.Module, layout: Layout, bucket_bytes: int = BUCKET_BYTES):
-        mesh = init_device_mesh(layout.mesh.device_type, tuple(layout.mesh.shape), mesh_dim_names=("replica", "ep"))
+        mesh = timed_mesh(layout.mesh.device_type, tuple(layout.mesh.shape), ("replica", "ep"), layout.timeout)
         # Experts of an EP group as wide as the world have no replicas: nothing to sum.
-        groups = {"dense": dist.new_group(), "experts": mesh.get_group("replica") if mesh.size(0) > 1 else None}
+        groups = {"dense": dist.new_group(timeout=layout.timeout),
+                  "experts": mesh.get_group("replica") if mesh.size(0) > 1 else None}
         self.queues = {kind: _Queue() for kind, group in groups.items() if group is not None}
         self.sync = True
         filling: dict[tuple[str, torch.dtype], _Bucket] = {}

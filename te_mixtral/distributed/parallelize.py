@@ -38,11 +38,10 @@ Checkpoints see a sharded run's tensors as global ones, as they see an unsharded
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from te_mixtral.distributed.layout import Layout, all_reduce_gradients
+from te_mixtral.distributed.layout import Layout, all_reduce_gradients, timed_mesh
 from te_mixtral.distributed.overlap import GradientReducer
 
 
@@ -64,7 +63,7 @@ def parallelize(model: nn.Module, layout: Layout, sharding: str) -> nn.Module:
         model.gradient_reducer = GradientReducer(model, layout)
         return model
     device_type = layout.mesh.device_type
-    dense_mesh = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
+    dense_mesh = timed_mesh(device_type, (layout.world_size,), ("world",), layout.timeout)
     expert_mesh = layout.mesh["replica"]
     # Reduce in fp32 whatever the parameters' dtype; the parameters stay as they are.
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)

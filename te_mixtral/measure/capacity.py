@@ -44,9 +44,10 @@ def parse_capacity(text: str) -> int:
     if name in GPUS:
         return GPUS[name]
     match = _SIZE.match(name)
-    if not match:
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()]) if match else 0
+    if size <= 0:  # no size, or no memory at all
         raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return size
 
 
 def available_ram() -> int:

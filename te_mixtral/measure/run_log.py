@@ -142,6 +142,9 @@ class RunLog:
             return
         path = output_dir / STEPS_FILE
         self.unwritten: list[str] = []  # what could not be written (a full disk), for the run's last line
+        # First: a tracker that cannot start refuses the run, which must then leave no log (an
+        # empty steps.jsonl reads as the log of a run that did not finish).
+        self._trackers = start_trackers(output_dir, cfg, first_step)
         try:
             if cfg.resume and path.exists():
                 kept = _kept_lines(path, first_step)
@@ -152,8 +155,9 @@ class RunLog:
             else:
                 self._file = path.open("wb", buffering=0)
         except OSError as e:
+            for tracker in self._trackers:
+                tracker.close()
             raise write_failure(str(path), e) from None
-        self._trackers = start_trackers(output_dir, cfg)
         # disable=None: no bar where stderr is not a terminal (a log, a pipe).
         self._bar = tqdm(total=total, initial=first_step - 1, unit="step", file=sys.stderr, disable=None,
                          dynamic_ncols=True)

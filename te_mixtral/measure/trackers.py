@@ -18,7 +18,10 @@ Where each writes is its own settings', as with the Trainer:
   (default te_mixtral) at `MLFLOW_TRACKING_URI` (a server, or `file:` a local folder), with the
   run's config as its parameters.
 
-Each is flushed (or sends) as it logs, so a run that dies keeps its steps so far.
+Each is flushed (or sends) as it logs, so a run that dies keeps its steps so far. Its resume
+(`resume`, into the same output folder) goes on from its last checkpoint: TensorBoard hides the
+steps the dead run logged past it (`purge_step`), as steps.jsonl drops their lines; wandb and
+MLflow start a run of their own beside the dead one, which keeps all it logged.
 """
 
 import importlib.util
@@ -47,10 +50,13 @@ def check_trackers(cfg: RunConfig) -> None:
 
 
 class TensorBoard:
-    def __init__(self, output_dir: Path, cfg: RunConfig):
+    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(output_dir))
+        # A resumed run goes on from its checkpoint, but the run it resumes may have logged
+        # steps past it before it died, into its own event file: TensorBoard hides those
+        # (`purge_step`), as steps.jsonl drops their lines.
+        self.writer = SummaryWriter(log_dir=str(output_dir), purge_step=first_step)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
@@ -62,7 +68,7 @@ class TensorBoard:
 
 
 class WandB:
-    def __init__(self, output_dir: Path, cfg: RunConfig):
+    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int):
         import wandb
 
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "te_mixtral"), name=output_dir.name,
@@ -76,7 +82,7 @@ class WandB:
 
 
 class MLflow:
-    def __init__(self, output_dir: Path, cfg: RunConfig):
+    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int):
         import mlflow
 
         self.mlflow = mlflow
@@ -95,14 +101,16 @@ TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 assert set(TRACKERS) == set(PACKAGES)
 
 
-def start_trackers(output_dir: Path, cfg: RunConfig) -> list:
-    """The trackers `report_to` names, started (rank 0's: the others start none). One that
-    cannot start (a server out of reach, a store its package refuses) is refused in one line
-    with its own reason."""
+def start_trackers(output_dir: Path, cfg: RunConfig, first_step: int) -> list:
+    """The trackers `report_to` names, started (rank 0's: the others start none) for a run
+    whose first step here is `first_step` (after 1: a resume). One that cannot start (a server
+    out of reach, a store its package refuses) is refused in one line with its own reason."""
     started = []
     for name in requested(cfg):
         try:
-            started.append(TRACKERS[name](output_dir, cfg))
+            started.append(TRACKERS[name](output_dir, cfg, first_step))
         except Exception as e:  # each package raises its own kinds
+            for tracker in started:  # the run is refused: the ones started end with it
+                tracker.close()
             raise UserError(f"report_to {name} could not start: {first_line(e)}") from None
     return started

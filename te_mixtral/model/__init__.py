@@ -11,6 +11,6 @@ Shape suffixes: see te_mixtral/__init__.py.
     lora.py               LoRA: low-rank adapters over a frozen base
     recompute.py          activation recompute (`train.recompute`)
     kv_cache.py           generation's KV cache (training/generate.py)
-    hf_config.py          our ModelConfig to and from transformers' MixtralConfig
+    hf_config.py          our ModelConfig to and from transformers' MixtralConfig; a checkpoint's folder (a hub id's downloaded)
     hf_model.py           the `hf` baselines: transformers' MixtralForCausalLM as is
 """

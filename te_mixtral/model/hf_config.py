@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 
 from te_mixtral.config import ModelConfig
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, first_line
 
 # Our `ModelConfig` field -> its `MixtralConfig` key: the same name but for the expert count.
 _SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -82,6 +82,31 @@ def _refuse_unimplemented(raw: dict, path: Path, rope_type: str, longest_sequenc
         raise UserError(f"{path}: 'attention_bias' is true, and attention biases are not implemented here")
     if raw.get("quantization_config") is not None:
         raise UserError(f"{path}: the checkpoint is quantized ('quantization_config'); fine-tune an unquantized one")
+
+
+# What a run reads of a hub checkpoint: configs, tokenizer, chat template and weights.
+CHECKPOINT_FILES = ("*.json", "*.jinja", "*.safetensors")
+
+
+def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> Path:
+    """The local folder of a checkpoint (`model_path`): `name` itself, or a hub id whose
+    `files` (patterns; the memory estimate asks for config.json alone) are downloaded to the
+    hub cache (every rank may call this, the hub client locks its cache, and a cached snapshot
+    returns at once)."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(("/", ".", "~")):
+        if not path.exists():
+            raise UserError(f"checkpoint folder {path} does not exist")
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a Hugging Face checkpoint folder (it has no config.json)")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=list(files)))
+    except Exception as e:
+        raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "
+                        f"({first_line(e)}); offline, pass a local checkpoint folder") from None
 
 
 def model_config_from_hf(checkpoint_dir: str | Path, longest_sequence: int | None = None) -> ModelConfig:

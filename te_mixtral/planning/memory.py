@@ -79,7 +79,6 @@ micro-batch's logits go when the next forward returns, before its head backward.
 import importlib.util
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from te_mixtral.config import (
     RECOMPUTE,
@@ -469,10 +468,11 @@ def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> Memor
 
 def print_estimate(cfg: RunConfig, world_size: int) -> int:
     """`--estimate-memory`: print the table for the config and layout; build nothing."""
-    if cfg.model_path is not None:  # a local checkpoint folder's config.json replaces `model`
-        from te_mixtral.model.hf_config import model_config_from_hf
+    if cfg.model_path is not None:  # the checkpoint's config.json replaces `model`; its weights are not read
+        from te_mixtral.model.hf_config import model_config_from_hf, resolve_model_path
 
-        cfg = replace(cfg, model=model_config_from_hf(Path(cfg.model_path).expanduser(), cfg.data.seq_len))
+        cfg = replace(cfg, model=model_config_from_hf(resolve_model_path(cfg.model_path, ("config.json",)),
+                                                      cfg.data.seq_len))
         validate_model(cfg)
     # --gpu names a GPU: estimate a GPU run even from a machine without one.
     device = "cuda" if cfg.gpu is not None and cfg.device != "cpu" else cfg.resolved_device()

@@ -460,8 +460,12 @@ class Checkpointer:
             # One folder however it is spelled (`/x/m`, `/x/m/`, `m` from /x); older checkpoints
             # kept only the spelling, read from here.
             if meta.get("base_model", base_model(saved_path)) != base_model(cfg.model_path):
-                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path}, "
-                                f"not {cfg.model_path}: resume with --model {saved_path}")
+                saved_base, now_base = (f"the base model {path}" if path is not None else
+                                        f"the base made from seed {seed}"
+                                        for path, seed in ((saved_path, saved_seed), (cfg.model_path, cfg.train.seed)))
+                again = f"with --model {saved_path}" if saved_path is not None else "without --model"
+                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over {saved_base}, not {now_base}: "
+                                f"resume {again}")
             if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
                 raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
                                 f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")
@@ -520,6 +524,13 @@ def _check_lora_adapters(saved: dict, cfg: RunConfig, folder: Path) -> None:
     them, which `lora.change_on_resume` allows."""
     now = to_dict(cfg)["lora"]
     saved = {key: saved.get(key, now[key]) for key in _ADAPTER_KEYS}  # older checkpoints: as now
+    if saved["rank"] != now["rank"] and 0 in (saved["rank"], now["rank"]):  # every weight, or adapters alone
+        holds, way = (("a full fine-tune's weights (lora.rank 0), not LoRA adapters", "train adapters over its weights "
+                       "with") if saved["rank"] == 0 else
+                      (f"LoRA adapters of lora.rank {saved['rank']}, not a full fine-tune's weights",
+                       "fine-tune every weight from"))
+        raise UserError(f"checkpoint {folder} holds {holds}: resume with --lora.rank {saved['rank']}, or {way} its "
+                        f"--save-hf export as --model")
     if saved["rank"] != now["rank"]:
         raise UserError(f"checkpoint {folder} was written with lora.rank {saved['rank']}, not {now['rank']} (its "
                         f"weights have other shapes): resume with --lora.rank {saved['rank']}")

@@ -64,25 +64,6 @@ from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 
-def resolve_model_path(name: str) -> Path:
-    """The local folder of a checkpoint: `name` itself, or a hub id downloaded to the hub cache
-    (configs, tokenizer, chat template and safetensors only; every rank may call this, the hub client locks
-    its cache, and a cached snapshot returns at once)."""
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith(("/", ".", "~")):
-        if not path.exists():
-            raise UserError(f"checkpoint folder {path} does not exist")
-        if not (path / "config.json").is_file():
-            raise UserError(f"{path} is not a Hugging Face checkpoint folder (it has no config.json)")
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.jinja", "*.safetensors"]))
-    except Exception as e:
-        raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "
-                        f"({first_line(e)}); offline, pass a local checkpoint folder") from None
-
 
 def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunConfig:
     """`cfg` with the checkpoint's model config, and its tokenizer when `data.tokenizer` is

@@ -54,6 +54,7 @@ from te_mixtral.measure.loss_check import check_reference
 from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog
 from te_mixtral.measure.trackers import check_trackers
+from te_mixtral.model.hf_config import resolve_model_path
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights
@@ -67,7 +68,6 @@ from te_mixtral.training.hf_checkpoint import (
     adopt_checkpoint,
     check_export_space,
     load_hf_weights,
-    resolve_model_path,
     save_hf_checkpoint,
 )
 from te_mixtral.training.optimizer import (

@@ -298,8 +298,9 @@ def test_capacity_by_name_or_size():
     assert parse_capacity("80GiB") == 80 * GiB
     assert parse_capacity("141GB") == 141 * 10**9
     assert parse_capacity(" 24 gb ") == 24 * 10**9
-    with pytest.raises(UserError, match="must name a GPU"):
-        parse_capacity("a100-ish")
+    for nonsense in ("a100-ish", "0GB", "0.0 GiB"):  # no GPU holds nothing
+        with pytest.raises(UserError, match="must name a GPU"):
+            parse_capacity(nonsense)
 
 
 def test_estimate_memory_prints_the_table_and_builds_nothing():
@@ -427,3 +428,25 @@ def test_the_estimate_names_the_fewest_layers_that_must_recompute(capsys):
                            "recompute": "selective", "gpu": "h100"}, 1)
     print_estimate(one_gpu, 1)
     assert "No layer needs recompute here: --recompute none fits too" in capsys.readouterr().out
+
+
+def test_the_estimate_reads_a_hub_ids_config(tmp_path, monkeypatch, capsys):
+    """`--estimate-memory --model owner/name`: the hub id's config.json, as a run would read it
+    (here from a hub cache laid out as huggingface_hub keeps it, offline), not a folder of that
+    name (which it read, and did not find)."""
+    import huggingface_hub.constants
+    from transformers import MixtralConfig
+
+    snapshot = tmp_path / "hub" / "models--owner--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--owner--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--owner--tiny" / "refs" / "main").write_text("0" * 40)
+    MixtralConfig(vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, num_local_experts=4).to_json_file(snapshot / "config.json")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    assert print_estimate(load_config(None, {"model_path": "owner/tiny", "seq_len": "64"}), 1) == 0
+    from_hub = capsys.readouterr().out
+    assert print_estimate(load_config(None, {"model_path": str(snapshot), "seq_len": "64"}), 1) == 0
+    assert from_hub == capsys.readouterr().out

@@ -138,7 +138,9 @@ def fake_state(loss: float):
 
 
 def test_resume_keeps_the_earlier_steps_and_drops_the_rest(tmp_path):
-    cfg = load_config(None, {"steps": "5", "output_dir": str(tmp_path)})
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(None, {"steps": "5", "output_dir": str(tmp_path), "report_to": "tensorboard"})
     log = run_log.RunLog(tmp_path, cfg, first_step=1, total=5)
     for step in (1, 2, 3):
         log.step(step, fake_state(10.0 - step), 1e-3, 0.1, 2**30, print_line=False)
@@ -155,6 +157,11 @@ def test_resume_keeps_the_earlier_steps_and_drops_the_rest(tmp_path):
     records = [json.loads(line) for line in (tmp_path / run_log.STEPS_FILE).read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in records] == [(1, 9.0), (2, 8.0), (3, 0.25)]
     assert records[-1]["step_ms"] is None and records[-1]["tokens_per_s"] is None  # a diverged step
+    # TensorBoard too: the killed run's step 3 is hidden behind the resumed run's (its events stay
+    # in their file; the resumed run's marks where they stop counting).
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("loss/train")] == [(1, 9.0), (2, 8.0), (3, 0.25)]
 
 
 def test_loss_plot_shows_the_held_out_losses(tmp_path):

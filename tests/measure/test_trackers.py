@@ -100,6 +100,9 @@ def test_report_to_names_trackers(tmp_path):
     for bad in ("wandb,comet", "none,wandb", ""):
         with pytest.raises(UserError, match="report_to must be none or any of tensorboard, wandb, mlflow"):
             load_config(None, {"report_to": bad})
+    # Twice would start it twice: every step twice in TensorBoard, a second MLflow run refused.
+    with pytest.raises(UserError, match="report_to names tensorboard twice"):
+        load_config(None, {"report_to": "tensorboard,wandb, tensorboard"})
     # The old switch, on the command line and in a config file, is report_to tensorboard.
     assert load_config(None, {"tensorboard": "true"}).report_to == "tensorboard"
     old = tmp_path / "old.yaml"
@@ -119,3 +122,15 @@ def test_a_missing_tracker_package_is_named_with_its_install(monkeypatch):
         with pytest.raises(UserError, match=rf"^report_to {name} needs the {name} package: pip install "
                                             rf"'te_mixtral\[{name}\]'$"):
             trackers.check_trackers(load_config(None, {"report_to": f"{name}"}))
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("mlflow"), reason="needs mlflow (pip install -e '.[mlflow]')")
+def test_a_tracker_that_cannot_start_leaves_no_log_behind(tmp_path, monkeypatch):
+    """Refused before step 1, the run leaves no steps.jsonl: an empty one would make the next
+    run into the folder read as one that did not finish (and be refused, as needing --resume)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'a_file' / 'mlruns'}")  # under a file: unusable
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UserError, match="report_to mlflow could not start"):
+        run_log.RunLog(tmp_path, load_config(None, {"report_to": "mlflow"}), first_step=1, total=3)
+    assert not (tmp_path / run_log.STEPS_FILE).exists()

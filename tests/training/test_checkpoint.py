@@ -459,3 +459,33 @@ def test_a_lora_base_folder_is_one_however_it_is_spelled(setup, tmp_path, monkey
     cfg, model, optimizer = _lora_run(setup, tmp_path, model_path="other")
     with pytest.raises(UserError, match="holds LoRA adapters trained over the base model"):
         ckpt.load_latest(model, optimizer, cfg)
+    # The base made from the seed has no folder: the line names it so, and how to get it back.
+    cfg, model, optimizer = _lora_run(setup, tmp_path, model_path=None)
+    with pytest.raises(UserError, match=re.escape(
+            f"trained over the base model {tmp_path}/base, not the base made from seed 1234: resume with --model "
+            f"{tmp_path}/base")):
+        ckpt.load_latest(model, optimizer, cfg)
+    save(ckpt, cfg, model, optimizer, 4)
+    cfg, model, optimizer = _lora_run(setup, tmp_path, model_path="other")
+    with pytest.raises(UserError, match=re.escape("trained over the base made from seed 1234, not the base model "
+                                                  "other: resume without --model")):
+        ckpt.load_latest(model, optimizer, cfg)
+
+
+def test_a_full_fine_tune_and_a_lora_checkpoint_are_not_resumed_as_each_other(setup, tmp_path):
+    """One holds every weight, the other adapters alone: the line says which it holds, and
+    the way from one to the other (its export as the next run's --model)."""
+    cfg, fresh, ckpt = setup
+    model, optimizer = fresh()
+    save(ckpt, cfg, model, optimizer, 2)
+    (tmp_path / "base").mkdir()
+    lora_cfg, lora_model, lora_optimizer = _lora_run(setup, tmp_path)
+    with pytest.raises(UserError, match=re.escape(
+            "holds a full fine-tune's weights (lora.rank 0), not LoRA adapters: resume with --lora.rank 0, or train "
+            "adapters over its weights with its --save-hf export as --model")):
+        ckpt.load_latest(lora_model, lora_optimizer, lora_cfg)
+    save(ckpt, lora_cfg, lora_model, lora_optimizer, 4)
+    with pytest.raises(UserError, match=re.escape(
+            "holds LoRA adapters of lora.rank 2, not a full fine-tune's weights: resume with --lora.rank 2, or "
+            "fine-tune every weight from its --save-hf export as --model")):
+        ckpt.load_latest(model, optimizer, dataclasses.replace(cfg, resume=True))

@@ -13,10 +13,10 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
-from te_mixtral.model.hf_config import model_config_from_hf
+from te_mixtral.model.hf_config import model_config_from_hf, resolve_model_path
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
-from te_mixtral.training.hf_checkpoint import load_hf_weights, resolve_model_path
+from te_mixtral.training.hf_checkpoint import load_hf_weights
 
 SINGLE = Layout(0, 1, 1, None, None)
 

@@ -91,6 +91,21 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
 
 
+def test_every_process_group_gives_up_on_a_silent_rank_after_dist_timeout_s(tmp_path):
+    """A rank stopped or stuck, not dead, says nothing: each collective waiting for it must end
+    after dist_timeout_s (then the error line, exit 3), on every group the run made, not only
+    the world's. 4 ranks (EP=2 x DP=2), whose EP and replica groups are not the world."""
+    timeout_s = 3
+    proc = run_app([str(tmp_path), str(timeout_s)], nproc=4, timeout=120, script="tests/workers/silent_peer.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probed = {}
+    for rank in range(3):
+        for name, raised, seconds in json.loads((tmp_path / f"rank{rank}.json").read_text()):
+            assert raised and seconds < 3 * timeout_s, (rank, name, seconds)
+            probed[name] = seconds
+    assert set(probed) == {"ep", "expert replicas", "reducer dense", "reducer experts"}, probed
+
+
 def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # running as root, permissions would not stop us; this does

@@ -96,7 +96,7 @@ def state_of(model, optimizer):
 layout = init_layout(2, "cpu", 120)
 for ep, moments, expert_moments in ((2, "bf16", "8bit"), (4, "fp32", "same")):
     if ep != layout.ep_size:
-        layout = mesh_layout(ep, "cpu")
+        layout = mesh_layout(ep, "cpu", layout.timeout)
     folder = out_dir / f"ep{ep}"
     cfg = load_config(None, {**MODEL, "ep_size": str(ep), "moment_dtype": moments, "expert_moments": expert_moments,
                              "checkpoint_dir": str(folder / "ckpt")}, world_size=4)
