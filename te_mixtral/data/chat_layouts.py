@@ -14,18 +14,17 @@ renders: a list of `{"role": "system" | "user" | "assistant", "content": ...}` p
 
 Each is one `datasets.map` over a source, after which the record's column is `messages`:
 the records read from files are cached with the rest of `datasets`' work, under a key of ours
-(`LAYOUTS_RECIPE`): `datasets` would name the map by the function's module and name, not its
-code, and hand back records converted by an older te_mixtral. A message or
+(`LAYOUTS_RECIPE`, data/cache_key.py says why). A message or
 record the layout cannot read is refused in one line naming the record (the rest of the
 checks, roles and contents, are chat.py's as the records are rendered).
 """
 
-import hashlib
 from dataclasses import dataclass
 from functools import partial
 
 import datasets
 
+from te_mixtral.data.cache_key import map_fingerprint
 from te_mixtral.errors import UserError
 
 MESSAGES = "messages"  # the column every layout is turned into
@@ -113,7 +112,7 @@ def as_messages(source: datasets.Dataset, layout: MessageLayout) -> datasets.Dat
     if layout.is_standard:
         return source.select_columns([MESSAGES])
     return source.map(partial(_mapped, layout), batched=True, input_columns=layout.field, with_indices=True,
-                      remove_columns=source.column_names, new_fingerprint=_key(source, layout),
+                      remove_columns=source.column_names, new_fingerprint=map_fingerprint(LAYOUTS_RECIPE, source, repr((layout,))),
                       desc="reading conversations")
 
 
@@ -123,11 +122,4 @@ def alpaca_as_messages(source: datasets.Dataset) -> datasets.Dataset:
     read = [key for key in (*ALPACA_FIELDS, "system") if key in source.column_names]
     return source.map(partial(_alpaca, tuple(read)), batched=True,
                       input_columns=read, with_indices=True, remove_columns=source.column_names,
-                      new_fingerprint=_key(source, "alpaca", read), desc="reading conversations")
-
-
-def _key(source: datasets.Dataset, *conversion) -> str:
-    """The converted records' cache key: the source's own (`_fingerprint`, `datasets`' name
-    for its state), the recipe and what the conversion reads."""
-    text = "\0".join([LAYOUTS_RECIPE, source._fingerprint, repr(conversion)])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+                      new_fingerprint=map_fingerprint(LAYOUTS_RECIPE, source, repr(("alpaca", read))), desc="reading conversations")

@@ -69,7 +69,6 @@ padded (padding is never a target) to whole global micro-batches, so every held-
 scored and every rank runs the same number of evaluation forwards.
 """
 
-import hashlib
 import sys
 from dataclasses import dataclass
 
@@ -79,6 +78,7 @@ import pyarrow.compute as pc
 import torch
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data.cache_key import map_fingerprint
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.data.sources import load_records
 from te_mixtral.data.tokenizer import Tokenizer
@@ -171,13 +171,10 @@ def token_stream(tokenizer: Tokenizer, records: datasets.Dataset, fmt) -> TokenS
     def tokenize(batch, indices):
         ids, trained = fmt.encode(tokenizer, batch, indices)
         return {"input_ids": ids} if trained is None else {"input_ids": ids, "trained": trained}
-    # The key is ours, not `datasets`' hash of `tokenize`: that would hash the transformers
-    # tokenizer object, whose hash can change once it has been called. `_fingerprint` is
-    # how `datasets` names the records' own state (no public name for it).
-    key = hashlib.sha256("\0".join([TOKENIZE_RECIPE, records._fingerprint, tokenizer.backend.to_str(),
-                                     str(tokenizer.eos_id), fmt.cache_key(tokenizer)]).encode()).hexdigest()
+    key = map_fingerprint(TOKENIZE_RECIPE, records, tokenizer.backend.to_str(), str(tokenizer.eos_id),
+                          fmt.cache_key(tokenizer))  # not `datasets`' hash of `tokenize` (cache_key.py)
     encoded = records.map(tokenize, batched=True, input_columns=field, with_indices=True,
-                          remove_columns=[field], new_fingerprint=key[:32], desc="tokenizing")
+                          remove_columns=[field], new_fingerprint=key, desc="tokenizing")
     tokens = _flat(encoded.data.column("input_ids")).to(torch.int64)
     lengths = _numpy(pc.list_value_length(encoded.data.column("input_ids"))).to(torch.int64)
     if not fmt.masked:
