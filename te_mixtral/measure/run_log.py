@@ -124,17 +124,20 @@ class RunLog:
     """The run log of rank 0; on the other ranks (`output_dir` None) every method does nothing.
 
     `first_step` is the first step this process runs, counted from 1; `total` the run's last;
-    `run_id` the run's (training/checkpoint.TrainState), written into every line.
+    `run_id` the run's (training/checkpoint.TrainState), written into every line; `saved_runs`
+    the trackers' runs its checkpoint names, {tracker: run id}, which a resume goes on in.
+    `tracker_runs` is what the run's checkpoints keep: those, and the runs its trackers started.
     """
 
     def __init__(self, output_dir: Path | None, cfg: RunConfig, first_step: int, total: int,
-                 run_id: str | None = None):
+                 run_id: str | None = None, saved_runs: dict[str, str] | None = None):
         self.output_dir = output_dir
         self.run_id = run_id
+        self.tracker_runs = dict(saved_runs or {})
         self.cfg = cfg
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         self._file = self._bar = None
-        self._trackers = []
+        self._trackers = {}
         # (step, ms) of the steps a resumed run ran before this process, from its log: the
         # step-time plot covers the whole run.
         self.earlier_step_ms: list[tuple[int, float]] = []
@@ -144,7 +147,8 @@ class RunLog:
         self.unwritten: list[str] = []  # what could not be written (a full disk), for the run's last line
         # First: a tracker that cannot start refuses the run, which must then leave no log (an
         # empty steps.jsonl reads as the log of a run that did not finish).
-        self._trackers = start_trackers(output_dir, cfg, first_step)
+        self._trackers = start_trackers(output_dir, cfg, first_step, self.tracker_runs)
+        self.tracker_runs.update({name: t.run_id for name, t in self._trackers.items() if t.run_id is not None})
         try:
             if cfg.resume and path.exists():
                 kept = _kept_lines(path, first_step)
@@ -155,7 +159,7 @@ class RunLog:
             else:
                 self._file = path.open("wb", buffering=0)
         except OSError as e:
-            for tracker in self._trackers:
+            for tracker in self._trackers.values():
                 tracker.close()
             raise write_failure(str(path), e) from None
         # disable=None: no bar where stderr is not a terminal (a log, a pipe).
@@ -179,7 +183,7 @@ class RunLog:
         record = step_record(step, state.losses[-1], state.router[-1], state.grad_norms[-1], lr, step_s,
                              self.tokens_per_step, memory_bytes)
         self._append(record)
-        for tracker in self._trackers:
+        for tracker in self._trackers.values():
             tracker.log(_scalars(record), step)
         if step_s is None:
             return
@@ -219,7 +223,7 @@ class RunLog:
         self.write(evaluation.line(self.cfg.train.steps))
         self._append({"step": evaluation.step, "eval_loss": evaluation.loss, "eval_perplexity": evaluation.perplexity,
                       "eval_targets": evaluation.targets})
-        for tracker in self._trackers:
+        for tracker in self._trackers.values():
             tracker.log({"loss/eval": evaluation.loss}, evaluation.step)
 
     def finish(self, losses: list[float], first_step: int, step_times_s: list[float], timing_warmup: int,
@@ -233,7 +237,7 @@ class RunLog:
             return []
         self._bar.close()
         self._file.close()
-        for tracker in self._trackers:
+        for tracker in self._trackers.values():
             tracker.close()
         if not self.cfg.plots:
             return self.unwritten

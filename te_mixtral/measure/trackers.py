@@ -18,10 +18,31 @@ Where each writes is its own settings', as with the Trainer:
   (default te_mixtral) at `MLFLOW_TRACKING_URI` (a server, or `file:` a local folder), with the
   run's config as its parameters.
 
-Each is flushed (or sends) as it logs, so a run that dies keeps its steps so far. Its resume
-(`resume`, into the same output folder) goes on from its last checkpoint: TensorBoard hides the
-steps the dead run logged past it (`purge_step`), as steps.jsonl drops their lines; wandb and
-MLflow start a run of their own beside the dead one, which keeps all it logged.
+Each is flushed (or sends) as it logs, so a run that dies keeps its steps so far.
+
+A resume (`resume`) goes on in the tracker's run its checkpoint came from, its steps counting on:
+the checkpoint's meta.json keeps the run id of each tracker that has one
+(training/checkpoint.TrainState's `tracker_runs`), and the resumed run hands it to the
+tracker's own way of continuing a run. The steps a run that died logged past its checkpoint
+are the resumed run's first ones again (the same computation from the same state):
+
+- `tensorboard`: its run is the output folder; into the same folder, it hides those steps
+  (`purge_step`) behind the resumed run's, as steps.jsonl drops their lines;
+- `wandb`: `wandb.init(id=..., resume="allow")`. Online, wandb counts on after the steps the
+  run holds, and the resumed run does not send it those again. Offline (`WANDB_MODE=offline`)
+  each half is a run folder of its own under the same id, which `wandb sync` sends into the one
+  run, in order; there wandb knows of no steps before, and a dead run's steps past its
+  checkpoint are in both halves;
+- `mlflow`: `mlflow.start_run(run_id=...)`, in the run's own experiment. The resumed run sends
+  none of the steps the run's store holds of a scalar already (MLflow would keep both values);
+  its parameters stay those it started with (MLflow's cannot change: a changed setting is
+  among the resumed run's `note: changed since the checkpoint` lines).
+
+Where the checkpoint names no run of a tracker `report_to` names (it was written without it,
+or before run ids were kept), or its store does not hold that run (another
+MLFLOW_TRACKING_URI, a deleted run), the resumed run starts a new one and says so in one line;
+one of a tracker `report_to` no longer names is said too, and stays in the checkpoints for a
+later resume that names it again.
 """
 
 import importlib.util
@@ -50,9 +71,12 @@ def check_trackers(cfg: RunConfig) -> None:
 
 
 class TensorBoard:
-    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int):
+    has_run_id = False  # its run is the output folder
+
+    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int, run_id: str | None):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.run_id = None
         # A resumed run goes on from its checkpoint, but the run it resumes may have logged
         # steps past it before it died, into its own event file: TensorBoard hides those
         # (`purge_step`), as steps.jsonl drops their lines.
@@ -68,49 +92,105 @@ class TensorBoard:
 
 
 class WandB:
-    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int):
+    has_run_id = True
+
+    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int, run_id: str | None):
         import wandb
 
+        # "allow": a run id wandb does not know (a first half kept offline and not synced yet,
+        # another project) is made a run of that id.
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "te_mixtral"), name=output_dir.name,
-                              dir=str(output_dir), config=flatten(to_dict(cfg)))
+                              dir=str(output_dir), config=flatten(to_dict(cfg)), id=run_id,
+                              resume="allow" if run_id else None)
+        self.run_id = self.run.id
+        # The step its next log expects: on a resume online, the one after those the run holds
+        # (lower ones wandb drops, warning at each); offline, or a new run, 0.
+        self.next_step = self.run.step
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log(scalars, step=step)
+        if step >= self.next_step:
+            self.run.log(scalars, step=step)
 
     def close(self) -> None:
         self.run.finish()
 
 
 class MLflow:
-    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int):
+    has_run_id = True
+
+    def __init__(self, output_dir: Path, cfg: RunConfig, first_step: int, run_id: str | None):
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "te_mixtral"))
-        self.run = mlflow.start_run(run_name=output_dir.name)
-        mlflow.log_params({key: str(value) for key, value in flatten(to_dict(cfg)).items()})
+        run = _mlflow_run(mlflow.MlflowClient(), run_id) if run_id else None
+        self.held = {}  # tag -> the last step the run holds a value of
+        if run is None:
+            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "te_mixtral"))
+            self.run = mlflow.start_run(run_name=output_dir.name)
+        else:  # in its own experiment, which start_run requires to be the active one
+            mlflow.set_experiment(experiment_id=run.info.experiment_id)
+            self.run = mlflow.start_run(run_id=run_id)
+            self.held = {tag: max(m.step for m in mlflow.MlflowClient().get_metric_history(run_id, tag))
+                         for tag in run.data.metrics}
+        self.run_id = self.run.info.run_id
+        # MLflow refuses to change a parameter: a resumed run adds those the run lacks (new keys).
+        params = {key: str(value) for key, value in flatten(to_dict(cfg)).items()}
+        mlflow.log_params({key: value for key, value in params.items()
+                           if run is None or key not in run.data.params})
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(scalars, step=step)
+        new = {tag: value for tag, value in scalars.items() if step > self.held.get(tag, 0)}
+        if new:
+            self.mlflow.log_metrics(new, step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def _mlflow_run(client, run_id: str):
+    """MLflow's run `run_id`, or None (said in one line) where its store does not hold it or it
+    was deleted; any other failure (a server out of reach) is raised."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        why = f"is not in this run's store ({mlflow.get_tracking_uri()})"
+    else:
+        if run.info.lifecycle_stage != "deleted":
+            return run
+        why = "was deleted"
+    print(f"te_mixtral: note: the checkpoint's mlflow run {run_id} {why}: starting a new one", flush=True)
+    return None
 
 
 TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 assert set(TRACKERS) == set(PACKAGES)
 
 
-def start_trackers(output_dir: Path, cfg: RunConfig, first_step: int) -> list:
-    """The trackers `report_to` names, started (rank 0's: the others start none) for a run
-    whose first step here is `first_step` (after 1: a resume). One that cannot start (a server
-    out of reach, a store its package refuses) is refused in one line with its own reason."""
-    started = []
+def start_trackers(output_dir: Path, cfg: RunConfig, first_step: int, saved_runs: dict[str, str]) -> dict:
+    """The trackers `report_to` names, by name, started (rank 0's: the others start none) for a
+    run whose first step here is `first_step` (after 1: a resume, which goes on in the runs of
+    `saved_runs`, {tracker: run id} as its checkpoint holds them). One that cannot start (a
+    server out of reach, a store its package refuses) is refused in one line with its own
+    reason."""
+    started = {}
     for name in requested(cfg):
+        run_id = saved_runs.get(name)
+        if first_step > 1 and run_id is None and TRACKERS[name].has_run_id:
+            print(f"te_mixtral: note: the checkpoint names no {name} run to continue (it was written without "
+                  f"{name}, or before tracker runs were kept): starting a new one", flush=True)
         try:
-            started.append(TRACKERS[name](output_dir, cfg, first_step))
+            started[name] = TRACKERS[name](output_dir, cfg, first_step, run_id)
         except Exception as e:  # each package raises its own kinds
-            for tracker in started:  # the run is refused: the ones started end with it
+            for tracker in started.values():  # the run is refused: the ones started end with it
                 tracker.close()
             raise UserError(f"report_to {name} could not start: {first_line(e)}") from None
+    for name, run_id in saved_runs.items():
+        if name not in started:
+            print(f"te_mixtral: note: the checkpoint's {name} run {run_id} is not continued: report_to does not "
+                  f"name {name}", flush=True)
     return started

@@ -21,7 +21,8 @@ Everything the next step depends on, and nothing that can be recomputed:
   world size;
 - the losses, gradient norms and evaluations so far, so that a resumed run's results.json
   tells the whole story; the run's id, which its steps.jsonl lines carry too, so that a
-  resume into another run's output folder is told from one into its own; the run's config,
+  resume into another run's output folder is told from one into its own; the ids of its
+  experiment trackers' runs, which a resume goes on in (measure/trackers.py); the run's config,
   so that resuming into a different model is refused; and the SHA-256 of the tokenizer's
   JSON, so that resuming with a different one (a tokenizer trained on other data gives the
   same ids other meanings) is refused too.
@@ -38,7 +39,8 @@ Layout on disk::
       latest              "step-000040": the newest complete checkpoint; always written last
       step-000040/
         meta.json         step, world and EP size, config, tokenizer hash, losses, gradient
-                          norms, evaluations, and the size and SHA-256 of every other file
+                          norms, evaluations, run and tracker run ids, and the size and SHA-256
+                          of every other file
         .metadata         DCP's index: which file holds which slice of which global tensor
         __0_0.distcp      DCP's data: the pieces rank 0 wrote (one file per rank)
         rank00000.pt      one per rank: {"rng", "extra"} (torch.save)
@@ -241,6 +243,9 @@ class TrainState:
     # Made by a fresh run, kept by its resumes. Each rank makes one, and rank 0's is the one
     # written (into meta.json and steps.jsonl: rank 0 writes both).
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The experiment trackers' runs, {tracker: its run id}, which a resume goes on in
+    # (measure/trackers.py): rank 0's, which starts the trackers and writes meta.json.
+    tracker_runs: dict[str, str] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -435,10 +440,11 @@ class Checkpointer:
                 print(f"te_mixtral: note: changed since the checkpoint: {note}", flush=True)
         # Checkpoints saved before the router records or the gradient norms were kept have none.
         grad_norms = meta.get("grad_norms", [None] * meta["step"])
-        # Checkpoints saved before run ids: the resumed run makes one.
+        # Checkpoints saved before run ids: the resumed run makes one; before tracker runs: none.
         return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]),
                           list(meta.get("router", [])), grad_norms, **({"run_id": str(meta["run_id"])}
-                                                                       if "run_id" in meta else {}))
+                                                                       if "run_id" in meta else {}),
+                          tracker_runs=dict(meta.get("tracker_runs", {})))
 
     def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
         # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
@@ -577,6 +583,10 @@ def _check_meta(meta, folder: Path) -> None:
         raise UserError(f"checkpoint {where} is corrupt: its 'config' has no 'model' section")
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in meta["losses"]):
         raise UserError(f"checkpoint {where} is corrupt: its 'losses' are not all numbers")
+    runs = meta.get("tracker_runs", {})  # older checkpoints have none
+    if not (isinstance(runs, dict) and all(isinstance(run_id, str) for run_id in runs.values())):
+        raise UserError(f"checkpoint {where} is corrupt: its 'tracker_runs' is not a mapping of tracker names to "
+                        f"run ids")
 
 
 def _verify(path: Path, entry: dict | None) -> str | None:

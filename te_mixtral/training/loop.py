@@ -237,7 +237,9 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     timer = metrics.StepTimer(device)
     flops_per_step = []
     first_step = state.step + 1  # counted from 1; a resumed run starts later
-    run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps, state.run_id)  # rank 0's; inert elsewhere
+    # Rank 0's; inert elsewhere. Its trackers go on in the checkpoint's runs, which the next checkpoints keep.
+    run_log = RunLog(output_dir, cfg, first_step, cfg.train.steps, state.run_id, state.tracker_runs)
+    state.tracker_runs = run_log.tracker_runs
     run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     stopped = None  # why the run stopped early (a Diverged error), if it did
     saved = {}  # what this run wrote, by kind (on rank 0): the last of each, said at the end
