@@ -25,7 +25,8 @@ Everything the next step depends on, and nothing that can be recomputed:
   experiment trackers' runs, which a resume goes on in (measure/trackers.py); the run's config,
   so that resuming into a different model is refused; and the SHA-256 of the tokenizer's
   JSON, so that resuming with a different one (a tokenizer trained on other data gives the
-  same ids other meanings) is refused too.
+  same ids other meanings) is refused too (resume_checks.py: every check of a checkpoint
+  against the resuming run's config).
 
 Resuming on another layout computes the same steps with the work cut differently: the
 losses equal an uninterrupted run's at the new layout to fp32 rounding (sums are added in
@@ -91,7 +92,6 @@ from te_mixtral.distributed.global_state import GlobalView, global_state_dict
 from te_mixtral.distributed.layout import Layout, all_reduce_max, is_expert_param
 from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line, only_here, see_elsewhere
 from te_mixtral.experts.quant.frozen import FrozenWeight
-from te_mixtral.experts.registry import BASELINES
 from te_mixtral.files import (
     SCRATCH_MARKER,
     folder_bytes,
@@ -107,6 +107,7 @@ from te_mixtral.model.lora import base_weights
 from te_mixtral.planning.memory import state_bytes
 from te_mixtral.saved_config import flatten, upgrade_saved
 from te_mixtral.training.dcp_index import INDEX, IndexedReader, read_index
+from te_mixtral.training.resume_checks import base_model, check_resumable
 
 FORMAT_VERSION = 2  # 1 held each rank's shards in a file of its own, resumable on the same layout only
 LATEST = "latest"
@@ -397,7 +398,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {folder} is unreadable or corrupt ({META}: {e}); "
                             f"delete it and point {pointer} at an older one") from None
         _check_meta(meta, folder)
-        self._check_compatible(meta, cfg, folder)
+        check_resumable(meta, cfg, folder / META, self.tokenizer_hash)
 
         problem = next(filter(None, (_verify(folder / name, meta["files"][name])
                                      for name in _share(sorted(meta["files"]), self.layout))), None)
@@ -446,52 +447,6 @@ class Checkpointer:
                                                                        if "run_id" in meta else {}),
                           tracker_runs=dict(meta.get("tracker_runs", {})))
 
-    def _check_compatible(self, meta: dict, cfg: RunConfig, folder: Path) -> None:
-        # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
-        meta["config"] = upgrade_saved(meta["config"])
-        saved_tier = meta["config"].get("tier", cfg.tier)
-        if (saved_tier in BASELINES) != (cfg.tier in BASELINES):  # transformers' model or ours: other names
-            raise UserError(f"checkpoint {folder} was written by tier {saved_tier}, whose model names and lays out its "
-                            f"weights unlike tier {cfg.tier}'s; resume it with --tier {saved_tier}")
-        # The settings that decide what state the optimizer keeps (older checkpoints: the defaults).
-        for key, default in (("optimizer", "adamw"), ("expert_moments", "same")):
-            saved, now = meta["config"].get("train", {}).get(key, default), getattr(cfg.train, key)
-            if saved != now:
-                raise UserError(f"checkpoint {folder} was written with train.{key} {saved}, which keeps other "
-                                f"optimizer state than {now}; resume it with --{key} {saved}")
-        _check_lora_adapters(meta["config"].get("lora", {}), cfg, folder)
-        if cfg.lora.enabled:  # the checkpoint holds the adapters; the base is read or made again
-            saved_path = meta["config"].get("model_path")
-            saved_seed = meta["config"].get("train", {}).get("seed")
-            # One folder however it is spelled (`/x/m`, `/x/m/`, `m` from /x); older checkpoints
-            # kept only the spelling, read from here.
-            if meta.get("base_model", base_model(saved_path)) != base_model(cfg.model_path):
-                saved_base, now_base = (f"the base model {path}" if path is not None else
-                                        f"the base made from seed {seed}"
-                                        for path, seed in ((saved_path, saved_seed), (cfg.model_path, cfg.train.seed)))
-                again = f"with --model {saved_path}" if saved_path is not None else "without --model"
-                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over {saved_base}, not {now_base}: "
-                                f"resume {again}")
-            if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
-                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
-                                f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")
-            # The same weights held in another format are another base; older checkpoints held the default.
-            saved_base = meta["config"].get("lora", {}).get("base", "default")
-            if saved_base != cfg.lora.base:
-                raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base held in lora.base "
-                                f"{saved_base}, not {cfg.lora.base}: resume with --lora.base {saved_base}")
-        if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
-            raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
-                            f"resume with the config it was written with ({folder / META})")
-        saved_tokenizer = meta.get("tokenizer_sha256")  # older checkpoints have none
-        if saved_tokenizer is not None and saved_tokenizer != self.tokenizer_hash:
-            raise UserError(f"checkpoint {folder} was trained with a different tokenizer (SHA-256 "
-                            f"{saved_tokenizer[:12]}..., this run's {self.tokenizer_hash[:12]}...): its token ids "
-                            f"would mean other words; resume with the data and tokenizer it was written with")
-        if meta["step"] >= cfg.train.steps:
-            raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
-                            f"nothing left to do (raise --steps to train further)")
-
 
 def leftovers(folder: Path) -> list[Path]:
     """The leftovers of interrupted saves in the checkpoint folder `folder`, which the next
@@ -509,51 +464,6 @@ def written_here(path: Path) -> bool:
 def _not_ours(path: Path) -> str:
     return (f"{path} is in the way of a checkpoint save, which would delete it, and nothing shows te_mixtral wrote "
             f"it (no {SCRATCH_MARKER} or {META}; a link; or the run's output folder is inside it): move it away")
-
-
-def base_model(model_path: str | None) -> str | None:
-    """What `--model` names, the same however it is spelled: a local folder's resolved path,
-    else the hub id as given (None: a base made from the seed)."""
-    if model_path is None or not Path(model_path).expanduser().exists():
-        return model_path
-    return str(Path(model_path).expanduser().resolve())
-
-
-# The lora keys whose change on resume changes what the saved adapters compute.
-_ADAPTER_KEYS = ("rank", "targets", "alpha", "rslora")
-
-
-def _check_lora_adapters(saved: dict, cfg: RunConfig, folder: Path) -> None:
-    """Refuse to resume LoRA adapters under other lora settings, naming the difference:
-    another rank or new targets cannot load (no adapters of that shape or target were
-    trained); fewer targets would drop trained adapters, another alpha or rslora rescale
-    them, which `lora.change_on_resume` allows."""
-    now = to_dict(cfg)["lora"]
-    saved = {key: saved.get(key, now[key]) for key in _ADAPTER_KEYS}  # older checkpoints: as now
-    if saved["rank"] != now["rank"] and 0 in (saved["rank"], now["rank"]):  # every weight, or adapters alone
-        holds, way = (("a full fine-tune's weights (lora.rank 0), not LoRA adapters", "train adapters over its weights "
-                       "with") if saved["rank"] == 0 else
-                      (f"LoRA adapters of lora.rank {saved['rank']}, not a full fine-tune's weights",
-                       "fine-tune every weight from"))
-        raise UserError(f"checkpoint {folder} holds {holds}: resume with --lora.rank {saved['rank']}, or {way} its "
-                        f"--save-hf export as --model")
-    if saved["rank"] != now["rank"]:
-        raise UserError(f"checkpoint {folder} was written with lora.rank {saved['rank']}, not {now['rank']} (its "
-                        f"weights have other shapes): resume with --lora.rank {saved['rank']}")
-    if not cfg.lora.enabled:
-        return
-    saved_targets = [t.strip() for t in saved["targets"].split(",") if t.strip()]
-    added = [t for t in cfg.lora.target_list() if t not in saved_targets]
-    if added:
-        raise UserError(f"checkpoint {folder} holds no trained adapters for lora.targets {', '.join(added)}: resume "
-                        f"with --lora.targets {','.join(saved_targets)}")
-    changes = [f"lora.targets leaves out {', '.join(t for t in saved_targets if t not in cfg.lora.target_list())}, "
-               f"whose trained adapters would be dropped"] if len(saved_targets) > len(cfg.lora.target_list()) else []
-    changes += [f"lora.{key} is {now[key]}, not the checkpoint's {saved[key]}, which rescales the trained adapters"
-                for key in ("alpha", "rslora") if saved[key] != now[key]]
-    if changes and not cfg.lora.change_on_resume:
-        raise UserError(f"checkpoint {folder}: {'; '.join(changes)}; resume with the checkpoint's lora settings, or "
-                        f"pass --lora.change_on_resume to do so")
 
 
 # What meta.json must hold for `load_latest` to read it: key -> its type.
