@@ -35,7 +35,6 @@ from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.lora_config import LORA_ON, LoRAConfig
 from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
-
 # What the keys that describe the architecture need (config_field.Needs): a checkpoint's
 # config.json is its architecture, and replaces them all (training/hf_checkpoint.py).
 OWN_MODEL = Needs(("model_path",), lambda path: path is None,

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from hf_reference import random_hf_mixtral
 from conftest import REPO
+from hf_reference import random_hf_mixtral
 from launch import assert_one_line_error, run_app, run_cli
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, MixtralForCausalLM
