@@ -411,6 +411,15 @@ def resumable_keys() -> frozenset[str]:
     return frozenset(key for key, f in settings().items() if f.metadata["resumable"])
 
 
+def changes_nothing(key: str, flat: dict) -> bool:
+    """Whether `key` changes nothing in the config `flat` (full key -> value: a saved config,
+    flattened; a key it lacks at its default), because what it needs (`setting(needs=...)`)
+    does not hold there: a model section's key beside model_path, LoRA's alpha without a rank."""
+    fields = settings()
+    needs = fields[key].metadata["needs"]
+    return needs is not None and not needs.hold_in(lambda k: flat.get(k, fields[k].default))
+
+
 def headline_keys() -> tuple[str, ...]:
     """The keys a reproduce command always names, in config order (see `setting`)."""
     return tuple(key for key, f in settings().items() if f.metadata["headline"])
