@@ -301,8 +301,8 @@ class RunConfig:
     profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
                                    "own (te_mixtral/measure/phases.py)")
     model_path: str | None = setting(None, help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub "
-                                     "id): its config.json replaces the model section, and its tokenizer.json is "
-                                     "used when data.tokenizer is unset")
+                                     "id): its config.json replaces the model section (whose keys are refused beside "
+                                     "it), and its tokenizer.json is used when data.tokenizer is unset")
     save_hf: str | None = setting(None, workload=False, resumable=True,
                                   help="export the fine-tuned model to this folder as an HF checkpoint")
     save_adapter: str | None = setting(None, workload=False, resumable=True,
