@@ -43,8 +43,8 @@ Fine-tune a Hugging Face checkpoint, evaluate, export, and survive a crash (docs
         --save-hf finetuned --generate "The meaning of"
     ... the same command with --resume continues from the latest checkpoint in ckpt.
 
---model's config.json replaces the config's `model` section; its tokenizer.json is used
-when data.tokenizer is unset.
+--model's config.json replaces the config's `model` section (a --model.* key given with it is
+refused: the checkpoint loads whole); its tokenizer.json is used when data.tokenizer is unset.
 """
 
 

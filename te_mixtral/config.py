@@ -15,6 +15,7 @@ lists. A key that moves or is renamed gets one line in `saved_config.MOVED_KEYS`
 saved by older runs are read through `upgrade_saved`.
 """
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -34,25 +35,38 @@ from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.lora_config import LORA_ON, LoRAConfig
 from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
+# What the keys that describe the architecture need (config_field.Needs): a checkpoint's
+# config.json is its architecture, and replaces them all (training/hf_checkpoint.py).
+OWN_MODEL = Needs(("model_path",), lambda path: path is None,
+                  "comes from model_path's config.json, which replaces the model section (a checkpoint loads whole, "
+                  "every layer): drop it, or drop model_path to build the model the section describes")
+
 
 @dataclass
 class ModelConfig:
-    """Mixtral architecture; defaults are Mixtral-8x7B's."""
+    """Mixtral architecture; defaults are Mixtral-8x7B's. With model_path the checkpoint's
+    config.json is the architecture, and the keys that describe one are refused beside it."""
 
-    vocab_size: int = setting(32000, help="vocabulary size: rows of the token embedding and of the output layer")
-    hidden_size: int = setting(4096, help="model width: the size of every token's hidden state")
-    intermediate_size: int = setting(14336, help="hidden size of each expert's SwiGLU FFN")
-    num_hidden_layers: int = setting(32, help="decoder layers")
-    num_attention_heads: int = setting(32, help="query heads per attention layer")
-    num_key_value_heads: int = setting(8, help="key/value heads per attention layer, shared by groups of query heads")
-    head_dim: int = setting(128, help="size of one attention head")
-    num_experts: int = setting(8, help="experts per MoE layer, over all ranks (each rank holds 1/ep_size; HF calls this num_local_experts)")
-    num_experts_per_tok: int = setting(2, help="experts each token is routed to (top-k)")
-    rms_norm_eps: float = setting(1e-5, help="epsilon of the RMSNorm layers")
-    rope_theta: float = setting(1e6, help="base of the rotary position embedding's frequencies")
-    max_position_embeddings: int = setting(32768, help="longest sequence the model is configured for")
-    initializer_range: float = setting(0.02, help="standard deviation of the randomly initialised weights")
-    tie_word_embeddings: bool = setting(False, help="share one matrix between the token embedding and the output layer")
+    vocab_size: int = setting(32000, needs=OWN_MODEL,
+                              help="vocabulary size: rows of the token embedding and of the output layer")
+    hidden_size: int = setting(4096, needs=OWN_MODEL, help="model width: the size of every token's hidden state")
+    intermediate_size: int = setting(14336, needs=OWN_MODEL, help="hidden size of each expert's SwiGLU FFN")
+    num_hidden_layers: int = setting(32, needs=OWN_MODEL, help="decoder layers")
+    num_attention_heads: int = setting(32, needs=OWN_MODEL, help="query heads per attention layer")
+    num_key_value_heads: int = setting(8, needs=OWN_MODEL,
+                                       help="key/value heads per attention layer, shared by groups of query heads")
+    head_dim: int = setting(128, needs=OWN_MODEL, help="size of one attention head")
+    num_experts: int = setting(8, needs=OWN_MODEL,
+                               help="experts per MoE layer, over all ranks (each rank holds 1/ep_size; HF calls this "
+                               "num_local_experts)")
+    num_experts_per_tok: int = setting(2, needs=OWN_MODEL, help="experts each token is routed to (top-k)")
+    rms_norm_eps: float = setting(1e-5, needs=OWN_MODEL, help="epsilon of the RMSNorm layers")
+    rope_theta: float = setting(1e6, needs=OWN_MODEL, help="base of the rotary position embedding's frequencies")
+    max_position_embeddings: int = setting(32768, needs=OWN_MODEL, help="longest sequence the model is configured for")
+    initializer_range: float = setting(0.02, needs=OWN_MODEL,
+                                       help="standard deviation of the randomly initialised weights")
+    tie_word_embeddings: bool = setting(False, needs=OWN_MODEL,
+                                        help="share one matrix between the token embedding and the output layer")
     # Training choices rather than architecture, kept here under transformers' names because
     # an HF config.json carries the first (te_mixtral/model/router_losses.py explains both).
     router_aux_loss_coef: float | None = setting(
@@ -66,6 +80,24 @@ class ModelConfig:
         """The load-balancing loss's weight as used: null means off. (With model_path, the
         checkpoint's value has replaced null before training: training/hf_checkpoint.py.)"""
         return self.router_aux_loss_coef or 0.0
+
+
+def checkpoint_folder(model_path: str) -> Path | None:
+    """The local folder `model_path` names, or None where it names a hub id. Hub ids look like
+    paths (`owner/name`), so a name is local where it exists or is plainly a path (/, ., ~):
+    a typo in a local path must not go to the hub."""
+    path = Path(model_path).expanduser()
+    return path if path.exists() or model_path.startswith(("/", ".", "~")) else None
+
+
+def brings_tokenizer(model_path: str | None) -> bool:
+    """Whether model_path's checkpoint has a tokenizer.json, which a run reads where
+    data.tokenizer is unset (training/hf_checkpoint.py): a local folder where it has one, a hub
+    id always (the published Mixtral checkpoints do; a run downloads it only as it starts)."""
+    if model_path is None:
+        return False
+    folder = checkpoint_folder(model_path)
+    return folder is None or (folder / "tokenizer.json").is_file()
 
 
 # What the data keys that read one format's records need (config_field.Needs).
@@ -104,7 +136,14 @@ class DataConfig:
     tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
                                     "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
                                     "null: model_path's, else a small BPE trained on the data and cached")
-    tokenizer_vocab_size: int = setting(2048, help="vocabulary of the BPE trained when tokenizer is null")
+    tokenizer_vocab_size: int = setting(2048, needs=Needs(
+                                        ("data.tokenizer", "data.format", "model_path"),
+                                        lambda tokenizer, fmt, model_path: tokenizer is None and fmt == "text"
+                                        and not brings_tokenizer(model_path),
+                                        "sizes the BPE trained on text data that brings no tokenizer, and this run "
+                                        "reads one (data.tokenizer, or model_path's tokenizer.json): drop it"),
+                                        help="vocabulary of the BPE trained on text data when there is no tokenizer "
+                                        "(data.tokenizer null, and no tokenizer.json at model_path)")
     seq_len: int = setting(256, help="tokens per packed sample")
     max_documents: int | None = setting(None, help="read only the first N documents (null: all)")
     eval_fraction: float = setting(0.0, help="share of the documents or conversations held out for evaluation "
@@ -262,8 +301,8 @@ class RunConfig:
     profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
                                    "own (te_mixtral/measure/phases.py)")
     model_path: str | None = setting(None, help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub "
-                                     "id): its config.json replaces the model section, and its tokenizer.json is "
-                                     "used when data.tokenizer is unset")
+                                     "id): its config.json replaces the model section (whose keys are refused beside "
+                                     "it), and its tokenizer.json is used when data.tokenizer is unset")
     save_hf: str | None = setting(None, workload=False, resumable=True,
                                   help="export the fine-tuned model to this folder as an HF checkpoint")
     save_adapter: str | None = setting(None, workload=False, resumable=True,
@@ -370,6 +409,15 @@ def workload_keys() -> frozenset[str]:
 def resumable_keys() -> frozenset[str]:
     """The keys that may change on `--resume` without a note (see `setting`)."""
     return frozenset(key for key, f in settings().items() if f.metadata["resumable"])
+
+
+def changes_nothing(key: str, flat: dict) -> bool:
+    """Whether `key` changes nothing in the config `flat` (full key -> value: a saved config,
+    flattened; a key it lacks at its default), because what it needs (`setting(needs=...)`)
+    does not hold there: a model section's key beside model_path, LoRA's alpha without a rank."""
+    fields = settings()
+    needs = fields[key].metadata["needs"]
+    return needs is not None and not needs.hold_in(lambda k: flat.get(k, fields[k].default))
 
 
 def headline_keys() -> tuple[str, ...]:
@@ -494,6 +542,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)
             given.add(key)
+    file_cfg = copy.deepcopy(cfg)  # what the file alone sets (check_needs: the command line overrides it)
     for bare, text in (overrides or {}).items():
         bare = bare.replace("-", "_")
         if bare in RETYPED_KEYS:  # an older key: its value as today's key takes it
@@ -508,7 +557,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         if key not in given:
             _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
     validate(cfg, world_size)
-    check_needs(cfg, given)
+    check_needs(cfg, given, file_cfg)
     return cfg
 
 

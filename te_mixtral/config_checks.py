@@ -137,16 +137,26 @@ def _check_choices(cfg) -> None:
             _check(value in allowed, f"{key} must be one of {', '.join(allowed)}, got '{value}'")
 
 
-def check_needs(cfg, given: set[str]) -> None:
+def check_needs(cfg, given: set[str], file_cfg=None) -> None:
     """Refuse a key the user gave (`given`: the keys the config file, the command line or the
     launcher set) that changes nothing in this run, because another key does not enable it
     (its `setting(needs=...)`, config_field.py): LoRA's alpha without a rank, generate_tokens
-    without a prompt. A key at its default is left alone, given or not: it changes nothing
-    either way, so a run's full saved config (every key) loads again as it ran."""
+    without a prompt, a model section's key beside model_path. A key at its default is left
+    alone, given or not: it changes nothing either way, so a run's full saved config (every
+    key) loads again as it ran.
+
+    `file_cfg` is the config as the config file alone set it. A key the file sets, which the
+    file's own settings enable, is left alone where the command line (or the launcher) turns
+    off what it needs: a file serves more runs than one, and the command line overrides it
+    (`--model` replaces the file's model section, `--lora.rank 0` turns its LoRA off). A file
+    that sets a key against itself, or a command line against the run, is refused."""
     for key, f, _, value in _keys(cfg):
         needs = f.metadata.get("needs")
-        if needs is not None and key in given and value != f.default:
-            _check(needs.holds(*(value_of(cfg, k) for k in needs.keys)), f"{key} {needs.text}")
+        if needs is None or key not in given or value == f.default or needs.hold_in(lambda k: value_of(cfg, k)):
+            continue
+        overridden = (file_cfg is not None and value_of(file_cfg, key) == value
+                      and needs.hold_in(lambda k: value_of(file_cfg, k)))
+        _check(overridden, f"{key} {needs.text}")
 
 
 def validate_model(cfg) -> None:

@@ -21,6 +21,11 @@ class Needs:
     holds: Callable[..., bool]
     text: str
 
+    def hold_in(self, value_of: Callable[[str], object]) -> bool:
+        """Whether what the key needs holds, `value_of` giving each key's value by its full name
+        (of a run config, or of a saved one flattened)."""
+        return self.holds(*(value_of(key) for key in self.keys))
+
 
 def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False,
             needs: Needs | None = None):

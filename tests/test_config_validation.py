@@ -2,6 +2,7 @@
 with one line naming the key."""
 
 import re
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -232,6 +233,23 @@ IGNORED = [
      "te_fusions picks te_mixtral's own layers; tier 'hf' runs transformers' model", 1),
     ({"backend": "torch", "tier": "hf_eager"}, {"tier": "loop"},
      "backend picks te_mixtral's own layers; tier 'hf_eager' runs transformers' model", 1),
+    ({"fp8.weight_cache": "false"}, {"tier": "device_mxfp8"},
+     "fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper)", 1),
+    ({"tokenizer_vocab_size": "300", "tokenizer": CHAT_TOKENIZER}, {"tokenizer": "null"},
+     "data.tokenizer_vocab_size sizes the BPE trained on text data that brings no tokenizer", 1),
+    ({"tokenizer_vocab_size": "300", "model_path": CHAT_TOKENIZER},  # a folder with a tokenizer.json, as a checkpoint's
+     {"model_path": "null"}, "data.tokenizer_vocab_size sizes the BPE trained on text data", 1),
+    # A hub id's tokenizer.json comes with it (downloaded when the run starts).
+    ({"tokenizer_vocab_size": "300", "model_path": "mistralai/Mixtral-8x7B-v0.1"},
+     {"model_path": "null"}, "data.tokenizer_vocab_size sizes the BPE trained on text data", 1),
+    # model_path's config.json is the model: each key of the model section given beside it
+    # (but the router losses' weights, training choices that apply) was replaced, unsaid.
+    *[({"model_path": "mistralai/Mixtral-8x7B-v0.1", key: value}, {"model_path": "null"},
+       f"model.{key} comes from model_path's config.json", 1) for key, value in (
+        ("vocab_size", "4096"), ("hidden_size", "128"), ("intermediate_size", "128"), ("num_hidden_layers", "1"),
+        ("num_attention_heads", "8"), ("num_key_value_heads", "1"), ("head_dim", "8"), ("num_experts", "2"),
+        ("num_experts_per_tok", "1"), ("rms_norm_eps", "1e-6"), ("rope_theta", "10000"),
+        ("max_position_embeddings", "512"), ("initializer_range", "0.01"), ("tie_word_embeddings", "true"))],
 ]
 
 
@@ -274,6 +292,39 @@ def test_only_what_the_user_gave_is_refused(tmp_path):
     assert cfg.train.grad_accum_steps == 2
     with pytest.raises(UserError, match="te_fusions false turns off fusions of the te backend"):
         load_config(TINY, {"te_fusions": "false"}, 1, launch)
+
+
+def test_the_command_line_overrides_what_the_config_file_enabled(tmp_path):
+    """A config file serves more runs than one: a key it sets, which its own settings enable, is
+    left alone where the command line turns off what the key needs (`--model` replaces the
+    file's model section, as documented; `--lora.rank 0` turns its LoRA off). What the file
+    sets against itself, or the command line against the file, is refused."""
+    hub = "mistralai/Mixtral-8x7B-v0.1"
+    load_config(TINY, {"model_path": hub})  # tiny.yaml's model section, replaced by the checkpoint's
+    lora = tmp_path / "lora.yaml"
+    lora.write_text(Path(TINY).read_text() + "lora:\n  rank: 4\n  alpha: 32\n")
+    assert load_config(str(lora), {"lora.rank": "0"}).lora.alpha == 32  # before: refused
+    with pytest.raises(UserError, match="model.num_hidden_layers comes from model_path's config.json"):
+        load_config(str(lora), {"model_path": hub, "num_hidden_layers": "1"})  # before: loaded, then replaced
+    # A file that names a checkpoint and a model of its own: the section was replaced, unsaid (before).
+    both = tmp_path / "both.yaml"
+    both.write_text(Path(TINY).read_text() + f"model_path: {hub}\n")
+    with pytest.raises(UserError, match=r"^model.vocab_size comes from model_path's config.json[^\n]*$"):
+        load_config(str(both))
+    # A file's BPE size, where the command line names a tokenizer (the README's LoRA command), and
+    # where the file names one itself.
+    load_config(str(REPO / "configs" / "mixtral-8x7b-lora.yaml"), {"format": "chat", "model_path": hub})
+    with pytest.raises(UserError, match="data.tokenizer_vocab_size sizes the BPE trained on text data"):
+        load_config(str(REPO / "configs" / "mixtral-8x7b-lora.yaml"), {"tokenizer_vocab_size": "300",
+                                                                       "tokenizer": CHAT_TOKENIZER})
+
+
+def test_a_checkpoint_without_a_tokenizer_takes_the_bpe_size(tmp_path):
+    # Its run trains a BPE on the data (training/hf_checkpoint.py): the size applies.
+    load_config(TINY, {"model_path": str(tmp_path), "tokenizer_vocab_size": "300"})
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError, match="data.tokenizer_vocab_size sizes the BPE trained on text data"):
+        load_config(TINY, {"model_path": str(tmp_path), "tokenizer_vocab_size": "300"})
 
 
 def test_sharding_in_one_process_is_refused():

@@ -169,12 +169,6 @@ _MODE_RUNNERS = {
 }
 
 
-def weight_cache_refusal(what: str) -> UserError:
-    """The one-line error for `fp8.weight_cache false` where `what` (a tier or a mode) runs."""
-    return UserError("fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper), whose "
-                     f"FP8 weight copies it drops; {what} keeps none that way")
-
-
 _BF16_BELOW = CustomGroupedTier()  # what fp8-hopper runs under its break-even size
 
 
@@ -242,8 +236,6 @@ class DeviceMXFP8Tier(ExpertTier):
         options: FP8Options = cfg.fp8
         if options.min_rows_per_expert < 0:
             raise UserError(f"fp8.min_rows_per_expert must be 0 or more, got {options.min_rows_per_expert}")
-        if not options.weight_cache and (cfg.tier != cls.name or not options.hopper_fp8):
-            raise weight_cache_refusal(f"tier '{cfg.tier}'" if cfg.tier != cls.name else f"mode '{options.mode}'")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -311,8 +303,10 @@ class DeviceMXFP8Tier(ExpertTier):
         mode = select_mode(self.requested_mode, device.type, capability, te_mxfp8.unavailable_reason)
         if self.model_dims is not None:
             check_dims(mode, *self.model_dims)
+        # Mode auto where it is not Hopper's: the config refuses every other mode (FP8Options).
         if not self.cache_weights and mode != "fp8-hopper":
-            raise weight_cache_refusal(f"mode '{mode}', which runs here,")
+            raise UserError("fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper), "
+                            f"whose FP8 weight copies it drops; mode '{mode}', which runs here, keeps none that way")
         if mode != self.mode:
             self._runner = _MODE_RUNNERS[mode](self)
         self.mode, self._device = mode, device

@@ -7,7 +7,7 @@ choices cannot say (`check_options`, `check`).
 """
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from te_mixtral.config_field import Needs, setting
@@ -17,6 +17,10 @@ FP8Mode = Literal["auto", "mxfp8-te", "fp8-hopper", "mxfp8-emulated"]
 FP8_MODES = typing.get_args(FP8Mode)
 # The modes whose 8-bit path is Hopper's FP8 (auto picks it on Hopper).
 HOPPER_FP8_MODES = ("auto", "fp8-hopper")
+# What the options of the Hopper FP8 path need (config_field.Needs), in min_rows_per_expert's words.
+HOPPER_FP8 = Needs(("tier", "fp8.mode"), lambda tier, mode: tier == "device_mxfp8" and mode in HOPPER_FP8_MODES,
+                   "is tier device_mxfp8's threshold on Hopper: it needs tier device_mxfp8 in fp8.mode auto or "
+                   "fp8-hopper")
 
 
 @dataclass
@@ -30,10 +34,7 @@ class FP8Options:
                             help="device_mxfp8 tier: auto (the GPU's own 8-bit path: MXFP8 on Blackwell, FP8 on "
                             "Hopper), or one of mxfp8-te, fp8-hopper, mxfp8-emulated (MXFP8 numerics anywhere)")
     min_rows_per_expert: int = setting(1024, workload=False,
-                                       needs=Needs(("tier", "fp8.mode"), lambda tier, mode: tier == "device_mxfp8" and
-                                                   mode in HOPPER_FP8_MODES,
-                                                   "is tier device_mxfp8's threshold on Hopper: it needs tier "
-                                                   "device_mxfp8 in fp8.mode auto or fp8-hopper"),
+                                       needs=HOPPER_FP8,
                                        help="device_mxfp8 on Hopper: a layer call with fewer rows per local "
                                        "expert (with fewer than 4 local experts: fewer rows in all than 4 "
                                        "experts at this size) runs the BF16 custom_grouped kernels, where FP8 is "
@@ -41,6 +42,9 @@ class FP8Options:
                                        "GPU and how to measure yours: docs/precision.md); 0: FP8 at every size. "
                                        "Blackwell's mode and a frozen LoRA base run FP8 at every size")
     weight_cache: bool = setting(True, workload=False,
+                                 needs=replace(HOPPER_FP8, text="false is for tier device_mxfp8 in mode fp8-hopper "
+                                               "(auto on Hopper), whose FP8 weight copies it drops: it needs tier "
+                                               "device_mxfp8 in fp8.mode auto or fp8-hopper"),
                                  help="device_mxfp8 on Hopper: keep each expert weight's FP8 copies (a byte "
                                  "per element per orientation, every layer) from its first use to the "
                                  "optimizer step; false: quantise it at every use, so that with recompute "

@@ -93,6 +93,14 @@ def check_tier(cfg, world_size: int) -> None:
     if cfg.tier in BASELINES and world_size != 1:
         raise UserError(f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one "
                         f"process, not {world_size}")
+    if cfg.model_path is None:  # else the checkpoint's config.json replaces the model section, checked then
+        check_tier_model(cfg)
+
+
+def check_tier_model(cfg) -> None:
+    """Raise a one-line `UserError` if the run's tier cannot take the sizes of its model:
+    the config's model section (`check_tier`), or a checkpoint's once its config.json
+    replaces it (training/hf_checkpoint.py's `adopt_checkpoint`)."""
     if BASELINES.get(cfg.tier, {}).get("experts") == "grouped_mm":
         _check_grouped_mm_rows(cfg)
 

@@ -89,7 +89,7 @@ from te_mixtral.config_checks import validate_model
 from te_mixtral.distributed.launcher_env import main_rank_from_env
 from te_mixtral.errors import UserError
 from te_mixtral.experts.base import ExpertLoad
-from te_mixtral.experts.registry import BASELINES, expert_memory, lighter_settings
+from te_mixtral.experts.registry import BASELINES, check_tier_model, expert_memory, lighter_settings
 from te_mixtral.files import size_text
 from te_mixtral.measure.capacity import GiB, capacity
 from te_mixtral.measure.model_state import (
@@ -474,6 +474,7 @@ def print_estimate(cfg: RunConfig, world_size: int) -> int:
         cfg = replace(cfg, model=model_config_from_hf(resolve_model_path(cfg.model_path, ("config.json",)),
                                                       cfg.data.seq_len))
         validate_model(cfg)
+        check_tier_model(cfg)
     # --gpu names a GPU: estimate a GPU run even from a machine without one.
     device = "cuda" if cfg.gpu is not None and cfg.device != "cpu" else cfg.resolved_device()
     estimate = estimate_memory(cfg, world_size, device=device)

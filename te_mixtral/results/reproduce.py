@@ -7,7 +7,8 @@ reader wants the short command someone would type:
         --output-dir /root/out/r2/hf --loss-check /root/out/r2/loop/results.json
 
 `reproduce_command` tries every `configs/*.yaml`, keeps the one that needs the fewest
-overrides, and writes those overrides as flags. `tests/results/test_pages.py` parses the
+overrides, and writes those overrides as flags, but for the keys that changed nothing in the
+run (`config.changes_nothing`: beside model_path, the checkpoint's config.json is the model). `tests/results/test_pages.py` parses the
 command back through `run_finetune_ep.py`'s own argument parser and checks that it loads
 to the very same config.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from te_mixtral.config import FOLLOWS, headline_keys, load_config, to_dict
+from te_mixtral.config import FOLLOWS, changes_nothing, headline_keys, load_config, to_dict
 from te_mixtral.errors import UserError
 from te_mixtral.saved_config import flatten, upgrade_saved
 
@@ -67,6 +68,7 @@ def reproduce_command(config: dict, world_size: int, configs_dir: Path = CONFIGS
     """A command line that recreates `config` (a `to_dict(RunConfig)`, today's or an older
     run's) on `world_size` processes; None when no config file in `configs_dir` loads."""
     config = upgrade_saved(config)
+    flat = flatten(config)
     best = None
     for path in sorted(configs_dir.glob("*.yaml")):
         try:
@@ -74,7 +76,9 @@ def reproduce_command(config: dict, world_size: int, configs_dir: Path = CONFIGS
         except UserError:
             continue
         base_sets = frozenset(flatten(yaml.safe_load(path.read_text()) or {}))
-        overrides = [(k, v) for k, v in config_overrides(config, base, base_sets) if k not in headline_keys()]
+        # A key that changed nothing in the run is not named: beside model_path, the checkpoint is the model.
+        overrides = [(k, v) for k, v in config_overrides(config, base, base_sets)
+                     if k not in headline_keys() and not changes_nothing(k, flat)]
         if best is None or len(overrides) < len(best[1]):
             best = (path, overrides)
     if best is None:

@@ -46,6 +46,7 @@ from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import validate, validate_model
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.errors import Diverged, UserError, first_line
+from te_mixtral.experts.registry import check_tier_model
 from te_mixtral.files import (
     folder_bytes,
     fsync_path,
@@ -67,7 +68,7 @@ _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+
 
 def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunConfig:
     """`cfg` with the checkpoint's model config, and its tokenizer when `data.tokenizer` is
-    unset, validated again (the checkpoint's model must still fit the EP layout).
+    unset, validated again (the checkpoint's model must still fit the EP layout and the tier).
 
     The router's loss weights are training choices, not architecture: a weight the config
     sets wins; an unset `router_aux_loss_coef` takes the checkpoint's (0.02 for Mixtral: a
@@ -85,6 +86,7 @@ def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunCon
                                   data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     validate(adopted, world_size)
     validate_model(adopted)
+    check_tier_model(adopted)
     return adopted
 
 

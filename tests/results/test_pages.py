@@ -1,5 +1,6 @@
 """The results page from synthetic runs: its arithmetic, what it flags, its commands, its files."""
 
+import dataclasses
 import json
 import math
 import re
@@ -8,11 +9,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO
 from test_config import old_layout
 
 from te_mixtral.cli import parse_args as parse_app_args
-from te_mixtral.config import load_config, to_dict
+from te_mixtral.config import ModelConfig, load_config, to_dict
+from te_mixtral.errors import UserError
 from te_mixtral.measure.report import run_header, write_results
 from te_mixtral.results import pages
 from te_mixtral.results.compare import speedup
@@ -271,6 +274,17 @@ def test_reproduce_command_of_an_old_saved_config_is_todays():
     assert command.endswith("--train.lr 0.001 --train.checkpoint_every 5 --checkpoint-dir ck")
 
 
+def test_reproduce_command_of_a_run_from_a_checkpoint_leaves_its_model_to_the_checkpoint():
+    cfg = load_config(TINY, {"model_path": "mistralai/Mixtral-8x7B-v0.1", "lr": "1e-3"})
+    # As the run saved it: its model section is the checkpoint's config.json.
+    saved = to_dict(dataclasses.replace(cfg, model=ModelConfig(num_hidden_layers=3, router_aux_loss_coef=0.02)))
+    command = reproduce_command(saved, world_size=1)
+    assert "--model-path mistralai/Mixtral-8x7B-v0.1" in command and "--model.num_hidden_layers" not in command
+    assert "--model.router_aux_loss_coef 0.02" in command  # a training choice, which applies beside it
+    args, overrides = parse_app_args(shlex.split(command)[2:])
+    load_config(str(REPO / args.config), overrides)  # before: refused, the model's keys named beside model_path
+
+
 def test_reproduce_command_picks_the_nearest_config_file():
     cfg = load_config(str(REPO / "configs" / "mixtral-8x7b-2layer.yaml"), {"tier": "loop", "output_dir": "/o/loop"})
     assert reproduce_command(to_dict(cfg), world_size=1) == (
@@ -372,6 +386,21 @@ def test_committed_pages_regenerate_unchanged(committed, monkeypatch):
     [(page, out_dir)] = [(p, o) for p, o in made if p.stem == committed.stem]
     assert out_dir / f"{page.stem}.md" == committed.relative_to(REPO)
     assert page.markdown == committed.read_text()
+
+
+def test_every_reproduce_command_on_a_committed_page_loads_today(monkeypatch):
+    # Before, pages carried `--fp8.min_rows_per_expert 3072` for tiers loop and custom_grouped
+    # (saved by runs whose configs held every key), which today's config refuses as changing nothing.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on the GPUs they ran on: bf16
+    for page in COMMITTED_PAGES:
+        for command in re.findall(r"^(?:python|torchrun) .*run_finetune_ep\.py .*$", page.read_text(), re.MULTILINE):
+            words = shlex.split(command)
+            args, overrides = parse_app_args(words[words.index("run_finetune_ep.py") + 1:])
+            nproc = next((int(w.split("=")[1]) for w in words if w.startswith("--nproc_per_node=")), 1)
+            try:
+                load_config(str(REPO / args.config), overrides, world_size=nproc)
+            except UserError as e:
+                pytest.fail(f"{page.name}: {command}: {e}")
 
 
 def test_runs_saved_before_num_experts_was_renamed_still_load():

@@ -5,18 +5,20 @@ import json
 
 import pytest
 import torch
+from conftest import REPO
 from hf_reference import random_hf_mixtral
 from launch import assert_one_line_error, run_app, run_cli
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, MixtralForCausalLM
 
+from te_mixtral.config import load_run_config
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.model.hf_config import model_config_from_hf, resolve_model_path
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
-from te_mixtral.training.hf_checkpoint import load_hf_weights
+from te_mixtral.training.hf_checkpoint import adopt_checkpoint, load_hf_weights
 
 SINGLE = Layout(0, 1, 1, None, None)
 
@@ -269,3 +271,19 @@ def test_the_app_refuses_a_bad_checkpoint_in_one_line(tmp_path):
     tensors["model.norm.weight"] = torch.ones(1)
     rewrite(folder, tensors)
     assert_one_line_error(run_cli([*args, "--seq_len", "64"]), "'model.norm.weight'", "has shape [1]", "needs [16]")
+
+
+def test_the_tiers_checks_read_the_model_of_the_checkpoint(tmp_path):
+    """With model_path the checkpoint's config.json is the model: the tier's checks of the
+    model's sizes read it, not the config's model section, which it replaces."""
+    for name, width in (("odd", 18), ("even", 16)):  # tier hf's fp32 grouped_mm rows: 4 elements
+        MixtralConfig(**{**SMALL, "vocab_size": 2048, "hidden_size": width}).save_pretrained(tmp_path / name)
+    cfg = load_run_config(str(REPO / "configs" / "tiny.yaml"), {"tier": "hf", "model_path": str(tmp_path / "odd")})
+    with pytest.raises(UserError, match="tier 'hf' runs transformers' grouped_mm experts, whose weight rows must be "
+                                        "whole 16-byte units: model.hidden_size 18 not a multiple of 4"):
+        adopt_checkpoint(cfg, tmp_path / "odd", 1)  # before: adopted, to fail inside torch's grouped_mm
+    # A config file whose own model the tier could not run, replaced by the checkpoint's.
+    config = tmp_path / "odd.yaml"
+    config.write_text((REPO / "configs" / "tiny.yaml").read_text().replace("hidden_size: 64", "hidden_size: 66"))
+    cfg = load_run_config(str(config), {"tier": "hf", "model_path": str(tmp_path / "even")})  # before: refused
+    assert adopt_checkpoint(cfg, tmp_path / "even", 1).model.hidden_size == 16
