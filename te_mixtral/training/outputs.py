@@ -19,7 +19,8 @@ what is already there unless that is plainly its own to replace, or the user sai
 - `save_hf` and `save_adapter`: an export replaces only the files an export writes (`is_export_file`), and
   keeps whatever else the folder holds (a model card, evaluation results). It may replace
   an earlier te_mixtral export (marked by `EXPORT_MARKER`); export-named files of anyone
-  else only with `overwrite`. It is never the current folder, the output or checkpoint
+  else only with `overwrite`, as the files transformers would read with the export
+  (`_READ_WITH_EXPORT`) wherever they come from. It is never the current folder, the output or checkpoint
   folder, the `--model` folder, the data set or the tokenizer, nor a folder holding one of
   them: those are not exports (and a data folder would read the export as data). The
   export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`, both deleted
@@ -50,6 +51,11 @@ _EXPORT_NAMES = {"config.json", "generation_config.json", "model.safetensors.ind
                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", EXPORT_MARKER,
                  "adapter_config.json", "adapter_model.safetensors"}  # the last two: a LoRA adapter export
 _EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Files no export writes that transformers reads with one: a model.safetensors it loads in place
+# of the sharded index, an added_tokens.json whose tokens it adds to the tokenizer. Beside an
+# export, either makes the folder load as something else than what was trained: refused, even
+# beside an earlier export, and replaced with the export's other files under `overwrite`.
+_READ_WITH_EXPORT = {"model.safetensors", "added_tokens.json"}
 
 
 def output_files(cfg: RunConfig) -> list[str]:
@@ -59,9 +65,9 @@ def output_files(cfg: RunConfig) -> list[str]:
 
 
 def is_export_file(name: str) -> bool:
-    """Whether a Hugging Face export (save_hf) or an adapter export (save_adapter) writes a
-    file of this name."""
-    return name in _EXPORT_NAMES or _EXPORT_SHARD.fullmatch(name) is not None
+    """Whether a Hugging Face export (save_hf) or an adapter export (save_adapter) replaces a
+    file of this name: one it writes, or one transformers would read with it."""
+    return name in _EXPORT_NAMES or name in _READ_WITH_EXPORT or _EXPORT_SHARD.fullmatch(name) is not None
 
 
 def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | None = None) -> None:
@@ -191,7 +197,15 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
         raise UserError(f"{key} {folder} is a file, not a folder")
     check_scratch(sibling(folder, ".tmp"), f"the {key} export")
     check_scratch(sibling(folder, ".old"), f"the export that {key} replaces")
-    if not folder.is_dir() or overwrite or _holds_export(folder):
+    if not folder.is_dir() or overwrite:
+        return
+    read_with = sorted(p.name for p in folder.iterdir() if p.name in _READ_WITH_EXPORT)
+    if read_with:
+        raise UserError(f"{key} {folder} holds {', '.join(read_with)}, which transformers would read with the "
+                        f"export (a model.safetensors in place of its weights, an added_tokens.json as tokens the "
+                        f"model does not have); move {'it' if len(read_with) == 1 else 'them'} away, or pass "
+                        f"--overwrite to replace {'it' if len(read_with) == 1 else 'them'}")
+    if _holds_export(folder):
         return
     theirs = sorted(p.name for p in folder.iterdir() if is_export_file(p.name))
     if theirs:

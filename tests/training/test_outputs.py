@@ -55,6 +55,24 @@ def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
                if p.name not in ("README.md", "eval_results.json", LOCK_FILE))
 
 
+def test_no_file_transformers_would_read_with_an_export_stays_beside_it(tmp_path):
+    """transformers loads a folder's model.safetensors in place of the sharded index an export
+    writes, and adds an added_tokens.json's tokens to the export's tokenizer: kept beside an
+    export, either makes the folder load as something else than what was trained. Refused
+    even beside an earlier export (which never writes them); --overwrite replaces them."""
+    folder = tmp_path / "export"
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "a")])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (folder / "model.safetensors").write_bytes((folder / "model-00001-of-00003.safetensors").read_bytes())
+    (folder / "added_tokens.json").write_text('{"<extra>": 2048}')
+    refused(run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "b")]),
+            f"save_hf {folder} holds added_tokens.json, model.safetensors, which transformers would read with the "
+            f"export")
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "c"), "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (folder / "model.safetensors").exists() and not (folder / "added_tokens.json").exists()
+
+
 def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_path, monkeypatch):
     final, new = tmp_path / "final", tmp_path / "final.tmp"
     final.mkdir()
