@@ -288,18 +288,19 @@ def _hf_config_json(m: ModelConfig, dtype: torch.dtype, tokenizer, model_source:
 
 
 def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None:
-    """tokenizer.json, and the tokenizer_config.json that lets `AutoTokenizer` read it: the
-    one beside the tokenizer's source file when there is one, else a minimal one."""
+    """tokenizer.json, and the files beside the tokenizer's source file that `AutoTokenizer`
+    reads with it, each one there is; a minimal tokenizer_config.json where it has none."""
     (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
-    # chat_template.jinja: where transformers v5 saves a chat template, which chat fine-tunes need again.
+    # chat_template.jinja: where transformers v5 saves a chat template, which chat fine-tunes
+    # need again; transformers reads it with or without a tokenizer_config.json.
     companions = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
     tokenizer_source = Path(tokenizer_path).expanduser() if tokenizer_path else None
     if tokenizer_source is not None and tokenizer_source.is_file():
         tokenizer_source = tokenizer_source.parent
-    if tokenizer_source is not None and (tokenizer_source / "tokenizer_config.json").is_file():
-        for name in companions:
-            if (tokenizer_source / name).is_file():
-                shutil.copyfile(tokenizer_source / name, folder / name)
+    for name in companions if tokenizer_source is not None else ():
+        if (tokenizer_source / name).is_file():
+            shutil.copyfile(tokenizer_source / name, folder / name)
+    if (folder / "tokenizer_config.json").is_file():
         return
     eos = tokenizer.backend.id_to_token(tokenizer.eos_id)
     (folder / "tokenizer_config.json").write_text(json.dumps(

@@ -4,10 +4,12 @@ transformers running the exported checkpoint."""
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
-from launch import RUN_DIR, WORKER, run_worker
+from conftest import REPO
+from launch import RUN_DIR, WORKER, run_cli, run_worker
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -99,3 +101,23 @@ def test_eval_loss_is_the_held_out_loss_of_the_final_model(run):
     hf = AutoModelForCausalLM.from_pretrained(exported)
     assert abs(final["loss"] - hf_loss(hf, data.eval_batches())) < 1e-5 * final["loss"]
     assert abs(final["perplexity"] - torch.tensor(final["loss"]).exp().item()) < 1e-3 * final["perplexity"]
+
+
+def test_a_chat_export_keeps_the_chat_template_it_was_trained_with(tmp_path):
+    """A chat run renders its data with the tokenizer folder's template, which transformers
+    also reads from chat_template.jinja alone (no tokenizer_config.json): the export must carry
+    it, or the fine-tune is served with no template, or another."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    source = REPO / "examples" / "chat-tokenizer"
+    shutil.copyfile(source / "tokenizer.json", tokenizer / "tokenizer.json")
+    template = json.loads((source / "tokenizer_config.json").read_text())["chat_template"]
+    (tokenizer / "chat_template.jinja").write_text(template.replace("eos_token", "'</s>'"))  # no config to name it
+    proc = run_cli(["--config", "configs/tiny-chat.yaml", "--tokenizer", str(tokenizer), "--steps", "1",
+                    "--timing_warmup_steps", "0", "--output-dir", str(tmp_path / "run"), "--save-hf",
+                    str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    want, got = (AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
+                 for folder in (tokenizer, tmp_path / "hf"))
+    assert got == want
