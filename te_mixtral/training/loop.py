@@ -243,6 +243,14 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     run_load_YE = None  # tokens per layer and expert over this process's steps, for the results page
     stopped = None  # why the run stopped early (a Diverged error), if it did
     saved = {}  # what this run wrote, by kind (on rank 0): the last of each, said at the end
+
+    def export() -> None:  # each save refuses non-finite weights, on every rank
+        if cfg.save_hf:
+            saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
+                                                    model_dir, cfg.data.tokenizer)
+        if cfg.save_adapter:
+            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout)
+
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
         step_flops = sum(metrics.train_flops(cfg.model, micro.packed.cu_seqlens, micro.num_tokens, cfg.lora)
@@ -317,15 +325,17 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         except WriteFailed as e:
             stopped = e
             break
-        try:  # each save refuses non-finite weights, on every rank
-            if cfg.save_hf and due(state.step, cfg.train.save_every, cfg.train.steps):
-                saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
-                                                        model_dir, cfg.data.tokenizer)
-            if cfg.save_adapter and due(state.step, cfg.train.save_every, cfg.train.steps):
-                saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout)
+        try:
+            if due(state.step, cfg.train.save_every, cfg.train.steps):
+                export()
         except Diverged as e:
             stopped = Diverged(f"after step {state.step}: {e}")
             break
+    if first_step > cfg.train.steps:  # a finished run resumed to export (training/checkpoint.py): no step ran
+        try:
+            export()
+        except Diverged as e:
+            stopped = Diverged(f"after step {state.step}: {e}")
 
     # --- report ------------------------------------------------------------------------
     # In this order: generating adds to the peak memory, and profiling (last: it steps the

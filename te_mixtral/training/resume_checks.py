@@ -15,7 +15,7 @@ names the difference and the way across (the setting to pass, or the export to s
   or the seed it was made from, and `lora.base`'s format) must be the same;
 - the model (any `model.*` setting) and the tokenizer (its SHA-256: other ids mean other
   words);
-- a checkpoint already at `train.steps`: nothing left to do.
+- a checkpoint past `train.steps`, or at it where the run exports nothing: nothing left to do.
 
 The layout is no reason to refuse: a checkpoint holds global tensors, and resumes on any world
 size, EP size and sharding (training/checkpoint.py). Older checkpoints lack some of these
@@ -77,9 +77,13 @@ def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash:
         raise UserError(f"checkpoint {folder} was trained with a different tokenizer (SHA-256 "
                         f"{saved_tokenizer[:12]}..., this run's {tokenizer_hash[:12]}...): its token ids "
                         f"would mean other words; resume with the data and tokenizer it was written with")
-    if meta["step"] >= cfg.train.steps:
+    # At train.steps, a run that exports trains no step and exports the checkpoint's weights:
+    # a finished run's way to the export that failed (a full disk), or was not asked for.
+    exports = cfg.save_hf is not None or cfg.save_adapter is not None
+    if meta["step"] > cfg.train.steps or (meta["step"] == cfg.train.steps and not exports):
         raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
-                        f"nothing left to do (raise --steps to train further)")
+                        f"nothing left to do (raise --steps to train further, or pass --save-hf or "
+                        f"--save-adapter to export it)")
 
 
 def base_model(model_path: str | None) -> str | None:

@@ -89,3 +89,25 @@ def test_the_frozen_base_never_reaches_the_optimizer(lora_run):
     grouped = [p for group in make_optimizer(model, cfg).param_groups for p in group["params"]]
     adapters = [p for name, p in model.named_parameters() if is_adapter_param(name)]
     assert len(grouped) == len(adapters) > 0 and {id(p) for p in grouped} == {id(p) for p in adapters}
+
+
+def files_of(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.name != ".te_mixtral.lock"}
+
+
+def test_a_finished_run_resumed_with_an_export_asked_for_exports_its_weights(lora_run, tmp_path):
+    """A run whose export failed (a full disk) or was not asked for has its trained weights in
+    its last checkpoint only: resumed with an export asked for, it trains no step and writes
+    the exports the run would have written, byte for byte. Without one, nothing is left to do."""
+    root, _ = lora_run
+    resumed = ["--model", str(root / "base"), *STEPS, *LORA, "--checkpoint-dir", str(root / "ckpt"), "--resume"]
+    proc = run_cli([*resumed, "--output-dir", str(tmp_path / "run"), "--save-hf", str(tmp_path / "merged"),
+                    "--save-adapter", str(tmp_path / "adapter")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step    1/2" not in proc.stdout and "step    2/2" not in proc.stdout  # trained no step
+    assert files_of(tmp_path / "merged") == files_of(root / "merged")
+    assert files_of(tmp_path / "adapter") == files_of(root / "adapter")
+    assert (root / "ckpt" / "latest").read_text() == "step-000002\n"  # no checkpoint written
+    assert sorted(p.name for p in (root / "ckpt").glob("step-*")) == ["step-000001", "step-000002"]
+    proc = run_cli([*resumed, "--output-dir", str(tmp_path / "again")])
+    assert proc.returncode != 0 and "nothing left to do" in proc.stderr
