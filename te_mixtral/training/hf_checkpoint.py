@@ -91,12 +91,16 @@ def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunCon
 
 
 def _safetensors_files(checkpoint_dir: Path) -> list[Path]:
-    """The weight files: those the sharded index names, else every .safetensors file.
+    """The weight files: model.safetensors alone where there is one (transformers reads it
+    before an index, so the run fine-tunes the weights the folder gives everyone else), else
+    those the sharded index names, else every .safetensors file.
 
     An index is input like any other: it must be a mapping of tensor names to plain file
     names in its own folder (a name such as `../x.safetensors` would read outside it), and
     every file it names must exist.
     """
+    if (checkpoint_dir / "model.safetensors").is_file():
+        return [checkpoint_dir / "model.safetensors"]
     index = checkpoint_dir / "model.safetensors.index.json"
     if not index.exists():
         files = sorted(checkpoint_dir.glob("*.safetensors"))

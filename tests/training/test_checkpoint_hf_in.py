@@ -220,6 +220,8 @@ def test_experts_and_layers_beyond_the_config_are_refused(small_checkpoint):
 
 def test_a_tensor_in_two_files_is_refused(small_checkpoint):
     folder, tensors = small_checkpoint
+    # Files without an index, none of them model.safetensors (which would be read alone).
+    (folder / "model.safetensors").rename(folder / "part.safetensors")
     rewrite(folder, {"model.norm.weight": torch.ones(16)}, "extra.safetensors")
     refused(folder, "'model.norm.weight' is in both")
 
@@ -251,6 +253,7 @@ def test_a_corrupt_safetensors_file_is_refused_naming_it(small_checkpoint):
 ])
 def test_a_bad_index_is_refused(small_checkpoint, index, fragment):
     folder, tensors = small_checkpoint
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")  # else read before the index
     # A valid file outside the folder, which an index must not reach.
     rewrite(folder.parent, tensors, "outside.safetensors")
     (folder / "sub").mkdir()
@@ -287,3 +290,18 @@ def test_the_tiers_checks_read_the_model_of_the_checkpoint(tmp_path):
     config.write_text((REPO / "configs" / "tiny.yaml").read_text().replace("hidden_size: 64", "hidden_size: 66"))
     cfg = load_run_config(str(config), {"tier": "hf", "model_path": str(tmp_path / "even")})  # before: refused
     assert adopt_checkpoint(cfg, tmp_path / "even", 1).model.hidden_size == 16
+
+
+def test_a_folder_with_model_safetensors_beside_an_index_loads_what_transformers_loads(small_checkpoint):
+    """transformers reads a folder's model.safetensors before its sharded index (and before any
+    other .safetensors file): so must the run, or it fine-tunes other weights than the ones
+    the folder gives everyone else."""
+    folder, tensors = small_checkpoint
+    other = {k: torch.randn_like(v) for k, v in tensors.items()}
+    rewrite(folder, other, "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict.fromkeys(other, "model-00001-of-00001.safetensors")}))
+    want = MixtralForCausalLM.from_pretrained(folder).state_dict()
+    got = load_small(folder).state_dict()
+    assert torch.equal(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
+    assert torch.equal(got["model.layers.0.mlp.experts.down_proj"], want["model.layers.0.mlp.experts.down_proj"])
