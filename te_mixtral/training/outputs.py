@@ -18,7 +18,7 @@ what is already there unless that is plainly its own to replace, or the user sai
   `latest`, are refused here.
 - `save_hf` and `save_adapter`: an export replaces only the files an export writes (`is_export_file`), and
   keeps whatever else the folder holds (a model card, evaluation results). It may replace
-  an earlier te_mixtral export (marked by `EXPORT_MARKER`); export-named files of anyone
+  an earlier te_mixtral export of its own kind (marked by `EXPORT_MARKER`); export-named files of anyone
   else only with `overwrite`, as the files transformers would read with the export
   (`_READ_WITH_EXPORT`) wherever they come from. It is never the current folder, the output or checkpoint
   folder, the `--model` folder, the data set or the tokenizer, nor a folder holding one of
@@ -56,6 +56,9 @@ _EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # export, either makes the folder load as something else than what was trained: refused, even
 # beside an earlier export, and replaced with the export's other files under `overwrite`.
 _READ_WITH_EXPORT = {"model.safetensors", "added_tokens.json"}
+# The file that shows which kind an earlier export was. Both kinds replace the same names, so
+# one kind into the other's folder would delete the other: a whole model, or an adapter.
+_KIND_SHOWN_BY = {"save_hf": "model.safetensors.index.json", "save_adapter": "adapter_config.json"}
 
 
 def output_files(cfg: RunConfig) -> list[str]:
@@ -206,6 +209,10 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
                         f"model does not have); move {'it' if len(read_with) == 1 else 'them'} away, or pass "
                         f"--overwrite to replace {'it' if len(read_with) == 1 else 'them'}")
     if _holds_export(folder):
+        for kind, shown_by in _KIND_SHOWN_BY.items():
+            if kind != key and (folder / shown_by).is_file():
+                raise UserError(f"{key} {folder} holds an earlier {kind} export ({shown_by}), which this export would "
+                                f"replace; choose another folder, or pass --overwrite to replace it")
         return
     theirs = sorted(p.name for p in folder.iterdir() if is_export_file(p.name))
     if theirs:

@@ -349,3 +349,21 @@ def test_a_run_writes_its_id_into_its_log_and_its_checkpoints(tmp_path):
     ids = {json.loads(line)["run_id"] for line in (out / "steps.jsonl").read_text().splitlines()}
     saved = {json.loads((folder / "meta.json").read_text())["run_id"] for folder in ckpt.glob("step-*")}
     assert len(ids) == 1 and ids == saved
+
+
+@pytest.mark.parametrize("key, earlier, theirs", [("save_adapter", "save_hf", "model.safetensors.index.json"),
+                                                  ("save_hf", "save_adapter", "adapter_config.json")])
+def test_an_export_never_replaces_an_earlier_export_of_the_other_kind(tmp_path, key, earlier, theirs):
+    """An adapter export into a folder holding a whole model's export (or the reverse) would
+    delete the other's files: only an export of the same kind is replaced unasked."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}))
+    (folder / theirs).write_text("{}")
+    settings = {key: str(folder), "output_dir": str(tmp_path / "out"), "lora.rank": "4"}
+    with pytest.raises(UserError, match=f"{key} {folder} holds an earlier {earlier} export \\({theirs}\\), which "
+                                        f"this export would replace"):
+        check_outputs(load_config(None, settings), None)
+    check_outputs(load_config(None, {**settings, "overwrite": "true"}), None)
+    (folder / theirs).unlink()
+    check_outputs(load_config(None, settings), None)  # an earlier export of its own kind
