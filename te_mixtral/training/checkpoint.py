@@ -31,8 +31,9 @@ Everything the next step depends on, and nothing that can be recomputed:
 Resuming on another layout computes the same steps with the work cut differently: the
 losses equal an uninterrupted run's at the new layout to fp32 rounding (sums are added in
 another order), not bit for bit. The RNG states are the saved rank's of the same number, or
-rank 0's for a rank the saved run did not have (every rank seeds alike and training draws
-no random numbers, so they are all the same today).
+rank 0's for a rank the saved run did not have (every rank seeds alike, and without LoRA
+dropout training draws no random numbers, so they are all the same; with it, a rank's draws
+follow its rows, and a resume on another layout draws other masks than a run there would).
 
 Layout on disk::
 
