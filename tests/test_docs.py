@@ -1,4 +1,5 @@
-"""The docs hold together: every link in README.md and docs/ reaches a file, and the results
+"""The docs hold together: every link in README.md and docs/ reaches a file, and a heading where
+it names one (`file.md#heading`, as GitHub makes the anchor), and the results
 index (docs/results/README.md) cites the newest page of each question and no older one.
 
 The index ends with a table of every dated page: its date, its questions (a page may answer
@@ -34,18 +35,55 @@ def dated_pages() -> list[Path]:
     return sorted(p for p in RESULTS.glob("*.md") if DATED_PAGE.match(p.name))
 
 
+def prose(markdown: str) -> str:
+    """Markdown less its code blocks."""
+    return re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+
+
+def local_links(path: Path) -> list[str]:
+    """The local targets of `path`'s markdown links, inline and reference-style, anchors kept."""
+    text = prose(path.read_text())
+    return [t for t in LINK.findall(text) + REFERENCE.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
 def links(path: Path) -> list[str]:
-    """The local targets of `path`'s markdown links, inline and reference-style, anchors cut off
-    (code blocks left out)."""
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
-    targets = (t.split("#")[0] for t in LINK.findall(text) + REFERENCE.findall(text) if not re.match(r"[a-z]+:", t))
-    return [t for t in targets if t]
+    """The files `path`'s markdown links to, anchors cut off."""
+    return [t.split("#")[0] for t in local_links(path) if t.split("#")[0]]
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings: a link in one reads as its text, the text
+    lowercased, everything but letters, digits, `_`, `-` and spaces dropped, spaces made `-`,
+    and a heading's repeats numbered -1, -2, ..."""
+    made, seen = set(), {}
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", prose(markdown), flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()).replace(" ", "-")
+        made.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return made
 
 
 @pytest.mark.parametrize("document", documents(), ids=lambda p: str(p.relative_to(REPO)))
 def test_every_link_reaches_a_file(document):
     missing = [t for t in links(document) if not (document.parent / t).exists()]
     assert not missing, f"{document.relative_to(REPO)} links to what is not there: {missing}"
+
+
+@pytest.mark.parametrize("document", documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_anchor_names_a_heading(document):
+    """A renamed heading leaves its links pointing at the top of the page, which no other check sees."""
+    missing = []
+    for target in local_links(document):
+        path, _, anchor = target.partition("#")
+        page = document.parent / path if path else document
+        if anchor and page.suffix == ".md" and page.exists() and anchor not in anchors(page.read_text()):
+            missing.append(target)
+    assert not missing, f"{document.relative_to(REPO)} links to headings that are not there: {missing}"
+
+
+def test_anchors_are_githubs():
+    page = "# A `b` (c.d), e\n## [Link](x.md) f_g\n## A `b` (c.d), e\n```\n# not a heading\n```\n"
+    assert anchors(page) == {"a-b-cd-e", "link-f_g", "a-b-cd-e-1"}
 
 
 # --- the results index ------------------------------------------------------------------------
