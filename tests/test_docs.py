@@ -1,6 +1,8 @@
 """The docs hold together: every link in README.md and docs/ reaches a file, and a heading where
 it names one (`file.md#heading`, as GitHub makes the anchor), and the results
 index (docs/results/README.md) cites the newest page of each question and no older one.
+A time or a throughput quoted in a guide names the date it was measured, or links the dated
+page that holds it.
 
 The index ends with a table of every dated page: its date, its questions (a page may answer
 several), and, for a page replaced the same day, the page that replaced it. A question's
@@ -84,6 +86,49 @@ def test_every_anchor_names_a_heading(document):
 def test_anchors_are_githubs():
     page = "# A `b` (c.d), e\n## [Link](x.md) f_g\n## A `b` (c.d), e\n```\n# not a heading\n```\n"
     assert anchors(page) == {"a-b-cd-e", "link-f_g", "a-b-cd-e-1"}
+
+
+# --- figures in the guides ---------------------------------------------------------------------
+
+MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:ms|TFLOP/s|tokens/s)\b")  # what only a run can tell
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}")  # as a dated page's name has it too
+
+
+def living_docs() -> list[Path]:
+    """The docs a reader takes for where the project stands: not the dated pages, which are records."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), INDEX]
+
+
+def unsourced_figures(markdown: str) -> list[str]:
+    """The paragraphs that quote a time or a throughput with neither a date nor a link to a dated
+    page. A table is read with the paragraphs either side of it, where its caption and its source
+    are; a reference-style link by its target; a heading is a title, not a figure."""
+    text = prose(markdown)
+    targets = dict(re.findall(r"^\[([^\]]+)\]:\s*(\S+)", text, flags=re.MULTILINE))
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if not p.lstrip().startswith("#")]
+    unsourced = []
+    for i, paragraph in enumerate(paragraphs):
+        if not MEASURED.search(paragraph):
+            continue
+        context = "\n".join(paragraphs[max(i - 1, 0):i + 2]) if paragraph.lstrip().startswith("|") else paragraph
+        named = " ".join(targets.get(name, "") for name in re.findall(r"\[([^\]]+)\](?!\()", context))
+        if not DATE.search(context + named):
+            unsourced.append(paragraph.strip()[:120])
+    return unsourced
+
+
+@pytest.mark.parametrize("document", living_docs(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_measured_figure_names_its_date_or_page(document):
+    unsourced = unsourced_figures(document.read_text())
+    assert not unsourced, f"{document.relative_to(REPO)}: a figure without its date or dated page: {unsourced}"
+
+
+def test_a_figure_without_its_source_is_found():
+    assert unsourced_figures("It takes 12.5 ms a step.\n") == ["It takes 12.5 ms a step."]
+    assert unsourced_figures("It takes 12.5 ms a step ([page](results/2026-01-02-a.md)).\n") == []
+    assert unsourced_figures("It takes 12.5 ms a step ([page]).\n\n[page]: results/2026-01-02-a.md\n") == []
+    assert unsourced_figures("One H200, 2026-01-02:\n\n| run | ms |\n| --- | --- |\n| a | 12.5 ms |\n") == []
+    assert unsourced_figures("## The 480 TFLOP/s target\n\nNot yet.\n") == []
 
 
 # --- the results index ------------------------------------------------------------------------
