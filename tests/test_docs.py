@@ -1,5 +1,8 @@
-"""The docs hold together: every link in README.md and docs/ reaches a file, and the results
+"""The docs hold together: every link in README.md and docs/ reaches a file, and a heading where
+it names one (`file.md#heading`, as GitHub makes the anchor), and the results
 index (docs/results/README.md) cites the newest page of each question and no older one.
+A time or a throughput quoted in a guide names the date it was measured, or links the dated
+page that holds it.
 
 The index ends with a table of every dated page: its date, its questions (a page may answer
 several), and, for a page replaced the same day, the page that replaced it. A question's
@@ -34,18 +37,98 @@ def dated_pages() -> list[Path]:
     return sorted(p for p in RESULTS.glob("*.md") if DATED_PAGE.match(p.name))
 
 
+def prose(markdown: str) -> str:
+    """Markdown less its code blocks."""
+    return re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+
+
+def local_links(path: Path) -> list[str]:
+    """The local targets of `path`'s markdown links, inline and reference-style, anchors kept."""
+    text = prose(path.read_text())
+    return [t for t in LINK.findall(text) + REFERENCE.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
 def links(path: Path) -> list[str]:
-    """The local targets of `path`'s markdown links, inline and reference-style, anchors cut off
-    (code blocks left out)."""
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
-    targets = (t.split("#")[0] for t in LINK.findall(text) + REFERENCE.findall(text) if not re.match(r"[a-z]+:", t))
-    return [t for t in targets if t]
+    """The files `path`'s markdown links to, anchors cut off."""
+    return [t.split("#")[0] for t in local_links(path) if t.split("#")[0]]
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings: a link in one reads as its text, the text
+    lowercased, everything but letters, digits, `_`, `-` and spaces dropped, spaces made `-`,
+    and a heading's repeats numbered -1, -2, ..."""
+    made, seen = set(), {}
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", prose(markdown), flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()).replace(" ", "-")
+        made.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return made
 
 
 @pytest.mark.parametrize("document", documents(), ids=lambda p: str(p.relative_to(REPO)))
 def test_every_link_reaches_a_file(document):
     missing = [t for t in links(document) if not (document.parent / t).exists()]
     assert not missing, f"{document.relative_to(REPO)} links to what is not there: {missing}"
+
+
+@pytest.mark.parametrize("document", documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_anchor_names_a_heading(document):
+    """A renamed heading leaves its links pointing at the top of the page, which no other check sees."""
+    missing = []
+    for target in local_links(document):
+        path, _, anchor = target.partition("#")
+        page = document.parent / path if path else document
+        if anchor and page.suffix == ".md" and page.exists() and anchor not in anchors(page.read_text()):
+            missing.append(target)
+    assert not missing, f"{document.relative_to(REPO)} links to headings that are not there: {missing}"
+
+
+def test_anchors_are_githubs():
+    page = "# A `b` (c.d), e\n## [Link](x.md) f_g\n## A `b` (c.d), e\n```\n# not a heading\n```\n"
+    assert anchors(page) == {"a-b-cd-e", "link-f_g", "a-b-cd-e-1"}
+
+
+# --- figures in the guides ---------------------------------------------------------------------
+
+MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:ms|TFLOP/s|tokens/s)\b")  # what only a run can tell
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}")  # as a dated page's name has it too
+
+
+def living_docs() -> list[Path]:
+    """The docs a reader takes for where the project stands: not the dated pages, which are records."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), INDEX]
+
+
+def unsourced_figures(markdown: str) -> list[str]:
+    """The paragraphs that quote a time or a throughput with neither a date nor a link to a dated
+    page. A table is read with the paragraphs either side of it, where its caption and its source
+    are; a reference-style link by its target; a heading is a title, not a figure."""
+    text = prose(markdown)
+    targets = dict(re.findall(r"^\[([^\]]+)\]:\s*(\S+)", text, flags=re.MULTILINE))
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if not p.lstrip().startswith("#")]
+    unsourced = []
+    for i, paragraph in enumerate(paragraphs):
+        if not MEASURED.search(paragraph):
+            continue
+        context = "\n".join(paragraphs[max(i - 1, 0):i + 2]) if paragraph.lstrip().startswith("|") else paragraph
+        named = " ".join(targets.get(name, "") for name in re.findall(r"\[([^\]]+)\](?!\()", context))
+        if not DATE.search(context + named):
+            unsourced.append(paragraph.strip()[:120])
+    return unsourced
+
+
+@pytest.mark.parametrize("document", living_docs(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_measured_figure_names_its_date_or_page(document):
+    unsourced = unsourced_figures(document.read_text())
+    assert not unsourced, f"{document.relative_to(REPO)}: a figure without its date or dated page: {unsourced}"
+
+
+def test_a_figure_without_its_source_is_found():
+    assert unsourced_figures("It takes 12.5 ms a step.\n") == ["It takes 12.5 ms a step."]
+    assert unsourced_figures("It takes 12.5 ms a step ([page](results/2026-01-02-a.md)).\n") == []
+    assert unsourced_figures("It takes 12.5 ms a step ([page]).\n\n[page]: results/2026-01-02-a.md\n") == []
+    assert unsourced_figures("One H200, 2026-01-02:\n\n| run | ms |\n| --- | --- |\n| a | 12.5 ms |\n") == []
+    assert unsourced_figures("## The 480 TFLOP/s target\n\nNot yet.\n") == []
 
 
 # --- the results index ------------------------------------------------------------------------
