@@ -202,6 +202,11 @@ DEPTH_RUNS = {
     "full-ep4-8bit-none": depth_train("full-ep4-8bit-none", 4, *FULL, "--tier", "custom_grouped", "--expert_moments",
                                       "8bit", "--recompute", "none"),
     "full-ep4-20": depth_train("full-ep4-20", 4, *FULL, "--tier", "custom_grouped", "--recompute_layers", "20"),
+    # fp8-full-ep4 with the experts' moments in 8 bits: recomputing the expert FFN in 12 layers,
+    # the fewest that fit four H200s by the estimate (29 with bf16 moments)
+    "full-ep4-fp8-8bit-12": depth_train("full-ep4-fp8-8bit-12", 4, *FULL, "--tier", "device_mxfp8",
+                                        "--fp8.weight_cache", "false", "--expert_moments", "8bit",
+                                        "--recompute_layers", "12"),
     # full-ep4-8bit-none with the dense weights and their state sharded over the four ranks by
     # FSDP2: 9 GiB a rank fewer by the estimate (130 of 140), for the busiest rank's rows
     "full-ep4-8bit-none-fsdp": depth_train("full-ep4-8bit-none-fsdp", 4, *FULL, "--tier", "custom_grouped",
