@@ -277,3 +277,24 @@ def test_the_allocator_grows_in_place_unless_the_user_configured_it():
         environ = {name: "max_split_size_mb:512"}
         grow_cuda_memory_in_place(environ)
         assert environ == {name: "max_split_size_mb:512"}
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_ends_every_rank_at_once_each_with_its_line(tmp_path):
+    # The terminal sends SIGINT to the launcher and every rank. Before, rank 1 waited 10 s
+    # (errors.PEER_GRACE_S, meant for errors rank 0 says for all) before its line and its exit.
+    proc = subprocess.Popen([sys.executable, "-m", "te_mixtral.torchrun", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "run_finetune_ep.py"), "--ep-size", "2", "--steps", "500", "--log_every", "1",
+                             "--seq_len", "32", "--output-dir", str(tmp_path)],
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "step    3/500" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    start = time.monotonic()
+    _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 6, stderr[-2000:]
+    assert proc.returncode == ExitCode.INTERRUPTED, stderr[-2000:]
+    lines = stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith("te_mixtral: error: interrupted at step") for line in lines), lines
