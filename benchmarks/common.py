@@ -135,6 +135,25 @@ def header_line(header: dict) -> str:
             f"python {v['python']}")
 
 
+def device_argument(text: str) -> torch.device:
+    """A `--device` flag's value as torch names devices (cpu, cuda, cuda:1), or argparse's
+    one-line refusal."""
+    import torch
+
+    try:
+        return torch.device(text)
+    except RuntimeError:  # torch's message lists every device type it knows of
+        raise argparse.ArgumentTypeError(f"no device '{text}': name one as torch does (cpu, cuda, cuda:1)") from None
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """`--device`: where a script with a CPU smoke test runs (default: the GPU, if any)."""
+    import torch
+
+    default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_argument, default=default)
+
+
 def cuda_or_refuse(script: str) -> torch.device | None:
     """The current GPU, or None after one line on stderr saying `script` needs one."""
     import torch

@@ -214,11 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_json_flag(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device_flag(parser)
     parser.add_argument("--family", choices=("8x7b", "8x22b"), default="8x7b",
                         help="expert shapes: Mixtral-8x7B (D 4096, F 14336) or 8x22B (D 6144, F 16384)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
     if device.type != "cuda" and not args.quick:
         parser.error("the full sizes need a CUDA GPU; use --quick to smoke-test on the CPU")
     if device.type == "cuda" and device.index is None:

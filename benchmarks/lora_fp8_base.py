@@ -18,8 +18,10 @@ import argparse
 import sys
 
 from benchmarks import common
-from benchmarks.lora_base_compare import batch_ids, error_rows, run
+from benchmarks.lora_base_compare import CONFIG, batch_ids, error_rows, refusal, run
 from te_mixtral.measure.report import format_table
+
+BF16, FP8 = {"tier": "custom_grouped"}, {"tier": "device_mxfp8"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,13 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args(argv)
+    if problem := refusal(CONFIG, [BF16, FP8], [args.layers], args.tokens, "cuda"):
+        print(f"lora_fp8_base: error: {problem}", file=sys.stderr)
+        return 2
     device = common.cuda_or_refuse("lora_fp8_base")
     if device is None:
         return 2
     print(common.header_line(common.run_header(device)))
     ids = batch_ids(32000, args.tokens, device)
-    bf16 = run({"tier": "custom_grouped"}, args.layers, ids)
-    fp8 = run({"tier": "device_mxfp8"}, args.layers, ids)
+    bf16 = run(BF16, args.layers, ids)
+    fp8 = run(FP8, args.layers, ids)
     print(f"FP8 base against BF16 base, Mixtral-8x7B shapes, {args.layers} layers, {args.tokens} tokens, LoRA r=16; "
           "relative Frobenius errors")
     print(format_table(error_rows(fp8, bf16), header=("quantity", "fp8 vs bf16")))

@@ -28,11 +28,12 @@ import sys
 import torch
 
 from benchmarks import common
-from benchmarks.lora_base_compare import CONFIG, batch_ids, error_rows, run
+from benchmarks.lora_base_compare import CONFIG, batch_ids, error_rows, refusal, run
 from te_mixtral.config import load_config
 from te_mixtral.measure.report import format_table
 
 BF16 = {"tier": "custom_grouped", "lora.rank": "16"}  # rank 16 on a config without LoRA (tiny.yaml) too
+NF4 = {**BF16, "lora.base": "nf4"}
 
 
 def bitsandbytes_unavailable(device: torch.device) -> str | None:
@@ -62,13 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=CONFIG, help="the model and LoRA settings (default: %(default)s)")
     args = parser.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if problem := refusal(args.config, [BF16, NF4], args.layers, args.tokens, device.type):
+        print(f"nf4_accuracy: error: {problem}", file=sys.stderr)
+        return 2
     if device.type == "cuda":
         print(common.header_line(common.run_header(device)))
     ids = batch_ids(load_config(args.config, {}).model.vocab_size, args.tokens, device)
     skip = bitsandbytes_unavailable(device)
     for layers in args.layers:
         bf16 = run(BF16, layers, ids, args.config)
-        columns = {"ours": run({**BF16, "lora.base": "nf4"}, layers, ids, args.config)}
+        columns = {"ours": run(NF4, layers, ids, args.config)}
         if skip is None:
             columns["bitsandbytes"] = run(BF16, layers, ids, args.config,
                                           prepare=bitsandbytes_round_trip)

@@ -156,9 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=float, default=3.1e9, help="total parameters (default 3.1e9)")
     common.add_json_flag(parser)
     parser.add_argument("--quick", action="store_true", help="a tiny size: a smoke test, not a measurement")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    common.add_device_flag(parser)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
+    if not args.params >= 1:  # NaN too
+        parser.error(f"--params must be a number of parameters, 1 or more, got {args.params:g}")
     if device.type != "cuda" and not args.quick:
         parser.error("timing needs a CUDA GPU; use --quick to smoke-test on the CPU")
     shapes = scaled_shapes(QUICK_PARAMS if args.quick else args.params)

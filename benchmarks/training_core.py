@@ -10,8 +10,9 @@ the ratios of the new core to the old.
     python3 -m benchmarks.training_core OUT_DIR [--tiers custom_grouped grouped_linear]
         [--config configs/mixtral-8x7b-2layer.yaml] [-- extra run_finetune_ep.py args]
 
-`--quick` runs the tiny config on the CPU (fp32, the loop tier) to check that the script
-works, not to measure anything.
+`--quick` runs the tiny config on the CPU (bf16, which master_adamw keeps its parameters in;
+the loop tier) to check that the script works, not to measure anything. Every run is checked
+as the app checks it before the first starts: a bad flag is one line, not a failed run per log.
 
 Its times are the app's own (each run's results.json, timed as every run is), not
 benchmarks/common.py's timer: the point is a whole training step of each core. OUT_DIR holds
@@ -25,17 +26,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+from te_mixtral.cli import parse_args
+from te_mixtral.config import load_run_config
+from te_mixtral.errors import UserError
 from te_mixtral.measure.report import format_table
 
 # Bytes per parameter for parameters + gradients + optimizer state, by optimizer.
 BYTES_PER_PARAM = {"adamw": 4 + 4 + 8, "master_adamw": 2 + 2 + 2 + 4}
 CORES = ("adamw", "master_adamw")
+# --quick: the CPU check of the script. bf16 on both cores, as on a GPU (master_adamw needs it).
+QUICK_CONFIG, QUICK_TIERS = "configs/tiny.yaml", ["loop"]
+QUICK_ARGS = ["--steps", "6", "--timing-warmup-steps", "2", "--dtype", "bf16"]
+
+
+def app_args(config: str, tier: str, core: str, extra: list[str]) -> list[str]:
+    """The app's arguments for one run, but where it writes and what it checks the loss against."""
+    return ["--config", config, "--tier", tier, "--optimizer", core, *extra]
+
+
+def check_runs(config: str, tiers: list[str], extra: list[str]) -> None:
+    """Every run's config read as the app reads it: a `UserError` for the first it would refuse."""
+    for tier in tiers:
+        for core in CORES:
+            args, overrides = parse_args(app_args(config, tier, core, extra))
+            load_run_config(args.config, overrides)
 
 
 def run(out: Path, config: str, tier: str, core: str, extra: list[str], reference: Path | None) -> dict:
     folder = out / f"{tier}-{core}"
-    command = [sys.executable, "run_finetune_ep.py", "--config", config, "--tier", tier, "--optimizer", core,
-               "--output-dir", str(folder), *extra]
+    command = [sys.executable, "run_finetune_ep.py", *app_args(config, tier, core, extra), "--output-dir", str(folder)]
     if reference is not None:
         command += ["--loss-check", str(reference)]
     print("==", " ".join(command), flush=True)
@@ -56,8 +75,13 @@ def main(argv: list[str]) -> int:
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     if args.quick:
-        args.config, args.tiers = "configs/tiny.yaml", ["loop"]
-        extra += ["--steps", "6", "--timing-warmup-steps", "2", "--dtype", "fp32"]
+        args.config, args.tiers = QUICK_CONFIG, QUICK_TIERS
+        extra += QUICK_ARGS
+    try:
+        check_runs(args.config, args.tiers, extra)
+    except UserError as error:
+        print(f"training_core: error: {error}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
 
     rows, failed = [], []

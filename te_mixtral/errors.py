@@ -130,6 +130,9 @@ class Interrupted(UserError):
     """The user pressed Ctrl-C (SIGINT)."""
 
     exit_code = ExitCode.INTERRUPTED
+    # Every rank gets the signal and says at once where it stopped: waiting `PEER_GRACE_S` for
+    # the launcher to stop it would only hold the job that long after rank 0 has left.
+    scope = ONLY_HERE
 
 
 class TierUnavailable(UserError):

@@ -13,11 +13,12 @@ import pytest
 import torch
 from background import Command
 from conftest import REPO
-from launch import app_command, assert_one_line_error, run_cli
+from launch import RUN_DIR, app_command, assert_one_line_error, run_cli
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from te_mixtral.errors import ExitCode
+from te_mixtral.training.same_job import first_difference
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -79,7 +80,11 @@ BAD_SETTING = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "run
 REFUSED = {our_torchrun("--no_such_option", "run_finetune_ep.py"): "unrecognized arguments: --no_such_option",
            our_torchrun("--nproc_per_node=many", "run_finetune_ep.py"): "Unsupported nproc_per_node value: many",
            our_torchrun("--standalone", "--nproc_per_node=0", "run_finetune_ep.py"): "torchrun refused its arguments"}
-PLANNED_COMMANDS = [BAD_SETTING, *REFUSED]  # run from the session's start (conftest.py's planned_command)
+# Rank 1 reads another learning rate, as a second machine with another copy of the config would.
+ONE_RANK_DIFFERS = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "tests/workers/one_rank_differs.py"),
+                                "--ep-size", "2", "--steps", "2", "--seq_len", "32", "--output-dir", RUN_DIR,
+                                "--rank1", "--lr", "0.05")
+PLANNED_COMMANDS = [BAD_SETTING, *REFUSED, ONE_RANK_DIFFERS]  # run from the session's start (conftest.py's planned_command)
 
 
 def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code_on(planned_command):
@@ -98,6 +103,24 @@ def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line(planned_command)
         assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
         assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("te_mixtral.torchrun: error: ")
         assert fragment in proc.stderr
+
+
+def test_ranks_that_would_run_different_jobs_are_refused_before_the_first_step(planned_command):
+    # Before, rank 1 trained at another learning rate than rank 0, and the job exited 0.
+    proc, out = planned_command(ONE_RANK_DIFFERS)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    lines = assert_one_line_error(proc, "the ranks would run different jobs", "train.lr is 0.003 on rank 0 and 0.05 "
+                                  "on rank 1", "the same config")
+    assert proc.stderr.splitlines() == lines and len(lines) == 1, proc.stderr[-3000:]
+    assert not (out / "results.json").exists()
+
+
+def test_the_ranks_first_difference_is_named_whatever_it_is_in():
+    same = {"train.dtype": "auto", "the tokenizer's SHA-256": "ab", "model.rope_theta": math.nan}
+    assert first_difference([same, dict(same), dict(same)]) is None
+    assert (first_difference([same, dict(same), {**same, "the tokenizer's SHA-256": "cd"}])
+            == "the tokenizer's SHA-256 is ab on rank 0 and cd on rank 2")
+    assert first_difference([same, {**same, "train.dtype": "bf16"}]) == "train.dtype is auto on rank 0 and bf16 on rank 1"
 
 
 def test_hf_tier_is_single_process(monkeypatch):
@@ -254,3 +277,24 @@ def test_the_allocator_grows_in_place_unless_the_user_configured_it():
         environ = {name: "max_split_size_mb:512"}
         grow_cuda_memory_in_place(environ)
         assert environ == {name: "max_split_size_mb:512"}
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_ends_every_rank_at_once_each_with_its_line(tmp_path):
+    # The terminal sends SIGINT to the launcher and every rank. Before, rank 1 waited 10 s
+    # (errors.PEER_GRACE_S, meant for errors rank 0 says for all) before its line and its exit.
+    proc = subprocess.Popen([sys.executable, "-m", "te_mixtral.torchrun", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "run_finetune_ep.py"), "--ep-size", "2", "--steps", "500", "--log_every", "1",
+                             "--seq_len", "32", "--output-dir", str(tmp_path)],
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "step    3/500" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    start = time.monotonic()
+    _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 6, stderr[-2000:]
+    assert proc.returncode == ExitCode.INTERRUPTED, stderr[-2000:]
+    lines = stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith("te_mixtral: error: interrupted at step") for line in lines), lines

@@ -203,3 +203,11 @@ def test_the_readme_fits_and_its_first_screen_shows_where_to_look():
     first_screen = "\n".join(lines[:25])
     for target in ("docs/results/README.md", "docs/architecture.md", "docs/tutorial.md"):
         assert f"]({target})" in first_screen, target
+
+
+def test_the_wait_before_a_peer_repeats_rank_0s_error_is_the_one_the_code_waits():
+    from te_mixtral.errors import PEER_GRACE_S
+
+    text = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
+    said = re.search(r"the other ranks wait (\d+) s", text)
+    assert said and float(said.group(1)) == PEER_GRACE_S, said and said.group(0)

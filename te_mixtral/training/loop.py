@@ -80,6 +80,7 @@ from te_mixtral.training.optimizer import (
 from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import save_adapter
 from te_mixtral.training.run_report import Measured, report_run
+from te_mixtral.training.same_job import job_summary, require_same_job
 
 
 def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
@@ -198,6 +199,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
+    require_same_job(job_summary(cfg, data), layout)  # before any collective that would depend on it
     eval_batches = data.eval_batches()
     model, ran_on = build_model(cfg, layout, device, model_dir)
     if reference is not None:
