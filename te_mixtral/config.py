@@ -183,10 +183,9 @@ class TrainConfig:
                              "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
     moment_dtype: Literal["bf16", "fp32"] = setting(
         "bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)",
-        needs=replace(MASTER_ADAMW, text="fp32 is master_adamw's choice: train.optimizer adamw keeps fp32 moments "
+        needs=replace(MASTER_ADAMW, text="is master_adamw's choice: train.optimizer adamw keeps fp32 moments "
                       "anyway; drop it, or use train.optimizer master_adamw"))
-    expert_moments: Literal["same", "8bit"] = setting("same", needs=replace(MASTER_ADAMW, text="8bit is "
-                                                      "master_adamw's: it needs train.optimizer master_adamw"),
+    expert_moments: Literal["same", "8bit"] = setting("same", needs=MASTER_ADAMW,
                                                       help="master_adamw's moments of the expert weights: same "
                                                       "(moment_dtype, as the others') or 8bit (block-wise 8-bit, about 2 "
                                                       "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py)")
@@ -207,7 +206,7 @@ class TrainConfig:
     fsdp_reduce: Literal["step", "micro_batch"] = setting("step", resumable=True, needs=Needs(
                                ("train.sharding", "train.grad_accum_steps"), lambda sharding, micro_batches:
                                sharding == "fsdp" and micro_batches > 1,
-                               "micro_batch is FSDP's, between the micro-batches of a step: it needs train.sharding "
+                               "is FSDP's choice, between the micro-batches of a step: it needs train.sharding "
                                "fsdp and train.grad_accum_steps above 1 (unsharded gradients are whole either way, and "
                                "a step of one micro-batch reduces once either way)"),
                                help="with fsdp and grad_accum_steps > 1, when gradients are reduce-scattered: step "
@@ -280,8 +279,8 @@ class RunConfig:
     te_fusions: bool = setting(True, workload=False, resumable=True,
                                needs=Needs(("backend", "device"), lambda backend, device: backend == "te" or
                                            (backend == "auto" and device != "cpu"),
-                                           "false turns off fusions of the te backend: it needs backend te (or auto "
-                                           "on a CUDA device)"),
+                                           "switches the te backend's fusions: it needs backend te (or auto on a "
+                                           "CUDA device)"),
                                help="on the te backend: q, k and v by one GEMM, and TE's fused cross-entropy "
                                "(te_mixtral/model/layers.py); false: one module at a time, for A/B timing")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
@@ -543,6 +542,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             _apply(cfg, key, value)
             given.add(key)
     file_cfg = copy.deepcopy(cfg)  # what the file alone sets (check_needs: the command line overrides it)
+    typed = set()  # the keys the command line sets
     for bare, text in (overrides or {}).items():
         bare = bare.replace("-", "_")
         if bare in RETYPED_KEYS:  # an older key: its value as today's key takes it
@@ -551,13 +551,14 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             key = _full_key(bare)
             value = _parse_override(key, text)
         _apply(cfg, key, value)
-        given.add(key)
+        typed.add(key)
+    given |= typed
     _adopt_launcher(cfg, given, launch or {})
     for key, follows in FOLLOWS.items():
         if key not in given:
             _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
     validate(cfg, world_size)
-    check_needs(cfg, given, file_cfg)
+    check_needs(cfg, given, file_cfg, frozenset(typed))
     return cfg
 
 
