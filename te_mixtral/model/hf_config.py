@@ -109,6 +109,15 @@ def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> 
                         f"({first_line(e)}); offline, pass a local checkpoint folder") from None
 
 
+def longest_sequence(cfg) -> int | None:
+    """The most tokens the run config `cfg` (a `RunConfig`) feeds the model at once, as
+    `model_config_from_hf` takes it, for the run and its memory estimate alike: a training or
+    evaluation sample (data.seq_len); with generate, None (max_position_embeddings): a prompt
+    and its continuation may run that long, and the prompt's length is known only once the
+    run's tokenizer reads it."""
+    return None if cfg.generate is not None else cfg.data.seq_len
+
+
 def model_config_from_hf(checkpoint_dir: str | Path, longest_sequence: int | None = None) -> ModelConfig:
     """Our `ModelConfig` from a checkpoint's config.json (see the module docstring).
 

@@ -58,7 +58,7 @@ from te_mixtral.files import (
     sibling,
     write_failure,
 )
-from te_mixtral.model.hf_config import hf_config, model_config_from_hf
+from te_mixtral.model.hf_config import hf_config, longest_sequence, model_config_from_hf
 from te_mixtral.model.lora import base_weights, is_adapter_param, lora_adapters, merged, weight_tensor
 from te_mixtral.training.checkpoint import require_finite, require_finite_weights
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
@@ -76,9 +76,7 @@ def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunCon
     tokenizer = cfg.data.tokenizer
     if tokenizer is None and (model_dir / "tokenizer.json").is_file():
         tokenizer = str(model_dir)
-    # Generation may run up to max_position_embeddings tokens (None), training seq_len.
-    longest = None if cfg.generate is not None else cfg.data.seq_len
-    model = model_config_from_hf(model_dir, longest)
+    model = model_config_from_hf(model_dir, longest_sequence(cfg))
     model = dataclasses.replace(model, router_z_loss_coef=cfg.model.router_z_loss_coef,
                                 router_aux_loss_coef=(model.router_aux_loss_coef if cfg.model.router_aux_loss_coef
                                                       is None else cfg.model.router_aux_loss_coef))
