@@ -82,12 +82,12 @@ class ModelConfig:
         return self.router_aux_loss_coef or 0.0
 
 
-def checkpoint_folder(model_path: str) -> Path | None:
-    """The local folder `model_path` names, or None where it names a hub id. Hub ids look like
-    paths (`owner/name`), so a name is local where it exists or is plainly a path (/, ., ~):
-    a typo in a local path must not go to the hub."""
-    path = Path(model_path).expanduser()
-    return path if path.exists() or model_path.startswith(("/", ".", "~")) else None
+def local_path(name: str) -> Path | None:
+    """The local path `name` (model_path, data.dataset) names, or None where it names a hub id.
+    Hub ids look like paths (`owner/name`), so a name is local where it exists or is plainly a
+    path (/, ., ~): a typo in a local path must not go to the hub."""
+    path = Path(name).expanduser()
+    return path if path.exists() or name.startswith(("/", ".", "~")) else None
 
 
 def brings_tokenizer(model_path: str | None) -> bool:
@@ -96,8 +96,20 @@ def brings_tokenizer(model_path: str | None) -> bool:
     id always (the published Mixtral checkpoints do; a run downloads it only as it starts)."""
     if model_path is None:
         return False
-    folder = checkpoint_folder(model_path)
+    folder = local_path(model_path)
     return folder is None or (folder / "tokenizer.json").is_file()
+
+
+# The files a local data set may hold, by suffix, and the `datasets` builder that reads each
+# (te_mixtral/data/sources.py).
+LOCAL_DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
+
+
+def is_hub_dataset(name: str) -> bool:
+    """Whether data.dataset `name` names a data set on the Hugging Face hub: not the embedded
+    text, nor a local path (`local_path`), nor a name with a data file's suffix (a data file
+    mistyped must not go to the hub either)."""
+    return name != "embedded" and local_path(name) is None and Path(name).suffix not in LOCAL_DATA_BUILDERS
 
 
 # What the data keys that read one format's records need (config_field.Needs).
@@ -113,7 +125,10 @@ CHAT_LAYOUT = Needs(("data.format",), lambda fmt: fmt == "chat",
 class DataConfig:
     dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
                            ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
-    subset: str | None = setting(None, help="the hub data set's subset (its config name), e.g. wikitext-2-raw-v1 "
+    subset: str | None = setting(None, needs=Needs(("data.dataset",), is_hub_dataset,
+                                                   "names a subset of a hub data set, and data.dataset is not one "
+                                                   "(the embedded text and local files have none): drop it"),
+                                 help="the hub data set's subset (its config name), e.g. wikitext-2-raw-v1 "
                                  "of wikitext; null: its default")
     split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
                          "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")

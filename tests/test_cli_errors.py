@@ -160,7 +160,6 @@ def test_an_export_whose_merged_weights_overflow_is_refused(tmp_path):
      "needs model.hidden_size to be a multiple of 32, got 48"),
     (["--loss-check", "EMPTY"], "has no losses to compare with"),
     (["--generate", "Once", "--generate-tokens", "5000"], "would pass model.max_position_embeddings (1024)"),
-    (["--subset", "wikitext-2-raw-v1"], "data.subset 'wikitext-2-raw-v1' names a subset of a hub data set"),
     # Not the emulation, which LoRA refuses too.
     (["--tier", "device_mxfp8", "--lora.rank", "4"], "or with LoRA (a frozen FP8 base needs a Hopper GPU) another tier, "
                                                      "e.g. --tier custom_grouped"),

@@ -200,6 +200,10 @@ IGNORED = [
     ({"resume": "true"}, {"checkpoint_dir": "ckpt"}, "resume needs checkpoint_dir", 1),
     ({"save_every": "2"}, {"save_hf": "hf"}, "train.save_every needs save_hf or save_adapter", 1),
     ({"eval_every": "2"}, {"eval_fraction": "0.1"}, "train.eval_every needs held-out data: set data.eval_fraction", 1),
+    # The embedded text and local files (one that exists, has a data file's suffix, or is plainly a path) have none.
+    *[({"subset": "wikitext-2-raw-v1", **dataset}, {"dataset": "someone/corpus"},
+       "data.subset names a subset of a hub data set, and data.dataset is not one", 1)
+      for dataset in ({}, {"dataset": "my_data.jsonl"}, {"dataset": "./corpus"}, {"dataset": str(REPO / "examples")})],
     ({"data.text_field": "body", "format": "chat", "tokenizer": CHAT_TOKENIZER}, {"format": "text"},
      "data.text_field names the field of data.format text", 1),
     ({"data.messages_field": "conversations"}, {"format": "chat", "tokenizer": CHAT_TOKENIZER},

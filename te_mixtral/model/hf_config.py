@@ -21,7 +21,7 @@ import json
 import typing
 from pathlib import Path
 
-from te_mixtral.config import ModelConfig, checkpoint_folder
+from te_mixtral.config import ModelConfig, local_path
 from te_mixtral.errors import UserError, first_line
 
 # Our `ModelConfig` field -> its `MixtralConfig` key: the same name but for the expert count.
@@ -93,7 +93,7 @@ def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> 
     `files` (patterns; the memory estimate asks for config.json alone) are downloaded to the
     hub cache (every rank may call this, the hub client locks its cache, and a cached snapshot
     returns at once)."""
-    path = checkpoint_folder(name)
+    path = local_path(name)
     if path is not None:
         if not path.exists():
             raise UserError(f"checkpoint folder {path} does not exist")
