@@ -40,7 +40,7 @@ from te_mixtral.errors import ExitCode
     (["--config", "configs/missing.yaml"], "cannot read config"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
     (["--moment_dtype", "fp32"], "train.moment_dtype is master_adamw's choice"),
-    (["--checkpoint-dir", "README.md"], "checkpoint directory README.md is a file, not a folder"),
+    (["--checkpoint-dir", "README.md"], "checkpoint_dir README.md is a file, not a folder"),
     # A key that would change nothing in this run: before, each trained a step and exited 0.
     (["--steps", "1", "--lora.alpha", "32"], "lora.alpha applies to LoRA adapters: set lora.rank (LoRA is off)"),
     (["--steps", "1", "--generate-tokens", "10"], "generate_tokens is the length of generate's continuation"),

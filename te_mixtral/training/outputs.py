@@ -38,7 +38,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
-from te_mixtral.files import check_scratch, sibling
+from te_mixtral.files import check_scratch, check_writable, sibling
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
 from te_mixtral.training.checkpoint import LATEST, META, leftovers, written_here
@@ -103,6 +103,15 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
         _check_export_folder(key, folder, cfg.overwrite, protected)
     if len(exports) == 2 and exports["save_hf"].resolve() == exports["save_adapter"].resolve():
         raise UserError(f"save_hf and save_adapter name one folder ({cfg.save_hf}): give each its own")
+
+
+def check_writable_folders(cfg: RunConfig) -> None:
+    """Refuse, before anything is made or trained, a folder the run would write into and
+    cannot (`files.check_writable`): the output and checkpoint folders, and each export's,
+    with the folder an export is staged in beside it (`DIR.tmp`)."""
+    for key in ("output_dir", "checkpoint_dir", "save_hf", "save_adapter"):
+        if getattr(cfg, key) is not None:
+            check_writable(Path(getattr(cfg, key)), key, ".tmp" if key in _KIND_SHOWN_BY else None)
 
 
 def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> None:
