@@ -139,7 +139,7 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
     remove_scratch(old, "the export it replaces")
     make_scratch(old)
     for path in sorted(final.iterdir(), key=lambda p: p.name != marker):
-        if owned(path.name) and path.is_file():
+        if owned(path.name) and (path.is_file() or path.is_dir()):  # a folder of the set moves whole
             os.rename(path, old / path.name)
     for path in sorted(tmp.iterdir(), key=lambda p: p.name == marker):
         if path.name != SCRATCH_MARKER:
