@@ -82,12 +82,12 @@ class ModelConfig:
         return self.router_aux_loss_coef or 0.0
 
 
-def checkpoint_folder(model_path: str) -> Path | None:
-    """The local folder `model_path` names, or None where it names a hub id. Hub ids look like
-    paths (`owner/name`), so a name is local where it exists or is plainly a path (/, ., ~):
-    a typo in a local path must not go to the hub."""
-    path = Path(model_path).expanduser()
-    return path if path.exists() or model_path.startswith(("/", ".", "~")) else None
+def local_path(name: str) -> Path | None:
+    """The local path `name` (model_path, data.dataset) names, or None where it names a hub id.
+    Hub ids look like paths (`owner/name`), so a name is local where it exists or is plainly a
+    path (/, ., ~): a typo in a local path must not go to the hub."""
+    path = Path(name).expanduser()
+    return path if path.exists() or name.startswith(("/", ".", "~")) else None
 
 
 def brings_tokenizer(model_path: str | None) -> bool:
@@ -96,8 +96,20 @@ def brings_tokenizer(model_path: str | None) -> bool:
     id always (the published Mixtral checkpoints do; a run downloads it only as it starts)."""
     if model_path is None:
         return False
-    folder = checkpoint_folder(model_path)
+    folder = local_path(model_path)
     return folder is None or (folder / "tokenizer.json").is_file()
+
+
+# The files a local data set may hold, by suffix, and the `datasets` builder that reads each
+# (te_mixtral/data/sources.py).
+LOCAL_DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
+
+
+def is_hub_dataset(name: str) -> bool:
+    """Whether data.dataset `name` names a data set on the Hugging Face hub: not the embedded
+    text, nor a local path (`local_path`), nor a name with a data file's suffix (a data file
+    mistyped must not go to the hub either)."""
+    return name != "embedded" and local_path(name) is None and Path(name).suffix not in LOCAL_DATA_BUILDERS
 
 
 # What the data keys that read one format's records need (config_field.Needs).
@@ -113,7 +125,10 @@ CHAT_LAYOUT = Needs(("data.format",), lambda fmt: fmt == "chat",
 class DataConfig:
     dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
                            ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
-    subset: str | None = setting(None, help="the hub data set's subset (its config name), e.g. wikitext-2-raw-v1 "
+    subset: str | None = setting(None, needs=Needs(("data.dataset",), is_hub_dataset,
+                                                   "names a subset of a hub data set, and data.dataset is not one "
+                                                   "(the embedded text and local files have none): drop it"),
+                                 help="the hub data set's subset (its config name), e.g. wikitext-2-raw-v1 "
                                  "of wikitext; null: its default")
     split: str = setting("train", help="the split read: a hub data set's (train, test, train[:90%], ...); local files "
                          "and the embedded text are one 'train' split, which may be sliced the same way (train[:90%])")
@@ -183,10 +198,9 @@ class TrainConfig:
                              "(bf16 parameters, the fp32 master kept exactly as 16-bit remainders; bf16 runs only)")
     moment_dtype: Literal["bf16", "fp32"] = setting(
         "bf16", help="master_adamw's moments: bf16 (10 bytes per parameter in all) or fp32 (14)",
-        needs=replace(MASTER_ADAMW, text="fp32 is master_adamw's choice: train.optimizer adamw keeps fp32 moments "
+        needs=replace(MASTER_ADAMW, text="is master_adamw's choice: train.optimizer adamw keeps fp32 moments "
                       "anyway; drop it, or use train.optimizer master_adamw"))
-    expert_moments: Literal["same", "8bit"] = setting("same", needs=replace(MASTER_ADAMW, text="8bit is "
-                                                      "master_adamw's: it needs train.optimizer master_adamw"),
+    expert_moments: Literal["same", "8bit"] = setting("same", needs=MASTER_ADAMW,
                                                       help="master_adamw's moments of the expert weights: same "
                                                       "(moment_dtype, as the others') or 8bit (block-wise 8-bit, about 2 "
                                                       "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py)")
@@ -207,7 +221,7 @@ class TrainConfig:
     fsdp_reduce: Literal["step", "micro_batch"] = setting("step", resumable=True, needs=Needs(
                                ("train.sharding", "train.grad_accum_steps"), lambda sharding, micro_batches:
                                sharding == "fsdp" and micro_batches > 1,
-                               "micro_batch is FSDP's, between the micro-batches of a step: it needs train.sharding "
+                               "is FSDP's choice, between the micro-batches of a step: it needs train.sharding "
                                "fsdp and train.grad_accum_steps above 1 (unsharded gradients are whole either way, and "
                                "a step of one micro-batch reduces once either way)"),
                                help="with fsdp and grad_accum_steps > 1, when gradients are reduce-scattered: step "
@@ -280,8 +294,8 @@ class RunConfig:
     te_fusions: bool = setting(True, workload=False, resumable=True,
                                needs=Needs(("backend", "device"), lambda backend, device: backend == "te" or
                                            (backend == "auto" and device != "cpu"),
-                                           "false turns off fusions of the te backend: it needs backend te (or auto "
-                                           "on a CUDA device)"),
+                                           "switches the te backend's fusions: it needs backend te (or auto on a "
+                                           "CUDA device)"),
                                help="on the te backend: q, k and v by one GEMM, and TE's fused cross-entropy "
                                "(te_mixtral/model/layers.py); false: one module at a time, for A/B timing")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
@@ -543,6 +557,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             _apply(cfg, key, value)
             given.add(key)
     file_cfg = copy.deepcopy(cfg)  # what the file alone sets (check_needs: the command line overrides it)
+    typed = set()  # the keys the command line sets
     for bare, text in (overrides or {}).items():
         bare = bare.replace("-", "_")
         if bare in RETYPED_KEYS:  # an older key: its value as today's key takes it
@@ -551,13 +566,14 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             key = _full_key(bare)
             value = _parse_override(key, text)
         _apply(cfg, key, value)
-        given.add(key)
+        typed.add(key)
+    given |= typed
     _adopt_launcher(cfg, given, launch or {})
     for key, follows in FOLLOWS.items():
         if key not in given:
             _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
     validate(cfg, world_size)
-    check_needs(cfg, given, file_cfg)
+    check_needs(cfg, given, file_cfg, frozenset(typed))
     return cfg
 
 

@@ -139,7 +139,7 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
     remove_scratch(old, "the export it replaces")
     make_scratch(old)
     for path in sorted(final.iterdir(), key=lambda p: p.name != marker):
-        if owned(path.name) and path.is_file():
+        if owned(path.name) and (path.is_file() or path.is_dir()):  # a folder of the set moves whole
             os.rename(path, old / path.name)
     for path in sorted(tmp.iterdir(), key=lambda p: p.name == marker):
         if path.name != SCRATCH_MARKER:
@@ -178,6 +178,27 @@ def require_writable(path: Path, what: str) -> None:
         tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
     except OSError as e:
         raise UserError(f"{what} {path} is not writable: {e.strerror}") from None
+
+
+def check_writable(folder: Path, what: str, staged_as: str | None = None) -> None:
+    """Refuse, in one line, a folder a run will write into and cannot: the folder itself where
+    it exists, else the nearest folder above it (where it will be made); with `staged_as` (a
+    sibling's suffix, `.tmp`: the writer writes `DIR.tmp` beside it first, then moves it in),
+    the folder it is in too. The kernel answers (`os.access`) and nothing is made, so every
+    rank can ask before any of them writes, and before the checks that refuse a folder as
+    the wrong one. `require_writable`, which makes the folder, still runs where it is made."""
+    path = folder.expanduser().absolute()
+    for place in [path] + ([path.parent] if staged_as else []):
+        existing = next(p for p in (place, *place.parents) if p.exists())
+        if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+            continue
+        fault = "is a file, not a folder" if not existing.is_dir() else "is not writable"
+        if existing == path:
+            raise UserError(f"{what} {folder} {fault}")
+        if place == path:
+            raise UserError(f"{what} {folder} cannot be made: {existing} {fault}")
+        raise UserError(f"{what} {folder} is first written as {sibling(path, staged_as).name} beside it, in "
+                        f"{existing}, which {fault}")
 
 
 def require_free_space(path: Path, needed_bytes: int, what: str, reclaimable_bytes: int = 0) -> None:

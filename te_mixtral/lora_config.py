@@ -37,7 +37,7 @@ class LoRAConfig:
                            f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
                            f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
     base: Literal["default", "nf4"] = setting("default",
-                                              needs=replace(LORA_ON, text="nf4 holds the base frozen for LoRA: set "
+                                              needs=replace(LORA_ON, text="holds the base frozen for LoRA: set "
                                                                           "lora.rank (e.g. 16)"),
                                               help="how the frozen base's expert weights are held: default "
                                               "(the run's compute dtype; FP8 in tier device_mxfp8) or nf4 (QLoRA's "

@@ -40,8 +40,8 @@ from te_mixtral.training.same_job import first_difference
      "model.intermediate_size 98 not a multiple of 8 (2-byte parameters); use --tier hf_eager"),
     (["--config", "configs/missing.yaml"], "cannot read config"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
-    (["--moment_dtype", "fp32"], "train.moment_dtype fp32 is master_adamw's choice"),
-    (["--checkpoint-dir", "README.md"], "checkpoint directory README.md is a file, not a folder"),
+    (["--moment_dtype", "fp32"], "train.moment_dtype is master_adamw's choice"),
+    (["--checkpoint-dir", "README.md"], "checkpoint_dir README.md is a file, not a folder"),
     # A key that would change nothing in this run: before, each trained a step and exited 0.
     (["--steps", "1", "--lora.alpha", "32"], "lora.alpha applies to LoRA adapters: set lora.rank (LoRA is off)"),
     (["--steps", "1", "--generate-tokens", "10"], "generate_tokens is the length of generate's continuation"),
@@ -183,7 +183,6 @@ def test_an_export_whose_merged_weights_overflow_is_refused(tmp_path):
      "needs model.hidden_size to be a multiple of 32, got 48"),
     (["--loss-check", "EMPTY"], "has no losses to compare with"),
     (["--generate", "Once", "--generate-tokens", "5000"], "would pass model.max_position_embeddings (1024)"),
-    (["--subset", "wikitext-2-raw-v1"], "data.subset 'wikitext-2-raw-v1' names a subset of a hub data set"),
     # Not the emulation, which LoRA refuses too.
     (["--tier", "device_mxfp8", "--lora.rank", "4"], "or with LoRA (a frozen FP8 base needs a Hopper GPU) another tier, "
                                                      "e.g. --tier custom_grouped"),

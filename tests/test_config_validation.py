@@ -33,7 +33,7 @@ from te_mixtral.errors import UserError
     ("rope_theta", "0", "model.rope_theta must be finite and above 0"),
     ("initializer_range", ".nan", "model.initializer_range must be finite and above 0"),
     ("fsdp_reduce", "sometimes", "train.fsdp_reduce must be one of step, micro_batch"),
-    ("fsdp_reduce", "micro_batch", "train.fsdp_reduce micro_batch is FSDP's, between the micro-batches of a step: "
+    ("fsdp_reduce", "micro_batch", "train.fsdp_reduce is FSDP's choice, between the micro-batches of a step: "
                                    "it needs train.sharding fsdp and train.grad_accum_steps above 1"),
     ("seed", "-1", "train.seed must be in [0, 2**32)"),
     ("seed", str(2**64), "train.seed must be in [0, 2**32)"),  # before: torch's overflow traceback
@@ -112,7 +112,7 @@ def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     ({"lora.rank": "8", "optimizer": "master_adamw", "dtype": "bf16"}, "lora trains small fp32 adapters"),
     ({"lora.rank": "8", "sharding": "fsdp"}, "train.sharding fsdp is for full fine-tuning"),
     ({"save_adapter": "out"}, "save_adapter exports LoRA adapters: set lora.rank"),
-    ({"lora.base": "nf4"}, "lora.base nf4 holds the base frozen for LoRA: set lora.rank"),
+    ({"lora.base": "nf4"}, "lora.base holds the base frozen for LoRA: set lora.rank"),
     ({"lora.rank": "8", "lora.base": "int4"}, "lora.base must be one of default, nf4, got 'int4'"),
     # tiny.yaml: hidden 64, 2 KV heads of 16; k_proj's update has rank 32 at most, the experts' 64.
     ({"lora.rank": "65"}, "lora.rank 65 is above every adapted projection's rank (at most 64"),
@@ -126,7 +126,7 @@ def test_bad_lora_setting_is_refused_in_one_line(overrides, fragment):
 
 @pytest.mark.parametrize("overrides, fragment", [
     ({"expert_moments": "4bit"}, "train.expert_moments must be one of same, 8bit"),
-    ({"expert_moments": "8bit"}, "train.expert_moments 8bit is master_adamw's"),
+    ({"expert_moments": "8bit"}, "train.expert_moments is master_adamw's"),
     ({"expert_moments": "8bit", "optimizer": "master_adamw", "dtype": "bf16", "intermediate_size": "90"},
      "model.hidden_size x model.intermediate_size (64 x 90) must be a multiple of 256"),
 ])
@@ -189,7 +189,7 @@ IGNORED = [
     ({"lora.rslora": "true"}, {"lora.rank": "4"}, "lora.rslora applies to LoRA adapters: set lora.rank", 1),
     ({"lora.targets": "q_proj,v_proj"}, {"lora.rank": "4"}, "lora.targets applies to LoRA adapters: set lora.rank", 1),
     ({"lora.base": "nf4", "tier": "custom_grouped"}, {"lora.rank": "4"},
-     "lora.base nf4 holds the base frozen for LoRA: set lora.rank", 1),
+     "lora.base holds the base frozen for LoRA: set lora.rank", 1),
     ({"save_adapter": "adapter"}, {"lora.rank": "4"}, "save_adapter exports LoRA adapters: set lora.rank", 1),
     ({"lora.rank": "4", "lora.change_on_resume": "true"}, {"resume": "true", "checkpoint_dir": "ckpt"},
      "lora.change_on_resume lets a LoRA run's resume change its adapters: it needs resume and lora.rank", 1),
@@ -200,6 +200,10 @@ IGNORED = [
     ({"resume": "true"}, {"checkpoint_dir": "ckpt"}, "resume needs checkpoint_dir", 1),
     ({"save_every": "2"}, {"save_hf": "hf"}, "train.save_every needs save_hf or save_adapter", 1),
     ({"eval_every": "2"}, {"eval_fraction": "0.1"}, "train.eval_every needs held-out data: set data.eval_fraction", 1),
+    # The embedded text and local files (one that exists, has a data file's suffix, or is plainly a path) have none.
+    *[({"subset": "wikitext-2-raw-v1", **dataset}, {"dataset": "someone/corpus"},
+       "data.subset names a subset of a hub data set, and data.dataset is not one", 1)
+      for dataset in ({}, {"dataset": "my_data.jsonl"}, {"dataset": "./corpus"}, {"dataset": str(REPO / "examples")})],
     ({"data.text_field": "body", "format": "chat", "tokenizer": CHAT_TOKENIZER}, {"format": "text"},
      "data.text_field names the field of data.format text", 1),
     ({"data.messages_field": "conversations"}, {"format": "chat", "tokenizer": CHAT_TOKENIZER},
@@ -209,12 +213,12 @@ IGNORED = [
      "data.content_key maps the messages", 1),
     ({"roles": "human:user"}, {"format": "chat", "tokenizer": CHAT_TOKENIZER}, "data.roles maps the messages", 1),
     ({"moment_dtype": "fp32", "dtype": "bf16"}, {"optimizer": "master_adamw"},
-     "train.moment_dtype fp32 is master_adamw's choice", 1),
+     "train.moment_dtype is master_adamw's choice", 1),
     ({"expert_moments": "8bit", "dtype": "bf16"}, {"optimizer": "master_adamw"},
-     "train.expert_moments 8bit is master_adamw's", 1),
+     "train.expert_moments is master_adamw's", 1),
     ({"recompute_layers": "1"}, {"recompute": "full"}, "train.recompute_layers counts the layers that recompute", 1),
     ({"fsdp_reduce": "micro_batch", "sharding": "fsdp"}, {"grad_accum_steps": "2"},
-     "train.fsdp_reduce micro_batch is FSDP's, between the micro-batches of a step: it needs train.sharding fsdp "
+     "train.fsdp_reduce is FSDP's choice, between the micro-batches of a step: it needs train.sharding fsdp "
      "and train.grad_accum_steps above 1", 2),
     ({"fp8.mode": "mxfp8-emulated"}, {"tier": "device_mxfp8"},
      "fp8.mode is tier device_mxfp8's option: it needs tier device_mxfp8", 1),
@@ -227,14 +231,14 @@ IGNORED = [
     ({"ep_capacity": "1.5", "tier": "custom_grouped"}, {"ep_size": "2"},
      "ep_capacity shapes the exchange between expert-parallel ranks: it needs ep_size above 1", 2),
     ({"te_fusions": "false", "backend": "torch"}, {"backend": "te"},
-     "te_fusions false turns off fusions of the te backend: it needs backend te (or auto on a CUDA device)", 1),
-    ({"te_fusions": "false", "device": "cpu"}, {"device": "auto"}, "te_fusions false turns off fusions", 1),
+     "te_fusions switches the te backend's fusions: it needs backend te (or auto on a CUDA device)", 1),
+    ({"te_fusions": "false", "device": "cpu"}, {"device": "auto"}, "te_fusions switches the te backend's fusions", 1),
     ({"te_fusions": "false", "tier": "hf"}, {"tier": "loop"},
      "te_fusions picks te_mixtral's own layers; tier 'hf' runs transformers' model", 1),
     ({"backend": "torch", "tier": "hf_eager"}, {"tier": "loop"},
      "backend picks te_mixtral's own layers; tier 'hf_eager' runs transformers' model", 1),
     ({"fp8.weight_cache": "false"}, {"tier": "device_mxfp8"},
-     "fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper)", 1),
+     "fp8.weight_cache is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper)", 1),
     ({"tokenizer_vocab_size": "300", "tokenizer": CHAT_TOKENIZER}, {"tokenizer": "null"},
      "data.tokenizer_vocab_size sizes the BPE trained on text data that brings no tokenizer", 1),
     ({"tokenizer_vocab_size": "300", "model_path": CHAT_TOKENIZER},  # a folder with a tokenizer.json, as a checkpoint's
@@ -260,6 +264,32 @@ def test_a_key_that_would_change_nothing_is_refused_naming_what_it_needs(ignored
         load_run_config(TINY, ignored, world)
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
     load_run_config(TINY, {**ignored, **enabler}, world)
+
+
+def _typed(value) -> str:
+    """A value as a user types it after `--key`."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_a_key_typed_on_the_command_line_at_its_default_is_refused_too():
+    # Before, each loaded (exit 0): check_needs left a key at its default alone, a saved config's
+    # leniency, and the run ignored it. Beside --model, the checkpoint's config.json is the model
+    # whatever --num_experts says; over tiny.yaml, 8 is the default and 4 the file's.
+    hub = "mistralai/Mixtral-8x7B-v0.1"
+    for config, typed in [(TINY, {"num_experts": "8"}), (TINY, {"num_experts": "4"}), (None, {"hidden_size": "4096"})]:
+        with pytest.raises(UserError, match=r"^model\.\w+ comes from model_path's config.json[^\n]*$"):
+            load_config(config, {"model_path": hub, **typed})
+    # Every key that declares what it needs, typed at its default where that does not hold.
+    keys, seen = settings(), set()
+    for ignored, _, fragment, world in IGNORED:
+        key = re.match(r"\S+", fragment)[0]
+        if key not in keys or keys[key].metadata["needs"] is None or key in seen:  # a tier's refusal, or done
+            continue
+        seen.add(key)
+        typed = {k: v for k, v in ignored.items() if k.rpartition(".")[2] != key.rpartition(".")[2]}
+        with pytest.raises(UserError, match=rf"^{re.escape(key)} [^\n]*$"):
+            load_run_config(TINY, {**typed, key: _typed(keys[key].default)}, world)
+    assert seen == {key for key, f in keys.items() if f.metadata["needs"] is not None}
 
 
 def test_every_needs_declaration_names_keys_that_exist_and_is_tested():
@@ -290,7 +320,7 @@ def test_only_what_the_user_gave_is_refused(tmp_path):
               "device": ("cpu", "accelerate launch --cpu")}
     cfg = load_config(TINY, {"sharding": "fsdp", "fsdp_reduce": "micro_batch"}, 2, launch)
     assert cfg.train.grad_accum_steps == 2
-    with pytest.raises(UserError, match="te_fusions false turns off fusions of the te backend"):
+    with pytest.raises(UserError, match="te_fusions switches the te backend's fusions"):
         load_config(TINY, {"te_fusions": "false"}, 1, launch)
 
 

@@ -57,6 +57,10 @@ def load_chat_tokenizer(folder: str | None) -> transformers.PreTrainedTokenizerB
     if not tokenizer.chat_template:
         raise UserError(f"tokenizer {path} has no chat template (tokenizer_config.json's chat_template or "
                         f"chat_template.jinja): chat data is rendered with it")
+    # Named templates (additional_chat_templates/NAME.jinja) come as a dict, beside the default.
+    if isinstance(tokenizer.chat_template, dict) and "default" not in tokenizer.chat_template:
+        raise UserError(f"tokenizer {path} has chat templates named {', '.join(sorted(tokenizer.chat_template))} but "
+                        f"no default one (chat_template.jinja), which chat data is rendered with")
     return tokenizer
 
 

@@ -113,7 +113,7 @@ class ChatFormat:
         return Tokenizer(chat.backend_tokenizer, eos_id, chat)
 
     def cache_key(self, tokenizer: Tokenizer) -> str:
-        return tokenizer.chat.chat_template
+        return tokenizer.chat.get_chat_template()  # the one rendering uses: the default among named ones
 
     def encode(self, tokenizer: Tokenizer, conversations: list, indices: list[int]
                ) -> tuple[list[list[int]], list[list[bool]] | None]:

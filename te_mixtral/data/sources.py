@@ -17,8 +17,8 @@ which may be sliced the same way; any other split name is refused, not silently 
 `train`.
 
 Pitfall: hub names look like paths ("owner/name"), so a name counts as local only when it
-exists, has a data-file suffix, or is plainly a path; a typo in a local path must not turn
-into a hub download.
+exists, has a data-file suffix, or is plainly a path (`config.is_hub_dataset`); a typo in a
+local path must not turn into a hub download.
 """
 
 import codecs
@@ -31,12 +31,11 @@ from pathlib import Path
 import datasets
 import pyarrow as pa
 
-from te_mixtral.config import DataConfig
+from te_mixtral.config import LOCAL_DATA_BUILDERS, DataConfig, is_hub_dataset
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import require_regular_file
 
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
 # How long a connection to the hub may take before it counts as unreachable.
 HUB_PROBE_TIMEOUT_S = 3.0
 
@@ -54,18 +53,18 @@ def _local_datasets(path: Path) -> list[datasets.Dataset]:
     hidden ones: an editor's backup, macOS's binary `._` twins."""
     if path.is_dir():
         files = sorted(p for p in path.iterdir()
-                       if p.suffix in LOCAL_BUILDERS and p.is_file() and not p.name.startswith("."))
+                       if p.suffix in LOCAL_DATA_BUILDERS and p.is_file() and not p.name.startswith("."))
         if not files:
-            raise UserError(f"folder {path} holds no {'/'.join(LOCAL_BUILDERS)} files")
-    elif path.suffix in LOCAL_BUILDERS:
+            raise UserError(f"folder {path} holds no {'/'.join(LOCAL_DATA_BUILDERS)} files")
+    elif path.suffix in LOCAL_DATA_BUILDERS:
         require_regular_file(path, "data file")
         files = [path]
     else:
-        raise UserError(f"cannot read {path}: data files must end in {', '.join(LOCAL_BUILDERS)}")
+        raise UserError(f"cannot read {path}: data files must end in {', '.join(LOCAL_DATA_BUILDERS)}")
     for file in files:
         _check_text_file(file)
     # json and text files need different builders, so each run of same-kind files is one call.
-    return [source for builder, run in itertools.groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix])
+    return [source for builder, run in itertools.groupby(files, key=lambda p: LOCAL_DATA_BUILDERS[p.suffix])
             for source in _load_files(builder, list(run))]
 
 
@@ -161,23 +160,14 @@ def _take_split(source: datasets.Dataset, split: str) -> datasets.Dataset:
     return source.select([i for p in parts for i in range(p.from_, p.to)])
 
 
-def _is_local(name: str) -> bool:
-    # Hub names look like paths ("owner/name"), so a name is local only if it exists, has a
-    # data-file suffix, or is plainly a path; a typo in a local path must not go to the hub.
-    return Path(name).expanduser().exists() or Path(name).suffix in LOCAL_BUILDERS or name.startswith(("/", ".", "~"))
-
-
 def load_records(cfg: DataConfig) -> datasets.Dataset:
     """The data set's records in their stored order, `data.split` of them, as one column:
     the field that `data.format` reads (a chat layout's records turned into conversations). Texts that are empty or blank (blank lines of a .txt
     file) are skipped, a record without one is refused; then the first `max_documents` records are kept."""
     fmt = FORMATS[cfg.format]
-    if cfg.subset is not None and (cfg.dataset == "embedded" or _is_local(cfg.dataset)):
-        raise UserError(f"data.subset '{cfg.subset}' names a subset of a hub data set, and '{cfg.dataset}' is not "
-                        f"one (local files and the embedded text have none): leave data.subset unset")
     if cfg.dataset == "embedded":
         sources = [_embedded_dataset(cfg.text_field)]
-    elif _is_local(cfg.dataset):
+    elif not is_hub_dataset(cfg.dataset):
         path = Path(cfg.dataset).expanduser()
         if not path.exists():
             raise UserError(f"data set path {cfg.dataset} does not exist")
@@ -197,7 +187,7 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
         raise UserError(f"the files of data set '{cfg.dataset}' hold their records in layouts that cannot be read "
                         f"as one: {first_line(e)}") from None
     (field,) = records.column_names
-    if not _is_hub(cfg.dataset):  # the hub loader took the split itself
+    if not is_hub_dataset(cfg.dataset):  # the hub loader took the split itself
         all_records, records = len(records), _take_split(records, cfg.split)
         if len(records) == 0:
             raise UserError(f"data.split '{cfg.split}' selects none of the {all_records} records of data set "
@@ -208,10 +198,6 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
     if len(records) == 0:
         raise UserError(f"data set '{cfg.dataset}' has no non-empty '{field}' records")
     return records
-
-
-def _is_hub(name: str) -> bool:
-    return name != "embedded" and not _is_local(name)
 
 
 def load_documents(cfg: DataConfig) -> list[str]:

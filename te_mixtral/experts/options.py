@@ -42,8 +42,8 @@ class FP8Options:
                                        "GPU and how to measure yours: docs/precision.md); 0: FP8 at every size. "
                                        "Blackwell's mode and a frozen LoRA base run FP8 at every size")
     weight_cache: bool = setting(True, workload=False,
-                                 needs=replace(HOPPER_FP8, text="false is for tier device_mxfp8 in mode fp8-hopper "
-                                               "(auto on Hopper), whose FP8 weight copies it drops: it needs tier "
+                                 needs=replace(HOPPER_FP8, text="is for tier device_mxfp8 in mode fp8-hopper "
+                                               "(auto on Hopper), whose FP8 weight copies it keeps or drops: it needs tier "
                                                "device_mxfp8 in fp8.mode auto or fp8-hopper"),
                                  help="device_mxfp8 on Hopper: keep each expert weight's FP8 copies (a byte "
                                  "per element per orientation, every layer) from its first use to the "

@@ -21,7 +21,7 @@ import json
 import typing
 from pathlib import Path
 
-from te_mixtral.config import ModelConfig, checkpoint_folder
+from te_mixtral.config import ModelConfig, local_path
 from te_mixtral.errors import UserError, first_line
 
 # Our `ModelConfig` field -> its `MixtralConfig` key: the same name but for the expert count.
@@ -93,7 +93,7 @@ def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> 
     `files` (patterns; the memory estimate asks for config.json alone) are downloaded to the
     hub cache (every rank may call this, the hub client locks its cache, and a cached snapshot
     returns at once)."""
-    path = checkpoint_folder(name)
+    path = local_path(name)
     if path is not None:
         if not path.exists():
             raise UserError(f"checkpoint folder {path} does not exist")
@@ -107,6 +107,15 @@ def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> 
     except Exception as e:
         raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "
                         f"({first_line(e)}); offline, pass a local checkpoint folder") from None
+
+
+def longest_sequence(cfg) -> int | None:
+    """The most tokens the run config `cfg` (a `RunConfig`) feeds the model at once, as
+    `model_config_from_hf` takes it, for the run and its memory estimate alike: a training or
+    evaluation sample (data.seq_len); with generate, None (max_position_embeddings): a prompt
+    and its continuation may run that long, and the prompt's length is known only once the
+    run's tokenizer reads it."""
+    return None if cfg.generate is not None else cfg.data.seq_len
 
 
 def model_config_from_hf(checkpoint_dir: str | Path, longest_sequence: int | None = None) -> ModelConfig:

@@ -469,10 +469,10 @@ def check_fits(cfg: RunConfig, world_size: int, device: str, **options) -> Memor
 def print_estimate(cfg: RunConfig, world_size: int) -> int:
     """`--estimate-memory`: print the table for the config and layout; build nothing."""
     if cfg.model_path is not None:  # the checkpoint's config.json replaces `model`; its weights are not read
-        from te_mixtral.model.hf_config import model_config_from_hf, resolve_model_path
+        from te_mixtral.model.hf_config import longest_sequence, model_config_from_hf, resolve_model_path
 
         cfg = replace(cfg, model=model_config_from_hf(resolve_model_path(cfg.model_path, ("config.json",)),
-                                                      cfg.data.seq_len))
+                                                      longest_sequence(cfg)))
         validate_model(cfg)
         check_tier_model(cfg)
     # --gpu names a GPU: estimate a GPU run even from a machine without one.

@@ -58,10 +58,10 @@ from te_mixtral.files import (
     sibling,
     write_failure,
 )
-from te_mixtral.model.hf_config import hf_config, model_config_from_hf
+from te_mixtral.model.hf_config import hf_config, longest_sequence, model_config_from_hf
 from te_mixtral.model.lora import base_weights, is_adapter_param, lora_adapters, merged, weight_tensor
 from te_mixtral.training.checkpoint import require_finite, require_finite_weights
-from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
+from te_mixtral.training.outputs import CHAT_TEMPLATES_DIR, EXPORT_MARKER, is_export_file
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 
@@ -76,9 +76,7 @@ def adopt_checkpoint(cfg: RunConfig, model_dir: Path, world_size: int) -> RunCon
     tokenizer = cfg.data.tokenizer
     if tokenizer is None and (model_dir / "tokenizer.json").is_file():
         tokenizer = str(model_dir)
-    # Generation may run up to max_position_embeddings tokens (None), training seq_len.
-    longest = None if cfg.generate is not None else cfg.data.seq_len
-    model = model_config_from_hf(model_dir, longest)
+    model = model_config_from_hf(model_dir, longest_sequence(cfg))
     model = dataclasses.replace(model, router_z_loss_coef=cfg.model.router_z_loss_coef,
                                 router_aux_loss_coef=(model.router_aux_loss_coef if cfg.model.router_aux_loss_coef
                                                       is None else cfg.model.router_aux_loss_coef))
@@ -293,7 +291,12 @@ def _hf_config_json(m: ModelConfig, dtype: torch.dtype, tokenizer, model_source:
 
 def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None:
     """tokenizer.json, and the files beside the tokenizer's source file that `AutoTokenizer`
-    reads with it, each one there is; a minimal tokenizer_config.json where it has none."""
+    reads with it, each one there is; a minimal tokenizer_config.json where it has none.
+
+    Not the source's added_tokens.json: tokenizer.json already holds every token the run's
+    tokenizer has (a chat run's AutoTokenizer added that file's tokens to it), and a text run,
+    which reads tokenizer.json alone, never had them (training/outputs.py refuses the file
+    beside an export, where transformers would add its tokens)."""
     (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
     # chat_template.jinja: where transformers v5 saves a chat template, which chat fine-tunes
     # need again; transformers reads it with or without a tokenizer_config.json.
@@ -304,6 +307,11 @@ def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> Non
     for name in companions if tokenizer_source is not None else ():
         if (tokenizer_source / name).is_file():
             shutil.copyfile(tokenizer_source / name, folder / name)
+    # The named templates (tool use, ...), which transformers reads from this folder alone.
+    templates = tokenizer_source / CHAT_TEMPLATES_DIR if tokenizer_source is not None else None
+    for template in sorted(templates.glob("*.jinja")) if templates is not None and templates.is_dir() else ():
+        (folder / CHAT_TEMPLATES_DIR).mkdir(exist_ok=True)
+        shutil.copyfile(template, folder / CHAT_TEMPLATES_DIR / template.name)
     if (folder / "tokenizer_config.json").is_file():
         return
     eos = tokenizer.backend.id_to_token(tokenizer.eos_id)
@@ -402,7 +410,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             _write_tokenizer(tmp, tokenizer, tokenizer_path)
             # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
             (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
-            for path in tmp.iterdir():
+            for path in tmp.rglob("*"):
                 fsync_path(path)
             replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)
     except (OSError, SafetensorError) as e:  # safetensors raises its own error on a full disk

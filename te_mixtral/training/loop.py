@@ -47,7 +47,6 @@ from te_mixtral.errors import (
 )
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
-from te_mixtral.files import require_writable
 from te_mixtral.folder_lock import FolderLocks
 from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_reference
@@ -77,7 +76,7 @@ from te_mixtral.training.optimizer import (
     optimizer_step,
     split_masters,
 )
-from te_mixtral.training.outputs import check_outputs
+from te_mixtral.training.outputs import check_outputs, check_writable_folders
 from te_mixtral.training.peft_adapters import save_adapter
 from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
@@ -168,8 +167,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         raise UserError("this GPU does not support bf16; use --dtype fp32")
     reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
     # Local checks before the first collective, so that every rank fails alike and at once.
-    if cfg.checkpoint_dir:
-        require_writable(Path(cfg.checkpoint_dir).expanduser(), "checkpoint directory")
+    check_writable_folders(cfg)
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())

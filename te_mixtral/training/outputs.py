@@ -38,7 +38,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
-from te_mixtral.files import check_scratch, sibling
+from te_mixtral.files import check_scratch, check_writable, sibling
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
 from te_mixtral.training.checkpoint import LATEST, META, leftovers, written_here
@@ -47,12 +47,15 @@ CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
 # The names of the files a Hugging Face export writes (training/hf_checkpoint.py): only these
 # are replaced or removed when an export replaces an earlier one.
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # a tokenizer's named chat templates, NAME.jinja (transformers 5)
 _EXPORT_NAMES = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", EXPORT_MARKER,
-                 "adapter_config.json", "adapter_model.safetensors"}  # the last two: a LoRA adapter export
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", CHAT_TEMPLATES_DIR,
+                 EXPORT_MARKER, "adapter_config.json", "adapter_model.safetensors"}  # the last two: a LoRA adapter export
 _EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Files no export writes that transformers reads with one: a model.safetensors it loads in place
-# of the sharded index, an added_tokens.json whose tokens it adds to the tokenizer. Beside an
+# of the sharded index, an added_tokens.json whose tokens it adds to the tokenizer (an export's
+# tokenizer.json holds every token the run's tokenizer has: a chat run's AutoTokenizer added the
+# source's added_tokens.json to it, a text run read tokenizer.json alone). Beside an
 # export, either makes the folder load as something else than what was trained: refused, even
 # beside an earlier export, and replaced with the export's other files under `overwrite`.
 _READ_WITH_EXPORT = {"model.safetensors", "added_tokens.json"}
@@ -69,7 +72,8 @@ def output_files(cfg: RunConfig) -> list[str]:
 
 def is_export_file(name: str) -> bool:
     """Whether a Hugging Face export (save_hf) or an adapter export (save_adapter) replaces a
-    file of this name: one it writes, or one transformers would read with it."""
+    file (or the folder of named chat templates) of this name: one it writes, or one
+    transformers would read with it."""
     return name in _EXPORT_NAMES or name in _READ_WITH_EXPORT or _EXPORT_SHARD.fullmatch(name) is not None
 
 
@@ -103,6 +107,15 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
         _check_export_folder(key, folder, cfg.overwrite, protected)
     if len(exports) == 2 and exports["save_hf"].resolve() == exports["save_adapter"].resolve():
         raise UserError(f"save_hf and save_adapter name one folder ({cfg.save_hf}): give each its own")
+
+
+def check_writable_folders(cfg: RunConfig) -> None:
+    """Refuse, before anything is made or trained, a folder the run would write into and
+    cannot (`files.check_writable`): the output and checkpoint folders, and each export's,
+    with the folder an export is staged in beside it (`DIR.tmp`)."""
+    for key in ("output_dir", "checkpoint_dir", "save_hf", "save_adapter"):
+        if getattr(cfg, key) is not None:
+            check_writable(Path(getattr(cfg, key)), key, ".tmp" if key in _KIND_SHOWN_BY else None)
 
 
 def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> None:

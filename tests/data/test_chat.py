@@ -275,6 +275,32 @@ def test_a_chat_template_failing_in_its_own_code_is_one_line(tmp_path):
         PackedData(cfg, batch_size=1, rank=0, world_size=1, seed=0)
 
 
+def test_named_chat_templates_beside_the_default_leave_the_data_as_the_default_renders_it(tmp_path, rng):
+    # transformers v5 saves a tokenizer's named templates (tool use, ...) in additional_chat_templates/
+    # and the default in chat_template.jinja; AutoTokenizer then holds them all in a dict. Before:
+    # a TypeError traceback from the tokenized data's cache key, which took the template as text.
+    path = write_chat(tmp_path / "c.jsonl", random_conversations(rng, 12))
+    folder = tmp_path / "tokenizer"
+    (folder / "additional_chat_templates").mkdir(parents=True)
+    (folder / "tokenizer.json").write_bytes((TOKENIZER / "tokenizer.json").read_bytes())
+    config = json.loads((TOKENIZER / "tokenizer_config.json").read_text())
+    (folder / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(CHATML)
+
+    def stream(tokenizer):
+        cfg = DataConfig(dataset=str(path), format="chat", tokenizer=str(tokenizer), seq_len=16)
+        return PackedData(cfg, batch_size=1, rank=0, world_size=1, seed=0).stream
+
+    assert set(transformers.AutoTokenizer.from_pretrained(str(folder)).chat_template) == {"default", "tool_use"}
+    named, plain = stream(folder), stream(TOKENIZER)
+    assert torch.equal(named.tokens, plain.tokens) and torch.equal(named.trained, plain.trained)
+    # Named templates and no default: which one renders the data? Refused, naming them.
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(UserError, match=r"^tokenizer \S+ has chat templates named tool_use but no default one"):
+        stream(folder)
+
+
 def test_chat_needs_a_tokenizer_folder_with_a_template(tmp_path):
     path = write_chat(tmp_path / "c.jsonl", [[{"role": "user", "content": "hi"}]])
     plain = tmp_path / "plain"

@@ -450,3 +450,27 @@ def test_the_estimate_reads_a_hub_ids_config(tmp_path, monkeypatch, capsys):
     from_hub = capsys.readouterr().out
     assert print_estimate(load_config(None, {"model_path": str(snapshot), "seq_len": "64"}), 1) == 0
     assert from_hub == capsys.readouterr().out
+
+
+@pytest.mark.parametrize("generate", [None, "The meaning of"])
+def test_the_estimate_and_the_run_read_a_checkpoints_sliding_window_alike(tmp_path, generate):
+    """A sliding window longer than data.seq_len but shorter than max_position_embeddings: the
+    run refuses it where it generates (a continuation may reach max_position_embeddings), and
+    so must `--estimate-memory` of the same run, or the estimate passes a run that then fails."""
+    from transformers import MixtralConfig
+
+    from te_mixtral.training.hf_checkpoint import adopt_checkpoint
+
+    MixtralConfig(vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, num_local_experts=4, max_position_embeddings=1024,
+                  sliding_window=512).to_json_file(tmp_path / "config.json")
+    overrides = {"model_path": str(tmp_path), "seq_len": "64", **({"generate": generate} if generate else {})}
+    outcomes = []
+    for check in (lambda cfg: adopt_checkpoint(cfg, tmp_path, 1), lambda cfg: print_estimate(cfg, 1)):
+        try:
+            check(load_config(str(REPO / "configs" / "tiny.yaml"), overrides))
+            outcomes.append("accepted")
+        except UserError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1], outcomes
+    assert ("'sliding_window' 512 is shorter than" in outcomes[0]) == (generate is not None), outcomes

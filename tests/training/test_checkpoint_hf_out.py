@@ -103,21 +103,63 @@ def test_eval_loss_is_the_held_out_loss_of_the_final_model(run):
     assert abs(final["perplexity"] - torch.tensor(final["loss"]).exp().item()) < 1e-3 * final["perplexity"]
 
 
-def test_a_chat_export_keeps_the_chat_template_it_was_trained_with(tmp_path):
-    """A chat run renders its data with the tokenizer folder's template, which transformers
-    also reads from chat_template.jinja alone (no tokenizer_config.json): the export must carry
-    it, or the fine-tune is served with no template, or another."""
-    tokenizer = tmp_path / "tokenizer"
-    tokenizer.mkdir()
+TOOL_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+ADDED = ["<tool_call>", "<|x|>"]  # tokens that only added_tokens.json names, not tokenizer.json
+
+
+def tokenizer_folder(folder):
+    """A tokenizer folder as transformers v5 and older saves leave them: tokenizer.json, the
+    default chat template in chat_template.jinja alone (no tokenizer_config.json to name it),
+    a named one in additional_chat_templates/, and an added_tokens.json of tokens tokenizer.json
+    lacks (older transformers wrote one)."""
+    folder.mkdir()
     source = REPO / "examples" / "chat-tokenizer"
-    shutil.copyfile(source / "tokenizer.json", tokenizer / "tokenizer.json")
+    shutil.copyfile(source / "tokenizer.json", folder / "tokenizer.json")
     template = json.loads((source / "tokenizer_config.json").read_text())["chat_template"]
-    (tokenizer / "chat_template.jinja").write_text(template.replace("eos_token", "'</s>'"))  # no config to name it
-    proc = run_cli(["--config", "configs/tiny-chat.yaml", "--tokenizer", str(tokenizer), "--steps", "1",
-                    "--timing_warmup_steps", "0", "--output-dir", str(tmp_path / "run"), "--save-hf",
+    (folder / "chat_template.jinja").write_text(template.replace("eos_token", "'</s>'"))
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(TOOL_TEMPLATE)
+    vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    (folder / "added_tokens.json").write_text(json.dumps({token: vocab + i for i, token in enumerate(ADDED)}))
+    return folder
+
+
+def test_a_chat_export_keeps_the_tokenizer_and_chat_templates_it_was_trained_with(tmp_path):
+    """A chat run reads its tokenizer folder with AutoTokenizer: the default template from
+    chat_template.jinja, the named ones from additional_chat_templates/, the tokens of
+    added_tokens.json. The export must load as the same tokenizer, or the fine-tune is served
+    with another template, none, or other token ids."""
+    tokenizer = tokenizer_folder(tmp_path / "tokenizer")
+    proc = run_cli(["--config", "configs/tiny-chat.yaml", "--tokenizer", str(tokenizer), "--vocab_size", "1056",
+                    "--steps", "1", "--timing_warmup_steps", "0", "--output-dir", str(tmp_path / "run"), "--save-hf",
                     str(tmp_path / "hf")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    want, got = (AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
-                 for folder in (tokenizer, tmp_path / "hf"))
-    assert got == want
+    source, export = (AutoTokenizer.from_pretrained(folder) for folder in (tokenizer, tmp_path / "hf"))
+    assert set(source.chat_template) == {"default", "tool_use"}  # the folder reads as meant
+    assert export.chat_template == source.chat_template
+    messages = [{"role": "user", "content": "Hi <tool_call>"}, {"role": "assistant", "content": "Hello<|x|>"}]
+    for template in ("default", "tool_use"):
+        for tokenize in (False, True):
+            want, got = (t.apply_chat_template(messages, chat_template=template, tokenize=tokenize)
+                         for t in (source, export))
+            assert got == want, (template, tokenize)
+    text = "a <tool_call> b<|x|>"
+    assert export(text).input_ids == source(text).input_ids and len(source(text).input_ids) < len(text) // 2
+    assert export.added_tokens_decoder == source.added_tokens_decoder
+
+
+def test_a_text_export_tokenizes_as_the_run_did(tmp_path):
+    """A text run reads the folder's tokenizer.json alone (data/tokenizer.py), so added_tokens.json's
+    tokens were never trained: the export must not bring them back (outputs.py refuses such a file
+    beside an export), while it keeps the folder's chat templates as a chat run's export does."""
+    import tokenizers
+
+    tokenizer = tokenizer_folder(tmp_path / "tokenizer")
+    proc = run_cli(["--tokenizer", str(tokenizer), "--steps", "1", "--timing_warmup_steps", "0", "--seq_len", "32",
+                    "--output-dir", str(tmp_path / "run"), "--save-hf", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = tokenizers.Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    export = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "a <tool_call> b<|x|>"
+    assert export(text).input_ids == trained.encode(text).ids
+    assert set(export.chat_template) == {"default", "tool_use"}

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,7 +115,8 @@ def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
     assert proc.returncode != 0
     assert len(lines) == 1, proc.stderr[-3000:]  # one per job: rank 0's
-    assert all(f"checkpoint directory {blocker / 'ckpt'} is not writable" in line for line in lines)
+    assert all(f"checkpoint_dir {blocker / 'ckpt'} cannot be made: {blocker} is a file, not a folder" in line
+               for line in lines)
     assert "step" not in proc.stdout  # no training step ran
 
 
@@ -124,6 +126,56 @@ def test_an_unwritable_export_folder_is_refused(tmp_path):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(UserError, match="parent folder .*a_file is a file, not a folder"):
         check_export_space(model, blocker / "hf", Layout(0, 1, 1, None, None), torch.float32)
+
+
+# Permission bits stop root only without CAP_DAC_OVERRIDE: as root, the app starts without it
+# (setpriv takes it out of the bounding set, so the exec'd process is not given it), and the
+# kernel then denies what the bits deny, as to any other user. No mock: the kernel refuses.
+WITHOUT_OVERRIDE = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
+
+
+def kernel_denies_writing(folder: Path) -> bool:
+    """Whether a process started as the tests below start the app may not write into `folder`."""
+    if WITHOUT_OVERRIDE and shutil.which("setpriv") is None:
+        return False
+    probe = subprocess.run([*WITHOUT_OVERRIDE, sys.executable, "-c", f"open({str(folder / 'probe')!r}, 'w')"],
+                           capture_output=True)
+    return probe.returncode != 0
+
+
+# (the flag, which folder the kernel does not let the run write into, what the refusal says)
+UNWRITABLE = [
+    # Before: trained, then "cannot write the adapter export" (exit 5); the export is staged beside its folder.
+    ("--save-adapter", "parent", "save_adapter {folder} is first written as adapter.tmp beside it, in {parent}, "
+                                 "which is not writable"),
+    pytest.param("--save-hf", "parent", "save_hf {folder} is first written as adapter.tmp beside it, in {parent}, "
+                                        "which is not writable", marks=pytest.mark.slow),
+    *[pytest.param(flag, "folder", f"{key} {{folder}} is not writable", marks=pytest.mark.slow) for flag, key in
+      [("--save-adapter", "save_adapter"), ("--save-hf", "save_hf"), ("--output-dir", "output_dir"),
+       ("--checkpoint-dir", "checkpoint_dir")]],
+    pytest.param("--output-dir", "missing", "output_dir {folder} cannot be made: {parent} is not writable",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("flag, unwritable, fragment", UNWRITABLE)
+def test_a_folder_the_run_cannot_write_into_is_refused_before_training(tmp_path, flag, unwritable, fragment):
+    parent, folder = tmp_path / "parent", tmp_path / "parent" / "adapter"
+    folder.mkdir(parents=True)
+    {"parent": parent, "folder": folder, "missing": parent}[unwritable].chmod(0o555)
+    if unwritable == "missing":
+        folder.rmdir()
+    if not kernel_denies_writing(parent if unwritable != "folder" else folder):
+        pytest.skip("permission bits do not stop this process, and setpriv cannot drop root's override here")
+    args = ["--steps", "2", "--timing_warmup_steps", "0", "--seq_len", "32", "--lora.rank", "2"]
+    if flag != "--output-dir":
+        args += ["--output-dir", str(tmp_path / "out")]
+    proc = subprocess.run([*WITHOUT_OVERRIDE, *app_command([*args, flag, str(folder)])], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    assert_one_line_error(proc, fragment.format(folder=folder, parent=parent))
+    assert "step    1/2" not in proc.stdout  # refused before training
+    assert sorted(p.name for p in parent.iterdir()) == ([] if unwritable == "missing" else ["adapter"])
 
 
 @pytest.mark.slow

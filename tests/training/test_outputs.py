@@ -19,7 +19,13 @@ from te_mixtral.config import load_config, save_config
 from te_mixtral.errors import ExitCode, UserError
 from te_mixtral.files import replace_files, require_free_space, size_text
 from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
-from te_mixtral.training.outputs import EXPORT_MARKER, check_outputs, is_export_file, output_files
+from te_mixtral.training.outputs import (
+    CHAT_TEMPLATES_DIR,
+    EXPORT_MARKER,
+    check_outputs,
+    is_export_file,
+    output_files,
+)
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
 
@@ -101,6 +107,26 @@ def test_replacing_files_keeps_the_others_and_a_crash_keeps_the_earlier_set(tmp_
     assert {p.name: p.read_text() for p in final.iterdir()} == {"mine.txt": "user", "a.bin": "new",
                                                                 EXPORT_MARKER: "new"}
     assert not old.exists() and not new.exists()
+
+
+def test_an_exports_folder_of_named_templates_is_replaced_whole(tmp_path):
+    # An export's named chat templates are a folder (additional_chat_templates/): an earlier
+    # export's goes whole, with its files (before: only files moved, and the new folder could not
+    # be renamed onto the earlier one), and goes where the new export has none.
+    final = tmp_path / "final"
+    final.mkdir()
+    for templates in ({"tool_use.jinja": "new", "rag.jinja": "new"}, {}):
+        (final / CHAT_TEMPLATES_DIR).mkdir(exist_ok=True)
+        (final / CHAT_TEMPLATES_DIR / "old.jinja").write_text("earlier export's")
+        new = tmp_path / "final.tmp"
+        files.make_scratch(new)
+        (new / EXPORT_MARKER).write_text("new")
+        for name, text in templates.items():
+            (new / CHAT_TEMPLATES_DIR).mkdir(exist_ok=True)
+            (new / CHAT_TEMPLATES_DIR / name).write_text(text)
+        replace_files(new, final, is_export_file, EXPORT_MARKER)
+        assert sorted(p.name for p in final.rglob("*")) == sorted([EXPORT_MARKER, *templates] +
+                                                                  ([CHAT_TEMPLATES_DIR] if templates else []))
 
 
 @pytest.mark.parametrize("suffix", [".tmp", ".old"])
