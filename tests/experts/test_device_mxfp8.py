@@ -178,7 +178,7 @@ def test_weight_cache_setting_reaches_the_tier_and_only_fp8_hopper_takes_it_off(
     assert "\n" not in str(error.value)
     # Named where the config loads, before any data is read: another tier, or a mode that is not Hopper's.
     for overrides in ({"tier": "custom_grouped"}, {"tier": "device_mxfp8", "fp8.mode": "mxfp8-te"}):
-        with pytest.raises(UserError, match="fp8.weight_cache false is for tier device_mxfp8 in mode fp8-hopper"):
+        with pytest.raises(UserError, match="fp8.weight_cache is for tier device_mxfp8 in mode fp8-hopper"):
             load_run_config(None, {**overrides, "fp8.weight_cache": "false"}, 1)
     load_run_config(None, {"tier": "device_mxfp8", "fp8.weight_cache": "false"}, 1)  # auto: Hopper's
 
