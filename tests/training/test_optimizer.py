@@ -93,8 +93,8 @@ def test_weight_decay_shrinks_the_matrices_and_no_vector(optimizer, dtype, exper
     model's LayerNorm weight is called `1.weight`. With zero gradients Adam's update is
     0 / (0 + eps) = 0, so one step at lr 1 multiplies a decayed parameter by 1 - weight_decay
     and leaves any other exactly as it was."""
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"optimizer": optimizer, "dtype": dtype,
-                                                           "expert_moments": expert_moments,
+    moments = {} if expert_moments == "same" else {"expert_moments": expert_moments}  # typed, only where it counts
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"optimizer": optimizer, "dtype": dtype, **moments,
                                                            "weight_decay": "0.5", "lr": "1.0"})
     model = MODELS[model_name](cfg)
     opt = make_optimizer(model, cfg)
