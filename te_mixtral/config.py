@@ -30,7 +30,7 @@ from te_mixtral.config_checks import check_needs, validate, value_of
 from te_mixtral.config_field import Needs, setting
 from te_mixtral.config_yaml import load_yaml
 from te_mixtral.errors import UserError
-from te_mixtral.experts.options import FP8Options
+from te_mixtral.experts.options import BASELINES, FP8Options, own_model
 from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.lora_config import LORA_ON, LoRAConfig
 from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
@@ -204,9 +204,11 @@ class TrainConfig:
                                                       help="master_adamw's moments of the expert weights: same "
                                                       "(moment_dtype, as the others') or 8bit (block-wise 8-bit, about 2 "
                                                       "bytes for both moments instead of 4 or 8; te_mixtral/optim/moments8.py)")
-    recompute: Literal["none", "selective", "full"] = setting("none", help="activation recompute: none, selective (the expert FFN runs again in the "
-                             "backward instead of keeping its hidden rows) or full (each decoder layer keeps only its "
-                             "input and runs again in its backward); te_mixtral/model/recompute.py")
+    recompute: Literal["none", "selective", "full"] = setting(
+        "none", needs=own_model("applies to te_mixtral's own model"),
+        help="activation recompute: none, selective (the expert FFN runs again in the backward instead of keeping its "
+        "hidden rows) or full (each decoder layer keeps only its input and runs again in its backward); "
+        "te_mixtral/model/recompute.py")
     recompute_layers: int | None = setting(None, needs=Needs(("train.recompute",),
                                                              lambda recompute: recompute != "none",
                                                              "counts the layers that recompute: it needs "
@@ -287,15 +289,18 @@ class RunConfig:
                                  "for their counts every layer; > 0 sends each rank blocks of this many times its "
                                  "even share of rows, padded, so the host never waits (a step whose routing needs "
                                  "more runs again with more; te_mixtral/distributed/dispatch.py). Tier custom_grouped only")
-    backend: Literal["auto", "torch", "te"] = setting("auto", help="layer backend: te (Transformer Engine modules), torch, or auto "
-                           "(te on CUDA where it is installed)")
+    backend: Literal["auto", "torch", "te"] = setting(
+        "auto", needs=own_model("picks the layers of te_mixtral's own model"),
+        help="layer backend: te (Transformer Engine modules), torch, or auto (te on CUDA where it is installed)")
     # Not the workload: the same model and numerics, only how many kernels compute them (their
     # roundings differ), so a resumed run may change it too.
     te_fusions: bool = setting(True, workload=False, resumable=True,
-                               needs=Needs(("backend", "device"), lambda backend, device: backend == "te" or
-                                           (backend == "auto" and device != "cpu"),
+                               needs=Needs(("backend", "device", "tier"), lambda backend, device, tier:
+                                           (backend == "te" or (backend == "auto" and device != "cpu"))
+                                           and tier not in BASELINES,
                                            "switches the te backend's fusions: it needs backend te (or auto on a "
-                                           "CUDA device)"),
+                                           f"CUDA device) in one of te_mixtral's tiers ({' and '.join(BASELINES)} "
+                                           "run transformers' model)"),
                                help="on the te backend: q, k and v by one GEMM, and TE's fused cross-entropy "
                                "(te_mixtral/model/layers.py); false: one module at a time, for A/B timing")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
@@ -312,8 +317,9 @@ class RunConfig:
                              "te_mixtral/measure/trackers.py)")
     plots: bool = setting(True, workload=False, resumable=True,
                           help="draw loss.png and step_time.png beside results.json at the end (needs matplotlib)")
-    profile_phases: bool = setting(False, workload=False, help="after training, time each phase of a step on its "
-                                   "own (te_mixtral/measure/phases.py)")
+    profile_phases: bool = setting(False, workload=False, needs=own_model("times the phases of te_mixtral's own model"),
+                                   help="after training, time each phase of a step on its own "
+                                   "(te_mixtral/measure/phases.py)")
     model_path: str | None = setting(None, help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub "
                                      "id): its config.json replaces the model section (whose keys are refused beside "
                                      "it), and its tokenizer.json is used when data.tokenizer is unset")

@@ -156,7 +156,6 @@ def test_only_custom_grouped_holds_an_nf4_base(tier):
 @pytest.mark.parametrize("overrides, fragment", [
     ({"fp8.mode": "mxfp8-emulated"}, "runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) only, "
                                        "not in mode 'mxfp8-emulated'"),
-    ({"fp8.weight_cache": "false"}, "with LoRA the frozen base is held in FP8 alone, and there is no copy to drop"),
 ])
 def test_device_mxfp8_takes_lora_over_its_hopper_fp8_base_only(overrides, fragment):
     base = {"lora.rank": "8", "tier": "device_mxfp8"}
@@ -234,9 +233,18 @@ IGNORED = [
      "te_fusions switches the te backend's fusions: it needs backend te (or auto on a CUDA device)", 1),
     ({"te_fusions": "false", "device": "cpu"}, {"device": "auto"}, "te_fusions switches the te backend's fusions", 1),
     ({"te_fusions": "false", "tier": "hf"}, {"tier": "loop"},
-     "te_fusions picks te_mixtral's own layers; tier 'hf' runs transformers' model", 1),
+     "te_fusions switches the te backend's fusions: it needs backend te (or auto on a CUDA device) in one of "
+     "te_mixtral's tiers (hf and hf_eager run transformers' model)", 1),
     ({"backend": "torch", "tier": "hf_eager"}, {"tier": "loop"},
-     "backend picks te_mixtral's own layers; tier 'hf_eager' runs transformers' model", 1),
+     "backend picks the layers of te_mixtral's own model; tiers hf and hf_eager run transformers' model", 1),
+    ({"profile_phases": "true", "tier": "hf"}, {"tier": "grouped_linear"},
+     "profile_phases times the phases of te_mixtral's own model; tiers hf and hf_eager run transformers' model", 1),
+    ({"recompute": "full", "tier": "hf_eager"}, {"tier": "loop"},
+     "train.recompute applies to te_mixtral's own model; tiers hf and hf_eager run transformers' model", 1),
+    ({"fp8.weight_cache": "false", "tier": "device_mxfp8", "lora.rank": "4"}, {"lora.rank": "0"},
+     "fp8.weight_cache is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper)", 1),
+    ({"fp8.min_rows_per_expert": "0", "tier": "device_mxfp8", "lora.rank": "4"}, {"lora.rank": "0"},
+     "fp8.min_rows_per_expert is tier device_mxfp8's threshold on Hopper", 1),
     ({"fp8.weight_cache": "false"}, {"tier": "device_mxfp8"},
      "fp8.weight_cache is for tier device_mxfp8 in mode fp8-hopper (auto on Hopper)", 1),
     ({"tokenizer_vocab_size": "300", "tokenizer": CHAT_TOKENIZER}, {"tokenizer": "null"},
@@ -290,6 +298,32 @@ def test_a_key_typed_on_the_command_line_at_its_default_is_refused_too():
         with pytest.raises(UserError, match=rf"^{re.escape(key)} [^\n]*$"):
             load_run_config(TINY, {**typed, key: _typed(keys[key].default)}, world)
     assert seen == {key for key, f in keys.items() if f.metadata["needs"] is not None}
+
+
+# A tier's own key typed with a tier that never reads it, at its default: transformers' model
+# (hf, hf_eager) has none of te_mixtral's layers, and a LoRA run's frozen FP8 base has no
+# weight copies to cache and runs FP8 at every size.
+TIER_IGNORES = [
+    ({"tier": "hf", "backend": "auto"}, "backend picks the layers of te_mixtral's own model"),
+    ({"tier": "hf", "te_fusions": "true"}, "te_fusions switches the te backend's fusions"),
+    ({"tier": "hf_eager", "profile_phases": "false"}, "profile_phases times the phases of te_mixtral's own model"),
+    ({"tier": "hf", "recompute": "none"}, "train.recompute applies to te_mixtral's own model"),
+    ({"tier": "device_mxfp8", "lora.rank": "4", "fp8.weight_cache": "true"}, "fp8.weight_cache is for tier "),
+    ({"tier": "device_mxfp8", "lora.rank": "4", "fp8.min_rows_per_expert": "1024"},
+     "fp8.min_rows_per_expert is tier device_mxfp8's threshold on Hopper"),
+]
+
+
+@pytest.mark.parametrize("typed, fragment", TIER_IGNORES)
+def test_a_tier_key_typed_for_a_tier_that_never_reads_it_is_refused_at_its_default(typed, fragment):
+    # Before, each loaded (exit 0): the tier's own checks refused other values only, and the run
+    # ignored the key.
+    with pytest.raises(UserError) as raised:
+        load_run_config(TINY, typed, 1)
+    assert str(raised.value).startswith(fragment) and "\n" not in str(raised.value)
+    # The same key and value over a tier that reads it loads.
+    reads = {"tier": "loop"} if typed["tier"].startswith("hf") else {"lora.rank": "0"}
+    load_run_config(TINY, {**typed, **reads}, 1)
 
 
 def test_every_needs_declaration_names_keys_that_exist_and_is_tested():

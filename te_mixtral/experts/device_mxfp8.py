@@ -243,9 +243,6 @@ class DeviceMXFP8Tier(ExpertTier):
         if cfg.lora.enabled and not options.hopper_fp8:
             raise UserError(f"tier 'device_mxfp8' runs LoRA over a frozen FP8 base in mode fp8-hopper (auto on Hopper) "
                             f"only, not in mode '{options.mode}'")
-        if cfg.lora.enabled and not options.weight_cache:
-            raise UserError("fp8.weight_cache false drops the FP8 copies of a base that trains; with LoRA the frozen "
-                            "base is held in FP8 alone, and there is no copy to drop")
 
     @classmethod
     def memory(cls, cfg, load: ExpertLoad) -> ExpertMemory:

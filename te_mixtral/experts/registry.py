@@ -2,11 +2,12 @@
 
 Two kinds of name. An expert tier (`EXPERT_TIERS`) is an `ExpertTier` the MoE block calls
 for its expert FFN; the rest of te_mixtral's model is the same whichever runs. A baseline
-(`BASELINES`) replaces the whole model: `hf` runs transformers' `MixtralForCausalLM` as
-is, single-process, with the experts implementation transformers picks by default
-(`grouped_mm`), as its users run it; `hf_eager` the same model with transformers' per-expert
-loop (`eager`). te_mixtral/model/hf_model.py builds both; the model layer sits above this
-package, so it is named here, not imported.
+(`BASELINES`, listed in options.py, which the config reads before torch loads) replaces the
+whole model: `hf` runs transformers' `MixtralForCausalLM` as is, single-process, with the
+experts implementation transformers picks by default (`grouped_mm`), as its users run it;
+`hf_eager` the same model with transformers' per-expert loop (`eager`).
+te_mixtral/model/hf_model.py builds both; the model layer sits above this package, so it is
+named here, not imported.
 
 The tier modules import Transformer Engine and Triton only when a tier runs, so this
 registry imports on a machine with neither.
@@ -18,6 +19,7 @@ from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
 from te_mixtral.experts.grouped_linear import GroupedLinearTier
 from te_mixtral.experts.loop import LoopTier
+from te_mixtral.experts.options import BASELINES
 
 EXPERT_TIERS: dict[str, type[ExpertTier]] = {tier.name: tier for tier in (
     LoopTier,
@@ -25,13 +27,6 @@ EXPERT_TIERS: dict[str, type[ExpertTier]] = {tier.name: tier for tier in (
     CustomGroupedTier,
     DeviceMXFP8Tier,
 )}
-
-# name -> what runs, as the run header records it; "experts" is transformers' own name of
-# its experts implementation (`experts_implementation`), which hf_model.py passes on.
-BASELINES = {
-    "hf": {"backend": "transformers", "experts": "grouped_mm"},
-    "hf_eager": {"backend": "transformers", "experts": "eager"},
-}
 
 # The baseline results pages measure every run against: what transformers' users run.
 DEFAULT_BASELINE = "hf"
@@ -82,14 +77,6 @@ def check_tier(cfg, world_size: int) -> None:
                         f"(ep_capacity {cfg.ep_capacity}); tiers that can: {takers}")
     if cfg.tier in EXPERT_TIERS:
         EXPERT_TIERS[cfg.tier].check(cfg)
-    if cfg.tier in BASELINES and cfg.profile_phases:
-        raise UserError(f"profile_phases times te_mixtral's own model; tier '{cfg.tier}' runs transformers' model")
-    if cfg.tier in BASELINES and cfg.train.recompute != "none":
-        raise UserError(f"train.recompute applies to te_mixtral's own model; tier '{cfg.tier}' runs transformers' "
-                        f"model")
-    if cfg.tier in BASELINES and (cfg.backend != "auto" or not cfg.te_fusions):
-        key = "backend" if cfg.backend != "auto" else "te_fusions"
-        raise UserError(f"{key} picks te_mixtral's own layers; tier '{cfg.tier}' runs transformers' model")
     if cfg.tier in BASELINES and world_size != 1:
         raise UserError(f"tier '{cfg.tier}' runs Hugging Face's model in a single process; launch it with one "
                         f"process, not {world_size}")

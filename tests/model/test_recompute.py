@@ -115,7 +115,8 @@ def test_recompute_key_is_checked():
         with pytest.raises(UserError, match=rf"train.recompute_layers must be in \[1, model.num_hidden_layers "
                                             rf"\(2\)\], got {layers}"):
             load_config(str(REPO / "configs" / "tiny.yaml"), {"recompute": "full", "recompute_layers": layers})
-    with pytest.raises(UserError, match="tier 'hf' runs transformers' model"):
+    with pytest.raises(UserError, match="train.recompute applies to te_mixtral's own model; tiers hf and hf_eager run "
+                                        "transformers' model"):
         load_run_config(None, {"recompute": "full", "tier": "hf"}, world_size=1)
 
 
