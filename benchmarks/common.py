@@ -12,8 +12,9 @@ experts, R rows).
   compilation, GPU time with the host queued ahead) says why where it does.
 - `run_header` is the date, the device and the versions a figure needs to be read later;
   `header_line` prints it once, at the start of a run.
-- `add_json_flag` is every benchmark's one output flag, `--json FILE`; `write_json` writes
-  the payload there (the header in it) and says where.
+- `add_json_flag` is every benchmark's one output flag, `--json FILE`, refused as the command
+  line is read where it cannot be written (`json_path`); `write_json` writes the payload there
+  (the header in it) and says where.
 
 torch is imported inside the functions that use it: the peer benchmarks (te_example.py,
 peft_peer.py) refuse bad arguments in one line before anything heavy loads.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -173,7 +175,27 @@ def first_line(error: Exception) -> str:
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", type=Path, default=None, help="also write the numbers and the run header here")
+    parser.add_argument("--json", type=json_path, default=None, help="also write the numbers and the run header here")
+
+
+def json_path(text: str) -> Path:
+    """A file a script writes with `write_json` once it has run (`--json`), checked as the
+    command line is read, so that a path it cannot write costs no run: an argparse `type`.
+    Folders missing on the way are fine (`write_json` makes them) under one that can be
+    written."""
+    path = Path(text)
+    try:
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder: name the file to write")
+        # The deepest folder on the way that exists: the one the missing ones are made in.
+        above = next(folder for folder in path.absolute().parents if folder.exists())
+        if not above.is_dir():
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {above} is a file, not a folder")
+        if not os.access(above, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"cannot write {text}: no permission to write in {above}")
+    except OSError as error:  # a name too long, a folder on the way that cannot be read
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror}") from None
+    return path
 
 
 def write_json(path: Path | None, payload: dict) -> None:

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     parser.add_argument("--doc-len", type=int, default=None, help="random tokens in documents of this length (default: our run's rows)")
-    parser.add_argument("--splits-json", type=Path, default=None,
+    parser.add_argument("--splits-json", type=common.json_path, default=None,
                         help="write the rows of each local expert in each MoE layer of each step here")
     common.add_json_flag(parser)
     args = parser.parse_args(argv)

@@ -43,7 +43,6 @@ def test_bad_arguments_are_refused_in_one_line_before_heavy_imports(fake_axolotl
         (["--layers", "0", *here], "--layers must be positive, got 0"),
         (["--rank", "0", *here], "--rank must be positive (this peer trains LoRA adapters), got 0"),
         (["--alpha", "-1", *here], "--alpha must be positive, got -1.0"),
-        (["--json", "/nonexistent/out.json", *here], "--json /nonexistent/out.json: no folder /nonexistent to write it in"),
         (["--axolotl-dir", "/nonexistent"], "--axolotl-dir /nonexistent holds no copy of axolotl's ScatterMoE "
                                             "kernels: make one with scripts/fetch_axolotl.sh"),
         (["--config", "configs/missing.yaml", *here], "cannot read config configs/missing.yaml"),

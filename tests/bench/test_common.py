@@ -1,6 +1,7 @@
 """The benchmarks as one family: each imports on a machine without a GPU, runs as
 `python3 -m benchmarks.NAME`, and one that needs CUDA says so in one line; the shared timer
-leaves the warm-up out; `--json` writes the payload with its run header."""
+leaves the warm-up out; `--json` writes the payload with its run header, and a path it cannot
+write is refused as the command line is read."""
 
 import argparse
 import importlib
@@ -79,6 +80,31 @@ def test_json_is_the_one_output_flag_and_carries_the_header(tmp_path, capsys):
     assert line.startswith(f"date {header['date']}  device cpu  torch {TORCH_VERSION}")
     common.write_json(parser.parse_args([]).json, {"header": header})  # no --json: nothing written
     assert list(tmp_path.rglob("*.json")) == [path]
+
+
+# The scripts that write a JSON file once they have run (--json; te_example's --splits-json too),
+# read from their source so that a new one is checked as well.
+JSON_FLAGS = {name: flags for name in SCRIPTS for flags in [
+    [flag for call, flag in (("add_json_flag(", "--json"), ("add_run_flags(", "--json"), ('"--splits-json"',
+                                                                                        "--splits-json"))
+     if call in (REPO / "benchmarks" / f"{name}.py").read_text()]] if flags}
+
+
+@pytest.mark.parametrize("name, flag", [(name, flag) for name, flags in JSON_FLAGS.items() for flag in flags])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(name, flag, tmp_path, capsys):
+    # Before, a script ran (or refused something else) and the file failed to be written after
+    # the whole run, with a traceback.
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    for target, why in [(blocker / "out.json", f"{blocker} is a file, not a folder"),
+                        (blocker / "sub" / "out.json", f"{blocker} is a file, not a folder"),
+                        (tmp_path, "it is a folder: name the file to write")]:
+        with pytest.raises(SystemExit) as exit_:
+            importlib.import_module(f"benchmarks.{name}").main([flag, str(target)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1].endswith(f"error: argument {flag}: cannot write {target}: {why}"), err
+        assert "Traceback" not in err
 
 
 def test_a_split_keeps_every_row():
