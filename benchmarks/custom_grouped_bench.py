@@ -23,6 +23,7 @@ not `--json`, since the sweep's configs are a file of their own, pasted into the
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -179,6 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--out", default=None, help="folder for bench.log and configs.json")
     args = p.parse_args(argv)
+    tokens = args.tokens.split(",")
+    error = None
+    if any(not n.isdigit() or int(n) < 1 for n in tokens):
+        error = f"--tokens takes positive integers joined by commas; got {args.tokens}"
+    elif args.experts < 1:
+        error = f"--experts takes 1 or more, got {args.experts}"
+    elif not 0 < args.sweep_budget < math.inf:
+        error = f"--sweep-budget takes seconds above 0, got {args.sweep_budget}"
+    if error:
+        print(f"custom_grouped_bench: error: {error}", file=sys.stderr)
+        return 2
     device = common.cuda_or_refuse("custom_grouped_bench")
     if device is None:
         return 2
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         log(out, "best configs: " + json.dumps(best))
     breakdown(best, L, out)
     x7, x22 = FAMILIES["8x7b"], FAMILIES["8x22b"]
-    shapes = [("8x7B", int(t), x7.hidden, x7.ffn) for t in args.tokens.split(",")]
+    shapes = [("8x7B", int(t), x7.hidden, x7.ffn) for t in tokens]
     shapes += [("8x22B", 64, x22.hidden, x22.ffn), ("8x22B", 1024, x22.hidden, x22.ffn)]
     table(shapes, best, L, peak, bw, out)
     return 0

@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"custom_grouped_host_time: error: no tile table {unknown[0]!r}; the tables are "
               f"{', '.join(TABLE_NAMES)}", file=sys.stderr)
         return 2
-    device = common.cuda_or_refuse("custom_grouped_host_time")
-    if device is None:
-        return 2
     try:
         cases = parse_cases(args.cases)
     except ValueError:
         print(f"custom_grouped_host_time: error: --cases takes LxR or R0+R1+... joined by commas; got "
               f"{args.cases}", file=sys.stderr)
+        return 2
+    device = common.cuda_or_refuse("custom_grouped_host_time")
+    if device is None:
         return 2
     print(common.header_line(common.run_header(device)))
     print("custom_grouped vs grouped_mm, fwd+bwd at 8x7B shapes: ms a call")

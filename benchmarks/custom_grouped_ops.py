@@ -181,11 +181,16 @@ def make_inputs(per_expert, L, D, F, dtype=torch.bfloat16, requires_grad=False, 
 
 
 def parse_case(case: str) -> list[int]:
-    """`LxR` (L experts of R rows) or `R0+R1+...` (rows of each expert) as rows per expert."""
+    """`LxR` (L experts of R rows) or `R0+R1+...` (rows of each expert) as rows per expert;
+    ValueError unless that is at least one expert, none below 0 rows, and some rows in all."""
     if "x" in case:
         experts, rows = map(int, case.split("x"))
-        return [rows] * experts
-    return [int(rows) for rows in case.split("+")]
+        sizes = [rows] * experts
+    else:
+        sizes = [int(rows) for rows in case.split("+")]
+    if not sizes or min(sizes) < 0 or sum(sizes) == 0:
+        raise ValueError(f"no rows to run in case {case!r}")
+    return sizes
 
 
 def parse_cases(cases: str) -> dict[str, list[int]]:

@@ -4,7 +4,15 @@ with a traceback, and before anything is built."""
 
 import pytest
 
-from benchmarks import expert_ffn, lora_fp8_base, nf4_accuracy, optimizer_step
+from benchmarks import (
+    custom_grouped_bench,
+    custom_grouped_host_time,
+    expert_ffn,
+    lora_fp8_base,
+    nf4_accuracy,
+    op_profile,
+    optimizer_step,
+)
 
 
 def refusal(main, argv: list[str], capsys) -> str:
@@ -28,6 +36,15 @@ def refusal(main, argv: list[str], capsys) -> str:
     (nf4_accuracy.main, ["--config", "configs/tiny.yaml", "--layers", "0"], "--layers takes 1 or more"),
     (nf4_accuracy.main, ["--config", "configs/tiny.yaml", "--tokens", "1"], "--tokens takes 2 or more"),
     (lora_fp8_base.main, ["--layers", "0"], "--layers takes 1 or more"),
+    # CUDA-only scripts: a bad argument is named before the missing GPU is (before, only the GPU was).
+    (custom_grouped_bench.main, ["--tokens", "64,many"], "--tokens takes positive integers joined by commas"),
+    (custom_grouped_bench.main, ["--tokens", "0"], "--tokens takes positive integers joined by commas"),
+    (custom_grouped_bench.main, ["--experts", "0"], "--experts takes 1 or more, got 0"),
+    (custom_grouped_bench.main, ["--sweep", "--sweep-budget", "-1"], "--sweep-budget takes seconds above 0"),
+    (custom_grouped_host_time.main, ["--cases", "4x"], "--cases takes LxR or R0+R1+... joined by commas; got 4x"),
+    # A case of no expert, or of rows below 0, is no case (before: a traceback deep in the op).
+    (custom_grouped_host_time.main, ["--cases", "0x64"], "--cases takes LxR or R0+R1+..."),
+    (op_profile.main, ["--cases", "2x-8"], "--cases takes LxR or R0+R1+..."),
 ])
 def test_a_bad_argument_is_one_line(main, argv, fragment, capsys):
     line = refusal(main, argv, capsys)
