@@ -220,6 +220,12 @@ DEPTH_RUNS = {
         *FULL[5:], "--tier", "custom_grouped", "--expert_moments", "8bit",
         *(("--recompute", "none") if recompute == "none" else ("--recompute_layers", recompute)))
        for recompute in ("11", "none")},
+    # the same rank's share in FP8 (device_mxfp8, no weight cache), recomputing the 12 layers
+    # full-ep4-fp8-8bit-12 needs at EP=4: what the FP8 target meets without EP
+    "rank-share-fp8-8bit-12": depth_train("rank-share-fp8-8bit-12", 1, *FULL[:1], "--model.num_experts", "2",
+                                          "--batch_size", "1", *FULL[5:], "--tier", "device_mxfp8",
+                                          "--fp8.weight_cache", "false", "--expert_moments", "8bit",
+                                          "--recompute_layers", "12"),
     # Megatron-Core beside ours (benchmarks/megatron_peer.py, then our run at the same layers, EP,
     # GPUs and rows, both with Mixtral's load-balancing loss at 0.02):
     # 4 layers on one GPU; ours: custom_grouped, no recompute
