@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from te_mixtral.measure.expert_load import busiest_over_mean, ep_sizes
+from te_mixtral.measure.expert_load import busiest_over_mean, ep_sizes, rank_ratio
 
 
 def placed_by_load(tokens_YE: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -47,10 +47,8 @@ def placed_by_load(tokens_YE: torch.Tensor, ranks: int) -> torch.Tensor:
 
 
 def placed_busiest_over_mean(tokens_YE: torch.Tensor, ranks: int) -> float:
-    """Sum over layers of the busiest rank's rows over the sum of the mean rank's, with the
-    experts placed by load (`placed_by_load`): `busiest_over_mean`'s ratio for that placement."""
-    rows_YP = placed_by_load(tokens_YE, ranks)
-    return (rows_YP.amax(-1).sum() / rows_YP.mean(-1).sum()).item()
+    """`busiest_over_mean`'s ratio with the experts placed by load (`placed_by_load`)."""
+    return rank_ratio(placed_by_load(tokens_YE, ranks))
 
 
 def compare(results_file: Path, load: dict) -> dict:

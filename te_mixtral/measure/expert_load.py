@@ -29,7 +29,13 @@ def busiest_over_mean(tokens_per_expert_YE: torch.Tensor, groups: int) -> float:
     experts cut into `groups` groups of consecutive experts, one per rank of an EP group of
     P = `groups` (see the module docstring)."""
     layers, num_experts = tokens_per_expert_YE.shape
-    rows_YP = tokens_per_expert_YE.reshape(layers, groups, num_experts // groups).sum(-1).double()
+    return rank_ratio(tokens_per_expert_YE.reshape(layers, groups, num_experts // groups).sum(-1))
+
+
+def rank_ratio(rows_YP: torch.Tensor) -> float:
+    """Sum over layers of the busiest rank's rows over the sum of the mean rank's, from the
+    rows each of P ranks gets in each layer, [Y, P] (however the experts are placed)."""
+    rows_YP = rows_YP.double()
     return (rows_YP.amax(-1).sum() / rows_YP.mean(-1).sum()).item()
 
 
