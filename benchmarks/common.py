@@ -34,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from te_mixtral.files import unwritable
 from te_mixtral.measure.report import software_versions
 
 if TYPE_CHECKING:
@@ -187,12 +188,11 @@ def json_path(text: str) -> Path:
     try:
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder: name the file to write")
-        # The deepest folder on the way that exists: the one the missing ones are made in.
-        above = next(folder for folder in path.absolute().parents if folder.exists())
-        if not above.is_dir():
-            raise argparse.ArgumentTypeError(f"cannot write {text}: {above} is a file, not a folder")
-        if not os.access(above, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise argparse.ArgumentTypeError(f"cannot write {text}: no permission to write in {above}")
+        blocked = unwritable(path.absolute().parent)
+        if blocked is not None:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {blocked[0]} {blocked[1]}")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text}: it is not writable")
     except OSError as error:  # a name too long, a folder on the way that cannot be read
         raise argparse.ArgumentTypeError(f"cannot write {text}: {error.strerror}") from None
     return path

@@ -180,6 +180,16 @@ def require_writable(path: Path, what: str) -> None:
         raise UserError(f"{what} {path} is not writable: {e.strerror}") from None
 
 
+def unwritable(folder: Path) -> tuple[Path, str] | None:
+    """Why nothing can be written into `folder` (absolute), where it cannot: the nearest folder
+    at or above it that exists (where the missing ones would be made) and its fault, a file in
+    the way or no permission (the kernel answers, `os.access`); None where it can."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return None
+    return existing, "is a file, not a folder" if not existing.is_dir() else "is not writable"
+
+
 def check_writable(folder: Path, what: str, staged_as: str | None = None) -> None:
     """Refuse, in one line, a folder a run will write into and cannot: the folder itself where
     it exists, else the nearest folder above it (where it will be made); with `staged_as` (a
@@ -189,10 +199,10 @@ def check_writable(folder: Path, what: str, staged_as: str | None = None) -> Non
     the wrong one. `require_writable`, which makes the folder, still runs where it is made."""
     path = folder.expanduser().absolute()
     for place in [path] + ([path.parent] if staged_as else []):
-        existing = next(p for p in (place, *place.parents) if p.exists())
-        if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        blocked = unwritable(place)
+        if blocked is None:
             continue
-        fault = "is a file, not a folder" if not existing.is_dir() else "is not writable"
+        existing, fault = blocked
         if existing == path:
             raise UserError(f"{what} {folder} {fault}")
         if place == path:
