@@ -304,14 +304,14 @@ def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> Non
     tokenizer_source = Path(tokenizer_path).expanduser() if tokenizer_path else None
     if tokenizer_source is not None and tokenizer_source.is_file():
         tokenizer_source = tokenizer_source.parent
-    for name in companions if tokenizer_source is not None else ():
-        if (tokenizer_source / name).is_file():
-            shutil.copyfile(tokenizer_source / name, folder / name)
-    # The named templates (tool use, ...), which transformers reads from this folder alone.
-    templates = tokenizer_source / CHAT_TEMPLATES_DIR if tokenizer_source is not None else None
-    for template in sorted(templates.glob("*.jinja")) if templates is not None and templates.is_dir() else ():
-        (folder / CHAT_TEMPLATES_DIR).mkdir(exist_ok=True)
-        shutil.copyfile(template, folder / CHAT_TEMPLATES_DIR / template.name)
+    if tokenizer_source is not None:
+        for name in companions:
+            if (tokenizer_source / name).is_file():
+                shutil.copyfile(tokenizer_source / name, folder / name)
+        # The named templates (tool use, ...), which transformers reads from this folder alone.
+        for template in sorted((tokenizer_source / CHAT_TEMPLATES_DIR).glob("*.jinja")):
+            (folder / CHAT_TEMPLATES_DIR).mkdir(exist_ok=True)
+            shutil.copyfile(template, folder / CHAT_TEMPLATES_DIR / template.name)
     if (folder / "tokenizer_config.json").is_file():
         return
     eos = tokenizer.backend.id_to_token(tokenizer.eos_id)

@@ -45,9 +45,9 @@ from te_mixtral.training.checkpoint import LATEST, META, leftovers, written_here
 
 CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json at the end
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # a tokenizer's named chat templates, NAME.jinja (transformers 5)
 # The names of the files a Hugging Face export writes (training/hf_checkpoint.py): only these
 # are replaced or removed when an export replaces an earlier one.
-CHAT_TEMPLATES_DIR = "additional_chat_templates"  # a tokenizer's named chat templates, NAME.jinja (transformers 5)
 _EXPORT_NAMES = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", CHAT_TEMPLATES_DIR,
                  EXPORT_MARKER, "adapter_config.json", "adapter_model.safetensors"}  # the last two: a LoRA adapter export
@@ -59,9 +59,11 @@ _EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # export, either makes the folder load as something else than what was trained: refused, even
 # beside an earlier export, and replaced with the export's other files under `overwrite`.
 _READ_WITH_EXPORT = {"model.safetensors", "added_tokens.json"}
-# The file that shows which kind an earlier export was. Both kinds replace the same names, so
-# one kind into the other's folder would delete the other: a whole model, or an adapter.
+# The export keys, each with the file that shows an earlier export of its kind. Both kinds
+# replace the same names, so one kind into the other's folder would delete the other: a whole
+# model, or an adapter.
 _KIND_SHOWN_BY = {"save_hf": "model.safetensors.index.json", "save_adapter": "adapter_config.json"}
+_EXPORT_KEYS = tuple(_KIND_SHOWN_BY)
 
 
 def output_files(cfg: RunConfig) -> list[str]:
@@ -88,7 +90,7 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)
     if ckpt is not None:
-        written = {"output_dir": out, **{key: getattr(cfg, key) for key in ("save_hf", "save_adapter")}}
+        written = {"output_dir": out, **{key: getattr(cfg, key) for key in _EXPORT_KEYS}}
         _check_checkpoint_folder(ckpt, {key: Path(p).expanduser() for key, p in written.items() if p is not None})
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
@@ -101,7 +103,7 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
                         f"{RESULTS_FILE} and {STEPS_FILE} would be the next run's; choose another folder")
     protected = {"the current folder": Path.cwd(), "the output folder": out, "the checkpoint folder": ckpt,
                  "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer}
-    exports = {key: Path(getattr(cfg, key)).expanduser() for key in ("save_hf", "save_adapter")
+    exports = {key: Path(getattr(cfg, key)).expanduser() for key in _EXPORT_KEYS
                if getattr(cfg, key) is not None}
     for key, folder in exports.items():
         _check_export_folder(key, folder, cfg.overwrite, protected)
@@ -113,9 +115,9 @@ def check_writable_folders(cfg: RunConfig) -> None:
     """Refuse, before anything is made or trained, a folder the run would write into and
     cannot (`files.check_writable`): the output and checkpoint folders, and each export's,
     with the folder an export is staged in beside it (`DIR.tmp`)."""
-    for key in ("output_dir", "checkpoint_dir", "save_hf", "save_adapter"):
+    for key in ("output_dir", "checkpoint_dir", *_EXPORT_KEYS):
         if getattr(cfg, key) is not None:
-            check_writable(Path(getattr(cfg, key)), key, ".tmp" if key in _KIND_SHOWN_BY else None)
+            check_writable(Path(getattr(cfg, key)), key, ".tmp" if key in _EXPORT_KEYS else None)
 
 
 def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> None:
