@@ -32,6 +32,7 @@ from te_mixtral.config_yaml import load_yaml
 from te_mixtral.errors import UserError
 from te_mixtral.experts.options import BASELINES, FP8Options, own_model
 from te_mixtral.files import require_regular_file, write_text_atomic
+from te_mixtral.local_or_hub import brings_tokenizer, is_hub_dataset
 from te_mixtral.lora_config import LORA_ON, LoRAConfig
 from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
 
@@ -80,36 +81,6 @@ class ModelConfig:
         """The load-balancing loss's weight as used: null means off. (With model_path, the
         checkpoint's value has replaced null before training: training/hf_checkpoint.py.)"""
         return self.router_aux_loss_coef or 0.0
-
-
-def local_path(name: str) -> Path | None:
-    """The local path `name` (model_path, data.dataset) names, or None where it names a hub id.
-    Hub ids look like paths (`owner/name`), so a name is local where it exists or is plainly a
-    path (/, ., ~): a typo in a local path must not go to the hub."""
-    path = Path(name).expanduser()
-    return path if path.exists() or name.startswith(("/", ".", "~")) else None
-
-
-def brings_tokenizer(model_path: str | None) -> bool:
-    """Whether model_path's checkpoint has a tokenizer.json, which a run reads where
-    data.tokenizer is unset (training/hf_checkpoint.py): a local folder where it has one, a hub
-    id always (the published Mixtral checkpoints do; a run downloads it only as it starts)."""
-    if model_path is None:
-        return False
-    folder = local_path(model_path)
-    return folder is None or (folder / "tokenizer.json").is_file()
-
-
-# The files a local data set may hold, by suffix, and the `datasets` builder that reads each
-# (te_mixtral/data/sources.py).
-LOCAL_DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
-
-
-def is_hub_dataset(name: str) -> bool:
-    """Whether data.dataset `name` names a data set on the Hugging Face hub: not the embedded
-    text, nor a local path (`local_path`), nor a name with a data file's suffix (a data file
-    mistyped must not go to the hub either)."""
-    return name != "embedded" and local_path(name) is None and Path(name).suffix not in LOCAL_DATA_BUILDERS
 
 
 # What the data keys that read one format's records need (config_field.Needs).

@@ -17,7 +17,7 @@ which may be sliced the same way; any other split name is refused, not silently 
 `train`.
 
 Pitfall: hub names look like paths ("owner/name"), so a name counts as local only when it
-exists, has a data-file suffix, or is plainly a path (`config.is_hub_dataset`); a typo in a
+exists, has a data-file suffix, or is plainly a path (`local_or_hub.is_hub_dataset`); a typo in a
 local path must not turn into a hub download.
 """
 
@@ -31,10 +31,11 @@ from pathlib import Path
 import datasets
 import pyarrow as pa
 
-from te_mixtral.config import LOCAL_DATA_BUILDERS, DataConfig, is_hub_dataset
+from te_mixtral.config import DataConfig
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import require_regular_file
+from te_mixtral.local_or_hub import LOCAL_DATA_BUILDERS, is_hub_dataset
 
 # How long a connection to the hub may take before it counts as unreachable.
 HUB_PROBE_TIMEOUT_S = 3.0

@@ -21,8 +21,9 @@ import json
 import typing
 from pathlib import Path
 
-from te_mixtral.config import ModelConfig, local_path
+from te_mixtral.config import ModelConfig
 from te_mixtral.errors import UserError, first_line
+from te_mixtral.local_or_hub import local_path
 
 # Our `ModelConfig` field -> its `MixtralConfig` key: the same name but for the expert count.
 _SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

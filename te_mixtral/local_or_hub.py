@@ -1,0 +1,37 @@
+"""Names a run is given that may point at this machine or at the Hugging Face hub: `model_path`
+and `data.dataset`. Hub ids look like paths (`owner/name`), so where each points is decided
+here once, for the config's checks (config.py), the checkpoint's reading (model/hf_config.py)
+and the data's (data/sources.py) alike.
+"""
+
+from pathlib import Path
+
+
+def local_path(name: str) -> Path | None:
+    """The local path `name` (model_path, data.dataset) names, or None where it names a hub id.
+    Hub ids look like paths (`owner/name`), so a name is local where it exists or is plainly a
+    path (/, ., ~): a typo in a local path must not go to the hub."""
+    path = Path(name).expanduser()
+    return path if path.exists() or name.startswith(("/", ".", "~")) else None
+
+
+def brings_tokenizer(model_path: str | None) -> bool:
+    """Whether model_path's checkpoint has a tokenizer.json, which a run reads where
+    data.tokenizer is unset (training/hf_checkpoint.py): a local folder where it has one, a hub
+    id always (the published Mixtral checkpoints do; a run downloads it only as it starts)."""
+    if model_path is None:
+        return False
+    folder = local_path(model_path)
+    return folder is None or (folder / "tokenizer.json").is_file()
+
+
+# The files a local data set may hold, by suffix, and the `datasets` builder that reads each
+# (te_mixtral/data/sources.py).
+LOCAL_DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text"}
+
+
+def is_hub_dataset(name: str) -> bool:
+    """Whether data.dataset `name` names a data set on the Hugging Face hub: not the embedded
+    text, nor a local path (`local_path`), nor a name with a data file's suffix (a data file
+    mistyped must not go to the hub either)."""
+    return name != "embedded" and local_path(name) is None and Path(name).suffix not in LOCAL_DATA_BUILDERS
