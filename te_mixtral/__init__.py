@@ -28,6 +28,7 @@ architecture and its import layers are drawn in docs/architecture.md):
     config_field.py       setting(): a config field with its help, its role and what it needs
     lora_config.py        LoRA's settings, the projections it adapts and its checks
     saved_config.py       configs as files hold them, older layouts upgraded
+    config_yaml.py        YAML as configs are read: a key given twice, runaway aliases, refused
     local_or_hub.py       where model_path and data.dataset point: a local path or a hub id
     errors.py             errors a user can act on, and how they are reported
     files.py              files written whole or not at all; folders checked up front
