@@ -24,8 +24,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from te_mixtral.config_checks import check_needs, validate, value_of
 from te_mixtral.config_field import Needs, setting
 from te_mixtral.config_yaml import load_yaml
@@ -34,7 +32,16 @@ from te_mixtral.experts.options import BASELINES, FP8Options, own_model
 from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.local_or_hub import brings_tokenizer, is_hub_dataset
 from te_mixtral.lora_config import LORA_ON, LoRAConfig
-from te_mixtral.saved_config import MOVED_KEYS, RETYPED_KEYS, SECTION_NAMES, flatten, upgrade_key, upgrade_saved
+from te_mixtral.saved_config import (
+    MOVED_KEYS,
+    RETYPED_KEYS,
+    SECTION_NAMES,
+    flatten,
+    is_saved,
+    saved_yaml,
+    upgrade_key,
+    upgrade_saved,
+)
 
 # What the keys that describe the architecture need (config_field.Needs): a checkpoint's
 # config.json is its architecture, and replaces them all (training/hf_checkpoint.py).
@@ -511,6 +518,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     `FOLLOWS` that none of them set takes its value from the key it follows."""
     cfg = RunConfig()
     given = set()  # the keys the file, the command line or the launcher set
+    saved = False  # whether the file is a config a run saved (check_needs)
     if path is not None:
         require_regular_file(Path(path), "config")
         try:
@@ -533,6 +541,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)
             given.add(key)
+        saved = is_saved(Path(path), text, raw)
     file_cfg = copy.deepcopy(cfg)  # what the file alone sets (check_needs: the command line overrides it)
     typed = set()  # the keys the command line sets
     for bare, text in (overrides or {}).items():
@@ -550,7 +559,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         if key not in given:
             _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
     validate(cfg, world_size)
-    check_needs(cfg, given, file_cfg, frozenset(typed))
+    check_needs(cfg, given, file_cfg, frozenset(typed), saved)
     return cfg
 
 
@@ -572,4 +581,5 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the run's whole config to `path` (its config.yaml), marked as saved (`saved_config.is_saved`)."""
+    write_text_atomic(path, saved_yaml(to_dict(cfg)))

@@ -137,7 +137,8 @@ def _check_choices(cfg) -> None:
             _check(value in allowed, f"{key} must be one of {', '.join(allowed)}, got '{value}'")
 
 
-def check_needs(cfg, given: set[str], file_cfg=None, typed: frozenset[str] = frozenset()) -> None:
+def check_needs(cfg, given: set[str], file_cfg=None, typed: frozenset[str] = frozenset(),
+                saved: bool = False) -> None:
     """Refuse a key the user gave (`given`: the keys the config file, the command line or the
     launcher set) that changes nothing in this run, because another key does not enable it
     (its `setting(needs=...)`, config_field.py): LoRA's alpha without a rank, generate_tokens
@@ -146,20 +147,23 @@ def check_needs(cfg, given: set[str], file_cfg=None, typed: frozenset[str] = fro
     A key typed on the command line (`typed`) is refused whatever its value: the user asked for
     it in this run (`--model DIR --num_experts 8` names an architecture the checkpoint replaces,
     even where 8 is the default). A key the file sets at its default is left alone: it changes
-    nothing either way, so a run's full saved config (every key) loads again as it ran.
+    nothing either way.
 
     `file_cfg` is the config as the config file alone set it. A key the file sets, which the
     file's own settings enable, is left alone where the command line (or the launcher) turns
     off what it needs: a file serves more runs than one, and the command line overrides it
     (`--model` replaces the file's model section, `--lora.rank 0` turns its LoRA off). A file
-    that sets a key against itself is refused."""
+    that sets a key against itself is refused, unless a run saved it (`saved`:
+    saved_config.is_saved): a run writes every key, not only those asked for, each at its value
+    of the day (a default may have changed since), so every key it sets is left alone and the
+    run loads again as it ran."""
     for key, f, _, value in _keys(cfg):
         needs = f.metadata.get("needs")
         if needs is None or key not in given or needs.hold_in(lambda k: value_of(cfg, k)):
             continue
+        from_file = file_cfg is not None and value_of(file_cfg, key) == value
         left_alone = key not in typed and (value == f.default or (
-            file_cfg is not None and value_of(file_cfg, key) == value
-            and needs.hold_in(lambda k: value_of(file_cfg, k))))
+            from_file and (saved or needs.hold_in(lambda k: value_of(file_cfg, k)))))
         _check(left_alone, f"{key} {needs.text}")
 
 

@@ -4,9 +4,26 @@ layouts upgraded to today's.
 Runs save their config (config.yaml, the results.json header, a checkpoint's meta.json) as a
 nested mapping. Reading one back goes through `upgrade_saved`, so a run saved before a key
 moved or was renamed still loads, compares with today's runs on a results page and resumes.
+
+A saved config names every key because a run writes every key, not because anyone asked for
+it: fp8's options in a loop run, at the default of the day they ran, which may have changed
+since. Loaded again with `--config`, such a file is known as saved (`is_saved`), and a key
+that changes nothing in its run is taken as saved (`config_checks.check_needs`), where a
+config written by hand, or the command line, is refused for it.
 """
 
+import json
+from pathlib import Path
+
+import yaml
+
 from te_mixtral.errors import UserError
+
+# The first line of the config.yaml a run saves, which marks it as saved (a copy edited by
+# hand should drop it, to be checked as written by hand).
+SAVED_MARK = "# A te_mixtral run's config, saved whole: every key as it ran, those that changed nothing in it too\n"
+# Where a run records its results, its config in the header (measure/report.py writes it).
+RESULTS_FILE = "results.json"
 
 SECTION_NAMES = ("model", "data", "train", "lora", "fp8")
 
@@ -22,6 +39,29 @@ def flatten(config: dict, where: str = "the config") -> dict[str, object]:
         else:
             flat[key] = value
     return flat
+
+
+def saved_yaml(config: dict) -> str:
+    """A run's whole config (`config.to_dict`) as its config.yaml: `SAVED_MARK`, then the keys
+    in config order."""
+    return SAVED_MARK + yaml.safe_dump(config, sort_keys=False)
+
+
+def is_saved(path: Path, text: str, raw) -> bool:
+    """Whether the config file at `path` (its `text`, read as `raw`) is a config a run saved: it
+    starts with `SAVED_MARK`, or, saved before runs wrote the mark, the results.json its run
+    wrote beside it records the same config."""
+    if text.startswith(SAVED_MARK):
+        return True
+    results = path.parent / RESULTS_FILE
+    if not results.is_file():
+        return False
+    try:
+        recorded = json.loads(results.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):  # not a run's results
+        return False
+    header = recorded.get("header") if isinstance(recorded, dict) else None
+    return isinstance(header, dict) and header.get("config") == raw
 
 
 def _nest(flat: dict[str, object]) -> dict:

@@ -22,7 +22,7 @@ from te_mixtral.config import (
 )
 from te_mixtral.errors import UserError
 from te_mixtral.experts.options import FP8Options
-from te_mixtral.saved_config import MOVED_KEYS, REMOVED_KEYS, flatten, upgrade_saved
+from te_mixtral.saved_config import MOVED_KEYS, REMOVED_KEYS, flatten, saved_yaml, upgrade_saved
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 RESULTS = REPO / "docs" / "results"
@@ -93,7 +93,7 @@ def test_every_committed_runs_saved_config_loads_to_its_recorded_config(tmp_path
         if record.name != "results.json" or not path.is_file():  # the same config, as its run writes a file
             path = tmp_path / str(i) / "config.yaml"
             path.parent.mkdir()
-            path.write_text(yaml.safe_dump(saved["config"], sort_keys=False))
+            path.write_text(saved_yaml(saved["config"]))
         where = path.relative_to(REPO) if path.is_relative_to(REPO) else record.relative_to(REPO)
         taken_out = [key for key, before in REMOVED_KEYS.items() if flatten(saved["config"]).get(key, before) != before]
         try:

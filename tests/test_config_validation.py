@@ -1,6 +1,7 @@
 """Settings that would train wrongly or crash later are refused before anything runs, each
 with one line naming the key."""
 
+import json
 import re
 from pathlib import Path
 
@@ -8,8 +9,10 @@ import pytest
 from conftest import REPO
 from launch import assert_one_line_error, run_app
 
-from te_mixtral.config import load_config, load_run_config, save_config, settings
+from te_mixtral.config import load_config, load_run_config, save_config, settings, to_dict
+from te_mixtral.config_checks import value_of
 from te_mixtral.errors import UserError
+from te_mixtral.saved_config import SAVED_MARK, saved_yaml
 
 
 @pytest.mark.parametrize("key, value, fragment", [
@@ -274,6 +277,26 @@ def test_a_key_that_would_change_nothing_is_refused_naming_what_it_needs(ignored
     load_run_config(TINY, {**ignored, **enabler}, world)
 
 
+def _needs_keys():
+    """(full key, others, enabled, world) for every key that declares what it needs, once,
+    from its IGNORED case: the other keys of the case make a run where it changes nothing,
+    `enabled` one where it changes something at a value other than its default."""
+    keys, seen = settings(), set()
+    for ignored, enabler, fragment, world in IGNORED:
+        key = re.match(r"\S+", fragment)[0]
+        if key not in keys or keys[key].metadata["needs"] is None or key in seen:  # a tier's refusal, or done
+            continue
+        seen.add(key)
+        others = {k: v for k, v in ignored.items() if k.rpartition(".")[2] != key.rpartition(".")[2]}
+        yield key, others, {**ignored, **enabler}, world
+
+
+def _with_key(config: dict, key: str, value) -> dict:
+    """`config` (a `to_dict`) with the full `key` set to `value`."""
+    section, _, name = key.rpartition(".")
+    return {**config, section: {**config[section], name: value}} if section else {**config, key: value}
+
+
 def _typed(value) -> str:
     """A value as a user types it after `--key`."""
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
@@ -289,15 +312,51 @@ def test_a_key_typed_on_the_command_line_at_its_default_is_refused_too():
             load_config(config, {"model_path": hub, **typed})
     # Every key that declares what it needs, typed at its default where that does not hold.
     keys, seen = settings(), set()
-    for ignored, _, fragment, world in IGNORED:
-        key = re.match(r"\S+", fragment)[0]
-        if key not in keys or keys[key].metadata["needs"] is None or key in seen:  # a tier's refusal, or done
-            continue
+    for key, others, _, world in _needs_keys():
         seen.add(key)
-        typed = {k: v for k, v in ignored.items() if k.rpartition(".")[2] != key.rpartition(".")[2]}
         with pytest.raises(UserError, match=rf"^{re.escape(key)} [^\n]*$"):
-            load_run_config(TINY, {**typed, key: _typed(keys[key].default)}, world)
+            load_run_config(TINY, {**others, key: _typed(keys[key].default)}, world)
     assert seen == {key for key, f in keys.items() if f.metadata["needs"] is not None}
+
+
+def test_a_saved_config_loads_every_key_as_saved_where_a_hand_written_one_is_refused(tmp_path):
+    """A run saves every key, not only those asked for, each at its value of the day: a key
+    that changes nothing in its run loads back at its saved value, even where that is no
+    longer the default. The same file written by hand (no mark) is refused, as the command
+    line is."""
+    # Before, a saved config was refused for any such key away from today's default (as the
+    # committed runs that saved fp8.min_rows_per_expert 3072, the default of their day, were).
+    fields, keys = settings(), set()
+    for key, others, enabled, world in _needs_keys():
+        keys.add(key)
+        value = value_of(load_run_config(TINY, enabled, world), key)
+        config = _with_key(to_dict(load_run_config(TINY, others, world)), key, value)
+        saved, by_hand = tmp_path / f"{key}.yaml", tmp_path / f"{key}-by-hand.yaml"
+        saved.write_text(saved_yaml(config))
+        by_hand.write_text(saved_yaml(config).removeprefix(SAVED_MARK))
+        assert to_dict(load_run_config(str(saved), world_size=world)) == config, key
+        with pytest.raises(UserError) as refused:
+            load_run_config(str(by_hand), world_size=world)
+        # This key, or one before it that changes nothing either (beside model_path, tiny.yaml's model keys).
+        named = str(refused.value).split()[0]
+        assert str(refused.value) == f"{named} {fields[named].metadata['needs'].text}", key
+    assert keys == {key for key, f in fields.items() if f.metadata["needs"] is not None}
+
+
+def test_a_config_saved_before_the_mark_is_known_by_the_results_its_run_wrote_beside_it(tmp_path):
+    config = _with_key(to_dict(load_config(TINY, {"tier": "loop"})), "fp8.min_rows_per_expert", 3072)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(saved_yaml(config).removeprefix(SAVED_MARK))
+    refusal = "^fp8.min_rows_per_expert is tier device_mxfp8's threshold"
+    for results in ("not json", '["a list"]', json.dumps({"header": {"config": {**config, "tier": "custom_grouped"}}})):
+        (run / "results.json").write_text(results)  # not this config's run: a file written by hand
+        with pytest.raises(UserError, match=refusal):
+            load_config(str(run / "config.yaml"))
+    (run / "results.json").write_text(json.dumps({"header": {"config": config}, "losses": [1.0]}))
+    assert load_config(str(run / "config.yaml")).fp8.min_rows_per_expert == 3072
+    with pytest.raises(UserError, match=refusal):  # typed: asked for in this run
+        load_config(str(run / "config.yaml"), {"fp8.min_rows_per_expert": "3072"})
 
 
 # A tier's own key typed with a tier that never reads it, at its default: transformers' model

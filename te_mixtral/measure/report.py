@@ -30,8 +30,8 @@ from pathlib import Path
 from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.errors import UserError
 from te_mixtral.files import require_regular_file, require_writable, write_failure, write_text_atomic
+from te_mixtral.saved_config import RESULTS_FILE
 
-RESULTS_FILE = "results.json"
 CORE_KEYS = ("header", "summary", "losses")
 # The distributions whose versions every results header records (besides Python's).
 VERSIONED = ("torch", "transformers", "triton", "transformer_engine")
