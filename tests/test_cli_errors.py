@@ -52,6 +52,29 @@ def test_bad_input_is_one_line(args, fragment, tmp_path):
     assert_one_line_error(proc, fragment)
 
 
+@pytest.mark.parametrize("args, fragment", [
+    # Before, a world past what torch.distributed can number was taken, and refused for train.batch_size.
+    (["--estimate-memory", "1" + "0" * 20], f"--estimate-memory {'1' + '0' * 20}: more ranks than torch.distributed"),
+    (["--estimate-memory", str(2**31)], "more ranks than torch.distributed can number (at most 2147483647"),
+    *[(["--estimate-memory", ranks], f"--estimate-memory takes a number of ranks (1 or more), got {ranks}")
+      for ranks in ("0", "-4", "nan", "inf", "1e3")],
+    # Before, digits past a float's range made an infinite size: a traceback (OverflowError).
+    (["--estimate-memory", "1", "--gpu", "9" * 400 + "GiB"], "--gpu 999"),
+    (["--estimate-memory", "1", "--gpu", "99999999TiB"], "more memory than one device can address"),
+    *[(["--estimate-memory", "1", "--gpu", size], f"--gpu must name a GPU (h100, h200, b200, a100-80gb, l40s, "
+       f"rtx4090) or a size such as 80GiB or 141GB, got '{size}'") for size in ("nanGiB", "infGiB", "0GiB", "-8GiB")],
+    # The estimate's sizes of the model and the batch, as every run's.
+    *[(["--estimate-memory", "1", flag, value], fragment) for flag in ("--model.num_hidden_layers", "--batch_size")
+      for value, fragment in (("0", "must be positive, got 0"), ("-2", "must be positive, got -2"),
+                              (".nan", "must be int, got nan"), (".inf", "must be int, got inf"))],
+])
+def test_an_impossible_number_for_the_memory_estimate_is_one_line_naming_it(args, fragment):
+    proc = run_cli(args)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
+    assert_one_line_error(proc, fragment)
+    assert "memory per rank" not in proc.stdout  # no table
+
+
 @pytest.mark.parametrize("args", [["--no_such_key", "1"], ["--train.steps", "many"], ["--ep-size", "3"]])
 def test_a_bad_flag_is_refused_before_torch_is_imported(args):
     # Importing torch takes seconds; a typo should not wait for it. -X importtime lists every
