@@ -57,19 +57,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny.yaml)")
     # Bare, it takes this launch's world size (const 0, which no count given can be: `_ranks`).
     parser.add_argument("--estimate-memory", nargs="?", type=_ranks, const=0, metavar="WORLD_SIZE",
-                        help="print the per-rank memory estimate (for WORLD_SIZE ranks; default: this launch's) "
-                             "and exit without building anything")
+                        help="print the per-rank memory estimate (for WORLD_SIZE ranks, 1 to 2**31 - 1, as many as "
+                             "torch.distributed numbers; default: this launch's) and exit without building anything")
     return parser
 
 
+# The most ranks a launch can have: torch.distributed numbers them with 32-bit ints (its
+# ProcessGroup takes no larger size), so a larger world is no launch the estimate could describe.
+MAX_RANKS = 2**31 - 1
+
+
 def _ranks(text: str) -> int:
-    """--estimate-memory's WORLD_SIZE: a number of ranks, 1 or more."""
+    """--estimate-memory's WORLD_SIZE: a number of ranks, 1 to MAX_RANKS."""
     try:
         ranks = int(text)
     except ValueError:
         ranks = 0
     if ranks < 1:
         raise UserError(f"--estimate-memory takes a number of ranks (1 or more), got {text}")
+    if ranks > MAX_RANKS:
+        raise UserError(f"--estimate-memory {text}: more ranks than torch.distributed can number (at most "
+                        f"{MAX_RANKS}, 2**31 - 1), so no launch has them")
     return ranks
 
 

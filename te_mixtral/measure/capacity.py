@@ -36,6 +36,8 @@ GPUS = {
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|tib|tb)\s*$", re.IGNORECASE)
 _UNITS = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
+# The most memory one rank can use: what 64-bit addresses reach (16 EiB), the GPU's and the CPU's.
+MAX_CAPACITY = 2**64
 
 
 def parse_capacity(text: str) -> int:
@@ -44,10 +46,13 @@ def parse_capacity(text: str) -> int:
     if name in GPUS:
         return GPUS[name]
     match = _SIZE.match(name)
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()]) if match else 0
-    if size <= 0:  # no size, or no memory at all
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()] if match else 0.0
+    if size > MAX_CAPACITY:  # infinite too: digits past a float's range
+        raise UserError(f"--gpu {text.strip()} is more memory than one device can address (64-bit addresses: at most "
+                        f"16 EiB)")
+    if int(size) <= 0:  # no size, or no memory at all
         raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'")
-    return size
+    return int(size)
 
 
 def available_ram() -> int:
