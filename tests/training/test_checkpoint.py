@@ -67,13 +67,15 @@ def test_round_trip_restores_weights_optimizer_rng_and_history(setup):
     model, optimizer = fresh(seed=1)
     torch.manual_seed(7)
     runs = {"wandb": "x1y2z3", "mlflow": "0123abcd" * 4}  # the experiment trackers' runs, to go on in
-    ckpt.save(TrainState(3, [0.0, 1.0, 2.0], [{"step": 3, "loss": 1.0}], tracker_runs=runs), model, optimizer, cfg)
+    exchange = {"capacity": 1.375, "steps_run_again": [2]}  # the padded exchange as the run raised it
+    ckpt.save(TrainState(3, [0.0, 1.0, 2.0], [{"step": 3, "loss": 1.0}], tracker_runs=runs, exchange=exchange),
+              model, optimizer, cfg)
     expected_draw = torch.rand(3)
 
     other, other_optimizer = fresh(seed=2)
     state = ckpt.load_latest(other, other_optimizer, dataclasses.replace(cfg, resume=True))
     assert (state.step, state.losses, state.evals) == (3, [0.0, 1.0, 2.0], [{"step": 3, "loss": 1.0}])
-    assert state.tracker_runs == runs
+    assert state.tracker_runs == runs and state.exchange == exchange
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
     assert str(optimizer.state_dict()) == str(other_optimizer.state_dict())
@@ -222,6 +224,7 @@ def test_a_checkpoint_index_that_would_run_code_is_refused_unread(setup, tmp_pat
     (lambda meta: meta["config"].pop("model"), "its 'config' has no 'model' section"),
     (lambda meta: meta.update(tracker_runs=["x"]), "its 'tracker_runs' is not a mapping of tracker names to run ids"),
     (lambda meta: meta.update(tracker_runs={"wandb": 3}), "its 'tracker_runs' is not a mapping"),
+    (lambda meta: meta.update(exchange={"capacity": "1.5", "steps_run_again": []}), "its 'exchange' is not the padded"),
     (lambda meta: meta.clear(), "has format None, this version reads 2"),
     (lambda meta: meta.update(format=1, step=None), "has format 1, this version reads 2: each rank's own shards"),
 ])
