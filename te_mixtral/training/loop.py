@@ -250,7 +250,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
                                                     model_dir, cfg.data.tokenizer)
         if cfg.save_adapter:
-            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout)
+            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout, data.tokenizer)
 
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
