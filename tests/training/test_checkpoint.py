@@ -423,9 +423,10 @@ def test_free_space_counts_every_kept_checkpoint_and_frees_leftovers(setup, monk
 
 def _lora_run(setup, tmp_path, **lora):
     """A LoRA model and optimizer over a base saved as an HF folder, under the setup's config
-    with `lora` (lora.* keys) and `model_path` overridden."""
+    with `lora` (lora.* keys), `model_path` and `tier` overridden."""
     cfg, _, ckpt = setup
     cfg = dataclasses.replace(cfg, model_path=lora.pop("model_path", str(tmp_path / "base")),
+                              tier=lora.pop("tier", cfg.tier),
                               lora=dataclasses.replace(cfg.lora, **{"rank": 2, **lora}), resume=True)
     model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, LoopTier(), frozen_base=True)
     init_weights(model, 0, SINGLE)
@@ -476,6 +477,28 @@ def test_a_lora_base_folder_is_one_however_it_is_spelled(setup, tmp_path, monkey
     cfg, model, optimizer = _lora_run(setup, tmp_path, model_path="other")
     with pytest.raises(UserError, match=re.escape("trained over the base made from seed 1234, not the base model "
                                                   "other: resume without --model")):
+        ckpt.load_latest(model, optimizer, cfg)
+
+
+def test_a_lora_resume_over_a_base_a_tier_holds_otherwise_is_refused(setup, tmp_path):
+    """device_mxfp8 holds a LoRA run's frozen experts in FP8 (lora.base default): its adapters
+    were trained over that base, not the BF16 one another tier holds, and the other way round,
+    as over an NF4 base (test_resume.py); the same tier resumes."""
+    (tmp_path / "base").mkdir()
+    ckpt = setup[2]
+    cfg, model, optimizer = _lora_run(setup, tmp_path, tier="device_mxfp8")
+    save(ckpt, cfg, model, optimizer, 2)
+    assert ckpt.load_latest(model, optimizer, cfg).step == 2
+    cfg, model, optimizer = _lora_run(setup, tmp_path, tier="custom_grouped")
+    with pytest.raises(UserError, match=re.escape(
+            "holds LoRA adapters trained over the base held in fp8 by tier device_mxfp8, not lora.base default by "
+            "tier custom_grouped: resume with --tier device_mxfp8")):
+        ckpt.load_latest(model, optimizer, cfg)
+    save(ckpt, cfg, model, optimizer, 4)
+    cfg, model, optimizer = _lora_run(setup, tmp_path, tier="device_mxfp8")
+    with pytest.raises(UserError, match=re.escape(
+            "held in lora.base default by tier custom_grouped, not fp8 by tier device_mxfp8: resume with --tier "
+            "custom_grouped")):
         ckpt.load_latest(model, optimizer, cfg)
 
 
