@@ -306,7 +306,7 @@ class RunConfig:
     save_adapter: str | None = setting(None, workload=False, resumable=True,
                                        needs=replace(LORA_ON, text="exports LoRA adapters: set lora.rank (e.g. 16)"),
                                        help="with lora: export the adapters to this folder in PEFT's format "
-                                       "(adapter_config.json + adapter_model.safetensors; peft loads them onto "
+                                       "(adapter_config.json + adapter_model.safetensors, the run's tokenizer beside them; peft loads them onto "
                                        "transformers' Mixtral); save_hf exports the model with them merged")
     checkpoint_dir: str | None = setting(None, workload=False, resumable=True,
                                          help="folder of training checkpoints, for resume on any layout")

@@ -71,11 +71,11 @@ class DispatchOutput:
     send_splits: list[int] | None
     recv_splits: list[int] | None
     exchange: "_Exchange | None" = None  # the rows' exchange while in flight
-    # Padded exchange: where each copy sits in the blocks sent ([T*K], the spare row P*C past
-    # the last block for a copy that did not fit), and each received row's place among the
-    # tier's rows ([P*C], a permutation: the padding after the real rows). `regroup_R` is then
-    # its inverse, once the rows have arrived.
-    slot_TK: torch.Tensor | None = None
+    # Padded exchange: the row of the blocks each copy's output comes back in ([T*K]; for a copy
+    # that did not fit, the last of its destination's block), and each received row's place
+    # among the tier's rows ([P*C], a permutation: the padding after the real rows).
+    # `regroup_R` is then its inverse, once the rows have arrived.
+    back_TK: torch.Tensor | None = None
     place_Q: torch.Tensor | None = None
 
 
@@ -305,8 +305,8 @@ class AllToAllDispatcher:
         if state.exchange is not None:
             y_sorted = _Wait.apply(y_sorted, state.exchange)
             state.exchange = None
-        if state.slot_TK is not None:  # padded: each copy's row out of its block (a dropped copy's: any row)
-            y_sorted = _DistinctRows.apply(y_sorted, state.slot_TK.clamp(max=y_sorted.shape[0] - 1))
+        if state.back_TK is not None:  # padded: each copy's row out of its block
+            y_sorted = _DistinctRows.apply(y_sorted, state.back_TK)
         return self.permute.unsort(y_sorted, state.unsort, state.weights_TK)
 
     def _start_padded(self, x_sorted, unsort, weights_TK, tokens_per_expert_E) -> DispatchOutput:
@@ -328,6 +328,11 @@ class AllToAllDispatcher:
         place_TK = torch.arange(copies, device=device) - (send_P.cumsum(0) - send_P)[destination_TK]
         slot_TK = torch.where(place_TK < block, destination_TK * block + place_TK, P * block)
         send = x_sorted.new_zeros((P * block + 1, *x_sorted.shape[1:])).index_copy_(0, slot_TK, x_sorted)
+        # On the way back a copy that did not fit takes the output of the last row of its
+        # destination's block, a real row (the block is full), never a padding row, which the
+        # tier may fill with anything: the step runs again, but this output still reaches the
+        # next layers' routing, and so the capacity the step runs again at.
+        back_TK = destination_TK * block + place_TK.clamp(max=block - 1)
         splits = [block] * P
         exchange = _Exchange(splits, splits, self.group)
         x_recv = _Start.apply(send[:P * block], exchange)
@@ -345,4 +350,4 @@ class AllToAllDispatcher:
         padding_Q = kept_PL.sum() + (~real_Q).cumsum(0) - 1  # after every real row, in received order
         place_Q = torch.where(real_Q, row_Q, padding_Q)  # a permutation of the received rows
         return DispatchOutput(x_recv, kept_PL.sum(0), unsort, weights_TK, None, splits, splits, exchange,
-                              slot_TK, place_Q)
+                              back_TK, place_Q)

@@ -98,6 +98,13 @@ class ExpertTier(abc.ABC):
     takes_padded_rows: bool = False
 
     @classmethod
+    def frozen_format(cls, lora_base: str) -> str:
+        """The format this tier holds a LoRA run's frozen expert weights in, `lora.base` being
+        `lora_base` (one it takes): the base a checkpoint's adapters were trained over, which a
+        resume must hold alike (training/resume_checks.py)."""
+        return lora_base
+
+    @classmethod
     def from_config(cls, cfg) -> "ExpertTier":
         """The tier for a run config (`te_mixtral.config.RunConfig`); a tier with options reads them here."""
         return cls()

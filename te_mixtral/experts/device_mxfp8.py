@@ -231,6 +231,10 @@ class DeviceMXFP8Tier(ExpertTier):
                    options.weight_cache)
 
     @classmethod
+    def frozen_format(cls, lora_base: str) -> str:
+        return "fp8"  # its one LoRA: over a frozen FP8 base (mode fp8-hopper), with lora.base default
+
+    @classmethod
     def check_options(cls, cfg) -> None:
         # The mode is one of FP8_MODES already: the config checks every Literal key.
         options: FP8Options = cfg.fp8

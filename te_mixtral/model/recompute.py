@@ -46,8 +46,10 @@ Pitfalls.
   recompute's second copy is discarded (model/router_losses.py); any statistic added later
   must do the same or skip the recompute (checkpoint's `context_fn` gives a context for the
   recompute alone). tests/model/test_recompute.py and test_router_losses.py count.
-- Nothing in the forward draws random numbers (no dropout). `preserve_rng_state` keeps its
-  default anyway, so that dropout added later would replay the same masks.
+- LoRA's dropout (`lora.dropout`) draws random masks in the forward: the recompute must draw
+  the very same, or the adapters' gradients would be of other masks than the loss.
+  `preserve_rng_state` keeps its default, which restores the RNG state before running again
+  (tests/model/test_recompute.py holds it to that).
 """
 
 import torch

@@ -248,6 +248,9 @@ class TrainState:
     # The experiment trackers' runs, {tracker: its run id}, which a resume goes on in
     # (measure/trackers.py): rank 0's, which starts the trackers and writes meta.json.
     tracker_runs: dict[str, str] = field(default_factory=dict)
+    # The padded exchange's capacity as the run raised it, and the steps it ran again: a resume
+    # goes on at it (training/exchange_capacity.py). Empty for exact exchanges.
+    exchange: dict = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -446,7 +449,7 @@ class Checkpointer:
         return TrainState(meta["step"], [float(x) for x in meta["losses"]], list(meta["evals"]),
                           list(meta.get("router", [])), grad_norms, **({"run_id": str(meta["run_id"])}
                                                                        if "run_id" in meta else {}),
-                          tracker_runs=dict(meta.get("tracker_runs", {})))
+                          tracker_runs=dict(meta.get("tracker_runs", {})), exchange=dict(meta.get("exchange", {})))
 
 
 def leftovers(folder: Path) -> list[Path]:
@@ -492,12 +495,21 @@ def _check_meta(meta, folder: Path) -> None:
             raise UserError(f"checkpoint {where} is corrupt: its entry for {name} lacks 'bytes' or 'sha256'")
     if not isinstance(upgrade_saved(meta["config"], str(where)).get("model"), dict):
         raise UserError(f"checkpoint {where} is corrupt: its 'config' has no 'model' section")
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in meta["losses"]):
+    if not all(map(_is_number, meta["losses"])):
         raise UserError(f"checkpoint {where} is corrupt: its 'losses' are not all numbers")
     runs = meta.get("tracker_runs", {})  # older checkpoints have none
     if not (isinstance(runs, dict) and all(isinstance(run_id, str) for run_id in runs.values())):
         raise UserError(f"checkpoint {where} is corrupt: its 'tracker_runs' is not a mapping of tracker names to "
                         f"run ids")
+    exchange = meta.get("exchange", {})  # older checkpoints, and exact exchanges: none
+    if not (isinstance(exchange, dict) and (not exchange or (_is_number(exchange.get("capacity"))
+                                                            and isinstance(exchange.get("steps_run_again"), list)))):
+        raise UserError(f"checkpoint {where} is corrupt: its 'exchange' is not the padded exchange's capacity and "
+                        f"the steps it ran again")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _verify(path: Path, entry: dict | None) -> str | None:

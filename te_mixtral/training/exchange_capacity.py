@@ -7,6 +7,11 @@ of any rank had to send one rank: if that outgrew the capacity, some rows were d
 the step's gradients are thrown away and it runs again with the capacity raised past the
 need. A step is never applied with a row missing; a rerun costs one step's time, counted in
 its timing, and the run's results say which steps ran again.
+
+A checkpoint keeps the capacity the run raised it to (`state`), and a resume goes on at it
+(`resume`): started again at the configured one, it would pad other rows than the run never
+stopped, and run again steps that run had room for. LoRA's dropout draws its masks over the
+padded rows, so either would train the resumed run on other masks.
 """
 
 import contextlib
@@ -61,6 +66,22 @@ class ExchangeCapacity:
         if say:
             print(f"te_mixtral: step {step}: a rank had {needed:.2f}x its even share of rows for another, more than "
                   f"the padded exchange's {old:.2f}x; the step runs again at {self.capacity:.2f}x", flush=True)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps for `resume` (TrainState.exchange): empty for exact exchanges."""
+        return {"capacity": self.capacity, "steps_run_again": list(self.steps_run_again)} if self.configured else {}
+
+    def resume(self, saved: dict, say: bool) -> None:
+        """Go on where the checkpoint's run was (`saved`, its `state()`): at the capacity it had
+        raised to, unless this run configures more, or exact exchanges."""
+        if not (self.capacity and saved):
+            return
+        self.steps_run_again = list(saved["steps_run_again"])
+        if saved["capacity"] > self.capacity:
+            self.capacity = saved["capacity"]
+            if say:
+                print(f"te_mixtral: the padded exchange goes on at {self.capacity:.2f}x, where the checkpoint's run "
+                      f"had raised it (ep_capacity {self.configured:g})", flush=True)
 
     def record(self) -> dict:
         """For results.json: empty for exact exchanges."""

@@ -289,9 +289,10 @@ def _hf_config_json(m: ModelConfig, dtype: torch.dtype, tokenizer, model_source:
     return cfg.to_json_string()
 
 
-def _write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None:
+def write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None:
     """tokenizer.json, and the files beside the tokenizer's source file that `AutoTokenizer`
-    reads with it, each one there is; a minimal tokenizer_config.json where it has none.
+    reads with it, each one there is; a minimal tokenizer_config.json where it has none. Both
+    exports write it: the model and the adapters learnt its token ids and chat template.
 
     Not the source's added_tokens.json: tokenizer.json already holds every token the run's
     tokenizer has (a chat run's AutoTokenizer added that file's tokens to it), and a text run,
@@ -407,7 +408,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             (tmp / "config.json").write_text(_hf_config_json(m, dtype, tokenizer, model_source))
             if model_source is not None and (model_source / "generation_config.json").is_file():
                 shutil.copyfile(model_source / "generation_config.json", tmp / "generation_config.json")
-            _write_tokenizer(tmp, tokenizer, tokenizer_path)
+            write_tokenizer(tmp, tokenizer, tokenizer_path)
             # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
             (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
             for path in tmp.rglob("*"):

@@ -233,6 +233,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
 
     # --- steps -------------------------------------------------------------------------
     exchange = ExchangeCapacity(cfg.ep_capacity)
+    exchange.resume(state.exchange, layout.is_main)
     exchange.start(model)
     timer = metrics.StepTimer(device)
     flops_per_step = []
@@ -249,7 +250,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
                                                     model_dir, cfg.data.tokenizer)
         if cfg.save_adapter:
-            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout)
+            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout, data.tokenizer)
 
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)
@@ -295,6 +296,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             # them: nothing of this step is applied; it runs again with room for them.
             optimizer.zero_grad(set_to_none=True)
             exchange.raise_to(model, needed[0], state.step + 1, layout.is_main)
+            state.exchange = exchange.state()  # what the next checkpoint keeps
         state.losses.append(global_loss)
         state.grad_norms.append(norm)
         state.router.append(expert_load.step_record(global_aux, global_z, step_load_YE))

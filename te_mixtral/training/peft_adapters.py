@@ -20,6 +20,11 @@ What PEFT cannot express: dropout on a parameter target (PEFT refuses it: x cann
 factored out of a stacked weight's product). Dropout acts only while training, so the
 adapters are the same without it; with expert targets the saved `lora_dropout` is 0.
 
+The run's tokenizer goes beside them, as in a Hugging Face export (its tokenizer.json, config
+and chat templates): the adapters learnt its token ids and template, which need not be the
+base's (a run trains its own over a seeded base, and `--tokenizer` names another), and PEFT's
+users read it from there (`AutoTokenizer.from_pretrained(folder)`).
+
 Adapters are saved in the dtype they train in (fp32). The experts' adapters are gathered from the EP group to rank 0 one expert at a time, as the
 Hugging Face export gathers the experts (hf_checkpoint.py).
 """
@@ -35,7 +40,7 @@ from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.files import fsync_path, make_scratch, remove_scratch, replace_files, sibling, write_failure
 from te_mixtral.training.checkpoint import require_finite_weights
-from te_mixtral.training.hf_checkpoint import gather_experts
+from te_mixtral.training.hf_checkpoint import gather_experts, write_tokenizer
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
 PREFIX = "base_model.model."  # PeftModel's name of the wrapped transformers model
@@ -75,9 +80,11 @@ def peft_expert_tensors(a_ErI: torch.Tensor, b_EOr: torch.Tensor) -> tuple[torch
 
 
 @torch.no_grad()
-def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, layout: Layout) -> Path | None:
-    """Write the model's adapters to `out_dir` in PEFT's format (module docstring); the folder
-    on rank 0, None elsewhere. Every rank calls it."""
+def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, layout: Layout,
+                 tokenizer) -> Path | None:
+    """Write the model's adapters to `out_dir` in PEFT's format, with `tokenizer` (the run's
+    `te_mixtral.data.tokenizer.Tokenizer`, read from `cfg.data.tokenizer`; module docstring);
+    the folder on rank 0, None elsewhere. Every rank calls it."""
     out_dir = Path(out_dir).expanduser()
     require_finite_weights(model, layout, f"the adapters {out_dir}")
     config = peft_config(cfg)
@@ -102,6 +109,7 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
         make_scratch(tmp)
         save_file({name: t.contiguous() for name, t in tensors.items()}, tmp / "adapter_model.safetensors")
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_tokenizer(tmp, tokenizer, cfg.data.tokenizer)
         # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
         (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
         for path in tmp.iterdir():

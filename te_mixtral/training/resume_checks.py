@@ -12,7 +12,8 @@ names the difference and the way across (the setting to pass, or the export to s
   another rank have other shapes, new targets have none trained; fewer targets would drop
   trained adapters and another alpha or rslora rescale them (`lora.change_on_resume` allows
   those); the frozen base they were trained over (`--model`, however its folder is spelled,
-  or the seed it was made from, and `lora.base`'s format) must be the same;
+  or the seed it was made from, and its format: `lora.base`'s, or the tier's own, FP8 in
+  `device_mxfp8`) must be the same;
 - the model (any `model.*` setting) and the tokenizer (its SHA-256: other ids mean other
   words);
 - a checkpoint past `train.steps`, or at it where the run exports nothing: nothing left to do.
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.errors import UserError
-from te_mixtral.experts.registry import BASELINES
+from te_mixtral.experts.registry import BASELINES, EXPERT_TIERS
 from te_mixtral.saved_config import upgrade_saved
 
 
@@ -64,11 +65,16 @@ def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash:
         if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
             raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
                             f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")
-        # The same weights held in another format are another base; older checkpoints held the default.
+        # The same weights held in another format are another base: lora.base's, or the format a
+        # tier holds them in whatever lora.base says (device_mxfp8's FP8). Older checkpoints held the default.
         saved_base = meta["config"].get("lora", {}).get("base", "default")
         if saved_base != cfg.lora.base:
             raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base held in lora.base "
                             f"{saved_base}, not {cfg.lora.base}: resume with --lora.base {saved_base}")
+        saved_held, held = (_held_in(tier, saved_base) for tier in (saved_tier, cfg.tier))
+        if saved_held != held:
+            raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base held in {saved_held} by "
+                            f"tier {saved_tier}, not {held} by tier {cfg.tier}: resume with --tier {saved_tier}")
     if upgrade_saved(meta["config"])["model"] != to_dict(cfg)["model"]:
         raise UserError(f"checkpoint {folder} holds a different model than the config describes; "
                         f"resume with the config it was written with ({meta_file})")
@@ -84,6 +90,12 @@ def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash:
         raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
                         f"nothing left to do (raise --steps to train further, or pass --save-hf or "
                         f"--save-adapter to export it)")
+
+
+def _held_in(tier: str, lora_base: str) -> str:
+    """What a LoRA run's frozen base is held in by `tier` under `lora_base`, as a line names it."""
+    held = EXPERT_TIERS[tier].frozen_format(lora_base) if tier in EXPERT_TIERS else lora_base
+    return f"lora.base {lora_base}" if held == lora_base else held
 
 
 def base_model(model_path: str | None) -> str | None:

@@ -55,6 +55,11 @@ def adapted(folder, lora: LoRAConfig, tier=None, dtype=torch.float64, seed=7, ba
     return ours
 
 
+def small_tokenizer() -> Tokenizer:
+    """A tokenizer for the exports, which write one beside the weights."""
+    return Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
+
+
 def run_config(lora: LoRAConfig) -> RunConfig:
     cfg = RunConfig()
     cfg.lora = lora
@@ -69,7 +74,7 @@ def run_config(lora: LoRAConfig) -> RunConfig:
 def test_equals_transformers_with_peft_in_float64(tmp_path, lora):
     hf = hf_checkpoint(tmp_path / "base")
     ours = adapted(tmp_path / "base", lora)
-    assert save_adapter(ours, tmp_path / "adapter", run_config(lora), SINGLE) == tmp_path / "adapter"
+    assert save_adapter(ours, tmp_path / "adapter", run_config(lora), SINGLE, small_tokenizer()) == tmp_path / "adapter"
     reference = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).to(torch.float64)
     batch = random_packed_batch(VOCAB)
     targets = (batch.labels != -100).sum()
@@ -143,8 +148,7 @@ def test_merged_export_equals_the_adapted_model(tmp_path):
     hf_checkpoint(tmp_path / "base")
     lora = LoRAConfig(rank=3, alpha=6.0, targets=ALL_TARGETS)
     ours = adapted(tmp_path / "base", lora, dtype=torch.float32)
-    tokenizer = Tokenizer.wrap(train_tokenizer([f"text number {i}" for i in range(50)], 300), "test")
-    save_hf_checkpoint(ours, tmp_path / "merged", SINGLE, torch.float32, tokenizer)
+    save_hf_checkpoint(ours, tmp_path / "merged", SINGLE, torch.float32, small_tokenizer())
     merged = MixtralForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
     batch = random_packed_batch(VOCAB)
     with torch.no_grad():

@@ -16,6 +16,7 @@ from te_mixtral.errors import UserError
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.registry import make_tier
 from te_mixtral.model.layers import TORCH
+from te_mixtral.model.lora import add_adapters
 from te_mixtral.model.mixtral import MixtralForCausalLM, causal_lm_loss, init_weights
 
 SINGLE = Layout(0, 1, 1, None, None)
@@ -77,6 +78,34 @@ def test_loss_and_every_gradient_equal_no_recompute(tier, recompute, recompute_l
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
         assert grad is not None and grad.abs().sum() > 0, name  # every parameter was reached
+        assert torch.equal(grad, want_grads[name]), name
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_lora_dropout_draws_the_forwards_masks_again(recompute):
+    """LoRA's dropout draws masks in the forward: the recompute must draw the very same (torch's
+    checkpoint restores the RNG state before it runs again), or the adapters' gradients would
+    be of other masks than the loss; the same loss and adapter gradients, bit for bit."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), {"seq_len": "32", "lora.rank": "4", "lora.dropout": "0.5"})
+    batch = random_batch(cfg, seed=6)
+    targets = (batch.labels != -100).sum().double()
+    runs = []
+    for mode in ("none", recompute):
+        model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, make_tier("loop"), mode, frozen_base=True)
+        init_weights(model, 7, SINGLE)
+        add_adapters(model, cfg.lora, 7, SINGLE)
+        with torch.no_grad():  # B starts at zero, which would leave every A without a gradient
+            for name, p in model.named_parameters():
+                if name.endswith(".B"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+        torch.manual_seed(0)
+        loss = causal_lm_loss(model(batch.input_ids, batch.packed), batch.labels, targets)
+        loss.backward()
+        runs.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (want_loss, want_grads), (loss, grads) = runs
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys() and any(".experts." in name for name in grads)
+    for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
 
 

@@ -67,13 +67,15 @@ def test_round_trip_restores_weights_optimizer_rng_and_history(setup):
     model, optimizer = fresh(seed=1)
     torch.manual_seed(7)
     runs = {"wandb": "x1y2z3", "mlflow": "0123abcd" * 4}  # the experiment trackers' runs, to go on in
-    ckpt.save(TrainState(3, [0.0, 1.0, 2.0], [{"step": 3, "loss": 1.0}], tracker_runs=runs), model, optimizer, cfg)
+    exchange = {"capacity": 1.375, "steps_run_again": [2]}  # the padded exchange as the run raised it
+    ckpt.save(TrainState(3, [0.0, 1.0, 2.0], [{"step": 3, "loss": 1.0}], tracker_runs=runs, exchange=exchange),
+              model, optimizer, cfg)
     expected_draw = torch.rand(3)
 
     other, other_optimizer = fresh(seed=2)
     state = ckpt.load_latest(other, other_optimizer, dataclasses.replace(cfg, resume=True))
     assert (state.step, state.losses, state.evals) == (3, [0.0, 1.0, 2.0], [{"step": 3, "loss": 1.0}])
-    assert state.tracker_runs == runs
+    assert state.tracker_runs == runs and state.exchange == exchange
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
     assert str(optimizer.state_dict()) == str(other_optimizer.state_dict())
@@ -222,6 +224,7 @@ def test_a_checkpoint_index_that_would_run_code_is_refused_unread(setup, tmp_pat
     (lambda meta: meta["config"].pop("model"), "its 'config' has no 'model' section"),
     (lambda meta: meta.update(tracker_runs=["x"]), "its 'tracker_runs' is not a mapping of tracker names to run ids"),
     (lambda meta: meta.update(tracker_runs={"wandb": 3}), "its 'tracker_runs' is not a mapping"),
+    (lambda meta: meta.update(exchange={"capacity": "1.5", "steps_run_again": []}), "its 'exchange' is not the padded"),
     (lambda meta: meta.clear(), "has format None, this version reads 2"),
     (lambda meta: meta.update(format=1, step=None), "has format 1, this version reads 2: each rank's own shards"),
 ])
@@ -420,9 +423,10 @@ def test_free_space_counts_every_kept_checkpoint_and_frees_leftovers(setup, monk
 
 def _lora_run(setup, tmp_path, **lora):
     """A LoRA model and optimizer over a base saved as an HF folder, under the setup's config
-    with `lora` (lora.* keys) and `model_path` overridden."""
+    with `lora` (lora.* keys), `model_path` and `tier` overridden."""
     cfg, _, ckpt = setup
     cfg = dataclasses.replace(cfg, model_path=lora.pop("model_path", str(tmp_path / "base")),
+                              tier=lora.pop("tier", cfg.tier),
                               lora=dataclasses.replace(cfg.lora, **{"rank": 2, **lora}), resume=True)
     model = MixtralForCausalLM(cfg.model, TORCH, SINGLE, LoopTier(), frozen_base=True)
     init_weights(model, 0, SINGLE)
@@ -473,6 +477,28 @@ def test_a_lora_base_folder_is_one_however_it_is_spelled(setup, tmp_path, monkey
     cfg, model, optimizer = _lora_run(setup, tmp_path, model_path="other")
     with pytest.raises(UserError, match=re.escape("trained over the base made from seed 1234, not the base model "
                                                   "other: resume without --model")):
+        ckpt.load_latest(model, optimizer, cfg)
+
+
+def test_a_lora_resume_over_a_base_a_tier_holds_otherwise_is_refused(setup, tmp_path):
+    """device_mxfp8 holds a LoRA run's frozen experts in FP8 (lora.base default): its adapters
+    were trained over that base, not the BF16 one another tier holds, and the other way round,
+    as over an NF4 base (test_resume.py); the same tier resumes."""
+    (tmp_path / "base").mkdir()
+    ckpt = setup[2]
+    cfg, model, optimizer = _lora_run(setup, tmp_path, tier="device_mxfp8")
+    save(ckpt, cfg, model, optimizer, 2)
+    assert ckpt.load_latest(model, optimizer, cfg).step == 2
+    cfg, model, optimizer = _lora_run(setup, tmp_path, tier="custom_grouped")
+    with pytest.raises(UserError, match=re.escape(
+            "holds LoRA adapters trained over the base held in fp8 by tier device_mxfp8, not lora.base default by "
+            "tier custom_grouped: resume with --tier device_mxfp8")):
+        ckpt.load_latest(model, optimizer, cfg)
+    save(ckpt, cfg, model, optimizer, 4)
+    cfg, model, optimizer = _lora_run(setup, tmp_path, tier="device_mxfp8")
+    with pytest.raises(UserError, match=re.escape(
+            "held in lora.base default by tier custom_grouped, not fp8 by tier device_mxfp8: resume with --tier "
+            "custom_grouped")):
         ckpt.load_latest(model, optimizer, cfg)
 
 

@@ -1,6 +1,7 @@
 """A LoRA fine-tune of a Hugging Face checkpoint through the command line, as a user runs it:
 the run names what it wrote, PEFT loads the adapters it exported (dropout on expert targets
-included), and the frozen base never reaches the optimizer or a checkpoint."""
+included) with the run's tokenizer beside them, and the frozen base never reaches the optimizer
+or a checkpoint."""
 
 import json
 
@@ -66,6 +67,16 @@ def test_peft_loads_adapters_trained_with_dropout_on_expert_targets(lora_run):
         got = peft.PeftModel.from_pretrained(base, root / "adapter").eval()(input_ids=ids).logits  # adapts `base`
     assert (want - before).abs().max() > 1e-4  # the adapters trained
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_adapter_carries_the_runs_tokenizer(lora_run):
+    """The adapters learnt the run's token ids and chat template, which need not be the base's
+    (here the run trained its own; --tokenizer names another): the adapter folder holds them, as
+    the merged export does, for AutoTokenizer and AutoPeftModelForCausalLM to read there."""
+    root, _ = lora_run
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (root / "adapter" / name).read_bytes() == (root / "merged" / name).read_bytes(), name
+    assert not (root / "base" / "tokenizer.json").exists()  # the base's users could not have it from there
 
 
 def test_the_frozen_base_never_reaches_the_optimizer(lora_run):

@@ -24,9 +24,14 @@ COMMON = ["--ep-size", "2", "--steps", str(2 * N), "--timing_warmup_steps", "1",
 
 
 # LoRA with dropout: the adapters' AdamW state and the dropout RNG must both carry over. Over
-# an NF4 base (tier custom_grouped), which the resumed run quantises again from the seed.
+# an NF4 base (tier custom_grouped), which the resumed run quantises again from the seed. With a
+# padded exchange too short at first (ep_capacity 1), raised by a step run again before the
+# checkpoint: the dropout masks are drawn over the padded rows, so the resumed run must pad as
+# the run never stopped did.
 OPTIMIZERS = {"fp32-adamw": [], "bf16-master-adamw": ["--dtype", "bf16", "--optimizer", "master_adamw"],
               "lora": ["--lora.rank", "4", "--lora.dropout", "0.1"],
+              "lora-padded-exchange": ["--tier", "custom_grouped", "--ep_capacity", "1", "--lora.rank", "4",
+                                       "--lora.dropout", "0.1"],
               "lora-nf4": ["--tier", "custom_grouped", "--lora.rank", "4", "--lora.base", "nf4"]}
 
 
@@ -77,7 +82,11 @@ def test_stop_and_resume_equals_one_run(tmp_path, optimizer, launch_planned):
         assert saved and all(".adapters." in name for name in saved), sorted(saved)[:5]
     else:
         assert "model.model.embed_tokens.weight" in saved
+    capacity = [json.loads((run / "results.json").read_text()).get("ep_capacity") for run in (whole, tmp_path)]
+    if optimizer == "lora-padded-exchange":  # the case it is there for: the capacity raised before the checkpoint
+        assert min(capacity[0]["steps_run_again"]) <= N, capacity
     assert_resumed_equals_whole(tmp_path, whole)
+    assert capacity[1] == capacity[0]  # the resumed run went on at the raised capacity, and lists the run's reruns
 
 
 @pytest.mark.slow

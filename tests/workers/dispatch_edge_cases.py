@@ -5,6 +5,10 @@ asks for more chunks than there are tokens (4 of 3).
 The "tier" multiplies each row by (global expert index + 1), so the expected output of a
 token is x * sum_k w_k (expert_k + 1), and its input gradient is the same factor; the
 routing weights' gradient is the row (expert_k + 1) * x summed over D.
+A padded exchange too short for its routing: the copies that did not fit must come back with
+a real row's output, never a padding row's, which a tier may fill with anything (NaN here):
+the step is run again, but its outputs reach the next layers' routing and so the capacity it
+runs again at, which would then change from run to run.
 Last, the order in which the overlapped path launches and waits for its exchanges and runs
 its experts, forward and backward: each chunk's experts must run between the launch and the
 wait of its neighbour's exchange, or nothing is hidden (the results would still be right).
@@ -67,6 +71,23 @@ for name, routing in routings.items():
     dist.barrier()
     if layout.rank == 0:
         print(f"ok: {name}", flush=True)
+
+
+def scale_and_fill_padding(x_RD, tokens_per_expert_L):
+    """`scale_by_expert` over the real rows; NaN in the padding rows after them."""
+    real = int(tokens_per_expert_L.sum())
+    return torch.cat([scale_by_expert(x_RD[:real], tokens_per_expert_L), torch.full_like(x_RD[real:], float("nan"))])
+
+
+# Every copy to rank 0's experts, a block of half of them: the copies past it are dropped, and the
+# padding rank 1 sends back comes last.
+short = AllToAllDispatcher(EXPERTS, layout.ep_size, layout.ep_group, capacity=1.0)
+y_TD = short.run(torch.randn(TOKENS, HIDDEN, generator=generator), routings["idle rank"](generator),
+                 torch.rand(TOKENS, TOP_K, generator=generator), scale_and_fill_padding)
+assert short.take_needed() > 1.0 and y_TD.isfinite().all(), y_TD
+dist.barrier()
+if layout.rank == 0:
+    print("ok: a short padded exchange", flush=True)
 
 
 class Logged(dispatch._Exchange):

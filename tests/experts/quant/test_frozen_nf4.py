@@ -30,7 +30,7 @@ from experts.quant.test_frozen_fp8 import (
 from experts.test_adapters import assert_close, run_with_adapters
 from experts.test_custom_grouped import TINY, make_inputs
 from model.test_hf_parity import random_packed_batch, rel_err
-from model.test_lora import ALL_TARGETS, SINGLE, VOCAB, hf_checkpoint, run_config
+from model.test_lora import ALL_TARGETS, SINGLE, VOCAB, hf_checkpoint, run_config, small_tokenizer
 
 from te_mixtral.config import LoRAConfig
 from te_mixtral.errors import Diverged
@@ -335,7 +335,7 @@ def test_peft_loads_the_adapters_onto_the_dequantised_base(tmp_path):
         for name, weight in base_weights(ours).items():
             if isinstance(weight, FrozenNF4Weight):
                 dict(hf.named_parameters())[name].copy_(weight.dequantized())
-    save_adapter(ours, tmp_path / "adapter", run_config(lora), SINGLE)
+    save_adapter(ours, tmp_path / "adapter", run_config(lora), SINGLE, small_tokenizer())
     reference = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter")
     batch = random_packed_batch(VOCAB)
     with torch.no_grad():
