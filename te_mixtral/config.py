@@ -18,6 +18,7 @@ saved by older runs are read through `upgrade_saved`.
 import copy
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -101,7 +102,7 @@ CHAT_LAYOUT = Needs(("data.format",), lambda fmt: fmt == "chat",
 
 @dataclass
 class DataConfig:
-    dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
+    dataset: str = setting("embedded", path=True, help="'embedded' (text shipped with Python, no network), a local "
                            ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
     subset: str | None = setting(None, needs=Needs(("data.dataset",), is_hub_dataset,
                                                    "names a subset of a hub data set, and data.dataset is not one "
@@ -126,7 +127,7 @@ class DataConfig:
                                help="format chat: the key of a message that holds its text (e.g. value)")
     roles: str | None = setting(None, needs=CHAT_LAYOUT, help="format chat: the data's role names as system, user or "
                                 "assistant, e.g. human:user,gpt:assistant (null: the data uses those names)")
-    tokenizer: str | None = setting(None, help="a tokenizer.json file or a folder holding one (chat data: a folder "
+    tokenizer: str | None = setting(None, path=True, help="a tokenizer.json file or a folder holding one (chat data: a folder "
                                     "whose tokenizer_config.json has a chat_template, e.g. examples/chat-tokenizer); "
                                     "null: model_path's, else a small BPE trained on the data and cached")
     tokenizer_vocab_size: int = setting(2048, needs=Needs(
@@ -282,9 +283,9 @@ class RunConfig:
                                help="on the te backend: q, k and v by one GEMM, and TE's fused cross-entropy "
                                "(te_mixtral/model/layers.py); false: one module at a time, for A/B timing")
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (cuda when available), cpu or cuda")
-    output_dir: str | None = setting(None, workload=False, resumable=True,
+    output_dir: str | None = setting(None, workload=False, resumable=True, path=True,
                                      help="folder for results.json and config.yaml (null: a new runs/<date>-<tier>)")
-    loss_check: str | None = setting(None, workload=False, resumable=True,
+    loss_check: str | None = setting(None, workload=False, resumable=True, path=True,
                                      help="a reference run's results JSON to check every step's loss against")
     dist_timeout_s: int = setting(300, workload=False, resumable=True,
                                   help="seconds a collective may wait before the job fails")
@@ -298,17 +299,18 @@ class RunConfig:
     profile_phases: bool = setting(False, workload=False, needs=own_model("times the phases of te_mixtral's own model"),
                                    help="after training, time each phase of a step on its own "
                                    "(te_mixtral/measure/phases.py)")
-    model_path: str | None = setting(None, help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub "
-                                     "id): its config.json replaces the model section (whose keys are refused beside "
-                                     "it), and its tokenizer.json is used when data.tokenizer is unset")
-    save_hf: str | None = setting(None, workload=False, resumable=True,
+    model_path: str | None = setting(None, path=True,
+                                     help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub id): its "
+                                     "config.json replaces the model section (whose keys are refused beside it), and its "
+                                     "tokenizer.json is used when data.tokenizer is unset")
+    save_hf: str | None = setting(None, workload=False, resumable=True, path=True,
                                   help="export the fine-tuned model to this folder as an HF checkpoint")
-    save_adapter: str | None = setting(None, workload=False, resumable=True,
+    save_adapter: str | None = setting(None, workload=False, resumable=True, path=True,
                                        needs=replace(LORA_ON, text="exports LoRA adapters: set lora.rank (e.g. 16)"),
                                        help="with lora: export the adapters to this folder in PEFT's format "
                                        "(adapter_config.json + adapter_model.safetensors, the run's tokenizer beside them; peft loads them onto "
                                        "transformers' Mixtral); save_hf exports the model with them merged")
-    checkpoint_dir: str | None = setting(None, workload=False, resumable=True,
+    checkpoint_dir: str | None = setting(None, workload=False, resumable=True, path=True,
                                          help="folder of training checkpoints, for resume on any layout")
     checkpoint_keep: int = setting(2, workload=False, resumable=True, needs=CHECKPOINTS,
                                    help="newest checkpoints kept; older ones are deleted")
@@ -511,11 +513,23 @@ def _adopt_launcher(cfg: RunConfig, given: set[str], launch: dict[str, tuple[obj
         given.add(key)
 
 
+def _expand_home(cfg: RunConfig) -> None:
+    """A leading `~` in every path key (`setting(path=True)`) as the user's home: the shell
+    expands it on the command line, not in a config file, where transformers would read `~/m`
+    as a hub id and the run would write into a folder named `~`. Here, once, so that
+    everything after reads the paths as they are."""
+    for key, f in settings().items():
+        value = value_of(cfg, key)
+        if f.metadata["path"] and isinstance(value, str) and value.startswith("~"):
+            _apply(cfg, key, os.path.expanduser(value))
+
+
 def load_config(path: str | None = None, overrides: dict[str, str] | None = None, world_size: int = 1,
                 launch: dict[str, tuple[object, str]] | None = None) -> RunConfig:
     """Defaults, then the YAML file, then the overrides (raw strings parsed as YAML), then what
     the launcher asked for (`launch`: te_mixtral/accelerate_launch.py), validated. A key in
-    `FOLLOWS` that none of them set takes its value from the key it follows."""
+    `FOLLOWS` that none of them set takes its value from the key it follows; a path key's `~`
+    is the user's home (`_expand_home`)."""
     cfg = RunConfig()
     given = set()  # the keys the file, the command line or the launcher set
     saved = False  # whether the file is a config a run saved (check_needs)
@@ -558,6 +572,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     for key, follows in FOLLOWS.items():
         if key not in given:
             _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
+    _expand_home(cfg)
     validate(cfg, world_size)
     check_needs(cfg, given, file_cfg, frozenset(typed), saved)
     return cfg

@@ -28,7 +28,7 @@ class Needs:
 
 
 def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False,
-            needs: Needs | None = None):
+            needs: Needs | None = None, path: bool = False):
     """A config field that says what it means and what role it plays, so that the code that
     asks "which keys ...?" reads the answer here instead of keeping its own list:
 
@@ -41,7 +41,9 @@ def setting(default, *, help: str, workload: bool = True, resumable: bool = Fals
     - `headline`: a reproduce command names it even at its default: the runs of a sweep
       (`scripts/gpu_runs.py tiers`) differ in it;
     - `needs`: what other keys must say for this one to change anything (`Needs`); None: it
-      always does.
+      always does;
+    - `path`: the key names a file or folder (or a hub id): a leading `~` is the user's home
+      wherever the key is set, as a shell expands it on the command line (config.load_config).
     """
     return field(default=default, metadata={"help": help, "workload": workload, "resumable": resumable,
-                                            "headline": headline, "needs": needs})
+                                            "headline": headline, "needs": needs, "path": path})

@@ -197,7 +197,7 @@ def check_writable(folder: Path, what: str, staged_as: str | None = None) -> Non
     the folder it is in too. The kernel answers (`os.access`) and nothing is made, so every
     rank can ask before any of them writes, and before the checks that refuse a folder as
     the wrong one. `require_writable`, which makes the folder, still runs where it is made."""
-    path = folder.expanduser().absolute()
+    path = folder.absolute()
     for place in [path] + ([path.parent] if staged_as else []):
         blocked = unwritable(place)
         if blocked is None:

@@ -10,8 +10,9 @@ from pathlib import Path
 def local_path(name: str) -> Path | None:
     """The local path `name` (model_path, data.dataset) names, or None where it names a hub id.
     Hub ids look like paths (`owner/name`), so a name is local where it exists or is plainly a
-    path (/, ., ~): a typo in a local path must not go to the hub."""
-    path = Path(name).expanduser()
+    path (/, ., ~; config.load_config has made a `~` the home where there is one): a typo in a local
+    path must not go to the hub."""
+    path = Path(name)
     return path if path.exists() or name.startswith(("/", ".", "~")) else None
 
 

@@ -108,6 +108,29 @@ def test_every_committed_runs_saved_config_loads_to_its_recorded_config(tmp_path
     assert not wrong, f"{len(wrong)} saved configs of {len(records)}:\n" + "\n".join(wrong)
 
 
+# Every key that names a file or folder (or a hub id), and a path for each.
+PATH_KEYS = {"output_dir": "out", "checkpoint_dir": "ckpt", "save_hf": "hf", "save_adapter": "adapter",
+             "loss_check": "ref/results.json", "model_path": "base", "data.dataset": "data.jsonl",
+             "data.tokenizer": "tokenizer"}
+
+
+def test_a_home_in_a_config_files_paths_is_expanded_for_every_path_key(tmp_path, monkeypatch):
+    """The shell expands a `~` on the command line, not in a config file: there it stood as
+    written, so transformers read `model_path: ~/m` as a hub id and the run wrote `output_dir:
+    ~/out` into a folder named `~` of the current one. Every path key alike is the home's."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    nested = {}
+    for key, path in PATH_KEYS.items():
+        section, _, name = key.rpartition(".")
+        (nested.setdefault(section, {}) if section else nested)[name] = f"~/{path}"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**nested, "lora": {"rank": 2}}))
+    flat = flatten(to_dict(load_config(str(config))))
+    assert {key: flat[key] for key in PATH_KEYS} == {key: str(home / path) for key, path in PATH_KEYS.items()}
+    assert {key for key, f in settings().items() if f.metadata["path"]} == set(PATH_KEYS)  # and no other key
+
+
 def test_a_key_in_both_places_is_refused():
     old = {"checkpoint_every": 5, "train": {"checkpoint_every": 3}}
     with pytest.raises(UserError, match="both 'checkpoint_every' and 'train.checkpoint_every'"):

@@ -42,7 +42,7 @@ def load_chat_tokenizer(folder: str | None) -> transformers.PreTrainedTokenizerB
     if folder is None:
         raise UserError("chat data needs a tokenizer with a chat template: set data.tokenizer to its folder "
                         "(e.g. examples/chat-tokenizer) or model_path to a checkpoint that has one")
-    path = Path(folder).expanduser()
+    path = Path(folder)
     if not path.is_dir():
         raise UserError(f"chat data needs a tokenizer folder (tokenizer.json and tokenizer_config.json with a "
                         f"chat_template), got {folder}")

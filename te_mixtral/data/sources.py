@@ -169,7 +169,7 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
     if cfg.dataset == "embedded":
         sources = [_embedded_dataset(cfg.text_field)]
     elif not is_hub_dataset(cfg.dataset):
-        path = Path(cfg.dataset).expanduser()
+        path = Path(cfg.dataset)
         if not path.exists():
             raise UserError(f"data set path {cfg.dataset} does not exist")
         sources = _local_datasets(path)

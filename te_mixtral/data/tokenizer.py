@@ -128,7 +128,7 @@ def load_tokenizer(cfg: DataConfig, documents: list[str]) -> Tokenizer:
     (chat data's is a folder with a chat template: te_mixtral/data/formats.py)."""
     if cfg.tokenizer is None:
         return Tokenizer.wrap(_cached_tokenizer(documents, cfg.tokenizer_vocab_size), "trained on the data")
-    path = Path(cfg.tokenizer).expanduser()
+    path = Path(cfg.tokenizer)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.exists():

@@ -258,7 +258,7 @@ class Checkpointer:
     docstring). Every method is called by every rank at the same point of the run."""
 
     def __init__(self, cfg: RunConfig, layout: Layout, device: torch.device, tokenizer_hash: str):
-        self.dir = Path(cfg.checkpoint_dir).expanduser()
+        self.dir = Path(cfg.checkpoint_dir)
         self.keep = cfg.checkpoint_keep
         self.layout = layout
         self.device = device
@@ -266,7 +266,7 @@ class Checkpointer:
         self.state_bytes = {expert: state_bytes(cfg, expert) for expert in (False, True)}  # per parameter
         self.single = layout.world_size == 1  # one process: DCP runs without torch.distributed
         # Never deleted with a checkpoint, even where the user put it inside one.
-        self.output_dir = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir is not None else None
+        self.output_dir = Path(cfg.output_dir).resolve() if cfg.output_dir is not None else None
         require_writable(self.dir, "checkpoint directory")
 
     def check_free_space(self, model: torch.nn.Module) -> None:

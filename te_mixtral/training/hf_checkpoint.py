@@ -302,7 +302,7 @@ def write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None
     # chat_template.jinja: where transformers v5 saves a chat template, which chat fine-tunes
     # need again; transformers reads it with or without a tokenizer_config.json.
     companions = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-    tokenizer_source = Path(tokenizer_path).expanduser() if tokenizer_path else None
+    tokenizer_source = Path(tokenizer_path) if tokenizer_path else None
     if tokenizer_source is not None and tokenizer_source.is_file():
         tokenizer_source = tokenizer_source.parent
     if tokenizer_source is not None:
@@ -333,7 +333,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
     carried over.
     """
-    out_dir = Path(out_dir).expanduser()
+    out_dir = Path(out_dir)
     require_finite_weights(model, layout, f"the Hugging Face export {out_dir}")
     # The `hf` tier wraps transformers' model, whose v5 in-memory names are ours under `hf.`.
     params = {name.removeprefix("hf."): p for name, p in base_weights(model).items()}
@@ -425,7 +425,7 @@ def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     is complete, so it takes space; `DIR.tmp`, left by an export that died, is deleted first."""
     if not layout.is_main:
         return
-    out_dir = Path(out_dir).expanduser().absolute()
+    out_dir = Path(out_dir).absolute()
     require_writable(out_dir.parent, "save_hf's parent folder")
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in base_weights(model).items()

@@ -177,7 +177,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         if locks is not None and main_rank_from_env():
             for key in keys:
                 if getattr(cfg, key) is not None:
-                    locks.claim(Path(getattr(cfg, key)).expanduser(), key)
+                    locks.claim(Path(getattr(cfg, key)), key)
 
     claim("output_dir", "checkpoint_dir")  # first: a folder in use is refused as such
     check_outputs(cfg, model_dir, config_path)

@@ -82,28 +82,28 @@ def is_export_file(name: str) -> bool:
 def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | None = None) -> None:
     """Raise a one-line `UserError` if the run would delete or replace what it must not;
     `config_path` is the `--config` file the run was read from."""
-    out = Path(cfg.output_dir).expanduser() if cfg.output_dir is not None else None
-    ckpt = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir is not None else None
+    out = Path(cfg.output_dir) if cfg.output_dir is not None else None
+    ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
     if out is not None:
         inputs = {"the --config file": config_path, "the loss-check reference": cfg.loss_check}
-        _check_output_folder(out, cfg, {what: Path(p).expanduser() for what, p in inputs.items() if p})
+        _check_output_folder(out, cfg, {what: Path(p) for what, p in inputs.items() if p})
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)
     if ckpt is not None:
         written = {"output_dir": out, **{key: getattr(cfg, key) for key in _EXPORT_KEYS}}
-        _check_checkpoint_folder(ckpt, {key: Path(p).expanduser() for key, p in written.items() if p is not None})
+        _check_checkpoint_folder(ckpt, {key: Path(p) for key, p in written.items() if p is not None})
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
     # Local inputs only: a hub name is no folder here.
-    data, tokenizer = (Path(p).expanduser() if p and Path(p).expanduser().exists() else None
+    data, tokenizer = (Path(p) if p and Path(p).exists() else None
                        for p in (cfg.data.dataset, cfg.data.tokenizer))
     if out is not None and data is not None and data.is_dir() and out.resolve() == data.resolve():
         raise UserError(f"output_dir {out} is the data set folder, whose files are all read as data: the run's "
                         f"{RESULTS_FILE} and {STEPS_FILE} would be the next run's; choose another folder")
     protected = {"the current folder": Path.cwd(), "the output folder": out, "the checkpoint folder": ckpt,
                  "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer}
-    exports = {key: Path(getattr(cfg, key)).expanduser() for key in _EXPORT_KEYS
+    exports = {key: Path(getattr(cfg, key)) for key in _EXPORT_KEYS
                if getattr(cfg, key) is not None}
     for key, folder in exports.items():
         _check_export_folder(key, folder, cfg.overwrite, protected)

@@ -85,7 +85,7 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
     """Write the model's adapters to `out_dir` in PEFT's format, with `tokenizer` (the run's
     `te_mixtral.data.tokenizer.Tokenizer`, read from `cfg.data.tokenizer`; module docstring);
     the folder on rank 0, None elsewhere. Every rank calls it."""
-    out_dir = Path(out_dir).expanduser()
+    out_dir = Path(out_dir)
     require_finite_weights(model, layout, f"the adapters {out_dir}")
     config = peft_config(cfg)
     tensors = {}

@@ -100,7 +100,8 @@ def _held_in(tier: str, lora_base: str) -> str:
 
 def base_model(model_path: str | None) -> str | None:
     """What `--model` names, the same however it is spelled: a local folder's resolved path,
-    else the hub id as given (None: a base made from the seed)."""
+    else the hub id as given (None: a base made from the seed). A checkpoint written before
+    config.load_config expanded `~` may hold one: it is the home here too."""
     if model_path is None or not Path(model_path).expanduser().exists():
         return model_path
     return str(Path(model_path).expanduser().resolve())
