@@ -145,6 +145,15 @@ class DataConfig:
                                    "seed), never trained on; 0: no evaluation")
 
 
+# What the keys that cut a step's rows otherwise need to change on resume without a note
+# (config_field.setting's `resumable`): the same rows meet the same weights (gradients equal to
+# rounding), but LoRA's dropout draws its masks over the rows as they are cut, so with it a
+# resumed run draws other masks than the run it continues would have, as on another EP layout,
+# and the change is noted as the layout's is (training/checkpoint.py).
+SAME_DROPOUT_MASKS = Needs(("lora.rank", "lora.dropout"), lambda rank, dropout: rank == 0 or dropout == 0,
+                           "cuts the rows LoRA's dropout draws its masks over")
+
+
 # What the keys of training checkpoints and of master_adamw need (config_field.Needs).
 CHECKPOINTS = Needs(("checkpoint_dir",), lambda folder: folder is not None,
                     "needs checkpoint_dir (the folder of the training checkpoints)")
@@ -160,8 +169,9 @@ class TrainConfig:
     steps: int = setting(30, help="optimizer steps")
     batch_size: int = setting(4, help="samples per optimizer step, summed over all ranks")
     # Resumable: the same samples and the same summed gradients (to rounding) whatever N is,
-    # so a resumed run may trade memory for time; only the step's memory and time change.
-    grad_accum_steps: int = setting(1, resumable=True,
+    # so a resumed run may trade memory for time; only the step's memory and time change (and
+    # LoRA's dropout masks, drawn micro-batch by micro-batch: noted then).
+    grad_accum_steps: int = setting(1, resumable=SAME_DROPOUT_MASKS,
                                     help="micro-batches per optimizer step: each forward and backward takes "
                                     "batch_size / (world x grad_accum_steps) samples per rank")
     lr: float = setting(3e-4, help="peak learning rate, reached after warmup_steps")
@@ -257,13 +267,14 @@ class RunConfig:
     ep_size: int = setting(1, workload=False, headline=True,
                            help="expert-parallel group size: ranks that split each layer's experts")
     # Not the workload: the same tokens meet the same experts, only the rows' order inside
-    # a tier changes (gradients equal to rounding), so a resumed run may change it too.
-    ep_chunks: int = setting(1, workload=False, resumable=True, needs=EP_EXCHANGE,
+    # a tier changes (gradients equal to rounding), so a resumed run may change it too (noted
+    # with LoRA's dropout, whose masks the chunks cut otherwise).
+    ep_chunks: int = setting(1, workload=False, resumable=SAME_DROPOUT_MASKS, needs=EP_EXCHANGE,
                              help="with ep_size > 1: cut each MoE layer's tokens into this many chunks whose "
                              "all-to-alls run under the other chunks' experts, forward and backward "
                              "(te_mixtral/distributed/dispatch.py); 1: no overlap. Off by default: on H200s the "
                              "exchanges do not run under our expert GEMMs, and chunks cost 3-5 percent (docs/parallelism.md)")
-    ep_capacity: float = setting(0.0, workload=False, resumable=True, needs=EP_EXCHANGE,
+    ep_capacity: float = setting(0.0, workload=False, resumable=SAME_DROPOUT_MASKS, needs=EP_EXCHANGE,
                                  help="with ep_size > 1: 0 exchanges each MoE layer's rows exactly, the host waiting "
                                  "for their counts every layer; > 0 sends each rank blocks of this many times its "
                                  "even share of rows, padded, so the host never waits (a step whose routing needs "
@@ -300,9 +311,9 @@ class RunConfig:
                                    help="after training, time each phase of a step on its own "
                                    "(te_mixtral/measure/phases.py)")
     model_path: str | None = setting(None, path=True,
-                                     help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub id): its "
-                                     "config.json replaces the model section (whose keys are refused beside it), and its "
-                                     "tokenizer.json is used when data.tokenizer is unset")
+                                     help="a Hugging Face Mixtral checkpoint to fine-tune (local folder or hub id): "
+                                     "its config.json replaces the model section (whose keys are refused beside it), "
+                                     "and its tokenizer.json is used when data.tokenizer is unset")
     save_hf: str | None = setting(None, workload=False, resumable=True, path=True,
                                   help="export the fine-tuned model to this folder as an HF checkpoint")
     save_adapter: str | None = setting(None, workload=False, resumable=True, path=True,
@@ -406,9 +417,14 @@ def workload_keys() -> frozenset[str]:
     return frozenset(key for key, f in settings().items() if f.metadata["workload"])
 
 
-def resumable_keys() -> frozenset[str]:
-    """The keys that may change on `--resume` without a note (see `setting`)."""
-    return frozenset(key for key, f in settings().items() if f.metadata["resumable"])
+def resumable_keys(flat: dict | None = None) -> frozenset[str]:
+    """The keys that may change on `--resume` without a note (see `setting`): those that always
+    may, and with `flat` (the resumed run's config, flattened: full key -> value) those that
+    may in it (`resumable` a `Needs` that holds there)."""
+    def resumable(f: dataclasses.Field) -> bool:
+        role = f.metadata["resumable"]
+        return role.hold_in(flat.__getitem__) if isinstance(role, Needs) and flat is not None else role is True
+    return frozenset(key for key, f in settings().items() if resumable(f))
 
 
 def changes_nothing(key: str, flat: dict) -> bool:

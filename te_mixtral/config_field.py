@@ -27,7 +27,7 @@ class Needs:
         return self.holds(*(value_of(key) for key in self.keys))
 
 
-def setting(default, *, help: str, workload: bool = True, resumable: bool = False, headline: bool = False,
+def setting(default, *, help: str, workload: bool = True, resumable: bool | Needs = False, headline: bool = False,
             needs: Needs | None = None, path: bool = False):
     """A config field that says what it means and what role it plays, so that the code that
     asks "which keys ...?" reads the answer here instead of keeping its own list:
@@ -37,7 +37,9 @@ def setting(default, *, help: str, workload: bool = True, resumable: bool = Fals
       runs only when they agree on it. On by default: a new key keeps runs apart until it is
       declared harmless, which is the safe mistake;
     - `resumable`: the key may change on `--resume` without a note (where output goes, what
-      happens between or after steps). Off by default, for the same reason;
+      happens between or after steps). Off by default, for the same reason. A `Needs`: only
+      where it holds in the resumed run's config (the keys that cut a step's rows otherwise,
+      without LoRA's dropout, whose masks are drawn over the rows as cut);
     - `headline`: a reproduce command names it even at its default: the runs of a sweep
       (`scripts/gpu_runs.py tiers`) differ in it;
     - `needs`: what other keys must say for this one to change anything (`Needs`); None: it

@@ -529,7 +529,9 @@ def _verify(path: Path, entry: dict | None) -> str | None:
 
 def _changed_settings(saved: dict, now: dict) -> list[str]:
     """'train.steps 6 -> 8' for each setting that differs, other than those that may change
-    on resume (`resumable_keys`); the model is checked separately."""
-    saved_flat = flatten(saved)
-    return [f"{key} {saved_flat.get(key)!r} -> {value!r}" for key, value in flatten(now).items()
-            if key not in resumable_keys() and saved_flat.get(key) != value]
+    on resume (`resumable_keys`: with LoRA's dropout, not those that cut its masks otherwise);
+    the model is checked separately."""
+    saved_flat, now_flat = flatten(saved), flatten(now)
+    resumable = resumable_keys(now_flat)
+    return [f"{key} {saved_flat.get(key)!r} -> {value!r}" for key, value in now_flat.items()
+            if key not in resumable and saved_flat.get(key) != value]

@@ -454,6 +454,27 @@ def test_a_lora_resume_under_other_adapter_settings_is_refused_naming_the_differ
     assert ckpt.load_latest(model, optimizer, cfg).step == 2
 
 
+def test_a_lora_resume_notes_what_moves_its_dropout_masks_as_it_notes_the_layout(setup, tmp_path, capsys):
+    """LoRA's dropout draws its masks over a step's rows as the run cuts them: by the EP layout
+    (noted on resume, as every setting not declared resumable), and as well by the settings
+    that may otherwise change freely on resume (the same gradients to rounding, without
+    dropout): the chunks of the exchange and the micro-batches. With dropout, a change of one
+    is noted the same way; without, it is not."""
+    (tmp_path / "base").mkdir()
+
+    def notes(dropout, step):
+        cfg, model, optimizer = _lora_run(setup, tmp_path, dropout=dropout)
+        save(setup[2], cfg, model, optimizer, step)
+        capsys.readouterr()
+        cfg = dataclasses.replace(cfg, ep_size=2, ep_chunks=2, train=dataclasses.replace(cfg.train, grad_accum_steps=2))
+        setup[2].load_latest(model, optimizer, cfg)
+        return [line for line in capsys.readouterr().out.splitlines() if "changed since the checkpoint" in line]
+
+    assert notes(0.1, 2) == [f"te_mixtral: note: changed since the checkpoint: {change}" for change in
+                             ("train.grad_accum_steps 1 -> 2", "ep_size 1 -> 2", "ep_chunks 1 -> 2")]
+    assert notes(0.0, 4) == ["te_mixtral: note: changed since the checkpoint: ep_size 1 -> 2"]
+
+
 def test_a_lora_base_folder_is_one_however_it_is_spelled(setup, tmp_path, monkeypatch):
     (tmp_path / "base").mkdir()
     cfg, model, optimizer = _lora_run(setup, tmp_path, model_path=str(tmp_path / "base"))
