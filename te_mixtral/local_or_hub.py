@@ -1,7 +1,8 @@
 """Names a run is given that may point at this machine or at the Hugging Face hub: `model_path`
 and `data.dataset`. Hub ids look like paths (`owner/name`), so where each points is decided
 here once, for the config's checks (config.py), the checkpoint's reading (model/hf_config.py)
-and the data's (data/sources.py) alike.
+and the data's (data/sources.py) alike; and the base model a checkpoint or an adapter records
+(`base_model`), the same however `--model` spelled it.
 """
 
 from pathlib import Path
@@ -14,6 +15,16 @@ def local_path(name: str) -> Path | None:
     path must not go to the hub."""
     path = Path(name)
     return path if path.exists() or name.startswith(("/", ".", "~")) else None
+
+
+def base_model(model_path: str | None) -> str | None:
+    """What `--model` names, the same however it is spelled: a local folder's resolved path,
+    else the hub id as given (None: a base made from the seed). For a checkpoint's record of
+    its base, and an adapter's. A checkpoint written before config.load_config expanded `~`
+    may hold one: it is the home here too."""
+    if model_path is None or not Path(model_path).expanduser().exists():
+        return model_path
+    return str(Path(model_path).expanduser().resolve())
 
 
 def brings_tokenizer(model_path: str | None) -> bool:

@@ -89,6 +89,13 @@ def validate_lora(cfg) -> None:
            "(bf16 parameters) is for full fine-tuning")
     _check(t.sharding == "none", "lora keeps the frozen base whole on each rank (experts split by EP); "
            "train.sharding fsdp is for full fine-tuning")
+    # PEFT loads adapters onto the base their config names (base_model_name_or_path): a seeded
+    # base has no name to give, so its adapters would load onto nothing.
+    _check(cfg.save_adapter is None or cfg.model_path is not None,
+           f"save_adapter {cfg.save_adapter} would hold adapters over a base made from the seed, which no file "
+           f"holds, so PEFT could not load them: make a base folder (python scripts/make_tiny_mixtral.py "
+           f"tiny-mixtral) and train over it with --model tiny-mixtral, or export the model with the adapters "
+           f"merged (--save-hf)")
 
 
 def validate_lora_rank(cfg) -> None:

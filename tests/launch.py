@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -36,11 +37,12 @@ def run_app(args: list[str], nproc: int = 1, timeout: float = 300, script: str =
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], cwd: Path = REPO, script: str = "run_finetune_ep.py") -> subprocess.CompletedProcess:
     """`run_app(args)` without a new process: `te_mixtral.cli.main(args)` in this one, as
     `python run_finetune_ep.py` would run it (from `cwd`, the repository root unless given;
     OMP_NUM_THREADS=1; what it prints and its exit code captured), then this process's state
-    put back as it was.
+    put back as it was. Another `script` of the repository's runs as `python SCRIPT` runs it
+    (as `__main__`), the same way.
 
     Starting Python, torch and datasets costs seconds; a short run a fraction of that. Use
     `run_app` where a test needs the process itself: several ranks, signals, the entry script.
@@ -57,10 +59,14 @@ def run_cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
               contextlib.redirect_stderr(stderr), warnings.catch_warnings(),
               mock.patch.object(packing, "token_stream", _token_stream())):
             torch.set_num_threads(1)
-            sys.argv = [str(REPO / "run_finetune_ep.py"), *args]
+            sys.argv = [str(REPO / script), *args]
             _warn_as_python_does()
             try:
-                code = main(list(args))
+                if script == "run_finetune_ep.py":
+                    code = main(list(args))
+                else:
+                    runpy.run_path(str(REPO / script), run_name="__main__")
+                    code = 0
             except SystemExit as e:  # argparse, or anything calling sys.exit
                 code = e.code or 0
                 if not isinstance(code, int):  # sys.exit("message"): printed, exit code 1

@@ -115,6 +115,11 @@ def test_an_empty_config_file_is_refused_not_killed(tmp_path):
     ({"lora.rank": "8", "optimizer": "master_adamw", "dtype": "bf16"}, "lora trains small fp32 adapters"),
     ({"lora.rank": "8", "sharding": "fsdp"}, "train.sharding fsdp is for full fine-tuning"),
     ({"save_adapter": "out"}, "save_adapter exports LoRA adapters: set lora.rank"),
+    # Before: the adapters were written naming no base (base_model_name_or_path null), and nothing could load them.
+    ({"lora.rank": "8", "save_adapter": "out"}, "save_adapter out would hold adapters over a base made from the "
+     "seed, which no file holds, so PEFT could not load them: make a base folder (python "
+     "scripts/make_tiny_mixtral.py tiny-mixtral) and train over it with --model tiny-mixtral, or export the model "
+     "with the adapters merged (--save-hf)"),
     ({"lora.base": "nf4"}, "lora.base holds the base frozen for LoRA: set lora.rank"),
     ({"lora.rank": "8", "lora.base": "int4"}, "lora.base must be one of default, nf4, got 'int4'"),
     # tiny.yaml: hidden 64, 2 KV heads of 16; k_proj's update has rank 32 at most, the experts' 64.
@@ -192,7 +197,8 @@ IGNORED = [
     ({"lora.targets": "q_proj,v_proj"}, {"lora.rank": "4"}, "lora.targets applies to LoRA adapters: set lora.rank", 1),
     ({"lora.base": "nf4", "tier": "custom_grouped"}, {"lora.rank": "4"},
      "lora.base holds the base frozen for LoRA: set lora.rank", 1),
-    ({"save_adapter": "adapter"}, {"lora.rank": "4"}, "save_adapter exports LoRA adapters: set lora.rank", 1),
+    ({"save_adapter": "adapter"}, {"lora.rank": "4", "model_path": "mistralai/Mixtral-8x7B-v0.1"},
+     "save_adapter exports LoRA adapters: set lora.rank", 1),
     ({"lora.rank": "4", "lora.change_on_resume": "true"}, {"resume": "true", "checkpoint_dir": "ckpt"},
      "lora.change_on_resume lets a LoRA run's resume change its adapters: it needs resume and lora.rank", 1),
     ({"generate_tokens": "10"}, {"generate": "The meaning of"},

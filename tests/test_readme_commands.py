@@ -5,9 +5,9 @@ the entry point's own parsing and validation, in-process.
 And every README command a CPU can run, runs as written, on what ships, from a user's folder
 of their own (tests/workers/readme_commands.py). Each bash block is a sequence, run in order in
 a folder of its own, so a command may rely on the ones before it in its block (a resume on the
-run before it) and on nothing else: blocks of `python run_finetune_ep.py` lines in this process
-(`run_cli`), the others (launchers, the tiny checkpoint they fine-tune) in the background from
-the session's start. Training commands that do not set `--steps` run two steps (their
+run before it) and on nothing else: blocks of `python run_finetune_ep.py` lines (and of the
+tiny checkpoint's script, `SCRIPTS_HERE`) in this process (`run_cli`), the others (launchers)
+in the background from the session's start. Training commands that do not set `--steps` run two steps (their
 evaluation, checkpoint and export still come: each is due after the last step), and a step
 count the README sets after them stands for as many steps beyond (`STEPS`). What is not run
 says why in `NOT_RUN`; a new README command must be one or the other.
@@ -19,11 +19,13 @@ import shlex
 import shutil
 import sys
 
+import peft
 import pytest
 import torch
 from background import Command
 from conftest import REPO
 from launch import RUN_DIR, run_cli
+from transformers import AutoTokenizer
 from workers.readme_commands import user_folder
 
 from te_mixtral.cli import parse_args
@@ -91,9 +93,11 @@ def as_run(command: str) -> str:
     return command + " --steps 2" if trains and "--steps" not in command.split() else command
 
 
-# The README's sequences as run here: each block's lines but those not run, in order.
+# The README's sequences as run here: each block's lines but those not run, in order. Those of
+# the app and of the scripts below alone run in this process (`run_cli`); the others behind it.
 SEQUENCES = [seq for seq in ([line for line in block if line not in NOT_RUN] for block in readme_blocks()) if seq]
-SEQUENCES_HERE = [seq for seq in SEQUENCES if all(line.startswith(LAUNCHERS[0]) for line in seq)]
+SCRIPTS_HERE = ("python scripts/make_tiny_mixtral.py ",)
+SEQUENCES_HERE = [seq for seq in SEQUENCES if all(line.startswith((LAUNCHERS[0], *SCRIPTS_HERE)) for line in seq)]
 SEQUENCES_BEHIND = [seq for seq in SEQUENCES if seq not in SEQUENCES_HERE]
 RUN_HERE = [(i, line) for i, seq in enumerate(SEQUENCES_HERE) for line in seq]
 RUN_BEHIND = [(i, line) for i, seq in enumerate(SEQUENCES_BEHIND) for line in seq]
@@ -166,18 +170,22 @@ def run_id(item: tuple[int, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def ran_here(tmp_path_factory) -> dict:
+def ran_here(tmp_path_factory) -> tuple[dict, list]:
     """{(sequence, README line): CompletedProcess} of the sequences of `python run_finetune_ep.py`
-    lines, each run in order in a user's folder of its own."""
-    ran = {}
+    lines, each run in order in a user's folder of its own; and those folders, by sequence."""
+    ran, folders = {}, []
     for i, sequence in enumerate(SEQUENCES_HERE):
         folder = tmp_path_factory.mktemp(f"readme{i}")
+        folders.append(folder)
         user_folder(folder)
         for name, source in USER_FILES.items():
             shutil.copy(source, folder / name)
         for line in sequence:
-            ran[i, line] = run_cli(shlex.split(as_run(line))[2:], cwd=folder)
-    return ran
+            _, script, *args = shlex.split(as_run(line))
+            ran[i, line] = run_cli(args, cwd=folder, script=script)
+    return ran, folders
+
+
 
 
 def assert_ran(command: str, returncode: int, stdout: str, stderr: str) -> None:
@@ -188,8 +196,23 @@ def assert_ran(command: str, returncode: int, stdout: str, stderr: str) -> None:
 
 @pytest.mark.parametrize("item", RUN_HERE, ids=run_id)
 def test_readme_command_runs_as_written(item, ran_here):
-    proc = ran_here[item]
+    proc = ran_here[0][item]
     assert_ran(item[1], proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_the_readmes_first_adapter_loads_with_peft_from_anywhere(ran_here):
+    """The README's first LoRA command exports an adapter that PEFT's users load as they load any
+    (`AutoPeftModelForCausalLM`, the base named in its config), here from another folder than the
+    one it was made in: over a base no file held, it named none, and nothing could load it."""
+    [(sequence, _)] = [item for item in RUN_HERE if "--save-adapter my-adapter" in item[1]]
+    adapter = ran_here[1][sequence] / "my-adapter"
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    ids = AutoTokenizer.from_pretrained(adapter)("The adapters trained on this.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert (adapted - base).abs().max() > 1e-6  # they trained, and apply
 
 
 @pytest.mark.parametrize("item", RUN_BEHIND, ids=run_id)

@@ -104,11 +104,12 @@ from te_mixtral.files import (
     write_failure,
     write_text_atomic,
 )
+from te_mixtral.local_or_hub import base_model
 from te_mixtral.model.lora import base_weights
 from te_mixtral.planning.memory import state_bytes
 from te_mixtral.saved_config import flatten, upgrade_saved
 from te_mixtral.training.dcp_index import INDEX, IndexedReader, read_index
-from te_mixtral.training.resume_checks import base_model, check_resumable
+from te_mixtral.training.resume_checks import check_resumable
 
 FORMAT_VERSION = 2  # 1 held each rank's shards in a file of its own, resumable on the same layout only
 LATEST = "latest"

@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.files import fsync_path, make_scratch, remove_scratch, replace_files, sibling, write_failure
+from te_mixtral.local_or_hub import base_model
 from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.hf_checkpoint import gather_experts, write_tokenizer
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
@@ -53,7 +54,8 @@ def peft_config(cfg: RunConfig) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": cfg.model_path,
+        # Where PEFT's users load the base from, from any folder: a local one by its whole path.
+        "base_model_name_or_path": base_model(cfg.model_path),
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0 if expert_targets else lora.dropout,

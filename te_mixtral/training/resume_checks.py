@@ -28,6 +28,7 @@ from pathlib import Path
 from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import BASELINES, EXPERT_TIERS
+from te_mixtral.local_or_hub import base_model
 from te_mixtral.saved_config import upgrade_saved
 
 
@@ -96,15 +97,6 @@ def _held_in(tier: str, lora_base: str) -> str:
     """What a LoRA run's frozen base is held in by `tier` under `lora_base`, as a line names it."""
     held = EXPERT_TIERS[tier].frozen_format(lora_base) if tier in EXPERT_TIERS else lora_base
     return f"lora.base {lora_base}" if held == lora_base else held
-
-
-def base_model(model_path: str | None) -> str | None:
-    """What `--model` names, the same however it is spelled: a local folder's resolved path,
-    else the hub id as given (None: a base made from the seed). A checkpoint written before
-    config.load_config expanded `~` may hold one: it is the home here too."""
-    if model_path is None or not Path(model_path).expanduser().exists():
-        return model_path
-    return str(Path(model_path).expanduser().resolve())
 
 
 # The lora keys whose change on resume changes what the saved adapters compute.

@@ -167,7 +167,9 @@ def test_a_folder_the_run_cannot_write_into_is_refused_before_training(tmp_path,
         folder.rmdir()
     if not kernel_denies_writing(parent if unwritable != "folder" else folder):
         pytest.skip("permission bits do not stop this process, and setpriv cannot drop root's override here")
-    args = ["--steps", "2", "--timing_warmup_steps", "0", "--seq_len", "32", "--lora.rank", "2"]
+    # Over a hub id's base, as adapters are exported (nothing is downloaded: the folders are checked first).
+    args = ["--steps", "2", "--timing_warmup_steps", "0", "--seq_len", "32", "--lora.rank", "2",
+            "--model", "mistralai/Mixtral-8x7B-v0.1"]
     if flag != "--output-dir":
         args += ["--output-dir", str(tmp_path / "out")]
     proc = subprocess.run([*WITHOUT_OVERRIDE, *app_command([*args, flag, str(folder)])], cwd=REPO,

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import REPO
+from hf_reference import random_hf_mixtral
 from launch import assert_one_line_error, run_cli
 
 from te_mixtral import files
@@ -28,6 +29,19 @@ from te_mixtral.training.outputs import (
 )
 
 SHORT = ["--steps", "2", "--timing_warmup_steps", "1", "--seq_len", "64"]
+# LoRA adapters export over a base a file holds (--model): a hub id's name for the checks that
+# read the config alone (nothing is downloaded), a tiny checkpoint folder for runs (`lora_base`).
+LORA = {"lora.rank": "4", "model_path": "mistralai/Mixtral-8x7B-v0.1"}
+
+
+@pytest.fixture(scope="module")
+def lora_base(tmp_path_factory) -> list[str]:
+    """The arguments of a LoRA run over a tiny random checkpoint (its vocabulary holds the BPE
+    the run trains on the default data)."""
+    folder = tmp_path_factory.mktemp("base")
+    random_hf_mixtral(vocab_size=2048, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1).save_pretrained(folder)
+    return ["--lora.rank", "4", "--model", str(folder)]
 
 
 def refused(proc, *fragments):
@@ -137,7 +151,7 @@ def test_a_folder_named_like_an_exports_scratch_folder_is_refused_not_deleted(tm
     theirs.mkdir()
     (theirs / "model.safetensors").write_text("mine")
     cfg = load_config(None, {key: str(export), "output_dir": str(tmp_path / "out"), "overwrite": "true",
-                             **({"lora.rank": "4"} if key == "save_adapter" else {})})
+                             **(LORA if key == "save_adapter" else {})})
     with pytest.raises(UserError, match=f"{theirs} is in the way: te_mixtral writes .* and deletes it"):
         check_outputs(cfg, None)
     # Where the folder appeared after the check (during training), the export refuses too.
@@ -160,7 +174,7 @@ def test_a_folder_named_like_an_exports_scratch_folder_is_refused_not_deleted(tm
 
 
 @pytest.mark.parametrize("key", ["output_dir", "save_hf", "save_adapter"])
-def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key):
+def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key, lora_base):
     # A save replaces step-N and `latest`, and pruning deletes step-N: a folder written there
     # would fail the save after training, or be deleted with the checkpoint.
     ckpt = tmp_path / "ckpt"
@@ -168,12 +182,12 @@ def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key):
     link = tmp_path / "out"
     link.symlink_to(ckpt / "step-000002")
     for folder in (ckpt / "step-000004" / "run", link / "run", ckpt / "step-000003", ckpt / "latest"):
-        cfg = load_config(None, {key: str(folder), "checkpoint_dir": str(ckpt), "resume": "true", "lora.rank": "4"})
+        cfg = load_config(None, {key: str(folder), "checkpoint_dir": str(ckpt), "resume": "true", **LORA})
         inside = ckpt / folder.resolve().relative_to(ckpt.resolve()).parts[0]
         with pytest.raises(UserError, match=re.escape(f"{key} {folder} is inside {inside}, which")):
             check_outputs(cfg, None)
     refused(run_cli([*SHORT, f"--{key}", str(ckpt / "step-000002"), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                     "--lora.rank", "4", *(["--output-dir", str(tmp_path / "o")] if key != "output_dir" else [])]),
+                     *lora_base, *(["--output-dir", str(tmp_path / "o")] if key != "output_dir" else [])]),
             f"{key} {ckpt / 'step-000002'} is inside")
 
 
@@ -296,7 +310,7 @@ time.sleep(300)
 """
 
 
-def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies(tmp_path):
+def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies(tmp_path, lora_base):
     out, ckpt, export = tmp_path / "out", tmp_path / "ckpt", tmp_path / "export"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ckpt), str(export)], cwd=REPO,
                               stdout=subprocess.PIPE, text=True)
@@ -307,7 +321,7 @@ def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies
                 f"output_dir {out} is in use by another run (pid {holder.pid} on {socket.gethostname()}, started")
         refused(run_cli([*SHORT, "--output-dir", str(tmp_path / "b"), "--checkpoint-dir", str(ckpt), "--overwrite"]),
                 f"checkpoint_dir {ckpt} is in use by another run (pid {holder.pid}")
-        for key, lora in (("--save-hf", []), ("--save-adapter", ["--lora.rank", "2"])):  # exported to at once
+        for key, lora in (("--save-hf", []), ("--save-adapter", lora_base)):  # exported to at once
             refused(run_cli([*SHORT, "--output-dir", str(tmp_path / key), key, str(export), *lora]),
                     f"{key[2:].replace('-', '_')} {export} is in use by another run (pid {holder.pid}")
     finally:
@@ -386,7 +400,7 @@ def test_an_export_never_replaces_an_earlier_export_of_the_other_kind(tmp_path, 
     folder.mkdir()
     (folder / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}))
     (folder / theirs).write_text("{}")
-    settings = {key: str(folder), "output_dir": str(tmp_path / "out"), "lora.rank": "4"}
+    settings = {key: str(folder), "output_dir": str(tmp_path / "out"), **LORA}
     with pytest.raises(UserError, match=f"{key} {folder} holds an earlier {earlier} export \\({theirs}\\), which "
                                         f"this export would replace"):
         check_outputs(load_config(None, settings), None)
