@@ -12,7 +12,7 @@ on the same GPU and tokens:
   gradient checkpointing on (`use_reentrant=False`), as PEFT's Mixtral recipes run it
   (`--no-gradient-checkpointing` turns it off, to compare with a run without recompute);
 - adapters: PEFT's `LoraConfig` from our `lora` section as `--save-adapter` writes it
-  (te_mixtral/training/peft_adapters.py's `peft_config`: by default `target_modules` q, k,
+  (te_mixtral/lora_config.py's `peft_config`: by default `target_modules` q, k,
   v, o_proj, `target_parameters` `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`,
   dropout 0), then `get_peft_model`. Rank and alpha are the config's (rank 16 where the
   config trains every weight: that of `--lora.rank 16 --optimizer adamw` on our side), or
@@ -110,7 +110,7 @@ def add_peft_adapters(model, cfg):
     """`model` under PEFT's LoRA for `cfg.lora`, as `--save-adapter` describes it (module docstring)."""
     from peft import LoraConfig, get_peft_model
 
-    from te_mixtral.training.peft_adapters import peft_config
+    from te_mixtral.lora_config import peft_config
 
     # adapter_config.json's fields, less the two that describe the file rather than the adapters.
     settings = {k: v for k, v in peft_config(cfg).items() if k not in ("peft_type", "base_model_name_or_path")}

@@ -26,7 +26,8 @@ architecture and its import layers are drawn in docs/architecture.md):
     config.py             the typed run configuration, loaded from YAML, validated once
     config_checks.py      its checks, each a message a user can act on
     config_field.py       setting(): a config field with its help, its role and what it needs
-    lora_config.py        LoRA's settings, the projections it adapts and its checks
+    lora_config.py        LoRA's settings, the projections it adapts and its checks; PEFT's
+                          adapter config out, and in (lora.init)
     saved_config.py       configs as files hold them, older layouts upgraded, a run's own known as such
     config_yaml.py        YAML as configs are read: a key given twice, runaway aliases, refused
     local_or_hub.py       where model_path and data.dataset point: a local path or a hub id

@@ -32,7 +32,7 @@ from te_mixtral.errors import UserError
 from te_mixtral.experts.options import BASELINES, FP8Options, own_model
 from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.local_or_hub import brings_tokenizer, is_hub_dataset
-from te_mixtral.lora_config import LORA_ON, LoRAConfig
+from te_mixtral.lora_config import LORA_ON, LoRAConfig, adopt_adapter
 from te_mixtral.saved_config import (
     MOVED_KEYS,
     RETYPED_KEYS,
@@ -545,7 +545,8 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     """Defaults, then the YAML file, then the overrides (raw strings parsed as YAML), then what
     the launcher asked for (`launch`: te_mixtral/accelerate_launch.py), validated. A key in
     `FOLLOWS` that none of them set takes its value from the key it follows; a path key's `~`
-    is the user's home (`_expand_home`)."""
+    is the user's home (`_expand_home`); lora.init's adapter gives the LoRA settings none of
+    them set (`lora_config.adopt_adapter`)."""
     cfg = RunConfig()
     given = set()  # the keys the file, the command line or the launcher set
     saved = False  # whether the file is a config a run saved (check_needs)
@@ -589,6 +590,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         if key not in given:
             _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
     _expand_home(cfg)
+    adopt_adapter(cfg, given)  # lora.init's settings, where none are given
     validate(cfg, world_size)
     check_needs(cfg, given, file_cfg, frozenset(typed), saved)
     return cfg

@@ -1,16 +1,23 @@
 """LoRA's settings in one place, as PEFT's `LoraConfig` holds them: the `lora` section of a
-run config, the projections it can adapt, and its checks.
+run config, the projections it can adapt, and its checks; and PEFT's adapter_config.json, out
+(`peft_config`, what `--save-adapter` writes) and in (`adopt_adapter`: `lora.init`'s adapter,
+whose settings a run takes where it gives none).
 
 The adapters themselves are model/lora.py's; what a tier receives of them at each call,
-experts/adapters.py's. This module imports no torch: config.py reads it while a config loads.
+experts/adapters.py's; their weights in PEFT's files, training/peft_adapters.py's. This module
+imports no torch: config.py reads it while a config loads.
 """
 
+import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 from te_mixtral.config_field import Needs, setting
+from te_mixtral.errors import UserError
 from te_mixtral.errors import require as _check
+from te_mixtral.local_or_hub import base_model
 
 # The projections LoRA can adapt, by the names PEFT's `target_modules` (attention) and
 # `target_parameters` (experts: each stacked weight is one target) give them.
@@ -36,6 +43,14 @@ class LoRAConfig:
                            help="comma-separated projections to adapt, as PEFT names them: attention's "
                            f"{', '.join(LORA_DENSE_TARGETS)} and the experts' stacked "
                            f"{' and '.join(LORA_EXPERT_TARGETS)} (one adapter per expert each)")
+    init: str | None = setting(None, path=True, resumable=True,
+                               needs=replace(LORA_ON, text="starts LoRA adapters from an exported one: drop "
+                                                           "lora.rank 0 (the adapter's rank is taken)"),
+                               help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors: "
+                               "--save-adapter's, or PEFT's save_pretrained for Mixtral) whose weights the adapters "
+                               "start from, instead of the seed's; its r, lora_alpha, use_rslora and targets are "
+                               "the run's lora.rank, alpha, rslora and targets unless given. The optimizer starts "
+                               "afresh; a resume reads the checkpoint's adapters instead")
     base: Literal["default", "nf4"] = setting("default",
                                               needs=replace(LORA_ON, text="holds the base frozen for LoRA: set "
                                                                           "lora.rank (e.g. 16)"),
@@ -113,3 +128,127 @@ def validate_lora_rank(cfg) -> None:
     _check(cfg.lora.rank <= useful,
            f"lora.rank {cfg.lora.rank} is above every adapted projection's rank (at most {useful}: min(in, out) of "
            f"{', '.join(targets)}), so the extra rank learns nothing: use --lora.rank {useful} or less")
+
+
+# --- PEFT's adapter_config.json ----------------------------------------------------------
+
+# Where each of LORA_DENSE_TARGETS and LORA_EXPERT_TARGETS is in transformers' Mixtral layer,
+# as PEFT's `target_modules` and `target_parameters` name it.
+_DENSE_STEM, _EXPERT_STEM = "self_attn", "mlp.experts"
+
+
+def peft_config(cfg) -> dict:
+    """The adapter_config.json PEFT reads for the adapters of the run config `cfg` (its
+    LoraConfig's fields)."""
+    lora = cfg.lora
+    expert_targets = [f"{_EXPERT_STEM}.{t}" for t in lora.expert_targets()]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        # Where PEFT's users load the base from, from any folder: a local one by its whole path.
+        "base_model_name_or_path": base_model(cfg.model_path),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        # PEFT refuses dropout on a parameter target (training/peft_adapters.py).
+        "lora_dropout": 0.0 if expert_targets else lora.dropout,
+        "use_rslora": lora.rslora,
+        "target_modules": list(lora.dense_targets()),
+        "target_parameters": expert_targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+# PEFT's settings whose adapters are not plain LoRA on whole projections of every layer, as
+# ours are: the setting, and what it gives the adapters.
+_NOT_PLAIN = {"use_dora": "DoRA's magnitude vectors", "lora_bias": "a bias on lora_B",
+              "rank_pattern": "ranks of their own on some projections",
+              "alpha_pattern": "alphas of their own on some projections",
+              "layers_to_transform": "adapters on some layers only", "layers_pattern": "adapters on some layers only",
+              "exclude_modules": "some projections left out", "modules_to_save": "whole modules trained beside them",
+              "trainable_token_indices": "trained token embeddings", "layer_replication": "layers repeated"}
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """What a PEFT LoRA adapter's config says of it, as our lora settings."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    targets: str  # ours, comma-separated, in LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS order
+    base: str | None  # base_model_name_or_path
+
+
+def read_peft_adapter(folder: str) -> PeftAdapter:
+    """The adapter_config.json in `folder` (lora.init) as our settings; one line refusing a folder
+    that is not a LoRA adapter, or one whose adapters ours cannot be."""
+    where = f"lora.init {folder}"
+    path = Path(folder) / "adapter_config.json"
+    _check(path.is_file(), f"{where} is not an adapter folder: it has no adapter_config.json (--save-adapter and "
+                           f"PEFT's save_pretrained write one, beside adapter_model.safetensors)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    _check(isinstance(raw, dict), f"{path} is not an adapter config: it holds a {type(raw).__name__}, not a mapping")
+    _check(raw.get("peft_type") == "LORA", f"{where} holds a {raw.get('peft_type')} adapter, not LoRA")
+    rank, alpha, rslora = raw.get("r"), raw.get("lora_alpha"), raw.get("use_rslora", False)
+    _check(isinstance(rank, int) and not isinstance(rank, bool) and rank > 0,
+           f"{path}: r must be a positive whole number, got {rank!r}")
+    _check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < math.inf,
+           f"{path}: lora_alpha must be a number above 0, got {alpha!r}")
+    _check(isinstance(rslora, bool), f"{path}: use_rslora must be true or false, got {rslora!r}")
+    for key, what in _NOT_PLAIN.items():
+        _check(not raw.get(key), f"{where} holds {what} ({key}), which te_mixtral's LoRA adapters cannot hold")
+    _check(raw.get("bias", "none") == "none", f"{where} trains biases (bias {raw.get('bias')}), which te_mixtral's "
+                                              f"LoRA adapters cannot hold")
+    dense, experts = raw.get("target_modules") or [], raw.get("target_parameters") or []
+    _check(isinstance(dense, list) and isinstance(experts, list),
+           f"{where} names its targets by a pattern ({dense!r}); te_mixtral adapts projections by name: "
+           f"{', '.join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS)}")
+    found = [_our_target(name, _DENSE_STEM, LORA_DENSE_TARGETS, where) for name in dense]
+    found += [_our_target(name, _EXPERT_STEM, LORA_EXPERT_TARGETS, where) for name in experts]
+    _check(bool(found), f"{where} adapts no projection")
+    targets = ",".join(t for t in LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS if t in found)
+    base = raw.get("base_model_name_or_path")
+    return PeftAdapter(rank, float(alpha), rslora, targets, base if isinstance(base, str) and base else None)
+
+
+def _our_target(name, stem: str, ours: tuple[str, ...], where: str) -> str:
+    """Which of `ours` PEFT's target `name` adapts in every layer: PEFT takes a name for each module
+    (or parameter) whose full name ends with it, so `q_proj`, `self_attn.q_proj` alike."""
+    for target in ours:
+        if isinstance(name, str) and f".{stem}.{target}".endswith(f".{name}"):
+            return target
+    raise UserError(f"{where} adapts {name!r}, which te_mixtral's LoRA cannot hold: it adapts "
+                    f"{', '.join(LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS)} of every layer")
+
+
+def adopt_adapter(cfg, given: set[str]) -> None:
+    """lora.init's adapter settings (`read_peft_adapter`) as the run config `cfg`'s where the
+    config and the command line gave none (`given`: the keys they set); one given otherwise is
+    refused naming both, and so is an adapter over another base than the run's, where the adapter
+    names its base. `--lora.rank 0` turns LoRA off, lora.init with it (config_checks.check_needs)."""
+    lora = cfg.lora
+    if lora.init is None or ("lora.rank" in given and lora.rank == 0):
+        return
+    adapter = read_peft_adapter(lora.init)
+    for key, peft_name, same in (("rank", "r", int.__eq__), ("alpha", "lora_alpha", float.__eq__),
+                                 ("rslora", "use_rslora", bool.__eq__),
+                                 ("targets", "targets", lambda a, b: set(a.split(",")) == set(b.split(",")))):
+        wanted = getattr(adapter, key)
+        if f"lora.{key}" not in given:
+            setattr(lora, key, wanted)
+        elif not same(getattr(lora, key) if key != "targets" else ",".join(lora.target_list()), wanted):
+            raise UserError(f"lora.init {lora.init} holds adapters of {peft_name} {wanted}, and lora.{key} is "
+                            f"{getattr(lora, key)}: drop lora.{key} (the adapter's is taken), or train new adapters "
+                            f"without lora.init")
+    ours = base_model(cfg.model_path)
+    if adapter.base is not None and base_model(adapter.base) != ours:
+        now = f"--model {cfg.model_path}" if cfg.model_path is not None else "made from the seed"
+        raise UserError(f"lora.init {lora.init} holds adapters trained over {adapter.base}, and this run's base is "
+                        f"{now}: pass --model {adapter.base} (or, where that is this base by another name, set "
+                        f"base_model_name_or_path in its adapter_config.json)")

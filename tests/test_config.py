@@ -4,6 +4,7 @@ older runs (keys since moved) still load, and bare names still find moved keys."
 import dataclasses
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_every_committed_runs_saved_config_loads_to_its_recorded_config(tmp_path
 # Every key that names a file or folder (or a hub id), and a path for each.
 PATH_KEYS = {"output_dir": "out", "checkpoint_dir": "ckpt", "save_hf": "hf", "save_adapter": "adapter",
              "loss_check": "ref/results.json", "model_path": "base", "data.dataset": "data.jsonl",
-             "data.tokenizer": "tokenizer"}
+             "data.tokenizer": "tokenizer", "lora.init": "lora_adapter"}
 
 
 def test_a_home_in_a_config_files_paths_is_expanded_for_every_path_key(tmp_path, monkeypatch):
@@ -120,12 +121,14 @@ def test_a_home_in_a_config_files_paths_is_expanded_for_every_path_key(tmp_path,
     ~/out` into a folder named `~` of the current one. Every path key alike is the home's."""
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
+    shutil.copytree(REPO / "tests" / "lora_adapter", home / "lora_adapter")  # read as the config loads
     nested = {}
     for key, path in PATH_KEYS.items():
         section, _, name = key.rpartition(".")
         (nested.setdefault(section, {}) if section else nested)[name] = f"~/{path}"
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({**nested, "lora": {"rank": 2}}))
+    nested["lora"]["rank"] = 2
+    config.write_text(yaml.safe_dump(nested))
     flat = flatten(to_dict(load_config(str(config))))
     assert {key: flat[key] for key in PATH_KEYS} == {key: str(home / path) for key, path in PATH_KEYS.items()}
     assert {key for key, f in settings().items() if f.metadata["path"]} == set(PATH_KEYS)  # and no other key

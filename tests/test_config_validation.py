@@ -199,6 +199,9 @@ IGNORED = [
      "lora.base holds the base frozen for LoRA: set lora.rank", 1),
     ({"save_adapter": "adapter"}, {"lora.rank": "4", "model_path": "mistralai/Mixtral-8x7B-v0.1"},
      "save_adapter exports LoRA adapters: set lora.rank", 1),
+    # With LoRA turned off: lora.init starts adapters, which take the adapter's rank where none is given.
+    ({"lora.init": str(REPO / "tests" / "lora_adapter"), "lora.rank": "0"}, {"lora.rank": "2"},
+     "lora.init starts LoRA adapters from an exported one: drop lora.rank 0", 1),
     ({"lora.rank": "4", "lora.change_on_resume": "true"}, {"resume": "true", "checkpoint_dir": "ckpt"},
      "lora.change_on_resume lets a LoRA run's resume change its adapters: it needs resume and lora.rank", 1),
     ({"generate_tokens": "10"}, {"generate": "The meaning of"},

@@ -7,7 +7,7 @@
     resume_checks.py   whether this run can resume a checkpoint: its meta.json against the config
     dcp_index.py       reading torch.distributed.checkpoint's index without running code
     hf_checkpoint.py   Hugging Face Mixtral checkpoints in and out of our parameter layout
-    peft_adapters.py   LoRA adapters out in PEFT's format
+    peft_adapters.py   LoRA adapters in PEFT's format, out and in (lora.init)
     evaluate.py        loss and perplexity on held-out samples
     generate.py        greedy generation from the fine-tuned model
     outputs.py         the folders a run writes, checked before it trains

@@ -128,7 +128,7 @@ def _safetensors_files(checkpoint_dir: Path) -> list[Path]:
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def _read(f, file: Path, key: str, expected: list[int], rows: slice | None = None) -> torch.Tensor:
+def read_tensor(f, file: Path, key: str, expected: list[int], rows: slice | None = None) -> torch.Tensor:
     """Tensor `key` of the open file `f` (only `rows` of its first dimension when given),
     after checking that its whole shape is `expected`. `copy_` would broadcast a wrong shape
     (a one-element norm weight fills every row), so the check is here, before any read."""
@@ -177,7 +177,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
                             raise UserError(f"{file}: tensor '{key}' has no place in a Mixtral model of "
                                             f"{model.config.num_hidden_layers} layers")
                         target = params[name][local, rows]
-                        tensor = _read(f, file, key, target.shape)
+                        tensor = read_tensor(f, file, key, target.shape)
                         target.copy_(tensor)
                         bytes_read += tensor.nbytes
                         loaded.add((name, local, part))
@@ -186,11 +186,11 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
                     if name not in params:
                         raise UserError(f"{file}: tensor '{key}' has no place in a Mixtral model")
                     if is_expert_param(name):  # stacked: read only this rank's slice
-                        tensor = _read(f, file, key, [num_experts, *params[name].shape[1:]],
+                        tensor = read_tensor(f, file, key, [num_experts, *params[name].shape[1:]],
                                        slice(first, first + num_local))
                         loaded.update((name, i, "stacked") for i in range(num_local))
                     else:
-                        tensor = _read(f, file, key, params[name].shape)
+                        tensor = read_tensor(f, file, key, params[name].shape)
                         loaded.add(name)
                     params[name].copy_(tensor)
                     bytes_read += tensor.nbytes

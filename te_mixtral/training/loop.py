@@ -77,7 +77,7 @@ from te_mixtral.training.optimizer import (
     split_masters,
 )
 from te_mixtral.training.outputs import check_outputs, check_writable_folders
-from te_mixtral.training.peft_adapters import save_adapter
+from te_mixtral.training.peft_adapters import load_adapter, save_adapter
 from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
 
@@ -103,6 +103,8 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     initialise(model, cfg, layout, model_dir)
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)
+    if cfg.lora.enabled and cfg.lora.init is not None and not cfg.resume:  # resumed: the checkpoint's, trained since
+        load_adapter(model, cfg.lora.init, cfg, layout)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
 
 
@@ -225,6 +227,12 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if layout.is_main and model_dir is not None:
         print(f"te_mixtral: weights and model config from {model_dir} (its config.json replaces the config's "
               f"model section)", flush=True)
+    if layout.is_main and cfg.lora.enabled and cfg.lora.init is not None:
+        lora = cfg.lora
+        print(f"te_mixtral: note: lora.init {lora.init} is not read: the checkpoint holds the adapters as they "
+              f"trained since" if cfg.resume else
+              f"te_mixtral: LoRA adapters from {lora.init} (lora.rank {lora.rank}, alpha {lora.alpha:g}"
+              f"{', rslora' if lora.rslora else ''}, targets {lora.targets}); the optimizer starts afresh", flush=True)
     if layout.is_main:
         print(f"te_mixtral: tier {cfg.tier} on {header['device']} x{layout.world_size} (EP={cfg.ep_size}), "
               f"{cfg.precision}, {sum(w.numel() for w in base_weights(model).values()) / 1e6:.1f} M parameters on rank 0"

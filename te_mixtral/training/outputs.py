@@ -21,8 +21,9 @@ what is already there unless that is plainly its own to replace, or the user sai
   an earlier te_mixtral export of its own kind (marked by `EXPORT_MARKER`); export-named files of anyone
   else only with `overwrite`, as the files transformers would read with the export
   (`_READ_WITH_EXPORT`) wherever they come from. It is never the current folder, the output or checkpoint
-  folder, the `--model` folder, the data set or the tokenizer, nor a folder holding one of
-  them: those are not exports (and a data folder would read the export as data). The
+  folder, the `--model` folder, the data set, the tokenizer or the adapter the run starts from
+  (`lora.init`), nor a folder holding one of them: those are not exports, or the run's own inputs
+  (and a data folder would read the export as data). The
   export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`, both deleted
   after: a folder of either name that te_mixtral did not make (`files.check_scratch`) is
   refused, never deleted.
@@ -102,7 +103,8 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
         raise UserError(f"output_dir {out} is the data set folder, whose files are all read as data: the run's "
                         f"{RESULTS_FILE} and {STEPS_FILE} would be the next run's; choose another folder")
     protected = {"the current folder": Path.cwd(), "the output folder": out, "the checkpoint folder": ckpt,
-                 "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer}
+                 "the --model folder": model_dir, "the data set": data, "the tokenizer": tokenizer,
+                 "the lora.init adapter": Path(cfg.lora.init) if cfg.lora.init is not None else None}
     exports = {key: Path(getattr(cfg, key)) for key in _EXPORT_KEYS
                if getattr(cfg, key) is not None}
     for key, folder in exports.items():

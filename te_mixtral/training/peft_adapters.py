@@ -1,11 +1,15 @@
-"""LoRA adapters out, in PEFT's format, for transformers' `MixtralForCausalLM`.
+"""LoRA adapters in PEFT's format, for transformers' `MixtralForCausalLM`, out and in.
 
-`save_adapter` writes `adapter_config.json` and `adapter_model.safetensors` as
-`PeftModel.save_pretrained` does, so that
+`save_adapter` writes `adapter_config.json` (lora_config.peft_config) and
+`adapter_model.safetensors` as `PeftModel.save_pretrained` does, so that
 
     PeftModel.from_pretrained(MixtralForCausalLM.from_pretrained(base), folder)
 
-gives our model's logits. How our adapters map onto PEFT's (te_mixtral/model/lora.py has ours):
+gives our model's logits. `load_adapter` reads such a folder back into a run's adapters
+(`lora.init`: ours, or one PEFT wrote for Mixtral with targets we adapt, whose settings the
+run config took as it loaded: lora_config.adopt_adapter), the way PEFT's users go on training
+from one (`PeftModel.from_pretrained(..., is_trainable=True)`). How our adapters map onto
+PEFT's (te_mixtral/model/lora.py has ours):
 
 - attention: PEFT's `target_modules`; `...self_attn.q_proj.lora_A.weight` is our `A` [r, in],
   `lora_B.weight` our `B` [out, r].
@@ -26,47 +30,27 @@ base's (a run trains its own over a seeded base, and `--tokenizer` names another
 users read it from there (`AutoTokenizer.from_pretrained(folder)`).
 
 Adapters are saved in the dtype they train in (fp32). The experts' adapters are gathered from the EP group to rank 0 one expert at a time, as the
-Hugging Face export gathers the experts (hf_checkpoint.py).
+Hugging Face export gathers the experts (hf_checkpoint.py). Read back, every rank reads and
+checks each tensor whole (all refuse alike; adapters are small) and keeps its own experts'.
 """
 
 import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
+from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import fsync_path, make_scratch, remove_scratch, replace_files, sibling, write_failure
-from te_mixtral.local_or_hub import base_model
+from te_mixtral.lora_config import peft_config
 from te_mixtral.training.checkpoint import require_finite_weights
-from te_mixtral.training.hf_checkpoint import gather_experts, write_tokenizer
+from te_mixtral.training.hf_checkpoint import gather_experts, read_tensor, write_tokenizer
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
 PREFIX = "base_model.model."  # PeftModel's name of the wrapped transformers model
-
-
-def peft_config(cfg: RunConfig) -> dict:
-    """The adapter_config.json PEFT reads for these adapters (its LoraConfig's fields)."""
-    lora = cfg.lora
-    expert_targets = [f"mlp.experts.{t}" for t in lora.expert_targets()]
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        # Where PEFT's users load the base from, from any folder: a local one by its whole path.
-        "base_model_name_or_path": base_model(cfg.model_path),
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0 if expert_targets else lora.dropout,
-        "use_rslora": lora.rslora,
-        "target_modules": list(lora.dense_targets()),
-        "target_parameters": expert_targets,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
 
 
 def expert_key(layer: int, target: str, targets: list[str], factor: str) -> str:
@@ -79,6 +63,58 @@ def peft_expert_tensors(a_ErI: torch.Tensor, b_EOr: torch.Tensor) -> tuple[torch
     """Our stacked A [E, r, I] and B [E, O, r] as PEFT's lora_A [E*r, I] and lora_B [O, r*E]."""
     experts, rank, _ = a_ErI.shape
     return a_ErI.reshape(experts * rank, -1), b_EOr.permute(1, 2, 0).reshape(b_EOr.shape[1], rank * experts)
+
+
+def stacked_expert_tensors(a_flat: torch.Tensor, b_flat: torch.Tensor,
+                           experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `peft_expert_tensors`: PEFT's lora_A [E*r, I] and lora_B [O, r*E] as our
+    stacked A [E, r, I] and B [E, O, r]."""
+    return (a_flat.reshape(experts, -1, a_flat.shape[1]),
+            b_flat.reshape(b_flat.shape[0], -1, experts).permute(2, 0, 1))
+
+
+@torch.no_grad()
+def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, layout: Layout) -> None:
+    """Copy the adapters of the PEFT adapter `folder` (lora.init) into `model`'s (`cfg`'s, which
+    took the folder's settings): this rank's experts of each expert target. A file that lacks
+    one of them, holds another, or one of another shape or not finite, is refused in one line."""
+    file = Path(folder) / "adapter_model.safetensors"
+    if not file.is_file():
+        raise UserError(f"lora.init {folder} has no adapter_model.safetensors, the adapters' weights (an "
+                        f"adapter_model.bin, PEFT's older pickle, is not read: it can run code)")
+    experts = model.config.num_experts
+    targets = peft_config(cfg)["target_parameters"]
+    pairs = []  # (PEFT's keys of A and B, the shapes they must have, the adapter, whether stacked)
+    for index, layer in enumerate(model.model.layers):
+        for target, adapter in layer.self_attn.adapters.items():
+            stem = f"{PREFIX}model.layers.{index}.self_attn.{target}"
+            pairs.append(((f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"),
+                          (list(adapter.A.shape), list(adapter.B.shape)), adapter, False))
+        for target, adapter in layer.mlp.experts.adapters.items():
+            (_, rank, cols), (_, rows, _) = adapter.A.shape, adapter.B.shape
+            pairs.append((tuple(expert_key(index, target, targets, factor) for factor in ("lora_A", "lora_B")),
+                          ([experts * rank, cols], [rows, rank * experts]), adapter, True))
+    first = layout.ep_rank * experts // layout.ep_size
+    try:
+        with safe_open(file, framework="pt") as f:
+            wanted = {key for keys, *_ in pairs for key in keys}
+            extra = next((key for key in f.keys() if key not in wanted), None)
+            if extra is not None:
+                raise UserError(f"{file} holds '{extra}', which none of this run's adapters is (lora.targets "
+                                f"{cfg.lora.targets}, {model.config.num_hidden_layers} layers)")
+            missing = next((key for key in sorted(wanted) if key not in f.keys()), None)
+            if missing is not None:
+                raise UserError(f"{file} lacks '{missing}', which this run's adapters need")
+            for keys, shapes, adapter, stacked in pairs:  # one adapter at a time, each rank every one
+                a, b = (read_tensor(f, file, key, shape) for key, shape in zip(keys, shapes))
+                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                    raise UserError(f"{file}: '{keys[0]}' or '{keys[1]}' holds values that are not finite")
+                if stacked:  # this rank's experts of all
+                    a, b = (t[first:first + adapter.A.shape[0]] for t in stacked_expert_tensors(a, b, experts))
+                adapter.A.copy_(a)
+                adapter.B.copy_(b)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {file}: {first_line(e)}") from None
 
 
 @torch.no_grad()

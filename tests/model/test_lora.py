@@ -12,18 +12,19 @@ from hf_reference import random_hf_mixtral
 from model.test_hf_parity import random_packed_batch, rel_err
 from transformers import MixtralForCausalLM
 
-from te_mixtral.config import LoRAConfig, RunConfig
+from te_mixtral.config import LoRAConfig, RunConfig, load_config
 from te_mixtral.data.tokenizer import Tokenizer, train_tokenizer
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.loop import LoopTier
+from te_mixtral.lora_config import peft_config
 from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.lora import add_adapters, is_adapter_param, lora_adapters
 from te_mixtral.model.mixtral import MixtralForCausalLM as Ours
 from te_mixtral.model.mixtral import causal_lm_loss
 from te_mixtral.training.hf_checkpoint import load_hf_weights, save_hf_checkpoint
-from te_mixtral.training.peft_adapters import PREFIX, expert_key, peft_config, save_adapter
+from te_mixtral.training.peft_adapters import PREFIX, expert_key, load_adapter, save_adapter
 
 SINGLE = Layout(0, 1, 1, None, None)
 VOCAB = 101
@@ -109,6 +110,37 @@ def test_equals_transformers_with_peft_in_float64(tmp_path, lora):
         assert rel_err(adapter.B.grad, ref_b) < 1e-5, weight_name
     for name, p in ours.named_parameters():
         assert (p.grad is not None) == is_adapter_param(name), name  # the base is frozen
+
+
+def test_an_adapter_peft_made_gives_our_model_pefts_logits(tmp_path):
+    """The other way round: PEFT's own LoRA on transformers' Mixtral (targets listed in an order
+    of their own, rsLoRA, a random B), saved by PEFT, started from by our model (`lora.init`: its
+    settings taken from the adapter's config, its weights read by `load_adapter`) gives PEFT's
+    logits. A wrong scale, target, expert order or nesting is off by 1e-2 and more."""
+    hf = hf_checkpoint(tmp_path / "base", torch.float32)
+    made = peft.get_peft_model(hf, peft.LoraConfig(r=3, lora_alpha=5, use_rslora=True,
+                                                   target_modules=["o_proj", "k_proj"],
+                                                   target_parameters=["mlp.experts.down_proj",
+                                                                      "mlp.experts.gate_up_proj"]))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in made.named_parameters():
+            if "lora_" in name:  # A as PEFT draws it; B, zero, drawn too
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.05 if "lora_B" in name else 0.2))
+    made.save_pretrained(tmp_path / "adapter")
+    cfg = load_config(None, {"model_path": str(tmp_path / "base"), "lora.init": str(tmp_path / "adapter")})
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.rslora, cfg.lora.targets) == (
+        3, 5.0, True, "k_proj,o_proj,gate_up_proj,down_proj")
+    ours = Ours(model_config_from_hf(tmp_path / "base"), TORCH, SINGLE, LoopTier(), frozen_base=True)
+    load_hf_weights(ours, tmp_path / "base", SINGLE)
+    add_adapters(ours, cfg.lora, 0, SINGLE)
+    load_adapter(ours, tmp_path / "adapter", cfg, SINGLE)
+    ours.to(torch.float64)
+    batch = random_packed_batch(VOCAB)
+    with torch.no_grad():
+        want = made.to(torch.float64)(input_ids=batch.input_ids, position_ids=batch.packed.position_ids_BS,
+                                      use_cache=False).logits
+        assert rel_err(ours(batch.input_ids, batch.packed), want) < 1e-6
 
 
 @pytest.mark.parametrize("tier", [LoopTier, CustomGroupedTier])

@@ -11,6 +11,7 @@ import torch
 from conftest import REPO
 from hf_reference import random_hf_mixtral
 from launch import run_cli
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import MixtralForCausalLM
 
@@ -122,3 +123,24 @@ def test_a_finished_run_resumed_with_an_export_asked_for_exports_its_weights(lor
     assert sorted(p.name for p in (root / "ckpt").glob("step-*")) == ["step-000001", "step-000002"]
     proc = run_cli([*resumed, "--output-dir", str(tmp_path / "again")])
     assert proc.returncode != 0 and "nothing left to do" in proc.stderr
+
+
+def test_a_resume_reads_its_checkpoints_adapters_not_lora_init_and_says_so(lora_run, tmp_path):
+    """The checkpoint holds the adapters as they trained since the run started from lora.init,
+    and their optimizer state: the same command with --resume goes on from it (lora.init's
+    settings, which the checkpoint's are, still taken), with a line that the adapter is not read."""
+    root, _ = lora_run
+    changed = tmp_path / "adapter"  # another adapter of the same settings: were it read, the export would show it
+    changed.mkdir()
+    (changed / "adapter_config.json").write_bytes((root / "adapter" / "adapter_config.json").read_bytes())
+    tensors = load_file(root / "adapter" / "adapter_model.safetensors")
+    save_file({key: t + 1 for key, t in tensors.items()}, changed / "adapter_model.safetensors")
+    proc = run_cli(["--model", str(root / "base"), *STEPS, "--lora.dropout", "0.1", "--lora.init", str(changed),
+                    "--checkpoint-dir", str(root / "ckpt"), "--resume", "--output-dir", str(tmp_path / "run"),
+                    "--save-adapter", str(tmp_path / "exported")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"te_mixtral: note: lora.init {changed} is not read: the checkpoint holds the adapters as they trained "
+            f"since") in proc.stdout
+    assert load_file(tmp_path / "exported" / "adapter_model.safetensors").keys() == tensors.keys()
+    assert all(torch.equal(t, tensors[key]) for key, t in load_file(tmp_path / "exported" /
+                                                                   "adapter_model.safetensors").items())
