@@ -20,6 +20,11 @@ A temporary or backup folder beside an output (`DIR.tmp`, `DIR.old`, a checkpoin
 `SCRATCH_MARKER` into it as it creates it, and `remove_scratch` refuses, in one line naming
 it, a folder of that name without the marker (the user's own folder that happens to have
 the name). Never by following a symbolic link: the link is not the folder it points to.
+Neither making nor deleting a folder is one step, so a run killed midway (or a disk full
+as the marker is written) must not leave a folder that the next run takes for the user's:
+`remove_marked` deletes the marker last, and an empty folder counts as te_mixtral's (it
+holds nothing to lose: a kill between a `mkdir` and the marker, or just before the last
+`rmdir`, leaves one).
 
 Pitfall: a full disk does not always raise `OSError`. `torch.save` raises a `RuntimeError`
 ("PytorchStreamWriter failed writing file" or "unexpected pos"), safetensors its own
@@ -73,12 +78,23 @@ def sibling(path: Path, suffix: str) -> Path:
 def make_scratch(path: Path) -> None:
     """Create the folder `path` (not there yet) and mark it as te_mixtral's to delete."""
     path.mkdir(parents=True)
-    (path / SCRATCH_MARKER).write_text("made by te_mixtral as a temporary or backup folder; it deletes it\n")
+    try:
+        (path / SCRATCH_MARKER).write_text("made by te_mixtral as a temporary or backup folder; it deletes it\n")
+    except OSError:  # a full disk: no marker, so no folder either
+        (path / SCRATCH_MARKER).unlink(missing_ok=True)
+        path.rmdir()
+        raise
+
+
+def is_empty_folder(path: Path) -> bool:
+    """Whether `path` is a folder (not a link to one) that holds nothing."""
+    return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
 
 
 def is_scratch(path: Path) -> bool:
-    """Whether `path` is a folder (not a link to one) that `make_scratch` made."""
-    return path.is_dir() and not path.is_symlink() and (path / SCRATCH_MARKER).is_file()
+    """Whether `path` is a folder (not a link to one) that `make_scratch` made, or an empty one
+    (see the module docstring)."""
+    return path.is_dir() and not path.is_symlink() and ((path / SCRATCH_MARKER).is_file() or is_empty_folder(path))
 
 
 def check_scratch(path: Path, what: str) -> None:
@@ -93,7 +109,21 @@ def remove_scratch(path: Path, what: str) -> None:
     """Delete the folder `path` if te_mixtral made it (`check_scratch` otherwise)."""
     check_scratch(path, what)
     if path.exists():
-        shutil.rmtree(path)
+        remove_marked(path)
+
+
+def remove_marked(path: Path, marked_by: tuple[str, ...] = ()) -> None:
+    """Delete the folder `path`, which its `SCRATCH_MARKER` (or the files `marked_by`) shows
+    te_mixtral made, those last: a run killed midway leaves them, or an empty folder, and the
+    next run deletes either as its own (`shutil.rmtree` goes in the folder's own order, and
+    may leave the rest of the folder without its marker)."""
+    markers = (*marked_by, SCRATCH_MARKER)
+    for entry in path.iterdir():
+        if entry.name not in markers:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for name in markers:
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
 
 
 def publish_folder(tmp: Path, final: Path) -> None:
@@ -111,7 +141,7 @@ def publish_folder(tmp: Path, final: Path) -> None:
         remove_scratch(old, "the folder it replaces")
         os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old)  # what was `final`
+        remove_marked(old)  # what was `final`
     else:
         os.rename(tmp, final)
     fsync_path(final.parent)

@@ -1,0 +1,90 @@
+"""Runs killed (SIGKILL, as the OOM killer kills) at a point of their writing, and disks that
+fill while a run writes: what was there before stays whole, nothing half written is taken for
+a good file or left in the next run's way, a resume goes on exactly as if nothing had
+happened, and a full disk is one line.
+
+Every run here is one of tests/workers/die_at.py's: one command, started with the session,
+whose runs each kill themselves at a chosen call (or find every later write refused, as on
+a full disk); nothing in the app is mocked. Each test reads what its runs left.
+"""
+
+import json
+import sys
+
+from background import Command
+from launch import RUN_DIR
+
+from te_mixtral.errors import ExitCode
+
+SHORT = ["--seq_len", "64", "--timing_warmup_steps", "1"]
+CKPT = [*SHORT, "--steps", "6", "--checkpoint-every", "2", "--checkpoint_keep", "3"]
+MARKER = "*.te_mixtral_scratch"  # files.SCRATCH_MARKER, as a die_at pattern
+RUNS = [
+    # A checkpoint save killed while DCP writes its data, then the resume killed while its first
+    # save clears what that left, then resumed again.
+    {"name": "whole", "argv": [*CKPT, "--checkpoint-dir", f"{RUN_DIR}/whole/ckpt", "--output-dir", f"{RUN_DIR}/whole/out"]},
+    {"name": "killed_saving", "argv": [*CKPT, "--checkpoint-dir", f"{RUN_DIR}/ckpt", "--output-dir", f"{RUN_DIR}/out"],
+     "die": {"die": ["open", "*/step-000004.tmp/__0_0.distcp", 1], "mid_file": 100_000}},
+    {"name": "killed_clearing", "argv": [*CKPT, "--checkpoint-dir", f"{RUN_DIR}/ckpt", "--output-dir",
+                                         f"{RUN_DIR}/out", "--resume"],
+     "die": {"arm": ["os.remove", MARKER], "die": ["os.remove|os.rmdir", "*", 1]}},
+    {"name": "resumed", "argv": [*CKPT, "--checkpoint-dir", f"{RUN_DIR}/ckpt", "--output-dir", f"{RUN_DIR}/out",
+                                 "--resume"]},
+    # An export killed as it makes the folder the export it replaces moves to, then exported again.
+    {"name": "exported", "argv": [*SHORT, "--steps", "2", "--save-hf", f"{RUN_DIR}/hf", "--output-dir", f"{RUN_DIR}/e1"]},
+    {"name": "killed_exporting", "argv": [*SHORT, "--steps", "2", "--save-hf", f"{RUN_DIR}/hf", "--output-dir",
+                                          f"{RUN_DIR}/e2"],
+     "die": {"die": ["open", "*/hf.old/.te_mixtral_scratch", 1]}},
+    {"name": "exported_again", "argv": [*SHORT, "--steps", "2", "--save-hf", f"{RUN_DIR}/hf", "--output-dir",
+                                        f"{RUN_DIR}/e3"]},
+]
+DIE_AT = Command((sys.executable, "tests/workers/die_at.py", RUN_DIR, json.dumps(RUNS)), (("OMP_NUM_THREADS", "1"),),
+                 timeout=300)
+PLANNED_COMMANDS = [DIE_AT]  # run from the session's start (conftest.py's planned_command)
+
+
+def runs(planned_command):
+    """{name: what die_at.py recorded of the run} and the folder they wrote into."""
+    proc, folder = planned_command(DIE_AT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {run["name"]: json.loads((folder / "runs" / f"{run['name']}.json").read_text()) for run in RUNS}, folder
+
+
+def died(run: dict, event: str) -> None:
+    assert run["status"] == -9 or run["status"] == -25, run["stderr"][-2000:]  # SIGKILL, or SIGXFSZ mid-file
+    assert run["died_at"][0] == event, run["died_at"]
+
+
+def test_a_resume_after_kills_in_a_save_and_in_its_clearing_goes_on_exactly(planned_command):
+    ran, folder = runs(planned_command)
+    whole, killed, clearing, resumed = (ran[name] for name in ("whole", "killed_saving", "killed_clearing", "resumed"))
+    assert whole["status"] == 0, whole["stderr"][-2000:]
+    died(killed, "open")
+    # The checkpoints before the kill are those of the run never killed, byte for byte.
+    data = ("__0_0.distcp", "rank00000.pt")
+    assert {f"ckpt/{s}/{f}": whole["files"][f"whole/ckpt/{s}/{f}"] for s in ("step-000002",) for f in data} == {
+        k: v for k, v in killed["files"].items() if k.startswith("ckpt/step-000002/") and k.endswith(data)}
+    assert not any(k.startswith("ckpt/step-000004/") for k in killed["files"])
+    died(clearing, "os.rmdir" if clearing["died_at"][0] == "os.rmdir" else "os.remove")
+    assert resumed["status"] == 0, resumed["stderr"][-2000:]
+    assert "resuming from" in resumed["stdout"] and "step 2 of 6" in resumed["stdout"]
+    results = [json.loads((folder / out / "results.json").read_text()) for out in ("whole/out", "out")]
+    assert results[0]["losses"] == results[1]["losses"]
+    last = "step-000006"
+    assert {f: whole["files"][f"whole/ckpt/{last}/{f}"] for f in data} == {
+        f: resumed["files"][f"ckpt/{last}/{f}"] for f in data}
+
+
+def test_an_export_killed_as_it_replaces_an_earlier_one_keeps_it_and_exports_again(planned_command):
+    ran, _ = runs(planned_command)
+    exported, killed, again = ran["exported"], ran["killed_exporting"], ran["exported_again"]
+    assert exported["status"] == 0, exported["stderr"][-2000:]
+    died(killed, "open")
+
+    def export(run):
+        return {k: v for k, v in run["files"].items() if k.startswith("hf/") and not k.endswith(".lock")}
+
+    assert export(killed) == export(exported)  # the earlier export, whole
+    assert again["status"] == 0, again["stderr"][-2000:]
+    assert export(again) == export(exported)  # the same run's export: the same bytes
+    assert not any(k.startswith(("hf.tmp/", "hf.old/")) for k in again["files"])
