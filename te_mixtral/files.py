@@ -31,13 +31,15 @@ Pitfall: a full disk does not always raise `OSError`. `torch.save` raises a `Run
 `SafetensorError`; the writers catch those too.
 """
 
+import contextlib
 import hashlib
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 from te_mixtral.errors import Interrupted, UserError, WriteFailed, first_line
 
@@ -51,13 +53,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` in one step: readers see the old file or the new one."""
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
+    """A file, opened in `mode`, that replaces `path` in one step when the `with` block ends:
+    readers see the old file or the new one, never part of one (a run killed while it writes
+    leaves the old one, and a hidden temporary beside it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes it owner-only; results and checkpoints are meant to be shared
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -65,6 +70,12 @@ def write_text_atomic(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step: readers see the old file or the new one."""
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 SCRATCH_MARKER = ".te_mixtral_scratch"  # in every temporary or backup folder te_mixtral makes

@@ -253,6 +253,6 @@ class RunLog:
             try:
                 plots.save(figure(), self.output_dir / name)
             except OSError as e:
-                (self.output_dir / name).unlink(missing_ok=True)  # half a picture is none
+                (self.output_dir / name).unlink(missing_ok=True)  # an earlier run's (--overwrite) is not this one's
                 self.unwritten.append(str(write_failure(str(self.output_dir / name), e)))
         return self.unwritten

@@ -37,6 +37,9 @@ RUNS = [
      "die": {"die": ["open", "*/hf.old/.te_mixtral_scratch", 1]}},
     {"name": "exported_again", "argv": [*SHORT, "--steps", "2", "--save-hf", f"{RUN_DIR}/hf", "--output-dir",
                                         f"{RUN_DIR}/e3"]},
+    # Killed in the middle of drawing its loss plot.
+    {"name": "killed_drawing", "argv": [*SHORT, "--steps", "2", "--output-dir", f"{RUN_DIR}/drawn"],
+     "die": {"die": ["open", "*loss.png*", 1], "mid_file": 2000}},
 ]
 DIE_AT = Command((sys.executable, "tests/workers/die_at.py", RUN_DIR, json.dumps(RUNS)), (("OMP_NUM_THREADS", "1"),),
                  timeout=300)
@@ -88,3 +91,12 @@ def test_an_export_killed_as_it_replaces_an_earlier_one_keeps_it_and_exports_aga
     assert again["status"] == 0, again["stderr"][-2000:]
     assert export(again) == export(exported)  # the same run's export: the same bytes
     assert not any(k.startswith(("hf.tmp/", "hf.old/")) for k in again["files"])
+
+
+def test_a_run_killed_as_it_draws_leaves_no_half_picture(planned_command):
+    ran, folder = runs(planned_command)
+    died(ran["killed_drawing"], "open")
+    assert json.loads((folder / "drawn" / "results.json").read_text())["losses"]  # written before
+    plot = folder / "drawn" / "loss.png"
+    # A PNG ends with its IEND chunk; before, the first 2000 bytes of one stood as loss.png.
+    assert not plot.exists() or plot.read_bytes().endswith(b"IEND\xaeB`\x82")
