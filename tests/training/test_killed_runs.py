@@ -10,9 +10,10 @@ a full disk); nothing in the app is mocked. Each test reads what its runs left.
 
 import json
 import sys
+from types import SimpleNamespace
 
 from background import Command
-from launch import RUN_DIR
+from launch import RUN_DIR, assert_one_line_error
 
 from te_mixtral.errors import ExitCode
 
@@ -40,6 +41,10 @@ RUNS = [
     # Killed in the middle of drawing its loss plot.
     {"name": "killed_drawing", "argv": [*SHORT, "--steps", "2", "--output-dir", f"{RUN_DIR}/drawn"],
      "die": {"die": ["open", "*loss.png*", 1], "mid_file": 2000}},
+    # The disk full from TensorBoard's first event on.
+    {"name": "tensorboard_full", "argv": [*SHORT, "--steps", "3", "--report_to", "tensorboard", "--output-dir",
+                                          f"{RUN_DIR}/tb"],
+     "die": {"die": ["open", "*/events.out.tfevents*", 2], "full": 0}},
 ]
 DIE_AT = Command((sys.executable, "tests/workers/die_at.py", RUN_DIR, json.dumps(RUNS)), (("OMP_NUM_THREADS", "1"),),
                  timeout=300)
@@ -100,3 +105,15 @@ def test_a_run_killed_as_it_draws_leaves_no_half_picture(planned_command):
     plot = folder / "drawn" / "loss.png"
     # A PNG ends with its IEND chunk; before, the first 2000 bytes of one stood as loss.png.
     assert not plot.exists() or plot.read_bytes().endswith(b"IEND\xaeB`\x82")
+
+
+def test_a_disk_that_fills_under_tensorboard_is_one_line_after_the_last_step(planned_command):
+    # As steps.jsonl: the events stop, training goes on, the run ends saying what it could not
+    # write. Before: a traceback from TensorBoard's writer thread at the first step, exit 1.
+    ran, folder = runs(planned_command)
+    run = ran["tensorboard_full"]
+    assert run["status"] == ExitCode.WRITE_FAILED, run["stderr"][-3000:]
+    assert_one_line_error(SimpleNamespace(returncode=run["status"], stderr=run["stderr"]),
+                          f"cannot write report_to tensorboard in {folder / 'tb'}: File too large (its steps stop before step")
+    printed = next(x for x in run["stdout"].splitlines() if x.startswith("results.json (not saved): "))
+    assert len(json.loads(printed.removeprefix("results.json (not saved): "))["losses"]) == 3

@@ -37,6 +37,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 from pathlib import Path
 
 # What a run imports only as it needs it (the optimizer's torch._dynamo, the plots'
@@ -91,15 +92,19 @@ def kill_at(spec: dict, log: Path) -> None:
 
 def run(out: Path, job: dict) -> dict:
     """Fork, run the app in the child as `python run_finetune_ep.py ARGV` would, wait."""
-    name = job["name"]
-    died_at = out / f"{name}.died_at"
-    streams = [out / f"{name}.{stream}" for stream in ("stdout", "stderr")]
+    died_at = out / f"{job['name']}.died_at"
+    # Pipes, not files: a file size limit (`full`, `mid_file`) would cut the output short.
+    pipes = [os.pipe(), os.pipe()]
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: whatever happens, it never returns into the parent's code
         code = 1
         try:
-            for fd, path in zip((1, 2), streams):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            for fd, (read, write) in zip((1, 2), pipes):
+                os.dup2(write, fd)
+                os.close(read)
+                os.close(write)
             sys.argv = [str(REPO / "run_finetune_ep.py"), *job["argv"]]
             if "die" in job:
                 kill_at(job["die"], died_at)
@@ -115,9 +120,22 @@ def run(out: Path, job: dict) -> dict:
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
+    output = {}
+
+    def read(name: str, fd: int) -> None:
+        with os.fdopen(fd, errors="replace") as stream:
+            output[name] = stream.read()
+
+    readers = []
+    for name, (read_end, write_end) in zip(("stdout", "stderr"), pipes):
+        os.close(write_end)
+        readers.append(threading.Thread(target=read, args=(name, read_end)))
+        readers[-1].start()
+    for reader in readers:
+        reader.join()
     status = os.waitpid(pid, 0)[1]
     return {"status": os.waitstatus_to_exitcode(status), "died_at": json.loads(died_at.read_text())
-            if died_at.exists() else None, **{path.suffix[1:]: path.read_text() for path in streams}}
+            if died_at.exists() else None, **output}
 
 
 def hashes(out: Path) -> dict[str, str]:
