@@ -19,6 +19,7 @@ from te_mixtral.errors import ExitCode
 
 SHORT = ["--seq_len", "64", "--timing_warmup_steps", "1"]
 CKPT = [*SHORT, "--steps", "6", "--checkpoint-every", "2", "--checkpoint_keep", "3"]
+CHAT = ["--config", "configs/tiny-chat.yaml", "--steps", "1", "--timing_warmup_steps", "0"]
 MARKER = "*.te_mixtral_scratch"  # files.SCRATCH_MARKER, as a die_at pattern
 RUNS = [
     # A checkpoint save killed while DCP writes its data, then the resume killed while its first
@@ -45,9 +46,16 @@ RUNS = [
     {"name": "tensorboard_full", "argv": [*SHORT, "--steps", "3", "--report_to", "tensorboard", "--output-dir",
                                           f"{RUN_DIR}/tb"],
      "die": {"die": ["open", "*/events.out.tfevents*", 2], "full": 0}},
+    # The disk full under `datasets`' cache (HF_DATASETS_CACHE, below), from its first write of
+    # a data file's records, and from its first map over them.
+    {"name": "datasets_full_reading", "argv": [*CHAT, "--output-dir", f"{RUN_DIR}/d1", "--dataset",
+                                               "examples/chat-sharegpt.jsonl"],
+     "die": {"die": ["open", "*/datasets/*", 1], "full": 0}},
+    {"name": "datasets_full_mapping", "argv": [*CHAT, "--output-dir", f"{RUN_DIR}/d2"],
+     "die": {"die": ["open", "*/datasets/*/tmp*", 1], "full": 0}},
 ]
-DIE_AT = Command((sys.executable, "tests/workers/die_at.py", RUN_DIR, json.dumps(RUNS)), (("OMP_NUM_THREADS", "1"),),
-                 timeout=300)
+DIE_AT = Command((sys.executable, "tests/workers/die_at.py", RUN_DIR, json.dumps(RUNS)),
+                 (("OMP_NUM_THREADS", "1"), ("HF_DATASETS_CACHE", f"{RUN_DIR}/datasets")), timeout=300)
 PLANNED_COMMANDS = [DIE_AT]  # run from the session's start (conftest.py's planned_command)
 
 
@@ -117,3 +125,14 @@ def test_a_disk_that_fills_under_tensorboard_is_one_line_after_the_last_step(pla
                           f"cannot write report_to tensorboard in {folder / 'tb'}: File too large (its steps stop before step")
     printed = next(x for x in run["stdout"].splitlines() if x.startswith("results.json (not saved): "))
     assert len(json.loads(printed.removeprefix("results.json (not saved): "))["losses"]) == 3
+
+
+def test_a_disk_that_fills_under_the_datasets_cache_is_one_line_naming_it(planned_command):
+    # Before: 'cannot read examples/chat-sharegpt.jsonl: [Errno 27] File too large' (the data
+    # file blamed), and a traceback ending in 'I/O operation on closed file' from a map.
+    ran, folder = runs(planned_command)
+    for name in ("datasets_full_reading", "datasets_full_mapping"):
+        run = ran[name]
+        assert run["status"] == ExitCode.WRITE_FAILED, (name, run["stderr"][-3000:])
+        assert_one_line_error(SimpleNamespace(returncode=run["status"], stderr=run["stderr"]),
+                              f"cannot write the datasets cache {folder / 'datasets'}: File too large")
