@@ -13,7 +13,7 @@ import sys
 from types import SimpleNamespace
 
 from background import Command
-from launch import RUN_DIR, assert_one_line_error
+from launch import RUN_DIR, assert_one_line_error, run_cli
 
 from te_mixtral.errors import ExitCode
 
@@ -53,6 +53,9 @@ RUNS = [
      "die": {"die": ["open", "*/datasets/*", 1], "full": 0}},
     {"name": "datasets_full_mapping", "argv": [*CHAT, "--output-dir", f"{RUN_DIR}/d2"],
      "die": {"die": ["open", "*/datasets/*/tmp*", 1], "full": 0}},
+    # Killed after its last step, before its results.json (and before any checkpoint).
+    {"name": "killed_unsaved", "argv": [*SHORT, "--steps", "2", "--output-dir", f"{RUN_DIR}/unsaved"],
+     "die": {"die": ["open", "*/.results.json.*", 1]}},
 ]
 DIE_AT = Command((sys.executable, "tests/workers/die_at.py", RUN_DIR, json.dumps(RUNS)),
                  (("OMP_NUM_THREADS", "1"), ("HF_DATASETS_CACHE", f"{RUN_DIR}/datasets")), timeout=300)
@@ -136,3 +139,20 @@ def test_a_disk_that_fills_under_the_datasets_cache_is_one_line_naming_it(planne
         assert run["status"] == ExitCode.WRITE_FAILED, (name, run["stderr"][-3000:])
         assert_one_line_error(SimpleNamespace(returncode=run["status"], stderr=run["stderr"]),
                               f"cannot write the datasets cache {folder / 'datasets'}: File too large")
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_not_said_to_resume(planned_command, tmp_path):
+    # Its steps.jsonl stays (the log of a run that did not finish). Before, the next run was
+    # told to 'pass --resume to continue it', which then failed: there was nothing to resume.
+    ran, folder = runs(planned_command)
+    died(ran["killed_unsaved"], "open")
+    out = folder / "unsaved"
+    assert (out / "steps.jsonl").is_file() and not (out / "results.json").exists()
+    again = [*SHORT, "--steps", "2", "--output-dir", str(out)]
+    for extra, why in [([], "this run names no checkpoint_dir"),
+                       (["--checkpoint-dir", str(tmp_path)], f"checkpoint_dir {tmp_path} holds no checkpoint")]:
+        proc = run_cli([*again, *extra])
+        line = assert_one_line_error(proc, f"output_dir {out} holds the steps.jsonl of a run that did not finish",
+                                     why, "--overwrite")[0]
+        assert "pass --resume" not in line
+    assert run_cli([*again, "--overwrite"]).returncode == 0
