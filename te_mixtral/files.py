@@ -164,11 +164,14 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
     keeping every other file (what the user put beside it).
 
     A set of files, unlike a folder, cannot be replaced in one rename. The earlier files go
-    to `final.old` first (`marker`, which says a set is complete, the first of them), the
-    new ones come in (`marker` the last), then `final.old` is deleted: a crash midway leaves
-    the earlier set whole in `final.old`, or the new one whole in `final`, and `final`
-    without a marker until its set is complete. `tmp` was made by `make_scratch`; its
-    `SCRATCH_MARKER` stays behind, and `final` never gets one (it is the user's folder).
+    to `final.old` first (`marker`, which says a set is complete, the first of them), then
+    the new ones come in, `marker` first under a name of its own (`incoming`, which says that
+    `final`'s files of the set are the new set's) and made `marker` last, then `final.old` is
+    deleted. `final` never holds files of both sets, and holds `marker` only when its set is
+    complete; a crash midway leaves the earlier set whole in `final.old` (as the new files
+    come in) or in `final` and `final.old` together (as it goes out), which the next
+    replacement puts back together first (`_put_back`). `tmp` was made by `make_scratch`;
+    its `SCRATCH_MARKER` stays behind, and `final` never gets one (it is the user's folder).
     """
     fsync_path(tmp)
     if not final.exists():
@@ -177,18 +180,48 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
         fsync_path(final.parent)
         return
     old = sibling(final, ".old")
-    remove_scratch(old, "the export it replaces")
+    _put_back(final, owned, marker)
     make_scratch(old)
     for path in sorted(final.iterdir(), key=lambda p: p.name != marker):
         if owned(path.name) and (path.is_file() or path.is_dir()):  # a folder of the set moves whole
             os.rename(path, old / path.name)
-    for path in sorted(tmp.iterdir(), key=lambda p: p.name == marker):
+    incoming = final / _incoming(marker)
+    os.rename(tmp / marker, incoming)
+    for path in tmp.iterdir():
         if path.name != SCRATCH_MARKER:
             os.rename(path, final / path.name)
+    os.rename(incoming, final / marker)
     remove_scratch(tmp, "the export")
     fsync_path(final)
     remove_scratch(old, "the export it replaces")
     fsync_path(final.parent)
+
+
+def _incoming(marker: str) -> str:
+    return f".{marker}.incoming"
+
+
+def _put_back(final: Path, owned: Callable[[str], bool], marker: str) -> None:
+    """Where a `replace_files` into `final` was killed midway, make `final` hold the set it
+    was replacing, whole, again, and delete `final.old`. Where `final` holds `marker`, its set
+    is whole (nothing had gone out yet, or everything had come in); else the earlier set's
+    files in `final.old` go back, after the new set's in `final` are deleted where they had
+    started to come in."""
+    old = sibling(final, ".old")
+    check_scratch(old, "the export it replaces")
+    if not old.exists():
+        return
+    incoming = final / _incoming(marker)
+    if not (final / marker).is_file():
+        if incoming.exists():
+            for path in final.iterdir():
+                if owned(path.name):
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            incoming.unlink()  # last: while it is there, `final`'s files of the set are known to be the new set's
+        for path in sorted(old.iterdir(), key=lambda p: p.name == marker):  # the marker last
+            if path.name != SCRATCH_MARKER:
+                os.rename(path, final / path.name)
+    remove_scratch(old, "the export it replaces")
 
 
 # What a path that is no regular file is, as a refusal names it.

@@ -19,6 +19,7 @@ from te_mixtral.errors import ExitCode
 
 SHORT = ["--seq_len", "64", "--timing_warmup_steps", "1"]
 CKPT = [*SHORT, "--steps", "6", "--checkpoint-every", "2", "--checkpoint_keep", "3"]
+OTHER_EXPORT = [*SHORT, "--steps", "2", "--lr", "1e-2", "--save-hf", f"{RUN_DIR}/hf"]
 CHAT = ["--config", "configs/tiny-chat.yaml", "--steps", "1", "--timing_warmup_steps", "0"]
 MARKER = "*.te_mixtral_scratch"  # files.SCRATCH_MARKER, as a die_at pattern
 RUNS = [
@@ -39,6 +40,13 @@ RUNS = [
      "die": {"die": ["open", "*/hf.old/.te_mixtral_scratch", 1]}},
     {"name": "exported_again", "argv": [*SHORT, "--steps", "2", "--save-hf", f"{RUN_DIR}/hf", "--output-dir",
                                         f"{RUN_DIR}/e3"]},
+    # Another export into it (another learning rate: other weights) killed as the earlier export's
+    # files move out, the next killed as the new files move in, then one that finishes.
+    {"name": "killed_moving_out", "argv": [*OTHER_EXPORT, "--output-dir", f"{RUN_DIR}/e4"],
+     "die": {"die": ["os.rename", "*/hf/*", 3]}},
+    {"name": "killed_moving_in", "argv": [*OTHER_EXPORT, "--output-dir", f"{RUN_DIR}/e5"],
+     "die": {"die": ["os.rename", "*/hf.tmp/*", 3]}},
+    {"name": "exported_at_last", "argv": [*OTHER_EXPORT, "--output-dir", f"{RUN_DIR}/e6"]},
     # Killed in the middle of drawing its loss plot.
     {"name": "killed_drawing", "argv": [*SHORT, "--steps", "2", "--output-dir", f"{RUN_DIR}/drawn"],
      "die": {"die": ["open", "*loss.png*", 1], "mid_file": 2000}},
@@ -107,6 +115,25 @@ def test_an_export_killed_as_it_replaces_an_earlier_one_keeps_it_and_exports_aga
     assert again["status"] == 0, again["stderr"][-2000:]
     assert export(again) == export(exported)  # the same run's export: the same bytes
     assert not any(k.startswith(("hf.tmp/", "hf.old/")) for k in again["files"])
+
+
+def test_exports_killed_as_files_move_out_and_in_leave_the_earlier_whole_and_the_next_finishes(planned_command):
+    # Before: the second export deleted hf.old, the killed first's half of the earlier export with
+    # its te_mixtral_export.json, and once killed too, the next was refused ('holds
+    # model-00002-of-00003.safetensors, tokenizer.json, which the export would replace, and no
+    # earlier te_mixtral export').
+    ran, _ = runs(planned_command)
+    earlier = {k: v for k, v in ran["exported_again"]["files"].items() if k.startswith("hf/") and ".lock" not in k}
+    died(ran["killed_moving_out"], "os.rename")
+    died(ran["killed_moving_in"], "os.rename")
+    kept = {k.replace("hf.old/", "hf/"): v for k, v in ran["killed_moving_in"]["files"].items()
+            if k.startswith("hf.old/") and not k.endswith("scratch")}
+    assert kept == earlier  # whole, as the new files came in
+    last = ran["exported_at_last"]
+    assert last["status"] == 0, last["stderr"][-2000:]
+    export = {k: v for k, v in last["files"].items() if k.startswith("hf") and ".lock" not in k}
+    assert sorted(export) == sorted(earlier)  # the new export, whole, and nothing left beside it
+    assert export["hf/model-00001-of-00003.safetensors"] != earlier["hf/model-00001-of-00003.safetensors"]
 
 
 def test_a_run_killed_as_it_draws_leaves_no_half_picture(planned_command):
