@@ -6,9 +6,10 @@ Usage: python tests/workers/die_at.py OUT RUNS_JSON
 RUNS_JSON lists the runs in order, each {"name": NAME, "argv": [app arguments], "die": SPEC}
 ("die" left out: a run that is not killed). Each is a process of its own, forked from this one
 after it imported the app (a fresh interpreter would spend seconds of CPU importing torch for
-each), with the audit hook of its SPEC installed. After each run, OUT/NAME.json holds its
-exit status (the negative signal number where a signal ended it), its output and where it
-died, and the SHA-256 of every file under OUT then, which the test compares between runs.
+each; this process starts no thread before it forks), with the audit hook of its SPEC
+installed. After each run, OUT/runs/NAME.json holds its exit status (the negative signal
+number where a signal ended it), its output, where it died, and the SHA-256 of every file
+under OUT then, which the test compares between runs.
 
 SPEC: {"die": [EVENTS, GLOB, N], "arm": [EVENT, GLOB], "full": BYTES, "mid_file": BYTES}
 
@@ -38,6 +39,7 @@ import resource
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 # What a run imports only as it needs it (the optimizer's torch._dynamo, the plots'
@@ -112,15 +114,13 @@ def run(out: Path, job: dict) -> dict:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
         except BaseException:
-            import traceback
-
             traceback.print_exc()
         finally:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
-    output = {}
+    output = {}  # read as it comes: a pipe holds 64 KiB, and the child waits while it is full
 
     def read(name: str, fd: int) -> None:
         with os.fdopen(fd, errors="replace") as stream:
