@@ -32,6 +32,7 @@ import datasets
 import pyarrow as pa
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data.cache_writes import cache_write_failure
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import require_regular_file
@@ -114,6 +115,8 @@ def _load_files(builder: str, files: list[Path]) -> list[datasets.Dataset]:
         source.data.validate(full=True)
         return [source]
     except Exception as e:
+        if failure := cache_write_failure(e):  # the cache's fault, not the files'
+            raise failure from None
         if len(files) > 1:  # the file at fault, loaded alone, raises naming itself; else they differ
             return [source for file in files for source in _load_files(builder, [file])]
         raise UserError(f"cannot read {', '.join(map(str, files))}: {_cause(e)}") from None
@@ -142,6 +145,8 @@ def _hub_dataset(name: str, subset: str | None, split: str) -> datasets.Dataset:
     try:
         return datasets.load_dataset(name, subset, split=split)
     except Exception as e:
+        if failure := cache_write_failure(e):
+            raise failure from None
         which = f"subset '{subset}', split '{split}'" if subset else f"split '{split}'"
         raise UserError(
             f"could not load data set '{name}' ({which}) from the Hugging Face hub: {first_line(e)}; "

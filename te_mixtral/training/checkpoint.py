@@ -75,7 +75,6 @@ import math
 import os
 import pickle
 import re
-import shutil
 import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -96,8 +95,10 @@ from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.files import (
     SCRATCH_MARKER,
     folder_bytes,
+    is_empty_folder,
     make_scratch,
     publish_folder,
+    remove_marked,
     require_free_space,
     require_writable,
     sha256_of,
@@ -309,7 +310,7 @@ class Checkpointer:
                 for leftover in self._leftovers():  # of runs that died while saving
                     if not self._may_delete(leftover):
                         raise WriteFailed(_not_ours(leftover))
-                    shutil.rmtree(leftover)
+                    remove_marked(leftover, (META,))
                 if (self.dir / name).exists() and not self._may_delete(self.dir / name):
                     raise WriteFailed(_not_ours(self.dir / name))  # a stale future this save replaces
                 make_scratch(tmp)
@@ -374,7 +375,8 @@ class Checkpointer:
         kept = {complete[step] for step in sorted(s for s in complete if s <= latest_step)[-self.keep:]}
         for path in folders:
             if path not in kept and self._may_delete(path):
-                shutil.rmtree(path, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_marked(path, (META,))
 
     def last_saved(self) -> Path | None:
         """The checkpoint `latest` names, or None when there is none."""
@@ -461,8 +463,9 @@ def leftovers(folder: Path) -> list[Path]:
 def written_here(path: Path) -> bool:
     """Whether `path` is a checkpoint folder a `Checkpointer` wrote: a folder (not a link to
     one) holding the marker it was made with, or (a checkpoint written before the marker) its
-    meta.json."""
-    return path.is_dir() and not path.is_symlink() and any((path / name).is_file() for name in (SCRATCH_MARKER, META))
+    meta.json; or an empty one, which a save or pruning killed midway leaves (files.py)."""
+    return path.is_dir() and not path.is_symlink() and (
+        any((path / name).is_file() for name in (SCRATCH_MARKER, META)) or is_empty_folder(path))
 
 
 def _not_ours(path: Path) -> str:

@@ -135,8 +135,15 @@ def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> 
         raise UserError(f"output_dir {out} already holds a run's {RESULTS_FILE}; choose another folder, "
                         f"or pass --overwrite to replace it")
     if (out / STEPS_FILE).exists() and not cfg.resume:
-        raise UserError(f"output_dir {out} holds the {STEPS_FILE} of a run that did not finish; pass "
-                        f"--resume to continue it, --overwrite to replace it, or choose another folder")
+        unfinished = f"output_dir {out} holds the {STEPS_FILE} of a run that did not finish"
+        ckpt = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir is not None else None
+        if ckpt is not None and (ckpt / LATEST).is_file():
+            raise UserError(f"{unfinished}; pass --resume to continue it, --overwrite to replace it, or choose "
+                            f"another folder")
+        # Killed before its first checkpoint, or its checkpoints are elsewhere: --resume alone fails.
+        nothing = (f"checkpoint_dir {ckpt} holds no checkpoint to continue it from" if ckpt is not None else
+                   "this run names no checkpoint_dir to continue it from (--resume with the one it saved into)")
+        raise UserError(f"{unfinished}, and {nothing}; pass --overwrite to replace it, or choose another folder")
     others = [path.name for path in written if path.name not in (RESULTS_FILE, STEPS_FILE) and path.exists()]
     if others:
         raise UserError(f"output_dir {out} already holds {', '.join(others)}, which this run would replace; choose "
