@@ -17,7 +17,6 @@ saved by older runs are read through `upgrade_saved`.
 
 import copy
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,7 @@ from typing import Literal
 from te_mixtral.config_checks import check_needs, validate, value_of
 from te_mixtral.config_field import Needs, setting
 from te_mixtral.config_yaml import load_yaml
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, closest
 from te_mixtral.experts.options import BASELINES, FP8Options, own_model
 from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.local_or_hub import brings_tokenizer, is_hub_dataset
@@ -476,8 +475,8 @@ def did_you_mean(key: str) -> str:
     full = list(settings())
     bare = [k.rpartition(".")[2] for k in full]
     names = full + [name for name in bare if bare.count(name) == 1] + ["model"]  # `--model`: model_path
-    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.75)
-    return f" (did you mean --{close[0]}?)" if close else ""
+    close = closest(key.replace("-", "_"), names, cutoff=0.75)
+    return f" (did you mean --{close}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -535,8 +534,8 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             raise UserError(f"config {path} must be a mapping of keys")
         for key, value in raw.items():  # no key but a section's holds a mapping: a section's name mistyped
             if isinstance(value, dict) and key not in SECTION_NAMES:
-                close = difflib.get_close_matches(str(key), SECTION_NAMES, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]}? " if close else ""
+                close = closest(key, SECTION_NAMES)
+                hint = f"did you mean {close}? " if close else ""
                 raise UserError(f"unknown config section '{key}' in {path} ({hint}sections: {', '.join(SECTION_NAMES)})")
         for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)
