@@ -95,12 +95,19 @@ def test_a_bad_flag_is_refused_before_torch_is_imported(args):
     assert "te_mixtral.config" in imported and "torch" not in imported
 
 
-def test_tier_this_machine_cannot_run():
+@pytest.mark.parametrize("args, fragment", [
+    (["--tier", "grouped_linear"], "tier 'grouped_linear' needs NVIDIA Transformer Engine on a CUDA GPU"),
+    (["--backend", "te"], "backend 'te' needs a CUDA device"),
+    (["--dataset", "no/such/chats.jsonl"], "data set path no/such/chats.jsonl does not exist"),
+])
+def test_what_this_machine_cannot_run_or_read_is_the_one_line_it_prints(args, fragment, tmp_path):
     # CI machines have no CUDA: the TE tier must refuse, not quietly run something else. (The
     # entry script's own exit code is proven by the launches above and the torchrun one below.)
-    proc = run_cli(["--tier", "grouped_linear"])
+    # Before, the memory estimate's line came first, and the data was read before the tier refused.
+    proc = run_cli([*args, "--output-dir", str(tmp_path)])
     assert proc.returncode == ExitCode.BAD_INPUT
-    assert_one_line_error(proc, "grouped_linear")
+    assert_one_line_error(proc, fragment)
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
 
 
 def our_torchrun(*args: str) -> Command:
