@@ -100,6 +100,8 @@ CHAT_LAYOUT = Needs(("data.format",), lambda fmt: fmt == "chat",
 
 @dataclass
 class DataConfig:
+    """What is read, and how it becomes packed samples of tokens (te_mixtral/data/, docs/data.md)."""
+
     dataset: str = setting("embedded", help="'embedded' (text shipped with Python, no network), a local "
                            ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
     subset: str | None = setting(None, needs=Needs(("data.dataset",), is_hub_dataset,
