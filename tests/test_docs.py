@@ -129,6 +129,17 @@ def test_a_figure_without_its_source_is_found():
     assert unsourced_figures("It takes 12.5 ms a step ([page]).\n\n[page]: results/2026-01-02-a.md\n") == []
     assert unsourced_figures("One H200, 2026-01-02:\n\n| run | ms |\n| --- | --- |\n| a | 12.5 ms |\n") == []
     assert unsourced_figures("## The 480 TFLOP/s target\n\nNot yet.\n") == []
+    # Before, these passed: a speedup, a share faster or slower, a measured peak; a date that names no device.
+    for figure in ("Ours is 1.53x the peer's.", "It is 7 % slower a step.", "It peaks at 70.9 GiB.",
+                   "It takes 12.5 ms a step (2026-01-02)."):
+        assert unsourced_figures(figure + "\n") == [figure], figure
+    assert unsourced_figures("It takes 12.5 ms a step on one H200, 2026-01-02.\n") == []
+    assert unsourced_figures("Mixtral-8x7B on 2 x 4 ranks.\n") == []  # a model's name, a layout: no figures
+
+
+def test_the_docs_that_quote_figures_are_checked():
+    # Before, the benchmarks' and the tests' READMEs, which quote timings, were not.
+    assert {REPO / "benchmarks" / "README.md", REPO / "tests" / "README.md"} <= set(living_docs())
 
 
 # --- the results index ------------------------------------------------------------------------
