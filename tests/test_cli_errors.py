@@ -48,6 +48,10 @@ from te_mixtral.training.same_job import first_difference
     (["--tier", "hf", "--intermediate_size", "98", "--optimizer", "master_adamw", "--dtype", "bf16"],
      "model.intermediate_size 98 not a multiple of 8 (2-byte parameters); use --tier hf_eager"),
     (["--config", "configs/missing.yaml"], "cannot read config"),
+    # A config's name mistyped, or given without its folder: the file meant is named, as a key's is.
+    (["--config", "configs/tiny.yml"], "cannot read config configs/tiny.yml: No such file or directory (did you "
+                                       "mean configs/tiny.yaml?)"),
+    (["--config", "tiny-chat.yaml"], "(did you mean configs/tiny-chat.yaml?)"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
     (["--moment_dtype", "fp32"], "train.moment_dtype is master_adamw's choice"),
     (["--checkpoint-dir", "README.md"], "checkpoint_dir README.md is a file, not a folder"),
