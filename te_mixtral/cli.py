@@ -8,12 +8,12 @@ are read first (te_mixtral/accelerate_launch.py)."""
 import argparse
 import os
 import signal
-from pathlib import Path
 
 from te_mixtral.accelerate_launch import describe, launch_settings
 from te_mixtral.config import (
     FOLLOWS,
     SECTIONS,
+    SHIPPED_CONFIGS,
     RunConfig,
     is_switch,
     load_run_config,
@@ -24,7 +24,7 @@ from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_f
 from te_mixtral.errors import ExitCode, UserError, print_error, report_error
 from te_mixtral.saved_config import flatten
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = SHIPPED_CONFIGS / "tiny.yaml"
 
 
 USAGE = r"""Fine-tune a Mixtral-style MoE model with expert parallelism.

@@ -17,6 +17,7 @@ saved by older runs are read through `upgrade_saved`.
 
 import copy
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -445,6 +446,23 @@ def _parse_override(key: str, text: str):
 
 # Far above any real config (about a hundred values), far below what takes long to read.
 MAX_CONFIG_BYTES = 1 << 20
+# The configs that ship beside the package (a checkout's, or an editable install's).
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _config_meant(path: str) -> str:
+    """' (did you mean configs/tiny.yaml?)' for the config file whose name is closest to a
+    missing `path`'s: one beside where it points, or one that ships; '' where none is close."""
+    files = [file for folder in (Path(path).expanduser().parent, SHIPPED_CONFIGS) if folder.is_dir()
+             for file in sorted(folder.glob("*.y*ml"))]
+    by_name = {}
+    for file in files:  # beside the path first: a shipped file of the same name comes second
+        by_name.setdefault(file.name, file)
+    close = closest(Path(path).name, by_name)
+    if close is None:
+        return ""
+    shown = Path(os.path.relpath(by_name[close])) if by_name[close].is_relative_to(Path.cwd()) else by_name[close]
+    return f" (did you mean {shown}?)"
 
 
 def is_switch(bare: str) -> bool:
@@ -528,7 +546,8 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
                                 f"kB; at most {MAX_CONFIG_BYTES})")
             text = Path(path).read_text()
         except OSError as e:
-            raise UserError(f"cannot read config {path}: {e.strerror}") from None
+            meant = _config_meant(path) if not Path(path).expanduser().exists() else ""
+            raise UserError(f"cannot read config {path}: {e.strerror}{meant}") from None
         except UnicodeDecodeError:
             raise UserError(f"config {path} is not a text file: a config is YAML text (UTF-8)") from None
         raw = load_yaml(text, f"config {path}") or {}
