@@ -180,8 +180,10 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
     # What this machine cannot run or read, asked again where it is used: here, before the
-    # estimate and the data, so that its line is the only one a run prints.
-    if cfg.tier not in BASELINES:
+    # estimate and the data, so that its line is the only one a run prints. On CUDA the tier
+    # is asked in build_model alone: its check may import TE, which must not touch a GPU before
+    # init_layout has given this rank its own.
+    if cfg.tier not in BASELINES and device.type != "cuda":
         runs_here(cfg, device)
     check_source(cfg.data)
 
