@@ -34,11 +34,24 @@ from te_mixtral.training.same_job import first_difference
     (["--grad_accum_steps", "0"], "train.grad_accum_steps must be at least 1, got 0"),
     (["--seq_len", "4096"], "exceeds model.max_position_embeddings"),
     (["--tier", "fastest"], "unknown tier 'fastest'"),
+    # A choice mistyped names the one meant, as a mistyped key does: before, only the list.
+    (["--tier", "custom_groupd"], "unknown tier 'custom_groupd' (did you mean custom_grouped?); tiers: hf, "),
+    (["--tier", "grouped-linear"], "unknown tier 'grouped-linear' (did you mean grouped_linear?); tiers: "),
+    (["--recompute", "ful"], "train.recompute must be one of none, selective, full, got 'ful' (did you mean full?)"),
+    (["--tier", "device_mxfp8", "--fp8.mode", "fp8_hopper"], "got 'fp8_hopper' (did you mean fp8-hopper?)"),
+    (["--report-to", "tensorbord"], "got 'tensorbord' (did you mean tensorboard?)"),
+    (["--lora.rank", "4", "--lora.targets", "q_proj,gate_proj"],
+     "unknown projection 'gate_proj' (did you mean gate_up_proj?); known: q_proj, "),
+    (["--estimate-memory", "1", "--gpu", "h20"], "or a size such as 80GiB or 141GB, got 'h20' (did you mean h200?)"),
     (["--tier", "hf", "--hidden_size", "70"],
      "model.hidden_size 70 not a multiple of 4 (4-byte parameters); use --tier hf_eager"),
     (["--tier", "hf", "--intermediate_size", "98", "--optimizer", "master_adamw", "--dtype", "bf16"],
      "model.intermediate_size 98 not a multiple of 8 (2-byte parameters); use --tier hf_eager"),
     (["--config", "configs/missing.yaml"], "cannot read config"),
+    # A config's name mistyped, or given without its folder: the file meant is named, as a key's is.
+    (["--config", "configs/tiny.yml"], "cannot read config configs/tiny.yml: No such file or directory (did you "
+                                       "mean configs/tiny.yaml?)"),
+    (["--config", "tiny-chat.yaml"], "(did you mean configs/tiny-chat.yaml?)"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
     (["--moment_dtype", "fp32"], "train.moment_dtype is master_adamw's choice"),
     (["--checkpoint-dir", "README.md"], "checkpoint_dir README.md is a file, not a folder"),
@@ -86,12 +99,19 @@ def test_a_bad_flag_is_refused_before_torch_is_imported(args):
     assert "te_mixtral.config" in imported and "torch" not in imported
 
 
-def test_tier_this_machine_cannot_run():
+@pytest.mark.parametrize("args, fragment", [
+    (["--tier", "grouped_linear"], "tier 'grouped_linear' needs NVIDIA Transformer Engine on a CUDA GPU"),
+    (["--backend", "te"], "backend 'te' needs a CUDA device"),
+    (["--dataset", "no/such/chats.jsonl"], "data set path no/such/chats.jsonl does not exist"),
+])
+def test_what_this_machine_cannot_run_or_read_is_the_one_line_it_prints(args, fragment, tmp_path):
     # CI machines have no CUDA: the TE tier must refuse, not quietly run something else. (The
     # entry script's own exit code is proven by the launches above and the torchrun one below.)
-    proc = run_cli(["--tier", "grouped_linear"])
+    # Before, the memory estimate's line came first, and the data was read before the tier refused.
+    proc = run_cli([*args, "--output-dir", str(tmp_path)])
     assert proc.returncode == ExitCode.BAD_INPUT
-    assert_one_line_error(proc, "grouped_linear")
+    assert_one_line_error(proc, fragment)
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
 
 
 def our_torchrun(*args: str) -> Command:

@@ -141,7 +141,6 @@ def _check_hub_reachable(name: str) -> None:
 
 
 def _hub_dataset(name: str, subset: str | None, split: str) -> datasets.Dataset:
-    _check_hub_reachable(name)
     try:
         return datasets.load_dataset(name, subset, split=split)
     except Exception as e:
@@ -166,18 +165,29 @@ def _take_split(source: datasets.Dataset, split: str) -> datasets.Dataset:
     return source.select([i for p in parts for i in range(p.from_, p.to)])
 
 
+def check_source(cfg: DataConfig) -> None:
+    """Refuse in one line a data set that is not there: a local path that does not exist, or a
+    hub name where the hub cannot be reached. The training loop asks before it estimates or
+    reads anything, so that this is the one line a run prints; `load_records` asks again."""
+    if cfg.dataset == "embedded":
+        return
+    if not is_hub_dataset(cfg.dataset):
+        if not Path(cfg.dataset).expanduser().exists():
+            raise UserError(f"data set path {cfg.dataset} does not exist")
+    else:
+        _check_hub_reachable(cfg.dataset)
+
+
 def load_records(cfg: DataConfig) -> datasets.Dataset:
     """The data set's records in their stored order, `data.split` of them, as one column:
     the field that `data.format` reads (a chat layout's records turned into conversations). Texts that are empty or blank (blank lines of a .txt
     file) are skipped, a record without one is refused; then the first `max_documents` records are kept."""
     fmt = FORMATS[cfg.format]
+    check_source(cfg)
     if cfg.dataset == "embedded":
         sources = [_embedded_dataset(cfg.text_field)]
     elif not is_hub_dataset(cfg.dataset):
-        path = Path(cfg.dataset).expanduser()
-        if not path.exists():
-            raise UserError(f"data set path {cfg.dataset} does not exist")
-        sources = _local_datasets(path)
+        sources = _local_datasets(Path(cfg.dataset).expanduser())
     else:
         sources = [_hub_dataset(cfg.dataset, cfg.subset, cfg.split)]
 

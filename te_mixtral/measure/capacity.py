@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from te_mixtral.config import RunConfig
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, did_you_mean
 
 GiB = 2**30
 
@@ -51,7 +51,8 @@ def parse_capacity(text: str) -> int:
         raise UserError(f"--gpu {text.strip()} is more memory than one device can address (64-bit addresses: at most "
                         f"16 EiB)")
     if int(size) <= 0:  # no size, or no memory at all
-        raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'")
+        raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'"
+                        f"{did_you_mean(name, GPUS)}")
     return int(size)
 
 

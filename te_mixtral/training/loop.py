@@ -24,6 +24,7 @@ from torch import nn
 
 from te_mixtral.config import RunConfig
 from te_mixtral.data.packing import PackedData
+from te_mixtral.data.sources import check_source
 from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
 from te_mixtral.distributed.layout import (
     Layout,
@@ -45,6 +46,7 @@ from te_mixtral.errors import (
     report_error,
     report_line,
 )
+from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.folder_lock import FolderLocks
@@ -55,7 +57,7 @@ from te_mixtral.measure.run_log import RunLog
 from te_mixtral.measure.trackers import check_trackers
 from te_mixtral.model.hf_config import resolve_model_path
 from te_mixtral.model.hf_model import HFMixtral
-from te_mixtral.model.layers import TORCH, resolve_backend
+from te_mixtral.model.layers import TORCH, Backend, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.planning.memory import check_fits
@@ -91,9 +93,7 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
             ours = MixtralForCausalLM(cfg.model, TORCH, layout, LoopTier())
         initialise(ours, cfg, layout, model_dir)
         return HFMixtral.from_model(ours, BASELINES[cfg.tier]["experts"]), dict(BASELINES[cfg.tier])
-    tier = make_tier(cfg.tier, cfg)
-    tier.check_available(device)
-    backend = resolve_backend(cfg.backend, device.type, cfg.te_fusions)
+    tier, backend = runs_here(cfg, device)
     # LoRA's frozen base is made in the compute dtype: an fp32 copy of the whole model first
     # would need twice the memory the run does.
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
@@ -104,6 +104,14 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
+
+
+def runs_here(cfg: RunConfig, device: torch.device) -> tuple[ExpertTier, Backend]:
+    """The run's expert tier and layer backend, or a one-line `UserError` where this machine
+    cannot run them (a tier's `TierUnavailable`, the te backend without CUDA or TE)."""
+    tier = make_tier(cfg.tier, cfg)
+    tier.check_available(device)
+    return tier, resolve_backend(cfg.backend, device.type, cfg.te_fusions)
 
 
 @contextlib.contextmanager
@@ -171,6 +179,13 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
+    # What this machine cannot run or read, asked again where it is used: here, before the
+    # estimate and the data, so that its line is the only one a run prints. On CUDA the tier
+    # is asked in build_model alone: its check may import TE, which must not touch a GPU before
+    # init_layout has given this rank its own.
+    if cfg.tier not in BASELINES and device.type != "cuda":
+        runs_here(cfg, device)
+    check_source(cfg.data)
 
     def claim(*keys: str) -> None:
         """Rank 0 locks the folders these config keys name against a second run."""
