@@ -128,6 +128,28 @@ def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line(planned_command)
         assert fragment in proc.stderr
 
 
+@pytest.mark.parametrize("args, fragment", [
+    # Before: torchrun waited for a second machine that could never join (--standalone's rendezvous is on
+    # localhost, at a port of its own choosing), up to its 600 s join timeout.
+    (["--standalone", "--nnodes", "2"], "--standalone runs on this machine alone, and --nnodes 2 asks for up to 2"),
+    (["--standalone", "--nnodes", "1:2"], "--nnodes 1:2 asks for up to 2"),
+    # Before: ignored (torchrun's warning that says so is among the agent's log we silence): a one-node job ran.
+    (["--standalone", "--node-rank", "1"], "--node-rank 1 is read by the static rendezvous alone"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--node-rank", "1"], "by the static rendezvous alone"),
+    # Before: the static rendezvous waited for ever for machine 3 of 1 (--nnodes 1 and a port: torchrun keeps it static).
+    (["--nnodes", "1", "--node-rank", "3", "--master-port", "29612"], "--node-rank 3 is not one of --nnodes 1's (0 to 0)"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "localhost", "--master-port", "29613"], "(0 to 1)"),
+], ids=["standalone-2-nodes", "standalone-1-to-2-nodes", "standalone-node-rank", "c10d-node-rank",
+        "static-rank-3-of-1", "static-rank-2-of-2"])
+def test_our_torchrun_refuses_machine_counts_and_ranks_that_contradict_each_other(args, fragment, capsys):
+    # In this process: each is refused before anything is launched.
+    from te_mixtral.torchrun import main
+
+    assert main([*args, "--nproc_per_node=1", "--no-python", "true"]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("te_mixtral.torchrun: error: ") and fragment in err, err
+
+
 def test_ranks_that_would_run_different_jobs_are_refused_before_the_first_step(planned_command):
     # Before, rank 1 trained at another learning rate than rank 0, and the job exited 0.
     proc, out = planned_command(ONE_RANK_DIFFERS)
