@@ -28,9 +28,17 @@ with `--nnodes` above 1 waits for machines that can never join (its rendezvous i
 localhost), a `--node-rank` outside `--nnodes` waits for ever in the static rendezvous, and
 one given to any other rendezvous is ignored (torchrun says so in its agent's log, which
 this module silences).
+
+With `--max-restarts`, each restarted attempt gets a rendezvous store of its own
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless the environment sets it): torchrun's default
+shares one store across attempts, and a restarted process group may then read the dead
+attempt's addresses from it and fail to connect (gloo's "connectFullMesh failed"; a race, so
+not on every restart). The restarted run itself continues from its launch's checkpoint
+(te_mixtral/training/restart.py).
 """
 
 import logging
+import os
 import signal
 import sys
 
@@ -99,6 +107,8 @@ def main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         _refuse_contradictions(args)
+        if args.max_restarts > 0:
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module docstring
         _quiet_agent()
         run(args)
     except _ArgumentError as e:

@@ -78,6 +78,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs, check_writable_folders
 from te_mixtral.training.peft_adapters import save_adapter
+from te_mixtral.training.restart import continue_restarted
 from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
 
@@ -166,6 +167,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError("this GPU does not support bf16; use --dtype fp32")
     reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
+    cfg = continue_restarted(cfg)  # torchrun's --max-restarts: a restart continues its launch's checkpoint
     # Local checks before the first collective, so that every rank fails alike and at once.
     check_writable_folders(cfg)
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
