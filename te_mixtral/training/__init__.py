@@ -12,5 +12,5 @@
     evaluate.py        loss and perplexity on held-out samples
     generate.py        greedy generation from the fine-tuned model
     outputs.py         the folders a run writes, checked before it trains
-    same_job.py        every rank about to run the same job: config, tokenizer, data, compared
+    same_job.py        every rank about to run the same job: config, hub revision, tokenizer, data
 """

@@ -199,7 +199,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
-    require_same_job(job_summary(cfg, data), layout)  # before any collective that would depend on it
+    require_same_job(job_summary(cfg, data, model_dir), layout)  # before any collective that would depend on it
     eval_batches = data.eval_batches()
     model, ran_on = build_model(cfg, layout, device, model_dir)
     if reference is not None:
