@@ -17,6 +17,17 @@ def main_rank_from_env() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def local_rank_from_env() -> int:
+    """This process's number among those torchrun started on its machine (0 when run without
+    it): the GPU it takes, of those the machine shows it (CUDA_VISIBLE_DEVICES)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size_from_env() -> int:
+    """How many processes torchrun started on this machine (1 when run without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def restart_from_env() -> tuple[int, int]:
     """Which attempt of its job this process is, and how many restarts torchrun allows
     (`--max-restarts`): (0, 0) outside torchrun and in a job torchrun never restarts."""

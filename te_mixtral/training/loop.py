@@ -29,6 +29,7 @@ from te_mixtral.distributed.layout import (
     Layout,
     all_reduce_sum,
     init_layout,
+    require_a_gpu_of_its_own,
     shutdown,
 )
 from te_mixtral.distributed.parallelize import (
@@ -164,6 +165,8 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device 'cuda' was asked for but PyTorch sees no CUDA GPU")
+    if device.type == "cuda":
+        require_a_gpu_of_its_own()
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError("this GPU does not support bf16; use --dtype fp32")
     reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
