@@ -148,6 +148,28 @@ def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line(planned_command)
         assert fragment in proc.stderr
 
 
+@pytest.mark.parametrize("args, fragment", [
+    # Before: torchrun waited for a second machine that could never join (--standalone's rendezvous is on
+    # localhost, at a port of its own choosing), up to its 600 s join timeout.
+    (["--standalone", "--nnodes", "2"], "--standalone runs on this machine alone, and --nnodes 2 asks for up to 2"),
+    (["--standalone", "--nnodes", "1:2"], "--nnodes 1:2 asks for up to 2"),
+    # Before: ignored (torchrun's warning that says so is among the agent's log we silence): a one-node job ran.
+    (["--standalone", "--node-rank", "1"], "--node-rank 1 is read by the static rendezvous alone"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--node-rank", "1"], "by the static rendezvous alone"),
+    # Before: the static rendezvous waited for ever for machine 3 of 1 (--nnodes 1 and a port: torchrun keeps it static).
+    (["--nnodes", "1", "--node-rank", "3", "--master-port", "29612"], "--node-rank 3 is not one of --nnodes 1's (0 to 0)"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "localhost", "--master-port", "29613"], "(0 to 1)"),
+], ids=["standalone-2-nodes", "standalone-1-to-2-nodes", "standalone-node-rank", "c10d-node-rank",
+        "static-rank-3-of-1", "static-rank-2-of-2"])
+def test_our_torchrun_refuses_machine_counts_and_ranks_that_contradict_each_other(args, fragment, capsys):
+    # In this process: each is refused before anything is launched.
+    from te_mixtral.torchrun import main
+
+    assert main([*args, "--nproc_per_node=1", "--no-python", "true"]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("te_mixtral.torchrun: error: ") and fragment in err, err
+
+
 def test_ranks_that_would_run_different_jobs_are_refused_before_the_first_step(planned_command):
     # Before, rank 1 trained at another learning rate than rank 0, and the job exited 0.
     proc, out = planned_command(ONE_RANK_DIFFERS)
@@ -164,6 +186,53 @@ def test_the_ranks_first_difference_is_named_whatever_it_is_in():
     assert (first_difference([same, dict(same), {**same, "the tokenizer's SHA-256": "cd"}])
             == "the tokenizer's SHA-256 is ab on rank 0 and cd on rank 2")
     assert first_difference([same, {**same, "train.dtype": "bf16"}]) == "train.dtype is auto on rank 0 and bf16 on rank 1"
+
+
+def hub_cache(folder, commit: str) -> None:
+    """A Hugging Face hub cache, laid out as huggingface_hub keeps one, holding owner/tiny at
+    `commit`: a tiny Mixtral's config.json and a tokenizer.json (what a run reads before the
+    ranks compare their jobs)."""
+    import shutil
+
+    from transformers import MixtralConfig
+
+    repo = folder / "models--owner--tiny"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    MixtralConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                  max_position_embeddings=1024).to_json_file(repo / "snapshots" / commit / "config.json")
+    shutil.copy(REPO / "examples" / "chat-tokenizer" / "tokenizer.json", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+@pytest.mark.parametrize("revisions, tokenizer, difference", [
+    # Two nodes whose HF_HOME differ, each holding the same revision: before, refused for the
+    # tokenizer's path ("data.tokenizer is .../a/... on rank 0 and .../b/... on rank 1").
+    (("1" * 40, "1" * 40), None, None),
+    # Another revision on rank 1, the tokenizer given: before, trained on, each rank's replicated
+    # weights its own cache's (checked with two such caches under torchrun).
+    (("1" * 40, "2" * 40), "examples/chat-tokenizer",
+     f"the --model checkpoint's hub revision is {'1' * 40} on rank 0 and {'2' * 40} on rank 1"),
+])
+def test_ranks_compare_a_hub_checkpoint_by_its_revision_not_by_their_caches_path(tmp_path, monkeypatch, revisions,
+                                                                                 tokenizer, difference):
+    import huggingface_hub.constants
+
+    from te_mixtral.config import load_config
+    from te_mixtral.model.hf_config import resolve_model_path
+    from te_mixtral.training.hf_checkpoint import adopt_checkpoint
+    from te_mixtral.training.same_job import settings_summary
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    overrides = {"model_path": "owner/tiny", **({"tokenizer": str(REPO / tokenizer)} if tokenizer else {})}
+    summaries = []
+    for rank, revision in enumerate(revisions):  # each rank's HF_HOME, as a rank of its node reads it
+        hub_cache(tmp_path / f"rank{rank}", revision)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / f"rank{rank}"))
+        model_dir = resolve_model_path("owner/tiny")
+        summaries.append(settings_summary(adopt_checkpoint(load_config(None, overrides), model_dir, 1), model_dir))
+    assert first_difference(summaries) == difference
 
 
 def test_hf_tier_is_single_process(monkeypatch):

@@ -11,6 +11,11 @@ of which one field is read: `data.text_field` (a text document) or, for chat dat
   document per non-empty line;
 - anything else: a data set on the Hugging Face hub, `data.subset` and `data.split` of it.
 
+`datasets` writes every data set it reads, local files too, into its cache (HF_DATASETS_CACHE,
+by default HF_HOME/datasets), and takes a lock file there even to read a copy it cached
+before: a cache it cannot write is refused first, by name (`_check_cache`), not as the data
+file or the hub it would otherwise be blamed on.
+
 `data.split` picks records with `datasets`' split syntax (`train`, `test`, `train[:90%]`,
 `train[100:200]+train[-50:]`). Local files and the embedded corpus hold one split, `train`,
 which may be sliced the same way; any other split name is refused, not silently read as
@@ -35,7 +40,7 @@ from te_mixtral.config import DataConfig
 from te_mixtral.data.cache_writes import cache_write_failure
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
-from te_mixtral.files import require_regular_file
+from te_mixtral.files import check_writable, require_regular_file
 from te_mixtral.local_or_hub import LOCAL_DATA_BUILDERS, is_hub_dataset
 
 # How long a connection to the hub may take before it counts as unreachable.
@@ -140,6 +145,14 @@ def _check_hub_reachable(name: str) -> None:
                         f"folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache") from None
 
 
+def _check_cache() -> None:
+    """Refuse a `datasets` cache that cannot be written (the module docstring)."""
+    try:
+        check_writable(Path(datasets.config.HF_DATASETS_CACHE), "the datasets cache")
+    except UserError as e:
+        raise UserError(f"{e}; set HF_DATASETS_CACHE (or HF_HOME) to a folder you can write") from None
+
+
 def _hub_dataset(name: str, subset: str | None, split: str) -> datasets.Dataset:
     try:
         return datasets.load_dataset(name, subset, split=split)
@@ -184,11 +197,13 @@ def load_records(cfg: DataConfig) -> datasets.Dataset:
     file) are skipped, a record without one is refused; then the first `max_documents` records are kept."""
     fmt = FORMATS[cfg.format]
     check_source(cfg)
-    if cfg.dataset == "embedded":
+    if cfg.dataset == "embedded":  # made in memory: no cache
         sources = [_embedded_dataset(cfg.text_field)]
     elif not is_hub_dataset(cfg.dataset):
+        _check_cache()
         sources = _local_datasets(Path(cfg.dataset).expanduser())
     else:
+        _check_cache()
         sources = [_hub_dataset(cfg.dataset, cfg.subset, cfg.split)]
 
     for source in sources:

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from te_mixtral.config import RunConfig
+from te_mixtral.distributed.launcher_env import local_rank_from_env, local_world_size_from_env
 from te_mixtral.errors import UserError, did_you_mean
 
 GiB = 2**30
@@ -78,8 +79,8 @@ def capacity(cfg: RunConfig, device: str) -> tuple[int | None, str]:
 
         if not torch.cuda.is_available():
             return None, ""
-        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+        props = torch.cuda.get_device_properties(local_rank_from_env())
         return props.total_memory, props.name
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_ranks = local_world_size_from_env()
     shared = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""
     return available_ram() // local_ranks, f"this machine's available RAM{shared}"

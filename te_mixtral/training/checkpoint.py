@@ -41,8 +41,9 @@ Layout on disk::
       latest              "step-000040": the newest complete checkpoint; always written last
       step-000040/
         meta.json         step, world and EP size, config, tokenizer hash, losses, gradient
-                          norms, evaluations, run and tracker run ids, and the size and SHA-256
-                          of every other file
+                          norms, evaluations, run and tracker run ids, the torchrun launch it was
+                          written in (training/restart.py), and the size and SHA-256 of every
+                          other file
         .metadata         DCP's index: which file holds which slice of which global tensor
         __0_0.distcp      DCP's data: the pieces rank 0 wrote (one file per rank)
         rank00000.pt      one per rank: {"rng", "extra"} (torch.save)
@@ -89,6 +90,7 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.global_state import GlobalView, global_state_dict
+from te_mixtral.distributed.launcher_env import launch_id_from_env
 from te_mixtral.distributed.layout import Layout, all_reduce_max, is_expert_param
 from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line, only_here, see_elsewhere
 from te_mixtral.experts.quant.frozen import FrozenWeight
@@ -347,6 +349,7 @@ class Checkpointer:
                 "ep_size": self.layout.ep_size,
                 "tokenizer_sha256": self.tokenizer_hash,
                 "base_model": base_model(cfg.model_path),
+                "launch": launch_id_from_env(),
                 **asdict(state),
                 "config": to_dict(cfg),
                 "files": {name: e for share in entries for name, e in sorted(share.items())},
@@ -452,6 +455,17 @@ class Checkpointer:
                           list(meta.get("router", [])), grad_norms, **({"run_id": str(meta["run_id"])}
                                                                        if "run_id" in meta else {}),
                           tracker_runs=dict(meta.get("tracker_runs", {})), exchange=dict(meta.get("exchange", {})))
+
+
+def latest_meta(folder: Path) -> tuple[Path, dict] | None:
+    """The checkpoint `latest` names in the checkpoint folder `folder`, and its meta.json as
+    written; None where there is none, or it cannot be read (`load_latest` says why)."""
+    try:
+        checkpoint = folder / (folder / LATEST).read_text().strip()
+        meta = json.loads((checkpoint / META).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return (checkpoint, meta) if isinstance(meta, dict) else None
 
 
 def leftovers(folder: Path) -> list[Path]:

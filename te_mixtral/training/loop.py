@@ -30,6 +30,7 @@ from te_mixtral.distributed.layout import (
     Layout,
     all_reduce_sum,
     init_layout,
+    require_a_gpu_of_its_own,
     shutdown,
 )
 from te_mixtral.distributed.parallelize import (
@@ -80,6 +81,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs, check_writable_folders
 from te_mixtral.training.peft_adapters import save_adapter
+from te_mixtral.training.restart import continue_restarted
 from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
 
@@ -171,9 +173,12 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device 'cuda' was asked for but PyTorch sees no CUDA GPU")
+    if device.type == "cuda":
+        require_a_gpu_of_its_own()
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError("this GPU does not support bf16; use --dtype fp32")
     reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
+    cfg = continue_restarted(cfg)  # torchrun's --max-restarts: a restart continues its launch's checkpoint
     # Local checks before the first collective, so that every rank fails alike and at once.
     check_writable_folders(cfg)
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
@@ -212,7 +217,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
-    require_same_job(job_summary(cfg, data), layout)  # before any collective that would depend on it
+    require_same_job(job_summary(cfg, data, model_dir), layout)  # before any collective that would depend on it
     eval_batches = data.eval_batches()
     model, ran_on = build_model(cfg, layout, device, model_dir)
     if reference is not None:

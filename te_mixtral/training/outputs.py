@@ -41,7 +41,7 @@ from te_mixtral.errors import UserError
 from te_mixtral.files import check_scratch, check_writable, sibling
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
-from te_mixtral.training.checkpoint import LATEST, META, leftovers, written_here
+from te_mixtral.training.checkpoint import LATEST, latest_meta, leftovers, written_here
 
 CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json at the end
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
@@ -160,9 +160,10 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
     were), the losses are compared instead: the checkpoint holds every step's loss up to its
     own, and the log the same numbers, written from the same floats. A checkpoint that
     cannot be read is left for the resume to report."""
+    if (latest := latest_meta(ckpt)) is None:
+        return
+    folder, meta = latest
     try:
-        folder = ckpt / (ckpt / LATEST).read_text().strip()
-        meta = json.loads((folder / META).read_text())
         saved, run_id = meta["losses"], meta.get("run_id")
         lines = log.read_text().splitlines() if log.is_file() else []
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
