@@ -455,13 +455,15 @@ def _config_meant(path: str) -> str:
     missing `path`'s: one beside where it points, or one that ships; '' where none is close."""
     files = [file for folder in (Path(path).expanduser().parent, SHIPPED_CONFIGS) if folder.is_dir()
              for file in sorted(folder.glob("*.y*ml"))]
-    by_name = {}
+    by_stem = {}
     for file in files:  # beside the path first: a shipped file of the same name comes second
-        by_name.setdefault(file.name, file)
-    close = closest(Path(path).name, by_name)
+        by_stem.setdefault(file.stem, file)
+    # Names compared without their suffix, which every candidate shares: '.yaml' alone made
+    # 'missing.yaml' close to 'tiny.yaml'.
+    close = closest(Path(path).stem, by_stem)
     if close is None:
         return ""
-    shown = Path(os.path.relpath(by_name[close])) if by_name[close].is_relative_to(Path.cwd()) else by_name[close]
+    shown = Path(os.path.relpath(by_stem[close])) if by_stem[close].is_relative_to(Path.cwd()) else by_stem[close]
     return f" (did you mean {shown}?)"
 
 
