@@ -34,7 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from te_mixtral.files import unwritable
+from te_mixtral.files import unwritable, write_text_atomic
 from te_mixtral.measure.report import software_versions
 
 if TYPE_CHECKING:
@@ -203,5 +203,5 @@ def write_json(path: Path | None, payload: dict) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")  # a run killed midway leaves no half file
     print(f"wrote {path}")

@@ -29,6 +29,7 @@ from pathlib import Path
 from te_mixtral.cli import parse_args
 from te_mixtral.config import load_run_config
 from te_mixtral.errors import UserError
+from te_mixtral.files import write_text_atomic
 from te_mixtral.measure.report import format_table
 
 # Bytes per parameter for parameters + gradients + optimizer state, by optimizer.
@@ -110,8 +111,8 @@ def main(argv: list[str]) -> int:
     print(f"\nTraining core on {device}, {args.config}\n")
     print(format_table(rows, ["tier", "optimizer", "step ms", "TFLOP/s/GPU", "peak GiB", "B/param",
                               "step vs adamw", "memory vs adamw", "loss check vs adamw"]))
-    (args.out / "training_core.json").write_text(json.dumps({"device": device, "config": args.config,
-                                                             "rows": rows}, indent=1))
+    write_text_atomic(args.out / "training_core.json", json.dumps({"device": device, "config": args.config,
+                                                                   "rows": rows}, indent=1))
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

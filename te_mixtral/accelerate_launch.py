@@ -43,6 +43,11 @@ REFUSED = {
     "ACCELERATE_DYNAMO_BACKEND": "torch.compile is not supported: drop --dynamo_backend",
 }
 
+# Variables that only detail another setting, by prefix -> that setting: accelerate sets them
+# with it (the dynamo ones always, the fp8 ones with --mixed_precision fp8), and that setting
+# alone is honoured or refused, with its own reason.
+DETAILS = {"ACCELERATE_DYNAMO_": "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_FP8_": "ACCELERATE_MIXED_PRECISION"}
+
 _FALSE = ("", "false", "no", "0", "none", "off", "n", "f")  # accelerate's str_to_bool, and "nothing asked"
 
 
@@ -67,8 +72,8 @@ def _refuse_the_rest(environ: Mapping[str, str]) -> None:
     for variable in sorted(environ, key=lambda variable: (variable not in REFUSED, variable)):
         if not variable.startswith("ACCELERATE_") or variable in HONOURED:
             continue
-        if variable.startswith("ACCELERATE_DYNAMO_") and variable != "ACCELERATE_DYNAMO_BACKEND":
-            continue  # details of torch.compile, which ACCELERATE_DYNAMO_BACKEND asks for (and is refused)
+        if any(variable.startswith(prefix) and variable != setting for prefix, setting in DETAILS.items()):
+            continue
         if environ[variable].lower() not in _FALSE:
             raise _refuse(variable, environ[variable], REFUSED.get(variable, "te_mixtral does not read it"))
 

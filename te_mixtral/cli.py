@@ -8,11 +8,12 @@ are read first (te_mixtral/accelerate_launch.py)."""
 import argparse
 import os
 import signal
-from pathlib import Path
 
 from te_mixtral.accelerate_launch import describe, launch_settings
 from te_mixtral.config import (
     FOLLOWS,
+    SECTIONS,
+    SHIPPED_CONFIGS,
     RunConfig,
     is_switch,
     load_run_config,
@@ -23,7 +24,7 @@ from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_f
 from te_mixtral.errors import ExitCode, UserError, print_error, report_error
 from te_mixtral.saved_config import flatten
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = SHIPPED_CONFIGS / "tiny.yaml"
 
 
 USAGE = r"""Fine-tune a Mixtral-style MoE model with expert parallelism.
@@ -32,6 +33,7 @@ USAGE = r"""Fine-tune a Mixtral-style MoE model with expert parallelism.
     torchrun --nproc_per_node=2 run_finetune_ep.py --config configs/tiny.yaml --tier loop --ep-size 2
     accelerate launch --multi_gpu --num_processes 2 run_finetune_ep.py --ep-size 2   # the same; README
     python run_finetune_ep.py --config configs/mixtral-8x7b-2layer.yaml --tier grouped_linear --steps 20
+    python run_finetune_ep.py --lora.rank 8 --save-adapter my-adapter   # LoRA, exported in PEFT's format
 
 Any config key can be overridden: `--lr 1e-4`, `--train.steps 10`, `--model.num_hidden_layers 4`
 (min_lr and timing_warmup_steps, left unset, follow lr and steps).
@@ -90,19 +92,43 @@ def _shown(value) -> str:
     return str(value)
 
 
+def key_groups() -> list[tuple[str, list[str]]]:
+    """The config's keys as `--help` lists them, by who owns them, each group under its heading:
+    the run's own keys (the tier first, then its layout, what it reads and writes), then each
+    tier's options (`ExpertTier.options`), then the other sections in the config's order."""
+    from te_mixtral.experts.registry import EXPERT_TIERS  # torch: --help comes after the config loaded
+
+    keys = list(settings())
+    owners = {tier.options: name for name, tier in EXPERT_TIERS.items() if tier.options is not None}
+    sections = sorted(SECTIONS, key=lambda section: SECTIONS[section] not in owners)  # the tiers' first
+    groups = [("the run: its tier, layout, inputs and outputs", [key for key in keys if "." not in key])]
+    for section in sections:
+        cls = SECTIONS[section]
+        heading = (f"tier {owners[cls]}'s options ({section}.*), read only with --tier {owners[cls]}" if cls in owners
+                   else f"{section}.*: {' '.join(cls.__doc__.split()).split('. ')[0].rstrip('.')}")
+        groups.append((heading, [key for key in keys if key.startswith(f"{section}.")]))
+    return groups
+
+
 def help_text(cfg: RunConfig, config_path: str) -> str:
-    """The usage, then one line per config key: its full name, its value in `cfg`, its
-    default (a rule for the keys that follow another: `config.FOLLOWS`) and its meaning."""
-    values = flatten(to_dict(cfg))
-    rows = [("key", "this run", "default", "meaning")]
-    rows += [(key, _shown(values[key]), FOLLOWS[key].rule if key in FOLLOWS else _shown(f.default), f.metadata["help"])
-             for key, f in settings().items()]
-    key_width = max(len(row[0]) for row in rows)
-    value_width, default_width = (min(12, max(len(row[i]) for row in rows)) for i in (1, 2))
+    """The usage, then one line per config key under its owner's heading (`key_groups`): its
+    full name, its value in `cfg`, its default (a rule for the keys that follow another:
+    `config.FOLLOWS`) and its meaning."""
+    values, fields = flatten(to_dict(cfg)), settings()
+    rows = {key: (key, _shown(values[key]), FOLLOWS[key].rule if key in FOLLOWS else _shown(f.default),
+                  f.metadata["help"]) for key, f in fields.items()}
+    header = ("key", "this run", "default", "meaning")
+    key_width = max(len(key) for key in (header[0], *rows))
+    value_width, default_width = (min(12, max(len(row[i]) for row in (header, *rows.values()))) for i in (1, 2))
+
+    def line(key, value, default, meaning):
+        return f"  {key:<{key_width}}  {value:<{value_width}}  {default:<{default_width}}  {meaning}"
+
     lines = [f"config keys, with their values from {config_path} and the overrides given "
-             "(--key value; the bare name, e.g. --lr, where it is unique):"]
-    lines += [f"  {key:<{key_width}}  {value:<{value_width}}  {default:<{default_width}}  {meaning}"
-              for key, value, default, meaning in rows]
+             "(--key value, --ep-size or --ep_size alike; the bare name, e.g. --lr, where it is unique):",
+             line(*header)]
+    for heading, keys in key_groups():
+        lines += ["", heading, *(line(*rows[key]) for key in keys)]
     return _parser().format_help() + "\n" + "\n".join(lines)
 
 

@@ -17,7 +17,6 @@ saved by older runs are read through `upgrade_saved`.
 
 import copy
 import dataclasses
-import difflib
 import os
 import types
 import typing
@@ -28,7 +27,7 @@ from typing import Literal
 from te_mixtral.config_checks import check_needs, validate, value_of
 from te_mixtral.config_field import Needs, setting
 from te_mixtral.config_yaml import load_yaml
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, closest
 from te_mixtral.experts.options import BASELINES, FP8Options, own_model
 from te_mixtral.files import require_regular_file, write_text_atomic
 from te_mixtral.local_or_hub import brings_tokenizer, is_hub_dataset
@@ -102,6 +101,8 @@ CHAT_LAYOUT = Needs(("data.format",), lambda fmt: fmt == "chat",
 
 @dataclass
 class DataConfig:
+    """What is read, and how it becomes packed samples of tokens (te_mixtral/data/, docs/data.md)."""
+
     dataset: str = setting("embedded", path=True, help="'embedded' (text shipped with Python, no network), a local "
                            ".json/.jsonl/.txt file or folder, or a Hugging Face hub data set name")
     subset: str | None = setting(None, needs=Needs(("data.dataset",), is_hub_dataset,
@@ -462,6 +463,25 @@ def _parse_override(key: str, text: str):
 
 # Far above any real config (about a hundred values), far below what takes long to read.
 MAX_CONFIG_BYTES = 1 << 20
+# The configs that ship beside the package (a checkout's, or an editable install's).
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _config_meant(path: str) -> str:
+    """' (did you mean configs/tiny.yaml?)' for the config file whose name is closest to a
+    missing `path`'s: one beside where it points, or one that ships; '' where none is close."""
+    files = [file for folder in (Path(path).expanduser().parent, SHIPPED_CONFIGS) if folder.is_dir()
+             for file in sorted(folder.glob("*.y*ml"))]
+    by_stem = {}
+    for file in files:  # beside the path first: a shipped file of the same name comes second
+        by_stem.setdefault(file.stem, file)
+    # Names compared without their suffix, which every candidate shares: '.yaml' alone made
+    # 'missing.yaml' close to 'tiny.yaml'.
+    close = closest(Path(path).stem, by_stem)
+    if close is None:
+        return ""
+    shown = Path(os.path.relpath(by_stem[close])) if by_stem[close].is_relative_to(Path.cwd()) else by_stem[close]
+    return f" (did you mean {shown}?)"
 
 
 def is_switch(bare: str) -> bool:
@@ -494,8 +514,8 @@ def did_you_mean(key: str) -> str:
     full = list(settings())
     bare = [k.rpartition(".")[2] for k in full]
     names = full + [name for name in bare if bare.count(name) == 1] + ["model"]  # `--model`: model_path
-    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.75)
-    return f" (did you mean --{close[0]}?)" if close else ""
+    close = closest(key.replace("-", "_"), names, cutoff=0.75)
+    return f" (did you mean --{close}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -558,7 +578,8 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
                                 f"kB; at most {MAX_CONFIG_BYTES})")
             text = Path(path).read_text()
         except OSError as e:
-            raise UserError(f"cannot read config {path}: {e.strerror}") from None
+            meant = _config_meant(path) if not Path(path).expanduser().exists() else ""
+            raise UserError(f"cannot read config {path}: {e.strerror}{meant}") from None
         except UnicodeDecodeError:
             raise UserError(f"config {path} is not a text file: a config is YAML text (UTF-8)") from None
         raw = load_yaml(text, f"config {path}") or {}
@@ -566,8 +587,8 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             raise UserError(f"config {path} must be a mapping of keys")
         for key, value in raw.items():  # no key but a section's holds a mapping: a section's name mistyped
             if isinstance(value, dict) and key not in SECTION_NAMES:
-                close = difflib.get_close_matches(str(key), SECTION_NAMES, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]}? " if close else ""
+                close = closest(key, SECTION_NAMES)
+                hint = f"did you mean {close}? " if close else ""
                 raise UserError(f"unknown config section '{key}' in {path} ({hint}sections: {', '.join(SECTION_NAMES)})")
         for key, value in flatten(upgrade_saved(raw, path)).items():
             _apply(cfg, key, value)

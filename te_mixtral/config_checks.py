@@ -16,6 +16,7 @@ import math
 import typing
 from pathlib import PurePath
 
+from te_mixtral.errors import UserError, did_you_mean
 from te_mixtral.errors import require as _check
 from te_mixtral.lora_config import validate_lora, validate_lora_rank
 
@@ -50,8 +51,10 @@ def validate(cfg, world_size: int = 1) -> None:
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
            "train.optimizer master_adamw keeps bf16 parameters: it needs train.dtype bf16 (a CUDA run)")
     trackers = [name.strip() for name in cfg.report_to.split(",")]
-    _check(all(name in REPORT_TO for name in trackers) and ("none" not in trackers or len(trackers) == 1),
-           f"report_to must be none or any of {', '.join(REPORT_TO[1:])}, comma-separated; got {cfg.report_to!r}")
+    unknown = [name for name in trackers if name not in REPORT_TO]
+    _check(not unknown and ("none" not in trackers or len(trackers) == 1),
+           f"report_to must be none or any of {', '.join(REPORT_TO[1:])}, comma-separated; got {cfg.report_to!r}"
+           + (did_you_mean(unknown[0], REPORT_TO) if unknown else ""))
     twice = next((name for name in trackers if trackers.count(name) > 1), None)
     _check(twice is None, f"report_to names {twice} twice; name each tracker once")
     _check(d.seq_len >= 2, f"data.seq_len must be at least 2, got {d.seq_len}")
@@ -134,7 +137,8 @@ def _check_choices(cfg) -> None:
     for key, _, hint, value in _keys(cfg):
         if typing.get_origin(hint) is typing.Literal:
             allowed = typing.get_args(hint)
-            _check(value in allowed, f"{key} must be one of {', '.join(allowed)}, got '{value}'")
+            if value not in allowed:
+                raise UserError(f"{key} must be one of {', '.join(allowed)}, got '{value}'{did_you_mean(value, allowed)}")
 
 
 def check_needs(cfg, given: set[str], file_cfg=None, typed: frozenset[str] = frozenset(),

@@ -18,6 +18,7 @@ from one to retry (docs/checkpoints.md lists them). torchrun and `accelerate lau
 for any failure; `python -m te_mixtral.torchrun` passes the code on (te_mixtral/torchrun.py).
 """
 
+import difflib
 import os
 import sys
 import time
@@ -93,6 +94,20 @@ def see_elsewhere(error: "UserError") -> "UserError":
     """Mark `error` as the line that points at another rank's problem."""
     error.scope = SEE_ELSEWHERE
     return error
+
+
+def closest(word: str, choices, cutoff: float = 0.6) -> str | None:
+    """The choice a mistyped `word` most likely meant (`custom_groupd`, `grouped-linear`,
+    `fp8_hopper`), for a refusal to name; None where none is close."""
+    close = difflib.get_close_matches(str(word), [str(choice) for choice in choices], n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
+    """' (did you mean X?)' for the choice `closest` to a mistyped `word`, to follow it in a
+    refusal; '' where none is close."""
+    close = closest(word, choices, cutoff)
+    return f" (did you mean {close}?)" if close else ""
 
 
 def first_line(error: Exception) -> str:

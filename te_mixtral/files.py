@@ -20,19 +20,26 @@ A temporary or backup folder beside an output (`DIR.tmp`, `DIR.old`, a checkpoin
 `SCRATCH_MARKER` into it as it creates it, and `remove_scratch` refuses, in one line naming
 it, a folder of that name without the marker (the user's own folder that happens to have
 the name). Never by following a symbolic link: the link is not the folder it points to.
+Neither making nor deleting a folder is one step, so a run killed midway (or a disk full
+as the marker is written) must not leave a folder that the next run takes for the user's:
+`remove_marked` deletes the marker last, and an empty folder counts as te_mixtral's (it
+holds nothing to lose: a kill between a `mkdir` and the marker, or just before the last
+`rmdir`, leaves one).
 
 Pitfall: a full disk does not always raise `OSError`. `torch.save` raises a `RuntimeError`
 ("PytorchStreamWriter failed writing file" or "unexpected pos"), safetensors its own
 `SafetensorError`; the writers catch those too.
 """
 
+import contextlib
 import hashlib
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 from te_mixtral.errors import Interrupted, UserError, WriteFailed, first_line
 
@@ -46,13 +53,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` in one step: readers see the old file or the new one."""
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
+    """A file, opened in `mode`, that replaces `path` in one step when the `with` block ends:
+    readers see the old file or the new one, never part of one (a run killed while it writes
+    leaves the old one, and a hidden temporary beside it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes it owner-only; results and checkpoints are meant to be shared
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -60,6 +70,12 @@ def write_text_atomic(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step: readers see the old file or the new one."""
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 SCRATCH_MARKER = ".te_mixtral_scratch"  # in every temporary or backup folder te_mixtral makes
@@ -73,12 +89,23 @@ def sibling(path: Path, suffix: str) -> Path:
 def make_scratch(path: Path) -> None:
     """Create the folder `path` (not there yet) and mark it as te_mixtral's to delete."""
     path.mkdir(parents=True)
-    (path / SCRATCH_MARKER).write_text("made by te_mixtral as a temporary or backup folder; it deletes it\n")
+    try:
+        (path / SCRATCH_MARKER).write_text("made by te_mixtral as a temporary or backup folder; it deletes it\n")
+    except OSError:  # a full disk: no marker, so no folder either
+        (path / SCRATCH_MARKER).unlink(missing_ok=True)
+        path.rmdir()
+        raise
+
+
+def is_empty_folder(path: Path) -> bool:
+    """Whether `path` is a folder (not a link to one) that holds nothing."""
+    return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
 
 
 def is_scratch(path: Path) -> bool:
-    """Whether `path` is a folder (not a link to one) that `make_scratch` made."""
-    return path.is_dir() and not path.is_symlink() and (path / SCRATCH_MARKER).is_file()
+    """Whether `path` is a folder (not a link to one) that `make_scratch` made, or an empty one
+    (see the module docstring)."""
+    return path.is_dir() and not path.is_symlink() and ((path / SCRATCH_MARKER).is_file() or is_empty_folder(path))
 
 
 def check_scratch(path: Path, what: str) -> None:
@@ -93,7 +120,21 @@ def remove_scratch(path: Path, what: str) -> None:
     """Delete the folder `path` if te_mixtral made it (`check_scratch` otherwise)."""
     check_scratch(path, what)
     if path.exists():
-        shutil.rmtree(path)
+        remove_marked(path)
+
+
+def remove_marked(path: Path, marked_by: tuple[str, ...] = ()) -> None:
+    """Delete the folder `path`, which its `SCRATCH_MARKER` (or the files `marked_by`) shows
+    te_mixtral made, those last: a run killed midway leaves them, or an empty folder, and the
+    next run deletes either as its own (`shutil.rmtree` goes in the folder's own order, and
+    may leave the rest of the folder without its marker)."""
+    markers = (*marked_by, SCRATCH_MARKER)
+    for entry in path.iterdir():
+        if entry.name not in markers:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for name in markers:
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
 
 
 def publish_folder(tmp: Path, final: Path) -> None:
@@ -111,7 +152,7 @@ def publish_folder(tmp: Path, final: Path) -> None:
         remove_scratch(old, "the folder it replaces")
         os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old)  # what was `final`
+        remove_marked(old)  # what was `final`
     else:
         os.rename(tmp, final)
     fsync_path(final.parent)
@@ -123,11 +164,14 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
     keeping every other file (what the user put beside it).
 
     A set of files, unlike a folder, cannot be replaced in one rename. The earlier files go
-    to `final.old` first (`marker`, which says a set is complete, the first of them), the
-    new ones come in (`marker` the last), then `final.old` is deleted: a crash midway leaves
-    the earlier set whole in `final.old`, or the new one whole in `final`, and `final`
-    without a marker until its set is complete. `tmp` was made by `make_scratch`; its
-    `SCRATCH_MARKER` stays behind, and `final` never gets one (it is the user's folder).
+    to `final.old` first (`marker`, which says a set is complete, the first of them), then
+    the new ones come in, `marker` first under a name of its own (`incoming`, which says that
+    `final`'s files of the set are the new set's) and made `marker` last, then `final.old` is
+    deleted. `final` never holds files of both sets, and holds `marker` only when its set is
+    complete; a crash midway leaves the earlier set whole in `final.old` (as the new files
+    come in) or in `final` and `final.old` together (as it goes out), which the next
+    replacement puts back together first (`_put_back`). `tmp` was made by `make_scratch`;
+    its `SCRATCH_MARKER` stays behind, and `final` never gets one (it is the user's folder).
     """
     fsync_path(tmp)
     if not final.exists():
@@ -136,18 +180,48 @@ def replace_files(tmp: Path, final: Path, owned: Callable[[str], bool], marker: 
         fsync_path(final.parent)
         return
     old = sibling(final, ".old")
-    remove_scratch(old, "the export it replaces")
+    _put_back(final, owned, marker)
     make_scratch(old)
     for path in sorted(final.iterdir(), key=lambda p: p.name != marker):
         if owned(path.name) and (path.is_file() or path.is_dir()):  # a folder of the set moves whole
             os.rename(path, old / path.name)
-    for path in sorted(tmp.iterdir(), key=lambda p: p.name == marker):
+    incoming = final / _incoming(marker)
+    os.rename(tmp / marker, incoming)
+    for path in tmp.iterdir():
         if path.name != SCRATCH_MARKER:
             os.rename(path, final / path.name)
+    os.rename(incoming, final / marker)
     remove_scratch(tmp, "the export")
     fsync_path(final)
     remove_scratch(old, "the export it replaces")
     fsync_path(final.parent)
+
+
+def _incoming(marker: str) -> str:
+    return f".{marker}.incoming"
+
+
+def _put_back(final: Path, owned: Callable[[str], bool], marker: str) -> None:
+    """Where a `replace_files` into `final` was killed midway, make `final` hold the set it
+    was replacing, whole, again, and delete `final.old`. Where `final` holds `marker`, its set
+    is whole (nothing had gone out yet, or everything had come in); else the earlier set's
+    files in `final.old` go back, after the new set's in `final` are deleted where they had
+    started to come in."""
+    old = sibling(final, ".old")
+    check_scratch(old, "the export it replaces")
+    if not old.exists():
+        return
+    incoming = final / _incoming(marker)
+    if not (final / marker).is_file():
+        if incoming.exists():
+            for path in final.iterdir():
+                if owned(path.name):
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            incoming.unlink()  # last: while it is there, `final`'s files of the set are known to be the new set's
+        for path in sorted(old.iterdir(), key=lambda p: p.name == marker):  # the marker last
+            if path.name != SCRATCH_MARKER:
+                os.rename(path, final / path.name)
+    remove_scratch(old, "the export it replaces")
 
 
 # What a path that is no regular file is, as a refusal names it.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from te_mixtral.config_field import Needs, setting
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, did_you_mean
 from te_mixtral.errors import require as _check
 from te_mixtral.local_or_hub import base_model
 
@@ -98,7 +98,9 @@ def validate_lora(cfg) -> None:
     targets = lora.target_list()
     _check(bool(targets), "lora.targets names no projection: give one or more of " + ", ".join(known))
     for target in targets:
-        _check(target in known, f"lora.targets: unknown projection '{target}' (known: {', '.join(known)})")
+        if target not in known:
+            raise UserError(f"lora.targets: unknown projection '{target}'{did_you_mean(target, known)}; known: "
+                            f"{', '.join(known)}")
     _check(len(set(targets)) == len(targets), f"lora.targets names a projection twice: {lora.targets}")
     _check(t.optimizer == "adamw", "lora trains small fp32 adapters with train.optimizer adamw; master_adamw "
            "(bf16 parameters) is for full fine-tuning")

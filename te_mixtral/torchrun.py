@@ -22,16 +22,29 @@ its own line (te_mixtral/errors.py), or in its traceback where it crashed. Only 
 killed by a signal, which could say nothing, gets a line here.
 
 torchrun's own argument errors (an unknown option, `--nproc_per_node=0`) are one line and
-exit 2, as argparse's convention has it, instead of a usage screen or a traceback.
+exit 2, as argparse's convention has it, instead of a usage screen or a traceback. So are
+machine counts and ranks that contradict each other, which torchrun accepts: `--standalone`
+with `--nnodes` above 1 waits for machines that can never join (its rendezvous is on
+localhost), a `--node-rank` outside `--nnodes` waits for ever in the static rendezvous, and
+one given to any other rendezvous is ignored (torchrun says so in its agent's log, which
+this module silences).
+
+With `--max-restarts`, each restarted attempt gets a rendezvous store of its own
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless the environment sets it): torchrun's default
+shares one store across attempts, and a restarted process group may then read the dead
+attempt's addresses from it and fail to connect (gloo's "connectFullMesh failed"; a race, so
+not on every restart). The restarted run itself continues from its launch's checkpoint
+(te_mixtral/training/restart.py).
 """
 
 import logging
+import os
 import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
+from torch.distributed.run import get_args_parser, parse_min_max_nnodes, run
 
 from te_mixtral.errors import ExitCode, first_line
 
@@ -58,6 +71,25 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _refuse_contradictions(args) -> None:
+    """Refuse the machine counts and ranks torchrun accepts but cannot honour (module docstring)."""
+    try:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        return  # torchrun's own check says what is wrong with it
+    if args.standalone and max_nodes > 1:
+        _refuse(f"--standalone runs on this machine alone, and --nnodes {args.nnodes} asks for up to {max_nodes}: "
+                f"drop --standalone and give every machine the same --rdzv-endpoint HOST:PORT and --rdzv-id")
+    static = args.rdzv_backend == "static" and not args.standalone
+    if args.node_rank != 0 and not static:
+        _refuse(f"--node-rank {args.node_rank} is read by the static rendezvous alone (--master-addr, --master-port); "
+                f"{'--standalone' if args.standalone else f'--rdzv-backend {args.rdzv_backend}'} numbers the machines "
+                f"itself: drop --node-rank")
+    if not 0 <= args.node_rank < max_nodes:
+        _refuse(f"--node-rank {args.node_rank} is not one of --nnodes {args.nnodes}'s (0 to {max_nodes - 1}): the "
+                f"rendezvous would wait for ever for the machines it numbers")
+
+
 def _quiet_agent() -> None:
     """Silence the log of torchrun's agent (each failed rank, the SIGTERM it sends the
     others): the failed rank has said why. Its loggers set their own levels (torch's
@@ -74,6 +106,9 @@ def main(argv: list[str]) -> int:
     parser.error = _refuse  # argparse's usage screen and exit, as one line
     try:
         args = parser.parse_args(argv)
+        _refuse_contradictions(args)
+        if args.max_restarts > 0:
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module docstring
         _quiet_agent()
         run(args)
     except _ArgumentError as e:

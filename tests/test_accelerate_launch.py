@@ -136,6 +136,20 @@ def test_settings_of_other_launchers_are_refused_in_one_line(env, fragment):
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
+def test_fp8_is_refused_for_what_it_is_not_for_a_detail_of_it():
+    # accelerate sets its fp8 recipe's details (ACCELERATE_FP8_*) with --mixed_precision fp8:
+    # before, the refusal named the first of them ("ACCELERATE_FP8_AMAX_COMPUTE_ALGO=most_recent
+    # ... does not read it"), not the setting asked for and what to use instead.
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils.launch import setup_fp8_env
+
+    args = launch_command_parser().parse_args(["--mixed_precision", "fp8", "run_finetune_ep.py"])
+    env = setup_fp8_env(args, {"ACCELERATE_MIXED_PRECISION": "fp8"})
+    assert any(variable.startswith("ACCELERATE_FP8_") for variable in env)
+    with pytest.raises(UserError, match="ACCELERATE_MIXED_PRECISION=fp8 is not supported: .*--tier device_mxfp8"):
+        launch_settings(env)
+
+
 @pytest.mark.parametrize("overrides, flags, fragment", [
     ({"dtype": "fp32"}, ["--mixed_precision", "bf16"],
      "accelerate launch --mixed_precision bf16 asks for train.dtype bf16, but the config or command line sets "

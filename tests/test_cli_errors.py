@@ -34,11 +34,24 @@ from te_mixtral.training.same_job import first_difference
     (["--grad_accum_steps", "0"], "train.grad_accum_steps must be at least 1, got 0"),
     (["--seq_len", "4096"], "exceeds model.max_position_embeddings"),
     (["--tier", "fastest"], "unknown tier 'fastest'"),
+    # A choice mistyped names the one meant, as a mistyped key does: before, only the list.
+    (["--tier", "custom_groupd"], "unknown tier 'custom_groupd' (did you mean custom_grouped?); tiers: hf, "),
+    (["--tier", "grouped-linear"], "unknown tier 'grouped-linear' (did you mean grouped_linear?); tiers: "),
+    (["--recompute", "ful"], "train.recompute must be one of none, selective, full, got 'ful' (did you mean full?)"),
+    (["--tier", "device_mxfp8", "--fp8.mode", "fp8_hopper"], "got 'fp8_hopper' (did you mean fp8-hopper?)"),
+    (["--report-to", "tensorbord"], "got 'tensorbord' (did you mean tensorboard?)"),
+    (["--lora.rank", "4", "--lora.targets", "q_proj,gate_proj"],
+     "unknown projection 'gate_proj' (did you mean gate_up_proj?); known: q_proj, "),
+    (["--estimate-memory", "1", "--gpu", "h20"], "or a size such as 80GiB or 141GB, got 'h20' (did you mean h200?)"),
     (["--tier", "hf", "--hidden_size", "70"],
      "model.hidden_size 70 not a multiple of 4 (4-byte parameters); use --tier hf_eager"),
     (["--tier", "hf", "--intermediate_size", "98", "--optimizer", "master_adamw", "--dtype", "bf16"],
      "model.intermediate_size 98 not a multiple of 8 (2-byte parameters); use --tier hf_eager"),
     (["--config", "configs/missing.yaml"], "cannot read config"),
+    # A config's name mistyped, or given without its folder: the file meant is named, as a key's is.
+    (["--config", "configs/tiny.yml"], "cannot read config configs/tiny.yml: No such file or directory (did you "
+                                       "mean configs/tiny.yaml?)"),
+    (["--config", "tiny-chat.yaml"], "(did you mean configs/tiny-chat.yaml?)"),
     (["--loss-check", "no/such/results.json"], "does not exist"),
     (["--moment_dtype", "fp32"], "train.moment_dtype is master_adamw's choice"),
     (["--checkpoint-dir", "README.md"], "checkpoint_dir README.md is a file, not a folder"),
@@ -86,12 +99,19 @@ def test_a_bad_flag_is_refused_before_torch_is_imported(args):
     assert "te_mixtral.config" in imported and "torch" not in imported
 
 
-def test_tier_this_machine_cannot_run():
+@pytest.mark.parametrize("args, fragment", [
+    (["--tier", "grouped_linear"], "tier 'grouped_linear' needs NVIDIA Transformer Engine on a CUDA GPU"),
+    (["--backend", "te"], "backend 'te' needs a CUDA device"),
+    (["--dataset", "no/such/chats.jsonl"], "data set path no/such/chats.jsonl does not exist"),
+])
+def test_what_this_machine_cannot_run_or_read_is_the_one_line_it_prints(args, fragment, tmp_path):
     # CI machines have no CUDA: the TE tier must refuse, not quietly run something else. (The
     # entry script's own exit code is proven by the launches above and the torchrun one below.)
-    proc = run_cli(["--tier", "grouped_linear"])
+    # Before, the memory estimate's line came first, and the data was read before the tier refused.
+    proc = run_cli([*args, "--output-dir", str(tmp_path)])
     assert proc.returncode == ExitCode.BAD_INPUT
-    assert_one_line_error(proc, "grouped_linear")
+    assert_one_line_error(proc, fragment)
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
 
 
 def our_torchrun(*args: str) -> Command:
@@ -128,6 +148,28 @@ def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line(planned_command)
         assert fragment in proc.stderr
 
 
+@pytest.mark.parametrize("args, fragment", [
+    # Before: torchrun waited for a second machine that could never join (--standalone's rendezvous is on
+    # localhost, at a port of its own choosing), up to its 600 s join timeout.
+    (["--standalone", "--nnodes", "2"], "--standalone runs on this machine alone, and --nnodes 2 asks for up to 2"),
+    (["--standalone", "--nnodes", "1:2"], "--nnodes 1:2 asks for up to 2"),
+    # Before: ignored (torchrun's warning that says so is among the agent's log we silence): a one-node job ran.
+    (["--standalone", "--node-rank", "1"], "--node-rank 1 is read by the static rendezvous alone"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--node-rank", "1"], "by the static rendezvous alone"),
+    # Before: the static rendezvous waited for ever for machine 3 of 1 (--nnodes 1 and a port: torchrun keeps it static).
+    (["--nnodes", "1", "--node-rank", "3", "--master-port", "29612"], "--node-rank 3 is not one of --nnodes 1's (0 to 0)"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "localhost", "--master-port", "29613"], "(0 to 1)"),
+], ids=["standalone-2-nodes", "standalone-1-to-2-nodes", "standalone-node-rank", "c10d-node-rank",
+        "static-rank-3-of-1", "static-rank-2-of-2"])
+def test_our_torchrun_refuses_machine_counts_and_ranks_that_contradict_each_other(args, fragment, capsys):
+    # In this process: each is refused before anything is launched.
+    from te_mixtral.torchrun import main
+
+    assert main([*args, "--nproc_per_node=1", "--no-python", "true"]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("te_mixtral.torchrun: error: ") and fragment in err, err
+
+
 def test_ranks_that_would_run_different_jobs_are_refused_before_the_first_step(planned_command):
     # Before, rank 1 trained at another learning rate than rank 0, and the job exited 0.
     proc, out = planned_command(ONE_RANK_DIFFERS)
@@ -144,6 +186,53 @@ def test_the_ranks_first_difference_is_named_whatever_it_is_in():
     assert (first_difference([same, dict(same), {**same, "the tokenizer's SHA-256": "cd"}])
             == "the tokenizer's SHA-256 is ab on rank 0 and cd on rank 2")
     assert first_difference([same, {**same, "train.dtype": "bf16"}]) == "train.dtype is auto on rank 0 and bf16 on rank 1"
+
+
+def hub_cache(folder, commit: str) -> None:
+    """A Hugging Face hub cache, laid out as huggingface_hub keeps one, holding owner/tiny at
+    `commit`: a tiny Mixtral's config.json and a tokenizer.json (what a run reads before the
+    ranks compare their jobs)."""
+    import shutil
+
+    from transformers import MixtralConfig
+
+    repo = folder / "models--owner--tiny"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    MixtralConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                  max_position_embeddings=1024).to_json_file(repo / "snapshots" / commit / "config.json")
+    shutil.copy(REPO / "examples" / "chat-tokenizer" / "tokenizer.json", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+@pytest.mark.parametrize("revisions, tokenizer, difference", [
+    # Two nodes whose HF_HOME differ, each holding the same revision: before, refused for the
+    # tokenizer's path ("data.tokenizer is .../a/... on rank 0 and .../b/... on rank 1").
+    (("1" * 40, "1" * 40), None, None),
+    # Another revision on rank 1, the tokenizer given: before, trained on, each rank's replicated
+    # weights its own cache's (checked with two such caches under torchrun).
+    (("1" * 40, "2" * 40), "examples/chat-tokenizer",
+     f"the --model checkpoint's hub revision is {'1' * 40} on rank 0 and {'2' * 40} on rank 1"),
+])
+def test_ranks_compare_a_hub_checkpoint_by_its_revision_not_by_their_caches_path(tmp_path, monkeypatch, revisions,
+                                                                                 tokenizer, difference):
+    import huggingface_hub.constants
+
+    from te_mixtral.config import load_config
+    from te_mixtral.model.hf_config import resolve_model_path
+    from te_mixtral.training.hf_checkpoint import adopt_checkpoint
+    from te_mixtral.training.same_job import settings_summary
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    overrides = {"model_path": "owner/tiny", **({"tokenizer": str(REPO / tokenizer)} if tokenizer else {})}
+    summaries = []
+    for rank, revision in enumerate(revisions):  # each rank's HF_HOME, as a rank of its node reads it
+        hub_cache(tmp_path / f"rank{rank}", revision)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / f"rank{rank}"))
+        model_dir = resolve_model_path("owner/tiny")
+        summaries.append(settings_summary(adopt_checkpoint(load_config(None, overrides), model_dir, 1), model_dir))
+    assert first_difference(summaries) == difference
 
 
 def test_hf_tier_is_single_process(monkeypatch):

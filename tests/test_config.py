@@ -170,6 +170,40 @@ def test_the_fp8_tiers_old_top_level_keys_read_as_its_section():
     assert is_switch("fp8_weight_cache") and is_switch("fp8.weight_cache")
 
 
+def test_help_groups_the_keys_by_who_owns_them():
+    # Before, one list of a hundred keys: the tier's options under `fp8`, which said nothing of a
+    # tier, eighty rows from --tier; the run's own keys (the tier, EP, --model, the exports) last.
+    from te_mixtral.config import SECTIONS
+    from te_mixtral.experts.registry import EXPERT_TIERS
+
+    groups = help_groups(run_cli(["--help"]).stdout)
+    headings = list(groups)
+    assert "" not in groups and all(rows for rows in groups.values())
+    run = groups[headings[0]]  # the run's own keys first, the tier first of them
+    assert list(run)[0] == "tier" and {"ep_size", "model_path", "save_hf", "save_adapter", "checkpoint_dir"} <= set(run)
+    assert all("." not in key for key in run)
+    owned = [(name, tier.options) for name, tier in EXPERT_TIERS.items() if tier.options is not None]
+    assert owned, "no tier declares options"
+    for (name, options), heading in zip(owned, headings[1:]):  # each tier's options right after the tier
+        [section] = [s for s, cls in SECTIONS.items() if cls is options]
+        assert heading.startswith(f"tier {name}'s options"), heading
+        assert list(groups[heading]) == [f"{section}.{f.name}" for f in dataclasses.fields(options)]
+    for section, cls in SECTIONS.items():  # every other section a group of its own, named by it
+        if cls not in dict(owned).values():
+            [heading] = [h for h in headings if h.startswith(f"{section}.*")]
+            assert list(groups[heading]) == [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+
+
+def test_each_tier_option_section_is_declared_by_the_one_tier_that_reads_it():
+    from te_mixtral.config import SECTIONS
+    from te_mixtral.experts import options
+    from te_mixtral.experts.registry import EXPERT_TIERS
+
+    declared = [cls for cls in SECTIONS.values() if cls.__module__ == options.__name__]
+    owners = [tier.options for tier in EXPERT_TIERS.values() if tier.options is not None]
+    assert sorted(owners, key=id) == sorted(declared, key=id), "a tier's options with no tier, or two tiers'"
+
+
 def test_bare_names_find_the_moved_keys():
     cfg = load_config(TINY, {"checkpoint-every": "10", "checkpoint-dir": "ckpt", "save_every": "4", "save-hf": "hf"})
     assert (cfg.train.checkpoint_every, cfg.train.save_every) == (10, 4)
@@ -177,13 +211,23 @@ def test_bare_names_find_the_moved_keys():
         load_config(TINY, {"checkpoint-every": "10"})
 
 
+def help_groups(stdout: str) -> dict[str, dict[str, tuple[str, str, str]]]:
+    """{heading: {key: (value, default, meaning)}} from the key listing of `--help`: its rows
+    indented, each group's heading above them (a row before any heading goes under '')."""
+    groups, heading = {"": {}}, ""
+    for line in stdout.split("config keys, with their values")[1].splitlines()[2:]:  # after the column names
+        if line and not line.startswith(" "):
+            heading = line
+            groups[heading] = {}
+        elif line.strip():
+            key, value, default, meaning = line.split(maxsplit=3)
+            groups[heading][key] = (value, default, meaning)
+    return {heading: rows for heading, rows in groups.items() if rows or heading}
+
+
 def help_rows(stdout: str) -> dict[str, tuple[str, str, str]]:
     """{key: (value, default, meaning)} from the key listing of `--help`."""
-    rows = {}
-    for line in stdout.split("config keys, with their values")[1].splitlines()[2:]:  # after the column names
-        key, value, default, meaning = line.split(maxsplit=3)
-        rows[key] = (value, default, meaning)
-    return rows
+    return {key: row for rows in help_groups(stdout).values() for key, row in rows.items()}
 
 
 def test_help_lists_every_key_with_its_value_default_and_meaning():
@@ -192,7 +236,7 @@ def test_help_lists_every_key_with_its_value_default_and_meaning():
     assert "Fine-tune a Mixtral-style MoE model" in proc.stdout
     assert not re.search(r"step\s+\d+/\d+", proc.stdout)  # help only: nothing trained
     rows = help_rows(proc.stdout)
-    assert list(rows) == list(settings())
+    assert sorted(rows) == sorted(settings()) and len(rows) == len(settings())
     assert rows["model.hidden_size"][0] == "64"  # configs/tiny.yaml, the default --config
     assert rows["train.checkpoint_every"] == ("0", "0", settings()["train.checkpoint_every"].metadata["help"])
     assert rows["data.tokenizer"][:2] == ("null", "null") and rows["resume"][:2] == ("false", "false")

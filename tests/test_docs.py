@@ -1,8 +1,8 @@
 """The docs hold together: every link in README.md and docs/ reaches a file, and a heading where
 it names one (`file.md#heading`, as GitHub makes the anchor), and the results
 index (docs/results/README.md) cites the newest page of each question and no older one.
-A time or a throughput quoted in a guide names the date it was measured, or links the dated
-page that holds it.
+A measured figure quoted in a guide (a time, a throughput, a speedup, a peak) names the date and
+the device it was measured on, or links the dated page that holds it.
 
 The index ends with a table of every dated page: its date, its questions (a page may answer
 several), and, for a page replaced the same day, the page that replaced it. A question's
@@ -90,19 +90,27 @@ def test_anchors_are_githubs():
 
 # --- figures in the guides ---------------------------------------------------------------------
 
-MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:ms|TFLOP/s|tokens/s)\b")  # what only a run can tell
+# What only a run can tell: a time or a throughput, a speedup (1.53x; not a model's 8x7B), a
+# share faster or slower, a measured peak of memory.
+MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:ms|TFLOP/s|tokens/s)\b|\b\d+(?:\.\d+)?x\b"
+                      r"|\b\d+(?:\.\d+)?\s?% (?:slower|faster)\b|\bpeaks?(?: at)? \d[\d,]*(?:\.\d+)?\s?GiB\b")
 DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}")  # as a dated page's name has it too
+DATED_PAGE_LINK = re.compile(r"\d{4}-\d{2}-\d{2}-[^)\s/]+\.md")
+# What a figure ran on, where no dated page it links says it.
+DEVICE = re.compile(r"\b(?:[HBA]\d{3}|L40S|RTX|GPUs?|CPU|cores?)\b")
 
 
 def living_docs() -> list[Path]:
     """The docs a reader takes for where the project stands: not the dated pages, which are records."""
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), INDEX]
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), INDEX, REPO / "benchmarks" / "README.md",
+            REPO / "tests" / "README.md"]
 
 
 def unsourced_figures(markdown: str) -> list[str]:
-    """The paragraphs that quote a time or a throughput with neither a date nor a link to a dated
-    page. A table is read with the paragraphs either side of it, where its caption and its source
-    are; a reference-style link by its target; a heading is a title, not a figure."""
+    """The paragraphs that quote a measured figure (`MEASURED`) with neither a link to a dated page
+    nor a date and a device. A table is read with the paragraphs either side of it, where its
+    caption and its source are; a reference-style link by its target; a heading is a title, not a
+    figure."""
     text = prose(markdown)
     targets = dict(re.findall(r"^\[([^\]]+)\]:\s*(\S+)", text, flags=re.MULTILINE))
     paragraphs = [p for p in re.split(r"\n\s*\n", text) if not p.lstrip().startswith("#")]
@@ -112,7 +120,8 @@ def unsourced_figures(markdown: str) -> list[str]:
             continue
         context = "\n".join(paragraphs[max(i - 1, 0):i + 2]) if paragraph.lstrip().startswith("|") else paragraph
         named = " ".join(targets.get(name, "") for name in re.findall(r"\[([^\]]+)\](?!\()", context))
-        if not DATE.search(context + named):
+        sourced = context + named
+        if not (DATED_PAGE_LINK.search(sourced) or DATE.search(sourced) and DEVICE.search(sourced)):
             unsourced.append(paragraph.strip()[:120])
     return unsourced
 
@@ -129,6 +138,17 @@ def test_a_figure_without_its_source_is_found():
     assert unsourced_figures("It takes 12.5 ms a step ([page]).\n\n[page]: results/2026-01-02-a.md\n") == []
     assert unsourced_figures("One H200, 2026-01-02:\n\n| run | ms |\n| --- | --- |\n| a | 12.5 ms |\n") == []
     assert unsourced_figures("## The 480 TFLOP/s target\n\nNot yet.\n") == []
+    # Before, these passed: a speedup, a share faster or slower, a measured peak; a date that names no device.
+    for figure in ("Ours is 1.53x the peer's.", "It is 7 % slower a step.", "It peaks at 70.9 GiB.",
+                   "It takes 12.5 ms a step (2026-01-02)."):
+        assert unsourced_figures(figure + "\n") == [figure], figure
+    assert unsourced_figures("It takes 12.5 ms a step on one H200, 2026-01-02.\n") == []
+    assert unsourced_figures("Mixtral-8x7B on 2 x 4 ranks.\n") == []  # a model's name, a layout: no figures
+
+
+def test_the_docs_that_quote_figures_are_checked():
+    # Before, the benchmarks' and the tests' READMEs, which quote timings, were not.
+    assert {REPO / "benchmarks" / "README.md", REPO / "tests" / "README.md"} <= set(living_docs())
 
 
 # --- the results index ------------------------------------------------------------------------

@@ -11,4 +11,6 @@
                    conversations
     packing.py     the token stream, its fixed-length windows, the held-out split, and
                    sharding over ranks
+    cache_key.py   the cache key of our `datasets.map` results
+    cache_writes.py  a full disk under `datasets`' cache, said in one line naming it
 """

@@ -79,6 +79,7 @@ import torch
 
 from te_mixtral.config import DataConfig
 from te_mixtral.data.cache_key import map_fingerprint
+from te_mixtral.data.cache_writes import writing_cache
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.data.sources import load_records
 from te_mixtral.data.tokenizer import Tokenizer
@@ -244,9 +245,10 @@ class PackedData:
             # In a log file or a pipe each redraw of `datasets`' bars is one more line of noise.
             datasets.disable_progress_bars()
         fmt = FORMATS[cfg.format]
-        records = load_records(cfg)
-        self.tokenizer = fmt.tokenizer(cfg, records)
-        stream = token_stream(self.tokenizer, records, fmt)
+        with writing_cache():  # `datasets` caches what it reads and maps
+            records = load_records(cfg)
+            self.tokenizer = fmt.tokenizer(cfg, records)
+            stream = token_stream(self.tokenizer, records, fmt)
         unit = fmt.unit
         held = held_out_records(len(stream.lengths), cfg.eval_fraction, unit)
         self.stream = stream.records(~held)

@@ -11,6 +11,11 @@ of which one field is read: `data.text_field` (a text document) or, for chat dat
   document per non-empty line;
 - anything else: a data set on the Hugging Face hub, `data.subset` and `data.split` of it.
 
+`datasets` writes every data set it reads, local files too, into its cache (HF_DATASETS_CACHE,
+by default HF_HOME/datasets), and takes a lock file there even to read a copy it cached
+before: a cache it cannot write is refused first, by name (`_check_cache`), not as the data
+file or the hub it would otherwise be blamed on.
+
 `data.split` picks records with `datasets`' split syntax (`train`, `test`, `train[:90%]`,
 `train[100:200]+train[-50:]`). Local files and the embedded corpus hold one split, `train`,
 which may be sliced the same way; any other split name is refused, not silently read as
@@ -32,9 +37,10 @@ import datasets
 import pyarrow as pa
 
 from te_mixtral.config import DataConfig
+from te_mixtral.data.cache_writes import cache_write_failure
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
-from te_mixtral.files import require_regular_file
+from te_mixtral.files import check_writable, require_regular_file
 from te_mixtral.local_or_hub import LOCAL_DATA_BUILDERS, is_hub_dataset
 
 # How long a connection to the hub may take before it counts as unreachable.
@@ -114,6 +120,8 @@ def _load_files(builder: str, files: list[Path]) -> list[datasets.Dataset]:
         source.data.validate(full=True)
         return [source]
     except Exception as e:
+        if failure := cache_write_failure(e):  # the cache's fault, not the files'
+            raise failure from None
         if len(files) > 1:  # the file at fault, loaded alone, raises naming itself; else they differ
             return [source for file in files for source in _load_files(builder, [file])]
         raise UserError(f"cannot read {', '.join(map(str, files))}: {_cause(e)}") from None
@@ -137,11 +145,20 @@ def _check_hub_reachable(name: str) -> None:
                         f"folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache") from None
 
 
+def _check_cache() -> None:
+    """Refuse a `datasets` cache that cannot be written (the module docstring)."""
+    try:
+        check_writable(Path(datasets.config.HF_DATASETS_CACHE), "the datasets cache")
+    except UserError as e:
+        raise UserError(f"{e}; set HF_DATASETS_CACHE (or HF_HOME) to a folder you can write") from None
+
+
 def _hub_dataset(name: str, subset: str | None, split: str) -> datasets.Dataset:
-    _check_hub_reachable(name)
     try:
         return datasets.load_dataset(name, subset, split=split)
     except Exception as e:
+        if failure := cache_write_failure(e):
+            raise failure from None
         which = f"subset '{subset}', split '{split}'" if subset else f"split '{split}'"
         raise UserError(
             f"could not load data set '{name}' ({which}) from the Hugging Face hub: {first_line(e)}; "
@@ -161,19 +178,32 @@ def _take_split(source: datasets.Dataset, split: str) -> datasets.Dataset:
     return source.select([i for p in parts for i in range(p.from_, p.to)])
 
 
+def check_source(cfg: DataConfig) -> None:
+    """Refuse in one line a data set that is not there: a local path that does not exist, or a
+    hub name where the hub cannot be reached. The training loop asks before it estimates or
+    reads anything, so that this is the one line a run prints; `load_records` asks again."""
+    if cfg.dataset == "embedded":
+        return
+    if not is_hub_dataset(cfg.dataset):
+        if not Path(cfg.dataset).exists():
+            raise UserError(f"data set path {cfg.dataset} does not exist")
+    else:
+        _check_hub_reachable(cfg.dataset)
+
+
 def load_records(cfg: DataConfig) -> datasets.Dataset:
     """The data set's records in their stored order, `data.split` of them, as one column:
     the field that `data.format` reads (a chat layout's records turned into conversations). Texts that are empty or blank (blank lines of a .txt
     file) are skipped, a record without one is refused; then the first `max_documents` records are kept."""
     fmt = FORMATS[cfg.format]
-    if cfg.dataset == "embedded":
+    check_source(cfg)
+    if cfg.dataset == "embedded":  # made in memory: no cache
         sources = [_embedded_dataset(cfg.text_field)]
     elif not is_hub_dataset(cfg.dataset):
-        path = Path(cfg.dataset)
-        if not path.exists():
-            raise UserError(f"data set path {cfg.dataset} does not exist")
-        sources = _local_datasets(path)
+        _check_cache()
+        sources = _local_datasets(Path(cfg.dataset))
     else:
+        _check_cache()
         sources = [_hub_dataset(cfg.dataset, cfg.subset, cfg.split)]
 
     for source in sources:

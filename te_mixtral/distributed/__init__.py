@@ -2,7 +2,8 @@
 
 Shape suffixes: see te_mixtral/__init__.py.
 
-    launcher_env.py   what the launcher tells each process, read without torch
+    launcher_env.py   what the launcher tells each process, read without torch: world
+                      size, rank, launch id and restarts
     layout.py         process groups for expert parallelism, and the gradient reduction
                       they imply
     dispatch.py       token dispatch: each routed token copy to the rank that owns its

@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
 
-from te_mixtral.distributed.launcher_env import world_size_from_env
+from te_mixtral.distributed.launcher_env import local_rank_from_env, local_world_size_from_env, world_size_from_env
+from te_mixtral.errors import UserError, only_here
 
 
 @dataclass
@@ -58,6 +59,20 @@ class Layout:
         return self.rank == 0
 
 
+def require_a_gpu_of_its_own() -> None:
+    """Refuse, in this process's own line, a process that torchrun numbered past the GPUs its
+    machine shows it (CUDA_VISIBLE_DEVICES shorter than --nproc_per_node, or set otherwise for
+    one process): it would take a GPU that is not there, and fail inside CUDA with a traceback."""
+    local, shown = local_rank_from_env(), torch.cuda.device_count()
+    if local >= shown:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise only_here(UserError(
+            f"rank {os.environ.get('RANK', '0')} is process {local} of {local_world_size_from_env()} on its machine, "
+            f"which shows it {shown} GPU{'s' if shown != 1 else ''} (CUDA_VISIBLE_DEVICES="
+            f"{'unset' if visible is None else repr(visible)}): each process needs a GPU of its own; start at most "
+            f"{shown} per machine (--nproc_per_node), or show every process all of the machine's GPUs"))
+
+
 def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
     """Start torch.distributed when launched by torchrun (gloo on CPU, NCCL on CUDA)."""
     world = world_size_from_env()
@@ -65,7 +80,7 @@ def init_layout(ep_size: int, device: str, timeout_s: int) -> Layout:
         return Layout(0, 1, ep_size, None, None)
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local_rank_from_env())
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return mesh_layout(ep_size, device, timedelta(seconds=timeout_s))
 

@@ -90,6 +90,9 @@ class ExpertTier(abc.ABC):
     """
 
     name: str  # the name the registry lists it under (te_mixtral/experts/registry.py)
+    # Its options' dataclass (experts/options.py), which the run config holds as a section
+    # (`RunConfig.fp8`) and `--help` lists under the tier; None: it has none.
+    options: type | None = None
     takes_adapters: bool = False  # whether `__call__` runs LoRA adapters (lora.rank > 0)
     frozen_bases: tuple[str, ...] = ()  # the `lora.base` formats besides "default" it holds a frozen base in
     # Whether rows past the last expert's may follow the real ones (the padded exchange's,

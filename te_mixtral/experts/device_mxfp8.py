@@ -200,6 +200,7 @@ class DeviceMXFP8Tier(ExpertTier):
     """Expert MLP with its GEMMs in MXFP8 or FP8; `mode` is one of `FP8_MODES` (see above)."""
 
     name = "device_mxfp8"
+    options = FP8Options
     takes_adapters = True  # in mode fp8-hopper, over a frozen FP8 base (expert_weight refuses the others)
 
     def __init__(self, mode: str = "auto", model_dims: tuple[int, int] | None = None, min_rows_per_expert: int = 0,

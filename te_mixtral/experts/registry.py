@@ -13,7 +13,7 @@ The tier modules import Transformer Engine and Triton only when a tier runs, so 
 registry imports on a machine with neither.
 """
 
-from te_mixtral.errors import UserError
+from te_mixtral.errors import UserError, did_you_mean
 from te_mixtral.experts.base import ExpertLoad, ExpertMemory, ExpertTier
 from te_mixtral.experts.custom_grouped import CustomGroupedTier
 from te_mixtral.experts.device_mxfp8 import DeviceMXFP8Tier
@@ -60,7 +60,7 @@ def check_tier(cfg, world_size: int) -> None:
     """Raise a one-line `UserError` if the run config `cfg` names no tier, or a tier option or
     launch that tier cannot take. `config.load_run_config` calls this right after the config loads."""
     if cfg.tier not in RUN_NAMES:
-        raise UserError(f"unknown tier '{cfg.tier}' (tiers: {', '.join(RUN_NAMES)})")
+        raise UserError(f"unknown tier '{cfg.tier}'{did_you_mean(cfg.tier, RUN_NAMES)}; tiers: {', '.join(RUN_NAMES)}")
     for tier in EXPERT_TIERS.values():
         tier.check_options(cfg)
     if cfg.lora.enabled and (cfg.tier in BASELINES or not EXPERT_TIERS[cfg.tier].takes_adapters):

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 from te_mixtral.config import RunConfig
-from te_mixtral.errors import UserError
+from te_mixtral.distributed.launcher_env import local_rank_from_env, local_world_size_from_env
+from te_mixtral.errors import UserError, did_you_mean
 
 GiB = 2**30
 
@@ -51,7 +52,8 @@ def parse_capacity(text: str) -> int:
         raise UserError(f"--gpu {text.strip()} is more memory than one device can address (64-bit addresses: at most "
                         f"16 EiB)")
     if int(size) <= 0:  # no size, or no memory at all
-        raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'")
+        raise UserError(f"--gpu must name a GPU ({', '.join(GPUS)}) or a size such as 80GiB or 141GB, got '{text}'"
+                        f"{did_you_mean(name, GPUS)}")
     return int(size)
 
 
@@ -77,8 +79,8 @@ def capacity(cfg: RunConfig, device: str) -> tuple[int | None, str]:
 
         if not torch.cuda.is_available():
             return None, ""
-        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+        props = torch.cuda.get_device_properties(local_rank_from_env())
         return props.total_memory, props.name
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_ranks = local_world_size_from_env()
     shared = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""
     return available_ram() // local_ranks, f"this machine's available RAM{shared}"

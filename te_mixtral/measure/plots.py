@@ -21,6 +21,8 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+from te_mixtral.files import atomic_file
+
 PNG_METADATA = {"Software": None}
 # A loss curve this long gets a smoothed line (an EMA) over its raw one, drawn faint: step to
 # step noise hides the trend of a long run. Shorter ones are drawn raw, every step marked.
@@ -45,8 +47,10 @@ def _title(ax, title: str) -> None:
 
 
 def save(fig, path: Path) -> Path:
-    """Write a figure as a PNG with no "Software" entry (see the module docstring)."""
-    fig.savefig(path, metadata=PNG_METADATA)
+    """Write a figure as a PNG with no "Software" entry (see the module docstring), whole or
+    not at all (`files.atomic_file`: a run killed while it draws leaves no half picture)."""
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", metadata=PNG_METADATA)
     return path
 
 

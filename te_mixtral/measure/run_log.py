@@ -54,7 +54,8 @@ Files: a fresh run writes a new `steps.jsonl` (training/outputs.py has refused a
 holding another run's, unless `overwrite`); `resume` keeps the lines of the steps before
 the one it resumes from and appends, so a run continued into its own folder keeps one log.
 A line that cannot be written (a full disk) is cut off again and the log ends there, said
-once; the run trains on, and `finish` returns what was not written for the run's last line.
+once; a tracker that cannot write stops there too (TensorBoard's event file fills the same
+disk); the run trains on, and `finish` returns what was not written for the run's last line.
 """
 
 import contextlib
@@ -120,6 +121,11 @@ def _kept_lines(path: Path, first_step: int) -> str:
     return "".join(kept)
 
 
+def _tracker_failure(name: str, tracker, error: OSError) -> str:
+    """What could not be written when a tracker's write raised `error`."""
+    return str(write_failure(f"report_to {name} in {tracker.where}", error))
+
+
 class RunLog:
     """The run log of rank 0; on the other ranks (`output_dir` None) every method does nothing.
 
@@ -137,6 +143,7 @@ class RunLog:
         self.cfg = cfg
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         self._file = self._bar = None
+        self._log_stopped = False  # a line of steps.jsonl could not be written: it ends there
         self._trackers = {}
         # (step, ms) of the steps a resumed run ran before this process, from its log: the
         # step-time plot covers the whole run.
@@ -183,8 +190,7 @@ class RunLog:
         record = step_record(step, state.losses[-1], state.router[-1], state.grad_norms[-1], lr, step_s,
                              self.tokens_per_step, memory_bytes)
         self._append(record)
-        for tracker in self._trackers.values():
-            tracker.log(_scalars(record), step)
+        self._to_trackers(_scalars(record), step)
         if step_s is None:
             return
         self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", refresh=False)
@@ -198,7 +204,7 @@ class RunLog:
         line reaches the disk (and `tail -f`) as it is written, and a write that fails (a full
         disk) is known at once: the part of the line that was written is cut off again, and
         the log stops there, said once; the run trains on (results.json holds every step)."""
-        if not self._file or self.unwritten:
+        if not self._file or self._log_stopped:
             return
         if self.run_id is not None:
             record = {"run_id": self.run_id, **record}
@@ -210,10 +216,26 @@ class RunLog:
         except OSError as e:
             problem = (f"{write_failure(str(self.output_dir / STEPS_FILE), e)} (its lines stop before step "
                        f"{record['step']})")
-            self.unwritten.append(problem)
-            print(f"te_mixtral: note: {problem}; training goes on", flush=True)
+            self._log_stopped = True
+            self._note_unwritten(problem)
             with contextlib.suppress(OSError):  # cutting a file short needs no space
                 self._file.truncate(start)
+
+    def _note_unwritten(self, problem: str) -> None:
+        self.unwritten.append(problem)
+        print(f"te_mixtral: note: {problem}; training goes on", flush=True)
+
+    def _to_trackers(self, scalars: dict[str, float], step: int) -> None:
+        """Send `scalars` to the trackers. One that cannot write (a full disk) stops there, said
+        once, as steps.jsonl does: the run trains on, and says at its end what was not written."""
+        for name, tracker in list(self._trackers.items()):
+            try:
+                tracker.log(scalars, step)
+            except OSError as e:
+                del self._trackers[name]
+                with contextlib.suppress(OSError):  # its close writes what it holds, and fails again
+                    tracker.close()
+                self._note_unwritten(f"{_tracker_failure(name, tracker, e)} (its steps stop before step {step})")
 
     def evaluation(self, evaluation) -> None:
         """Log a held-out evaluation (training/evaluate.Evaluation): print it, write its line
@@ -223,8 +245,7 @@ class RunLog:
         self.write(evaluation.line(self.cfg.train.steps))
         self._append({"step": evaluation.step, "eval_loss": evaluation.loss, "eval_perplexity": evaluation.perplexity,
                       "eval_targets": evaluation.targets})
-        for tracker in self._trackers.values():
-            tracker.log({"loss/eval": evaluation.loss}, evaluation.step)
+        self._to_trackers({"loss/eval": evaluation.loss}, evaluation.step)
 
     def finish(self, losses: list[float], first_step: int, step_times_s: list[float], timing_warmup: int,
                title: str, evals: list[dict] = ()) -> list[str]:
@@ -237,8 +258,11 @@ class RunLog:
             return []
         self._bar.close()
         self._file.close()
-        for tracker in self._trackers.values():
-            tracker.close()
+        for name, tracker in self._trackers.items():
+            try:
+                tracker.close()
+            except OSError as e:  # what it still held could not be written
+                self.unwritten.append(_tracker_failure(name, tracker, e))
         if not self.cfg.plots:
             return self.unwritten
         if importlib.util.find_spec("matplotlib") is None:
@@ -253,6 +277,6 @@ class RunLog:
             try:
                 plots.save(figure(), self.output_dir / name)
             except OSError as e:
-                (self.output_dir / name).unlink(missing_ok=True)  # half a picture is none
+                (self.output_dir / name).unlink(missing_ok=True)  # an earlier run's (--overwrite) is not this one's
                 self.unwritten.append(str(write_failure(str(self.output_dir / name), e)))
         return self.unwritten

@@ -18,7 +18,9 @@ Where each writes is its own settings', as with the Trainer:
   (default te_mixtral) at `MLFLOW_TRACKING_URI` (a server, or `file:` a local folder), with the
   run's config as its parameters.
 
-Each is flushed (or sends) as it logs, so a run that dies keeps its steps so far.
+Each is flushed (or sends) as it logs, so a run that dies keeps its steps so far. One that
+cannot write (a full disk) stops there, and the run trains on and names it at its end
+(run_log.py), as it does steps.jsonl; each says `where` it writes, for that line.
 
 A resume (`resume`) goes on in the tracker's run its checkpoint came from, its steps counting on:
 the checkpoint's meta.json keeps the run id of each tracker that has one
@@ -77,6 +79,7 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_id = None
+        self.where = str(output_dir)  # what a failed write names
         # A resumed run goes on from its checkpoint, but the run it resumes may have logged
         # steps past it before it died, into its own event file: TensorBoard hides those
         # (`purge_step`), as steps.jsonl drops their lines.
@@ -103,6 +106,7 @@ class WandB:
                               dir=str(output_dir), config=flatten(to_dict(cfg)), id=run_id,
                               resume="allow" if run_id else None)
         self.run_id = self.run.id
+        self.where = self.run.dir
         # The step its next log expects: on a resume online, the one after those the run holds
         # (lower ones wandb drops, warning at each); offline, or a new run, 0.
         self.next_step = self.run.step
@@ -133,6 +137,7 @@ class MLflow:
             self.held = {tag: max(m.step for m in mlflow.MlflowClient().get_metric_history(run_id, tag))
                          for tag in run.data.metrics}
         self.run_id = self.run.info.run_id
+        self.where = mlflow.get_tracking_uri()
         # MLflow refuses to change a parameter: a resumed run adds those the run lacks (new keys).
         params = {key: str(value) for key, value in flatten(to_dict(cfg)).items()}
         mlflow.log_params({key: value for key, value in params.items()

@@ -110,6 +110,12 @@ def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> 
                         f"({first_line(e)}); offline, pass a local checkpoint folder") from None
 
 
+def hub_revision(model_dir: Path) -> str | None:
+    """The commit of a checkpoint folder `resolve_model_path` took from the hub cache, where
+    huggingface_hub keeps each revision as `snapshots/COMMIT`; None for a local folder."""
+    return model_dir.name if model_dir.parent.name == "snapshots" else None
+
+
 def longest_sequence(cfg) -> int | None:
     """The most tokens the run config `cfg` (a `RunConfig`) feeds the model at once, as
     `model_config_from_hf` takes it, for the run and its memory estimate alike: a training or

@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from te_mixtral.errors import UserError
+from te_mixtral.files import write_text_atomic
 from te_mixtral.measure.report import per_rank, tflops_text
 from te_mixtral.results.compare import (
     COMPARED_WITH,
@@ -301,7 +302,7 @@ def write_page(page: Page, out_dir: Path, plots: bool = True) -> list[Path]:
     """Write the page's markdown and, with `plots`, its PNGs; return the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md, step_time, loss, *_ = page_files(page, out_dir)
-    md.write_text(page.markdown)
+    write_text_atomic(md, page.markdown)
     written = [md]
     if plots:
         from te_mixtral.measure import plots as draw

@@ -4,6 +4,7 @@
     run_report.py      the run's report at its end: loss check, results.json, tables, plots
     optimizer.py       the optimizer a run steps, and its learning-rate schedule
     checkpoint.py      training checkpoints: stop a run and continue it exactly
+    restart.py         torchrun's restarts (--max-restarts): continue the launch's own checkpoint
     resume_checks.py   whether this run can resume a checkpoint: its meta.json against the config
     dcp_index.py       reading torch.distributed.checkpoint's index without running code
     hf_checkpoint.py   Hugging Face Mixtral checkpoints in and out of our parameter layout
@@ -11,5 +12,5 @@
     evaluate.py        loss and perplexity on held-out samples
     generate.py        greedy generation from the fine-tuned model
     outputs.py         the folders a run writes, checked before it trains
-    same_job.py        every rank about to run the same job: config, tokenizer, data, compared
+    same_job.py        every rank about to run the same job: config, hub revision, tokenizer, data
 """

@@ -41,8 +41,9 @@ Layout on disk::
       latest              "step-000040": the newest complete checkpoint; always written last
       step-000040/
         meta.json         step, world and EP size, config, tokenizer hash, losses, gradient
-                          norms, evaluations, run and tracker run ids, and the size and SHA-256
-                          of every other file
+                          norms, evaluations, run and tracker run ids, the torchrun launch it was
+                          written in (training/restart.py), and the size and SHA-256 of every
+                          other file
         .metadata         DCP's index: which file holds which slice of which global tensor
         __0_0.distcp      DCP's data: the pieces rank 0 wrote (one file per rank)
         rank00000.pt      one per rank: {"rng", "extra"} (torch.save)
@@ -75,7 +76,6 @@ import math
 import os
 import pickle
 import re
-import shutil
 import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -90,14 +90,17 @@ from torch.distributed.tensor import DTensor
 
 from te_mixtral.config import RunConfig, resumable_keys, to_dict
 from te_mixtral.distributed.global_state import GlobalView, global_state_dict
+from te_mixtral.distributed.launcher_env import launch_id_from_env
 from te_mixtral.distributed.layout import Layout, all_reduce_max, is_expert_param
 from te_mixtral.errors import Diverged, UserError, WriteFailed, first_line, only_here, see_elsewhere
 from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.files import (
     SCRATCH_MARKER,
     folder_bytes,
+    is_empty_folder,
     make_scratch,
     publish_folder,
+    remove_marked,
     require_free_space,
     require_writable,
     sha256_of,
@@ -310,7 +313,7 @@ class Checkpointer:
                 for leftover in self._leftovers():  # of runs that died while saving
                     if not self._may_delete(leftover):
                         raise WriteFailed(_not_ours(leftover))
-                    shutil.rmtree(leftover)
+                    remove_marked(leftover, (META,))
                 if (self.dir / name).exists() and not self._may_delete(self.dir / name):
                     raise WriteFailed(_not_ours(self.dir / name))  # a stale future this save replaces
                 make_scratch(tmp)
@@ -347,6 +350,7 @@ class Checkpointer:
                 "ep_size": self.layout.ep_size,
                 "tokenizer_sha256": self.tokenizer_hash,
                 "base_model": base_model(cfg.model_path),
+                "launch": launch_id_from_env(),
                 **asdict(state),
                 "config": to_dict(cfg),
                 "files": {name: e for share in entries for name, e in sorted(share.items())},
@@ -375,7 +379,8 @@ class Checkpointer:
         kept = {complete[step] for step in sorted(s for s in complete if s <= latest_step)[-self.keep:]}
         for path in folders:
             if path not in kept and self._may_delete(path):
-                shutil.rmtree(path, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_marked(path, (META,))
 
     def last_saved(self) -> Path | None:
         """The checkpoint `latest` names, or None when there is none."""
@@ -453,6 +458,17 @@ class Checkpointer:
                           tracker_runs=dict(meta.get("tracker_runs", {})), exchange=dict(meta.get("exchange", {})))
 
 
+def latest_meta(folder: Path) -> tuple[Path, dict] | None:
+    """The checkpoint `latest` names in the checkpoint folder `folder`, and its meta.json as
+    written; None where there is none, or it cannot be read (`load_latest` says why)."""
+    try:
+        checkpoint = folder / (folder / LATEST).read_text().strip()
+        meta = json.loads((checkpoint / META).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return (checkpoint, meta) if isinstance(meta, dict) else None
+
+
 def leftovers(folder: Path) -> list[Path]:
     """The leftovers of interrupted saves in the checkpoint folder `folder`, which the next
     save deletes."""
@@ -462,8 +478,9 @@ def leftovers(folder: Path) -> list[Path]:
 def written_here(path: Path) -> bool:
     """Whether `path` is a checkpoint folder a `Checkpointer` wrote: a folder (not a link to
     one) holding the marker it was made with, or (a checkpoint written before the marker) its
-    meta.json."""
-    return path.is_dir() and not path.is_symlink() and any((path / name).is_file() for name in (SCRATCH_MARKER, META))
+    meta.json; or an empty one, which a save or pruning killed midway leaves (files.py)."""
+    return path.is_dir() and not path.is_symlink() and (
+        any((path / name).is_file() for name in (SCRATCH_MARKER, META)) or is_empty_folder(path))
 
 
 def _not_ours(path: Path) -> str:

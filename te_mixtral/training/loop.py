@@ -24,11 +24,13 @@ from torch import nn
 
 from te_mixtral.config import RunConfig
 from te_mixtral.data.packing import PackedData
+from te_mixtral.data.sources import check_source
 from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
 from te_mixtral.distributed.layout import (
     Layout,
     all_reduce_sum,
     init_layout,
+    require_a_gpu_of_its_own,
     shutdown,
 )
 from te_mixtral.distributed.parallelize import (
@@ -45,6 +47,7 @@ from te_mixtral.errors import (
     report_error,
     report_line,
 )
+from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.folder_lock import FolderLocks
@@ -55,7 +58,7 @@ from te_mixtral.measure.run_log import RunLog
 from te_mixtral.measure.trackers import check_trackers
 from te_mixtral.model.hf_config import resolve_model_path
 from te_mixtral.model.hf_model import HFMixtral
-from te_mixtral.model.layers import TORCH, resolve_backend
+from te_mixtral.model.layers import TORCH, Backend, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.planning.memory import check_fits
@@ -78,6 +81,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs, check_writable_folders
 from te_mixtral.training.peft_adapters import load_adapter, save_adapter
+from te_mixtral.training.restart import continue_restarted
 from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
 
@@ -91,9 +95,7 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
             ours = MixtralForCausalLM(cfg.model, TORCH, layout, LoopTier())
         initialise(ours, cfg, layout, model_dir)
         return HFMixtral.from_model(ours, BASELINES[cfg.tier]["experts"]), dict(BASELINES[cfg.tier])
-    tier = make_tier(cfg.tier, cfg)
-    tier.check_available(device)
-    backend = resolve_backend(cfg.backend, device.type, cfg.te_fusions)
+    tier, backend = runs_here(cfg, device)
     # LoRA's frozen base is made in the compute dtype: an fp32 copy of the whole model first
     # would need twice the memory the run does.
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
@@ -106,6 +108,14 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     if cfg.lora.enabled and cfg.lora.init is not None and not cfg.resume:  # resumed: the checkpoint's, trained since
         load_adapter(model, cfg.lora.init, cfg, layout)
     return model, {"backend": backend.name, "experts": cfg.tier, **tier.describe()}
+
+
+def runs_here(cfg: RunConfig, device: torch.device) -> tuple[ExpertTier, Backend]:
+    """The run's expert tier and layer backend, or a one-line `UserError` where this machine
+    cannot run them (a tier's `TierUnavailable`, the te backend without CUDA or TE)."""
+    tier = make_tier(cfg.tier, cfg)
+    tier.check_available(device)
+    return tier, resolve_backend(cfg.backend, device.type, cfg.te_fusions)
 
 
 @contextlib.contextmanager
@@ -165,14 +175,24 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     device = torch.device(cfg.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device 'cuda' was asked for but PyTorch sees no CUDA GPU")
+    if device.type == "cuda":
+        require_a_gpu_of_its_own()
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError("this GPU does not support bf16; use --dtype fp32")
     reference = report.read_results(cfg.loss_check)["losses"] if cfg.loss_check else None
+    cfg = continue_restarted(cfg)  # torchrun's --max-restarts: a restart continues its launch's checkpoint
     # Local checks before the first collective, so that every rank fails alike and at once.
     check_writable_folders(cfg)
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
+    # What this machine cannot run or read, asked again where it is used: here, before the
+    # estimate and the data, so that its line is the only one a run prints. On CUDA the tier
+    # is asked in build_model alone: its check may import TE, which must not touch a GPU before
+    # init_layout has given this rank its own.
+    if cfg.tier not in BASELINES and device.type != "cuda":
+        runs_here(cfg, device)
+    check_source(cfg.data)
 
     def claim(*keys: str) -> None:
         """Rank 0 locks the folders these config keys name against a second run."""
@@ -199,7 +219,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
-    require_same_job(job_summary(cfg, data), layout)  # before any collective that would depend on it
+    require_same_job(job_summary(cfg, data, model_dir), layout)  # before any collective that would depend on it
     eval_batches = data.eval_batches()
     model, ran_on = build_model(cfg, layout, device, model_dir)
     if reference is not None:

@@ -42,7 +42,7 @@ from te_mixtral.errors import UserError
 from te_mixtral.files import check_scratch, check_writable, sibling
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
-from te_mixtral.training.checkpoint import LATEST, META, leftovers, written_here
+from te_mixtral.training.checkpoint import LATEST, latest_meta, leftovers, written_here
 
 CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json at the end
 EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
@@ -137,8 +137,15 @@ def _check_output_folder(out: Path, cfg: RunConfig, inputs: dict[str, Path]) -> 
         raise UserError(f"output_dir {out} already holds a run's {RESULTS_FILE}; choose another folder, "
                         f"or pass --overwrite to replace it")
     if (out / STEPS_FILE).exists() and not cfg.resume:
-        raise UserError(f"output_dir {out} holds the {STEPS_FILE} of a run that did not finish; pass "
-                        f"--resume to continue it, --overwrite to replace it, or choose another folder")
+        unfinished = f"output_dir {out} holds the {STEPS_FILE} of a run that did not finish"
+        ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+        if ckpt is not None and (ckpt / LATEST).is_file():
+            raise UserError(f"{unfinished}; pass --resume to continue it, --overwrite to replace it, or choose "
+                            f"another folder")
+        # Killed before its first checkpoint, or its checkpoints are elsewhere: --resume alone fails.
+        nothing = (f"checkpoint_dir {ckpt} holds no checkpoint to continue it from" if ckpt is not None else
+                   "this run names no checkpoint_dir to continue it from (--resume with the one it saved into)")
+        raise UserError(f"{unfinished}, and {nothing}; pass --overwrite to replace it, or choose another folder")
     others = [path.name for path in written if path.name not in (RESULTS_FILE, STEPS_FILE) and path.exists()]
     if others:
         raise UserError(f"output_dir {out} already holds {', '.join(others)}, which this run would replace; choose "
@@ -155,9 +162,10 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
     were), the losses are compared instead: the checkpoint holds every step's loss up to its
     own, and the log the same numbers, written from the same floats. A checkpoint that
     cannot be read is left for the resume to report."""
+    if (latest := latest_meta(ckpt)) is None:
+        return
+    folder, meta = latest
     try:
-        folder = ckpt / (ckpt / LATEST).read_text().strip()
-        meta = json.loads((folder / META).read_text())
         saved, run_id = meta["losses"], meta.get("run_id")
         lines = log.read_text().splitlines() if log.is_file() else []
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -10,10 +10,18 @@ differs pulls the replicated weights apart). So the ranks compare what they are 
 and every rank refuses alike, naming the first setting that differs.
 
 Compared: every config key as resolved (the file, the overrides, accelerate's settings, a
---model checkpoint's model section), the tokenizer's SHA-256, and the token counts of the
-training and held-out data (counts, not contents: hashing a large corpus at every start
-would cost more than the few differences it alone would find).
+--model checkpoint's model section), a hub checkpoint's revision, the tokenizer's SHA-256, and
+the token counts of the training and held-out data (counts, not contents: hashing a large
+corpus at every start would cost more than the few differences it alone would find).
+
+A --model hub id is read from each rank's own Hugging Face cache (HF_HOME), which may differ
+from node to node in where it is and in which revision it holds: the revision is compared (it
+fixes the weights, which each rank reads for itself), the folder it is in is not (a tokenizer
+read from it is compared by its SHA-256). A local --model folder is compared by its path, as
+given: copies of it on several machines are trusted to hold the same weights.
 """
+
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -21,13 +29,23 @@ from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.data.packing import PackedData
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
+from te_mixtral.model.hf_config import hub_revision
 from te_mixtral.saved_config import flatten
 from te_mixtral.training.checkpoint import tokenizer_sha256
 
 
-def job_summary(cfg: RunConfig, data: PackedData) -> dict[str, object]:
+def settings_summary(cfg: RunConfig, model_dir: Path | None) -> dict[str, object]:
+    """The settings this rank is about to run with, as the ranks compare them: every config
+    key as resolved, `model_dir` (the --model checkpoint's folder) by its hub revision."""
+    settings = flatten(to_dict(cfg))
+    if model_dir is not None and settings["data.tokenizer"] == str(model_dir):
+        settings["data.tokenizer"] = "the --model checkpoint's"  # where this rank's cache keeps it: its own
+    return {**settings, "the --model checkpoint's hub revision": hub_revision(model_dir) if model_dir else None}
+
+
+def job_summary(cfg: RunConfig, data: PackedData, model_dir: Path | None) -> dict[str, object]:
     """What this rank is about to run, as the ranks compare it."""
-    return {**flatten(to_dict(cfg)), "the tokenizer's SHA-256": tokenizer_sha256(data.tokenizer),
+    return {**settings_summary(cfg, model_dir), "the tokenizer's SHA-256": tokenizer_sha256(data.tokenizer),
             "the training data's token count": len(data.stream.tokens),
             "the held-out data's token count": len(data.eval_stream.tokens)}
 
@@ -51,4 +69,4 @@ def require_same_job(summary: dict[str, object], layout: Layout) -> None:
     difference = first_difference(summaries)
     if difference is not None:
         raise UserError(f"the ranks would run different jobs: {difference}; give every rank the same config file, "
-                        f"command line, ACCELERATE_* settings and data")
+                        f"command line, ACCELERATE_* settings, data and Hugging Face cache")

@@ -143,6 +143,22 @@ def test_a_bad_data_file_is_named_with_what_is_wrong(tmp_path, name, content, me
         assert "0-good" not in error and "z-good" not in error and "An error occurred" not in error, error
 
 
+@pytest.mark.parametrize("dataset", ["local", "someone/corpus"])
+def test_a_datasets_cache_that_cannot_be_written_is_named_not_the_data(tmp_path, monkeypatch, dataset):
+    # `datasets` writes every data set it reads into its cache, and locks it there even to read
+    # a copy cached before. Before, a local file's refusal blamed the file ("cannot read
+    # data.jsonl: [Errno 20] Not a directory: ..."), and a hub data set's the hub.
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(blocker / "datasets"))  # what HF_HOME=a_file sets
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    local = write_jsonl(tmp_path / "data.jsonl", ["one document", "and another"])
+    with pytest.raises(UserError) as info:
+        load_documents(DataConfig(dataset=str(local) if dataset == "local" else dataset))
+    assert str(info.value) == (f"the datasets cache {blocker / 'datasets'} cannot be made: {blocker} is a file, not a "
+                               f"folder; set HF_DATASETS_CACHE (or HF_HOME) to a folder you can write")
+
+
 def test_hub_failure_is_a_user_error(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub")

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from background import Command
 from conftest import REPO
-from launch import app_command, assert_one_line_error, run_app, run_cli
+from launch import RUN_DIR, app_command, assert_one_line_error, run_app, run_cli
 
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.distributed.layout import Layout
@@ -90,6 +91,57 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert f"train.steps 1000 -> {done + 2}" in proc.stdout  # the changed schedule is pointed out
     assert latest_step(ckpt) == done + 2
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
+
+
+# torchrun --max-restarts 1 (ours: torchrun's own shares one rendezvous store across attempts, and
+# a restart may then fail to connect; te_mixtral/torchrun.py), whose rank 1 is killed right after
+# the step-2 checkpoint of the first attempt.
+RESTARTED = Command((sys.executable, "-m", "te_mixtral.torchrun", "--standalone", "--nproc_per_node=2",
+                     "--max-restarts", "1", str(REPO / "tests/workers/killed_after_checkpoint.py"), "2", *SMALL,
+                     "--steps", "3", "--plots", "false", "--checkpoint-every", "1", "--checkpoint-dir", f"{RUN_DIR}/ckpt",
+                     "--output-dir", f"{RUN_DIR}/out", "--dist-timeout-s", str(DIST_TIMEOUT_S), "--log_every", "1"),
+                    (("OMP_NUM_THREADS", "1"),), timeout=240)
+PLANNED_COMMANDS = [RESTARTED]  # run from the session's start (conftest.py's planned_command)
+
+
+def test_a_job_torchrun_restarts_continues_from_its_last_checkpoint(planned_command):
+    # Before, the restart was refused: the first attempt's steps.jsonl was in its way, and the
+    # line said to pass --resume (which the restart, run with the same command line, could not).
+    proc, folder = planned_command(RESTARTED)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    notes = [line for line in proc.stdout.splitlines() if "torchrun restarted the job" in line]
+    assert notes == [f"te_mixtral: torchrun restarted the job (restart 1 of 1): it continues from "
+                     f"{folder / 'ckpt' / 'step-000002'}, as --resume does"], proc.stdout
+    # One run in one log: the first attempt's two steps, then the restart's one, under one run id,
+    # and results.json tells the whole run (the folder lock let the restart in: its holder was dead).
+    lines = [json.loads(line) for line in (folder / "out" / "steps.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2, 3] and len({line["run_id"] for line in lines}) == 1
+    assert json.loads((folder / "out" / "results.json").read_text())["losses"] == [line["loss"] for line in steps]
+
+
+@pytest.mark.parametrize("written_under, restarted_under, why", [
+    ("an-earlier-job", "this-job", "none in {ckpt} yet"),
+    # torchrun's id without --rdzv-id (outside --standalone) is the same for every job.
+    ("none", "none", "torchrun's --rdzv-id was not given, so its checkpoints cannot be told from another job's"),
+])
+def test_a_restart_never_continues_another_launchs_checkpoint(tmp_path, monkeypatch, written_under, restarted_under,
+                                                               why):
+    # In this process, with the environment torchrun gives the processes it starts: first a
+    # job's, which leaves a checkpoint; then a restart of another launch, whose first attempt
+    # died before its first checkpoint, with the same folders (the first attempt refused them).
+    ckpt, args = tmp_path / "ckpt", ["--steps", "2", "--seq_len", "32", "--checkpoint-every", "1", "--plots", "false"]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", written_under)
+    assert run_cli([*args, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "out")]).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("step-*/*")}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", restarted_under)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    proc = run_cli([*args, "--checkpoint-dir", str(ckpt), "--output-dir", str(tmp_path / "again")])
+    assert f"te_mixtral: torchrun restarted the job (restart 1 of 3), with no checkpoint of its own to continue " \
+           f"from ({why.format(ckpt=ckpt)}): it runs as a new run would" in proc.stdout
+    assert_one_line_error(proc, f"checkpoint_dir {ckpt} holds an earlier run's checkpoints")  # as the first attempt was
+    assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("step-*/*")} == before
 
 
 def test_every_process_group_gives_up_on_a_silent_rank_after_dist_timeout_s(tmp_path):
