@@ -196,13 +196,21 @@ def grow_cuda_memory_in_place(environ) -> None:
         environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
+def load_command_line(argv: list[str], world_size: int) -> tuple[argparse.Namespace, dict, int, RunConfig]:
+    """The command line read and its config loaded and checked, for `world_size` processes (or
+    --estimate-memory's): what every rank does first, and what `python -m te_mixtral.torchrun`
+    does before it starts any. Returns the arguments, accelerate's settings (empty unless
+    started by `accelerate launch`), the world size and the config; bad input raises UserError."""
+    args, overrides = parse_args(argv)
+    launch = launch_settings(os.environ)
+    world_size = args.estimate_memory or world_size
+    return args, launch, world_size, load_run_config(args.config, overrides, world_size=world_size, launch=launch)
+
+
 def _run(argv: list[str]) -> int:
     grow_cuda_memory_in_place(os.environ)
     try:
-        args, overrides = parse_args(argv)
-        launch = launch_settings(os.environ)  # empty unless started by `accelerate launch`
-        world_size = args.estimate_memory or world_size_from_env()
-        cfg = load_run_config(args.config, overrides, world_size=world_size, launch=launch)
+        args, launch, world_size, cfg = load_command_line(argv, world_size_from_env())
         if args.estimate_memory is not None:
             from te_mixtral.planning.memory import print_estimate
 

@@ -81,7 +81,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs, check_writable_folders
 from te_mixtral.training.peft_adapters import save_adapter
-from te_mixtral.training.restart import continue_restarted
+from te_mixtral.training.restart import after_a_lost_peer, continue_restarted
 from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
 
@@ -413,6 +413,6 @@ def main(cfg: RunConfig, config_path: str | None = None) -> int:
         if not _lost_a_peer(e):
             raise
         reason = (str(e).strip().splitlines() or ["no detail"])[0]
-        return report_line(f"a collective failed, another rank probably died or hung (see its log); resume from the "
-                           f"last checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER,
+        return report_line(f"a collective failed, another rank probably died or hung (see its log); "
+                           f"{after_a_lost_peer(cfg)} ({reason[:200]})", ExitCode.LOST_A_PEER,
                            world_size_from_env(), main_rank_from_env())

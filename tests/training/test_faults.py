@@ -109,6 +109,9 @@ def test_a_job_torchrun_restarts_continues_from_its_last_checkpoint(planned_comm
     # line said to pass --resume (which the restart, run with the same command line, could not).
     proc, folder = planned_command(RESTARTED)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # Rank 0's line as its peer died, where it came before torchrun stopped it: the restart, no --resume.
+    for line in (line for line in proc.stderr.splitlines() if "a collective failed" in line):
+        assert "torchrun restarts the job (restart 1 of 1), which continues from " in line and "--resume" not in line
     notes = [line for line in proc.stdout.splitlines() if "torchrun restarted the job" in line]
     assert notes == [f"te_mixtral: torchrun restarted the job (restart 1 of 1): it continues from "
                      f"{folder / 'ckpt' / 'step-000002'}, as --resume does"], proc.stdout
@@ -118,6 +121,31 @@ def test_a_job_torchrun_restarts_continues_from_its_last_checkpoint(planned_comm
     steps = [line for line in lines if "loss" in line]
     assert [line["step"] for line in steps] == [1, 2, 3] and len({line["run_id"] for line in lines}) == 1
     assert json.loads((folder / "out" / "results.json").read_text())["losses"] == [line["loss"] for line in steps]
+
+
+@pytest.mark.parametrize("restart, advice", [
+    # Before, the first attempt said "resume from the last checkpoint with --resume", as torchrun restarted it.
+    ("0", "torchrun restarts the job (restart 1 of 2), which continues from this launch's newest checkpoint, if it "
+          "wrote one"),
+    ("2", "resume from the last checkpoint with --resume"),  # the restarts spent: the user's turn
+])
+def test_the_lost_peer_line_says_what_follows_under_torchruns_restarts(tmp_path, monkeypatch, restart, advice):
+    # In this process, with the environment torchrun gives the processes it starts, and a
+    # collective that fails as gloo's do when a peer dies.
+    import te_mixtral.training.loop as loop
+
+    def peer_died(*args):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    monkeypatch.setattr(loop, "train", peer_died)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    proc = run_cli(["--steps", "2", "--seq_len", "32", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                    "--output-dir", str(tmp_path / "out")])
+    assert proc.returncode == ExitCode.LOST_A_PEER
+    [line] = assert_one_line_error(proc, "a collective failed, another rank probably died or hung (see its log); "
+                                         f"{advice} ([")
+    assert ("--resume" in line) == (restart == "2")
 
 
 @pytest.mark.parametrize("written_under, restarted_under, why", [
