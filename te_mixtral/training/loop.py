@@ -192,16 +192,18 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         runs_here(cfg, device)
     check_source(cfg.data)
 
-    def claim(*keys: str) -> None:
+    def claim(*keys: str, beside: bool = False) -> None:
         """Rank 0 locks the folders these config keys name against a second run."""
         if locks is not None and main_rank_from_env():
             for key in keys:
                 if getattr(cfg, key) is not None:
-                    locks.claim(Path(getattr(cfg, key)).expanduser(), key)
+                    locks.claim(Path(getattr(cfg, key)).expanduser(), key, beside)
 
     claim("output_dir", "checkpoint_dir")  # first: a folder in use is refused as such
     check_outputs(cfg, model_dir, config_path)
-    claim("save_hf", "save_adapter")  # after the checks: they refuse what no export may write into
+    # After the checks: they refuse what no export may write into. Locked from beside: an
+    # export holds only what its readers need (te_mixtral/folder_lock.py).
+    claim("save_hf", "save_adapter", beside=True)
     check_trackers(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
