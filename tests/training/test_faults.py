@@ -22,6 +22,7 @@ from launch import RUN_DIR, app_command, assert_one_line_error, run_app, run_cli
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import ExitCode, UserError
+from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
 from te_mixtral.training.hf_checkpoint import check_export_space
 
 DIST_TIMEOUT_S = 30
@@ -91,6 +92,56 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert f"train.steps 1000 -> {done + 2}" in proc.stdout  # the changed schedule is pointed out
     assert latest_step(ckpt) == done + 2
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
+
+
+def ended(pid: int) -> bool:
+    """Whether process `pid` is gone, or a zombie waiting for a reaper that does not reap it:
+    each of its threads (its first shows Z while the others still end, its files still open)."""
+    def thread_ended(task: Path) -> bool:
+        try:
+            return (task / "stat").read_text().rpartition(")")[2].split()[0] == "Z"
+        except OSError:
+            return True  # went as it was read
+
+    try:
+        return all(map(thread_ended, Path(f"/proc/{pid}/task").iterdir()))
+    except OSError:
+        return True  # gone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's (prctl)")
+def test_the_ranks_end_with_their_launcher_and_free_the_folders(tmp_path):
+    # torchrun starts each rank in a session of its own, so a SIGKILL of its process group (the
+    # agent's: what `kill -9 -- -PGID` of a job started by setsid, or a batch system, sends)
+    # misses them. Before, the ranks trained on with no launcher, holding the output folder's
+    # lock, and the next run there was refused as "in use by another run".
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(app_command([*SMALL, "--steps", "5000", "--log_every", "1000", "--plots", "false",
+                                             "--output-dir", str(out)], nproc=2),
+                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ranks = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / LOCK_FILE).is_file() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 0 holds the folder: both ranks run
+        ranks = worker_pids(launcher.pid)
+        assert len(ranks) == 2, launcher.stderr.read()[-3000:] if launcher.poll() is not None else ranks
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 5
+        while not all(map(ended, ranks.values())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(map(ended, ranks.values())), f"ranks still running 5 s after their launcher died: {ranks}"
+    finally:
+        for pid in ranks.values():
+            if not ended(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    with FolderLocks() as locks:  # the folder is free again: the next run is not refused
+        locks.claim(out, "output_dir")
 
 
 # torchrun --max-restarts 1 (ours: torchrun's own shares one rendezvous store across attempts, and
