@@ -6,6 +6,9 @@
 import sys
 
 if __name__ == "__main__":
+    from te_mixtral.distributed.launcher_death import end_with_launcher
+
+    end_with_launcher()  # first: a rank must not outlive a launcher killed as it starts
     try:  # torch takes seconds to import: a Ctrl-C then is no crash
         from te_mixtral.cli import main
     except KeyboardInterrupt:

@@ -30,7 +30,8 @@ architecture and its import layers are drawn in docs/architecture.md):
                           adapter config out, and in (lora.init)
     saved_config.py       configs as files hold them, older layouts upgraded, a run's own known as such
     config_yaml.py        YAML as configs are read: a key given twice, runaway aliases, refused
-    local_or_hub.py       where model_path and data.dataset point: a local path or a hub id
+    local_or_hub.py       where model_path and data.dataset point: a local path or a hub id;
+                          whether the hub can be reached
     errors.py             errors a user can act on, and how they are reported
     files.py              files written whole or not at all; folders checked up front
     folder_lock.py        one run at a time in a folder

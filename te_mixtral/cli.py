@@ -7,7 +7,9 @@ are read first (te_mixtral/accelerate_launch.py)."""
 
 import argparse
 import os
+import shutil
 import signal
+import textwrap
 
 from te_mixtral.accelerate_launch import describe, launch_settings
 from te_mixtral.config import (
@@ -110,25 +112,43 @@ def key_groups() -> list[tuple[str, list[str]]]:
     return groups
 
 
+# The narrowest column a meaning is wrapped into beside its key, value and default; a terminal
+# narrower puts each meaning on the lines below its row instead.
+MEANING_WIDTH_MIN = 30
+
+
 def help_text(cfg: RunConfig, config_path: str) -> str:
-    """The usage, then one line per config key under its owner's heading (`key_groups`): its
+    """The usage, then one row per config key under its owner's heading (`key_groups`): its
     full name, its value in `cfg`, its default (a rule for the keys that follow another:
-    `config.FOLLOWS`) and its meaning."""
+    `config.FOLLOWS`) and its meaning, wrapped to the terminal's width."""
     values, fields = flatten(to_dict(cfg)), settings()
     rows = {key: (key, _shown(values[key]), FOLLOWS[key].rule if key in FOLLOWS else _shown(f.default),
                   f.metadata["help"]) for key, f in fields.items()}
     header = ("key", "this run", "default", "meaning")
     key_width = max(len(key) for key in (header[0], *rows))
     value_width, default_width = (min(12, max(len(row[i]) for row in (header, *rows.values()))) for i in (1, 2))
+    # Wrapped to the terminal as argparse wraps its own help (COLUMNS, else the terminal's, else 80).
+    width = shutil.get_terminal_size().columns - 2
+    meaning_at = 2 + key_width + 2 + value_width + 2 + default_width + 2
+    if width - meaning_at < MEANING_WIDTH_MIN:  # too narrow beside the columns: each meaning below its row
+        meaning_at = 6
+
+    def wrap(text, first="", then=""):
+        # break_on_hyphens off: `--ep-size` and file names stay whole.
+        return textwrap.fill(text, width, initial_indent=first, subsequent_indent=then,
+                             break_on_hyphens=False, break_long_words=False)
 
     def line(key, value, default, meaning):
-        return f"  {key:<{key_width}}  {value:<{value_width}}  {default:<{default_width}}  {meaning}"
+        columns = f"  {key:<{key_width}}  {value:<{value_width}}  {default:<{default_width}}  "
+        if len(columns) > meaning_at:  # a value or default past its column: the meaning below
+            return columns.rstrip() + "\n" + wrap(meaning, " " * meaning_at, " " * meaning_at)
+        return wrap(meaning, columns, " " * meaning_at)
 
-    lines = [f"config keys, with their values from {config_path} and the overrides given "
-             "(--key value, --ep-size or --ep_size alike; the bare name, e.g. --lr, where it is unique):",
+    lines = [wrap(f"config keys, with their values from {config_path} and the overrides given "
+                  "(--key value, --ep-size or --ep_size alike; the bare name, e.g. --lr, where it is unique):"),
              line(*header)]
     for heading, keys in key_groups():
-        lines += ["", heading, *(line(*rows[key]) for key in keys)]
+        lines += ["", wrap(heading), *(line(*rows[key]) for key in keys)]
     return _parser().format_help() + "\n" + "\n".join(lines)
 
 
@@ -176,13 +196,21 @@ def grow_cuda_memory_in_place(environ) -> None:
         environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
+def load_command_line(argv: list[str], world_size: int) -> tuple[argparse.Namespace, dict, int, RunConfig]:
+    """The command line read and its config loaded and checked, for `world_size` processes (or
+    --estimate-memory's): what every rank does first, and what `python -m te_mixtral.torchrun`
+    does before it starts any. Returns the arguments, accelerate's settings (empty unless
+    started by `accelerate launch`), the world size and the config; bad input raises UserError."""
+    args, overrides = parse_args(argv)
+    launch = launch_settings(os.environ)
+    world_size = args.estimate_memory or world_size
+    return args, launch, world_size, load_run_config(args.config, overrides, world_size=world_size, launch=launch)
+
+
 def _run(argv: list[str]) -> int:
     grow_cuda_memory_in_place(os.environ)
     try:
-        args, overrides = parse_args(argv)
-        launch = launch_settings(os.environ)  # empty unless started by `accelerate launch`
-        world_size = args.estimate_memory or world_size_from_env()
-        cfg = load_run_config(args.config, overrides, world_size=world_size, launch=launch)
+        args, launch, world_size, cfg = load_command_line(argv, world_size_from_env())
         if args.estimate_memory is not None:
             from te_mixtral.planning.memory import print_estimate
 

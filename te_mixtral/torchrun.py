@@ -29,6 +29,13 @@ localhost), a `--node-rank` outside `--nnodes` waits for ever in the static rend
 one given to any other rendezvous is ignored (torchrun says so in its agent's log, which
 this module silences).
 
+Our own app's command line (run_finetune_ep.py's) is checked here before any rank starts, as
+each rank would check it first (the config loaded and validated, for the world size torchrun
+will start): bad input the ranks found would be found again by every restart torchrun makes
+(`--max-restarts` restarts after any failure), each time with the same line. What the config
+alone cannot tell (a data set that is not there, a tier this machine cannot run) is left to
+the ranks, as is an elastic `--nnodes MIN:MAX`, whose world size is not known yet.
+
 With `--max-restarts`, each restarted attempt gets a rendezvous store of its own
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless the environment sets it): torchrun's default
 shares one store across attempts, and a restarted process group may then read the dead
@@ -41,14 +48,19 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, parse_min_max_nnodes, run
+from torch.distributed.run import determine_local_world_size, get_args_parser, parse_min_max_nnodes, run
 
-from te_mixtral.errors import ExitCode, first_line
+from te_mixtral.cli import load_command_line
+from te_mixtral.errors import ExitCode, UserError, first_line, report_error
 
 PROG = "te_mixtral.torchrun"
+
+# The app's entry script, whose command line is checked before launching (module docstring).
+APP = Path(__file__).resolve().parent.parent / "run_finetune_ep.py"
 
 
 class _ArgumentError(Exception):
@@ -90,6 +102,20 @@ def _refuse_contradictions(args) -> None:
                 f"rendezvous would wait for ever for the machines it numbers")
 
 
+def _check_the_app(args) -> None:
+    """Check our app's command line as its ranks will first check it, raising their UserError
+    (module docstring); another script, or a world size not known yet, is left alone."""
+    if args.module or args.no_python or Path(args.training_script).resolve() != APP:
+        return
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+        per_node = determine_local_world_size(args.nproc_per_node)
+    except (RuntimeError, ValueError):
+        return  # torchrun's own check says what is wrong with them
+    if min_nodes == max_nodes and min_nodes * per_node > 0:  # else torchrun refuses the counts itself
+        load_command_line(args.training_script_args, min_nodes * per_node)
+
+
 def _quiet_agent() -> None:
     """Silence the log of torchrun's agent (each failed rank, the SIGTERM it sends the
     others): the failed rank has said why. Its loggers set their own levels (torch's
@@ -107,10 +133,13 @@ def main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         _refuse_contradictions(args)
+        _check_the_app(args)
         if args.max_restarts > 0:
             os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module docstring
         _quiet_agent()
         run(args)
+    except UserError as e:  # the app's, said as a rank says it
+        return report_error(e, 1, True)
     except _ArgumentError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return ExitCode.BAD_INPUT

@@ -118,8 +118,9 @@ def our_torchrun(*args: str) -> Command:
     return Command((sys.executable, "-m", "te_mixtral.torchrun", *args), (("OMP_NUM_THREADS", "1"),), timeout=120)
 
 
-# world 2 is not divisible by EP=4 ... and 4 experts / EP 4 is fine: only the world check fails.
-BAD_SETTING = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), "--ep-size", "4")
+# A data set that is not there: each rank finds it as it starts (the launcher checks the config alone).
+BAD_SETTING = our_torchrun("--standalone", "--nproc_per_node=2", str(REPO / "run_finetune_ep.py"), "--ep-size", "2",
+                           "--dataset", "no/such/chats.jsonl")
 REFUSED = {our_torchrun("--no_such_option", "run_finetune_ep.py"): "unrecognized arguments: --no_such_option",
            our_torchrun("--nproc_per_node=many", "run_finetune_ep.py"): "Unsupported nproc_per_node value: many",
            our_torchrun("--standalone", "--nproc_per_node=0", "run_finetune_ep.py"): "torchrun refused its arguments"}
@@ -135,9 +136,30 @@ def test_a_bad_setting_is_one_line_per_job_and_our_torchrun_passes_the_exit_code
     # exiting with the ranks' code, and saying nothing of its own.
     proc, _ = planned_command(BAD_SETTING)
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
-    lines = assert_one_line_error(proc, "world size (2) is not divisible by ep_size (4)")
+    lines = assert_one_line_error(proc, "data set path no/such/chats.jsonl does not exist")
     assert proc.stderr.splitlines() == lines and len(lines) == 1, proc.stderr[-3000:]  # rank 0's, and nothing else
     assert lines[0].endswith("[exit code 2]")
+
+
+def test_our_torchrun_refuses_a_bad_config_before_it_launches_anything(monkeypatch, capsys):
+    # Before, the ranks found it, and with --max-restarts 2 torchrun started them twice again:
+    # the same line three times. world 2 is not divisible by EP=4 (4 experts / EP 4 is fine).
+    import te_mixtral.torchrun as torchrun
+
+    launched = []
+    monkeypatch.setattr(torchrun, "run", launched.append)
+    assert torchrun.main(["--standalone", "--nproc_per_node=2", "--max-restarts", "2", str(REPO / "run_finetune_ep.py"),
+                          "--ep-size", "4"]) == ExitCode.BAD_INPUT
+    # The launcher exits with the code itself: no "[exit code 2]", which a rank's line adds.
+    assert capsys.readouterr().err == "te_mixtral: error: world size (2) is not divisible by ep_size (4)\n"
+    assert not launched
+    # What the config alone cannot tell goes to the ranks: a script not ours, a world size not known yet.
+    for args in (["--nproc_per_node=2", "--no-python", "true", "--ep-size", "4"],
+                 ["--standalone", "--nproc_per_node=2", str(REPO / "tests/workers/one_rank_differs.py"), "--ep-size", "4"],
+                 ["--nnodes", "1:2", "--rdzv-endpoint", "localhost:0", "--nproc_per_node=2",
+                  str(REPO / "run_finetune_ep.py"), "--ep-size", "4"]):
+        launched.clear()
+        assert torchrun.main(args) == 0 and len(launched) == 1, capsys.readouterr().err
 
 
 def test_our_torchrun_refuses_its_own_bad_arguments_in_one_line(planned_command):

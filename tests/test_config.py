@@ -211,23 +211,53 @@ def test_bare_names_find_the_moved_keys():
         load_config(TINY, {"checkpoint-every": "10"})
 
 
+def key_listing(stdout: str) -> list[str]:
+    """The lines of `--help`'s key listing, after its column names (the first empty line)."""
+    listing = stdout.split("config keys, with their values")[1].splitlines()
+    return listing[listing.index("") + 1:]
+
+
 def help_groups(stdout: str) -> dict[str, dict[str, tuple[str, str, str]]]:
     """{heading: {key: (value, default, meaning)}} from the key listing of `--help`: its rows
-    indented, each group's heading above them (a row before any heading goes under '')."""
-    groups, heading = {"": {}}, ""
-    for line in stdout.split("config keys, with their values")[1].splitlines()[2:]:  # after the column names
+    indented by two, each group's heading above them (a row before any heading goes under '').
+    A meaning wrapped goes on in lines indented further (or all of it there, in a narrow
+    terminal), a heading wrapped in lines of its own, unindented."""
+    groups, heading, row = {"": {}}, "", None
+    for line in key_listing(stdout):
         if line and not line.startswith(" "):
-            heading = line
-            groups[heading] = {}
+            if row is not None or not heading:
+                heading, row = line, None
+                groups[heading] = {}
+            else:  # a heading's next line
+                groups[heading + " " + line] = groups.pop(heading)
+                heading += " " + line
+        elif line.startswith("   "):  # a meaning's next line
+            key, (value, default, meaning) = row, groups[heading][row]
+            groups[heading][key] = (value, default, f"{meaning} {line.strip()}".strip())
         elif line.strip():
-            key, value, default, meaning = line.split(maxsplit=3)
-            groups[heading][key] = (value, default, meaning)
+            key, value, default, *meaning = line.split(maxsplit=3)
+            groups[heading][key], row = (value, default, "".join(meaning)), key
     return {heading: rows for heading, rows in groups.items() if rows or heading}
 
 
 def help_rows(stdout: str) -> dict[str, tuple[str, str, str]]:
     """{key: (value, default, meaning)} from the key listing of `--help`."""
     return {key: row for rows in help_groups(stdout).values() for key, row in rows.items()}
+
+
+@pytest.mark.parametrize("columns", [100, 60])
+def test_help_wraps_the_key_listing_to_the_terminal(columns, monkeypatch):
+    # Before, a meaning was one line of up to 400 characters, a heading up to 140, whatever the terminal.
+    monkeypatch.setenv("COLUMNS", str(columns))  # what shutil.get_terminal_size reads first, as argparse does
+    proc = run_cli(["--help"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # What cannot be broken may stick out: one word, or a row's key, value and default alone.
+    too_wide = [line for line in key_listing(proc.stdout) if len(line) > columns and len(line.split()) > 1
+                and not (re.match(r"  \S", line) and len(line.split()) <= 3)]
+    assert not too_wide, too_wide[:3]
+    fields = settings()  # and nothing lost: every meaning whole
+    assert {key: row[2] for key, row in help_rows(proc.stdout).items()} == {
+        key: " ".join(f.metadata["help"].split()) for key, f in fields.items()}
 
 
 def test_help_lists_every_key_with_its_value_default_and_meaning():

@@ -2,7 +2,8 @@
 it names one (`file.md#heading`, as GitHub makes the anchor), and the results
 index (docs/results/README.md) cites the newest page of each question and no older one.
 A measured figure quoted in a guide (a time, a throughput, a speedup, a peak) names the date and
-the device it was measured on, or links the dated page that holds it.
+the device it was measured on, or links the dated page that holds it. Every package's map (its
+`__init__.py` docstring) names each of its modules and sub-packages.
 
 The index ends with a table of every dated page: its date, its questions (a page may answer
 several), and, for a page replaced the same day, the page that replaced it. A question's
@@ -11,6 +12,7 @@ standing pages of all questions. So a new page that answers a question retires i
 predecessors from the tables as soon as it is listed, and a table citing one fails here.
 """
 
+import ast
 import re
 from pathlib import Path
 
@@ -231,3 +233,17 @@ def test_the_wait_before_a_peer_repeats_rank_0s_error_is_the_one_the_code_waits(
     text = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
     said = re.search(r"the other ranks wait (\d+) s", text)
     assert said and float(said.group(1)) == PEER_GRACE_S, said and said.group(0)
+
+
+PACKAGES = sorted(init.parent for init in (REPO / "te_mixtral").rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_package_map_names_its_files(package):
+    """A package's docstring maps its files (STYLE.md): a module or sub-package added beside
+    the others and left out of the map is found here, not by the next reader."""
+    mapped = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    parts = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
+    parts += [f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").is_file()]
+    unnamed = [name for name in sorted(parts) if not re.search(rf"(?<![\w./]){re.escape(name)}", mapped)]
+    assert not unnamed, f"{package.relative_to(REPO)}/__init__.py's map leaves out {unnamed}"

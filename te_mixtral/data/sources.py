@@ -28,9 +28,6 @@ local path must not turn into a hub download.
 
 import codecs
 import itertools
-import socket
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import datasets
@@ -41,10 +38,7 @@ from te_mixtral.data.cache_writes import cache_write_failure
 from te_mixtral.data.formats import FORMATS
 from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import check_writable, require_regular_file
-from te_mixtral.local_or_hub import LOCAL_DATA_BUILDERS, is_hub_dataset
-
-# How long a connection to the hub may take before it counts as unreachable.
-HUB_PROBE_TIMEOUT_S = 3.0
+from te_mixtral.local_or_hub import LOCAL_DATA_BUILDERS, hub_unreachable, is_hub_dataset
 
 
 def _embedded_dataset(text_field: str) -> datasets.Dataset:
@@ -128,21 +122,11 @@ def _load_files(builder: str, files: list[Path]) -> list[datasets.Dataset]:
 
 
 def _check_hub_reachable(name: str) -> None:
-    """Refuse in one line, at once, where the hub cannot be reached: its client would retry
-    for half a minute before failing. Not with HF_HUB_OFFLINE=1 (the cache alone is read
-    then), nor behind a proxy (only the client knows the way through)."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or "https" in urllib.request.getproxies():
-        return
-    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        socket.create_connection((endpoint.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
-    except OSError as e:
-        raise UserError(f"data set '{name}' is no local path, and the Hugging Face hub ({endpoint.netloc}) cannot be "
-                        f"reached ({e.strerror or e}): use data.dataset=embedded or a local .json/.jsonl/.txt file or "
-                        f"folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache") from None
+    """Refuse in one line, at once, where the hub cannot be reached (`hub_unreachable`): its
+    client would retry for half a minute before failing."""
+    if reason := hub_unreachable():
+        raise UserError(f"data set '{name}' is no local path, and {reason}: use data.dataset=embedded or a local "
+                        f".json/.jsonl/.txt file or folder, or set HF_HUB_OFFLINE=1 to read a copy already in the cache")
 
 
 def _check_cache() -> None:

@@ -4,6 +4,8 @@ Shape suffixes: see te_mixtral/__init__.py.
 
     launcher_env.py   what the launcher tells each process, read without torch: world
                       size, rank, launch id and restarts
+    launcher_death.py a rank ends with the launcher that started it (Linux's parent-death
+                      signal), which torch's own sessions for each rank would not
     layout.py         process groups for expert parallelism, and the gradient reduction
                       they imply
     dispatch.py       token dispatch: each routed token copy to the rank that owns its

@@ -11,7 +11,8 @@ over a step's micro-batches. No extra forward, no extra collective.
     busiest rank/mean at EP=P   the rows of the busiest of P ranks over the mean rank's, each
                                 rank holding E/P consecutive experts as an EP group of P
                                 places them; given for every P that divides E (1 < P < E),
-                                so one run shows what EP=2, 4 ... would have met
+                                so one run shows what EP=2, 4 ... would have met (said
+                                so: only the run's own EP size's is what it met)
 
 Both are taken layer by layer and then summed: each layer's all-to-all waits for its
 busiest rank, so a step pays the sum over layers of the busiest rank's rows, and the ratio
@@ -52,13 +53,22 @@ def step_record(aux: float, z: float, tokens_per_expert_YE: torch.Tensor) -> dic
                                        for p in ep_sizes(num_experts)}}
 
 
+def busiest_ranks_text(busiest: dict[str, str], ep_size: int) -> str:
+    """The busiest rank's ratios, {EP size: ratio as shown}, said as what they are: the run's own
+    EP size's (met), and the others' (what the run would have met were it split so), which on
+    an EP=1 run are all of them; '' where no EP size splits the experts."""
+    own = busiest.get(str(ep_size))
+    others = ", ".join(f"EP={p} {busiest[p]}" for p in sorted(busiest, key=int) if int(p) != ep_size)
+    if own is None:
+        return f"busiest rank/mean, were it split: {others}" if others else ""
+    return f"busiest rank/mean: this run's EP={ep_size} {own}" + (f"; were it split: {others}" if others else "")
+
+
 def load_line(record: dict, ep_size: int) -> str:
-    """The console line of a logged step, the run's own EP size first."""
-    busiest = record["busiest_rank_over_mean"]
-    order = sorted(busiest, key=lambda p: (int(p) != ep_size, int(p)))
-    ranks = "  ".join(f"EP={p} {busiest[p]:.2f}" for p in order)
+    """The console line of a logged step."""
+    ranks = busiest_ranks_text({p: f"{r:.2f}" for p, r in record["busiest_rank_over_mean"].items()}, ep_size)
     return (f"    router: z-loss {record['z']:.4g}  experts max/mean {record['max_over_mean']:.2f}"
-            + (f"  busiest rank/mean {ranks}" if ranks else ""))
+            + (f"  {ranks}" if ranks else ""))
 
 
 def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | None, steps: tuple[int, int]) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from te_mixtral.config import ModelConfig
 from te_mixtral.errors import UserError, first_line
-from te_mixtral.local_or_hub import local_path
+from te_mixtral.local_or_hub import hub_unreachable, local_path
 
 # Our `ModelConfig` field -> its `MixtralConfig` key: the same name but for the expert count.
 _SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -93,7 +93,7 @@ def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> 
     """The local folder of a checkpoint (`model_path`): `name` itself, or a hub id whose
     `files` (patterns; the memory estimate asks for config.json alone) are downloaded to the
     hub cache (every rank may call this, the hub client locks its cache, and a cached snapshot
-    returns at once)."""
+    returns at once). Where the hub cannot be reached, the cache's copy, or one line at once."""
     path = local_path(name)
     if path is not None:
         if not path.exists():
@@ -101,9 +101,18 @@ def resolve_model_path(name: str, files: tuple[str, ...] = CHECKPOINT_FILES) -> 
         if not (path / "config.json").is_file():
             raise UserError(f"{path} is not a Hugging Face checkpoint folder (it has no config.json)")
         return path
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
+    if reason := hub_unreachable():  # the hub's client would try for half a minute, then read its cache
+        try:
+            return Path(snapshot_download(name, allow_patterns=list(files), local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise UserError(f"model '{name}' is no local folder, and {reason} nor does its cache "
+                            f"({constants.HF_HUB_CACHE}) hold it: pass a local checkpoint folder "
+                            f"(scripts/make_tiny_mixtral.py writes a tiny one), or download it where the hub can be "
+                            f"reached") from None
+    try:
         return Path(snapshot_download(name, allow_patterns=list(files)))
     except Exception as e:
         raise UserError(f"'{name}' is not a local folder, and downloading it from the Hugging Face hub failed "

@@ -39,6 +39,7 @@ import yaml
 
 from te_mixtral.errors import UserError
 from te_mixtral.files import write_text_atomic
+from te_mixtral.measure.expert_load import busiest_ranks_text
 from te_mixtral.measure.report import per_rank, tflops_text
 from te_mixtral.results.compare import (
     COMPARED_WITH,
@@ -209,9 +210,10 @@ def router_lines(run: Run, stem: str, plots: bool) -> list[str]:
     def mean(values: list[float]) -> str:
         return f"{sum(values) / len(values):.3f}"
 
-    busiest = ", ".join(f"EP={p} {mean(v)}" for p, v in load.get("busiest_rank_over_mean", {}).items())
+    busiest = busiest_ranks_text({p: mean(v) for p, v in load.get("busiest_rank_over_mean", {}).items()},
+                                 run.ep_size)
     out = [f"- router: aux loss {mean(run.results['aux_losses'])}, z-loss {mean(run.results['z_losses'])}, "
-           f"expert max/mean {mean(load['max_over_mean'])}" + (f", busiest rank/mean {busiest}" if busiest else "")
+           f"expert max/mean {mean(load['max_over_mean'])}" + (f", {busiest}" if busiest else "")
            + " (means over the run's steps)", ""]
     if plots and "tokens_per_expert" in load:
         first, last = load["tokens_per_expert_steps"]

@@ -3,6 +3,8 @@
     loop.py            the training loop, one plain function read top to bottom: setup, steps, report
     run_report.py      the run's report at its end: loss check, results.json, tables, plots
     optimizer.py       the optimizer a run steps, and its learning-rate schedule
+    exchange_capacity.py  the padded exchange's capacity over a run (--ep_capacity): a step
+                       that outgrew it runs again; a checkpoint keeps it, a resume goes on at it
     checkpoint.py      training checkpoints: stop a run and continue it exactly
     restart.py         torchrun's restarts (--max-restarts): continue the launch's own checkpoint
     resume_checks.py   whether this run can resume a checkpoint: its meta.json against the config

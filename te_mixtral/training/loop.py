@@ -81,7 +81,7 @@ from te_mixtral.training.optimizer import (
 )
 from te_mixtral.training.outputs import check_outputs, check_writable_folders
 from te_mixtral.training.peft_adapters import load_adapter, save_adapter
-from te_mixtral.training.restart import continue_restarted
+from te_mixtral.training.restart import after_a_lost_peer, continue_restarted
 from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
 
@@ -194,16 +194,18 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
         runs_here(cfg, device)
     check_source(cfg.data)
 
-    def claim(*keys: str) -> None:
+    def claim(*keys: str, beside: bool = False) -> None:
         """Rank 0 locks the folders these config keys name against a second run."""
         if locks is not None and main_rank_from_env():
             for key in keys:
                 if getattr(cfg, key) is not None:
-                    locks.claim(Path(getattr(cfg, key)), key)
+                    locks.claim(Path(getattr(cfg, key)), key, beside)
 
     claim("output_dir", "checkpoint_dir")  # first: a folder in use is refused as such
     check_outputs(cfg, model_dir, config_path)
-    claim("save_hf", "save_adapter")  # after the checks: they refuse what no export may write into
+    # After the checks: they refuse what no export may write into. Locked from beside: an
+    # export holds only what its readers need (te_mixtral/folder_lock.py).
+    claim("save_hf", "save_adapter", beside=True)
     check_trackers(cfg)
     # Refuse a run that cannot fit before anything big is allocated (the table says why).
     estimate = check_fits(cfg, world_size_from_env(), device.type)
@@ -421,6 +423,6 @@ def main(cfg: RunConfig, config_path: str | None = None) -> int:
         if not _lost_a_peer(e):
             raise
         reason = (str(e).strip().splitlines() or ["no detail"])[0]
-        return report_line(f"a collective failed, another rank probably died or hung (see its log); resume from the "
-                           f"last checkpoint with --resume ({reason[:200]})", ExitCode.LOST_A_PEER,
+        return report_line(f"a collective failed, another rank probably died or hung (see its log); "
+                           f"{after_a_lost_peer(cfg)} ({reason[:200]})", ExitCode.LOST_A_PEER,
                            world_size_from_env(), main_rank_from_env())

@@ -45,7 +45,10 @@ from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
 from te_mixtral.training.checkpoint import LATEST, latest_meta, leftovers, written_here
 
 CONFIG_FILE = "config.yaml"  # the run's whole config, saved beside results.json at the end
-EXPORT_MARKER = "te_mixtral_export.json"  # written into every Hugging Face export
+# Written into every export (save_hf, save_adapter), the one file of ours a finished export
+# holds (its lock is beside it: te_mixtral/folder_lock.py): it shows the next export that the
+# folder's export files are an export's to replace.
+EXPORT_MARKER = "te_mixtral_export.json"
 CHAT_TEMPLATES_DIR = "additional_chat_templates"  # a tokenizer's named chat templates, NAME.jinja (transformers 5)
 # The names of the files a Hugging Face export writes (training/hf_checkpoint.py): only these
 # are replaced or removed when an export replaces an earlier one.

@@ -26,6 +26,13 @@ from te_mixtral.distributed.launcher_env import launch_id_from_env, main_rank_fr
 from te_mixtral.training.checkpoint import latest_meta
 
 
+def _launchs_latest(cfg: RunConfig) -> Path | None:
+    """The newest checkpoint in cfg.checkpoint_dir, where this launch wrote it."""
+    launch = launch_id_from_env()
+    latest = latest_meta(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir and launch else None
+    return latest[0] if latest is not None and latest[1].get("launch") == launch else None
+
+
 def continue_restarted(cfg: RunConfig) -> RunConfig:
     """`cfg`, resuming its launch's newest checkpoint where torchrun restarted the job (the
     module docstring); rank 0 says which, or why there is none."""
@@ -33,11 +40,10 @@ def continue_restarted(cfg: RunConfig) -> RunConfig:
     if attempt == 0 or cfg.resume:
         return cfg
     launch = launch_id_from_env()
-    latest = latest_meta(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir and launch else None
     restarted = f"te_mixtral: torchrun restarted the job (restart {attempt} of {most})"
-    if latest is not None and latest[1].get("launch") == launch:
+    if (latest := _launchs_latest(cfg)) is not None:
         if main_rank_from_env():
-            print(f"{restarted}: it continues from {latest[0]}, as --resume does", flush=True)
+            print(f"{restarted}: it continues from {latest}, as --resume does", flush=True)
         return replace(cfg, resume=True)
     why = ("no --checkpoint-dir" if cfg.checkpoint_dir is None else
            "torchrun's --rdzv-id was not given, so its checkpoints cannot be told from another job's" if launch is None
@@ -46,3 +52,15 @@ def continue_restarted(cfg: RunConfig) -> RunConfig:
         print(f"{restarted}, with no checkpoint of its own to continue from ({why}): it runs as a new run would",
               flush=True)
     return cfg
+
+
+def after_a_lost_peer(cfg: RunConfig) -> str:
+    """What follows a rank's death, as the line that reports it says: torchrun's restart while
+    it has restarts left (it runs the same command line, so --resume is no advice to give;
+    `continue_restarted`), else the user's --resume."""
+    attempt, most = restart_from_env()
+    if attempt == most:
+        return "resume from the last checkpoint with --resume"
+    latest = _launchs_latest(cfg)
+    return (f"torchrun restarts the job (restart {attempt + 1} of {most}), which continues from "
+            + (str(latest) if latest else "this launch's newest checkpoint, if it wrote one"))

@@ -28,4 +28,12 @@ def test_step_record_and_line():
     assert record["max_over_mean"] == pytest.approx(5 / 1.5)
     assert record["busiest_rank_over_mean"] == {"2": pytest.approx(8 / 6), "4": pytest.approx(6 / 3)}
     line = load_line(record, ep_size=4)
-    assert "max/mean 3.33" in line and line.index("EP=4 2.00") < line.index("EP=2 1.33")
+    assert "max/mean 3.33" in line and "busiest rank/mean: this run's EP=4 2.00; were it split: EP=2 1.33" in line
+
+
+def test_a_run_not_split_so_shows_the_ep_sizes_as_if():
+    # Before, an EP=1 run printed "busiest rank/mean EP=2 1.33  EP=4 2.00", read as an EP=2 run's.
+    record = step_record(2.5, 0.75, torch.tensor([[5, 1, 1, 1, 1, 1, 1, 1]]))
+    line = load_line(record, ep_size=1)
+    assert line.endswith("busiest rank/mean, were it split: EP=2 1.33, EP=4 2.00") and "this run" not in line
+    assert load_line(record, ep_size=8).endswith("were it split: EP=2 1.33, EP=4 2.00")  # one expert a rank

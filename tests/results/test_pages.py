@@ -423,16 +423,20 @@ def test_router_balance_gets_a_line_and_a_heatmap(tmp_path):
     plain = make_run(tmp_path, "loop", "loop", 100.0)
     balanced = make_run(tmp_path, "aux", "custom_grouped", 50.0)
     results = json.loads((balanced / "results.json").read_text())
-    results.update({"aux_losses": [2.5, 2.25, 2.0, 2.0], "z_losses": [1.0, 1.0, 1.0, 1.0],
-                    "expert_load": {"max_over_mean": [1.5, 1.4, 1.3, 1.2],
-                                    "busiest_rank_over_mean": {"2": [1.2, 1.1, 1.1, 1.0]},
-                                    "tokens_per_expert": [[30, 10, 20, 20], [20, 20, 20, 20]],
-                                    "tokens_per_expert_steps": [1, 4]}})
-    (balanced / "results.json").write_text(json.dumps(results))
+    router = {"aux_losses": [2.5, 2.25, 2.0, 2.0], "z_losses": [1.0, 1.0, 1.0, 1.0],
+              "expert_load": {"max_over_mean": [1.5, 1.4, 1.3, 1.2],
+                              "busiest_rank_over_mean": {"2": [1.2, 1.1, 1.1, 1.0]},
+                              "tokens_per_expert": [[30, 10, 20, 20], [20, 20, 20, 20]],
+                              "tokens_per_expert_steps": [1, 4]}}
+    (balanced / "results.json").write_text(json.dumps({**results, **router}))
     page = page_for([plain, balanced])
-    line = ("- router: aux loss 2.188, z-loss 1.000, expert max/mean 1.350, busiest rank/mean EP=2 1.100 "
-            "(means over the run's steps)")
+    # An EP=1 run: EP=2 is what it would have met, not what it ran (before, "busiest rank/mean EP=2 1.100").
+    line = ("- router: aux loss 2.188, z-loss 1.000, expert max/mean 1.350, busiest rank/mean, were it split: "
+            "EP=2 1.100 (means over the run's steps)")
     assert page.markdown.count("- router:") == 1 and line in page.markdown
+    split = make_run(tmp_path, "ep2", "custom_grouped", 50.0, world=2, ep=2)
+    (split / "results.json").write_text(json.dumps({**json.loads((split / "results.json").read_text()), **router}))
+    assert "busiest rank/mean: this run's EP=2 1.100 (means" in page_for([split]).markdown
     heatmap = f"{page.stem}-expert-load-{pages.slug('custom_grouped')}.png"
     assert f"]({heatmap})" in page.markdown
     written = write_page(page, tmp_path / "out")

@@ -2,6 +2,7 @@
 logits, and each rank reads (and holds) its share of the model, not the whole model."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -102,6 +103,43 @@ def test_a_hub_id_offline_is_a_user_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail at once, network or not
     with pytest.raises(UserError, match=r"'no-such-owner/no-such-model' is not a local folder.*offline, pass a local"):
         resolve_model_path("no-such-owner/no-such-model")
+
+
+@pytest.fixture
+def unreachable_hub(tmp_path, monkeypatch):
+    """A hub at a port nothing listens on (refused at once, as on a machine without a network),
+    and an empty hub cache; huggingface_hub's own offline switch off."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    return tmp_path / "hub"
+
+
+def test_a_hub_id_where_the_hub_cannot_be_reached_is_one_line(unreachable_hub):
+    # Before: "... downloading it from the Hugging Face hub failed (Got: ConnectError: [Errno 111]
+    # Connection refused); ...", the client's words, after its own tries.
+    start = time.perf_counter()
+    with pytest.raises(UserError) as info:
+        resolve_model_path("no_such/model")
+    assert str(info.value) == (
+        f"model 'no_such/model' is no local folder, and the Hugging Face hub (127.0.0.1:9) cannot be reached "
+        f"(Connection refused) nor does its cache ({unreachable_hub}) hold it: pass a local checkpoint folder "
+        f"(scripts/make_tiny_mixtral.py writes a tiny one), or download it where the hub can be reached")
+    assert time.perf_counter() - start < 10
+
+
+def test_a_hub_id_in_the_cache_loads_where_the_hub_cannot_be_reached(unreachable_hub):
+    # As the hub client does after its own tries: the cached snapshot of the revision `main` names.
+    snapshot = unreachable_hub / "models--owner--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    MixtralConfig(**SMALL).to_json_file(snapshot / "config.json")
+    (unreachable_hub / "models--owner--tiny" / "refs").mkdir()
+    (unreachable_hub / "models--owner--tiny" / "refs" / "main").write_text("0" * 40)
+    assert resolve_model_path("owner/tiny") == snapshot
 
 
 # --- bad checkpoints: refused in one line, never broadcast or half read ------------------

@@ -22,6 +22,7 @@ from launch import RUN_DIR, app_command, assert_one_line_error, run_app, run_cli
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import ExitCode, UserError
+from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
 from te_mixtral.training.hf_checkpoint import check_export_space
 
 DIST_TIMEOUT_S = 30
@@ -93,6 +94,56 @@ def test_a_killed_rank_stops_the_job_and_the_last_checkpoint_resumes(tmp_path):
     assert not list(ckpt.glob("*.tmp")), "the interrupted save's leftovers were not cleared"
 
 
+def ended(pid: int) -> bool:
+    """Whether process `pid` is gone, or a zombie waiting for a reaper that does not reap it:
+    each of its threads (its first shows Z while the others still end, its files still open)."""
+    def thread_ended(task: Path) -> bool:
+        try:
+            return (task / "stat").read_text().rpartition(")")[2].split()[0] == "Z"
+        except OSError:
+            return True  # went as it was read
+
+    try:
+        return all(map(thread_ended, Path(f"/proc/{pid}/task").iterdir()))
+    except OSError:
+        return True  # gone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's (prctl)")
+def test_the_ranks_end_with_their_launcher_and_free_the_folders(tmp_path):
+    # torchrun starts each rank in a session of its own, so a SIGKILL of its process group (the
+    # agent's: what `kill -9 -- -PGID` of a job started by setsid, or a batch system, sends)
+    # misses them. Before, the ranks trained on with no launcher, holding the output folder's
+    # lock, and the next run there was refused as "in use by another run".
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(app_command([*SMALL, "--steps", "5000", "--log_every", "1000", "--plots", "false",
+                                             "--output-dir", str(out)], nproc=2),
+                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ranks = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / LOCK_FILE).is_file() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 0 holds the folder: both ranks run
+        ranks = worker_pids(launcher.pid)
+        assert len(ranks) == 2, launcher.stderr.read()[-3000:] if launcher.poll() is not None else ranks
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 5
+        while not all(map(ended, ranks.values())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(map(ended, ranks.values())), f"ranks still running 5 s after their launcher died: {ranks}"
+    finally:
+        for pid in ranks.values():
+            if not ended(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    with FolderLocks() as locks:  # the folder is free again: the next run is not refused
+        locks.claim(out, "output_dir")
+
+
 # torchrun --max-restarts 1 (ours: torchrun's own shares one rendezvous store across attempts, and
 # a restart may then fail to connect; te_mixtral/torchrun.py), whose rank 1 is killed right after
 # the step-2 checkpoint of the first attempt.
@@ -109,6 +160,9 @@ def test_a_job_torchrun_restarts_continues_from_its_last_checkpoint(planned_comm
     # line said to pass --resume (which the restart, run with the same command line, could not).
     proc, folder = planned_command(RESTARTED)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # Rank 0's line as its peer died, where it came before torchrun stopped it: the restart, no --resume.
+    for line in (line for line in proc.stderr.splitlines() if "a collective failed" in line):
+        assert "torchrun restarts the job (restart 1 of 1), which continues from " in line and "--resume" not in line
     notes = [line for line in proc.stdout.splitlines() if "torchrun restarted the job" in line]
     assert notes == [f"te_mixtral: torchrun restarted the job (restart 1 of 1): it continues from "
                      f"{folder / 'ckpt' / 'step-000002'}, as --resume does"], proc.stdout
@@ -118,6 +172,31 @@ def test_a_job_torchrun_restarts_continues_from_its_last_checkpoint(planned_comm
     steps = [line for line in lines if "loss" in line]
     assert [line["step"] for line in steps] == [1, 2, 3] and len({line["run_id"] for line in lines}) == 1
     assert json.loads((folder / "out" / "results.json").read_text())["losses"] == [line["loss"] for line in steps]
+
+
+@pytest.mark.parametrize("restart, advice", [
+    # Before, the first attempt said "resume from the last checkpoint with --resume", as torchrun restarted it.
+    ("0", "torchrun restarts the job (restart 1 of 2), which continues from this launch's newest checkpoint, if it "
+          "wrote one"),
+    ("2", "resume from the last checkpoint with --resume"),  # the restarts spent: the user's turn
+])
+def test_the_lost_peer_line_says_what_follows_under_torchruns_restarts(tmp_path, monkeypatch, restart, advice):
+    # In this process, with the environment torchrun gives the processes it starts, and a
+    # collective that fails as gloo's do when a peer dies.
+    import te_mixtral.training.loop as loop
+
+    def peer_died(*args):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    monkeypatch.setattr(loop, "train", peer_died)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    proc = run_cli(["--steps", "2", "--seq_len", "32", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                    "--output-dir", str(tmp_path / "out")])
+    assert proc.returncode == ExitCode.LOST_A_PEER
+    [line] = assert_one_line_error(proc, "a collective failed, another rank probably died or hung (see its log); "
+                                         f"{advice} ([")
+    assert ("--resume" in line) == (restart == "2")
 
 
 @pytest.mark.parametrize("written_under, restarted_under, why", [

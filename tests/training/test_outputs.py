@@ -19,7 +19,7 @@ from te_mixtral import files
 from te_mixtral.config import load_config, save_config
 from te_mixtral.errors import ExitCode, UserError
 from te_mixtral.files import replace_files, require_free_space, size_text
-from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
+from te_mixtral.folder_lock import LOCK_FILE, FolderLocks, lock_path
 from te_mixtral.training.outputs import (
     CHAT_TEMPLATES_DIR,
     EXPORT_MARKER,
@@ -70,9 +70,29 @@ def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not stale.exists() and not (tmp_path / "export.old").exists()
     assert (folder / "README.md").read_text() == "my model card" and (folder / "eval_results.json").is_file()
-    # ... and the lock that kept a second run from exporting there meanwhile (te_mixtral/folder_lock.py).
-    assert all(is_export_file(p.name) for p in folder.iterdir()
-               if p.name not in ("README.md", "eval_results.json", LOCK_FILE))
+    assert all(is_export_file(p.name) for p in folder.iterdir() if p.name not in ("README.md", "eval_results.json"))
+
+
+@pytest.mark.parametrize("key, lora", [("--save-hf", []), ("--save-adapter", ["--lora.rank", "2"])])
+def test_a_finished_export_holds_what_its_readers_need_and_its_marker_alone(tmp_path, key, lora):
+    # Users push an export to the hub with huggingface_hub.upload_folder, which uploads hidden
+    # files too. Before, it uploaded the run's lock (.te_mixtral.lock, a note of the pid and host
+    # that held the folder) with the export.
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+
+    export = tmp_path / "export"
+    proc = run_cli([*SHORT, "--output-dir", str(tmp_path / "out"), key, str(export), *lora])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files_in = [p.relative_to(export).as_posix() for p in sorted(export.glob("**/*")) if p.is_file()]
+    uploaded = set(filter_repo_objects(files_in, ignore_patterns=DEFAULT_IGNORE_PATTERNS))  # as upload_folder picks
+    if key == "--save-hf":  # what transformers reads: the weights its index names, the config, the tokenizer
+        index = json.loads((export / "model.safetensors.index.json").read_text())
+        read = {"config.json", "model.safetensors.index.json", *index["weight_map"].values()}
+    else:  # what PEFT reads, and the tokenizer the adapters learnt (training/peft_adapters.py)
+        read = {"adapter_config.json", "adapter_model.safetensors"}
+    assert uploaded == read | {"tokenizer.json", "tokenizer_config.json", EXPORT_MARKER}
+    assert set(files_in) == uploaded
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "out"]  # nothing of the run's left beside it
 
 
 def test_no_file_transformers_would_read_with_an_export_stays_beside_it(tmp_path):
@@ -298,13 +318,15 @@ def test_estimate_memory_refuses_what_is_no_number_of_ranks(ranks):
     assert_one_line_error(proc, f"--estimate-memory takes a number of ranks (1 or more), got {ranks}")
 
 
-# Holds the folders it is given as a run would, until it is killed.
+# Holds the folders it is given as a run would (the last, an export's, from beside it), until it is killed.
 HOLD = """import sys, time
 from pathlib import Path
-from te_mixtral.folder_lock import LOCK_FILE, FolderLocks
+from te_mixtral.folder_lock import FolderLocks
 locks = FolderLocks()
-for folder in sys.argv[1:]:
+*folders, export = sys.argv[1:]
+for folder in folders:
     locks.claim(Path(folder), "a folder")
+locks.claim(Path(export), "an export folder", beside=True)
 print("held", flush=True)
 time.sleep(300)
 """
@@ -327,11 +349,39 @@ def test_a_folder_in_use_by_another_run_is_refused_naming_it_until_that_run_dies
     finally:
         holder.kill()  # no cleanup, as the OOM killer would: the operating system releases the lock
         holder.wait()
-    proc = run_cli([*SHORT, "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--overwrite"])
+    stale = [out / LOCK_FILE, ckpt / LOCK_FILE, lock_path(export, beside=True)]
+    assert all(path.is_file() for path in stale)  # a killed run's lock files stay, locked by no one
+    proc = run_cli([*SHORT, "--output-dir", str(out), "--checkpoint-dir", str(ckpt), "--overwrite",
+                    "--save-hf", str(export)])
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not any(path.exists() for path in stale)  # a run that ends deletes its lock files as it releases them
     with FolderLocks() as locks:  # and a run releases its own when it ends
         locks.claim(out, "output_dir")
         locks.claim(ckpt, "checkpoint_dir")
+
+
+def test_a_lock_file_deleted_as_another_run_locks_it_is_locked_anew(tmp_path, monkeypatch):
+    # The race a lock file deleted on release opens: a second run opens the file, the first
+    # deletes it and releases it, the second locks the deleted file, and a third run would lock
+    # a new one beside it. The second must see that its file is gone and lock the new one.
+    import fcntl
+
+    first, second = FolderLocks(), FolderLocks()
+    first.claim(tmp_path, "output_dir")
+    flock = fcntl.flock
+
+    def first_releases_meanwhile(file, operation):  # the second has opened the file: now the first ends
+        monkeypatch.setattr(fcntl, "flock", flock)
+        first.close()
+        return flock(file, operation)
+
+    monkeypatch.setattr(fcntl, "flock", first_releases_meanwhile)
+    with second:
+        second.claim(tmp_path, "output_dir")
+        assert f"pid {os.getpid()}" in (tmp_path / LOCK_FILE).read_text()
+        with pytest.raises(UserError, match=f"output_dir {tmp_path} is in use by another run"):
+            FolderLocks().claim(tmp_path, "output_dir")
+    assert not (tmp_path / LOCK_FILE).exists()
 
 
 def test_one_folder_for_the_output_and_the_checkpoints_is_the_runs_own(tmp_path):
