@@ -247,6 +247,15 @@ def gather_experts(stacked_L: torch.Tensor, layout: Layout, dtype: torch.dtype) 
     return experts if layout.is_main else None
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`tensors` in a safetensors file at `path`, as transformers and PEFT read them, on disk
+    when this returns and readable by others (safetensors makes its files owner-only; exports
+    are meant to be shared)."""
+    save_file({name: t.contiguous() for name, t in tensors.items()}, path, metadata={"format": "pt"})
+    path.chmod(0o644)
+    fsync_path(path)
+
+
 class _ShardWriter:
     """Writes numbered safetensors files and the index that maps each tensor to its file."""
 
@@ -261,9 +270,7 @@ class _ShardWriter:
         self.written += 1
         self.finite = self.finite and all(bool(torch.isfinite(t).all()) for t in tensors.values())
         name = f"model-{self.written:05d}-of-{self.num_files:05d}.safetensors"
-        save_file(tensors, self.folder / name, metadata={"format": "pt"})
-        (self.folder / name).chmod(0o644)  # safetensors makes it owner-only; checkpoints are meant to be shared
-        fsync_path(self.folder / name)
+        write_safetensors(tensors, self.folder / name)
         self.weight_map.update(dict.fromkeys(tensors, name))
         self.total_bytes += sum(t.nbytes for t in tensors.values())
 

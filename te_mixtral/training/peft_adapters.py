@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
@@ -47,7 +46,7 @@ from te_mixtral.errors import UserError, first_line
 from te_mixtral.files import fsync_path, make_scratch, remove_scratch, replace_files, sibling, write_failure
 from te_mixtral.lora_config import peft_config
 from te_mixtral.training.checkpoint import require_finite_weights
-from te_mixtral.training.hf_checkpoint import gather_experts, read_tensor, write_tokenizer
+from te_mixtral.training.hf_checkpoint import gather_experts, read_tensor, write_safetensors, write_tokenizer
 from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
 
 PREFIX = "base_model.model."  # PeftModel's name of the wrapped transformers model
@@ -145,7 +144,7 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
     try:
         remove_scratch(tmp, "the export")  # left by a run that died while exporting
         make_scratch(tmp)
-        save_file({name: t.contiguous() for name, t in tensors.items()}, tmp / "adapter_model.safetensors")
+        write_safetensors(tensors, tmp / "adapter_model.safetensors")
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(tmp, tokenizer, cfg.data.tokenizer)
         # Marks the folder as ours, so that a later export may replace it (training/outputs.py).

@@ -94,6 +94,8 @@ def test_a_finished_export_holds_what_its_readers_need_and_its_marker_alone(tmp_
     assert uploaded == read | {"tokenizer.json", "tokenizer_config.json", EXPORT_MARKER}
     assert set(files_in) == uploaded
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "out"]  # nothing of the run's left beside it
+    # Shared as the run's other files are: safetensors writes its files owner-only.
+    assert [name for name in files_in if (export / name).stat().st_mode & 0o044 != 0o044] == []
 
 
 def test_no_file_transformers_would_read_with_an_export_stays_beside_it(tmp_path):
