@@ -78,7 +78,11 @@ class FolderLocks(contextlib.ExitStack):
             return
         path = lock_path(folder, beside)
         while True:
-            lock = path.open("a+")  # not "w": truncating would erase the holder's note before we know we hold it
+            try:
+                lock = path.open("a+")  # not "w": truncating would erase the holder's note before we know we hold it
+            except OSError as e:  # a folder there, or a file another user's run left
+                raise UserError(f"cannot lock {what} {folder} against a second run: its lock file {path} cannot be "
+                                f"opened: {e.strerror}") from None
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

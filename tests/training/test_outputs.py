@@ -387,6 +387,18 @@ def test_a_lock_file_deleted_as_another_run_locks_it_is_locked_anew(tmp_path, mo
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_lock_file_that_cannot_be_opened_is_one_line_naming_it(tmp_path, beside):
+    # A folder where the lock file goes (running as root, permissions would not stop us; this
+    # does): before, open's IsADirectoryError was a traceback.
+    folder = tmp_path / "export"
+    lock_path(folder, beside).mkdir(parents=True)
+    with pytest.raises(UserError) as refused, FolderLocks() as locks:
+        locks.claim(folder, "save_hf", beside)
+    assert str(refused.value) == (f"cannot lock save_hf {folder} against a second run: its lock file "
+                                  f"{lock_path(folder, beside)} cannot be opened: Is a directory")
+
+
 def test_one_folder_for_the_output_and_the_checkpoints_is_the_runs_own(tmp_path):
     # As HF Trainer keeps its checkpoints in its output folder. The run holds the folder's
     # lock once: a second claim of its own is no "other run" (one named by this run's pid).
