@@ -37,6 +37,7 @@ from te_mixtral.saved_config import (
     RETYPED_KEYS,
     SECTION_NAMES,
     flatten,
+    is_marked,
     is_saved,
     saved_yaml,
     upgrade_key,
@@ -569,7 +570,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     them set (`lora_config.adopt_adapter`)."""
     cfg = RunConfig()
     given = set()  # the keys the file, the command line or the launcher set
-    saved = False  # whether the file is a config a run saved (check_needs)
+    saved = edited = False  # whether the file is a config a run saved (check_needs), or one edited since
     if path is not None:
         require_regular_file(Path(path), "config")
         try:
@@ -594,6 +595,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
             _apply(cfg, key, value)
             given.add(key)
         saved = is_saved(Path(path), text, raw)
+        edited = not saved and is_marked(text)
     file_cfg = copy.deepcopy(cfg)  # what the file alone sets (check_needs: the command line overrides it)
     typed = set()  # the keys the command line sets
     for bare, text in (overrides or {}).items():
@@ -613,7 +615,13 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
     _expand_home(cfg)
     adopt_adapter(cfg, given)  # lora.init's settings, where none are given
     validate(cfg, world_size)
-    check_needs(cfg, given, file_cfg, frozenset(typed), saved)
+    try:
+        check_needs(cfg, given, file_cfg, frozenset(typed), saved)
+    except UserError as e:
+        if edited:  # a key the user never set may be refused: say why the run's own config is
+            raise UserError(f"{e} (config {path} was edited since its run saved it, so it is checked as one "
+                            f"written by hand)") from None
+        raise
     return cfg
 
 

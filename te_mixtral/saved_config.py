@@ -12,16 +12,21 @@ that changes nothing in its run is taken as saved (`config_checks.check_needs`),
 config written by hand, or the command line, is refused for it.
 """
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import yaml
 
 from te_mixtral.errors import UserError
 
-# The first line of the config.yaml a run saves, which marks it as saved (a copy edited by
-# hand should drop it, to be checked as written by hand).
-SAVED_MARK = "# A te_mixtral run's config, saved whole: every key as it ran, those that changed nothing in it too\n"
+# The first line of the config.yaml a run saves, which marks it as saved. It holds the digest of
+# the config below it (`_digest`): a copy edited by hand keeps the line, and where the line alone
+# marked it, a key edited in that changes nothing in its run was taken, and ignored, silently.
+SAVED_MARK = ("# A te_mixtral run's config, saved whole: every key as it ran, those that changed nothing in it too "
+              "(sha256 {})\n")
+_MARKED = re.compile(re.escape(SAVED_MARK).replace(re.escape("{}"), "([0-9a-f]{64})"))
 # Where a run records its results, its config in the header (measure/report.py writes it).
 RESULTS_FILE = "results.json"
 
@@ -41,17 +46,29 @@ def flatten(config: dict, where: str = "the config") -> dict[str, object]:
     return flat
 
 
+def _digest(raw) -> str:
+    """The SHA-256 of a config as YAML reads it: its comments, layout and key order are not part of it."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def saved_yaml(config: dict) -> str:
     """A run's whole config (`config.to_dict`) as its config.yaml: `SAVED_MARK`, then the keys
     in config order."""
-    return SAVED_MARK + yaml.safe_dump(config, sort_keys=False)
+    text = yaml.safe_dump(config, sort_keys=False)
+    return SAVED_MARK.format(_digest(yaml.safe_load(text))) + text
+
+
+def is_marked(text: str) -> bool:
+    """Whether a config file's `text` starts with a mark a run wrote, whatever was edited since."""
+    return text.startswith(SAVED_MARK.partition(" (sha256")[0])
 
 
 def is_saved(path: Path, text: str, raw) -> bool:
     """Whether the config file at `path` (its `text`, read as `raw`) is a config a run saved: it
-    starts with `SAVED_MARK`, or, saved before runs wrote the mark, the results.json its run
-    wrote beside it records the same config."""
-    if text.startswith(SAVED_MARK):
+    starts with `SAVED_MARK` and holds the config the mark's digest names, or, saved before runs
+    wrote that mark, the results.json its run wrote beside it records the same config."""
+    marked = _MARKED.match(text)
+    if marked and marked.group(1) == _digest(raw):
         return True
     results = path.parent / RESULTS_FILE
     if not results.is_file():

@@ -6,13 +6,14 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO
 from launch import assert_one_line_error, run_app
 
 from te_mixtral.config import load_config, load_run_config, save_config, settings, to_dict
 from te_mixtral.config_checks import value_of
 from te_mixtral.errors import UserError
-from te_mixtral.saved_config import SAVED_MARK, saved_yaml
+from te_mixtral.saved_config import saved_yaml
 
 
 @pytest.mark.parametrize("key, value, fragment", [
@@ -342,7 +343,7 @@ def test_a_saved_config_loads_every_key_as_saved_where_a_hand_written_one_is_ref
         config = _with_key(to_dict(load_run_config(TINY, others, world)), key, value)
         saved, by_hand = tmp_path / f"{key}.yaml", tmp_path / f"{key}-by-hand.yaml"
         saved.write_text(saved_yaml(config))
-        by_hand.write_text(saved_yaml(config).removeprefix(SAVED_MARK))
+        by_hand.write_text(saved_yaml(config).partition("\n")[2])
         assert to_dict(load_run_config(str(saved), world_size=world)) == config, key
         with pytest.raises(UserError) as refused:
             load_run_config(str(by_hand), world_size=world)
@@ -352,11 +353,29 @@ def test_a_saved_config_loads_every_key_as_saved_where_a_hand_written_one_is_ref
     assert keys == {key for key, f in fields.items() if f.metadata["needs"] is not None}
 
 
+def test_a_saved_config_edited_by_hand_is_checked_as_written_by_hand(tmp_path):
+    # A run's config.yaml copied and edited keeps its first line: before, the mark alone made it
+    # saved, so an fp8 threshold edited into a loop run's config was taken and ignored, silently.
+    saved = tmp_path / "config.yaml"
+    save_config(load_config(TINY, {"tier": "loop"}), saved)
+    mark, body = saved.read_text().split("\n", 1)
+    saved.write_text(f"{mark}\n# a comment and the keys in another order change nothing\n"
+                     + yaml.safe_dump(yaml.safe_load(body), sort_keys=True))
+    assert load_config(str(saved)).tier == "loop"
+    config = yaml.safe_load(body)
+    config["fp8"]["min_rows_per_expert"] = 1000
+    saved.write_text(f"{mark}\n" + yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(UserError, match=f"^fp8.min_rows_per_expert is tier device_mxfp8's threshold.* \\(config "
+                                        f"{saved} was edited since its run saved it, so it is checked as one "
+                                        f"written by hand\\)$"):
+        load_config(str(saved))
+
+
 def test_a_config_saved_before_the_mark_is_known_by_the_results_its_run_wrote_beside_it(tmp_path):
     config = _with_key(to_dict(load_config(TINY, {"tier": "loop"})), "fp8.min_rows_per_expert", 3072)
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text(saved_yaml(config).removeprefix(SAVED_MARK))
+    (run / "config.yaml").write_text(saved_yaml(config).partition("\n")[2])
     refusal = "^fp8.min_rows_per_expert is tier device_mxfp8's threshold"
     for results in ("not json", '["a list"]', json.dumps({"header": {"config": {**config, "tier": "custom_grouped"}}})):
         (run / "results.json").write_text(results)  # not this config's run: a file written by hand
