@@ -26,10 +26,15 @@ from te_mixtral.distributed.launcher_env import launch_id_from_env, main_rank_fr
 from te_mixtral.training.checkpoint import latest_meta
 
 
+def _newest(cfg: RunConfig) -> tuple[Path, dict] | None:
+    """The newest checkpoint in cfg.checkpoint_dir and its meta, whoever wrote it."""
+    return latest_meta(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir else None
+
+
 def _launchs_latest(cfg: RunConfig) -> Path | None:
     """The newest checkpoint in cfg.checkpoint_dir, where this launch wrote it."""
     launch = launch_id_from_env()
-    latest = latest_meta(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir and launch else None
+    latest = _newest(cfg) if launch else None
     return latest[0] if latest is not None and latest[1].get("launch") == launch else None
 
 
@@ -47,7 +52,8 @@ def continue_restarted(cfg: RunConfig) -> RunConfig:
         return replace(cfg, resume=True)
     why = ("no --checkpoint-dir" if cfg.checkpoint_dir is None else
            "torchrun's --rdzv-id was not given, so its checkpoints cannot be told from another job's" if launch is None
-           else f"none in {cfg.checkpoint_dir} yet")
+           else f"none in {cfg.checkpoint_dir} yet" if (newest := _newest(cfg)) is None
+           else f"the newest in {cfg.checkpoint_dir}, {newest[0].name}, is another job's")
     if main_rank_from_env():
         print(f"{restarted}, with no checkpoint of its own to continue from ({why}): it runs as a new run would",
               flush=True)

@@ -200,7 +200,8 @@ def test_the_lost_peer_line_says_what_follows_under_torchruns_restarts(tmp_path,
 
 
 @pytest.mark.parametrize("written_under, restarted_under, why", [
-    ("an-earlier-job", "this-job", "none in {ckpt} yet"),
+    # Before, this restart said there was "none in {ckpt} yet", beside the earlier job's checkpoint.
+    ("an-earlier-job", "this-job", "the newest in {ckpt}, step-000002, is another job's"),
     # torchrun's id without --rdzv-id (outside --standalone) is the same for every job.
     ("none", "none", "torchrun's --rdzv-id was not given, so its checkpoints cannot be told from another job's"),
 ])
