@@ -59,8 +59,8 @@ def saved_yaml(config: dict) -> str:
 
 
 def is_marked(text: str) -> bool:
-    """Whether a config file's `text` starts with a mark a run wrote, whatever was edited since."""
-    return text.startswith(SAVED_MARK.partition(" (sha256")[0])
+    """Whether a config file's `text` starts with `SAVED_MARK`, whatever was edited since."""
+    return _MARKED.match(text) is not None
 
 
 def is_saved(path: Path, text: str, raw) -> bool:
