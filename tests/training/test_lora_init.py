@@ -113,6 +113,11 @@ def test_the_adapters_settings_are_taken_where_none_are_given(tmp_path):
     ({"alpha_pattern": {"q_proj": 8}}, {}, "holds alphas of their own on some projections (alpha_pattern)"),
     ({"layers_to_transform": [0]}, {}, "holds adapters on some layers only (layers_to_transform)"),
     ({"bias": "lora_only"}, {}, "trains biases (bias lora_only)"),
+    # Settings that change what the adapters compute, which the loaded weights alone do not say.
+    ({"alora_invocation_tokens": [5, 6]}, {}, "(alora_invocation_tokens)"),
+    ({"use_qalora": True}, {}, "(use_qalora)"),
+    ({"arrow_config": {"top_k": 3}}, {}, "(arrow_config)"),
+    ({"a_later_peft_setting": 1}, {}, "holds a_later_peft_setting 1, a PEFT setting te_mixtral's LoRA does not have"),
     ({"r": 0}, {}, "r must be a positive whole number, got 0"),
 ])
 def test_what_no_run_can_start_from_is_refused_in_one_line(tmp_path, changes, overrides, fragment):
