@@ -49,7 +49,8 @@ class LoRAConfig:
                                help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors: "
                                "--save-adapter's, or PEFT's save_pretrained for Mixtral) whose weights the adapters "
                                "start from, instead of the seed's; its r, lora_alpha, use_rslora and targets are "
-                               "the run's lora.rank, alpha, rslora and targets unless given. The optimizer starts "
+                               "the run's lora.rank, alpha, rslora and targets unless given, and the tokenizer "
+                               "beside it data.tokenizer. The optimizer starts "
                                "afresh; a resume reads the checkpoint's adapters instead")
     base: Literal["default", "nf4"] = setting("default",
                                               needs=replace(LORA_ON, text="holds the base frozen for LoRA: set "
@@ -248,10 +249,10 @@ def _our_target(name, stem: str, ours: tuple[str, ...], where: str) -> str:
 
 
 def adopt_adapter(cfg, given: set[str]) -> None:
-    """lora.init's adapter settings (`read_peft_adapter`) as the run config `cfg`'s where the
-    config and the command line gave none (`given`: the keys they set); one given otherwise is
-    refused naming both, and so is an adapter over another base than the run's, where the adapter
-    names its base. `--lora.rank 0` turns LoRA off, lora.init with it (config_checks.check_needs)."""
+    """lora.init's adapter settings (`read_peft_adapter`), and the tokenizer beside it, as the run
+    config `cfg`'s where the config and the command line gave none (`given`: the keys they set); a
+    setting given otherwise is refused naming both, and so is an adapter over another base than
+    the run's, where the adapter names its base. `--lora.rank 0` turns LoRA off, lora.init with it (config_checks.check_needs)."""
     lora = cfg.lora
     if lora.init is None or ("lora.rank" in given and lora.rank == 0):
         return
@@ -266,6 +267,10 @@ def adopt_adapter(cfg, given: set[str]) -> None:
             raise UserError(f"lora.init {lora.init} holds adapters of {peft_name} {wanted}, and lora.{key} is "
                             f"{getattr(lora, key)}: drop lora.{key} (the adapter's is taken), or train new adapters "
                             f"without lora.init")
+    # The adapters learnt the token ids of the tokenizer beside them (--save-adapter writes the
+    # run's there), which need not be the base's that the run would read otherwise.
+    if "data.tokenizer" not in given and (Path(lora.init) / "tokenizer.json").is_file():
+        cfg.data.tokenizer = lora.init
     ours = base_model(cfg.model_path)
     if adapter.base is not None and base_model(adapter.base) != ours:
         now = f"--model {cfg.model_path}" if cfg.model_path is not None else "made from the seed"

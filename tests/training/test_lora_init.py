@@ -9,6 +9,7 @@ a resume reads its checkpoint instead: tests/training/test_lora_run.py.)"""
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ BASE = dict(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_lay
             num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 ARGS = [RUN_DIR, json.dumps(BASE), "--timing_warmup_steps", "0", "--batch_size", "2", "--seq_len", "64",
-        "--tokenizer_vocab_size", "300", "--max_documents", "50"]
+        "--max_documents", "50"]
 PLANNED_RUNS = {nproc: [[WORKER, SCRIPT, *ARGS, "--ep-size", str(nproc)]] for nproc in (1, 2)}
 SINGLE = Layout(0, 1, 1, None, None)
 # The adapter config tests/lora_adapter holds (r 2, lora_alpha 4, q_proj, v_proj and the experts' down_proj).
@@ -46,9 +47,10 @@ def test_a_run_from_an_exported_adapter_starts_where_the_exporting_run_ended(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "te_mixtral: LoRA adapters from " in proc.stdout and "the optimizer starts afresh" in proc.stdout
     # It took the adapter's settings, each away from its default, none given.
-    saved = json.loads((tmp_path / "b" / "results.json").read_text())["header"]["config"]["lora"]
-    assert {key: saved[key] for key in ("rank", "alpha", "rslora", "targets")} == {
+    saved = json.loads((tmp_path / "b" / "results.json").read_text())["header"]["config"]
+    assert {key: saved["lora"][key] for key in ("rank", "alpha", "rslora", "targets")} == {
         "rank": 2, "alpha": 5.0, "rslora": True, "targets": "q_proj,o_proj,gate_up_proj,down_proj"}
+    assert Path(saved["data"]["tokenizer"]).name == "adapter"  # the exporting run's BPE, from its export
     for rank in range(nproc):
         ran = torch.load(tmp_path / f"rank{rank}.pt")
         assert ran["first_loss"] == ran["last_loss"], rank  # the same bits: the same adapters, scale and base
@@ -88,6 +90,16 @@ def test_the_adapters_settings_are_taken_where_none_are_given(tmp_path):
     config = tmp_path / "lora.yaml"
     config.write_text((REPO / "configs" / "tiny.yaml").read_text() + f"lora:\n  rank: 2\n  init: {ADAPTER}\n")
     assert not load_config(str(config), {"lora.rank": "0"}).lora.enabled
+
+
+def test_the_adapters_tokenizer_is_the_runs_unless_one_is_given(tmp_path):
+    # The adapters learnt its token ids (an export writes the run's beside them), which need not be the base's.
+    folder = write_adapter(tmp_path / "adapter")
+    shutil.copyfile(REPO / "examples" / "chat-tokenizer" / "tokenizer.json", folder / "tokenizer.json")
+    assert load_config(TINY, {"lora.init": str(folder)}).data.tokenizer == str(folder)
+    other = str(REPO / "examples" / "chat-tokenizer")
+    assert load_config(TINY, {"lora.init": str(folder), "data.tokenizer": other}).data.tokenizer == other
+    assert load_config(TINY, {"lora.init": str(ADAPTER)}).data.tokenizer is None  # it has none
 
 
 @pytest.mark.parametrize("changes, overrides, fragment", [
