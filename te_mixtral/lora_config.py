@@ -49,7 +49,8 @@ class LoRAConfig:
                                help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors: "
                                "--save-adapter's, or PEFT's save_pretrained for Mixtral) whose weights the adapters "
                                "start from, instead of the seed's; its r, lora_alpha, use_rslora and targets are "
-                               "the run's lora.rank, alpha, rslora and targets unless given. The optimizer starts "
+                               "the run's lora.rank, alpha, rslora and targets unless given, and the tokenizer "
+                               "beside it data.tokenizer. The optimizer starts "
                                "afresh; a resume reads the checkpoint's adapters instead")
     base: Literal["default", "nf4"] = setting("default",
                                               needs=replace(LORA_ON, text="holds the base frozen for LoRA: set "
@@ -170,7 +171,20 @@ _NOT_PLAIN = {"use_dora": "DoRA's magnitude vectors", "lora_bias": "a bias on lo
               "alpha_pattern": "alphas of their own on some projections",
               "layers_to_transform": "adapters on some layers only", "layers_pattern": "adapters on some layers only",
               "exclude_modules": "some projections left out", "modules_to_save": "whole modules trained beside them",
-              "trainable_token_indices": "trained token embeddings", "layer_replication": "layers repeated"}
+              "trainable_token_indices": "trained token embeddings", "layer_replication": "layers repeated",
+              "alora_invocation_tokens": "adapters that act only after their invocation tokens (aLoRA)",
+              "use_qalora": "QALoRA's pooled adapter inputs", "arrow_config": "Arrow's routing among adapters",
+              "use_bdlora": "block-diagonal adapters"}
+# PEFT's settings that leave a saved adapter computing what its weights and the settings
+# read_peft_adapter takes say: bookkeeping, training-only ones, how fresh adapters start,
+# and details of settings that are off. Any other setting PEFT writes is off by default (None,
+# False, {}); on, it may change what the adapters compute, so it is refused, a new one too.
+_NO_EFFECT = {"task_type", "auto_mapping", "peft_version", "revision", "inference_mode", "lora_dropout",
+              "fan_in_fan_out",  # PEFT turns it off on Linear layers (and refuses it on stacked weights)
+              "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+              "qalora_group_size", "megatron_core", "ensure_weight_tying", "runtime_config"}
+_READ = {"peft_type", "r", "lora_alpha", "use_rslora", "bias", "target_modules", "target_parameters",
+         "base_model_name_or_path"}
 
 
 @dataclass(frozen=True)
@@ -203,8 +217,13 @@ def read_peft_adapter(folder: str) -> PeftAdapter:
     _check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < math.inf,
            f"{path}: lora_alpha must be a number above 0, got {alpha!r}")
     _check(isinstance(rslora, bool), f"{path}: use_rslora must be true or false, got {rslora!r}")
-    for key, what in _NOT_PLAIN.items():
-        _check(not raw.get(key), f"{where} holds {what} ({key}), which te_mixtral's LoRA adapters cannot hold")
+    for key, value in raw.items():
+        if not value or key in _READ | _NO_EFFECT:
+            continue
+        if key in _NOT_PLAIN:
+            raise UserError(f"{where} holds {_NOT_PLAIN[key]} ({key}), which te_mixtral's LoRA adapters cannot hold")
+        raise UserError(f"{where} holds {key} {value!r}, a PEFT setting te_mixtral's LoRA does not have (its "
+                            f"adapters may compute otherwise here than in PEFT): train new adapters without lora.init")
     _check(raw.get("bias", "none") == "none", f"{where} trains biases (bias {raw.get('bias')}), which te_mixtral's "
                                               f"LoRA adapters cannot hold")
     dense, experts = raw.get("target_modules") or [], raw.get("target_parameters") or []
@@ -230,10 +249,10 @@ def _our_target(name, stem: str, ours: tuple[str, ...], where: str) -> str:
 
 
 def adopt_adapter(cfg, given: set[str]) -> None:
-    """lora.init's adapter settings (`read_peft_adapter`) as the run config `cfg`'s where the
-    config and the command line gave none (`given`: the keys they set); one given otherwise is
-    refused naming both, and so is an adapter over another base than the run's, where the adapter
-    names its base. `--lora.rank 0` turns LoRA off, lora.init with it (config_checks.check_needs)."""
+    """lora.init's adapter settings (`read_peft_adapter`), and the tokenizer beside it, as the run
+    config `cfg`'s where the config and the command line gave none (`given`: the keys they set); a
+    setting given otherwise is refused naming both, and so is an adapter over another base than
+    the run's, where the adapter names its base. `--lora.rank 0` turns LoRA off, lora.init with it (config_checks.check_needs)."""
     lora = cfg.lora
     if lora.init is None or ("lora.rank" in given and lora.rank == 0):
         return
@@ -248,6 +267,10 @@ def adopt_adapter(cfg, given: set[str]) -> None:
             raise UserError(f"lora.init {lora.init} holds adapters of {peft_name} {wanted}, and lora.{key} is "
                             f"{getattr(lora, key)}: drop lora.{key} (the adapter's is taken), or train new adapters "
                             f"without lora.init")
+    # The adapters learnt the token ids of the tokenizer beside them (--save-adapter writes the
+    # run's there), which need not be the base's that the run would read otherwise.
+    if "data.tokenizer" not in given and (Path(lora.init) / "tokenizer.json").is_file():
+        cfg.data.tokenizer = lora.init
     ours = base_model(cfg.model_path)
     if adapter.base is not None and base_model(adapter.base) != ours:
         now = f"--model {cfg.model_path}" if cfg.model_path is not None else "made from the seed"

@@ -9,6 +9,7 @@ a resume reads its checkpoint instead: tests/training/test_lora_run.py.)"""
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ BASE = dict(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_lay
             num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 ARGS = [RUN_DIR, json.dumps(BASE), "--timing_warmup_steps", "0", "--batch_size", "2", "--seq_len", "64",
-        "--tokenizer_vocab_size", "300", "--max_documents", "50"]
+        "--max_documents", "50"]
 PLANNED_RUNS = {nproc: [[WORKER, SCRIPT, *ARGS, "--ep-size", str(nproc)]] for nproc in (1, 2)}
 SINGLE = Layout(0, 1, 1, None, None)
 # The adapter config tests/lora_adapter holds (r 2, lora_alpha 4, q_proj, v_proj and the experts' down_proj).
@@ -46,9 +47,10 @@ def test_a_run_from_an_exported_adapter_starts_where_the_exporting_run_ended(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "te_mixtral: LoRA adapters from " in proc.stdout and "the optimizer starts afresh" in proc.stdout
     # It took the adapter's settings, each away from its default, none given.
-    saved = json.loads((tmp_path / "b" / "results.json").read_text())["header"]["config"]["lora"]
-    assert {key: saved[key] for key in ("rank", "alpha", "rslora", "targets")} == {
+    saved = json.loads((tmp_path / "b" / "results.json").read_text())["header"]["config"]
+    assert {key: saved["lora"][key] for key in ("rank", "alpha", "rslora", "targets")} == {
         "rank": 2, "alpha": 5.0, "rslora": True, "targets": "q_proj,o_proj,gate_up_proj,down_proj"}
+    assert Path(saved["data"]["tokenizer"]).name == "adapter"  # the exporting run's BPE, from its export
     for rank in range(nproc):
         ran = torch.load(tmp_path / f"rank{rank}.pt")
         assert ran["first_loss"] == ran["last_loss"], rank  # the same bits: the same adapters, scale and base
@@ -90,6 +92,16 @@ def test_the_adapters_settings_are_taken_where_none_are_given(tmp_path):
     assert not load_config(str(config), {"lora.rank": "0"}).lora.enabled
 
 
+def test_the_adapters_tokenizer_is_the_runs_unless_one_is_given(tmp_path):
+    # The adapters learnt its token ids (an export writes the run's beside them), which need not be the base's.
+    folder = write_adapter(tmp_path / "adapter")
+    shutil.copyfile(REPO / "examples" / "chat-tokenizer" / "tokenizer.json", folder / "tokenizer.json")
+    assert load_config(TINY, {"lora.init": str(folder)}).data.tokenizer == str(folder)
+    other = str(REPO / "examples" / "chat-tokenizer")
+    assert load_config(TINY, {"lora.init": str(folder), "data.tokenizer": other}).data.tokenizer == other
+    assert load_config(TINY, {"lora.init": str(ADAPTER)}).data.tokenizer is None  # it has none
+
+
 @pytest.mark.parametrize("changes, overrides, fragment", [
     (None, {}, "is not an adapter folder: it has no adapter_config.json"),
     ({"peft_type": "IA3"}, {}, "holds a IA3 adapter, not LoRA"),
@@ -113,6 +125,11 @@ def test_the_adapters_settings_are_taken_where_none_are_given(tmp_path):
     ({"alpha_pattern": {"q_proj": 8}}, {}, "holds alphas of their own on some projections (alpha_pattern)"),
     ({"layers_to_transform": [0]}, {}, "holds adapters on some layers only (layers_to_transform)"),
     ({"bias": "lora_only"}, {}, "trains biases (bias lora_only)"),
+    # Settings that change what the adapters compute, which the loaded weights alone do not say.
+    ({"alora_invocation_tokens": [5, 6]}, {}, "(alora_invocation_tokens)"),
+    ({"use_qalora": True}, {}, "(use_qalora)"),
+    ({"arrow_config": {"top_k": 3}}, {}, "(arrow_config)"),
+    ({"a_later_peft_setting": 1}, {}, "holds a_later_peft_setting 1, a PEFT setting te_mixtral's LoRA does not have"),
     ({"r": 0}, {}, "r must be a positive whole number, got 0"),
 ])
 def test_what_no_run_can_start_from_is_refused_in_one_line(tmp_path, changes, overrides, fragment):

@@ -8,7 +8,7 @@ it with the arguments and `--lora.*` settings of its own (EXPORTING), exporting 
 OUT/adapter; then each rank computes, as the loop does, the loss its last weights give the
 batch a run's first step reads: the exporting run's last state, for the step the next run takes
 first. The next run is the same arguments over the same base, one step, with `--lora.init
-OUT/adapter` and no lora setting of its own: it takes the adapter's. Each rank writes
+OUT/adapter` and no lora setting or tokenizer of its own: it takes the adapter's. Each rank writes
 OUT/rank{r}.pt: {"last": the exporting run's adapters at its end, "started": the next run's as
 built, "last_loss": that loss, "first_loss": the next run's first step's}, each rank's own.
 """
@@ -30,9 +30,10 @@ from te_mixtral.distributed.layout import all_reduce_sum
 from te_mixtral.model.lora import is_adapter_param
 from te_mixtral.training import loop
 
-# The exporting run's adapters, every setting away from its default: the next run must take them all.
+# The exporting run's adapters, every setting away from its default, and the BPE it trains (the
+# base has no tokenizer): the next run must take them all, the tokenizer from beside the adapters.
 EXPORTING = ["--lora.rank", "2", "--lora.alpha", "5", "--lora.rslora", "--lora.targets",
-             "q_proj,o_proj,gate_up_proj,down_proj", "--steps", "2"]
+             "q_proj,o_proj,gate_up_proj,down_proj", "--tokenizer_vocab_size", "300", "--steps", "2"]
 
 
 def adapters(model) -> dict[str, torch.Tensor]:
@@ -80,7 +81,10 @@ build_model = loop.build_model
 with (mock.patch.object(loop, "init_layout", lambda *args: layout),
       mock.patch.object(loop, "build_model", recording_build_model)):
     exporting = run([*common, *EXPORTING, "--save-adapter", str(out / "adapter"), "--output-dir", str(out / "a")])
-    next_run = run([*common, "--lora.init", str(out / "adapter"), "--steps", "1", "--output-dir", str(out / "b")])
+    next_args = [*common, "--lora.init", str(out / "adapter"), "--steps", "1", "--output-dir", str(out / "b")]
+    next_run = run(next_args)
+# The batch the next run reads first, through the tokenizer it took.
+next_cfg = load_config(None, parse_args(next_args)[1], world_size=world_size_from_env())
 torch.save({"last": adapters(exporting.model), "started": built[-1], "first_loss": next_run.losses[0],
-            "last_loss": first_step_loss(exporting.model, cfg, layout)}, out / f"rank{layout.rank}.pt")
+            "last_loss": first_step_loss(exporting.model, next_cfg, layout)}, out / f"rank{layout.rank}.pt")
 layout_module.shutdown(wait_for_peers=True)
