@@ -223,7 +223,7 @@ def read_peft_adapter(folder: str) -> PeftAdapter:
         if key in _NOT_PLAIN:
             raise UserError(f"{where} holds {_NOT_PLAIN[key]} ({key}), which te_mixtral's LoRA adapters cannot hold")
         raise UserError(f"{where} holds {key} {value!r}, a PEFT setting te_mixtral's LoRA does not have (its "
-                            f"adapters may compute otherwise here than in PEFT): train new adapters without lora.init")
+                        f"adapters may compute otherwise here than in PEFT): train new adapters without lora.init")
     _check(raw.get("bias", "none") == "none", f"{where} trains biases (bias {raw.get('bias')}), which te_mixtral's "
                                               f"LoRA adapters cannot hold")
     dense, experts = raw.get("target_modules") or [], raw.get("target_parameters") or []
