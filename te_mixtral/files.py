@@ -131,10 +131,15 @@ def remove_marked(path: Path, marked_by: tuple[str, ...] = ()) -> None:
     markers = (*marked_by, SCRATCH_MARKER)
     for entry in path.iterdir():
         if entry.name not in markers:
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            _remove(entry)
     for name in markers:
         (path / name).unlink(missing_ok=True)
     path.rmdir()
+
+
+def _remove(path: Path) -> None:
+    """Delete the file, link or folder (with what it holds) at `path`; a link, not what it points to."""
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def publish_folder(tmp: Path, final: Path) -> None:
@@ -216,7 +221,7 @@ def _put_back(final: Path, owned: Callable[[str], bool], marker: str) -> None:
         if incoming.exists():
             for path in final.iterdir():
                 if owned(path.name):
-                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                    _remove(path)
             incoming.unlink()  # last: while it is there, `final`'s files of the set are known to be the new set's
         for path in sorted(old.iterdir(), key=lambda p: p.name == marker):  # the marker last
             if path.name != SCRATCH_MARKER:

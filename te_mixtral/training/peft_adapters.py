@@ -96,12 +96,12 @@ def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, lay
     first = layout.ep_rank * experts // layout.ep_size
     try:
         with safe_open(file, framework="pt") as f:
-            wanted = {key for keys, *_ in pairs for key in keys}
-            extra = next((key for key in f.keys() if key not in wanted), None)
+            wanted, held = {key for keys, *_ in pairs for key in keys}, f.keys()
+            extra = next((key for key in held if key not in wanted), None)
             if extra is not None:
                 raise UserError(f"{file} holds '{extra}', which none of this run's adapters is (lora.targets "
                                 f"{cfg.lora.targets}, {model.config.num_hidden_layers} layers)")
-            missing = next((key for key in sorted(wanted) if key not in f.keys()), None)
+            missing = min(wanted - set(held), default=None)
             if missing is not None:
                 raise UserError(f"{file} lacks '{missing}', which this run's adapters need")
             for keys, shapes, adapter, stacked in pairs:  # one adapter at a time, each rank every one
