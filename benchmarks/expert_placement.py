@@ -1,6 +1,6 @@
-"""What placing the experts on the ranks by their load would buy: the busiest rank's rows over
-the mean rank's, with each EP rank holding E/P consecutive experts (as EP places them today)
-and with the experts placed layer by layer by the load a run recorded.
+"""What placing the experts on the ranks by their load buys in rows: the busiest rank's rows
+over the mean rank's, with each EP rank holding E/P consecutive experts (EP's default) and with
+the experts placed layer by layer by the load a run recorded, as `ep_placement` places them.
 
 Shape suffixes: see te_mixtral/__init__.py (Y layers, E experts).
 
@@ -8,14 +8,13 @@ Each MoE layer's all-to-all waits for its busiest rank, so a step pays, layer by
 busiest rank's rows (te_mixtral/measure/expert_load.py). Which experts share a rank is a
 choice: a heavy expert beside a light one evens the ranks out. This reads the tokens per
 layer and expert that a run's results.json holds (`expert_load.tokens_per_expert`, summed
-over its steps) and places them greedily: heaviest first, each on the rank with the fewest
-rows that still has room for one more of its E/P experts. With two experts a rank that is
-the best placement there is (the heaviest beside the lightest, and so on inwards; the tests
-check it against every placement); with more, greedy, so an upper bound of the best.
+over its steps) and places them as a run given that file as `ep_placement` would
+(te_mixtral/distributed/placement.py: heaviest first onto the emptiest rank with room; with
+two experts a rank the best placement there is, which the tests check against every one).
 
 What it measures is rows, from the run's summed load, as one placement held for the whole
-run would meet it: not time (that needs the run at EP again), and not a placement's drift
-when the router's load moves from step to step.
+run would meet it: not time (that is the run at EP with `ep_placement`), and not a
+placement's drift when the router's load moves from step to step.
 
     python3 -m benchmarks.expert_placement RESULTS_JSON [RESULTS_JSON ...] [--json FILE]
 """
@@ -28,22 +27,14 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
+from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.measure.expert_load import busiest_over_mean, ep_sizes, rank_ratio
 
 
 def placed_by_load(tokens_YE: torch.Tensor, ranks: int) -> torch.Tensor:
-    """The rows each of `ranks` ranks gets per layer, [Y, ranks], the experts placed greedily by
-    load, E/ranks a rank (the module docstring)."""
-    layers, num_experts = tokens_YE.shape
-    room = num_experts // ranks
-    rows_YP = torch.zeros(layers, ranks, dtype=torch.float64)
-    for layer in range(layers):
-        held = [0] * ranks
-        for load in sorted(tokens_YE[layer].double().tolist(), reverse=True):
-            rank = min((r for r in range(ranks) if held[r] < room), key=lambda r: rows_YP[layer, r])
-            rows_YP[layer, rank] += load
-            held[rank] += 1
-    return rows_YP
+    """The rows each of `ranks` ranks gets per layer, [Y, ranks], the experts placed by load as
+    `ep_placement` places them (te_mixtral/distributed/placement.py)."""
+    return ExpertPlacement.by_load(tokens_YE, ranks).rows(tokens_YE.double())
 
 
 def placed_busiest_over_mean(tokens_YE: torch.Tensor, ranks: int) -> float:

@@ -252,6 +252,10 @@ EP_EXCHANGE = Needs(("ep_size",), lambda ep_size: ep_size > 1,
                     "shapes the exchange between expert-parallel ranks: it needs ep_size above 1 (with one, nothing "
                     "is exchanged)")
 
+EP_PLACEMENT = Needs(("ep_size", "tier"), lambda ep_size, tier: ep_size > 1 and tier not in BASELINES,
+                     "places te_mixtral's experts on the expert-parallel ranks: it needs ep_size above 1 and one of "
+                     f"te_mixtral's tiers ({' and '.join(BASELINES)} run transformers' model, every expert on one rank)")
+
 
 @dataclass
 class RunConfig:
@@ -281,6 +285,14 @@ class RunConfig:
                                  "for their counts every layer; > 0 sends each rank blocks of this many times its "
                                  "even share of rows, padded, so the host never waits (a step whose routing needs "
                                  "more runs again with more; te_mixtral/distributed/dispatch.py). Tier custom_grouped only")
+    # Not the workload: each expert meets the same rows wherever it is held (distributed/placement.py).
+    # A checkpoint keeps its placement, which the resume's must equal (training/resume_checks.py).
+    ep_placement: str | None = setting(None, workload=False, resumable=True, path=True, needs=EP_PLACEMENT,
+                                       help="with ep_size > 1: an earlier run's results.json, of the same model and "
+                                       "data: each layer's experts are placed on the ranks by the load it recorded, "
+                                       "heaviest beside lightest, so each layer's busiest rank has fewer rows to wait "
+                                       "for (te_mixtral/distributed/placement.py); null: rank r holds experts "
+                                       "r*E/ep_size onwards, in order")
     backend: Literal["auto", "torch", "te"] = setting(
         "auto", needs=own_model("picks the layers of te_mixtral's own model"),
         help="layer backend: te (Transformer Engine modules), torch, or auto (te on CUDA where it is installed)")

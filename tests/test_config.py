@@ -112,7 +112,7 @@ def test_every_committed_runs_saved_config_loads_to_its_recorded_config(tmp_path
 # Every key that names a file or folder (or a hub id), and a path for each.
 PATH_KEYS = {"output_dir": "out", "checkpoint_dir": "ckpt", "save_hf": "hf", "save_adapter": "adapter",
              "loss_check": "ref/results.json", "model_path": "base", "data.dataset": "data.jsonl",
-             "data.tokenizer": "tokenizer", "lora.init": "lora_adapter"}
+             "data.tokenizer": "tokenizer", "lora.init": "lora_adapter", "ep_placement": "load/results.json"}
 
 
 def test_a_home_in_a_config_files_paths_is_expanded_for_every_path_key(tmp_path, monkeypatch):
@@ -127,9 +127,9 @@ def test_a_home_in_a_config_files_paths_is_expanded_for_every_path_key(tmp_path,
         section, _, name = key.rpartition(".")
         (nested.setdefault(section, {}) if section else nested)[name] = f"~/{path}"
     config = tmp_path / "run.yaml"
-    nested["lora"]["rank"] = 2
+    nested["lora"]["rank"], nested["ep_size"] = 2, 2  # ep_placement places experts at EP > 1
     config.write_text(yaml.safe_dump(nested))
-    flat = flatten(to_dict(load_config(str(config))))
+    flat = flatten(to_dict(load_config(str(config), world_size=2)))
     assert {key: flat[key] for key in PATH_KEYS} == {key: str(home / path) for key, path in PATH_KEYS.items()}
     assert {key for key, f in settings().items() if f.metadata["path"]} == set(PATH_KEYS)  # and no other key
 

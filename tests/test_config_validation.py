@@ -242,6 +242,8 @@ IGNORED = [
      "ep_chunks shapes the exchange between expert-parallel ranks: it needs ep_size above 1", 2),
     ({"ep_capacity": "1.5", "tier": "custom_grouped"}, {"ep_size": "2"},
      "ep_capacity shapes the exchange between expert-parallel ranks: it needs ep_size above 1", 2),
+    ({"ep_placement": "tests/recorded_load.json"}, {"ep_size": "2"},
+     "ep_placement places te_mixtral's experts on the expert-parallel ranks: it needs ep_size above 1", 2),
     ({"te_fusions": "false", "backend": "torch"}, {"backend": "te"},
      "te_fusions switches the te backend's fusions: it needs backend te (or auto on a CUDA device)", 1),
     ({"te_fusions": "false", "device": "cpu"}, {"device": "auto"}, "te_fusions switches the te backend's fusions", 1),

@@ -75,6 +75,10 @@ def depth_16(name: str, tier: str, recompute: str, *extra: str) -> list[Launch]:
 DEPTH_RUNS = {
     # 16 layers, EP=2, custom_grouped, no recompute (fits 16 layers, not the full model)
     "cg-none": depth_16("cg-none", "custom_grouped", "none"),
+    # cg-none with each layer's experts placed on the two ranks by the load cg-none recorded
+    # (--ep-placement; run cg-none first, in the same call): the busiest rank's wait, A/B
+    "cg-none-placed": depth_16("cg-none-placed", "custom_grouped", "none", "--ep-placement",
+                               "{out}/cg-none/results.json"),
     # the same, the expert FFN recomputed (what the full model at EP=4 needs)
     "cg-selective": depth_16("cg-selective", "custom_grouped", "selective"),
     # the same, every layer recomputed
@@ -201,6 +205,11 @@ DEPTH_RUNS = {
     # moments with no recompute at all, and bf16 moments recomputing the expert FFN in 20 layers
     "full-ep4-8bit-none": depth_train("full-ep4-8bit-none", 4, *FULL, "--tier", "custom_grouped", "--expert_moments",
                                       "8bit", "--recompute", "none"),
+    # full-ep4-8bit-none with each layer's experts placed on the four ranks by the load it recorded
+    # (run full-ep4-8bit-none first, in the same call)
+    "full-ep4-8bit-none-placed": depth_train("full-ep4-8bit-none-placed", 4, *FULL, "--tier", "custom_grouped",
+                                             "--expert_moments", "8bit", "--recompute", "none", "--ep-placement",
+                                             "{out}/full-ep4-8bit-none/results.json"),
     "full-ep4-20": depth_train("full-ep4-20", 4, *FULL, "--tier", "custom_grouped", "--recompute_layers", "20"),
     # fp8-full-ep4 with the experts' moments in 8 bits: recomputing the expert FFN in 12 layers,
     # the fewest that fit four H200s by the estimate (29 with bf16 moments)

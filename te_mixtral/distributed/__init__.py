@@ -10,6 +10,8 @@ Shape suffixes: see te_mixtral/__init__.py.
                       they imply
     dispatch.py       token dispatch: each routed token copy to the rank that owns its
                       expert, and back
+    placement.py      which experts each EP rank holds: in order, or placed by the
+                      load an earlier run recorded, so that the busiest rank has less
     te_permute.py     the local permute of dispatch with Transformer Engine's MoE kernels
     overlap.py        gradient sums overlapped with the backward (`train.sharding: none`)
     parallelize.py    FSDP2 sharding of parameters, gradients and optimizer state

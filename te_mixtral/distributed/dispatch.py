@@ -4,7 +4,8 @@ Shape suffixes: see te_mixtral/__init__.py (here L = E / P, C = the chunks of a 
 
 One MoE layer does
 
-    permute  : the T*K token copies, sorted by global expert (so by destination rank)
+    permute  : the T*K token copies, sorted by global expert (so by destination rank; by
+               slot where the experts are placed by load: distributed/placement.py)
     exchange : all_to_all_single with uneven splits; rows arrive grouped by source rank,
                then by local expert within each source
     regroup  : reorder the received rows by local expert, the row order every tier expects
@@ -201,8 +202,12 @@ class AllToAllDispatcher:
     `chunks` > 1: `run` overlaps the exchanges with the experts (module docstring)."""
 
     def __init__(self, num_experts: int, ep_size: int, group: dist.ProcessGroup | None,
-                 permute: LocalPermute | None = None, chunks: int = 1, capacity: float = 0.0):
+                 permute: LocalPermute | None = None, chunks: int = 1, capacity: float = 0.0,
+                 slot_of_expert: list[int] | None = None):
         self.permute = permute or TorchPermute()
+        # Each expert id's slot, where the experts are placed by load (distributed/placement.py):
+        # the exchange sends a copy to the rank of its slot. None: slot = expert.
+        self.slot_of_expert = None if slot_of_expert is None else torch.tensor(slot_of_expert, dtype=torch.int64)
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.experts_per_rank = num_experts // ep_size
@@ -237,6 +242,10 @@ class AllToAllDispatcher:
 
     def _start_dispatch(self, x_TD, experts_TK, weights_TK, chunks: int) -> list[DispatchOutput]:
         """Sort each chunk's copies and launch their exchanges; the rows are in flight."""
+        if self.slot_of_expert is not None:
+            if self.slot_of_expert.device != experts_TK.device:  # once: made where the model was
+                self.slot_of_expert = self.slot_of_expert.to(experts_TK.device)
+            experts_TK = self.slot_of_expert[experts_TK]
         pieces = list(zip(*(t.tensor_split(chunks) for t in (x_TD, experts_TK, weights_TK))))
         # Each chunk's copies per global expert, [C, E]. An index_add, not bincount, which
         # asks the GPU for the largest index first (a host sync).

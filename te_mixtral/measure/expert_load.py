@@ -10,9 +10,11 @@ over a step's micro-batches. No extra forward, no extra collective.
     max/mean                    the busiest expert's rows over the mean expert's
     busiest rank/mean at EP=P   the rows of the busiest of P ranks over the mean rank's, each
                                 rank holding E/P consecutive experts as an EP group of P
-                                places them; given for every P that divides E (1 < P < E),
-                                so one run shows what EP=2, 4 ... would have met (said
-                                so: only the run's own EP size's is what it met)
+                                places them in order; given for every P that divides E
+                                (1 < P < E), so one run shows what EP=2, 4 ... would have
+                                met (said so: only the run's own EP size's is what it met,
+                                with its experts placed as the run placed them:
+                                te_mixtral/distributed/placement.py)
 
 Both are taken layer by layer and then summed: each layer's all-to-all waits for its
 busiest rank, so a step pays the sum over layers of the busiest rank's rows, and the ratio
@@ -22,7 +24,13 @@ ratio is that of the summed load per rank position, at most the busiest single r
 rows each rank received in one step are in --profile_phases' `expert_rows_per_rank`.
 """
 
+import json
+from pathlib import Path
+
 import torch
+
+from te_mixtral.distributed.placement import ExpertPlacement
+from te_mixtral.errors import UserError
 
 
 def busiest_over_mean(tokens_per_expert_YE: torch.Tensor, groups: int) -> float:
@@ -45,12 +53,18 @@ def ep_sizes(num_experts: int) -> list[int]:
     return [p for p in range(2, num_experts) if num_experts % p == 0]
 
 
-def step_record(aux: float, z: float, tokens_per_expert_YE: torch.Tensor) -> dict:
-    """One step's router losses (global) and expert load, as the training state keeps it."""
+def step_record(aux: float, z: float, tokens_per_expert_YE: torch.Tensor, placement: ExpertPlacement) -> dict:
+    """One step's router losses (global) and expert load, as the training state keeps it; the
+    run's own EP size's with the experts as `placement` placed them."""
     num_experts = tokens_per_expert_YE.shape[1]
+
+    def busiest(p: int) -> float:
+        if p == placement.ep_size and placement.placed:
+            return rank_ratio(placement.rows(tokens_per_expert_YE))
+        return busiest_over_mean(tokens_per_expert_YE, p)
+
     return {"aux": aux, "z": z, "max_over_mean": busiest_over_mean(tokens_per_expert_YE, num_experts),
-            "busiest_rank_over_mean": {str(p): busiest_over_mean(tokens_per_expert_YE, p)
-                                       for p in ep_sizes(num_experts)}}
+            "busiest_rank_over_mean": {str(p): busiest(p) for p in ep_sizes(num_experts)}}
 
 
 def busiest_ranks_text(busiest: dict[str, str], ep_size: int) -> str:
@@ -71,10 +85,12 @@ def load_line(record: dict, ep_size: int) -> str:
             + (f"  {ranks}" if ranks else ""))
 
 
-def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | None, steps: tuple[int, int]) -> dict:
+def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | None, steps: tuple[int, int],
+                    placement: ExpertPlacement | None = None) -> dict:
     """What results.json keeps: per step the aux loss, the z-loss (both global, unweighted)
-    and the load ratios; and the tokens per layer and expert summed over `steps` (first and
-    last step, counted from 1: the steps this process ran), for the results page's heatmap."""
+    and the load ratios; the tokens per layer and expert summed over `steps` (first and last
+    step, counted from 1: the steps this process ran), for the results page's heatmap; and
+    each layer's experts slot by slot where `placement` placed them by load."""
     if not records:
         return {}
     load = {"max_over_mean": [r["max_over_mean"] for r in records],
@@ -83,4 +99,35 @@ def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | No
     if tokens_per_expert_YE is not None:
         load["tokens_per_expert"] = tokens_per_expert_YE.tolist()
         load["tokens_per_expert_steps"] = list(steps)
+    if placement is not None and placement.placed:
+        load["placement"] = placement.record()
     return {"aux_losses": [r["aux"] for r in records], "z_losses": [r["z"] for r in records], "expert_load": load}
+
+
+def recorded_load(results_file: str | Path) -> torch.Tensor:
+    """The tokens per layer and expert a run's results.json recorded (`results_entries`),
+    [Y, E] in float64; a one-line `UserError` where the file holds none."""
+    try:
+        load = json.loads(Path(results_file).read_text())["expert_load"]["tokens_per_expert"]
+        tokens_YE = torch.tensor(load, dtype=torch.float64)
+    except OSError as e:
+        raise UserError(f"cannot read {results_file}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{results_file} holds no expert_load.tokens_per_expert, the tokens per layer and expert a "
+                        f"training run's results.json records") from None
+    if tokens_YE.dim() != 2 or not (torch.isfinite(tokens_YE).all() and (tokens_YE >= 0).all()):
+        raise UserError(f"{results_file}: expert_load.tokens_per_expert is not a table of token counts, one row a "
+                        f"layer and one column an expert")
+    return tokens_YE
+
+
+def placement_by_recorded_load(results_file: str | Path, num_layers: int, num_experts: int,
+                               ep_size: int) -> ExpertPlacement:
+    """The experts placed by the load a run's results.json recorded (`ep_placement`), which must
+    be that of a model of as many layers and experts."""
+    tokens_YE = recorded_load(results_file)
+    if tuple(tokens_YE.shape) != (num_layers, num_experts):
+        raise UserError(f"ep_placement {results_file} recorded the load of {tokens_YE.shape[0]} layers of "
+                        f"{tokens_YE.shape[1]} experts; this model has {num_layers} layers of {num_experts}: give "
+                        f"the results.json of a run of this model")
+    return ExpertPlacement.by_load(tokens_YE, ep_size)

@@ -30,6 +30,7 @@ from torch import nn
 
 from te_mixtral.config import ModelConfig
 from te_mixtral.distributed.layout import Layout
+from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.model.hf_config import hf_config
 from te_mixtral.model.layers import PackedSequences
 from te_mixtral.model.mixtral import causal_lm_loss
@@ -47,6 +48,7 @@ class HFMixtral(nn.Module):
         cfg._experts_implementation = experts
         self.config = m
         self.hf = MixtralForCausalLM(cfg)
+        self.placement = ExpertPlacement(1)  # every expert, in order (the exports read it)
         self.routing: RouterStats | None = None  # the latest forward's
         # transformers renamed `past_key_values` to `cache` (5.24 warns at the old name).
         forward_arguments = inspect.signature(self.hf.forward).parameters

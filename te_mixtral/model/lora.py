@@ -110,8 +110,7 @@ def add_adapters(model: nn.Module, lora: LoRAConfig, seed: int, layout: Layout) 
             _, out_features, in_features = getattr(experts, target).shape
             adapter = experts.adapters[target] = StackedLowRank(experts_per_rank, in_features, out_features,
                                                                 lora).to(device)
-            for local in range(experts_per_rank):
-                global_expert = layout.ep_rank * experts_per_rank + local
+            for local, global_expert in enumerate(model.placement.held(layer_index, layout.ep_rank, m.num_experts)):
                 gen = torch.Generator(device).manual_seed(
                     adapter_seed(seed, layer_index, global_expert) + LORA_EXPERT_TARGETS.index(target))
                 adapter.A[local].uniform_(-_a_bound(in_features), _a_bound(in_features), generator=gen)

@@ -4,12 +4,13 @@ Shape suffixes: see te_mixtral/__init__.py.
 
 Parameter names follow transformers v5 (`model.layers.N.mlp.experts.gate_up_proj`, ...),
 so converting a checkpoint is a rename at most; each rank holds only its own slice of the
-stacked experts (see `te_mixtral.distributed.layout` for the layout).
+stacked experts (see `te_mixtral.distributed.layout` for the layout), those its
+`placement` gives it (te_mixtral/distributed/placement.py).
 
 Initialisation is independent of the expert-parallel layout: dense weights come from one
 generator seeded by the run's seed, and each expert from its own generator seeded by
-(seed, layer, global expert index). So EP=1 and EP=2 runs start from identical weights,
-and no rank ever materialises experts it does not own.
+(seed, layer, global expert index). So EP=1 and EP=2 runs, placed in order or by load,
+start from identical weights, and no rank ever materialises experts it does not own.
 
 `recompute` (train.recompute) trades memory for compute: "full" runs each decoder layer's
 forward again in its backward, "selective" only the expert FFN (see
@@ -32,6 +33,7 @@ from torch import nn
 from te_mixtral.config import ModelConfig
 from te_mixtral.distributed.dispatch import AllToAllDispatcher
 from te_mixtral.distributed.layout import Layout, is_expert_param
+from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.experts.base import ExpertTier
 from te_mixtral.model.kv_cache import KVCache, LayerCache
 from te_mixtral.model.layers import Backend, PackedSequences, TorchRotary, torch_cross_entropy
@@ -102,14 +104,14 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str,
-                 frozen_base: bool, ep_chunks: int = 1):
+                 frozen_base: bool, ep_chunks: int = 1, slot_of_expert: list[int] | None = None):
         super().__init__()
         self.recompute_layer = recompute == "full"
         self.input_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.self_attn = Attention(m, backend)
         self.post_attention_layernorm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         dispatcher = AllToAllDispatcher(m.num_experts, layout.ep_size, layout.ep_group,
-                                        backend.permute(), ep_chunks)
+                                        backend.permute(), ep_chunks, slot_of_expert=slot_of_expert)
         self.mlp = MoEBlock(m.hidden_size, m.intermediate_size, m.num_experts, m.num_experts_per_tok,
                             dispatcher, tier, m.num_experts // layout.ep_size,
                             recompute_experts=recompute == "selective", z_loss_grad=m.router_z_loss_coef != 0,
@@ -128,12 +130,12 @@ class DecoderLayer(nn.Module):
 
 class MixtralBody(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str,
-                 recompute_layers: int, frozen_base: bool, ep_chunks: int = 1):
+                 recompute_layers: int, frozen_base: bool, ep_chunks: int, placement: ExpertPlacement):
         super().__init__()
         self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(m, backend, layout, tier, recompute if i < recompute_layers else "none", frozen_base,
-                         ep_chunks)
+                         ep_chunks, placement.slot_of_expert(i))
             for i in range(m.num_hidden_layers))
         self.norm = backend.rmsnorm(m.hidden_size, m.rms_norm_eps)
         self.rotary = RotaryEmbedding(m.head_dim, m.rope_theta, backend)
@@ -141,16 +143,21 @@ class MixtralBody(nn.Module):
 
 class MixtralForCausalLM(nn.Module):
     def __init__(self, m: ModelConfig, backend: Backend, layout: Layout, tier: ExpertTier, recompute: str = "none",
-                 recompute_layers: int | None = None, frozen_base: bool = False, ep_chunks: int = 1):
+                 recompute_layers: int | None = None, frozen_base: bool = False, ep_chunks: int = 1,
+                 placement: ExpertPlacement | None = None):
         """`recompute` in the first `recompute_layers` decoder layers (None: all of them).
         `frozen_base` (LoRA): no weight made here trains, and the tier may hold the expert
         weights its own way (`ExpertTier.expert_weight`); adapters added later train. Each MoE
-        layer's exchanges in `ep_chunks` overlapped chunks (distributed/dispatch.py)."""
+        layer's exchanges in `ep_chunks` overlapped chunks (distributed/dispatch.py). The
+        experts on the EP ranks as `placement` places them (None: in order)."""
         super().__init__()
         self.config = m
         self.tier = tier  # every MoE layer's; read by the training loop for its `calls()`
+        # Which experts this rank holds in each layer: read wherever an expert is read or
+        # written by its id (distributed/placement.py).
+        self.placement = placement or ExpertPlacement(layout.ep_size)
         layers = m.num_hidden_layers if recompute_layers is None else recompute_layers
-        self.model = MixtralBody(m, backend, layout, tier, recompute, layers, frozen_base, ep_chunks)
+        self.model = MixtralBody(m, backend, layout, tier, recompute, layers, frozen_base, ep_chunks, self.placement)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -206,7 +213,6 @@ def expert_seed(seed: int, layer_index: int, global_expert: int) -> int:
 def init_weights(model: MixtralForCausalLM, seed: int, layout: Layout) -> None:
     """Normal(0, initializer_range) for matrices, ones for norms; see the module docstring."""
     std = model.config.initializer_range
-    experts_per_rank = model.config.num_experts // layout.ep_size
     device = next(model.parameters()).device
     dense = torch.Generator(device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -217,8 +223,8 @@ def init_weights(model: MixtralForCausalLM, seed: int, layout: Layout) -> None:
         else:
             param.normal_(0.0, std, generator=dense)
     for layer_index, layer in enumerate(model.model.layers):
-        for local in range(experts_per_rank):
-            global_expert = layout.ep_rank * experts_per_rank + local
+        for local, global_expert in enumerate(model.placement.held(layer_index, layout.ep_rank,
+                                                                   model.config.num_experts)):
             gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_index, global_expert))
             layer.mlp.experts.gate_up_proj[local].normal_(0.0, std, generator=gen)
             layer.mlp.experts.down_proj[local].normal_(0.0, std, generator=gen)

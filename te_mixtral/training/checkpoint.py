@@ -11,7 +11,9 @@ Everything the next step depends on, and nothing that can be recomputed:
   dense one is whole, whatever the layout that wrote them (distributed/global_state.py).
   torch.distributed.checkpoint (DCP) writes each rank's pieces once and reads back, on each
   rank of the resuming run, exactly the slices that rank holds: a checkpoint written on W
-  ranks at EP=E, sharded or not, resumes on W' ranks at EP=E', sharded or not;
+  ranks at EP=E, sharded or not, resumes on W' ranks at EP=E', sharded or not. Experts placed
+  by load (`ep_placement`) are stacked in their placement's slot order, so such a checkpoint
+  resumes only under the same placement (distributed/placement.py);
 - each rank's RNG states (CPU, and CUDA when it runs there), and module state that is not a
   parameter (TE's FP8 metadata, where the model has it);
 - the number of completed steps. That is also the data position and the learning rate:
@@ -42,8 +44,8 @@ Layout on disk::
       step-000040/
         meta.json         step, world and EP size, config, tokenizer hash, losses, gradient
                           norms, evaluations, run and tracker run ids, the torchrun launch it was
-                          written in (training/restart.py), and the size and SHA-256 of every
-                          other file
+                          written in (training/restart.py), the experts' placement, and the
+                          size and SHA-256 of every other file
         .metadata         DCP's index: which file holds which slice of which global tensor
         __0_0.distcp      DCP's data: the pieces rank 0 wrote (one file per rank)
         rank00000.pt      one per rank: {"rng", "extra"} (torch.save)
@@ -351,6 +353,7 @@ class Checkpointer:
                 "tokenizer_sha256": self.tokenizer_hash,
                 "base_model": base_model(cfg.model_path),
                 "launch": launch_id_from_env(),
+                "placement": model.placement.record(),
                 **asdict(state),
                 "config": to_dict(cfg),
                 "files": {name: e for share in entries for name, e in sorted(share.items())},
@@ -408,7 +411,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {folder} is unreadable or corrupt ({META}: {e}); "
                             f"delete it and point {pointer} at an older one") from None
         _check_meta(meta, folder)
-        check_resumable(meta, cfg, folder / META, self.tokenizer_hash)
+        check_resumable(meta, cfg, folder / META, self.tokenizer_hash, model.placement)
 
         problem = next(filter(None, (_verify(folder / name, meta["files"][name])
                                      for name in _share(sorted(meta["files"]), self.layout))), None)

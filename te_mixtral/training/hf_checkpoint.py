@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from te_mixtral.config import ModelConfig, RunConfig
 from te_mixtral.config_checks import validate, validate_model
 from te_mixtral.distributed.layout import Layout, is_expert_param
+from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import Diverged, UserError, first_line
 from te_mixtral.experts.registry import check_tier_model
 from te_mixtral.files import (
@@ -148,8 +149,9 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
     checkpoint_dir = Path(checkpoint_dir)
     params = base_weights(model)
     num_experts = model.config.num_experts
-    num_local = num_experts // layout.ep_size
-    first = layout.ep_rank * num_local
+    # Each layer's experts this rank holds, by id: their local index (distributed/placement.py).
+    local_of = [{expert: local for local, expert in enumerate(model.placement.held(layer, layout.ep_rank, num_experts))}
+                for layer in range(model.config.num_hidden_layers)]
     ffn = model.config.intermediate_size
     loaded = set()
     seen: dict[str, Path] = {}
@@ -164,18 +166,18 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
                     per_expert = _PER_EXPERT.fullmatch(key)
                     if per_expert:
                         prefix, expert, part = per_expert.groups()
-                        local = int(expert) - first
                         if not 0 <= int(expert) < num_experts:
                             raise UserError(f"{file}: tensor '{key}' names expert {expert}, but the config has "
                                             f"{num_experts} experts")
-                        if not 0 <= local < num_local:
-                            continue
                         name, rows = {"w1": (f"{prefix}.mlp.experts.gate_up_proj", slice(0, ffn)),
                                       "w3": (f"{prefix}.mlp.experts.gate_up_proj", slice(ffn, 2 * ffn)),
                                       "w2": (f"{prefix}.mlp.experts.down_proj", slice(None))}[part]
                         if name not in params:
                             raise UserError(f"{file}: tensor '{key}' has no place in a Mixtral model of "
                                             f"{model.config.num_hidden_layers} layers")
+                        local = local_of[int(prefix.rsplit(".", 1)[1])].get(int(expert))
+                        if local is None:  # another rank's
+                            continue
                         target = params[name][local, rows]
                         tensor = read_tensor(f, file, key, target.shape)
                         target.copy_(tensor)
@@ -185,13 +187,17 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
                     name = key.replace(".block_sparse_moe.", ".mlp.")
                     if name not in params:
                         raise UserError(f"{file}: tensor '{key}' has no place in a Mixtral model")
-                    if is_expert_param(name):  # stacked: read only this rank's slice
-                        tensor = read_tensor(f, file, key, [num_experts, *params[name].shape[1:]],
-                                       slice(first, first + num_local))
-                        loaded.update((name, i, "stacked") for i in range(num_local))
-                    else:
-                        tensor = read_tensor(f, file, key, params[name].shape)
-                        loaded.add(name)
+                    if is_expert_param(name):  # stacked: read only this rank's experts, one by one
+                        layer = local_of[int(name.split(".")[2])]
+                        for expert, local in layer.items():
+                            tensor = read_tensor(f, file, key, [num_experts, *params[name].shape[1:]],
+                                                 slice(expert, expert + 1))
+                            params[name][local:local + 1].copy_(tensor)
+                            bytes_read += tensor.nbytes
+                        loaded.update((name, local, "stacked") for local in layer.values())
+                        continue
+                    tensor = read_tensor(f, file, key, params[name].shape)
+                    loaded.add(name)
                     params[name].copy_(tensor)
                     bytes_read += tensor.nbytes
         except (SafetensorError, OSError) as e:
@@ -224,11 +230,13 @@ def _check_complete(params, loaded, keys, num_experts, tied) -> None:
 # --- out --------------------------------------------------------------------------------
 
 
-def gather_experts(stacked_L: torch.Tensor, layout: Layout, dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """Every expert of one stacked parameter, on rank 0's CPU in global order; None elsewhere.
+def gather_experts(stacked_L: torch.Tensor, layout: Layout, dtype: torch.dtype, placement: ExpertPlacement,
+                   layer: int) -> list[torch.Tensor] | None:
+    """Every expert of one stacked parameter of `layer`, on rank 0's CPU by expert id (the
+    ranks hold them as `placement` places them); None elsewhere.
 
-    One gather per local expert index: rank r sends its expert `i`, which is global expert
-    r * L + i, so the transient buffer is EP experts, not the layer's whole tensor.
+    One gather per local expert index: rank r sends its expert `i`, which is slot r * L + i,
+    so the transient buffer is EP experts, not the layer's whole tensor.
     """
     num_local = stacked_L.shape[0]
     experts = [None] * (num_local * layout.ep_size)
@@ -244,7 +252,7 @@ def gather_experts(stacked_L: torch.Tensor, layout: Layout, dtype: torch.dtype) 
                 # A copy even when nothing changes: views of one parameter share memory,
                 # which safetensors refuses to save.
                 experts[ep_rank * num_local + local] = tensor.to("cpu", dtype, copy=True)
-    return experts if layout.is_main else None
+    return placement.in_expert_order(layer, experts) if layout.is_main else None
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -390,7 +398,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
                      and not is_adapter_param(name)}
             if not sends:
                 continue
-            gate_up, down = (gather_experts(stack, layout, dtype) for stack in stacks)
+            gate_up, down = (gather_experts(stack, layout, dtype, model.placement, index) for stack in stacks)
             if not writer:
                 continue
             tensors = {name.replace(".mlp.", ".block_sparse_moe."): cpu(t) for name, t in dense.items()}

@@ -38,6 +38,7 @@ from te_mixtral.distributed.parallelize import (
     reduce_gradients,
     set_gradient_sync,
 )
+from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import (
     Diverged,
     ExitCode,
@@ -86,10 +87,11 @@ from te_mixtral.training.run_report import Measured, report_run
 from te_mixtral.training.same_job import job_summary, require_same_job
 
 
-def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
-                model_dir: Path | None = None) -> tuple[nn.Module, dict]:
+def build_model(cfg: RunConfig, layout: Layout, device: torch.device, model_dir: Path | None = None,
+                placement: ExpertPlacement | None = None) -> tuple[nn.Module, dict]:
     """The model of the run's tier, with the weights of `model_dir` (an HF checkpoint) or
-    initialised from the run's seed; and what it runs on."""
+    initialised from the run's seed, its experts placed by `placement` (None: in order); and
+    what it runs on."""
     if cfg.tier in BASELINES:  # transformers' model: ours built only for its weights
         with torch.device(device):
             ours = MixtralForCausalLM(cfg.model, TORCH, layout, LoopTier())
@@ -101,7 +103,7 @@ def build_model(cfg: RunConfig, layout: Layout, device: torch.device,
     base_dtype = torch.bfloat16 if cfg.lora.enabled and cfg.precision == "bf16" else torch.float32
     with torch.device(device), default_dtype(base_dtype):
         model = MixtralForCausalLM(cfg.model, backend, layout, tier, cfg.train.recompute, cfg.train.recompute_layers,
-                                   frozen_base=cfg.lora.enabled, ep_chunks=cfg.ep_chunks)
+                                   frozen_base=cfg.lora.enabled, ep_chunks=cfg.ep_chunks, placement=placement)
     initialise(model, cfg, layout, model_dir)
     if cfg.lora.enabled:
         add_adapters(model, cfg.lora, cfg.train.seed, layout)
@@ -193,6 +195,8 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if cfg.tier not in BASELINES and device.type != "cuda":
         runs_here(cfg, device)
     check_source(cfg.data)
+    placement = ExpertPlacement(cfg.ep_size) if cfg.ep_placement is None else expert_load.placement_by_recorded_load(
+        cfg.ep_placement, cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.ep_size)
 
     def claim(*keys: str, beside: bool = False) -> None:
         """Rank 0 locks the folders these config keys name against a second run."""
@@ -221,9 +225,9 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise UserError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
-    require_same_job(job_summary(cfg, data, model_dir), layout)  # before any collective that would depend on it
+    require_same_job(job_summary(cfg, data, model_dir, placement), layout)  # before any collective that would depend on it
     eval_batches = data.eval_batches()
-    model, ran_on = build_model(cfg, layout, device, model_dir)
+    model, ran_on = build_model(cfg, layout, device, model_dir, placement)
     if reference is not None:
         check_reference(reference, cfg.train.steps, ran_on.get("precision", cfg.precision), cfg.loss_check)
     if cfg.generate is not None:
@@ -329,7 +333,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
             state.exchange = exchange.state()  # what the next checkpoint keeps
         state.losses.append(global_loss)
         state.grad_norms.append(norm)
-        state.router.append(expert_load.step_record(global_aux, global_z, step_load_YE))
+        state.router.append(expert_load.step_record(global_aux, global_z, step_load_YE, model.placement))
         if not (math.isfinite(global_loss) and math.isfinite(norm)):  # the same two numbers on every rank
             run_log.step(step + 1, state, lr, None, metrics.peak_memory_bytes(device), print_line=False)
             stopped = Diverged(f"the loss became {global_loss} and the gradient norm {norm} at step {step + 1}; "
@@ -373,7 +377,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     # In this order: generating adds to the peak memory, and profiling (last: it steps the
     # optimizer while timing it) adds to the tier's calls after they are counted.
     measured = Measured(state, first_step, timer.times, flops_per_step, run_load_YE, stopped,
-                        exchange=exchange.record())
+                        exchange=exchange.record(), placement=model.placement)
     with exchange.exact(model):
         measured.generated = (generate_text(model, data.tokenizer, cfg.generate, cfg.generate_tokens, layout, device,
                                             autocast) if cfg.generate is not None and not stopped else None)

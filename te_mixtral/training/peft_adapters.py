@@ -83,17 +83,19 @@ def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, lay
                         f"adapter_model.bin, PEFT's older pickle, is not read: it can run code)")
     experts = model.config.num_experts
     targets = peft_config(cfg)["target_parameters"]
-    pairs = []  # (PEFT's keys of A and B, the shapes they must have, the adapter, whether stacked)
+    # (PEFT's keys of A and B, the shapes they must have, the adapter, the experts this rank holds
+    # of a stacked one by id, None for a dense one)
+    pairs = []
     for index, layer in enumerate(model.model.layers):
         for target, adapter in layer.self_attn.adapters.items():
             stem = f"{PREFIX}model.layers.{index}.self_attn.{target}"
             pairs.append(((f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"),
-                          (list(adapter.A.shape), list(adapter.B.shape)), adapter, False))
+                          (list(adapter.A.shape), list(adapter.B.shape)), adapter, None))
         for target, adapter in layer.mlp.experts.adapters.items():
             (_, rank, cols), (_, rows, _) = adapter.A.shape, adapter.B.shape
             pairs.append((tuple(expert_key(index, target, targets, factor) for factor in ("lora_A", "lora_B")),
-                          ([experts * rank, cols], [rows, rank * experts]), adapter, True))
-    first = layout.ep_rank * experts // layout.ep_size
+                          ([experts * rank, cols], [rows, rank * experts]), adapter,
+                          model.placement.held(index, layout.ep_rank, experts)))
     try:
         with safe_open(file, framework="pt") as f:
             wanted, held = {key for keys, *_ in pairs for key in keys}, f.keys()
@@ -104,12 +106,12 @@ def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, lay
             missing = min(wanted - set(held), default=None)
             if missing is not None:
                 raise UserError(f"{file} lacks '{missing}', which this run's adapters need")
-            for keys, shapes, adapter, stacked in pairs:  # one adapter at a time, each rank every one
+            for keys, shapes, adapter, held_experts in pairs:  # one adapter at a time, each rank every one
                 a, b = (read_tensor(f, file, key, shape) for key, shape in zip(keys, shapes))
                 if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                     raise UserError(f"{file}: '{keys[0]}' or '{keys[1]}' holds values that are not finite")
-                if stacked:  # this rank's experts of all
-                    a, b = (t[first:first + adapter.A.shape[0]] for t in stacked_expert_tensors(a, b, experts))
+                if held_experts is not None:  # this rank's experts of all
+                    a, b = (t[held_experts] for t in stacked_expert_tensors(a, b, experts))
                 adapter.A.copy_(a)
                 adapter.B.copy_(b)
     except (SafetensorError, OSError) as e:
@@ -132,7 +134,7 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
             tensors[f"{stem}.self_attn.{target}.lora_A.weight"] = adapter.A.detach().cpu()
             tensors[f"{stem}.self_attn.{target}.lora_B.weight"] = adapter.B.detach().cpu()
         for target, adapter in layer.mlp.experts.adapters.items():
-            a_E, b_E = (gather_experts(w, layout, w.dtype) for w in (adapter.A, adapter.B))
+            a_E, b_E = (gather_experts(w, layout, w.dtype, model.placement, index) for w in (adapter.A, adapter.B))
             if layout.is_main:
                 a, b = peft_expert_tensors(torch.stack(a_E), torch.stack(b_E))
                 targets = config["target_parameters"]

@@ -30,6 +30,7 @@ import torch
 
 from te_mixtral.config import RunConfig, save_config
 from te_mixtral.distributed.layout import Layout
+from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import ExitCode, UserError, WriteFailed
 from te_mixtral.files import write_failure
 from te_mixtral.measure import expert_load, metrics, report
@@ -53,6 +54,7 @@ class Measured:
     stopped: UserError | None  # why the run stopped early, if it did (then no phases, no generated text)
     generated: dict | None = None  # `generate_text`'s answer, when asked for
     exchange: dict = field(default_factory=dict)  # the padded exchange's capacity over the run (ExchangeCapacity.record)
+    placement: ExpertPlacement | None = None  # the experts' on the EP ranks (None: in order)
     peaks_by_rank: Sequence[int] = ()  # every rank's peak memory, in bytes
     allocator_retries_by_rank: Sequence[int] = ()  # metrics.allocator_retries of every rank
     tier_calls: dict = field(default_factory=dict)  # this rank's calls of each of the tier's paths (`ExpertTier.calls`)
@@ -86,7 +88,8 @@ def report_run(cfg: RunConfig, layout: Layout, measured: Measured, *, header: di
              "allocator_retries_by_rank": list(measured.allocator_retries_by_rank),
              "grad_norms": state.grad_norms, **measured.exchange,
              **({"evals": state.evals} if state.evals else {}), **({"stopped": str(stopped)} if stopped else {}),
-             **expert_load.results_entries(state.router, measured.run_load_YE, (measured.first_step, cfg.train.steps))}
+             **expert_load.results_entries(state.router, measured.run_load_YE, (measured.first_step, cfg.train.steps),
+                                           measured.placement)}
     if measured.tier_calls:  # on this rank, evaluation included: which of the tier's paths ran
         extra["tier_calls"] = measured.tier_calls
     if measured.phases is not None:

@@ -10,8 +10,8 @@ differs pulls the replicated weights apart). So the ranks compare what they are 
 and every rank refuses alike, naming the first setting that differs.
 
 Compared: every config key as resolved (the file, the overrides, accelerate's settings, a
---model checkpoint's model section), a hub checkpoint's revision, the tokenizer's SHA-256, and
-the token counts of the training and held-out data (counts, not contents: hashing a large
+--model checkpoint's model section), a hub checkpoint's revision, the tokenizer's SHA-256, the
+experts' placement (each rank reads `ep_placement`'s file for itself), and the token counts of the training and held-out data (counts, not contents: hashing a large
 corpus at every start would cost more than the few differences it alone would find).
 
 A --model hub id is read from each rank's own Hugging Face cache (HF_HOME), which may differ
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from te_mixtral.config import RunConfig, to_dict
 from te_mixtral.data.packing import PackedData
 from te_mixtral.distributed.layout import Layout
+from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import UserError
 from te_mixtral.model.hf_config import hub_revision
 from te_mixtral.saved_config import flatten
@@ -43,9 +44,11 @@ def settings_summary(cfg: RunConfig, model_dir: Path | None) -> dict[str, object
     return {**settings, "the --model checkpoint's hub revision": hub_revision(model_dir) if model_dir else None}
 
 
-def job_summary(cfg: RunConfig, data: PackedData, model_dir: Path | None) -> dict[str, object]:
+def job_summary(cfg: RunConfig, data: PackedData, model_dir: Path | None,
+                placement: ExpertPlacement) -> dict[str, object]:
     """What this rank is about to run, as the ranks compare it."""
     return {**settings_summary(cfg, model_dir), "the tokenizer's SHA-256": tokenizer_sha256(data.tokenizer),
+            "the experts' placement": placement.record(),
             "the training data's token count": len(data.stream.tokens),
             "the held-out data's token count": len(data.eval_stream.tokens)}
 

@@ -1,30 +1,12 @@
-"""The expert placement benchmark: by-load placement against every placement there is (two
-experts a rank), a hand case, and the CLI on a results.json and on a file without loads."""
+"""The expert placement benchmark: a hand case, and the CLI on a results.json and on a file
+without loads (the placement itself: tests/distributed/test_placement.py)."""
 
-import itertools
 import json
 
 import pytest
 import torch
 
 from benchmarks import expert_placement as ep
-
-
-def best_over_every_placement(tokens_E: list[float], ranks: int) -> float:
-    """The smallest busiest rank's rows over all ways of putting E/ranks experts on each rank."""
-    room, best = len(tokens_E) // ranks, float("inf")
-    for order in itertools.permutations(range(len(tokens_E))):
-        best = min(best, max(sum(tokens_E[e] for e in order[r * room:(r + 1) * room]) for r in range(ranks)))
-    return best
-
-
-def test_two_experts_a_rank_placed_by_load_is_the_best_placement():
-    generator = torch.Generator().manual_seed(torch.seed())
-    tokens_YE = torch.randint(0, 5000, (6, 8), generator=generator).double()
-    rows_YP = ep.placed_by_load(tokens_YE, 4)
-    assert torch.equal(rows_YP.sum(-1), tokens_YE.sum(-1))  # every row placed once
-    for layer in range(6):
-        assert rows_YP[layer].max().item() == best_over_every_placement(tokens_YE[layer].tolist(), 4)
 
 
 def test_a_hand_case_and_the_ratio():

@@ -1,0 +1,197 @@
+"""Experts placed by load (te_mixtral/distributed/placement.py, `ep_placement`): the placement
+itself against every placement there is, every read and write of an expert by its id on a rank
+of a placed model (HF weights in, the seed-made init, adapters made and read), and runs on two
+gloo ranks placed by `recorded_load.json` against the same runs in order: the same losses bit
+for bit, each expert's weights and adapters where its id says, the HF and adapter exports by
+expert id, a resume of a placed checkpoint, and the busiest rank's rows down.
+
+`recorded_load.json` holds what a one-process run of `EP_ARGS` recorded as its tokens per
+layer and expert (`expert_load.tokens_per_expert`): its placement at EP=2 moves experts of
+both layers from one rank to the other."""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import EP_ARGS, RUN_DIR, STOPPED_AT, train_and_save, train_ep
+from model.test_lora import ALL_TARGETS, hf_checkpoint, run_config, small_tokenizer
+from safetensors.torch import load_file
+
+from te_mixtral.cli import parse_args
+from te_mixtral.config import LoRAConfig, load_config
+from te_mixtral.distributed.layout import Layout, is_expert_param
+from te_mixtral.distributed.placement import ExpertPlacement
+from te_mixtral.errors import UserError
+from te_mixtral.experts.loop import LoopTier
+from te_mixtral.measure.expert_load import placement_by_recorded_load
+from te_mixtral.model.hf_config import model_config_from_hf
+from te_mixtral.model.layers import TORCH
+from te_mixtral.model.lora import add_adapters, is_adapter_param
+from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
+from te_mixtral.training.hf_checkpoint import load_hf_weights
+from te_mixtral.training.peft_adapters import load_adapter, save_adapter
+from te_mixtral.training.resume_checks import check_resumable
+
+LOAD = str(Path(__file__).parents[1] / "recorded_load.json")
+LORA = ("--lora.rank", "4", "--lora.alpha", "8")
+PLACED = [*EP_ARGS, "--ep-size", "2", "--ep-placement", LOAD, "--save-hf", f"{RUN_DIR}/hf"]
+# Stopped after its step-2 checkpoint and resumed (launch.STOPPED_AT), exporting its adapters.
+PLACED_LORA = [STOPPED_AT, "2", *EP_ARGS, "--ep-size", "2", *LORA, "--ep-placement", LOAD, "--checkpoint-every", "2", "--checkpoint-keep", "3",
+               "--save-hf", f"{RUN_DIR}/hf"]
+# The in-order runs are tests/distributed/test_expert_parallel.py's and test_lora_ep.py's.
+PLANNED_RUNS = {2: [[*EP_ARGS, "--ep-size", "2"], PLACED, [*EP_ARGS, "--ep-size", "2", *LORA], PLACED_LORA]}
+SINGLE = Layout(0, 1, 1, None, None)
+
+
+def best_over_every_placement(tokens_E: list[float], ranks: int) -> float:
+    room, best = len(tokens_E) // ranks, float("inf")
+    for order in itertools.permutations(range(len(tokens_E))):
+        best = min(best, max(sum(tokens_E[e] for e in order[r * room:(r + 1) * room]) for r in range(ranks)))
+    return best
+
+
+def test_two_experts_a_rank_is_the_best_placement_and_every_expert_has_one_slot():
+    tokens_YE = torch.randint(0, 5000, (6, 8), generator=torch.Generator().manual_seed(torch.seed())).double()
+    placement = ExpertPlacement.by_load(tokens_YE, 4)
+    rows_YP = placement.rows(tokens_YE)
+    for layer in range(6):
+        assert sorted(placement.experts_YS[layer]) == list(range(8))
+        assert rows_YP[layer].max().item() == best_over_every_placement(tokens_YE[layer].tolist(), 4)
+        slots = placement.slot_of_expert(layer)
+        assert [placement.experts_YS[layer][s] for s in slots] == list(range(8))
+        assert placement.in_expert_order(layer, list(placement.experts_YS[layer])) == list(range(8))
+        assert [e for r in range(4) for e in placement.held(layer, r, 8)] == list(placement.experts_YS[layer])
+    in_order = ExpertPlacement(4)
+    assert in_order.held(0, 3, 8) == [6, 7] and in_order.slot_of_expert(0) is None and in_order.record() is None
+    assert torch.equal(in_order.rows(tokens_YE), tokens_YE.view(6, 4, 2).sum(-1))
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "cannot read"),
+    ("{", "holds no expert_load.tokens_per_expert"),
+    ('{"losses": [1.0]}', "holds no expert_load.tokens_per_expert"),
+    ('{"expert_load": {"tokens_per_expert": [1, 2]}}', "is not a table of token counts"),
+    ('{"expert_load": {"tokens_per_expert": [[1, -2], [3, 4]]}}', "is not a table of token counts"),
+    ('{"expert_load": {"tokens_per_expert": [[1, 2, 3, 4]]}}', "recorded the load of 1 layers of 4 experts; this "
+                                                                "model has 2 layers of 4"),
+], ids=["missing", "not-json", "no-load", "one-row", "negative", "other-model"])
+def test_a_file_without_this_models_load_is_refused_in_one_line(tmp_path, content, problem):
+    file = tmp_path / "results.json"
+    if content is not None:
+        file.write_text(content)
+    with pytest.raises(UserError, match=problem):
+        placement_by_recorded_load(file, 2, 4, 2)
+
+
+def test_each_rank_reads_and_makes_the_experts_its_placement_gives_it(tmp_path):
+    """HF weights in, the seed-made init, adapters drawn and read from an adapter folder: on
+    each rank of a placed model at EP=2, local expert i is the whole model's expert `held[i]`."""
+    hf_checkpoint(tmp_path / "base", torch.float32)
+    m = model_config_from_hf(tmp_path / "base")
+    lora = LoRAConfig(rank=2, alpha=4.0, targets=ALL_TARGETS)
+    whole = MixtralForCausalLM(m, TORCH, SINGLE, LoopTier())  # its weights read, its adapters random
+    load_hf_weights(whole, tmp_path / "base", SINGLE)
+    add_adapters(whole, lora, 0, SINGLE)
+    with torch.no_grad():
+        for name, p in whole.named_parameters():
+            if is_adapter_param(name):
+                p.copy_(torch.randn_like(p))
+    save_adapter(whole, tmp_path / "adapter", run_config(lora), SINGLE, small_tokenizer())
+    seeded = MixtralForCausalLM(m, TORCH, SINGLE, LoopTier())  # its weights and adapters drawn from seeds
+    init_weights(seeded, 5, SINGLE)
+    add_adapters(seeded, lora, 11, SINGLE)
+    # Each layer its own, each rank holding some of the other's experts, a local order not the ids'.
+    placement = ExpertPlacement(2, ((5, 0, 3, 1, 4, 2), (2, 4, 1, 0, 3, 5)))
+    for ep_rank in range(2):
+        layout = Layout(ep_rank, 2, 2, None, None)
+        read = MixtralForCausalLM(m, TORCH, layout, LoopTier(), placement=placement)
+        load_hf_weights(read, tmp_path / "base", layout)
+        add_adapters(read, lora, 0, layout)
+        load_adapter(read, tmp_path / "adapter", run_config(lora), layout)
+        made = MixtralForCausalLM(m, TORCH, layout, LoopTier(), placement=placement)
+        init_weights(made, 5, layout)
+        add_adapters(made, lora, 11, layout)
+        for rank_model, whole_model in ((read, whole), (made, seeded)):
+            wholes = dict(whole_model.named_parameters())
+            for name, p in rank_model.named_parameters():
+                if is_expert_param(name):
+                    held = placement.held(int(name.split(".")[2]), ep_rank, m.num_experts)
+                    assert torch.equal(p, wholes[name][held]), f"rank {ep_rank}: {name}"
+
+
+def test_placed_runs_train_as_in_order_and_export_by_expert_id(tmp_path, launch_planned):
+    launch_planned(2)
+    in_order_losses, in_order = train_ep(tmp_path, "in_order", 2, 2)
+    results, placed, _ = train_and_save(tmp_path / "placed", PLACED, 2)
+    placement = placement_by_recorded_load(LOAD, 2, 4, 2)
+    assert results["losses"] == in_order_losses  # bit for bit: each expert met the same rows
+    load, in_order_load = (json.loads((tmp_path / run / "results.json").read_text())["expert_load"]
+                           for run in ("placed", "in_order"))
+    assert load["placement"] == placement.record() and "placement" not in in_order_load
+    assert load["tokens_per_expert"] == in_order_load["tokens_per_expert"]  # logged by expert id
+    busiest, in_order_busiest = (sum(run["busiest_rank_over_mean"]["2"]) for run in (load, in_order_load))
+    assert busiest < in_order_busiest - 0.05, (busiest, in_order_busiest)
+
+    export = hf_export(tmp_path / "placed" / "hf")
+    for name in in_order[0]:
+        if not is_expert_param(name):
+            assert all(torch.equal(rank[name], in_order[0][name]) for rank in placed), name
+            continue
+        whole = torch.cat([rank[name] for rank in in_order])
+        layer = int(name.split(".")[2])
+        for ep_rank, rank in enumerate(placed):
+            assert torch.equal(rank[name], whole[placement.held(layer, ep_rank, 4)]), f"rank {ep_rank}: {name}"
+        stem = f"model.layers.{layer}.block_sparse_moe.experts"
+        for expert in range(4):
+            parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+            got = torch.cat([export[f"{stem}.{expert}.{part}.weight"] for part in parts])
+            assert torch.equal(got, whole[expert]), f"export of expert {expert}: {name}"
+
+
+def hf_export(folder: Path) -> dict[str, torch.Tensor]:
+    return {key: t for file in folder.glob("*.safetensors") for key, t in load_file(file).items()}
+
+
+def test_a_placed_lora_run_resumes_exactly_and_exports_by_expert_id(tmp_path, launch_planned):
+    """Its checkpoint holds the adapters in slot order, its export the merged weights by id."""
+    launch_planned(2)
+    in_order_losses, in_order = train_ep(tmp_path, "in_order", 2, 2, *LORA)
+    results, resumed, _ = train_and_save(tmp_path / "placed", PLACED_LORA, 2)
+    whole_results = json.loads((tmp_path / "placed" / "whole" / "results.json").read_text())
+    assert results["losses"] == whole_results["losses"] == in_order_losses
+    placement = placement_by_recorded_load(LOAD, 2, 4, 2)
+    export, whole_export = (hf_export(tmp_path / "placed" / run) for run in ("hf", "whole/hf"))
+    assert export.keys() == whole_export.keys() and all(torch.equal(export[k], whole_export[k]) for k in export)
+    expert_adapters = [name for name in in_order[0] if is_adapter_param(name) and is_expert_param(name)]
+    assert expert_adapters
+    for name in expert_adapters:
+        whole = torch.cat([rank[name] for rank in in_order])
+        layer = int(name.split(".")[2])
+        for ep_rank, rank in enumerate(resumed):
+            assert torch.equal(rank[name], whole[placement.held(layer, ep_rank, 4)]), f"rank {ep_rank}: {name}"
+    for layer, stack in itertools.product(range(2), ("gate_up_proj", "down_proj")):
+        stem = f"model.layers.{layer}.mlp.experts"
+        base, a, b = (torch.cat([rank[f"{stem}.{what}"] for rank in in_order])
+                      for what in (stack, f"adapters.{stack}.A", f"adapters.{stack}.B"))
+        want = base + 2.0 * b @ a  # alpha 8 / rank 4
+        for expert in range(4):
+            parts = ("w1", "w3") if stack == "gate_up_proj" else ("w2",)
+            got = torch.cat([export[f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{p}.weight"] for p in parts])
+            torch.testing.assert_close(got, want[expert], rtol=1e-6, atol=1e-7, msg=f"layer {layer} {stack} {expert}")
+
+
+def test_a_checkpoint_resumes_only_under_its_own_placement(tmp_path, launch_planned):
+    launch_planned(2)
+    train_and_save(tmp_path / "placed", PLACED_LORA, 2)
+    checkpoints = tmp_path / "placed" / "ckpt"
+    meta_file = checkpoints / (checkpoints / "latest").read_text().strip() / "meta.json"
+    args, overrides = parse_args([*EP_ARGS, "--ep-size", "2", *LORA, "--steps", "9"])  # as the resume's command line
+    cfg = load_config(args.config, overrides, world_size=2)
+    meta = json.loads(meta_file.read_text())
+    check_resumable(meta, cfg, meta_file, meta["tokenizer_sha256"], placement_by_recorded_load(LOAD, 2, 4, 2))
+    with pytest.raises(UserError, match=(f"checkpoint {meta_file.parent} holds its experts placed for EP=2 by the "
+                                         f"load ep_placement {LOAD} recorded when it was written, not in order: "
+                                         f"resume with --ep-placement {LOAD} as it was then, at --ep-size 2")):
+        check_resumable(json.loads(meta_file.read_text()), cfg, meta_file, meta["tokenizer_sha256"], ExpertPlacement(2))
