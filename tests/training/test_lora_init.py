@@ -158,8 +158,10 @@ def exported(tmp_path_factory):
      "tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [3, 64], the model needs "
      "[2, 64]"),
     (lambda t: t[f"{PREFIX}model.layers.0.mlp.experts.lora_B.weight"].fill_(float("nan")), "not finite"),
+    (lambda t: t.update({f"{PREFIX}model.layers.1.self_attn.q_proj.lora_B.default.weight": torch.zeros(64, 2)}),
+     "holds 'base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight' twice, as "),
     (lambda t: t.clear(), None),
-], ids=["missing", "extra", "shape", "nan", "no-file"])
+], ids=["missing", "extra", "shape", "nan", "twice", "no-file"])
 def test_adapter_weights_that_do_not_fit_are_refused_in_one_line(tmp_path, exported, damage, fragment):
     source, tensors = exported
     folder = write_adapter(tmp_path / "adapter", **json.loads((source / "adapter_config.json").read_text()))
@@ -174,6 +176,30 @@ def test_adapter_weights_that_do_not_fit_are_refused_in_one_line(tmp_path, expor
     # The untouched file loads.
     save_file(exported[1], folder / "adapter_model.safetensors")
     build_model(cfg, SINGLE, torch.device("cpu"))
+
+
+def test_keys_that_carry_pefts_default_adapter_name_load_as_peft_loads_them(tmp_path, exported):
+    # A file of the PeftModel's own state_dict (`...lora_A.default.weight`, not save_pretrained's
+    # `...lora_A.weight`): PeftModel.from_pretrained loads it into its default adapter, so it is read alike;
+    # under another adapter name PEFT loads nothing of it (the adapters stay as they started), so it is refused.
+    source, tensors = exported
+    cfg = load_config(TINY, {"lora.init": str(source)})
+    want = {name: p.detach().clone() for name, p in build_model(cfg, SINGLE, torch.device("cpu"))[0].named_parameters()
+            if name.endswith((".A", ".B"))}
+    for name, fragment in (("default", None), ("other", "'base_model.model.model.layers.0.mlp.experts.lora_A.other."
+                                                          "weight' carries the adapter name 'other'")):
+        folder = write_adapter(tmp_path / name, **json.loads((source / "adapter_config.json").read_text()))
+        save_file({re.sub(r"\.(lora_[AB])\.", rf".\1.{name}.", key): t for key, t in tensors.items()},
+                  folder / "adapter_model.safetensors")
+        cfg = load_config(TINY, {"lora.init": str(folder)})
+        if fragment is None:
+            got = dict(build_model(cfg, SINGLE, torch.device("cpu"))[0].named_parameters())
+            assert all(torch.equal(got[key], weight) for key, weight in want.items())
+            continue
+        with pytest.raises(UserError) as raised:
+            build_model(cfg, SINGLE, torch.device("cpu"))
+        assert fragment in str(raised.value) and "lora_A.weight" in str(raised.value)
+        assert "\n" not in str(raised.value)
 
 
 def test_an_export_into_the_adapter_the_run_starts_from_is_refused(tmp_path):
