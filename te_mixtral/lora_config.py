@@ -49,7 +49,8 @@ class LoRAConfig:
                                help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors: "
                                "--save-adapter's, or PEFT's save_pretrained for Mixtral) whose weights the adapters "
                                "start from, instead of the seed's; its r, lora_alpha, use_rslora and targets are "
-                               "the run's lora.rank, alpha, rslora and targets unless given, and the tokenizer "
+                               "the run's lora.rank, alpha, rslora and targets unless given (another is refused), "
+                               "its lora_dropout lora.dropout unless given, and the tokenizer "
                                "beside it data.tokenizer. The optimizer starts "
                                "afresh; a resume reads the checkpoint's adapters instead")
     base: Literal["default", "nf4"] = setting("default",
@@ -179,12 +180,12 @@ _NOT_PLAIN = {"use_dora": "DoRA's magnitude vectors", "lora_bias": "a bias on lo
 # read_peft_adapter takes say: bookkeeping, training-only ones, how fresh adapters start,
 # and details of settings that are off. Any other setting PEFT writes is off by default (None,
 # False, {}); on, it may change what the adapters compute, so it is refused, a new one too.
-_NO_EFFECT = {"task_type", "auto_mapping", "peft_version", "revision", "inference_mode", "lora_dropout",
+_NO_EFFECT = {"task_type", "auto_mapping", "peft_version", "revision", "inference_mode",
               "fan_in_fan_out",  # PEFT turns it off on Linear layers (and refuses it on stacked weights)
               "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
               "qalora_group_size", "megatron_core", "ensure_weight_tying", "runtime_config"}
-_READ = {"peft_type", "r", "lora_alpha", "use_rslora", "bias", "target_modules", "target_parameters",
-         "base_model_name_or_path"}
+_READ = {"peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "bias", "target_modules",
+         "target_parameters", "base_model_name_or_path"}
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class PeftAdapter:
 
     rank: int
     alpha: float
+    dropout: float
     rslora: bool
     targets: str  # ours, comma-separated, in LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS order
     base: str | None  # base_model_name_or_path
@@ -212,10 +214,13 @@ def read_peft_adapter(folder: str) -> PeftAdapter:
     _check(isinstance(raw, dict), f"{path} is not an adapter config: it holds a {type(raw).__name__}, not a mapping")
     _check(raw.get("peft_type") == "LORA", f"{where} holds a {raw.get('peft_type')} adapter, not LoRA")
     rank, alpha, rslora = raw.get("r"), raw.get("lora_alpha"), raw.get("use_rslora", False)
+    dropout = raw.get("lora_dropout", 0.0)
     _check(isinstance(rank, int) and not isinstance(rank, bool) and rank > 0,
            f"{path}: r must be a positive whole number, got {rank!r}")
     _check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < math.inf,
            f"{path}: lora_alpha must be a number above 0, got {alpha!r}")
+    _check(isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1,
+           f"{path}: lora_dropout must be a number in [0, 1), got {dropout!r}")
     _check(isinstance(rslora, bool), f"{path}: use_rslora must be true or false, got {rslora!r}")
     for key, value in raw.items():
         if not value or key in _READ | _NO_EFFECT:
@@ -235,7 +240,8 @@ def read_peft_adapter(folder: str) -> PeftAdapter:
     _check(bool(found), f"{where} adapts no projection")
     targets = ",".join(t for t in LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS if t in found)
     base = raw.get("base_model_name_or_path")
-    return PeftAdapter(rank, float(alpha), rslora, targets, base if isinstance(base, str) and base else None)
+    return PeftAdapter(rank, float(alpha), float(dropout), rslora, targets,
+                       base if isinstance(base, str) and base else None)
 
 
 def _our_target(name, stem: str, ours: tuple[str, ...], where: str) -> str:
@@ -267,6 +273,10 @@ def adopt_adapter(cfg, given: set[str]) -> None:
             raise UserError(f"lora.init {lora.init} holds adapters of {peft_name} {wanted}, and lora.{key} is "
                             f"{getattr(lora, key)}: drop lora.{key} (the adapter's is taken), or train new adapters "
                             f"without lora.init")
+    # Dropout acts only while training: the adapters compute the same under any, so a run may
+    # train on with its own (as PEFT's users pass from_pretrained a config of their own).
+    if "lora.dropout" not in given:
+        lora.dropout = adapter.dropout
     # The adapters learnt the token ids of the tokenizer beside them (--save-adapter writes the
     # run's there), which need not be the base's that the run would read otherwise.
     if "data.tokenizer" not in given and (Path(lora.init) / "tokenizer.json").is_file():

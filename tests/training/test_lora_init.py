@@ -86,6 +86,11 @@ def test_the_adapters_settings_are_taken_where_none_are_given(tmp_path):
     spelled = write_adapter(tmp_path / "spelled", target_modules=["self_attn.q_proj", "v_proj", "q_proj"],
                             target_parameters=["experts.down_proj"], lora_alpha=4.5, use_rslora=True)
     assert load_config(TINY, {"lora.init": str(spelled)}).lora.targets == "q_proj,v_proj,down_proj"
+    # Dropout acts only while training, so it does not change what the adapters compute: the adapter's is
+    # taken where the run gives none, and a run may train on with another (PEFT's from_pretrained takes a config).
+    dropped = write_adapter(tmp_path / "dropped", lora_dropout=0.125)
+    assert load_config(TINY, {"lora.init": str(dropped)}).lora.dropout == 0.125
+    assert load_config(TINY, {"lora.init": str(dropped), "lora.dropout": "0.25"}).lora.dropout == 0.25
     # A config file's lora.init with LoRA turned off on the command line: off, as the file's other lora keys.
     config = tmp_path / "lora.yaml"
     config.write_text((REPO / "configs" / "tiny.yaml").read_text() + f"lora:\n  rank: 2\n  init: {ADAPTER}\n")
@@ -131,6 +136,8 @@ def test_the_adapters_tokenizer_is_the_runs_unless_one_is_given(tmp_path):
     ({"arrow_config": {"top_k": 3}}, {}, "(arrow_config)"),
     ({"a_later_peft_setting": 1}, {}, "holds a_later_peft_setting 1, a PEFT setting te_mixtral's LoRA does not have"),
     ({"r": 0}, {}, "r must be a positive whole number, got 0"),
+    ({"lora_dropout": 1.5}, {}, "lora_dropout must be a number in [0, 1), got 1.5"),
+    ({"lora_dropout": True}, {}, "lora_dropout must be a number in [0, 1), got True"),
 ])
 def test_what_no_run_can_start_from_is_refused_in_one_line(tmp_path, changes, overrides, fragment):
     folder = tmp_path / "adapter" if changes is None else write_adapter(tmp_path / "adapter", **changes)
