@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from launch import RUN_DIR, WORKER, run_worker
+from launch import RUN_DIR, WORKER, assert_one_line_error, run_cli, run_worker
 from model.test_lora import small_tokenizer
 from safetensors.torch import load_file, save_file
 
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
+from te_mixtral.lora_config import require_adapter_revision
 from te_mixtral.training.loop import build_model
 from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import PREFIX, save_adapter
@@ -207,6 +208,31 @@ def test_keys_that_carry_pefts_default_adapter_name_load_as_peft_loads_them(tmp_
             build_model(cfg, SINGLE, torch.device("cpu"))
         assert fragment in str(raised.value) and "lora_A.weight" in str(raised.value)
         assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("made_on, refused", [("1" * 40, False), ("2" * 40, True), ("main", False), (None, False)],
+                         ids=["same-commit", "other-commit", "branch", "none"])
+def test_an_adapter_made_on_another_revision_of_the_hub_base_is_refused(tmp_path, monkeypatch, made_on, refused):
+    # adapter_config.json's revision: the base's revision the adapter was made on (get_peft_model's revision).
+    # A commit is compared with the one the run's hub cache holds; a branch, which moves, cannot be.
+    import huggingface_hub.constants
+    from test_cli_errors import hub_cache
+
+    from te_mixtral.model.hf_config import hub_revision, resolve_model_path
+    from te_mixtral.training.hf_checkpoint import adopt_checkpoint
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_cache(tmp_path / "hub", "1" * 40)
+    folder = write_adapter(tmp_path / "adapter", base_model_name_or_path="owner/tiny", revision=made_on)
+    if refused:  # as a run meets it
+        assert_one_line_error(run_cli(["--model", "owner/tiny", "--lora.init", str(folder)]),
+                              f"lora.init {folder} holds adapters made on revision {made_on} of owner/tiny, and this "
+                              f"run's --model owner/tiny is its revision {'1' * 40}")
+        return
+    model_dir = resolve_model_path("owner/tiny")
+    cfg = adopt_checkpoint(load_config(None, {"model_path": "owner/tiny", "lora.init": str(folder)}), model_dir, 1)
+    require_adapter_revision(cfg, hub_revision(model_dir))  # the run's check, as train makes it
 
 
 def test_an_export_into_the_adapter_the_run_starts_from_is_refused(tmp_path):
