@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
-from te_mixtral.lora_config import require_adapter_revision
+from te_mixtral.lora_config import peft_config, require_adapter_revision
 from te_mixtral.training.loop import build_model
 from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import PREFIX, save_adapter
@@ -233,6 +233,17 @@ def test_an_adapter_made_on_another_revision_of_the_hub_base_is_refused(tmp_path
     model_dir = resolve_model_path("owner/tiny")
     cfg = adopt_checkpoint(load_config(None, {"model_path": "owner/tiny", "lora.init": str(folder)}), model_dir, 1)
     require_adapter_revision(cfg, hub_revision(model_dir))  # the run's check, as train makes it
+
+
+def test_an_export_names_its_base_as_peft_loads_it_from_anywhere(tmp_path, monkeypatch):
+    # A hub id as given (a path of the trainer's machine would mean nothing on the hub); a local folder by its
+    # whole path, which loads from any folder (PEFT writes a relative one as given: from that folder alone).
+    assert peft_config(load_config(TINY, {"lora.rank": "2", "model_path": HUB_BASE}))["base_model_name_or_path"] == (
+        HUB_BASE)
+    (tmp_path / "base").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert peft_config(load_config(TINY, {"lora.rank": "2", "model_path": "base"}))["base_model_name_or_path"] == str(
+        (tmp_path / "base").resolve())
 
 
 def test_an_export_into_the_adapter_the_run_starts_from_is_refused(tmp_path):
