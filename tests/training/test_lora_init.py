@@ -3,9 +3,10 @@ started from another's `--save-adapter` export takes its settings and starts exa
 run ended (the adapters, and so the first step's loss, bit for bit in fp32), at EP=1 and at
 EP=2 over gloo ranks, each rank reading its own experts' adapters; and what no run can start
 from is refused in one line: a folder that is no adapter, settings given otherwise than the
-adapter's, an adapter over another base, of targets or kinds ours cannot hold, a file that
-does not fit. (A PEFT-made adapter gives our model PEFT's logits: tests/model/test_lora.py;
-a resume reads its checkpoint instead: tests/training/test_lora_run.py.)"""
+adapter's, an adapter over another base or another commit of it, of targets or kinds ours
+cannot hold, a file that does not fit (a PeftModel's own state_dict, its keys named by its
+default adapter, fits, as PEFT loads it). (A PEFT-made adapter gives our model PEFT's logits:
+tests/model/test_lora.py; a resume reads its checkpoint instead: tests/training/test_lora_run.py.)"""
 
 import json
 import re
