@@ -1,7 +1,8 @@
 """LoRA's settings in one place, as PEFT's `LoraConfig` holds them: the `lora` section of a
 run config, the projections it can adapt, and its checks; and PEFT's adapter_config.json, out
 (`peft_config`, what `--save-adapter` writes) and in (`adopt_adapter`: `lora.init`'s adapter,
-whose settings a run takes where it gives none).
+whose settings a run takes where it gives none; `require_adapter_revision`: the base's revision
+it was made on, once the run has found its hub base).
 
 The adapters themselves are model/lora.py's; what a tier receives of them at each call,
 experts/adapters.py's; their weights in PEFT's files, training/peft_adapters.py's. This module
@@ -10,6 +11,7 @@ imports no torch: config.py reads it while a config loads.
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -49,7 +51,8 @@ class LoRAConfig:
                                help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors: "
                                "--save-adapter's, or PEFT's save_pretrained for Mixtral) whose weights the adapters "
                                "start from, instead of the seed's; its r, lora_alpha, use_rslora and targets are "
-                               "the run's lora.rank, alpha, rslora and targets unless given, and the tokenizer "
+                               "the run's lora.rank, alpha, rslora and targets unless given (another is refused), "
+                               "its lora_dropout lora.dropout unless given, and the tokenizer "
                                "beside it data.tokenizer. The optimizer starts "
                                "afresh; a resume reads the checkpoint's adapters instead")
     base: Literal["default", "nf4"] = setting("default",
@@ -179,12 +182,12 @@ _NOT_PLAIN = {"use_dora": "DoRA's magnitude vectors", "lora_bias": "a bias on lo
 # read_peft_adapter takes say: bookkeeping, training-only ones, how fresh adapters start,
 # and details of settings that are off. Any other setting PEFT writes is off by default (None,
 # False, {}); on, it may change what the adapters compute, so it is refused, a new one too.
-_NO_EFFECT = {"task_type", "auto_mapping", "peft_version", "revision", "inference_mode", "lora_dropout",
+_NO_EFFECT = {"task_type", "auto_mapping", "peft_version", "inference_mode",
               "fan_in_fan_out",  # PEFT turns it off on Linear layers (and refuses it on stacked weights)
               "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
               "qalora_group_size", "megatron_core", "ensure_weight_tying", "runtime_config"}
-_READ = {"peft_type", "r", "lora_alpha", "use_rslora", "bias", "target_modules", "target_parameters",
-         "base_model_name_or_path"}
+_READ = {"peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "bias", "target_modules",
+         "target_parameters", "base_model_name_or_path", "revision"}
 
 
 @dataclass(frozen=True)
@@ -193,9 +196,11 @@ class PeftAdapter:
 
     rank: int
     alpha: float
+    dropout: float
     rslora: bool
     targets: str  # ours, comma-separated, in LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS order
     base: str | None  # base_model_name_or_path
+    revision: str | None  # the base's revision it was made on: a branch, tag or commit
 
 
 def read_peft_adapter(folder: str) -> PeftAdapter:
@@ -212,10 +217,13 @@ def read_peft_adapter(folder: str) -> PeftAdapter:
     _check(isinstance(raw, dict), f"{path} is not an adapter config: it holds a {type(raw).__name__}, not a mapping")
     _check(raw.get("peft_type") == "LORA", f"{where} holds a {raw.get('peft_type')} adapter, not LoRA")
     rank, alpha, rslora = raw.get("r"), raw.get("lora_alpha"), raw.get("use_rslora", False)
+    dropout = raw.get("lora_dropout", 0.0)
     _check(isinstance(rank, int) and not isinstance(rank, bool) and rank > 0,
            f"{path}: r must be a positive whole number, got {rank!r}")
     _check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < math.inf,
            f"{path}: lora_alpha must be a number above 0, got {alpha!r}")
+    _check(isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1,
+           f"{path}: lora_dropout must be a number in [0, 1), got {dropout!r}")
     _check(isinstance(rslora, bool), f"{path}: use_rslora must be true or false, got {rslora!r}")
     for key, value in raw.items():
         if not value or key in _READ | _NO_EFFECT:
@@ -234,8 +242,10 @@ def read_peft_adapter(folder: str) -> PeftAdapter:
     found += [_our_target(name, _EXPERT_STEM, LORA_EXPERT_TARGETS, where) for name in experts]
     _check(bool(found), f"{where} adapts no projection")
     targets = ",".join(t for t in LORA_DENSE_TARGETS + LORA_EXPERT_TARGETS if t in found)
-    base = raw.get("base_model_name_or_path")
-    return PeftAdapter(rank, float(alpha), rslora, targets, base if isinstance(base, str) and base else None)
+    base, revision = raw.get("base_model_name_or_path"), raw.get("revision")
+    return PeftAdapter(rank, float(alpha), float(dropout), rslora, targets,
+                       base if isinstance(base, str) and base else None,
+                       revision if isinstance(revision, str) and revision else None)
 
 
 def _our_target(name, stem: str, ours: tuple[str, ...], where: str) -> str:
@@ -267,6 +277,10 @@ def adopt_adapter(cfg, given: set[str]) -> None:
             raise UserError(f"lora.init {lora.init} holds adapters of {peft_name} {wanted}, and lora.{key} is "
                             f"{getattr(lora, key)}: drop lora.{key} (the adapter's is taken), or train new adapters "
                             f"without lora.init")
+    # Dropout acts only while training: the adapters compute the same under any, so a run may
+    # train on with its own (as PEFT's users pass from_pretrained a config of their own).
+    if "lora.dropout" not in given:
+        lora.dropout = adapter.dropout
     # The adapters learnt the token ids of the tokenizer beside them (--save-adapter writes the
     # run's there), which need not be the base's that the run would read otherwise.
     if "data.tokenizer" not in given and (Path(lora.init) / "tokenizer.json").is_file():
@@ -277,3 +291,21 @@ def adopt_adapter(cfg, given: set[str]) -> None:
         raise UserError(f"lora.init {lora.init} holds adapters trained over {adapter.base}, and this run's base is "
                         f"{now}: pass --model {adapter.base} (or, where that is this base by another name, set "
                         f"base_model_name_or_path in its adapter_config.json)")
+
+
+def require_adapter_revision(cfg, hub_revision: str | None) -> None:
+    """Refuse lora.init's adapter where its config says it was made on another commit of the
+    run's hub base than the one the run reads (`hub_revision`: the commit of the run's hub
+    cache, model/hf_config.hub_revision; None for a local folder). PEFT records the revision
+    get_peft_model was given: a branch or tag moves, so what it was then cannot be known, and
+    it is not compared; nor is a local base, which has no revision."""
+    lora = cfg.lora
+    if lora.init is None or not lora.enabled or hub_revision is None:
+        return
+    made_on = read_peft_adapter(lora.init).revision
+    if made_on is None or re.fullmatch(r"[0-9a-f]{40}", made_on) is None or made_on == hub_revision:
+        return
+    raise UserError(f"lora.init {lora.init} holds adapters made on revision {made_on} of {cfg.model_path}, and this "
+                    f"run's --model {cfg.model_path} is its revision {hub_revision}: train over that revision's folder "
+                    f"(hf download {cfg.model_path} --revision {made_on} --local-dir DIR; --model DIR, and "
+                    f"base_model_name_or_path DIR in the adapter's config), or train new adapters without lora.init")

@@ -49,6 +49,7 @@ later resume that names it again.
 
 import importlib.util
 import os
+import threading
 from pathlib import Path
 
 from te_mixtral.config import RunConfig, to_dict
@@ -72,6 +73,10 @@ def check_trackers(cfg: RunConfig) -> None:
             raise UserError(f"report_to {name} needs the {PACKAGES[name]} package: pip install 'te_mixtral[{name}]'")
 
 
+# Where TensorBoard's event-writing thread is defined (TensorBoard._silence_writer_errors).
+_WRITER_THREAD_MODULE = "tensorboard.summary.writer.event_file_writer"
+
+
 class TensorBoard:
     has_run_id = False  # its run is the output folder
 
@@ -80,10 +85,25 @@ class TensorBoard:
 
         self.run_id = None
         self.where = str(output_dir)  # what a failed write names
+        # TensorBoard writes its events from a thread of its own. One that fails (a full disk)
+        # keeps its error for the writer's next flush, which `log` makes every step and which
+        # raises it here, for the run log's one line; it also prints its own traceback as it
+        # ends, which this hook silences while the writer lives: any other thread's error, and
+        # any but an OSError, is printed as before.
+        self._printed = threading.excepthook
+        threading.excepthook = self._silence_writer_errors
         # A resumed run goes on from its checkpoint, but the run it resumes may have logged
         # steps past it before it died, into its own event file: TensorBoard hides those
         # (`purge_step`), as steps.jsonl drops their lines.
-        self.writer = SummaryWriter(log_dir=str(output_dir), purge_step=first_step)
+        try:
+            self.writer = SummaryWriter(log_dir=str(output_dir), purge_step=first_step)
+        except BaseException:  # no writer, nothing to silence
+            threading.excepthook = self._printed
+            raise
+
+    def _silence_writer_errors(self, args) -> None:
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__module__ == _WRITER_THREAD_MODULE):
+            self._printed(args)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
@@ -91,7 +111,11 @@ class TensorBoard:
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()  # its thread ends here
+        finally:
+            if threading.excepthook == self._silence_writer_errors:
+                threading.excepthook = self._printed
 
 
 class WandB:

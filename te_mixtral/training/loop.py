@@ -52,12 +52,13 @@ from te_mixtral.experts.base import ExpertTier
 from te_mixtral.experts.loop import LoopTier
 from te_mixtral.experts.registry import BASELINES, make_tier
 from te_mixtral.folder_lock import FolderLocks
+from te_mixtral.lora_config import require_adapter_revision
 from te_mixtral.measure import expert_load, metrics, report
 from te_mixtral.measure.loss_check import check_reference
 from te_mixtral.measure.phases import profile_phases
 from te_mixtral.measure.run_log import RunLog
 from te_mixtral.measure.trackers import check_trackers
-from te_mixtral.model.hf_config import resolve_model_path
+from te_mixtral.model.hf_config import hub_revision, resolve_model_path
 from te_mixtral.model.hf_model import HFMixtral
 from te_mixtral.model.layers import TORCH, Backend, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights
@@ -188,6 +189,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     model_dir = resolve_model_path(cfg.model_path) if cfg.model_path else None
     if model_dir is not None:
         cfg = adopt_checkpoint(cfg, model_dir, world_size_from_env())
+        require_adapter_revision(cfg, hub_revision(model_dir))
     # What this machine cannot run or read, asked again where it is used: here, before the
     # estimate and the data, so that its line is the only one a run prints. On CUDA the tier
     # is asked in build_model alone: its check may import TE, which must not touch a GPU before

@@ -35,6 +35,7 @@ checks each tensor whole (all refuse alike; adapters are small) and keeps its ow
 """
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -72,6 +73,32 @@ def stacked_expert_tensors(a_flat: torch.Tensor, b_flat: torch.Tensor,
             b_flat.reshape(b_flat.shape[0], -1, experts).permute(2, 0, 1))
 
 
+# A key of a PeftModel's own state_dict: the adapter's name after lora_A or lora_B, which
+# save_pretrained leaves out.
+_NAMED = re.compile(r"\.(lora_[AB])\.([^.]+)\.weight$")
+
+
+def saved_keys(keys, file: Path) -> dict[str, str]:
+    """The adapter file's keys, each by its name as save_pretrained writes it. PEFT's loader gives
+    a saved key its adapter's name and takes a key that has one as it is, so a file of the
+    PeftModel's state_dict (`...lora_A.default.weight`) loads into its default adapter: it is read
+    alike here; any other name, PEFT leaves unread (its adapters stay as they started), so it is
+    refused, as a key there twice is."""
+    saved = {}
+    for key in keys:
+        plain, named = key, _NAMED.search(key)
+        if named is not None:
+            if named[2] != "default":
+                raise UserError(f"{file}: '{key}' carries the adapter name '{named[2]}', which PEFT's from_pretrained "
+                                f"does not read (it reads keys as save_pretrained writes them, '...{named[1]}.weight', "
+                                f"or of its 'default' adapter): save the adapter with PeftModel.save_pretrained")
+            plain = key[:named.start()] + f".{named[1]}.weight"
+        if plain in saved:
+            raise UserError(f"{file} holds '{plain}' twice, as '{saved[plain]}' and '{key}'")
+        saved[plain] = key
+    return saved
+
+
 @torch.no_grad()
 def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, layout: Layout) -> None:
     """Copy the adapters of the PEFT adapter `folder` (lora.init) into `model`'s (`cfg`'s, which
@@ -98,8 +125,8 @@ def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, lay
                           model.placement.held(index, layout.ep_rank, experts)))
     try:
         with safe_open(file, framework="pt") as f:
-            wanted, held = {key for keys, *_ in pairs for key in keys}, f.keys()
-            extra = next((key for key in held if key not in wanted), None)
+            wanted, held = {key for keys, *_ in pairs for key in keys}, saved_keys(f.keys(), file)
+            extra = next((held[key] for key in held if key not in wanted), None)
             if extra is not None:
                 raise UserError(f"{file} holds '{extra}', which none of this run's adapters is (lora.targets "
                                 f"{cfg.lora.targets}, {model.config.num_hidden_layers} layers)")
@@ -107,7 +134,7 @@ def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, lay
             if missing is not None:
                 raise UserError(f"{file} lacks '{missing}', which this run's adapters need")
             for keys, shapes, adapter, held_experts in pairs:  # one adapter at a time, each rank every one
-                a, b = (read_tensor(f, file, key, shape) for key, shape in zip(keys, shapes))
+                a, b = (read_tensor(f, file, held[key], shape) for key, shape in zip(keys, shapes))
                 if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                     raise UserError(f"{file}: '{keys[0]}' or '{keys[1]}' holds values that are not finite")
                 if held_experts is not None:  # this rank's experts of all

@@ -151,10 +151,12 @@ def test_a_run_killed_as_it_draws_leaves_no_half_picture(planned_command):
 
 def test_a_disk_that_fills_under_tensorboard_is_one_line_after_the_last_step(planned_command):
     # As steps.jsonl: the events stop, training goes on, the run ends saying what it could not
-    # write. Before: a traceback from TensorBoard's writer thread at the first step, exit 1.
+    # write. Before: a traceback from TensorBoard's writer thread at the first step, exit 1; then
+    # the one line, and still that thread's own traceback beside it.
     ran, folder = runs(planned_command)
     run = ran["tensorboard_full"]
     assert run["status"] == ExitCode.WRITE_FAILED, run["stderr"][-3000:]
+    assert "Traceback" not in run["stderr"], run["stderr"][-3000:]
     assert_one_line_error(SimpleNamespace(returncode=run["status"], stderr=run["stderr"]),
                           f"cannot write report_to tensorboard in {folder / 'tb'}: File too large (its steps stop")
     printed = next(x for x in run["stdout"].splitlines() if x.startswith("results.json (not saved): "))

@@ -3,9 +3,10 @@ started from another's `--save-adapter` export takes its settings and starts exa
 run ended (the adapters, and so the first step's loss, bit for bit in fp32), at EP=1 and at
 EP=2 over gloo ranks, each rank reading its own experts' adapters; and what no run can start
 from is refused in one line: a folder that is no adapter, settings given otherwise than the
-adapter's, an adapter over another base, of targets or kinds ours cannot hold, a file that
-does not fit. (A PEFT-made adapter gives our model PEFT's logits: tests/model/test_lora.py;
-a resume reads its checkpoint instead: tests/training/test_lora_run.py.)"""
+adapter's, an adapter over another base or another commit of it, of targets or kinds ours
+cannot hold, a file that does not fit (a PeftModel's own state_dict, its keys named by its
+default adapter, fits, as PEFT loads it). (A PEFT-made adapter gives our model PEFT's logits:
+tests/model/test_lora.py; a resume reads its checkpoint instead: tests/training/test_lora_run.py.)"""
 
 import json
 import re
@@ -15,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from launch import RUN_DIR, WORKER, run_worker
+from launch import RUN_DIR, WORKER, assert_one_line_error, run_cli, run_worker
 from model.test_lora import small_tokenizer
 from safetensors.torch import load_file, save_file
 
 from te_mixtral.config import load_config
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError
+from te_mixtral.lora_config import peft_config, require_adapter_revision
 from te_mixtral.training.loop import build_model
 from te_mixtral.training.outputs import check_outputs
 from te_mixtral.training.peft_adapters import PREFIX, save_adapter
@@ -86,6 +88,11 @@ def test_the_adapters_settings_are_taken_where_none_are_given(tmp_path):
     spelled = write_adapter(tmp_path / "spelled", target_modules=["self_attn.q_proj", "v_proj", "q_proj"],
                             target_parameters=["experts.down_proj"], lora_alpha=4.5, use_rslora=True)
     assert load_config(TINY, {"lora.init": str(spelled)}).lora.targets == "q_proj,v_proj,down_proj"
+    # Dropout acts only while training, so it does not change what the adapters compute: the adapter's is
+    # taken where the run gives none, and a run may train on with another (PEFT's from_pretrained takes a config).
+    dropped = write_adapter(tmp_path / "dropped", lora_dropout=0.125)
+    assert load_config(TINY, {"lora.init": str(dropped)}).lora.dropout == 0.125
+    assert load_config(TINY, {"lora.init": str(dropped), "lora.dropout": "0.25"}).lora.dropout == 0.25
     # A config file's lora.init with LoRA turned off on the command line: off, as the file's other lora keys.
     config = tmp_path / "lora.yaml"
     config.write_text((REPO / "configs" / "tiny.yaml").read_text() + f"lora:\n  rank: 2\n  init: {ADAPTER}\n")
@@ -131,6 +138,8 @@ def test_the_adapters_tokenizer_is_the_runs_unless_one_is_given(tmp_path):
     ({"arrow_config": {"top_k": 3}}, {}, "(arrow_config)"),
     ({"a_later_peft_setting": 1}, {}, "holds a_later_peft_setting 1, a PEFT setting te_mixtral's LoRA does not have"),
     ({"r": 0}, {}, "r must be a positive whole number, got 0"),
+    ({"lora_dropout": 1.5}, {}, "lora_dropout must be a number in [0, 1), got 1.5"),
+    ({"lora_dropout": True}, {}, "lora_dropout must be a number in [0, 1), got True"),
 ])
 def test_what_no_run_can_start_from_is_refused_in_one_line(tmp_path, changes, overrides, fragment):
     folder = tmp_path / "adapter" if changes is None else write_adapter(tmp_path / "adapter", **changes)
@@ -158,8 +167,10 @@ def exported(tmp_path_factory):
      "tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [3, 64], the model needs "
      "[2, 64]"),
     (lambda t: t[f"{PREFIX}model.layers.0.mlp.experts.lora_B.weight"].fill_(float("nan")), "not finite"),
+    (lambda t: t.update({f"{PREFIX}model.layers.1.self_attn.q_proj.lora_B.default.weight": torch.zeros(64, 2)}),
+     "holds 'base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight' twice, as "),
     (lambda t: t.clear(), None),
-], ids=["missing", "extra", "shape", "nan", "no-file"])
+], ids=["missing", "extra", "shape", "nan", "twice", "no-file"])
 def test_adapter_weights_that_do_not_fit_are_refused_in_one_line(tmp_path, exported, damage, fragment):
     source, tensors = exported
     folder = write_adapter(tmp_path / "adapter", **json.loads((source / "adapter_config.json").read_text()))
@@ -174,6 +185,66 @@ def test_adapter_weights_that_do_not_fit_are_refused_in_one_line(tmp_path, expor
     # The untouched file loads.
     save_file(exported[1], folder / "adapter_model.safetensors")
     build_model(cfg, SINGLE, torch.device("cpu"))
+
+
+def test_keys_that_carry_pefts_default_adapter_name_load_as_peft_loads_them(tmp_path, exported):
+    # A file of the PeftModel's own state_dict (`...lora_A.default.weight`, not save_pretrained's
+    # `...lora_A.weight`): PeftModel.from_pretrained loads it into its default adapter, so it is read alike;
+    # under another adapter name PEFT loads nothing of it (the adapters stay as they started), so it is refused.
+    source, tensors = exported
+    cfg = load_config(TINY, {"lora.init": str(source)})
+    want = {name: p.detach().clone() for name, p in build_model(cfg, SINGLE, torch.device("cpu"))[0].named_parameters()
+            if name.endswith((".A", ".B"))}
+    for name, fragment in (("default", None), ("other", "'base_model.model.model.layers.0.mlp.experts.lora_A.other."
+                                                          "weight' carries the adapter name 'other'")):
+        folder = write_adapter(tmp_path / name, **json.loads((source / "adapter_config.json").read_text()))
+        save_file({re.sub(r"\.(lora_[AB])\.", rf".\1.{name}.", key): t for key, t in tensors.items()},
+                  folder / "adapter_model.safetensors")
+        cfg = load_config(TINY, {"lora.init": str(folder)})
+        if fragment is None:
+            got = dict(build_model(cfg, SINGLE, torch.device("cpu"))[0].named_parameters())
+            assert all(torch.equal(got[key], weight) for key, weight in want.items())
+            continue
+        with pytest.raises(UserError) as raised:
+            build_model(cfg, SINGLE, torch.device("cpu"))
+        assert fragment in str(raised.value) and "lora_A.weight" in str(raised.value)
+        assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("made_on, refused", [("1" * 40, False), ("2" * 40, True), ("main", False), (None, False)],
+                         ids=["same-commit", "other-commit", "branch", "none"])
+def test_an_adapter_made_on_another_revision_of_the_hub_base_is_refused(tmp_path, monkeypatch, made_on, refused):
+    # adapter_config.json's revision: the base's revision the adapter was made on (get_peft_model's revision).
+    # A commit is compared with the one the run's hub cache holds; a branch, which moves, cannot be.
+    import huggingface_hub.constants
+    from test_cli_errors import hub_cache
+
+    from te_mixtral.model.hf_config import hub_revision, resolve_model_path
+    from te_mixtral.training.hf_checkpoint import adopt_checkpoint
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_cache(tmp_path / "hub", "1" * 40)
+    folder = write_adapter(tmp_path / "adapter", base_model_name_or_path="owner/tiny", revision=made_on)
+    if refused:  # as a run meets it
+        assert_one_line_error(run_cli(["--model", "owner/tiny", "--lora.init", str(folder)]),
+                              f"lora.init {folder} holds adapters made on revision {made_on} of owner/tiny, and this "
+                              f"run's --model owner/tiny is its revision {'1' * 40}")
+        return
+    model_dir = resolve_model_path("owner/tiny")
+    cfg = adopt_checkpoint(load_config(None, {"model_path": "owner/tiny", "lora.init": str(folder)}), model_dir, 1)
+    require_adapter_revision(cfg, hub_revision(model_dir))  # the run's check, as train makes it
+
+
+def test_an_export_names_its_base_as_peft_loads_it_from_anywhere(tmp_path, monkeypatch):
+    # A hub id as given (a path of the trainer's machine would mean nothing on the hub); a local folder by its
+    # whole path, which loads from any folder (PEFT writes a relative one as given: from that folder alone).
+    assert peft_config(load_config(TINY, {"lora.rank": "2", "model_path": HUB_BASE}))["base_model_name_or_path"] == (
+        HUB_BASE)
+    (tmp_path / "base").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert peft_config(load_config(TINY, {"lora.rank": "2", "model_path": "base"}))["base_model_name_or_path"] == str(
+        (tmp_path / "base").resolve())
 
 
 def test_an_export_into_the_adapter_the_run_starts_from_is_refused(tmp_path):
