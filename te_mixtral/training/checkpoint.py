@@ -99,7 +99,7 @@ from te_mixtral.experts.quant.frozen import FrozenWeight
 from te_mixtral.files import (
     SCRATCH_MARKER,
     folder_bytes,
-    is_empty_folder,
+    is_scratch,
     make_scratch,
     publish_folder,
     remove_marked,
@@ -482,8 +482,7 @@ def written_here(path: Path) -> bool:
     """Whether `path` is a checkpoint folder a `Checkpointer` wrote: a folder (not a link to
     one) holding the marker it was made with, or (a checkpoint written before the marker) its
     meta.json; or an empty one, which a save or pruning killed midway leaves (files.py)."""
-    return path.is_dir() and not path.is_symlink() and (
-        any((path / name).is_file() for name in (SCRATCH_MARKER, META)) or is_empty_folder(path))
+    return is_scratch(path) or (path.is_dir() and not path.is_symlink() and (path / META).is_file())
 
 
 def _not_ours(path: Path) -> str:
