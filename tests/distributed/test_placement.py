@@ -2,12 +2,14 @@
 itself against every placement there is, every read and write of an expert by its id on a rank
 of a placed model (HF weights in, the seed-made init, adapters made and read), and runs on two
 gloo ranks placed by `recorded_load.json` against the same runs in order: the same losses bit
-for bit, each expert's weights and adapters where its id says, the HF and adapter exports by
-expert id, a resume of a placed checkpoint, and the busiest rank's rows down.
+for bit, each expert's weights and adapters where its id says, the HF exports by expert id,
+and a resume of a placed checkpoint.
 
 `recorded_load.json` holds what a one-process run of `EP_ARGS` recorded as its tokens per
-layer and expert (`expert_load.tokens_per_expert`): its placement at EP=2 moves experts of
-both layers from one rank to the other."""
+layer and expert (`expert_load.tokens_per_expert`) on torch 2.13: its placement at EP=2 moves
+experts of both layers from one rank to the other. Whether it lowers these runs' busiest rank
+is not asserted: another torch draws other weights and routes otherwise (on 2.11 it raised it),
+and what a placement does to the rows of a given load is checked above, in process."""
 
 import itertools
 import json
@@ -131,8 +133,6 @@ def test_placed_runs_train_as_in_order_and_export_by_expert_id(tmp_path, launch_
                            for run in ("placed", "in_order"))
     assert load["placement"] == placement.record() and "placement" not in in_order_load
     assert load["tokens_per_expert"] == in_order_load["tokens_per_expert"]  # logged by expert id
-    busiest, in_order_busiest = (sum(run["busiest_rank_over_mean"]["2"]) for run in (load, in_order_load))
-    assert busiest < in_order_busiest - 0.05, (busiest, in_order_busiest)
 
     export = hf_export(tmp_path / "placed" / "hf")
     for name in in_order[0]:
