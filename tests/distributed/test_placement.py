@@ -68,6 +68,18 @@ def test_two_experts_a_rank_is_the_best_placement_and_every_expert_has_one_slot(
     assert torch.equal(in_order.rows(tokens_YE), tokens_YE.view(6, 4, 2).sum(-1))
 
 
+@pytest.mark.parametrize("tokens_E", [[0, 0, 0, 0], [7, 7, 7, 7], [4, 1, 3, 2], [2, 3, 1, 4]],
+                         ids=["no-load", "ties", "in-order-best", "in-order-as-good"])
+def test_experts_move_only_where_that_lowers_the_busiest_rank(tokens_E):
+    """A layer whose busiest rank in order has no more rows stays in order; a load that
+    moves no expert is the in-order placement (else a checkpoint it wrote would be refused
+    to a run in order, and one in order to it, each said to hold its experts otherwise)."""
+    placement = ExpertPlacement.by_load(torch.tensor([tokens_E, tokens_E]), 2)
+    assert placement == ExpertPlacement(2) and not placement.placed and placement.record() is None
+    placement = ExpertPlacement.by_load(torch.tensor([tokens_E, [9, 8, 1, 1]]), 2)
+    assert placement.experts_YS == ((0, 1, 2, 3), (0, 3, 1, 2))
+
+
 @pytest.mark.parametrize("content, problem", [
     (None, "cannot read"),
     ("{", "holds no expert_load.tokens_per_expert"),
