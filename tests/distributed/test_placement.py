@@ -207,3 +207,10 @@ def test_a_checkpoint_resumes_only_under_its_own_placement(tmp_path, launch_plan
                                          f"load ep_placement {LOAD} recorded when it was written, not in order: "
                                          f"resume with --ep-placement {LOAD} as it was then, at --ep-size 2")):
         check_resumable(json.loads(meta_file.read_text()), cfg, meta_file, meta["tokenizer_sha256"], ExpertPlacement(2))
+    # The same file, edited since: passing it "as it was then" again is no way across.
+    cfg = load_config(args.config, {**overrides, "ep_placement": LOAD}, world_size=2)
+    with pytest.raises(UserError, match=(f"checkpoint {meta_file.parent} holds its experts placed for EP=2 by the "
+                                         f"load ep_placement {LOAD} recorded when it was written, which it no "
+                                         f"longer records: the file changed since; resume with it as it was then")):
+        check_resumable(json.loads(meta_file.read_text()), cfg, meta_file, meta["tokenizer_sha256"],
+                        ExpertPlacement(2, ((0, 1, 2, 3), (1, 2, 0, 3))))
