@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import EP_ARGS, RUN_DIR, STOPPED_AT, train_and_save, train_ep
+from launch import EP_ARGS, RUN_DIR, STOPPED_AT, run_cli, train_and_save, train_ep
 from model.test_lora import ALL_TARGETS, hf_checkpoint, run_config, small_tokenizer
 from safetensors.torch import load_file
 
 from te_mixtral.cli import parse_args
-from te_mixtral.config import LoRAConfig, load_config
+from te_mixtral.config import LoRAConfig, load_config, save_config
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import UserError
@@ -95,6 +95,18 @@ def test_a_file_without_this_models_load_is_refused_in_one_line(tmp_path, conten
         file.write_text(content)
     with pytest.raises(UserError, match=problem):
         placement_by_recorded_load(file, 2, 4, 2)
+
+
+def test_a_saved_placement_the_command_line_turns_off_reads_no_file(tmp_path):
+    """A placed run's config.yaml run again where the placement changes nothing (config_checks
+    leaves the file's key alone): its file, gone since, is not read, nor is the run said placed."""
+    saved = tmp_path / "config.yaml"
+    save_config(load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"),
+                            {"ep_size": "2", "ep_placement": str(tmp_path / "gone.json")}, world_size=2), saved)
+    proc = run_cli(["--config", str(saved), "--ep-size", "1", "--steps", "2", "--timing_warmup_steps", "1",
+                    "--output-dir", str(tmp_path / "run")])
+    assert proc.returncode == 0, proc.stderr
+    assert "placement" not in json.loads((tmp_path / "run" / "results.json").read_text()).get("expert_load", {})
 
 
 def test_each_rank_reads_and_makes_the_experts_its_placement_gives_it(tmp_path):
