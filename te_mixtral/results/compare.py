@@ -67,10 +67,10 @@ HOW_IT_RAN = ("ep_placement", "ep_chunks", "ep_capacity", "te_fusions")
 
 
 def how_it_ran(run: Run, key: str) -> str:
-    value = flatten(upgrade_saved(run.header["config"], run.source)).get(key, settings()[key].default)
-    if key == "ep_placement":
-        return "in order" if value is None else "placed"
-    return f"{key} {value}"
+    if key == "ep_placement":  # as it placed them: a placement may move no expert, or be turned off
+        load = run.results.get("expert_load")
+        return "placed" if isinstance(load, dict) and load.get("placement") else "in order"
+    return f"{key} {flatten(upgrade_saved(run.header['config'], run.source)).get(key, settings()[key].default)}"
 
 
 def assign_labels(runs: list[Run]) -> None:
