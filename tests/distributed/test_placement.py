@@ -86,9 +86,11 @@ def test_experts_move_only_where_that_lowers_the_busiest_rank(tokens_E):
     ('{"losses": [1.0]}', "holds no expert_load.tokens_per_expert"),
     ('{"expert_load": {"tokens_per_expert": [1, 2]}}', "is not a table of token counts"),
     ('{"expert_load": {"tokens_per_expert": [[1, -2], [3, 4]]}}', "is not a table of token counts"),
+    ('{"expert_load": {"tokens_per_expert": [[1, 2, 3, 4], [5, 6]]}}', "is not a table of token counts"),
+    ('{"expert_load": {"tokens_per_expert": [["1", "2"], ["3", "4"]]}}', "is not a table of token counts"),
     ('{"expert_load": {"tokens_per_expert": [[1, 2, 3, 4]]}}', "recorded the load of 1 layers of 4 experts; this "
                                                                 "model has 2 layers of 4"),
-], ids=["missing", "not-json", "no-load", "one-row", "negative", "other-model"])
+], ids=["missing", "not-json", "no-load", "one-row", "negative", "ragged", "text", "other-model"])
 def test_a_file_without_this_models_load_is_refused_in_one_line(tmp_path, content, problem):
     file = tmp_path / "results.json"
     if content is not None:
