@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from te_mixtral.cli import parse_args
 from te_mixtral.config import LoRAConfig, load_config, save_config
+from te_mixtral.data.packing import PackedData
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import UserError
@@ -33,6 +34,7 @@ from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.training.hf_checkpoint import load_hf_weights
 from te_mixtral.training.peft_adapters import load_adapter, save_adapter
 from te_mixtral.training.resume_checks import check_resumable
+from te_mixtral.training.same_job import first_difference, job_summary
 
 LOAD = str(Path(__file__).parents[1] / "recorded_load.json")
 LORA = ("--lora.rank", "4", "--lora.alpha", "8")
@@ -109,6 +111,17 @@ def test_a_saved_placement_the_command_line_turns_off_reads_no_file(tmp_path):
                     "--output-dir", str(tmp_path / "run")])
     assert proc.returncode == 0, proc.stderr
     assert "placement" not in json.loads((tmp_path / "run" / "results.json").read_text()).get("expert_load", {})
+
+
+def test_ranks_that_place_the_experts_otherwise_are_told_which_file_made_it():
+    """Each rank reads ep_placement's file for itself (on several machines, each its own copy)."""
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), {"ep_size": "2", "ep_placement": LOAD},
+                      world_size=2)
+    data = PackedData(cfg.data, 4, 0, 2, 0, 1)
+    summaries = [job_summary(cfg, data, None, placement)
+                 for placement in (placement_by_recorded_load(LOAD, 2, 4, 2), ExpertPlacement(2))]
+    assert first_difference(summaries) == ("the experts' placement by ep_placement's file is [[1, 3, 0, 2], "
+                                           "[1, 2, 0, 3]] on rank 0 and in order on rank 1")
 
 
 def test_each_rank_reads_and_makes_the_experts_its_placement_gives_it(tmp_path):
