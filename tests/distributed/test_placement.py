@@ -1,5 +1,7 @@
 """Experts placed by load (te_mixtral/distributed/placement.py, `ep_placement`): the placement
-itself against every placement there is, every read and write of an expert by its id on a rank
+itself against every placement there is (and in order where moving gains nothing), the one-line
+refusals (a file without this model's load, a checkpoint of another placement, ranks that place
+otherwise), a placement a saved config's run turns off, every read and write of an expert by its id on a rank
 of a placed model (HF weights in, the seed-made init, adapters made and read), and runs on two
 gloo ranks placed by `recorded_load.json` against the same runs in order: the same losses bit
 for bit, each expert's weights and adapters where its id says, the HF and adapter exports by
