@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from te_mixtral.config_checks import check_needs, validate, value_of
+from te_mixtral.config_checks import check_needs, check_paths, validate, value_of
 from te_mixtral.config_field import Needs, setting
 from te_mixtral.config_yaml import load_yaml
 from te_mixtral.errors import UserError, closest
@@ -625,6 +625,7 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         if key not in given:
             _apply(cfg, key, follows.value(value_of(cfg, follows.source)))
     _expand_home(cfg)
+    check_paths(cfg)  # before lora.init's folder is read: an empty path would read the current one
     adopt_adapter(cfg, given)  # lora.init's settings, where none are given
     validate(cfg, world_size)
     try:

@@ -33,19 +33,7 @@ def validate(cfg, world_size: int = 1) -> None:
     """Every check that needs no process group; `world_size` from torchrun's environment.
     The tier's name and options are the registry's to check (`experts.registry.check_tier`)."""
     d, t = cfg.data, cfg.train
-    for key in ("output_dir", "checkpoint_dir", "save_hf", "save_adapter", "loss_check", "model_path"):
-        # An empty path is no path: it would stand for the current folder, or switch the key off.
-        _check(getattr(cfg, key) != "", f"{key} is an empty path: name one, or leave it unset (null)")
-    # An export's name gets a suffix: it is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.
-    for key, path, suffix in [("output_dir", cfg.output_dir, 0), ("checkpoint_dir", cfg.checkpoint_dir, 0),
-                              ("save_hf", cfg.save_hf, len(".tmp")), ("save_adapter", cfg.save_adapter, len(".tmp")),
-                              ("loss_check", cfg.loss_check, 0),
-                              ("model_path", cfg.model_path, 0), ("data.dataset", d.dataset, 0),
-                              ("data.tokenizer", d.tokenizer, 0)]:
-        longest = max((part for part in PurePath(path or "").parts), key=lambda part: len(part.encode()), default="")
-        _check(len(longest.encode()) + suffix <= NAME_MAX,
-               f"{key} has a name of {len(longest.encode())} bytes ('{longest[:24]}...'); a file or folder name has "
-               f"at most {NAME_MAX}" + (f", and {key}'s gets '.tmp' added while it is written" if suffix else ""))
+    check_paths(cfg)
     _check(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32), got {t.seed}")
     _check_choices(cfg)
     _check(t.optimizer != "master_adamw" or cfg.precision == "bf16",
@@ -119,6 +107,19 @@ def value_of(cfg, key: str):
     """The value of a full key (`train.lr`, `tier`) in the run config `cfg`."""
     section, _, name = key.rpartition(".")
     return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def check_paths(cfg) -> None:
+    """Every path key (`setting(path=True)`) names a path a filesystem can hold."""
+    for key, path in ((key, value) for key, f, _, value in _keys(cfg) if f.metadata["path"]):
+        # An empty path is no path: it would stand for the current folder, or switch the key off.
+        _check(path != "", f"{key} is an empty path: name one, or leave it unset (null)")
+        # An export's name gets a suffix: it is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.
+        suffix = len(".tmp") if key in ("save_hf", "save_adapter") else 0
+        longest = max((part for part in PurePath(path or "").parts), key=lambda part: len(part.encode()), default="")
+        _check(len(longest.encode()) + suffix <= NAME_MAX,
+               f"{key} has a name of {len(longest.encode())} bytes ('{longest[:24]}...'); a file or folder name has "
+               f"at most {NAME_MAX}" + (f", and {key}'s gets '.tmp' added while it is written" if suffix else ""))
 
 
 def _keys(cfg):

@@ -51,6 +51,20 @@ def test_bad_setting_is_refused_in_one_line(key, value, fragment):
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
+PATH_KEYS = [key for key, f in settings().items() if f.metadata["path"]]
+
+
+@pytest.mark.parametrize("key", PATH_KEYS)
+def test_every_path_key_refuses_an_empty_path_and_an_overlong_name(key):
+    """An empty path would stand for the current folder (a tokenizer read from it, a load file
+    that is a folder); a name past the filesystem's, an OSError's traceback later on."""
+    given = {key: "", "ep_size": "2", "lora.rank": "4", "min_lr": "0"}
+    with pytest.raises(UserError, match=f"^{re.escape(key)} is an empty path: name one, or leave it unset"):
+        load_config(str(REPO / "configs" / "tiny.yaml"), given, world_size=2)
+    with pytest.raises(UserError, match=f"^{re.escape(key)} has a name of 300 bytes"):
+        load_config(str(REPO / "configs" / "tiny.yaml"), {**given, key: "x" * 300}, world_size=2)
+
+
 def test_good_edges_load():
     load_config(str(REPO / "configs" / "tiny.yaml"), {"beta1": "0", "warmup_steps": "0", "weight_decay": "0",
                                                       "max_documents": "1", "seed": str(2**32 - 1),

@@ -10,7 +10,8 @@ only where they are computed. Placed by load (`ep_placement`: an earlier run's r
 each layer's experts go heaviest first onto the rank with the fewest rows that still has
 room, by the tokens per layer and expert that run recorded: the heavy beside the light, so
 that the busiest rank has fewer rows for the others to wait for. With two experts a rank
-that is the best placement there is; with more, greedy. The load must be that of the same
+that is the best placement there is; with more, greedy. A layer stays in order where that
+leaves its busiest rank no more rows (ties, no load at all). The load must be that of the same
 model and data (the same router): a layer's heavy experts stay heavy from step to step, so a
 placement held for a run meets about the balance it was chosen on.
 
@@ -36,7 +37,9 @@ class ExpertPlacement:
     @classmethod
     def by_load(cls, tokens_YE: torch.Tensor, ep_size: int) -> "ExpertPlacement":
         """Each layer's experts placed greedily by their load (the module docstring); a rank's
-        experts in the order of their ids."""
+        experts in the order of their ids. A layer stays in order where that leaves its
+        busiest rank no more rows (ties, no load): a move that gains nothing is only a
+        placement a checkpoint must then be resumed under."""
         num_experts = tokens_YE.shape[1]
         room = num_experts // ep_size
         experts_YS = []
@@ -46,7 +49,11 @@ class ExpertPlacement:
                 rank = min((r for r in range(ep_size) if len(held[r]) < room), key=lambda r: (rows[r], r))
                 rows[rank] += load_E[expert]
                 held[rank].append(expert)
-            experts_YS.append(tuple(e for experts in held for e in sorted(experts)))
+            in_order = max(sum(load_E[r * room:(r + 1) * room]) for r in range(ep_size))
+            experts_YS.append(tuple(range(num_experts)) if in_order <= max(rows) else
+                              tuple(e for experts in held for e in sorted(experts)))
+        if all(experts == tuple(range(num_experts)) for experts in experts_YS):
+            return cls(ep_size)
         return cls(ep_size, tuple(experts_YS))
 
     @property

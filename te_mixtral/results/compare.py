@@ -61,8 +61,21 @@ def assign_workloads(runs: list[Run]) -> list[dict]:
     return seen
 
 
+# Settings that change how fast a step runs, not what it computes (so not the workload), and
+# that an A/B varies: a row whose peers differ in one is labelled by it.
+HOW_IT_RAN = ("ep_placement", "ep_chunks", "ep_capacity", "te_fusions")
+
+
+def how_it_ran(run: Run, key: str) -> str:
+    if key == "ep_placement":  # as it placed them: a placement may move no expert, or be turned off
+        load = run.results.get("expert_load")
+        return "placed" if isinstance(load, dict) and load.get("placement") else "in order"
+    return f"{key} {flatten(upgrade_saved(run.header['config'], run.source)).get(key, settings()[key].default)}"
+
+
 def assign_labels(runs: list[Run]) -> None:
-    """A row's label: the tier, plus EP size, workload and time only where the tier's runs differ in them."""
+    """A row's label: the tier, plus EP size, workload, `HOW_IT_RAN` and time only where the
+    tier's runs differ in them."""
     for run in runs:
         peers = [r for r in runs if r.tier == run.tier]
         label = run.tier
@@ -70,7 +83,12 @@ def assign_labels(runs: list[Run]) -> None:
             label += f" EP{run.ep_size}"
         if len({r.workload for r in peers}) > 1:
             label += f" [{run.workload}]"
-        if sum(r.ep_size == run.ep_size and r.workload == run.workload for r in peers) > 1:
+        peers = [r for r in peers if r.ep_size == run.ep_size and r.workload == run.workload]
+        for key in HOW_IT_RAN:
+            if len({how_it_ran(r, key) for r in peers}) > 1:
+                label += f" {how_it_ran(run, key)}"
+                peers = [r for r in peers if how_it_ran(r, key) == how_it_ran(run, key)]
+        if len(peers) > 1:
             label += f" {run.date:%m-%d %H:%M:%S}"
         run.label = label
     labels = [r.label for r in runs]

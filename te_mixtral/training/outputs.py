@@ -7,8 +7,8 @@ what is already there unless that is plainly its own to replace, or the user sai
   the log of a run that did not finish, which `resume` continues, but only with that run's
   own checkpoint (`_check_resumed_log`); a config.yaml or a plot may be the user's own.
   `overwrite` lets the run replace them, except an input of the run itself (the `--config`
-  file, the loss-check reference): it would be lost while the run still means to read it,
-  or to be read again. A folder in use by a running run is refused in any case
+  file, the loss-check reference, the ep_placement load): it would be lost while the run
+  still means to read it, or to be read again (a resume places its experts as the run did). A folder in use by a running run is refused in any case
   (te_mixtral/folder_lock.py), and so is the data set's folder, whose files are all data.
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save. A save deletes leftovers of an
@@ -89,7 +89,8 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
     out = Path(cfg.output_dir) if cfg.output_dir is not None else None
     ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
     if out is not None:
-        inputs = {"the --config file": config_path, "the loss-check reference": cfg.loss_check}
+        inputs = {"the --config file": config_path, "the loss-check reference": cfg.loss_check,
+                  "the ep_placement load": cfg.ep_placement}
         _check_output_folder(out, cfg, {what: Path(p) for what, p in inputs.items() if p})
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)

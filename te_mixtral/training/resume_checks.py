@@ -107,6 +107,9 @@ def _check_placement(meta: dict, cfg: RunConfig, folder: Path, placement: Expert
     saved_file, saved_ep = meta["config"].get("ep_placement"), meta["ep_size"]
     held = ("in order" if saved is None else
             f"placed for EP={saved_ep} by the load ep_placement {saved_file} recorded when it was written")
+    if saved is not None and (cfg.ep_placement, cfg.ep_size) == (saved_file, saved_ep):
+        raise UserError(f"checkpoint {folder} holds its experts {held}, which it no longer records: the file changed "
+                        f"since; resume with it as it was then")
     now = "in order" if not placement.placed else f"as ep_placement {cfg.ep_placement} places them at EP={cfg.ep_size}"
     way = ("without --ep-placement" if saved is None else
            f"with --ep-placement {saved_file} as it was then, at --ep-size {saved_ep}")

@@ -48,7 +48,7 @@ def job_summary(cfg: RunConfig, data: PackedData, model_dir: Path | None,
                 placement: ExpertPlacement) -> dict[str, object]:
     """What this rank is about to run, as the ranks compare it."""
     return {**settings_summary(cfg, model_dir), "the tokenizer's SHA-256": tokenizer_sha256(data.tokenizer),
-            "the experts' placement": placement.record(),
+            "the experts' placement by ep_placement's file": placement.record() or "in order",
             "the training data's token count": len(data.stream.tokens),
             "the held-out data's token count": len(data.eval_stream.tokens)}
 
@@ -72,4 +72,4 @@ def require_same_job(summary: dict[str, object], layout: Layout) -> None:
     difference = first_difference(summaries)
     if difference is not None:
         raise UserError(f"the ranks would run different jobs: {difference}; give every rank the same config file, "
-                        f"command line, ACCELERATE_* settings, data and Hugging Face cache")
+                        f"command line, ACCELERATE_* settings, data, ep_placement file and Hugging Face cache")

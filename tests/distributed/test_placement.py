@@ -1,5 +1,7 @@
 """Experts placed by load (te_mixtral/distributed/placement.py, `ep_placement`): the placement
-itself against every placement there is, every read and write of an expert by its id on a rank
+itself against every placement there is (and in order where moving gains nothing), the one-line
+refusals (a file without this model's load, a checkpoint of another placement, ranks that place
+otherwise), a placement a saved config's run turns off, every read and write of an expert by its id on a rank
 of a placed model (HF weights in, the seed-made init, adapters made and read), and runs on two
 gloo ranks placed by `recorded_load.json` against the same runs in order: the same losses bit
 for bit, each expert's weights and adapters where its id says, the HF exports by expert id,
@@ -17,12 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import EP_ARGS, RUN_DIR, STOPPED_AT, train_and_save, train_ep
+from launch import EP_ARGS, RUN_DIR, STOPPED_AT, run_cli, train_and_save, train_ep
 from model.test_lora import ALL_TARGETS, hf_checkpoint, run_config, small_tokenizer
 from safetensors.torch import load_file
 
 from te_mixtral.cli import parse_args
-from te_mixtral.config import LoRAConfig, load_config
+from te_mixtral.config import LoRAConfig, load_config, save_config
+from te_mixtral.data.packing import PackedData
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import UserError
@@ -35,6 +38,7 @@ from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.training.hf_checkpoint import load_hf_weights
 from te_mixtral.training.peft_adapters import load_adapter, save_adapter
 from te_mixtral.training.resume_checks import check_resumable
+from te_mixtral.training.same_job import first_difference, job_summary
 
 LOAD = str(Path(__file__).parents[1] / "recorded_load.json")
 LORA = ("--lora.rank", "4", "--lora.alpha", "8")
@@ -70,21 +74,58 @@ def test_two_experts_a_rank_is_the_best_placement_and_every_expert_has_one_slot(
     assert torch.equal(in_order.rows(tokens_YE), tokens_YE.view(6, 4, 2).sum(-1))
 
 
+@pytest.mark.parametrize("tokens_E", [[0, 0, 0, 0], [7, 7, 7, 7], [4, 1, 3, 2], [2, 3, 1, 4]],
+                         ids=["no-load", "ties", "in-order-best", "in-order-as-good"])
+def test_experts_move_only_where_that_lowers_the_busiest_rank(tokens_E):
+    """A layer whose busiest rank in order has no more rows stays in order; a load that
+    moves no expert is the in-order placement (else a checkpoint it wrote would be refused
+    to a run in order, and one in order to it, each said to hold its experts otherwise)."""
+    placement = ExpertPlacement.by_load(torch.tensor([tokens_E, tokens_E]), 2)
+    assert placement == ExpertPlacement(2) and not placement.placed and placement.record() is None
+    placement = ExpertPlacement.by_load(torch.tensor([tokens_E, [9, 8, 1, 1]]), 2)
+    assert placement.experts_YS == ((0, 1, 2, 3), (0, 3, 1, 2))
+
+
 @pytest.mark.parametrize("content, problem", [
     (None, "cannot read"),
     ("{", "holds no expert_load.tokens_per_expert"),
     ('{"losses": [1.0]}', "holds no expert_load.tokens_per_expert"),
     ('{"expert_load": {"tokens_per_expert": [1, 2]}}', "is not a table of token counts"),
     ('{"expert_load": {"tokens_per_expert": [[1, -2], [3, 4]]}}', "is not a table of token counts"),
+    ('{"expert_load": {"tokens_per_expert": [[1, 2, 3, 4], [5, 6]]}}', "is not a table of token counts"),
+    ('{"expert_load": {"tokens_per_expert": [["1", "2"], ["3", "4"]]}}', "is not a table of token counts"),
     ('{"expert_load": {"tokens_per_expert": [[1, 2, 3, 4]]}}', "recorded the load of 1 layers of 4 experts; this "
                                                                 "model has 2 layers of 4"),
-], ids=["missing", "not-json", "no-load", "one-row", "negative", "other-model"])
+], ids=["missing", "not-json", "no-load", "one-row", "negative", "ragged", "text", "other-model"])
 def test_a_file_without_this_models_load_is_refused_in_one_line(tmp_path, content, problem):
     file = tmp_path / "results.json"
     if content is not None:
         file.write_text(content)
     with pytest.raises(UserError, match=problem):
         placement_by_recorded_load(file, 2, 4, 2)
+
+
+def test_a_saved_placement_the_command_line_turns_off_reads_no_file(tmp_path):
+    """A placed run's config.yaml run again where the placement changes nothing (config_checks
+    leaves the file's key alone): its file, gone since, is not read, nor is the run said placed."""
+    saved = tmp_path / "config.yaml"
+    save_config(load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"),
+                            {"ep_size": "2", "ep_placement": str(tmp_path / "gone.json")}, world_size=2), saved)
+    proc = run_cli(["--config", str(saved), "--ep-size", "1", "--steps", "2", "--timing_warmup_steps", "1",
+                    "--output-dir", str(tmp_path / "run")])
+    assert proc.returncode == 0, proc.stderr
+    assert "placement" not in json.loads((tmp_path / "run" / "results.json").read_text()).get("expert_load", {})
+
+
+def test_ranks_that_place_the_experts_otherwise_are_told_which_file_made_it():
+    """Each rank reads ep_placement's file for itself (on several machines, each its own copy)."""
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), {"ep_size": "2", "ep_placement": LOAD},
+                      world_size=2)
+    data = PackedData(cfg.data, 4, 0, 2, 0, 1)
+    summaries = [job_summary(cfg, data, None, placement)
+                 for placement in (placement_by_recorded_load(LOAD, 2, 4, 2), ExpertPlacement(2))]
+    assert first_difference(summaries) == ("the experts' placement by ep_placement's file is [[1, 3, 0, 2], "
+                                           "[1, 2, 0, 3]] on rank 0 and in order on rank 1")
 
 
 def test_each_rank_reads_and_makes_the_experts_its_placement_gives_it(tmp_path):
@@ -195,3 +236,10 @@ def test_a_checkpoint_resumes_only_under_its_own_placement(tmp_path, launch_plan
                                          f"load ep_placement {LOAD} recorded when it was written, not in order: "
                                          f"resume with --ep-placement {LOAD} as it was then, at --ep-size 2")):
         check_resumable(json.loads(meta_file.read_text()), cfg, meta_file, meta["tokenizer_sha256"], ExpertPlacement(2))
+    # The same file, edited since: passing it "as it was then" again is no way across.
+    cfg = load_config(args.config, {**overrides, "ep_placement": LOAD}, world_size=2)
+    with pytest.raises(UserError, match=(f"checkpoint {meta_file.parent} holds its experts placed for EP=2 by the "
+                                         f"load ep_placement {LOAD} recorded when it was written, which it no "
+                                         f"longer records: the file changed since; resume with it as it was then")):
+        check_resumable(json.loads(meta_file.read_text()), cfg, meta_file, meta["tokenizer_sha256"],
+                        ExpertPlacement(2, ((0, 1, 2, 3), (1, 2, 0, 3))))

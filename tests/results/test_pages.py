@@ -183,6 +183,28 @@ def test_repeated_runs_are_told_apart_by_time_and_the_newest_is_the_baseline(tmp
     assert table_row(page.markdown, "custom_grouped")[5] == "2.00x"
 
 
+def test_runs_that_differ_in_how_they_ran_are_labelled_by_it(tmp_path):
+    """Not the workload (the losses are the same, so is the baseline), but what an A/B of them
+    compares: the label says it, not the time alone."""
+    placed = {"ep_placement": str(tmp_path / "first" / "results.json")}
+    paths = [make_run(tmp_path, "loop", "loop", 100.0, world=2, ep=2, date="2026-11-21T10:00:00"),
+             make_run(tmp_path, "placed", "loop", 90.0, world=2, ep=2, date="2026-11-21T11:00:00", overrides=placed),
+             make_run(tmp_path, "again", "loop", 95.0, world=2, ep=2, date="2026-11-21T12:00:00", overrides=placed),
+             # Its file's load placed every layer in order: nothing moved.
+             make_run(tmp_path, "unmoved", "loop", 97.0, world=2, ep=2, date="2026-11-21T09:00:00", overrides=placed),
+             make_run(tmp_path, "cg", "custom_grouped", 40.0, world=2, ep=2),
+             make_run(tmp_path, "cg2", "custom_grouped", 50.0, world=2, ep=2, overrides={"ep_chunks": "2"})]
+    for run in paths[1:3]:  # as a placed run records its placement
+        results = json.loads((run / "results.json").read_text())
+        (run / "results.json").write_text(json.dumps({**results, "expert_load": {"placement": [[1, 0], [0, 1]]}}))
+    page = page_for(paths)
+    assert [r.label for r in page.runs] == ["loop in order 11-21 09:00:00", "loop in order 11-21 10:00:00",
+                                            "loop placed 11-21 11:00:00", "loop placed 11-21 12:00:00",
+                                            "custom_grouped ep_chunks 1", "custom_grouped ep_chunks 2"]
+    assert "Mismatched" not in page.markdown and {r.workload for r in page.runs} == {"A"}
+    assert table_row(page.markdown, "custom_grouped ep_chunks 2")[5] == "1.90x"  # against the newest loop
+
+
 def test_phase_profiles_get_their_own_table(tmp_path):
     loop = make_run(tmp_path, "loop", "loop", 100.0)
     cg = make_run(tmp_path, "cg", "custom_grouped", 50.0, overrides={"profile_phases": "true"})

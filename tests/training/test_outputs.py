@@ -293,10 +293,12 @@ def test_the_runs_own_inputs_are_never_replaced_even_with_overwrite(tmp_path):
             f"would replace the --config file ({config})")
     assert config.read_text() == before
     (tmp_path / "results.json").write_text('{"losses": [1.0, 1.0]}')
-    cfg = load_config(None, {"output_dir": str(tmp_path), "loss_check": str(tmp_path / "results.json"),
-                             "overwrite": "true"})
-    with pytest.raises(UserError, match="would replace the loss-check reference"):
-        check_outputs(cfg, None)
+    # Read again by a resume or a restart of the run, which must meet the same reference and placement.
+    for key, what in (("loss_check", "the loss-check reference"), ("ep_placement", "the ep_placement load")):
+        cfg = load_config(None, {"output_dir": str(tmp_path), key: str(tmp_path / "results.json"),
+                                 "overwrite": "true", "ep_size": "2"}, world_size=2)
+        with pytest.raises(UserError, match=f"would replace {what}"):
+            check_outputs(cfg, None)
 
 
 @pytest.mark.parametrize("key", ["--output-dir", "--checkpoint-dir", "--save-hf"])
