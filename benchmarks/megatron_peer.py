@@ -319,11 +319,6 @@ def train_step(model, optimizer, step_batches: list[dict], tokens: int):
 
 
 def run(args, cfg) -> dict:
-    import torch
-
-    from te_mixtral.distributed.layout import shutdown
-    from te_mixtral.measure.metrics import train_flops
-
     m, world = cfg.model, int(os.environ.get("WORLD_SIZE", "1"))
     tokens = rows_per_gpu(cfg, world) * cfg.data.seq_len  # one GPU's
     args.ep = args.ep or world  # default: every rank torchrun started
@@ -336,6 +331,11 @@ def run(args, cfg) -> dict:
         raise UserError(f"--micro-batches {args.micro_batches} does not divide the {tokens} tokens of a GPU's step")
     if args.moe_overlap and args.ep == 1:
         raise UserError("--moe-overlap hides the expert-parallel all-to-all: it needs --ep above 1")
+    import torch  # after the checks above: a bad argument is refused in one line without waiting for torch
+
+    from te_mixtral.distributed.layout import shutdown
+    from te_mixtral.measure.metrics import train_flops
+
     if not torch.cuda.is_available():
         raise UserError("the Megatron-Core peer needs CUDA GPUs (its Transformer Engine layers), and none is visible")
     if package_version("megatron-core") != MEGATRON:

@@ -17,6 +17,7 @@ saved by older runs are read through `upgrade_saved`.
 
 import copy
 import dataclasses
+import functools
 import os
 import types
 import typing
@@ -373,9 +374,11 @@ class RunConfig:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRAConfig, "fp8": FP8Options}
 assert tuple(SECTIONS) == SECTION_NAMES
 
+@functools.cache  # asked for each key read; typing.get_type_hints evaluates every annotation anew
 def _field_types(cls) -> dict[str, object]:
     """Each key's type as a value is read: a `Literal` key's is its values' type (str); which
-    of them it takes is `config_checks.validate`'s to check, once the whole config is read."""
+    of them it takes is `config_checks.validate`'s to check, once the whole config is read.
+    One dict per class, shared: read it, never change it."""
     hints = typing.get_type_hints(cls)
     return {f.name: _value_type(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in SECTIONS}
 

@@ -71,7 +71,7 @@ def test_bad_arguments_are_refused_in_one_line_before_heavy_imports():
         (["--moe-overlap", "--micro-batches", "2"],
          "--moe-overlap hides the expert-parallel all-to-all: it needs --ep above 1"),
     ]
-    answers, imported = refusals("megatron_peer", [args for args, _ in cases], ("megatron",))
+    answers, imported = refusals("megatron_peer", [args for args, _ in cases], ("torch", "megatron"))
     for (code, stderr), (args, message) in zip(answers, cases):
         assert code == 2 and stderr == f"megatron_peer: error: {message}\n", (args, stderr)
     assert imported == []

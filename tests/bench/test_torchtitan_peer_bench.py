@@ -18,6 +18,7 @@ from background import Command
 from bench.refusals import refusals
 from conftest import REPO
 from launch import app_command
+from workers.token_cache import tokenize_once
 
 from benchmarks.peer_workload import our_rows, random_rows, summarize_steps, workload_config
 from benchmarks.torchtitan_peer import titan_inputs
@@ -164,16 +165,18 @@ def test_its_trainer_parallelises_it_at_ep_1_and_2(planned_command):
     assert proc.stdout.count("ep 1: ok") == 2 and proc.stdout.count("ep 2: ok") == 2
 
 
-def test_each_data_parallel_rank_trains_on_its_own_rows():
-    from te_mixtral.data.packing import PackedData
+def test_each_data_parallel_rank_trains_on_its_own_rows(monkeypatch):
+    from te_mixtral.data import packing
 
+    # Tokenized once: every rank's rows and batch are packed from the same token stream.
+    monkeypatch.setattr(packing, "token_stream", tokenize_once(packing.token_stream))
     cfg = _tiny_cfg()
-    for rank in range(2):
-        (row,) = our_rows(cfg, 1, "cpu", rank, 2)
-        (batch,) = PackedData(cfg.data, cfg.train.batch_size, rank, 2, cfg.train.seed).micro_batches(0)
+    rows = [our_rows(cfg, 1, "cpu", rank, 2)[0] for rank in range(2)]
+    for rank, row in enumerate(rows):
+        (batch,) = packing.PackedData(cfg.data, cfg.train.batch_size, rank, 2, cfg.train.seed).micro_batches(0)
         assert torch.equal(row["input_ids"], batch.input_ids.reshape(1, -1))
         assert torch.equal(row["cu_seq_lens_q"], batch.packed.cu_seqlens)
-    assert not torch.equal(our_rows(cfg, 1, "cpu", 0, 2)[0]["input_ids"], our_rows(cfg, 1, "cpu", 1, 2)[0]["input_ids"])
+    assert not torch.equal(rows[0]["input_ids"], rows[1]["input_ids"])
 
 
 def test_figures_are_per_gpu_over_the_ranks():

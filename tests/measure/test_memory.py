@@ -4,15 +4,15 @@ backward, and the peaks recorded by this project's GPU runs."""
 
 import json
 import re
-import resource
-import time
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from background import Command
 from conftest import REPO
-from launch import run_app
+from launch import RUN_DIR, app_command
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -303,26 +303,36 @@ def test_capacity_by_name_or_size():
             parse_capacity(nonsense)
 
 
-def test_estimate_memory_prints_the_table_and_builds_nothing():
-    proc = run_app(["--estimate-memory", "8", "--config", "configs/mixtral-8x7b.yaml", "--ep-size", "8",
-                    "--tier", "custom_grouped", "--gpu", "h200"], timeout=120)
+ONE_THREAD = (("OMP_NUM_THREADS", "1"),)
+ESTIMATE = Command(tuple(app_command(["--estimate-memory", "8", "--config", "configs/mixtral-8x7b.yaml", "--ep-size",
+                                      "8", "--tier", "custom_grouped", "--gpu", "h200"])), ONE_THREAD, timeout=120)
+# The full 8x7B (47 B parameters) on a 24 GB GPU: refused in seconds (past its timeout, the test
+# fails), not killed later; started by a Python that writes the most memory it ever held (its
+# peak resident set, in KiB on Linux) to RUN_DIR/max_rss_kib.
+WITH_MAX_RSS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[2:]); "
+                "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+                "sys.exit(code)")
+CANNOT_FIT = Command((sys.executable, "-c", WITH_MAX_RSS, f"{RUN_DIR}/max_rss_kib",
+                      *app_command(["--config", "configs/mixtral-8x7b.yaml", "--gpu", "24GB"])), ONE_THREAD, timeout=60)
+PLANNED_COMMANDS = [ESTIMATE, CANNOT_FIT]  # run from the session's start (conftest.py's planned_command)
+
+
+def test_estimate_memory_prints_the_table_and_builds_nothing(planned_command):
+    proc, _ = planned_command(ESTIMATE)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "world 8, EP 8" in proc.stdout and "1 of 8 experts" in proc.stdout
     assert "optimizer state" in proc.stdout and "peak " in proc.stdout
     assert "fit h200" in proc.stdout
 
 
-def test_a_run_that_cannot_fit_refuses_before_allocating():
-    # The full 8x7B (47 B parameters) on a 24 GB GPU: refused in seconds, not killed later.
-    start = time.monotonic()
-    proc = run_app(["--config", "configs/mixtral-8x7b.yaml", "--gpu", "24GB"], timeout=120)
+def test_a_run_that_cannot_fit_refuses_before_allocating(planned_command):
+    proc, folder = planned_command(CANNOT_FIT)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
     assert len(errors) == 1 and "needs about" in errors[0] and "24GB" in errors[0], proc.stderr[-2000:]
     assert "does NOT fit" in proc.stdout  # the table says why
-    assert time.monotonic() - start < 60
-    # The child never held more than libraries' worth of memory (ru_maxrss is in KiB on Linux).
-    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 2 * GiB
+    # The app never held more than libraries' worth of memory.
+    assert int((folder / "max_rss_kib").read_text()) * 1024 < 2 * GiB
 
 
 def test_a_refusal_names_the_settings_that_would_fit(capsys):

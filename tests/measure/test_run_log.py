@@ -1,21 +1,20 @@
 """The run log (te_mixtral/measure/run_log.py): steps.jsonl written as the run goes and equal
 to results.json, TensorBoard's scalars, the plots, the console lines and the versions in
 the header; all from one short run, read while it trains and after. Then the log's file
-rules and its missing-package paths, in process."""
+rules and its missing-package paths. All in process."""
 
 import importlib.metadata
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
-import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import transformers
 import triton
 from conftest import REPO
+from launch import run_cli
 
 from te_mixtral.config import load_config
 from te_mixtral.errors import UserError
@@ -37,22 +36,24 @@ FIELDS = {"run_id", "step", "loss", "aux_loss", "z_loss", "lr", "grad_norm", "st
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The short run; what steps.jsonl held when step 2's line was printed; its stdout."""
+    """The short run, in this process (`run_cli`: nothing here needs a process of its own);
+    what steps.jsonl held, read from the disk as any other reader reads it, once step 2 was
+    logged; its stdout and stderr."""
     out = tmp_path_factory.mktemp("run")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "run_finetune_ep.py"), *ARGS, "--tensorboard", "--output-dir",
-                             str(out)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, during = [], None
-    for line in proc.stdout:
-        stdout.append(line)
-        if during is None and line.startswith(f"step    2/{STEPS}"):
+    during = {}
+    log_step = run_log.RunLog.step
+
+    def step_then_read(log, step, *args, **kwargs):
+        log_step(log, step, *args, **kwargs)
+        if step == 2 and not during:
             # Steps 3..6, an evaluation, results.json and the plots are still to come.
-            during = {"lines": (out / run_log.STEPS_FILE).read_text().splitlines(),
-                      "results": (out / "results.json").exists()}
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    return out, during, "".join(stdout), stderr
+            during.update(lines=(out / run_log.STEPS_FILE).read_text().splitlines(),
+                          results=(out / "results.json").exists())
+
+    with mock.patch.object(run_log.RunLog, "step", step_then_read):
+        proc = run_cli([*ARGS, "--tensorboard", "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, during or None, proc.stdout, proc.stderr
 
 
 def test_steps_jsonl_is_written_as_the_run_goes(run):

@@ -4,8 +4,8 @@ import dataclasses
 import json
 import math
 import re
+import runpy
 import shlex
-import subprocess
 import sys
 
 import pytest
@@ -331,19 +331,23 @@ def test_page_names_how_everything_was_made(tmp_path):
     assert "```yaml\nmodel:\n  vocab_size: 2048" in md
 
 
-def test_command_line_writes_page_and_pngs(tmp_path):
+def test_command_line_writes_page_and_pngs(tmp_path, monkeypatch, capsys):
     make_run(tmp_path, "loop", "loop", 100.0)
     make_run(tmp_path, "cg", "custom_grouped", 45.0, losses=(10.0, 9.1, 8.4, 8.1), loss_check=checked(1e-2))
     out = tmp_path / "docs"
-    proc = subprocess.run([sys.executable, "-m", "te_mixtral.results", str(tmp_path / "loop"),
-                           str(tmp_path / "cg" / "results.json"), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    # `python -m te_mixtral.results ...`, as -m runs it, in this process.
+    monkeypatch.setattr(sys, "argv", ["te_mixtral.results", str(tmp_path / "loop"), str(tmp_path / "cg" / "results.json"),
+                                      "--out", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("te_mixtral.results", run_name="__main__", alter_sys=True)
+    stdout, stderr = capsys.readouterr()
+    assert exited.value.code == 0, stderr
     stem = "2026-11-21-h200-x1"
     for name in (f"{stem}-step-time.png", f"{stem}-loss.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 1000, name
         assert f"]({name})" in (out / f"{stem}.md").read_text()
-    assert f"wrote {out / stem}.md" in proc.stdout
+    assert f"wrote {out / stem}.md" in stdout
 
 
 def test_the_output_folder_is_named_and_a_page_there_is_kept(tmp_path, capsys, monkeypatch):

@@ -17,7 +17,7 @@ import torch
 import yaml
 from background import Command
 from conftest import REPO
-from launch import RUN_DIR, app_command, assert_one_line_error, run_app, run_cli
+from launch import RUN_DIR, app_command, assert_one_line_error, run_cli
 
 import te_mixtral.training.checkpoint as checkpoint
 from te_mixtral.distributed.layout import Layout
@@ -152,7 +152,19 @@ RESTARTED = Command((sys.executable, "-m", "te_mixtral.torchrun", "--standalone"
                      "--steps", "3", "--plots", "false", "--checkpoint-every", "1", "--checkpoint-dir", f"{RUN_DIR}/ckpt",
                      "--output-dir", f"{RUN_DIR}/out", "--dist-timeout-s", str(DIST_TIMEOUT_S), "--log_every", "1"),
                     (("OMP_NUM_THREADS", "1"),), timeout=240)
-PLANNED_COMMANDS = [RESTARTED]  # run from the session's start (conftest.py's planned_command)
+# 4 ranks (EP=2 x DP=2), whose EP and replica groups are not the world; rank 3 silent, the others
+# giving up on it after SILENT_TIMEOUT_S.
+SILENT_TIMEOUT_S = 3
+SILENT_RANK = Command(tuple(app_command([RUN_DIR, str(SILENT_TIMEOUT_S)], 4, "tests/workers/silent_peer.py")),
+                      (("OMP_NUM_THREADS", "1"),), timeout=120)
+# A file where the checkpoint folder's parent should be (running as root, permissions would not stop
+# us; this does): the repository's README, in which nothing can be made.
+BLOCKER = REPO / "README.md"
+UNWRITABLE_CHECKPOINT_DIR = Command(tuple(app_command([*SMALL, "--steps", "4", "--checkpoint-dir",
+                                                    str(BLOCKER / "ckpt"), "--output-dir", f"{RUN_DIR}/out"], 2)),
+                                    (("OMP_NUM_THREADS", "1"),), timeout=120)
+# run from the session's start (conftest.py's planned_command)
+PLANNED_COMMANDS = [RESTARTED, SILENT_RANK, UNWRITABLE_CHECKPOINT_DIR]
 
 
 def test_a_job_torchrun_restarts_continues_from_its_last_checkpoint(planned_command):
@@ -224,30 +236,26 @@ def test_a_restart_never_continues_another_launchs_checkpoint(tmp_path, monkeypa
     assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("step-*/*")} == before
 
 
-def test_every_process_group_gives_up_on_a_silent_rank_after_dist_timeout_s(tmp_path):
+def test_every_process_group_gives_up_on_a_silent_rank_after_dist_timeout_s(planned_command):
     """A rank stopped or stuck, not dead, says nothing: each collective waiting for it must end
     after dist_timeout_s (then the error line, exit 3), on every group the run made, not only
-    the world's. 4 ranks (EP=2 x DP=2), whose EP and replica groups are not the world."""
-    timeout_s = 3
-    proc = run_app([str(tmp_path), str(timeout_s)], nproc=4, timeout=120, script="tests/workers/silent_peer.py")
+    the world's."""
+    proc, folder = planned_command(SILENT_RANK)
     assert proc.returncode == 0, proc.stderr[-3000:]
     probed = {}
     for rank in range(3):
-        for name, raised, seconds in json.loads((tmp_path / f"rank{rank}.json").read_text()):
-            assert raised and seconds < 3 * timeout_s, (rank, name, seconds)
+        for name, raised, seconds in json.loads((folder / f"rank{rank}.json").read_text()):
+            assert raised and seconds < 3 * SILENT_TIMEOUT_S, (rank, name, seconds)
             probed[name] = seconds
     assert set(probed) == {"ep", "expert replicas", "reducer dense", "reducer experts"}, probed
 
 
-def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a folder")  # running as root, permissions would not stop us; this does
-    proc = run_app([*SMALL, "--steps", "4", "--checkpoint-dir", str(blocker / "ckpt"), "--output-dir",
-                    str(tmp_path / "out")], nproc=2, timeout=120)
+def test_an_unwritable_checkpoint_dir_fails_every_rank_before_training(planned_command):
+    proc, _ = planned_command(UNWRITABLE_CHECKPOINT_DIR)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
     assert proc.returncode != 0
     assert len(lines) == 1, proc.stderr[-3000:]  # one per job: rank 0's
-    assert all(f"checkpoint_dir {blocker / 'ckpt'} cannot be made: {blocker} is a file, not a folder" in line
+    assert all(f"checkpoint_dir {BLOCKER / 'ckpt'} cannot be made: {BLOCKER} is a file, not a folder" in line
                for line in lines)
     assert "step" not in proc.stdout  # no training step ran
 

@@ -24,7 +24,7 @@ SINGLE = Layout(0, 1, 1, None, None)
 def test_accumulated_step_is_the_mean_of_micro_batches(tmp_path):
     cfg = load_config("configs/tiny.yaml", {
         "steps": "1", "timing_warmup_steps": "0", "batch_size": "4", "seq_len": "32", "grad_accum_steps": "2",
-        "router_aux_loss_coef": "0.1", "router_z_loss_coef": "0.01", "output_dir": str(tmp_path)})
+        "router_aux_loss_coef": "0.1", "router_z_loss_coef": "0.01", "plots": "false", "output_dir": str(tmp_path)})
     train(cfg)
     results = read_results(tmp_path / "results.json")
 
