@@ -12,8 +12,8 @@ Everything the next step depends on, and nothing that can be recomputed:
   torch.distributed.checkpoint (DCP) writes each rank's pieces once and reads back, on each
   rank of the resuming run, exactly the slices that rank holds: a checkpoint written on W
   ranks at EP=E, sharded or not, resumes on W' ranks at EP=E', sharded or not. Experts placed
-  by load (`ep_placement`) are stacked in their placement's slot order, so such a checkpoint
-  resumes only under the same placement (distributed/placement.py);
+  by load (`ep_placement`) are stacked in their placement's slot order, which the resumed run
+  takes as its own placement (training/expert_placement.py);
 - each rank's RNG states (CPU, and CUDA when it runs there), and module state that is not a
   parameter (TE's FP8 metadata, where the model has it);
 - the number of completed steps. That is also the data position and the learning rate:
@@ -411,7 +411,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {folder} is unreadable or corrupt ({META}: {e}); "
                             f"delete it and point {pointer} at an older one") from None
         _check_meta(meta, folder)
-        check_resumable(meta, cfg, folder / META, self.tokenizer_hash, model.placement)
+        check_resumable(meta, cfg, folder / META, self.tokenizer_hash)
 
         problem = next(filter(None, (_verify(folder / name, meta["files"][name])
                                      for name in _share(sorted(meta["files"]), self.layout))), None)

@@ -22,7 +22,7 @@ import datasets
 import torch
 from torch import nn
 
-from te_mixtral.config import RunConfig, changes_nothing, to_dict
+from te_mixtral.config import RunConfig
 from te_mixtral.data.packing import PackedData
 from te_mixtral.data.sources import check_source
 from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
@@ -64,10 +64,10 @@ from te_mixtral.model.layers import TORCH, Backend, resolve_backend
 from te_mixtral.model.lora import add_adapters, base_weights
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
 from te_mixtral.planning.memory import check_fits
-from te_mixtral.saved_config import flatten
 from te_mixtral.training.checkpoint import Checkpointer, TrainState, tokenizer_sha256
 from te_mixtral.training.evaluate import evaluate
 from te_mixtral.training.exchange_capacity import ExchangeCapacity
+from te_mixtral.training.expert_placement import run_placement
 from te_mixtral.training.generate import encode_prompt, generate_text
 from te_mixtral.training.hf_checkpoint import (
     adopt_checkpoint,
@@ -198,11 +198,7 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     if cfg.tier not in BASELINES and device.type != "cuda":
         runs_here(cfg, device)
     check_source(cfg.data)
-    # A saved config's ep_placement that this run's ep_size or tier turns off is left alone
-    # (config_checks.check_needs): it places nothing, and its file is not read.
-    placed = cfg.ep_placement is not None and not changes_nothing("ep_placement", flatten(to_dict(cfg)))
-    placement = ExpertPlacement(cfg.ep_size) if not placed else expert_load.placement_by_recorded_load(
-        cfg.ep_placement, cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.ep_size)
+    placement = run_placement(cfg)
 
     def claim(*keys: str, beside: bool = False) -> None:
         """Rank 0 locks the folders these config keys name against a second run."""

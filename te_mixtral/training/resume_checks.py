@@ -16,31 +16,28 @@ names the difference and the way across (the setting to pass, or the export to s
   `device_mxfp8`) must be the same;
 - the model (any `model.*` setting) and the tokenizer (its SHA-256: other ids mean other
   words);
-- the experts' placement: a checkpoint stacks them in its placement's slot order
-  (distributed/placement.py), which only the same placement reads as the same experts;
 - a checkpoint past `train.steps`, or at it where the run exports nothing: nothing left to do.
 
 The layout is no reason to refuse: a checkpoint holds global tensors, and resumes on any world
-size, EP size and sharding (training/checkpoint.py), its experts placed in order. Older checkpoints lack some of these
-records; each check reads the default they were written under.
+size, EP size and sharding (training/checkpoint.py), its experts placed as it placed them
+(training/expert_placement.py). Older checkpoints lack some of these records; each check
+reads the default they were written under.
 """
 
 from pathlib import Path
 
 from te_mixtral.config import RunConfig, to_dict
-from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import UserError
 from te_mixtral.experts.registry import BASELINES, EXPERT_TIERS
 from te_mixtral.local_or_hub import base_model
 from te_mixtral.saved_config import upgrade_saved
 
 
-def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash: str,
-                    placement: ExpertPlacement) -> None:
+def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash: str) -> None:
     """Refuse, in one line naming the way across, to resume the checkpoint whose `meta_file`
     (its meta.json) was read into `meta` with this run's `cfg` where it cannot continue: see
-    the module. `tokenizer_hash` is the `tokenizer_sha256` of this run's tokenizer, `placement`
-    its experts'. `meta`'s config is put in today's layout, in place (the caller reads it after)."""
+    the module. `tokenizer_hash` is the `tokenizer_sha256` of this run's tokenizer. `meta`'s
+    config is put in today's layout, in place (the caller reads it after)."""
     folder = meta_file.parent
     # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
     meta["config"] = upgrade_saved(meta["config"])
@@ -88,7 +85,6 @@ def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash:
         raise UserError(f"checkpoint {folder} was trained with a different tokenizer (SHA-256 "
                         f"{saved_tokenizer[:12]}..., this run's {tokenizer_hash[:12]}...): its token ids "
                         f"would mean other words; resume with the data and tokenizer it was written with")
-    _check_placement(meta, cfg, folder, placement)
     # At train.steps, a run that exports trains no step and exports the checkpoint's weights:
     # a finished run's way to the export that failed (a full disk), or was not asked for.
     exports = cfg.save_hf is not None or cfg.save_adapter is not None
@@ -96,24 +92,6 @@ def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash:
         raise UserError(f"checkpoint {folder} is at step {meta['step']}, and train.steps is {cfg.train.steps}: "
                         f"nothing left to do (raise --steps to train further, or pass --save-hf or "
                         f"--save-adapter to export it)")
-
-
-def _check_placement(meta: dict, cfg: RunConfig, folder: Path, placement: ExpertPlacement) -> None:
-    """Refuse to read a checkpoint's experts under another placement than the one they were
-    stacked in: each slot would hold another expert than the router's id names."""
-    saved = meta.get("placement")  # older checkpoints: in order
-    if saved == placement.record():
-        return
-    saved_file, saved_ep = meta["config"].get("ep_placement"), meta["ep_size"]
-    held = ("in order" if saved is None else
-            f"placed for EP={saved_ep} by the load ep_placement {saved_file} recorded when it was written")
-    if saved is not None and (cfg.ep_placement, cfg.ep_size) == (saved_file, saved_ep):
-        raise UserError(f"checkpoint {folder} holds its experts {held}, which it no longer records: the file changed "
-                        f"since; resume with it as it was then")
-    now = "in order" if not placement.placed else f"as ep_placement {cfg.ep_placement} places them at EP={cfg.ep_size}"
-    way = ("without --ep-placement" if saved is None else
-           f"with --ep-placement {saved_file} as it was then, at --ep-size {saved_ep}")
-    raise UserError(f"checkpoint {folder} holds its experts {held}, not {now}: resume {way}")
 
 
 def _held_in(tier: str, lora_base: str) -> str:

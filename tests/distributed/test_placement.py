@@ -1,11 +1,11 @@
 """Experts placed by load (te_mixtral/distributed/placement.py, `ep_placement`): the placement
 itself against every placement there is (and in order where moving gains nothing), the one-line
-refusals (a file without this model's load, a checkpoint of another placement, ranks that place
-otherwise), a placement a saved config's run turns off, every read and write of an expert by its id on a rank
-of a placed model (HF weights in, the seed-made init, adapters made and read), and runs on two
-gloo ranks placed by `recorded_load.json` against the same runs in order: the same losses bit
-for bit, each expert's weights and adapters where its id says, the HF exports by expert id,
-and a resume of a placed checkpoint.
+refusals (a file without this model's load, a resume given a file that no longer places as its
+checkpoint, ranks that place otherwise), a placement a saved config's run turns off, every read
+and write of an expert by its id on a rank of a placed model (HF weights in, the seed-made init,
+adapters made and read), and runs on two gloo ranks placed by `recorded_load.json` against the
+same runs in order: the same losses bit for bit, each expert's weights and adapters where its id
+says, the HF exports by expert id, and a placed checkpoint resumed on two ranks and on one.
 
 `recorded_load.json` holds what a one-process run of `EP_ARGS` recorded as its tokens per
 layer and expert (`expert_load.tokens_per_expert`) on torch 2.13: its placement at EP=2 moves
@@ -35,9 +35,9 @@ from te_mixtral.model.hf_config import model_config_from_hf
 from te_mixtral.model.layers import TORCH
 from te_mixtral.model.lora import add_adapters, is_adapter_param
 from te_mixtral.model.mixtral import MixtralForCausalLM, init_weights
+from te_mixtral.training.expert_placement import run_placement
 from te_mixtral.training.hf_checkpoint import load_hf_weights
 from te_mixtral.training.peft_adapters import load_adapter, save_adapter
-from te_mixtral.training.resume_checks import check_resumable
 from te_mixtral.training.same_job import first_difference, job_summary
 
 LOAD = str(Path(__file__).parents[1] / "recorded_load.json")
@@ -223,23 +223,40 @@ def test_a_placed_lora_run_resumes_exactly_and_exports_by_expert_id(tmp_path, la
             torch.testing.assert_close(got, want[expert], rtol=1e-6, atol=1e-7, msg=f"layer {layer} {stack} {expert}")
 
 
-def test_a_checkpoint_resumes_only_under_its_own_placement(tmp_path, launch_planned):
+def test_a_resume_keeps_its_checkpoints_placement_at_any_ep_size(tmp_path, launch_planned, capsys):
+    """The placed EP=2 checkpoint resumed by one process, with no --ep-placement: its experts are
+    read as they were stacked, and the run ends where the in-order one-process run does."""
+    launch_planned(1)
+    launch_planned(2)
+    one_losses, _ = train_ep(tmp_path, "one", 1, 1, *LORA)
+    train_and_save(tmp_path / "placed", PLACED_LORA, 2)
+    checkpoints = tmp_path / "placed" / "ckpt"
+    (checkpoints / "latest").write_text("step-000002")  # as if killed after its step-2 checkpoint
+    proc = run_cli([*EP_ARGS, "--ep-size", "1", *LORA, "--checkpoint-dir", str(checkpoints), "--resume",
+                    "--output-dir", str(tmp_path / "resumed"), "--plots", "false"])
+    assert proc.returncode == 0, proc.stderr
+    assert f"the experts are placed as checkpoint {checkpoints / 'step-000002'} placed them (by the load of {LOAD})" \
+        in proc.stdout
+    losses = json.loads((tmp_path / "resumed" / "results.json").read_text())["losses"]
+    assert losses[2:] == pytest.approx(one_losses[2:], rel=1e-5)  # another layout: the same to rounding
+
+
+def test_a_resume_refuses_a_placement_file_that_no_longer_places_as_its_checkpoint(tmp_path, launch_planned):
     launch_planned(2)
     train_and_save(tmp_path / "placed", PLACED_LORA, 2)
     checkpoints = tmp_path / "placed" / "ckpt"
-    meta_file = checkpoints / (checkpoints / "latest").read_text().strip() / "meta.json"
-    args, overrides = parse_args([*EP_ARGS, "--ep-size", "2", *LORA, "--steps", "9"])  # as the resume's command line
-    cfg = load_config(args.config, overrides, world_size=2)
-    meta = json.loads(meta_file.read_text())
-    check_resumable(meta, cfg, meta_file, meta["tokenizer_sha256"], placement_by_recorded_load(LOAD, 2, 4, 2))
-    with pytest.raises(UserError, match=(f"checkpoint {meta_file.parent} holds its experts placed for EP=2 by the "
-                                         f"load ep_placement {LOAD} recorded when it was written, not in order: "
-                                         f"resume with --ep-placement {LOAD} as it was then, at --ep-size 2")):
-        check_resumable(json.loads(meta_file.read_text()), cfg, meta_file, meta["tokenizer_sha256"], ExpertPlacement(2))
-    # The same file, edited since: passing it "as it was then" again is no way across.
-    cfg = load_config(args.config, {**overrides, "ep_placement": LOAD}, world_size=2)
-    with pytest.raises(UserError, match=(f"checkpoint {meta_file.parent} holds its experts placed for EP=2 by the "
-                                         f"load ep_placement {LOAD} recorded when it was written, which it no "
-                                         f"longer records: the file changed since; resume with it as it was then")):
-        check_resumable(json.loads(meta_file.read_text()), cfg, meta_file, meta["tokenizer_sha256"],
-                        ExpertPlacement(2, ((0, 1, 2, 3), (1, 2, 0, 3))))
+    resume = [*EP_ARGS, "--ep-size", "2", *LORA, "--checkpoint-dir", str(checkpoints), "--resume", "--steps", "9"]
+
+    def placement_of(*extra: str) -> ExpertPlacement:
+        args, overrides = parse_args([*resume, *extra])
+        return run_placement(load_config(args.config, overrides, world_size=2))
+
+    saved = placement_by_recorded_load(LOAD, 2, 4, 2)
+    assert placement_of() == saved and placement_of("--ep-placement", LOAD) == saved
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps({"expert_load": {"tokens_per_expert": [[1, 1, 9, 9], [9, 1, 9, 1]]}}))
+    with pytest.raises(UserError, match=(
+            f"^checkpoint {checkpoints / 'step-000005'} holds its experts placed by the load ep_placement {LOAD} "
+            f"recorded then, not as ep_placement {edited} places them at its EP=2: resume without --ep-placement "
+            r"\(a resume keeps its checkpoint's placement\)$")):
+        placement_of("--ep-placement", str(edited))
