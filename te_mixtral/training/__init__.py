@@ -5,6 +5,8 @@
     optimizer.py       the optimizer a run steps, and its learning-rate schedule
     exchange_capacity.py  the padded exchange's capacity over a run (--ep_capacity): a step
                        that outgrew it runs again; a checkpoint keeps it, a resume goes on at it
+    expert_placement.py  which placement the experts take (--ep-placement): a resume its
+                       checkpoint's, at any EP size
     checkpoint.py      training checkpoints: stop a run and continue it exactly
     restart.py         torchrun's restarts (--max-restarts): continue the launch's own checkpoint
     resume_checks.py   whether this run can resume a checkpoint: its meta.json against the config
