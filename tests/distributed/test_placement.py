@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from host_syncs import SYNCHRONISING_OPS, OpRecorder
 from launch import EP_ARGS, RUN_DIR, STOPPED_AT, run_cli, train_and_save, train_ep
 from model.test_lora import ALL_TARGETS, hf_checkpoint, run_config, small_tokenizer
 from safetensors.torch import load_file
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 from te_mixtral.cli import parse_args
 from te_mixtral.config import LoRAConfig, load_config, save_config
 from te_mixtral.data.packing import PackedData
+from te_mixtral.distributed.dispatch import AllToAllDispatcher
 from te_mixtral.distributed.layout import Layout, is_expert_param
 from te_mixtral.distributed.placement import ExpertPlacement
 from te_mixtral.errors import UserError
@@ -84,6 +86,30 @@ def test_experts_move_only_where_that_lowers_the_busiest_rank(tokens_E):
     assert placement == ExpertPlacement(2) and not placement.placed and placement.record() is None
     placement = ExpertPlacement.by_load(torch.tensor([tokens_E, [9, 8, 1, 1]]), 2)
     assert placement.experts_YS == ((0, 1, 2, 3), (0, 3, 1, 2))
+
+
+def test_a_placed_dispatcher_sends_each_copy_to_its_experts_slot_without_a_host_wait():
+    """One rank (a resumed placed checkpoint at EP=1): the experts held in slot order give the
+    in-order dispatcher's output, and mapping ids to slots adds no op that waits for the GPU."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    tokens, dim, experts = 37, 5, 4
+    x_TD, scale_E = torch.randn(tokens, dim, generator=gen), torch.randn(experts, generator=gen)
+    experts_TK = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+    weights_TK = torch.rand(tokens, 2, generator=gen)
+    experts_S = [2, 0, 3, 1]
+
+    def scaled_by(scale_L):  # the experts, each scaling its rows by its own factor
+        return lambda x_RD, rows_L: x_RD * torch.repeat_interleave(scale_L, rows_L)[:, None]
+
+    want = AllToAllDispatcher(experts, 1, None).run(x_TD, experts_TK, weights_TK, scaled_by(scale_E))
+    placed = AllToAllDispatcher(experts, 1, None, slot_of_expert=ExpertPlacement(1, (tuple(experts_S),))
+                                .slot_of_expert(0))
+    held_in_slots = scaled_by(scale_E[experts_S])
+    with OpRecorder() as recorder:
+        got = placed.run(x_TD, experts_TK, weights_TK, held_in_slots)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # repeat_interleave: the test's experts', not the dispatcher's (it runs none at one rank)
+    assert not (recorder.ops & SYNCHRONISING_OPS - {"aten.repeat_interleave"}), recorder.ops & SYNCHRONISING_OPS
 
 
 @pytest.mark.parametrize("content, problem", [
