@@ -60,6 +60,10 @@ class ExpertPlacement:
     def placed(self) -> bool:
         return self.experts_YS is not None
 
+    def layers_placed(self) -> int:
+        """How many layers hold their experts otherwise than in order."""
+        return sum(list(experts) != sorted(experts) for experts in self.experts_YS or ())
+
     def held(self, layer: int, ep_rank: int, num_experts: int) -> list[int]:
         """The ids of the experts `ep_rank` holds in `layer`, in its local order."""
         local = num_experts // self.ep_size
