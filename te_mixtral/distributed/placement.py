@@ -20,8 +20,8 @@ layer, and slot s of layer y holds expert `experts_YS[y][s]`. The dispatcher tur
 router's expert ids into slots before the exchange (`slot_of_expert`); what reads or writes
 an expert by its id (HF weights in and out, the seed-made init, LoRA adapters) asks
 `held` or `in_expert_order`. Training checkpoints hold the stacked experts in slot order and
-record the placement, so a checkpoint resumes only under its own placement
-(training/resume_checks.py).
+record the placement, which a resume takes as its own, at any EP size that divides the
+experts (training/expert_placement.py).
 """
 
 from dataclasses import dataclass
