@@ -101,8 +101,9 @@ def test_a_file_without_this_models_load_is_refused_in_one_line(tmp_path, conten
     file = tmp_path / "results.json"
     if content is not None:
         file.write_text(content)
-    with pytest.raises(UserError, match=problem):
+    with pytest.raises(UserError, match=problem) as refused:
         placement_by_recorded_load(file, 2, 4, 2)
+    assert f"ep_placement {file}" in str(refused.value)  # the key named, as other files' refusals name theirs
 
 
 def test_a_saved_placement_the_command_line_turns_off_reads_no_file(tmp_path):
