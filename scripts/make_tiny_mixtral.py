@@ -13,7 +13,9 @@ command, not the model (the README's commands are tested on it).
 """
 
 import argparse
+import filecmp
 import shutil
+import tempfile
 from pathlib import Path
 
 import tokenizers
@@ -24,9 +26,25 @@ TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "chat-tokenizer"
 
 
 def write_tiny_mixtral(out: Path, seed: int = 0) -> None:
-    """Write the checkpoint folder `out` (created; refused if it holds anything)."""
+    """Write the checkpoint folder `out` (created; refused if it holds anything but this very
+    checkpoint, which is left as it is: the README's blocks each make it, and a reader runs
+    them one after another in one folder)."""
     if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"{out} is not empty: name a new folder")
+        with tempfile.TemporaryDirectory() as made:
+            _write(Path(made), seed)
+            if not _same_files(Path(made), out):
+                raise SystemExit(f"{out} is not empty: name a new folder")
+        print(f"{out} holds this tiny checkpoint already: left as it is")
+        return
+    _write(out, seed)
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and filecmp.cmpfiles(a, b, names, shallow=False)[0] == names
+
+
+def _write(out: Path, seed: int) -> None:
     tokenizer = tokenizers.Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
     config = MixtralConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -287,12 +287,12 @@ class RunConfig:
                                  "even share of rows, padded, so the host never waits (a step whose routing needs "
                                  "more runs again with more; te_mixtral/distributed/dispatch.py). Tier custom_grouped only")
     # Not the workload: each expert meets the same rows wherever it is held (distributed/placement.py).
-    # A checkpoint keeps its placement, which the resume's must equal (training/resume_checks.py).
+    # A resume keeps its checkpoint's placement, which a file given must still make (training/expert_placement.py).
     ep_placement: str | None = setting(None, workload=False, resumable=True, path=True, needs=EP_PLACEMENT,
                                        help="with ep_size > 1: an earlier run's results.json, of the same model and "
                                        "data: each layer's experts are placed on the ranks by the load it recorded, "
                                        "heaviest beside lightest, so each layer's busiest rank has fewer rows to wait "
-                                       "for (te_mixtral/distributed/placement.py); null: rank r holds experts "
+                                       "for (docs/parallelism.md, 'The busiest rank'); null: rank r holds experts "
                                        "r*E/ep_size onwards, in order")
     backend: Literal["auto", "torch", "te"] = setting(
         "auto", needs=own_model("picks the layers of te_mixtral's own model"),

@@ -82,7 +82,8 @@ def validate(cfg, world_size: int = 1) -> None:
            f"launch {cfg.ep_size} (or a multiple) with torchrun, e.g. `torchrun --nproc_per_node={cfg.ep_size} "
            f"run_finetune_ep.py --ep-size {cfg.ep_size}`")
     _check(world_size % cfg.ep_size == 0,
-           f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size})")
+           f"world size ({world_size}) is not divisible by ep_size ({cfg.ep_size}): launch {cfg.ep_size} processes "
+           f"(or a multiple), or give an --ep-size that divides {world_size}")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be at least 1, got {t.grad_accum_steps}")
     _check(t.batch_size % (world_size * t.grad_accum_steps) == 0,
            f"train.batch_size ({t.batch_size}) is not divisible by the world size ({world_size}) x "

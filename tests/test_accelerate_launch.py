@@ -77,7 +77,8 @@ def test_a_bad_setting_under_accelerate_launch_is_one_line_per_job(planned_comma
     proc, _ = planned_command(BAD_SETTING)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("te_mixtral: error:")]
-    assert lines == ["te_mixtral: error: world size (2) is not divisible by ep_size (4) [exit code 2]"], proc.stderr
+    assert lines == ["te_mixtral: error: world size (2) is not divisible by ep_size (4): launch 4 processes (or a "
+                     "multiple), or give an --ep-size that divides 2 [exit code 2]"], proc.stderr
 
 
 @pytest.mark.parametrize("flags, key, value", [

@@ -151,7 +151,8 @@ def test_our_torchrun_refuses_a_bad_config_before_it_launches_anything(monkeypat
     assert torchrun.main(["--standalone", "--nproc_per_node=2", "--max-restarts", "2", str(REPO / "run_finetune_ep.py"),
                           "--ep-size", "4"]) == ExitCode.BAD_INPUT
     # The launcher exits with the code itself: no "[exit code 2]", which a rank's line adds.
-    assert capsys.readouterr().err == "te_mixtral: error: world size (2) is not divisible by ep_size (4)\n"
+    assert capsys.readouterr().err == ("te_mixtral: error: world size (2) is not divisible by ep_size (4): launch 4 processes (or a "
+                                           "multiple), or give an --ep-size that divides 2\n")
     assert not launched
     # What the config alone cannot tell goes to the ranks: a script not ours, a world size not known yet.
     for args in (["--nproc_per_node=2", "--no-python", "true", "--ep-size", "4"],

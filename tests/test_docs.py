@@ -93,9 +93,10 @@ def test_anchors_are_githubs():
 # --- figures in the guides ---------------------------------------------------------------------
 
 # What only a run can tell: a time or a throughput, a speedup (1.53x; not a model's 8x7B), a
-# share faster or slower, a measured peak of memory.
-MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:ms|TFLOP/s|tokens/s)\b|\b\d+(?:\.\d+)?x\b"
-                      r"|\b\d+(?:\.\d+)?\s?% (?:slower|faster)\b|\bpeaks?(?: at)? \d[\d,]*(?:\.\d+)?\s?GiB\b")
+# share faster or slower, or of the step, a measured peak of memory.
+MEASURED = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:ms|us|µs|TFLOP/s|tokens/s)\b|\b\d+(?:\.\d+)?x\b"
+                      r"|\b\d[\d,]*(?:\.\d+)?\s?s (?:a|per) step\b|\b\d+(?:\.\d+)?\s?% (?:slower|faster|of (?:the|its|a) step)\b"
+                      r"|\bpeaks?(?: at)? \d[\d,]*(?:\.\d+)?\s?GiB\b")
 DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}")  # as a dated page's name has it too
 DATED_PAGE_LINK = re.compile(r"\d{4}-\d{2}-\d{2}-[^)\s/]+\.md")
 # What a figure ran on, where no dated page it links says it.
@@ -141,8 +142,10 @@ def test_a_figure_without_its_source_is_found():
     assert unsourced_figures("One H200, 2026-01-02:\n\n| run | ms |\n| --- | --- |\n| a | 12.5 ms |\n") == []
     assert unsourced_figures("## The 480 TFLOP/s target\n\nNot yet.\n") == []
     # Before, these passed: a speedup, a share faster or slower, a measured peak; a date that names no device.
+    # And a time in microseconds or seconds a step, a share of the step.
     for figure in ("Ours is 1.53x the peer's.", "It is 7 % slower a step.", "It peaks at 70.9 GiB.",
-                   "It takes 12.5 ms a step (2026-01-02)."):
+                   "It takes 12.5 ms a step (2026-01-02).", "The sync costs 161 us a call.",
+                   "The wait costs 30 % of its step.", "It takes 1.7 s a step."):
         assert unsourced_figures(figure + "\n") == [figure], figure
     assert unsourced_figures("It takes 12.5 ms a step on one H200, 2026-01-02.\n") == []
     assert unsourced_figures("Mixtral-8x7B on 2 x 4 ranks.\n") == []  # a model's name, a layout: no figures

@@ -195,6 +195,19 @@ def test_readme_command_runs_as_written(item, ran_here):
     assert_ran(item[1], proc.returncode, proc.stdout, proc.stderr)
 
 
+def test_a_line_of_two_blocks_runs_again_where_it_ran(ran_here):
+    """A reader runs the README top to bottom in one folder, so a line that two blocks repeat (each
+    block stands alone) meets, the second time, what it made the first: the tiny checkpoint's
+    script refused its own folder, and the LoRA block stopped there."""
+    repeated = {line for line in readme_lines() if sum(line in block for block in readme_blocks()) > 1}
+    assert repeated
+    for (sequence, line), _ in list(ran_here[0].items()):
+        if line in repeated:
+            _, script, *args = shlex.split(as_run(line))
+            proc = run_cli(args, cwd=ran_here[1][sequence], script=script)
+            assert_ran(line, proc.returncode, proc.stdout, proc.stderr)
+
+
 def test_the_readmes_first_adapter_loads_with_peft_from_anywhere(ran_here):
     """The README's first LoRA command exports an adapter that PEFT's users load as they load any
     (`AutoPeftModelForCausalLM`, the base named in its config), here from another folder than the

@@ -20,8 +20,8 @@ layer, and slot s of layer y holds expert `experts_YS[y][s]`. The dispatcher tur
 router's expert ids into slots before the exchange (`slot_of_expert`); what reads or writes
 an expert by its id (HF weights in and out, the seed-made init, LoRA adapters) asks
 `held` or `in_expert_order`. Training checkpoints hold the stacked experts in slot order and
-record the placement, so a checkpoint resumes only under its own placement
-(training/resume_checks.py).
+record the placement, which a resume takes as its own, at any EP size that divides the
+experts (training/expert_placement.py).
 """
 
 from dataclasses import dataclass
@@ -59,6 +59,10 @@ class ExpertPlacement:
     @property
     def placed(self) -> bool:
         return self.experts_YS is not None
+
+    def layers_placed(self) -> int:
+        """How many layers hold their experts otherwise than in order."""
+        return sum(list(experts) != sorted(experts) for experts in self.experts_YS or ())
 
     def held(self, layer: int, ep_rank: int, num_experts: int) -> list[int]:
         """The ids of the experts `ep_rank` holds in `layer`, in its local order."""

@@ -106,20 +106,22 @@ def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | No
 
 def recorded_load(results_file: str | Path) -> torch.Tensor:
     """The tokens per layer and expert a run's results.json recorded (`results_entries`),
-    [Y, E] in float64; a one-line `UserError` where the file holds none."""
+    [Y, E] in float64; a one-line `UserError` where the file holds none, naming the key that
+    gave it (`ep_placement`), as other files' refusals name theirs."""
+    named = f"ep_placement {results_file}"
     try:
         load = json.loads(Path(results_file).read_text())["expert_load"]["tokens_per_expert"]
     except OSError as e:
-        raise UserError(f"cannot read {results_file}: {e.strerror}") from None
+        raise UserError(f"cannot read {named}: {e.strerror}") from None
     except (ValueError, KeyError, TypeError):
-        raise UserError(f"{results_file} holds no expert_load.tokens_per_expert, the tokens per layer and expert a "
+        raise UserError(f"{named} holds no expert_load.tokens_per_expert, the tokens per layer and expert a "
                         f"training run's results.json records") from None
     try:  # rows of unequal length, or not numbers: no table
         tokens_YE = torch.tensor(load, dtype=torch.float64)
     except (ValueError, TypeError):
         tokens_YE = torch.empty(0)
     if tokens_YE.dim() != 2 or not (torch.isfinite(tokens_YE).all() and (tokens_YE >= 0).all()):
-        raise UserError(f"{results_file}: expert_load.tokens_per_expert is not a table of token counts, one row a "
+        raise UserError(f"{named}: expert_load.tokens_per_expert is not a table of token counts, one row a "
                         f"layer and one column an expert")
     return tokens_YE
 

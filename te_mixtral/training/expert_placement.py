@@ -26,14 +26,23 @@ from te_mixtral.training.checkpoint import latest_meta
 
 
 def run_placement(cfg: RunConfig) -> ExpertPlacement:
-    """The placement of this run's experts (the module docstring); rank 0 says where a resume
-    takes one that `ep_placement` does not name."""
+    """The placement of this run's experts (the module docstring); rank 0 says what a new run's
+    `ep_placement` placed, and where a resume takes one that `ep_placement` does not name."""
     # A saved config's ep_placement that this run's ep_size or tier turns off is left alone
     # (config_checks.check_needs): it places nothing, and its file is not read.
     asked = cfg.ep_placement is not None and not changes_nothing("ep_placement", flatten(to_dict(cfg)))
     latest = latest_meta(Path(cfg.checkpoint_dir)) if cfg.resume and cfg.checkpoint_dir else None
     if latest is None:  # a new run, or no checkpoint to resume (load_latest says so)
-        return _by_file(cfg, cfg.ep_size) if asked else ExpertPlacement(cfg.ep_size)
+        if not asked:
+            return ExpertPlacement(cfg.ep_size)
+        placement = _by_file(cfg, cfg.ep_size)
+        if main_rank_from_env():  # a load that moves nothing leaves the run in order: said, as nothing else tells
+            print(f"te_mixtral: the experts are placed by the load ep_placement {cfg.ep_placement} recorded: "
+                  f"{placement.layers_placed()} of {cfg.model.num_hidden_layers} layers otherwise than in order"
+                  if placement.placed else
+                  f"te_mixtral: note: ep_placement {cfg.ep_placement}'s load places no layer's experts better than "
+                  f"in order: they stay in order", flush=True)
+        return placement
     folder, meta = latest
     saved = _saved_placement(meta, folder, cfg)
     saved_file = meta["config"].get("ep_placement") if isinstance(meta.get("config"), dict) else None

@@ -127,8 +127,9 @@ def test_a_file_without_this_models_load_is_refused_in_one_line(tmp_path, conten
     file = tmp_path / "results.json"
     if content is not None:
         file.write_text(content)
-    with pytest.raises(UserError, match=problem):
+    with pytest.raises(UserError, match=problem) as refused:
         placement_by_recorded_load(file, 2, 4, 2)
+    assert f"ep_placement {file}" in str(refused.value)  # the key named, as other files' refusals name theirs
 
 
 def test_a_saved_placement_the_command_line_turns_off_reads_no_file(tmp_path):
@@ -141,6 +142,21 @@ def test_a_saved_placement_the_command_line_turns_off_reads_no_file(tmp_path):
                     "--output-dir", str(tmp_path / "run")])
     assert proc.returncode == 0, proc.stderr
     assert "placement" not in json.loads((tmp_path / "run" / "results.json").read_text()).get("expert_load", {})
+
+
+def test_a_new_run_says_how_its_file_placed_the_experts(tmp_path, capsys, monkeypatch):
+    """Rank 0 says what `--ep-placement` did, moved or not: a file whose load places every layer
+    as well in order leaves the run in order, which nothing else the run prints would tell."""
+    monkeypatch.delenv("RANK", raising=False)
+    tiny = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+    balanced = tmp_path / "balanced.json"
+    balanced.write_text(json.dumps({"expert_load": {"tokens_per_expert": [[5, 5, 5, 5], [5, 5, 5, 5]]}}))
+    for file, said in ((LOAD, f"te_mixtral: the experts are placed by the load ep_placement {LOAD} recorded: "
+                              f"2 of 2 layers otherwise than in order\n"),
+                       (balanced, f"te_mixtral: note: ep_placement {balanced}'s load places no layer's experts "
+                                  f"better than in order: they stay in order\n")):
+        run_placement(load_config(tiny, {"ep_size": "2", "ep_placement": str(file)}, world_size=2))
+        assert capsys.readouterr().out == said
 
 
 def test_ranks_that_place_the_experts_otherwise_are_told_which_file_made_it():
