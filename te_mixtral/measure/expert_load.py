@@ -90,7 +90,7 @@ def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | No
     """What results.json keeps: per step the aux loss, the z-loss (both global, unweighted)
     and the load ratios; the tokens per layer and expert summed over `steps` (first and last
     step, counted from 1: the steps this process ran), for the results page's heatmap; and
-    each layer's experts slot by slot where `placement` placed them by load."""
+    each layer's experts slot by slot where `placement` placed them by load on several ranks."""
     if not records:
         return {}
     load = {"max_over_mean": [r["max_over_mean"] for r in records],
@@ -99,7 +99,7 @@ def results_entries(records: list[dict], tokens_per_expert_YE: torch.Tensor | No
     if tokens_per_expert_YE is not None:
         load["tokens_per_expert"] = tokens_per_expert_YE.tolist()
         load["tokens_per_expert_steps"] = list(steps)
-    if placement is not None and placement.placed:
+    if placement is not None and placement.placed and placement.ep_size > 1:  # one rank: no balance to place for
         load["placement"] = placement.record()
     return {"aux_losses": [r["aux"] for r in records], "z_losses": [r["z"] for r in records], "expert_load": load}
 

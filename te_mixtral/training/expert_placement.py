@@ -52,8 +52,10 @@ def run_placement(cfg: RunConfig) -> ExpertPlacement:
                         f"them at its EP={meta['ep_size']}: resume without --ep-placement (a resume keeps its "
                         f"checkpoint's placement)")
     if saved is not None and not asked and main_rank_from_env():
-        print(f"te_mixtral: note: the experts are placed as checkpoint {folder} placed them (by the load of "
-              f"{saved_file}): a resume keeps its checkpoint's placement", flush=True)
+        held = ("the experts are placed as" if cfg.ep_size > 1 else
+                "one rank holds every expert, in the order in which")  # placed for no rank but read as stacked
+        print(f"te_mixtral: note: {held} checkpoint {folder} placed them (by the load of {saved_file}): a resume "
+              f"keeps its checkpoint's placement", flush=True)
     return ExpertPlacement(cfg.ep_size, None if saved is None else tuple(map(tuple, saved)))
 
 
