@@ -62,7 +62,7 @@ from te_mixtral.files import (
 from te_mixtral.model.hf_config import hf_config, longest_sequence, model_config_from_hf
 from te_mixtral.model.lora import base_weights, is_adapter_param, lora_adapters, merged, weight_tensor
 from te_mixtral.training.checkpoint import require_finite, require_finite_weights
-from te_mixtral.training.outputs import CHAT_TEMPLATES_DIR, EXPORT_MARKER, is_export_file
+from te_mixtral.training.outputs import CHAT_TEMPLATES_DIR, EXPORT_MARKER, export_marker, is_export_file
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 
@@ -337,7 +337,8 @@ def write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None
 
 @torch.no_grad()
 def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layout, dtype: torch.dtype, tokenizer,
-                       model_source: Path | None = None, tokenizer_path: str | None = None) -> Path | None:
+                       model_source: Path | None = None, tokenizer_path: str | None = None,
+                       run_id: str | None = None) -> Path | None:
     """Write `model` to `out_dir` as a Hugging Face Mixtral checkpoint (see the module
     docstring); return the folder on rank 0, None elsewhere.
 
@@ -346,7 +347,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     once the check is done (sharded, they stay to gather each tensor whole). `tokenizer` is a
     `te_mixtral.data.tokenizer.Tokenizer`; `model_source` is the checkpoint folder the weights came
     from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
-    carried over.
+    carried over. `run_id` is the run's, written into the export's marker (training/outputs.py).
     """
     out_dir = Path(out_dir)
     require_finite_weights(model, layout, f"the Hugging Face export {out_dir}")
@@ -425,7 +426,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
                 shutil.copyfile(model_source / "generation_config.json", tmp / "generation_config.json")
             write_tokenizer(tmp, tokenizer, tokenizer_path)
             # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
-            (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
+            (tmp / EXPORT_MARKER).write_text(export_marker(run_id))
             for path in tmp.rglob("*"):
                 fsync_path(path)
             replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)

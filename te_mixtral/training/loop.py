@@ -284,9 +284,9 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     def export() -> None:  # each save refuses non-finite weights, on every rank
         if cfg.save_hf:
             saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
-                                                    model_dir, cfg.data.tokenizer)
+                                                    model_dir, cfg.data.tokenizer, state.run_id)
         if cfg.save_adapter:
-            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout, data.tokenizer)
+            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout, data.tokenizer, state.run_id)
 
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)

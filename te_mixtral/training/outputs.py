@@ -18,13 +18,14 @@ what is already there unless that is plainly its own to replace, or the user sai
   `latest`, are refused here.
 - `save_hf` and `save_adapter`: an export replaces only the files an export writes (`is_export_file`), and
   keeps whatever else the folder holds (a model card, evaluation results). It may replace
-  an earlier te_mixtral export of its own kind (marked by `EXPORT_MARKER`); export-named files of anyone
-  else only with `overwrite`, as the files transformers would read with the export
-  (`_READ_WITH_EXPORT`) wherever they come from. It is never the current folder, the output or checkpoint
-  folder, the `--model` folder, the data set, the tokenizer or the adapter the run starts from
-  (`lora.init`), nor a folder holding one of them: those are not exports, or the run's own inputs
-  (and a data folder would read the export as data). The
-  export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`, both deleted
+  its own run's earlier export of its kind (`EXPORT_MARKER` names the run: a `train.save_every`
+  export's, or that of the run a resume continues); another run's export, a run's result as its
+  results.json is, and export-named files of anyone else only with `overwrite`, as the files
+  transformers would read with the export (`_READ_WITH_EXPORT`) wherever they come from. It is
+  never the current folder, the output or checkpoint folder, the `--model` folder, the data
+  set, the tokenizer or the adapter the run starts from (`lora.init`), nor a folder holding one
+  of them: those are not exports, or the run's own inputs (and a data folder would read the
+  export as data). The export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`, both deleted
   after: a folder of either name that te_mixtral did not make (`files.check_scratch`) is
   refused, never deleted.
 
@@ -111,8 +112,9 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
                  "the lora.init adapter": Path(cfg.lora.init) if cfg.lora.init is not None else None}
     exports = {key: Path(getattr(cfg, key)) for key in _EXPORT_KEYS
                if getattr(cfg, key) is not None}
+    own_run = _resumed_run_id(ckpt) if ckpt is not None and cfg.resume else None
     for key, folder in exports.items():
-        _check_export_folder(key, folder, cfg.overwrite, protected)
+        _check_export_folder(key, folder, cfg.overwrite, protected, own_run)
     if len(exports) == 2 and exports["save_hf"].resolve() == exports["save_adapter"].resolve():
         raise UserError(f"save_hf and save_adapter name one folder ({cfg.save_hf}): give each its own")
 
@@ -217,7 +219,10 @@ def _holds_checkpoints(folder: Path) -> bool:
     return folder.is_dir() and any(p.name == "latest" or p.name.startswith("step-") for p in folder.iterdir())
 
 
-def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dict[str, Path | None]) -> None:
+def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dict[str, Path | None],
+                         own_run: str | None) -> None:
+    """`own_run` is the run id of the checkpoint a resume continues (None for a new run): an
+    export its run wrote is this run's own to replace."""
     resolved = folder.resolve()
     for what, path in protected.items():
         if path is None:
@@ -242,6 +247,9 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
             if kind != key and (folder / shown_by).is_file():
                 raise UserError(f"{key} {folder} holds an earlier {kind} export ({shown_by}), which this export would "
                                 f"replace; choose another folder, or pass --overwrite to replace it")
+        if own_run is None or _export_run_id(folder) != own_run:
+            raise UserError(f"{key} {folder} holds the export of another run, which this export would replace; "
+                            f"choose another folder, or pass --overwrite to replace it")
         return
     theirs = sorted(p.name for p in folder.iterdir() if is_export_file(p.name))
     if theirs:
@@ -253,4 +261,33 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
 def _holds_export(folder: Path) -> bool:
     """Whether `folder` holds a te_mixtral export: its marker, or the marker of the export
     being replaced when a run died midway (`files.replace_files` keeps it in `DIR.old`)."""
-    return (folder / EXPORT_MARKER).is_file() or (folder.with_name(folder.name + ".old") / EXPORT_MARKER).is_file()
+    return _marker(folder) is not None
+
+
+def _marker(folder: Path) -> Path | None:
+    return next((marker for marker in (folder / EXPORT_MARKER, sibling(folder, ".old") / EXPORT_MARKER)
+                 if marker.is_file()), None)
+
+
+def export_marker(run_id: str | None) -> str:
+    """The text of an export's marker: the id of the run that wrote it (training/checkpoint.py
+    TrainState.run_id), whose resumes may replace it unasked; None for an export no run made."""
+    return json.dumps({"written_by": "te_mixtral", "run_id": run_id}) + "\n"
+
+
+def _export_run_id(folder: Path) -> str | None:
+    """The id of the run whose export `folder` holds; None where its marker names none (an
+    export written before markers held one) or cannot be read."""
+    try:
+        run_id = json.loads(_marker(folder).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def _resumed_run_id(ckpt: Path) -> str | None:
+    """The run id of the checkpoint a resume continues; None where there is none, or it has
+    none (written before run ids), or it cannot be read (the resume reports that)."""
+    latest = latest_meta(ckpt)
+    run_id = latest[1].get("run_id") if latest is not None else None
+    return run_id if isinstance(run_id, str) else None

@@ -62,11 +62,12 @@ def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "b")])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (folder / EXPORT_MARKER).is_file() and (folder / "config.json").is_file()
-    # An earlier export, laid out in more files: what it wrote goes, what the user wrote stays.
+    # An earlier export, laid out in more files: what it wrote goes, what the user wrote stays
+    # (another run's export is replaced only with --overwrite, the user's files kept even so).
     stale = folder / "model-00009-of-00009.safetensors"
     stale.write_text("from an earlier export")
     (folder / "eval_results.json").write_text("{}")
-    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "c")])
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "c"), "--overwrite"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not stale.exists() and not (tmp_path / "export.old").exists()
     assert (folder / "README.md").read_text() == "my model card" and (folder / "eval_results.json").is_file()
@@ -472,5 +473,35 @@ def test_an_export_never_replaces_an_earlier_export_of_the_other_kind(tmp_path, 
                                         f"this export would replace"):
         check_outputs(load_config(None, settings), None)
     check_outputs(load_config(None, {**settings, "overwrite": "true"}), None)
-    (folder / theirs).unlink()
-    check_outputs(load_config(None, settings), None)  # an earlier export of its own kind
+    (folder / theirs).unlink()  # an earlier export of its own kind, but another run's (it names none)
+    with pytest.raises(UserError, match=f"{key} {folder} holds the export of another run"):
+        check_outputs(load_config(None, settings), None)
+
+
+def test_an_export_of_another_run_is_replaced_only_with_overwrite(tmp_path):
+    """An export is the run's result, as its results.json is: a run (a resume of its own
+    included) replaces its own export unasked, another run's only with --overwrite. A resume of
+    a run whose export folder another run has since exported into is another run there too."""
+    export, ckpt = tmp_path / "export", tmp_path / "ckpt"
+
+    def run(name, *more):
+        return run_cli([*SHORT, "--save-hf", str(export), "--checkpoint-dir", str(ckpt), "--output-dir",
+                        str(tmp_path / name), *more])
+
+    def exported():
+        return {p.name: p.read_bytes() for p in export.iterdir()}
+
+    proc = run("a")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run("a-resumed", "--resume", "--steps", "3")  # the same run, further: its own export
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before = exported()
+    refused(run("b", "--checkpoint-dir", str(tmp_path / "ckpt-b")), f"save_hf {export} holds the export of another "
+            f"run, which this export would replace; choose another folder, or pass --overwrite to replace it")
+    assert exported() == before
+    proc = run("b", "--checkpoint-dir", str(tmp_path / "ckpt-b"), "--overwrite", "--seed", "7")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert exported() != before
+    before = exported()
+    refused(run("a-again", "--resume", "--steps", "4"), f"save_hf {export} holds the export of another run")
+    assert exported() == before
