@@ -31,6 +31,7 @@ unsharded run's.
 """
 
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -204,6 +205,28 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
             raise UserError(f"cannot read {file}: {first_line(e)}") from None
     _check_complete(params, loaded, seen, num_experts, model.config.tie_word_embeddings)
     return bytes_read
+
+
+def base_sha256(checkpoint_dir: Path) -> str:
+    """SHA-256 of a Hugging Face checkpoint's weights outside the experts (embeddings,
+    attention, norms, routers, head), each by its name, dtype, shape and bytes, however the
+    files lay them out: what a LoRA checkpoint records of the frozen base its adapters were
+    trained over, so that a resume over other weights in the same folder is refused
+    (training/resume_checks.py). The experts, most of the bytes, are left out, as each rank
+    reads its own alone: another model differs outside them too."""
+    lines = []
+    for file in _safetensors_files(checkpoint_dir):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if _PER_EXPERT.fullmatch(key) or is_expert_param(key.replace(".block_sparse_moe.", ".mlp.")):
+                        continue
+                    tensor = f.get_tensor(key).contiguous()
+                    digest = hashlib.sha256(tensor.view(torch.uint8).numpy()).hexdigest()
+                    lines.append(f"{key} {tensor.dtype} {list(tensor.shape)} {digest}")
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot read {file}: {first_line(e)}") from None
+    return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()
 
 
 def _check_complete(params, loaded, keys, num_experts, tied) -> None:
