@@ -58,6 +58,7 @@ from te_mixtral.files import (
     require_free_space,
     require_writable,
     sibling,
+    staged_beside,
     write_failure,
 )
 from te_mixtral.model.hf_config import hf_config, longest_sequence, model_config_from_hf
@@ -388,7 +389,8 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
         require_finite(False, layout, device, what, whose)
         return None
     m = model.config
-    tmp = sibling(out_dir, ".tmp")
+    landing = staged_beside(out_dir)
+    tmp = sibling(landing, ".tmp")
     writer = None
     if layout.is_main:
         try:
@@ -452,7 +454,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
             (tmp / EXPORT_MARKER).write_text(export_marker(run_id))
             for path in tmp.rglob("*"):
                 fsync_path(path)
-            replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)
+            replace_files(tmp, landing, is_export_file, EXPORT_MARKER)
     except (OSError, SafetensorError) as e:  # safetensors raises its own error on a full disk
         raise write_failure(f"the Hugging Face export {out_dir}", e) from None
     return out_dir if writer else None
@@ -464,7 +466,7 @@ def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     is complete, so it takes space; `DIR.tmp`, left by an export that died, is deleted first."""
     if not layout.is_main:
         return
-    out_dir = Path(out_dir).absolute()
+    out_dir = staged_beside(Path(out_dir))
     require_writable(out_dir.parent, "save_hf's parent folder")
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in base_weights(model).items()

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from te_mixtral.config import RunConfig
 from te_mixtral.errors import UserError
-from te_mixtral.files import check_scratch, check_writable, sibling
+from te_mixtral.files import check_scratch, check_writable, sibling, staged_beside
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
 from te_mixtral.training.checkpoint import LATEST, latest_meta, leftovers, written_here
@@ -223,7 +223,7 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
                          own_run: str | None) -> None:
     """`own_run` is the run id of the checkpoint a resume continues (None for a new run): an
     export its run wrote is this run's own to replace."""
-    resolved = folder.resolve()
+    resolved = staged_beside(folder)
     for what, path in protected.items():
         if path is None:
             continue
@@ -232,8 +232,8 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
             raise UserError(f"{key} {folder} would write into {what} ({path}): export to a folder of its own")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{key} {folder} is a file, not a folder")
-    check_scratch(sibling(folder, ".tmp"), f"the {key} export")
-    check_scratch(sibling(folder, ".old"), f"the export that {key} replaces")
+    check_scratch(sibling(resolved, ".tmp"), f"the {key} export")
+    check_scratch(sibling(resolved, ".old"), f"the export that {key} replaces")
     if not folder.is_dir() or overwrite:
         return
     read_with = sorted(p.name for p in folder.iterdir() if p.name in _READ_WITH_EXPORT)
@@ -265,7 +265,7 @@ def _holds_export(folder: Path) -> bool:
 
 
 def _marker(folder: Path) -> Path | None:
-    return next((marker for marker in (folder / EXPORT_MARKER, sibling(folder, ".old") / EXPORT_MARKER)
+    return next((marker for marker in (folder / EXPORT_MARKER, sibling(staged_beside(folder), ".old") / EXPORT_MARKER)
                  if marker.is_file()), None)
 
 

@@ -44,7 +44,15 @@ from safetensors import SafetensorError, safe_open
 from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError, first_line
-from te_mixtral.files import fsync_path, make_scratch, remove_scratch, replace_files, sibling, write_failure
+from te_mixtral.files import (
+    fsync_path,
+    make_scratch,
+    remove_scratch,
+    replace_files,
+    sibling,
+    staged_beside,
+    write_failure,
+)
 from te_mixtral.lora_config import peft_config
 from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.hf_checkpoint import gather_experts, read_tensor, write_safetensors, write_tokenizer
@@ -170,7 +178,8 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
                 tensors[expert_key(index, target, targets, "lora_B")] = b
     if not layout.is_main:
         return None
-    tmp = sibling(out_dir, ".tmp")
+    landing = staged_beside(out_dir)
+    tmp = sibling(landing, ".tmp")
     try:
         remove_scratch(tmp, "the export")  # left by a run that died while exporting
         make_scratch(tmp)
@@ -181,7 +190,7 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
         (tmp / EXPORT_MARKER).write_text(export_marker(run_id))
         for path in tmp.iterdir():
             fsync_path(path)
-        replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)
+        replace_files(tmp, landing, is_export_file, EXPORT_MARKER)
     except (OSError, SafetensorError) as e:
         raise write_failure(f"the adapter export {out_dir}", e) from None
     return out_dir

@@ -4,9 +4,11 @@ to replace or the user passes --overwrite; refusals come before any training."""
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -505,3 +507,25 @@ def test_an_export_of_another_run_is_replaced_only_with_overwrite(tmp_path):
     before = exported()
     refused(run("a-again", "--resume", "--steps", "4"), f"save_hf {export} holds the export of another run")
     assert exported() == before
+
+
+@pytest.mark.parametrize("key", ["--save-hf", "--save-adapter"])
+def test_an_export_folder_that_is_a_link_to_another_disk_is_written_there(tmp_path, key, lora_base):
+    """An export is staged beside the folder it lands in (`DIR.tmp`, `DIR.old`), which a link
+    names elsewhere: staged beside the link, on another filesystem than its target, its files
+    could not be renamed into it (EXDEV), and the trained model was left in a scratch folder the
+    next export deletes."""
+    disk = Path("/dev/shm")
+    if not disk.is_dir() or os.stat(disk).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    target = Path(tempfile.mkdtemp(dir=disk)) / "finetuned"
+    try:
+        target.mkdir()
+        (tmp_path / "finetuned").symlink_to(target)
+        proc = run_cli([*SHORT, *lora_base, key, str(tmp_path / "finetuned"), "--output-dir", str(tmp_path / "out")])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert (target / EXPORT_MARKER).is_file()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["finetuned", "out"]  # nothing staged beside the link
+        assert sorted(p.name for p in target.parent.iterdir()) == ["finetuned"]  # nor left beside the folder
+    finally:
+        shutil.rmtree(target.parent)
