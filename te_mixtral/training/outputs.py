@@ -39,6 +39,7 @@ import re
 from pathlib import Path
 
 from te_mixtral.config import RunConfig
+from te_mixtral.config_checks import path_keys
 from te_mixtral.errors import UserError
 from te_mixtral.files import check_scratch, check_writable, sibling, staged_beside
 from te_mixtral.measure.report import RESULTS_FILE
@@ -95,9 +96,9 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
         _check_output_folder(out, cfg, {what: Path(p) for what, p in inputs.items() if p})
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)
-    if ckpt is not None:
-        written = {"output_dir": out, **{key: getattr(cfg, key) for key in _EXPORT_KEYS}}
-        _check_checkpoint_folder(ckpt, {key: Path(p) for key, p in written.items() if p is not None})
+    if ckpt is not None:  # what the run writes or reads (its --config too) must not be where pruning deletes
+        paths = {**path_keys(cfg), "--config": config_path}
+        _check_checkpoint_folder(ckpt, {key: Path(p) for key, p in paths.items() if p and key != "checkpoint_dir"})
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
@@ -199,16 +200,16 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
                             f"into the checkpoint's own output folder, or a new one")
 
 
-def _check_checkpoint_folder(ckpt: Path, written: dict[str, Path]) -> None:
+def _check_checkpoint_folder(ckpt: Path, paths: dict[str, Path]) -> None:
     """Refuse what a save or pruning would delete that the checkpointer did not write, and a
-    folder the run writes (`written`: key -> folder) where a save or pruning would."""
-    for key, folder in written.items():
+    path the run writes or reads (`paths`: key -> path) where a save or pruning would."""
+    for key, folder in paths.items():
         if folder == ckpt or ckpt.resolve() not in folder.resolve().parents:
             continue
         inside = folder.resolve().relative_to(ckpt.resolve()).parts[0]
         if inside.startswith("step-") or inside == LATEST:
             raise UserError(f"{key} {folder} is inside {ckpt / inside}, which a checkpoint save replaces (and pruning "
-                            f"deletes a step folder): choose a folder outside it")
+                            f"deletes a step folder): choose a place outside it")
     for leftover in leftovers(ckpt) if ckpt.is_dir() else []:
         if not written_here(leftover):
             raise UserError(f"{leftover} is in the way: a checkpoint save deletes leftovers of that name, and nothing "

@@ -217,6 +217,24 @@ def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key, l
             f"{key} {ckpt / 'step-000002'} is inside")
 
 
+@pytest.mark.parametrize("key", ["loss_check", "ep_placement", "data.dataset", "data.tokenizer", "--config"])
+def test_an_input_inside_a_checkpoint_is_refused(tmp_path, key):
+    # Pruning deletes a step folder whole, the user's files put in it too: a run's input
+    # there would be gone when its resume or a rerun reads it again.
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-000002").mkdir(parents=True)
+    (ckpt / "step-000002" / "meta.json").write_text("{}")
+    (ckpt / "latest").write_text("step-000002\n")
+    source = ckpt / "step-000002" / ("run.yaml" if key == "--config" else "input.json")
+    source.write_text("{}")
+    settings = {"checkpoint_dir": str(ckpt), "resume": "true", "output_dir": str(tmp_path / "out"),
+                **({"ep_size": "2"} if key == "ep_placement" else {})}
+    cfg = load_config(None, settings if key == "--config" else {**settings, key: str(source)},
+                      world_size=2 if key == "ep_placement" else 1)
+    with pytest.raises(UserError, match=re.escape(f"{key} {source} is inside {ckpt / 'step-000002'}, which")):
+        check_outputs(cfg, None, str(source) if key == "--config" else None)
+
+
 def test_an_output_folder_that_is_the_data_set_folder_is_refused(tmp_path):
     # A data folder's files are all read: the run's results.json and steps.jsonl would be the
     # next run's data (which then fails to load them, or trains on them).
