@@ -90,15 +90,16 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
     `config_path` is the `--config` file the run was read from."""
     out = Path(cfg.output_dir) if cfg.output_dir is not None else None
     ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+    # Every path the run writes or reads, by its key.
+    paths = {key: Path(p) for key, p in {**path_keys(cfg), "--config": config_path}.items() if p}
     if out is not None:
         inputs = {"the --config file": config_path, "the loss-check reference": cfg.loss_check,
                   "the ep_placement load": cfg.ep_placement}
         _check_output_folder(out, cfg, {what: Path(p) for what, p in inputs.items() if p})
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)
-    if ckpt is not None:  # what the run writes or reads (its --config too) must not be where pruning deletes
-        paths = {**path_keys(cfg), "--config": config_path}
-        _check_checkpoint_folder(ckpt, {key: Path(p) for key, p in paths.items() if p and key != "checkpoint_dir"})
+    if ckpt is not None:  # what the run writes or reads must not be where pruning deletes
+        _check_checkpoint_folder(ckpt, {key: path for key, path in paths.items() if key != "checkpoint_dir"})
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
@@ -115,6 +116,7 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
                if getattr(cfg, key) is not None}
     own_run = _resumed_run_id(ckpt) if ckpt is not None and cfg.resume else None
     for key, folder in exports.items():
+        _check_staging(key, folder, {other: path for other, path in paths.items() if other != key})
         _check_export_folder(key, folder, cfg.overwrite, protected, own_run)
     if len(exports) == 2 and exports["save_hf"].resolve() == exports["save_adapter"].resolve():
         raise UserError(f"save_hf and save_adapter name one folder ({cfg.save_hf}): give each its own")
@@ -214,6 +216,22 @@ def _check_checkpoint_folder(ckpt: Path, paths: dict[str, Path]) -> None:
         if not written_here(leftover):
             raise UserError(f"{leftover} is in the way: a checkpoint save deletes leftovers of that name, and nothing "
                             f"shows te_mixtral wrote it; move it away or delete it yourself")
+
+
+# An export's folders beside it (`DIR.tmp`, `DIR.old`), each deleted once the export is in.
+_STAGED_AS = {".tmp": "written first", ".old": "moved to as it is replaced"}
+
+
+def _check_staging(key: str, folder: Path, paths: dict[str, Path]) -> None:
+    """Refuse a path the run writes or reads (`paths`: key -> path) at or inside a folder the
+    export `folder` stages in: an output or input there would fail the export after training,
+    'in the way' (the next export's, under train.save_every), or be deleted with it were it empty."""
+    for suffix, how in _STAGED_AS.items():
+        staged = sibling(staged_beside(folder), suffix)
+        for other, path in paths.items():
+            if path.resolve() == staged or staged in path.resolve().parents:
+                raise UserError(f"{other} {path} is where the {key} export {folder} is {how}, and deleted after; "
+                                f"choose another name for one of them")
 
 
 def _holds_checkpoints(folder: Path) -> bool:

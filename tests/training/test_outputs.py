@@ -235,6 +235,20 @@ def test_an_input_inside_a_checkpoint_is_refused(tmp_path, key):
         check_outputs(cfg, None, str(source) if key == "--config" else None)
 
 
+@pytest.mark.parametrize("key", ["--output-dir", "--checkpoint-dir", "--save-adapter"])
+@pytest.mark.parametrize("suffix", [".tmp", ".old"])
+def test_a_folder_of_the_run_named_as_an_exports_scratch_folder_is_refused(tmp_path, key, suffix, lora_base):
+    # An export is written into DIR.tmp and the one it replaces moves to DIR.old, both deleted
+    # after: the run's own folder of that name failed the second export (--save-every) after
+    # training, 'in the way', with the advice to delete it (or, empty, was deleted).
+    export = tmp_path / "export"
+    folder = str(tmp_path / f"export{suffix}")
+    more = [] if key == "--output-dir" else ["--output-dir", str(tmp_path / "out")]
+    refused(run_cli([*SHORT, *lora_base, "--save-hf", str(export), "--save-every", "1", key, folder, *more]),
+            f"{key.lstrip('-').replace('-', '_')} {folder} is where the save_hf export {export} is "
+            f"{'written first' if suffix == '.tmp' else 'moved to as it is replaced'}")
+
+
 def test_an_output_folder_that_is_the_data_set_folder_is_refused(tmp_path):
     # A data folder's files are all read: the run's results.json and steps.jsonl would be the
     # next run's data (which then fails to load them, or trains on them).
