@@ -345,7 +345,8 @@ class RunConfig:
     overwrite: bool = setting(False, workload=False, resumable=True,
                               help="let this run replace the files it writes in output_dir (results.json, config.yaml, "
                               "...; never its own --config), the checkpoints in checkpoint_dir (without resume), and "
-                              "export-named files at save_hf that no earlier export wrote")
+                              "at save_hf and save_adapter another run's export, or export-named files no export wrote "
+                              "(other files are kept)")
     generate: str | None = setting(None, workload=False, resumable=True,
                                    help="after training, print a greedy continuation of this prompt")
     generate_tokens: int = setting(32, workload=False, resumable=True, help="tokens the continuation adds",

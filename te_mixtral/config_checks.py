@@ -110,9 +110,14 @@ def value_of(cfg, key: str):
     return getattr(getattr(cfg, section) if section else cfg, name)
 
 
+def path_keys(cfg) -> dict:
+    """{full key: its value} of every path key (`setting(path=True)`) of the run config `cfg`."""
+    return {key: value for key, f, _, value in _keys(cfg) if f.metadata["path"]}
+
+
 def check_paths(cfg) -> None:
     """Every path key (`setting(path=True)`) names a path a filesystem can hold."""
-    for key, path in ((key, value) for key, f, _, value in _keys(cfg) if f.metadata["path"]):
+    for key, path in path_keys(cfg).items():
         # An empty path is no path: it would stand for the current folder, or switch the key off.
         _check(path != "", f"{key} is an empty path: name one, or leave it unset (null)")
         # An export's name gets a suffix: it is written into `DIR.tmp` and the one it replaces moves to `DIR.old`.

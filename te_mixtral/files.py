@@ -86,6 +86,13 @@ def sibling(path: Path, suffix: str) -> Path:
     return path.with_name(path.name + suffix)
 
 
+def staged_beside(folder: Path) -> Path:
+    """Where a folder that is written into `DIR.tmp` and moved in lands, its links followed:
+    its `DIR.tmp` and `DIR.old` go beside that, since a rename moves a file within one
+    filesystem alone, and a link (to a larger disk) may name a folder on another."""
+    return folder.resolve()
+
+
 def make_scratch(path: Path) -> None:
     """Create the folder `path` (not there yet) and mark it as te_mixtral's to delete."""
     path.mkdir(parents=True)
@@ -276,7 +283,7 @@ def check_writable(folder: Path, what: str, staged_as: str | None = None) -> Non
     the folder it is in too. The kernel answers (`os.access`) and nothing is made, so every
     rank can ask before any of them writes, and before the checks that refuse a folder as
     the wrong one. `require_writable`, which makes the folder, still runs where it is made."""
-    path = folder.absolute()
+    path = staged_beside(folder) if staged_as else folder.absolute()
     for place in [path] + ([path.parent] if staged_as else []):
         blocked = unwritable(place)
         if blocked is None:

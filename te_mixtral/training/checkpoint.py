@@ -263,12 +263,14 @@ class Checkpointer:
     """Saves and loads the training checkpoints of `cfg.checkpoint_dir` (see the module
     docstring). Every method is called by every rank at the same point of the run."""
 
-    def __init__(self, cfg: RunConfig, layout: Layout, device: torch.device, tokenizer_hash: str):
+    def __init__(self, cfg: RunConfig, layout: Layout, device: torch.device, tokenizer_hash: str,
+                 base_hash: str | None = None):
         self.dir = Path(cfg.checkpoint_dir)
         self.keep = cfg.checkpoint_keep
         self.layout = layout
         self.device = device
         self.tokenizer_hash = tokenizer_hash  # `tokenizer_sha256` of the run's tokenizer
+        self.base_hash = base_hash  # a LoRA run's over a --model: `hf_checkpoint.base_sha256` of its base
         self.state_bytes = {expert: state_bytes(cfg, expert) for expert in (False, True)}  # per parameter
         self.single = layout.world_size == 1  # one process: DCP runs without torch.distributed
         # Never deleted with a checkpoint, even where the user put it inside one.
@@ -352,6 +354,7 @@ class Checkpointer:
                 "ep_size": self.layout.ep_size,
                 "tokenizer_sha256": self.tokenizer_hash,
                 "base_model": base_model(cfg.model_path),
+                "base_sha256": self.base_hash,
                 "launch": launch_id_from_env(),
                 "placement": model.placement.record(),
                 **asdict(state),
@@ -411,7 +414,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {folder} is unreadable or corrupt ({META}: {e}); "
                             f"delete it and point {pointer} at an older one") from None
         _check_meta(meta, folder)
-        check_resumable(meta, cfg, folder / META, self.tokenizer_hash)
+        check_resumable(meta, cfg, folder / META, self.tokenizer_hash, self.base_hash)
 
         problem = next(filter(None, (_verify(folder / name, meta["files"][name])
                                      for name in _share(sorted(meta["files"]), self.layout))), None)

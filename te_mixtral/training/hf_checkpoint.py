@@ -31,6 +31,7 @@ unsharded run's.
 """
 
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -57,12 +58,13 @@ from te_mixtral.files import (
     require_free_space,
     require_writable,
     sibling,
+    staged_beside,
     write_failure,
 )
 from te_mixtral.model.hf_config import hf_config, longest_sequence, model_config_from_hf
 from te_mixtral.model.lora import base_weights, is_adapter_param, lora_adapters, merged, weight_tensor
 from te_mixtral.training.checkpoint import require_finite, require_finite_weights
-from te_mixtral.training.outputs import CHAT_TEMPLATES_DIR, EXPORT_MARKER, is_export_file
+from te_mixtral.training.outputs import CHAT_TEMPLATES_DIR, EXPORT_MARKER, export_marker, is_export_file
 
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 
@@ -206,6 +208,28 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, layout: 
     return bytes_read
 
 
+def base_sha256(checkpoint_dir: Path) -> str:
+    """SHA-256 of a Hugging Face checkpoint's weights outside the experts (embeddings,
+    attention, norms, routers, head), each by its name, dtype, shape and bytes, however the
+    files lay them out: what a LoRA checkpoint records of the frozen base its adapters were
+    trained over, so that a resume over other weights in the same folder is refused
+    (training/resume_checks.py). The experts, most of the bytes, are left out, as each rank
+    reads its own alone: another model differs outside them too."""
+    lines = []
+    for file in _safetensors_files(checkpoint_dir):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if _PER_EXPERT.fullmatch(key) or is_expert_param(key.replace(".block_sparse_moe.", ".mlp.")):
+                        continue
+                    tensor = f.get_tensor(key).contiguous()
+                    digest = hashlib.sha256(tensor.view(torch.uint8).numpy()).hexdigest()
+                    lines.append(f"{key} {tensor.dtype} {list(tensor.shape)} {digest}")
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot read {file}: {first_line(e)}") from None
+    return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()
+
+
 def _check_complete(params, loaded, keys, num_experts, tied) -> None:
     """Refuse a checkpoint that lacks a tensor the model needs, naming it: a parameter nothing
     was copied into keeps whatever memory it was built on. Experts are checked for all of
@@ -337,7 +361,8 @@ def write_tokenizer(folder: Path, tokenizer, tokenizer_path: str | None) -> None
 
 @torch.no_grad()
 def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layout, dtype: torch.dtype, tokenizer,
-                       model_source: Path | None = None, tokenizer_path: str | None = None) -> Path | None:
+                       model_source: Path | None = None, tokenizer_path: str | None = None,
+                       run_id: str | None = None) -> Path | None:
     """Write `model` to `out_dir` as a Hugging Face Mixtral checkpoint (see the module
     docstring); return the folder on rank 0, None elsewhere.
 
@@ -346,7 +371,7 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     once the check is done (sharded, they stay to gather each tensor whole). `tokenizer` is a
     `te_mixtral.data.tokenizer.Tokenizer`; `model_source` is the checkpoint folder the weights came
     from and `tokenizer_path` the tokenizer's (`data.tokenizer`): their config files are
-    carried over.
+    carried over. `run_id` is the run's, written into the export's marker (training/outputs.py).
     """
     out_dir = Path(out_dir)
     require_finite_weights(model, layout, f"the Hugging Face export {out_dir}")
@@ -364,7 +389,8 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
         require_finite(False, layout, device, what, whose)
         return None
     m = model.config
-    tmp = sibling(out_dir, ".tmp")
+    landing = staged_beside(out_dir)
+    tmp = sibling(landing, ".tmp")
     writer = None
     if layout.is_main:
         try:
@@ -425,10 +451,10 @@ def save_hf_checkpoint(model: torch.nn.Module, out_dir: str | Path, layout: Layo
                 shutil.copyfile(model_source / "generation_config.json", tmp / "generation_config.json")
             write_tokenizer(tmp, tokenizer, tokenizer_path)
             # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
-            (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
+            (tmp / EXPORT_MARKER).write_text(export_marker(run_id))
             for path in tmp.rglob("*"):
                 fsync_path(path)
-            replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)
+            replace_files(tmp, landing, is_export_file, EXPORT_MARKER)
     except (OSError, SafetensorError) as e:  # safetensors raises its own error on a full disk
         raise write_failure(f"the Hugging Face export {out_dir}", e) from None
     return out_dir if writer else None
@@ -440,7 +466,7 @@ def check_export_space(model: torch.nn.Module, out_dir: str | Path, layout: Layo
     is complete, so it takes space; `DIR.tmp`, left by an export that died, is deleted first."""
     if not layout.is_main:
         return
-    out_dir = Path(out_dir).absolute()
+    out_dir = staged_beside(Path(out_dir))
     require_writable(out_dir.parent, "save_hf's parent folder")
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = sum(p.numel() * (layout.ep_size if is_expert_param(name) else 1) for name, p in base_weights(model).items()

@@ -71,6 +71,7 @@ from te_mixtral.training.expert_placement import run_placement
 from te_mixtral.training.generate import encode_prompt, generate_text
 from te_mixtral.training.hf_checkpoint import (
     adopt_checkpoint,
+    base_sha256,
     check_export_space,
     load_hf_weights,
     save_hf_checkpoint,
@@ -241,7 +242,10 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
     export_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    checkpointer = Checkpointer(cfg, layout, device, tokenizer_sha256(data.tokenizer)) if cfg.checkpoint_dir else None
+    checkpointer = None
+    if cfg.checkpoint_dir:  # a LoRA checkpoint holds the adapters alone: it records the base they train over
+        base_hash = base_sha256(model_dir) if cfg.lora.enabled and model_dir is not None else None
+        checkpointer = Checkpointer(cfg, layout, device, tokenizer_sha256(data.tokenizer), base_hash)
     state = checkpointer.load_latest(model, optimizer, cfg) if cfg.resume else TrainState()
     stop_on_interrupt(state, checkpointer, cfg.train.steps)
     if checkpointer:
@@ -284,9 +288,9 @@ def train(cfg: RunConfig, config_path: str | None = None, locks: FolderLocks | N
     def export() -> None:  # each save refuses non-finite weights, on every rank
         if cfg.save_hf:
             saved["HF export"] = save_hf_checkpoint(model, cfg.save_hf, layout, export_dtype, data.tokenizer,
-                                                    model_dir, cfg.data.tokenizer)
+                                                    model_dir, cfg.data.tokenizer, state.run_id)
         if cfg.save_adapter:
-            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout, data.tokenizer)
+            saved["adapter"] = save_adapter(model, cfg.save_adapter, cfg, layout, data.tokenizer, state.run_id)
 
     for step in range(state.step, cfg.train.steps):
         micro_batches = data.micro_batches(step)

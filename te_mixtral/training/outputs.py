@@ -18,13 +18,14 @@ what is already there unless that is plainly its own to replace, or the user sai
   `latest`, are refused here.
 - `save_hf` and `save_adapter`: an export replaces only the files an export writes (`is_export_file`), and
   keeps whatever else the folder holds (a model card, evaluation results). It may replace
-  an earlier te_mixtral export of its own kind (marked by `EXPORT_MARKER`); export-named files of anyone
-  else only with `overwrite`, as the files transformers would read with the export
-  (`_READ_WITH_EXPORT`) wherever they come from. It is never the current folder, the output or checkpoint
-  folder, the `--model` folder, the data set, the tokenizer or the adapter the run starts from
-  (`lora.init`), nor a folder holding one of them: those are not exports, or the run's own inputs
-  (and a data folder would read the export as data). The
-  export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`, both deleted
+  its own run's earlier export of its kind (`EXPORT_MARKER` names the run: a `train.save_every`
+  export's, or that of the run a resume continues); another run's export, a run's result as its
+  results.json is, and export-named files of anyone else only with `overwrite`, as the files
+  transformers would read with the export (`_READ_WITH_EXPORT`) wherever they come from. It is
+  never the current folder, the output or checkpoint folder, the `--model` folder, the data
+  set, the tokenizer or the adapter the run starts from (`lora.init`), nor a folder holding one
+  of them: those are not exports, or the run's own inputs (and a data folder would read the
+  export as data). The export is written into `DIR.tmp` and the one it replaces moves to `DIR.old`, both deleted
   after: a folder of either name that te_mixtral did not make (`files.check_scratch`) is
   refused, never deleted.
 
@@ -38,8 +39,9 @@ import re
 from pathlib import Path
 
 from te_mixtral.config import RunConfig
+from te_mixtral.config_checks import path_keys
 from te_mixtral.errors import UserError
-from te_mixtral.files import check_scratch, check_writable, sibling
+from te_mixtral.files import check_scratch, check_writable, sibling, staged_beside
 from te_mixtral.measure.report import RESULTS_FILE
 from te_mixtral.measure.run_log import LOSS_PLOT, STEP_TIME_PLOT, STEPS_FILE
 from te_mixtral.training.checkpoint import LATEST, latest_meta, leftovers, written_here
@@ -88,15 +90,16 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
     `config_path` is the `--config` file the run was read from."""
     out = Path(cfg.output_dir) if cfg.output_dir is not None else None
     ckpt = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+    # Every path the run writes or reads, by its key.
+    paths = {key: Path(p) for key, p in {**path_keys(cfg), "--config": config_path}.items() if p}
     if out is not None:
         inputs = {"the --config file": config_path, "the loss-check reference": cfg.loss_check,
                   "the ep_placement load": cfg.ep_placement}
         _check_output_folder(out, cfg, {what: Path(p) for what, p in inputs.items() if p})
     if out is not None and ckpt is not None and cfg.resume:  # even with overwrite: a resume keeps the log's lines
         _check_resumed_log(out / STEPS_FILE, ckpt)
-    if ckpt is not None:
-        written = {"output_dir": out, **{key: getattr(cfg, key) for key in _EXPORT_KEYS}}
-        _check_checkpoint_folder(ckpt, {key: Path(p) for key, p in written.items() if p is not None})
+    if ckpt is not None:  # what the run writes or reads must not be where pruning deletes
+        _check_checkpoint_folder(ckpt, {key: path for key, path in paths.items() if key != "checkpoint_dir"})
     if ckpt is not None and not cfg.resume and not cfg.overwrite and _holds_checkpoints(ckpt):
         raise UserError(f"checkpoint_dir {ckpt} holds an earlier run's checkpoints, which a new run would delete; "
                         f"pass --resume to continue that run, --overwrite to replace them, or choose another folder")
@@ -111,8 +114,10 @@ def check_outputs(cfg: RunConfig, model_dir: Path | None, config_path: str | Non
                  "the lora.init adapter": Path(cfg.lora.init) if cfg.lora.init is not None else None}
     exports = {key: Path(getattr(cfg, key)) for key in _EXPORT_KEYS
                if getattr(cfg, key) is not None}
+    own_run = _resumed_run_id(ckpt) if ckpt is not None and cfg.resume else None
     for key, folder in exports.items():
-        _check_export_folder(key, folder, cfg.overwrite, protected)
+        _check_staging(key, folder, {other: path for other, path in paths.items() if other != key})
+        _check_export_folder(key, folder, cfg.overwrite, protected, own_run)
     if len(exports) == 2 and exports["save_hf"].resolve() == exports["save_adapter"].resolve():
         raise UserError(f"save_hf and save_adapter name one folder ({cfg.save_hf}): give each its own")
 
@@ -197,28 +202,47 @@ def _check_resumed_log(log: Path, ckpt: Path) -> None:
                             f"into the checkpoint's own output folder, or a new one")
 
 
-def _check_checkpoint_folder(ckpt: Path, written: dict[str, Path]) -> None:
+def _check_checkpoint_folder(ckpt: Path, paths: dict[str, Path]) -> None:
     """Refuse what a save or pruning would delete that the checkpointer did not write, and a
-    folder the run writes (`written`: key -> folder) where a save or pruning would."""
-    for key, folder in written.items():
+    path the run writes or reads (`paths`: key -> path) where a save or pruning would."""
+    for key, folder in paths.items():
         if folder == ckpt or ckpt.resolve() not in folder.resolve().parents:
             continue
         inside = folder.resolve().relative_to(ckpt.resolve()).parts[0]
         if inside.startswith("step-") or inside == LATEST:
             raise UserError(f"{key} {folder} is inside {ckpt / inside}, which a checkpoint save replaces (and pruning "
-                            f"deletes a step folder): choose a folder outside it")
+                            f"deletes a step folder): choose a place outside it")
     for leftover in leftovers(ckpt) if ckpt.is_dir() else []:
         if not written_here(leftover):
             raise UserError(f"{leftover} is in the way: a checkpoint save deletes leftovers of that name, and nothing "
                             f"shows te_mixtral wrote it; move it away or delete it yourself")
 
 
+# An export's folders beside it (`DIR.tmp`, `DIR.old`), each deleted once the export is in.
+_STAGED_AS = {".tmp": "written first", ".old": "moved to as it is replaced"}
+
+
+def _check_staging(key: str, folder: Path, paths: dict[str, Path]) -> None:
+    """Refuse a path the run writes or reads (`paths`: key -> path) at or inside a folder the
+    export `folder` stages in: an output or input there would fail the export after training,
+    'in the way' (the next export's, under train.save_every), or be deleted with it were it empty."""
+    for suffix, how in _STAGED_AS.items():
+        staged = sibling(staged_beside(folder), suffix)
+        for other, path in paths.items():
+            if path.resolve() == staged or staged in path.resolve().parents:
+                raise UserError(f"{other} {path} is where the {key} export {folder} is {how}, and deleted after; "
+                                f"choose another name for one of them")
+
+
 def _holds_checkpoints(folder: Path) -> bool:
     return folder.is_dir() and any(p.name == "latest" or p.name.startswith("step-") for p in folder.iterdir())
 
 
-def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dict[str, Path | None]) -> None:
-    resolved = folder.resolve()
+def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dict[str, Path | None],
+                         own_run: str | None) -> None:
+    """`own_run` is the run id of the checkpoint a resume continues (None for a new run): an
+    export its run wrote is this run's own to replace."""
+    resolved = staged_beside(folder)
     for what, path in protected.items():
         if path is None:
             continue
@@ -227,8 +251,8 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
             raise UserError(f"{key} {folder} would write into {what} ({path}): export to a folder of its own")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{key} {folder} is a file, not a folder")
-    check_scratch(sibling(folder, ".tmp"), f"the {key} export")
-    check_scratch(sibling(folder, ".old"), f"the export that {key} replaces")
+    check_scratch(sibling(resolved, ".tmp"), f"the {key} export")
+    check_scratch(sibling(resolved, ".old"), f"the export that {key} replaces")
     if not folder.is_dir() or overwrite:
         return
     read_with = sorted(p.name for p in folder.iterdir() if p.name in _READ_WITH_EXPORT)
@@ -242,6 +266,9 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
             if kind != key and (folder / shown_by).is_file():
                 raise UserError(f"{key} {folder} holds an earlier {kind} export ({shown_by}), which this export would "
                                 f"replace; choose another folder, or pass --overwrite to replace it")
+        if own_run is None or _export_run_id(folder) != own_run:
+            raise UserError(f"{key} {folder} holds the export of another run, which this export would replace; "
+                            f"choose another folder, or pass --overwrite to replace it")
         return
     theirs = sorted(p.name for p in folder.iterdir() if is_export_file(p.name))
     if theirs:
@@ -253,4 +280,33 @@ def _check_export_folder(key: str, folder: Path, overwrite: bool, protected: dic
 def _holds_export(folder: Path) -> bool:
     """Whether `folder` holds a te_mixtral export: its marker, or the marker of the export
     being replaced when a run died midway (`files.replace_files` keeps it in `DIR.old`)."""
-    return (folder / EXPORT_MARKER).is_file() or (folder.with_name(folder.name + ".old") / EXPORT_MARKER).is_file()
+    return _marker(folder) is not None
+
+
+def _marker(folder: Path) -> Path | None:
+    return next((marker for marker in (folder / EXPORT_MARKER, sibling(staged_beside(folder), ".old") / EXPORT_MARKER)
+                 if marker.is_file()), None)
+
+
+def export_marker(run_id: str | None) -> str:
+    """The text of an export's marker: the id of the run that wrote it (training/checkpoint.py
+    TrainState.run_id), whose resumes may replace it unasked; None for an export no run made."""
+    return json.dumps({"written_by": "te_mixtral", "run_id": run_id}) + "\n"
+
+
+def _export_run_id(folder: Path) -> str | None:
+    """The id of the run whose export `folder` holds; None where its marker names none (an
+    export written before markers held one) or cannot be read."""
+    try:
+        run_id = json.loads(_marker(folder).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def _resumed_run_id(ckpt: Path) -> str | None:
+    """The run id of the checkpoint a resume continues; None where there is none, or it has
+    none (written before run ids), or it cannot be read (the resume reports that)."""
+    latest = latest_meta(ckpt)
+    run_id = latest[1].get("run_id") if latest is not None else None
+    return run_id if isinstance(run_id, str) else None

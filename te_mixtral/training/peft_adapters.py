@@ -44,11 +44,19 @@ from safetensors import SafetensorError, safe_open
 from te_mixtral.config import RunConfig
 from te_mixtral.distributed.layout import Layout
 from te_mixtral.errors import UserError, first_line
-from te_mixtral.files import fsync_path, make_scratch, remove_scratch, replace_files, sibling, write_failure
+from te_mixtral.files import (
+    fsync_path,
+    make_scratch,
+    remove_scratch,
+    replace_files,
+    sibling,
+    staged_beside,
+    write_failure,
+)
 from te_mixtral.lora_config import peft_config
 from te_mixtral.training.checkpoint import require_finite_weights
 from te_mixtral.training.hf_checkpoint import gather_experts, read_tensor, write_safetensors, write_tokenizer
-from te_mixtral.training.outputs import EXPORT_MARKER, is_export_file
+from te_mixtral.training.outputs import EXPORT_MARKER, export_marker, is_export_file
 
 PREFIX = "base_model.model."  # PeftModel's name of the wrapped transformers model
 
@@ -147,10 +155,11 @@ def load_adapter(model: torch.nn.Module, folder: str | Path, cfg: RunConfig, lay
 
 @torch.no_grad()
 def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, layout: Layout,
-                 tokenizer) -> Path | None:
+                 tokenizer, run_id: str | None = None) -> Path | None:
     """Write the model's adapters to `out_dir` in PEFT's format, with `tokenizer` (the run's
-    `te_mixtral.data.tokenizer.Tokenizer`, read from `cfg.data.tokenizer`; module docstring);
-    the folder on rank 0, None elsewhere. Every rank calls it."""
+    `te_mixtral.data.tokenizer.Tokenizer`, read from `cfg.data.tokenizer`; module docstring)
+    and the marker naming `run_id`, the run's; the folder on rank 0, None elsewhere. Every rank
+    calls it."""
     out_dir = Path(out_dir)
     require_finite_weights(model, layout, f"the adapters {out_dir}")
     config = peft_config(cfg)
@@ -169,7 +178,8 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
                 tensors[expert_key(index, target, targets, "lora_B")] = b
     if not layout.is_main:
         return None
-    tmp = sibling(out_dir, ".tmp")
+    landing = staged_beside(out_dir)
+    tmp = sibling(landing, ".tmp")
     try:
         remove_scratch(tmp, "the export")  # left by a run that died while exporting
         make_scratch(tmp)
@@ -177,10 +187,10 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, cfg: RunConfig, la
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(tmp, tokenizer, cfg.data.tokenizer)
         # Marks the folder as ours, so that a later export may replace it (training/outputs.py).
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "te_mixtral"}) + "\n")
+        (tmp / EXPORT_MARKER).write_text(export_marker(run_id))
         for path in tmp.iterdir():
             fsync_path(path)
-        replace_files(tmp, out_dir, is_export_file, EXPORT_MARKER)
+        replace_files(tmp, landing, is_export_file, EXPORT_MARKER)
     except (OSError, SafetensorError) as e:
         raise write_failure(f"the adapter export {out_dir}", e) from None
     return out_dir

@@ -12,8 +12,8 @@ names the difference and the way across (the setting to pass, or the export to s
   another rank have other shapes, new targets have none trained; fewer targets would drop
   trained adapters and another alpha or rslora rescale them (`lora.change_on_resume` allows
   those); the frozen base they were trained over (`--model`, however its folder is spelled,
-  or the seed it was made from, and its format: `lora.base`'s, or the tier's own, FP8 in
-  `device_mxfp8`) must be the same;
+  and its weights as they were then, or the seed it was made from, and its format:
+  `lora.base`'s, or the tier's own, FP8 in `device_mxfp8`) must be the same;
 - the model (any `model.*` setting) and the tokenizer (its SHA-256: other ids mean other
   words);
 - a checkpoint past `train.steps`, or at it where the run exports nothing: nothing left to do.
@@ -33,11 +33,13 @@ from te_mixtral.local_or_hub import base_model
 from te_mixtral.saved_config import upgrade_saved
 
 
-def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash: str) -> None:
+def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash: str,
+                    base_hash: str | None = None) -> None:
     """Refuse, in one line naming the way across, to resume the checkpoint whose `meta_file`
     (its meta.json) was read into `meta` with this run's `cfg` where it cannot continue: see
-    the module. `tokenizer_hash` is the `tokenizer_sha256` of this run's tokenizer. `meta`'s
-    config is put in today's layout, in place (the caller reads it after)."""
+    the module. `tokenizer_hash` is the `tokenizer_sha256` of this run's tokenizer, `base_hash`
+    the `base_sha256` of a LoRA run's --model. `meta`'s config is put in today's layout, in
+    place (the caller reads it after)."""
     folder = meta_file.parent
     # A checkpoint saved before a config key moved or was renamed: read it in today's layout.
     meta["config"] = upgrade_saved(meta["config"])
@@ -64,6 +66,12 @@ def check_resumable(meta: dict, cfg: RunConfig, meta_file: Path, tokenizer_hash:
             again = f"with --model {saved_path}" if saved_path is not None else "without --model"
             raise UserError(f"checkpoint {folder} holds LoRA adapters trained over {saved_base}, not {now_base}: "
                             f"resume {again}")
+        saved_hash = meta.get("base_sha256")  # older checkpoints have none
+        if None not in (saved_hash, base_hash) and saved_hash != base_hash:  # the folder holds other weights now
+            raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base model {saved_path} as it "
+                            f"was then, whose weights have changed since (SHA-256 of those outside the experts "
+                            f"{saved_hash[:12]}..., now {base_hash[:12]}...): resume over the base as it was, or "
+                            f"train new adapters over this one")
         if saved_path is None and saved_seed != cfg.train.seed:  # the base was made from the seed
             raise UserError(f"checkpoint {folder} holds LoRA adapters trained over the base made from seed "
                             f"{saved_seed}, not {cfg.train.seed}: resume with --seed {saved_seed}")

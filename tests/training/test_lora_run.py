@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO
 from hf_reference import random_hf_mixtral
-from launch import run_cli
+from launch import assert_one_line_error, run_cli
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import MixtralForCausalLM
@@ -144,3 +144,29 @@ def test_a_resume_reads_its_checkpoints_adapters_not_lora_init_and_says_so(lora_
     assert load_file(tmp_path / "exported" / "adapter_model.safetensors").keys() == tensors.keys()
     assert all(torch.equal(t, tensors[key]) for key, t in load_file(tmp_path / "exported" /
                                                                    "adapter_model.safetensors").items())
+
+
+def test_a_resume_over_a_base_whose_weights_changed_is_refused(tmp_path):
+    """The checkpoint holds the adapters alone; the base comes back from --model. A folder of
+    the same name holding other weights of the same shapes (made again, or another model put
+    there) is another base, refused; the same weights laid out in other files are not."""
+    torch.manual_seed(0)
+    base = random_hf_mixtral(**TINY)
+    base.save_pretrained(tmp_path / "base")
+
+    def run(steps, *more):
+        return run_cli(["--model", str(tmp_path / "base"), *STEPS, *LORA, "--steps", str(steps), "--checkpoint-dir",
+                        str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / f"run{steps}"), *more])
+
+    proc = run(1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base.save_pretrained(tmp_path / "base", max_shard_size="20KB")  # the same weights, in other files
+    assert len(list((tmp_path / "base").glob("*.safetensors"))) > 1
+    proc = run(2, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.manual_seed(1)
+    random_hf_mixtral(**TINY).save_pretrained(tmp_path / "base")  # another base, of the same shapes
+    proc = run(3, "--resume")
+    assert_one_line_error(proc, f"checkpoint {tmp_path / 'ckpt' / 'step-000002'} holds LoRA adapters trained over "
+                          f"the base model {tmp_path / 'base'} as it was then, whose weights have changed since")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002\n"

@@ -4,9 +4,11 @@ to replace or the user passes --overwrite; refusals come before any training."""
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,11 +64,12 @@ def test_an_export_replaces_only_the_files_an_export_writes(tmp_path):
     proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "b")])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (folder / EXPORT_MARKER).is_file() and (folder / "config.json").is_file()
-    # An earlier export, laid out in more files: what it wrote goes, what the user wrote stays.
+    # An earlier export, laid out in more files: what it wrote goes, what the user wrote stays
+    # (another run's export is replaced only with --overwrite, the user's files kept even so).
     stale = folder / "model-00009-of-00009.safetensors"
     stale.write_text("from an earlier export")
     (folder / "eval_results.json").write_text("{}")
-    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "c")])
+    proc = run_cli([*SHORT, "--save-hf", str(folder), "--output-dir", str(tmp_path / "c"), "--overwrite"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not stale.exists() and not (tmp_path / "export.old").exists()
     assert (folder / "README.md").read_text() == "my model card" and (folder / "eval_results.json").is_file()
@@ -212,6 +215,38 @@ def test_a_folder_the_run_writes_inside_a_checkpoint_is_refused(tmp_path, key, l
     refused(run_cli([*SHORT, f"--{key}", str(ckpt / "step-000002"), "--checkpoint-dir", str(tmp_path / "ckpt"),
                      *lora_base, *(["--output-dir", str(tmp_path / "o")] if key != "output_dir" else [])]),
             f"{key} {ckpt / 'step-000002'} is inside")
+
+
+@pytest.mark.parametrize("key", ["loss_check", "ep_placement", "data.dataset", "data.tokenizer", "--config"])
+def test_an_input_inside_a_checkpoint_is_refused(tmp_path, key):
+    # Pruning deletes a step folder whole, the user's files put in it too: a run's input
+    # there would be gone when its resume or a rerun reads it again.
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-000002").mkdir(parents=True)
+    (ckpt / "step-000002" / "meta.json").write_text("{}")
+    (ckpt / "latest").write_text("step-000002\n")
+    source = ckpt / "step-000002" / ("run.yaml" if key == "--config" else "input.json")
+    source.write_text("{}")
+    settings = {"checkpoint_dir": str(ckpt), "resume": "true", "output_dir": str(tmp_path / "out"),
+                **({"ep_size": "2"} if key == "ep_placement" else {})}
+    cfg = load_config(None, settings if key == "--config" else {**settings, key: str(source)},
+                      world_size=2 if key == "ep_placement" else 1)
+    with pytest.raises(UserError, match=re.escape(f"{key} {source} is inside {ckpt / 'step-000002'}, which")):
+        check_outputs(cfg, None, str(source) if key == "--config" else None)
+
+
+@pytest.mark.parametrize("key", ["--output-dir", "--checkpoint-dir", "--save-adapter"])
+@pytest.mark.parametrize("suffix", [".tmp", ".old"])
+def test_a_folder_of_the_run_named_as_an_exports_scratch_folder_is_refused(tmp_path, key, suffix, lora_base):
+    # An export is written into DIR.tmp and the one it replaces moves to DIR.old, both deleted
+    # after: the run's own folder of that name failed the second export (--save-every) after
+    # training, 'in the way', with the advice to delete it (or, empty, was deleted).
+    export = tmp_path / "export"
+    folder = str(tmp_path / f"export{suffix}")
+    more = [] if key == "--output-dir" else ["--output-dir", str(tmp_path / "out")]
+    refused(run_cli([*SHORT, *lora_base, "--save-hf", str(export), "--save-every", "1", key, folder, *more]),
+            f"{key.lstrip('-').replace('-', '_')} {folder} is where the save_hf export {export} is "
+            f"{'written first' if suffix == '.tmp' else 'moved to as it is replaced'}")
 
 
 def test_an_output_folder_that_is_the_data_set_folder_is_refused(tmp_path):
@@ -472,5 +507,57 @@ def test_an_export_never_replaces_an_earlier_export_of_the_other_kind(tmp_path, 
                                         f"this export would replace"):
         check_outputs(load_config(None, settings), None)
     check_outputs(load_config(None, {**settings, "overwrite": "true"}), None)
-    (folder / theirs).unlink()
-    check_outputs(load_config(None, settings), None)  # an earlier export of its own kind
+    (folder / theirs).unlink()  # an earlier export of its own kind, but another run's (it names none)
+    with pytest.raises(UserError, match=f"{key} {folder} holds the export of another run"):
+        check_outputs(load_config(None, settings), None)
+
+
+def test_an_export_of_another_run_is_replaced_only_with_overwrite(tmp_path):
+    """An export is the run's result, as its results.json is: a run (a resume of its own
+    included) replaces its own export unasked, another run's only with --overwrite. A resume of
+    a run whose export folder another run has since exported into is another run there too."""
+    export, ckpt = tmp_path / "export", tmp_path / "ckpt"
+
+    def run(name, *more):
+        return run_cli([*SHORT, "--save-hf", str(export), "--checkpoint-dir", str(ckpt), "--output-dir",
+                        str(tmp_path / name), *more])
+
+    def exported():
+        return {p.name: p.read_bytes() for p in export.iterdir()}
+
+    proc = run("a")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run("a-resumed", "--resume", "--steps", "3")  # the same run, further: its own export
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before = exported()
+    refused(run("b", "--checkpoint-dir", str(tmp_path / "ckpt-b")), f"save_hf {export} holds the export of another "
+            f"run, which this export would replace; choose another folder, or pass --overwrite to replace it")
+    assert exported() == before
+    proc = run("b", "--checkpoint-dir", str(tmp_path / "ckpt-b"), "--overwrite", "--seed", "7")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert exported() != before
+    before = exported()
+    refused(run("a-again", "--resume", "--steps", "4"), f"save_hf {export} holds the export of another run")
+    assert exported() == before
+
+
+@pytest.mark.parametrize("key", ["--save-hf", "--save-adapter"])
+def test_an_export_folder_that_is_a_link_to_another_disk_is_written_there(tmp_path, key, lora_base):
+    """An export is staged beside the folder it lands in (`DIR.tmp`, `DIR.old`), which a link
+    names elsewhere: staged beside the link, on another filesystem than its target, its files
+    could not be renamed into it (EXDEV), and the trained model was left in a scratch folder the
+    next export deletes."""
+    disk = Path("/dev/shm")
+    if not disk.is_dir() or os.stat(disk).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    target = Path(tempfile.mkdtemp(dir=disk)) / "finetuned"
+    try:
+        target.mkdir()
+        (tmp_path / "finetuned").symlink_to(target)
+        proc = run_cli([*SHORT, *lora_base, key, str(tmp_path / "finetuned"), "--output-dir", str(tmp_path / "out")])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert (target / EXPORT_MARKER).is_file()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["finetuned", "out"]  # nothing staged beside the link
+        assert sorted(p.name for p in target.parent.iterdir()) == ["finetuned"]  # nor left beside the folder
+    finally:
+        shutil.rmtree(target.parent)
