@@ -23,7 +23,7 @@ from te_mixtral.config import (
     to_dict,
 )
 from te_mixtral.distributed.launcher_env import main_rank_from_env, world_size_from_env
-from te_mixtral.errors import ExitCode, UserError, print_error, report_error
+from te_mixtral.errors import ExitCode, UserError, end_at_once, print_error, report_error
 from te_mixtral.saved_config import flatten
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "tiny.yaml"
@@ -229,6 +229,10 @@ def _run(argv: list[str]) -> int:
 
     try:
         return train_main(cfg, args.config)
+    except Exception as e:  # a crash: training/loop.py's main returns for every error it can describe
+        if world_size_from_env() > 1:
+            end_at_once(e)
+        raise
     finally:
         shutdown()
 

@@ -13,6 +13,9 @@ at once by that rank; the line that points at it from the other ranks (`see_else
 "... on another rank (see its error)") is said by rank 0 alone, which waits for the other's
 line before it exits.
 
+A crash (an error no line of ours describes: out of memory, a bug) is a traceback, and in a
+job of several processes the crashed rank then ends at once (`end_at_once`).
+
 The exit code says what kind of failure it was, so that a script can tell a run to fix
 from one to retry (docs/checkpoints.md lists them). torchrun and `accelerate launch` exit 1
 for any failure; `python -m te_mixtral.torchrun` passes the code on (te_mixtral/torchrun.py).
@@ -22,7 +25,9 @@ import difflib
 import os
 import sys
 import time
+import traceback
 from enum import IntEnum
+from typing import NoReturn
 
 
 class ExitCode(IntEnum):
@@ -108,6 +113,18 @@ def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
     refusal; '' where none is close."""
     close = closest(word, choices, cutoff)
     return f" (did you mean {close}?)" if close else ""
+
+
+def end_at_once(error: BaseException) -> NoReturn:
+    """Print a crashed rank's traceback and end its process at once, with Python's own exit
+    code for an uncaught error (1), without tearing its process groups down: NCCL's teardown
+    waits on its communicators, whose peers wait in a collective for this rank until
+    dist_timeout_s (five minutes by default), so the job would hang that long before torchrun
+    stopped it. Once this process has ended, torchrun stops the other ranks within seconds."""
+    traceback.print_exception(error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def first_line(error: Exception) -> str:
