@@ -246,6 +246,12 @@ DEPTH_RUNS = {
     "megatron-8l-ep2": beside_megatron("megatron-8l-ep2", 2, ("--config", DEPTH, "--layers", "8", "--ep", "2"),
                                        DEPTH, "--model.num_hidden_layers", "8", "--ep-size", "2", "--recompute",
                                        "none", "--tier", "custom_grouped"),
+    # ours of megatron-8l-ep2 again, each layer's experts placed by the load that run recorded
+    # (run megatron-8l-ep2 first, in the same call): whether placing lifts our lead at EP=2
+    "megatron-8l-ep2-ours-placed": depth_train("megatron-8l-ep2-ours-placed", 2, DEPTH, "--model.num_hidden_layers",
+                                               "8", "--ep-size", "2", "--recompute", "none", "--tier",
+                                               "custom_grouped", "--model.router_aux_loss_coef", "0.02",
+                                               "--ep-placement", "{out}/megatron-8l-ep2-ours/results.json"),
     # the same with Megatron's MoE all-to-all overlap (--moe-overlap, each GPU's row cut into 2
     # micro-batches of 4096 tokens)
     "megatron-8l-ep2-overlap": beside_megatron(
