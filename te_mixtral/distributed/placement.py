@@ -81,12 +81,8 @@ class ExpertPlacement:
 
     def in_expert_order(self, layer: int, by_slot: list) -> list:
         """A layer's items given slot by slot (every rank's experts, gathered), by expert id."""
-        if self.experts_YS is None:
-            return by_slot
-        by_expert = [None] * len(by_slot)
-        for slot, expert in enumerate(self.experts_YS[layer]):
-            by_expert[expert] = by_slot[slot]
-        return by_expert
+        slots = self.slot_of_expert(layer)
+        return by_slot if slots is None else [by_slot[slot] for slot in slots]
 
     def rows(self, tokens_YE: torch.Tensor) -> torch.Tensor:
         """The rows each rank gets in each layer under this placement, [Y, P]."""

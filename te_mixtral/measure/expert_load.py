@@ -37,8 +37,7 @@ def busiest_over_mean(tokens_per_expert_YE: torch.Tensor, groups: int) -> float:
     """Sum over layers of the busiest group's rows over the sum of the mean group's, the E
     experts cut into `groups` groups of consecutive experts, one per rank of an EP group of
     P = `groups` (see the module docstring)."""
-    layers, num_experts = tokens_per_expert_YE.shape
-    return rank_ratio(tokens_per_expert_YE.reshape(layers, groups, num_experts // groups).sum(-1))
+    return rank_ratio(ExpertPlacement(groups).rows(tokens_per_expert_YE))
 
 
 def rank_ratio(rows_YP: torch.Tensor) -> float:
@@ -57,14 +56,9 @@ def step_record(aux: float, z: float, tokens_per_expert_YE: torch.Tensor, placem
     """One step's router losses (global) and expert load, as the training state keeps it; the
     run's own EP size's with the experts as `placement` placed them."""
     num_experts = tokens_per_expert_YE.shape[1]
-
-    def busiest(p: int) -> float:
-        if p == placement.ep_size and placement.placed:
-            return rank_ratio(placement.rows(tokens_per_expert_YE))
-        return busiest_over_mean(tokens_per_expert_YE, p)
-
+    placed = {p: placement if p == placement.ep_size else ExpertPlacement(p) for p in ep_sizes(num_experts)}
     return {"aux": aux, "z": z, "max_over_mean": busiest_over_mean(tokens_per_expert_YE, num_experts),
-            "busiest_rank_over_mean": {str(p): busiest(p) for p in ep_sizes(num_experts)}}
+            "busiest_rank_over_mean": {str(p): rank_ratio(placed[p].rows(tokens_per_expert_YE)) for p in placed}}
 
 
 def busiest_ranks_text(busiest: dict[str, str], ep_size: int) -> str:
