@@ -8,8 +8,9 @@ what is already there unless that is plainly its own to replace, or the user sai
   own checkpoint (`_check_resumed_log`); a config.yaml or a plot may be the user's own.
   `overwrite` lets the run replace them, except an input of the run itself (the `--config`
   file, the loss-check reference, the ep_placement load): it would be lost while the run
-  still means to read it, or to be read again (a resume places its experts as the run did). A folder in use by a running run is refused in any case
-  (te_mixtral/folder_lock.py), and so is the data set's folder, whose files are all data.
+  still means to read it, or to be read again (a resume places its experts as the run did).
+  A folder in use by a running run is refused in any case (te_mixtral/folder_lock.py), and
+  so is the data set's folder, whose files are all data.
 - `checkpoint_dir`: checkpoints there belong to an earlier run. `resume` continues it; a
   fresh run would prune them away at its first save. A save deletes leftovers of an
   interrupted one (`step-N.tmp`, `step-N.old`) and pruning deletes old checkpoints, but only

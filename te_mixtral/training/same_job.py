@@ -11,8 +11,9 @@ and every rank refuses alike, naming the first setting that differs.
 
 Compared: every config key as resolved (the file, the overrides, accelerate's settings, a
 --model checkpoint's model section), a hub checkpoint's revision, the tokenizer's SHA-256, the
-experts' placement (each rank reads `ep_placement`'s file for itself), and the token counts of the training and held-out data (counts, not contents: hashing a large
-corpus at every start would cost more than the few differences it alone would find).
+experts' placement (each rank reads `ep_placement`'s file for itself), and the token counts
+of the training and held-out data (counts, not contents: hashing a large corpus at every
+start would cost more than the few differences it alone would find).
 
 A --model hub id is read from each rank's own Hugging Face cache (HF_HOME), which may differ
 from node to node in where it is and in which revision it holds: the revision is compared (it

@@ -46,8 +46,8 @@ LOAD = str(Path(__file__).parents[1] / "recorded_load.json")
 LORA = ("--lora.rank", "4", "--lora.alpha", "8")
 PLACED = [*EP_ARGS, "--ep-size", "2", "--ep-placement", LOAD, "--save-hf", f"{RUN_DIR}/hf"]
 # Stopped after its step-2 checkpoint and resumed (launch.STOPPED_AT), exporting its adapters.
-PLACED_LORA = [STOPPED_AT, "2", *EP_ARGS, "--ep-size", "2", *LORA, "--ep-placement", LOAD, "--checkpoint-every", "2", "--checkpoint-keep", "3",
-               "--save-hf", f"{RUN_DIR}/hf"]
+PLACED_LORA = [STOPPED_AT, "2", *EP_ARGS, "--ep-size", "2", *LORA, "--ep-placement", LOAD, "--checkpoint-every", "2",
+               "--checkpoint-keep", "3", "--save-hf", f"{RUN_DIR}/hf"]
 # The in-order runs are tests/distributed/test_expert_parallel.py's and test_lora_ep.py's.
 PLANNED_RUNS = {2: [[*EP_ARGS, "--ep-size", "2"], PLACED, [*EP_ARGS, "--ep-size", "2", *LORA], PLACED_LORA]}
 SINGLE = Layout(0, 1, 1, None, None)
